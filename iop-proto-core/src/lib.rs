@@ -1,0 +1,49 @@
+//! # iop-proto-core
+//!
+//! The Sans-IO protocol core of IOP, an LLM serving fabric in which **Nodes** running
+//! beside LLM providers dial out to an **Edge** that serves an OpenAI-compatible API.
+//!
+//! Every protocol decision lives here as plain data structures and state machines driven
+//! by explicit inputs and timestamps. Nothing in this crate opens a socket, reads a clock,
+//! spawns a task or sleeps: the `iop-edge` and `iop-node` binaries are thin tokio shells
+//! around it, and any other runtime (even blocking `std::net`) can drive it the same way.
+//!
+//! ## Modules
+//! - [`wire`]: the generated message types, the length-prefixed frame codec and the
+//!   contract validation of each message.
+//! - [`time`]: [`Timestamp`], the only notion of time the machines know.
+//! - [`reconnect`]: the Node's reconnect policy.
+//!
+//! ## Example: framing a message and reading it back
+//! ```
+//! use bytes::BytesMut;
+//! use iop_proto_core::wire::{self, Body, CancelKind, CancelRequest, Envelope, Validate};
+//!
+//! let cancel = Envelope::new(Body::CancelRequest(CancelRequest {
+//!     run_id: "run-42".into(),
+//!     kind: CancelKind::CancelRun as i32,
+//!     reason: "caller disconnected".into(),
+//! }));
+//! let mut socket_bytes = BytesMut::new();
+//! wire::encode(&cancel, &mut socket_bytes)?;
+//!
+//! let mut decoder = wire::FrameDecoder::new();
+//! decoder.push_bytes(socket_bytes.freeze());
+//! let received = decoder.next_envelope()?.expect("one whole frame");
+//! received.validate()?;
+//! assert_eq!(received, cancel);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+#![warn(missing_docs)]
+#![cfg_attr(not(test), warn(clippy::unwrap_used))]
+
+pub mod reconnect;
+pub mod time;
+pub mod wire;
+
+#[cfg(feature = "testkit")]
+pub mod testkit;
+
+pub use reconnect::{MaxAttempts, ReconnectConfigError, ReconnectPolicy};
+pub use time::Timestamp;

@@ -1,0 +1,488 @@
+//! Length-prefixed framing: a 4-byte big-endian length, then one encoded [`Envelope`].
+//!
+//! [`FrameDecoder`] is incremental and IO-free: push bytes in any split, pull whole
+//! envelopes. It checks a frame's length on its 4-byte header, before it keeps a single
+//! byte of the body, and it never reserves memory for a length it has only been promised,
+//! so a peer that sends headers alone cannot pin memory. Frames handed over as [`Bytes`]
+//! through [`FrameDecoder::push_bytes`] are decoded without copying: the `bytes` fields of
+//! the result (tunnel bodies, run inputs) are slices of the input.
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use prost::Message;
+
+use super::Envelope;
+
+/// Length of the frame header: a big-endian `u32` byte count of the envelope that follows.
+pub const HEADER_LEN: usize = 4;
+
+/// Default maximum length of one encoded envelope: 16 MiB.
+pub const DEFAULT_MAX_FRAME_LEN: usize = 16 * 1024 * 1024;
+
+/// Why an envelope could not be encoded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum EncodeError {
+    /// The encoded envelope is longer than the peer accepts.
+    #[error("frame of {len} bytes exceeds the maximum of {max} bytes")]
+    FrameTooLarge {
+        /// Encoded length of the envelope.
+        len: usize,
+        /// The limit in force.
+        max: usize,
+    },
+    /// The envelope carries no message; the peer would reject it.
+    #[error("envelope has no body")]
+    MissingBody,
+}
+
+/// Why the byte stream could not be decoded. After any of these the decoder stays failed
+/// and the connection should be closed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DecodeError {
+    /// A frame header announced more bytes than the limit allows.
+    #[error("frame length {len} exceeds the maximum of {max} bytes")]
+    FrameTooLarge {
+        /// The length the header announced.
+        len: u64,
+        /// The limit in force.
+        max: usize,
+    },
+    /// The frame's bytes are not a valid protobuf `Envelope`.
+    #[error("malformed envelope in a {len}-byte frame: {source}")]
+    Malformed {
+        /// Length of the offending frame.
+        len: usize,
+        /// What prost found wrong.
+        #[source]
+        source: prost::DecodeError,
+    },
+    /// The envelope decoded but carries no message this schema knows (empty or unknown).
+    #[error("envelope in a {len}-byte frame has no known body")]
+    MissingBody {
+        /// Length of the offending frame.
+        len: usize,
+    },
+    /// The stream ended in the middle of a frame.
+    #[error("stream ended inside a frame with {buffered} bytes buffered")]
+    Truncated {
+        /// Bytes received of the incomplete frame.
+        buffered: usize,
+    },
+}
+
+/// Length of `envelope` once framed: header plus encoded body.
+#[must_use]
+pub fn encoded_frame_len(envelope: &Envelope) -> usize {
+    HEADER_LEN + envelope.encoded_len()
+}
+
+/// Appends one frame carrying `envelope` to `dst`, refusing frames over
+/// [`DEFAULT_MAX_FRAME_LEN`].
+pub fn encode(envelope: &Envelope, dst: &mut BytesMut) -> Result<(), EncodeError> {
+    encode_with_limit(envelope, dst, DEFAULT_MAX_FRAME_LEN)
+}
+
+/// Appends one frame carrying `envelope` to `dst`, refusing frames over `max_frame_len`.
+/// On error `dst` is left unchanged.
+pub fn encode_with_limit(
+    envelope: &Envelope,
+    dst: &mut BytesMut,
+    max_frame_len: usize,
+) -> Result<(), EncodeError> {
+    if envelope.body.is_none() {
+        return Err(EncodeError::MissingBody);
+    }
+    let len = envelope.encoded_len();
+    let header = match u32::try_from(len) {
+        Ok(header) if len <= max_frame_len => header,
+        _ => {
+            return Err(EncodeError::FrameTooLarge {
+                len,
+                max: max_frame_len,
+            });
+        }
+    };
+    dst.reserve(HEADER_LEN + len);
+    dst.put_u32(header);
+    envelope.encode_raw(dst);
+    Ok(())
+}
+
+/// Incremental, IO-free frame decoder.
+///
+/// Drive it by pushing whatever the transport delivered ([`push`](Self::push) for a
+/// borrowed slice, [`push_bytes`](Self::push_bytes) for an owned buffer, which avoids a
+/// copy) and then calling [`next_envelope`](Self::next_envelope) until it returns
+/// `Ok(None)`. The first error is sticky: every later call returns it again and further
+/// input is dropped.
+///
+/// ```
+/// use bytes::BytesMut;
+/// use iop_proto_core::wire::{self, Body, Envelope, FrameDecoder, Heartbeat};
+///
+/// let mut out = BytesMut::new();
+/// let ping = Envelope::new(Body::Heartbeat(Heartbeat { nonce: 7, sent_at_ms: 1 }));
+/// wire::encode(&ping, &mut out).unwrap();
+///
+/// let mut decoder = FrameDecoder::new();
+/// let (head, tail) = out.split_at(3);
+/// decoder.push(head);
+/// assert_eq!(decoder.next_envelope().unwrap(), None); // header incomplete
+/// decoder.push(tail);
+/// assert_eq!(decoder.next_envelope().unwrap(), Some(ping));
+/// ```
+#[derive(Debug)]
+pub struct FrameDecoder {
+    max_frame_len: usize,
+    /// Bytes of an incomplete frame, copied from pushed slices.
+    buf: BytesMut,
+    /// An owned input buffer still being consumed without copying.
+    /// Invariant: at most one of `buf` and `chunk` is non-empty.
+    chunk: Bytes,
+    failed: Option<DecodeError>,
+}
+
+impl Default for FrameDecoder {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl FrameDecoder {
+    /// A decoder with the default 16 MiB frame limit.
+    #[must_use]
+    pub fn new() -> Self {
+        Self::with_max_frame_len(DEFAULT_MAX_FRAME_LEN)
+    }
+
+    /// A decoder refusing frames longer than `max_frame_len` bytes (header excluded).
+    #[must_use]
+    pub fn with_max_frame_len(max_frame_len: usize) -> Self {
+        FrameDecoder {
+            max_frame_len,
+            buf: BytesMut::new(),
+            chunk: Bytes::new(),
+            failed: None,
+        }
+    }
+
+    /// The frame limit in force.
+    #[must_use]
+    pub fn max_frame_len(&self) -> usize {
+        self.max_frame_len
+    }
+
+    /// Appends received bytes (copied). Ignored once the decoder has failed.
+    pub fn push(&mut self, data: &[u8]) {
+        if self.failed.is_some() || data.is_empty() {
+            return;
+        }
+        self.spill_chunk();
+        self.buf.extend_from_slice(data);
+    }
+
+    /// Appends an owned buffer of received bytes. Whole frames inside it are decoded
+    /// without copying; only an incomplete tail is copied. Ignored once failed.
+    pub fn push_bytes(&mut self, data: Bytes) {
+        if self.failed.is_some() || data.is_empty() {
+            return;
+        }
+        if self.buf.is_empty() && self.chunk.is_empty() {
+            self.chunk = data;
+        } else {
+            self.spill_chunk();
+            self.buf.extend_from_slice(&data);
+        }
+    }
+
+    /// The next whole envelope, `Ok(None)` when more bytes are needed, or the error that
+    /// failed the stream.
+    pub fn next_envelope(&mut self) -> Result<Option<Envelope>, DecodeError> {
+        if let Some(err) = &self.failed {
+            return Err(err.clone());
+        }
+        let result = self.next_frame().and_then(|frame| match frame {
+            None => Ok(None),
+            Some(frame) => decode_envelope(frame).map(Some),
+        });
+        if let Err(err) = &result {
+            self.fail(err.clone());
+        }
+        result
+    }
+
+    /// Declares the end of the stream: an error if it stopped inside a frame or the
+    /// decoder had failed.
+    pub fn finish(&self) -> Result<(), DecodeError> {
+        if let Some(err) = &self.failed {
+            return Err(err.clone());
+        }
+        match self.buffered_len() {
+            0 => Ok(()),
+            buffered => Err(DecodeError::Truncated { buffered }),
+        }
+    }
+
+    /// Bytes received but not yet returned as envelopes.
+    #[must_use]
+    pub fn buffered_len(&self) -> usize {
+        self.buf.len() + self.chunk.len()
+    }
+
+    /// Memory the decoder holds for buffered input (capacity of its copy buffer plus the
+    /// owned input it still references).
+    #[must_use]
+    pub fn buffer_capacity(&self) -> usize {
+        self.buf.capacity() + self.chunk.len()
+    }
+
+    /// The error that failed this decoder, if any.
+    #[must_use]
+    pub fn error(&self) -> Option<&DecodeError> {
+        self.failed.as_ref()
+    }
+
+    fn fail(&mut self, err: DecodeError) {
+        self.failed = Some(err);
+        self.buf = BytesMut::new();
+        self.chunk = Bytes::new();
+    }
+
+    /// Moves an owned input buffer into the copy buffer, keeping the byte order.
+    fn spill_chunk(&mut self) {
+        if !self.chunk.is_empty() {
+            debug_assert!(self.buf.is_empty());
+            self.buf.extend_from_slice(&self.chunk);
+            self.chunk = Bytes::new();
+        }
+    }
+
+    /// Splits the next complete frame body off the input, checking its length first.
+    fn next_frame(&mut self) -> Result<Option<Bytes>, DecodeError> {
+        let source: &[u8] = if self.chunk.is_empty() {
+            &self.buf
+        } else {
+            &self.chunk
+        };
+        let Some(header) = source.first_chunk::<HEADER_LEN>() else {
+            self.spill_chunk();
+            return Ok(None);
+        };
+        let announced = u32::from_be_bytes(*header);
+        let len = usize::try_from(announced).unwrap_or(usize::MAX);
+        if len > self.max_frame_len {
+            return Err(DecodeError::FrameTooLarge {
+                len: u64::from(announced),
+                max: self.max_frame_len,
+            });
+        }
+        if source.len() - HEADER_LEN < len {
+            self.spill_chunk();
+            return Ok(None);
+        }
+        let frame = if self.chunk.is_empty() {
+            self.buf.advance(HEADER_LEN);
+            self.buf.split_to(len).freeze()
+        } else {
+            self.chunk.advance(HEADER_LEN);
+            self.chunk.split_to(len)
+        };
+        Ok(Some(frame))
+    }
+}
+
+/// Decodes one frame body. `frame` is a `Bytes`, so prost slices it for `bytes` fields.
+fn decode_envelope(frame: Bytes) -> Result<Envelope, DecodeError> {
+    let len = frame.len();
+    let envelope =
+        Envelope::decode(frame).map_err(|source| DecodeError::Malformed { len, source })?;
+    if envelope.body.is_none() {
+        return Err(DecodeError::MissingBody { len });
+    }
+    Ok(envelope)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::{Body, Heartbeat, ProviderTunnelFrame, TunnelFrameKind};
+
+    fn heartbeat(nonce: u64) -> Envelope {
+        Envelope::new(Body::Heartbeat(Heartbeat {
+            nonce,
+            sent_at_ms: 0,
+        }))
+    }
+
+    fn framed(envelopes: &[Envelope]) -> BytesMut {
+        let mut out = BytesMut::new();
+        for envelope in envelopes {
+            encode(envelope, &mut out).expect("encodes");
+        }
+        out
+    }
+
+    #[test]
+    fn header_claiming_4_gib_is_rejected_without_reserving() {
+        let mut decoder = FrameDecoder::new();
+        decoder.push(&u32::MAX.to_be_bytes());
+        assert_eq!(
+            decoder.next_envelope(),
+            Err(DecodeError::FrameTooLarge {
+                len: u64::from(u32::MAX),
+                max: DEFAULT_MAX_FRAME_LEN
+            })
+        );
+        assert!(
+            decoder.buffer_capacity() < 64,
+            "{}",
+            decoder.buffer_capacity()
+        );
+    }
+
+    #[test]
+    fn header_alone_pins_no_memory_even_when_within_limit() {
+        let mut decoder = FrameDecoder::new();
+        let len = u32::try_from(DEFAULT_MAX_FRAME_LEN).expect("fits");
+        decoder.push(&len.to_be_bytes());
+        assert_eq!(decoder.next_envelope(), Ok(None));
+        decoder.push(&[0u8; 100]);
+        assert_eq!(decoder.next_envelope(), Ok(None));
+        assert!(
+            decoder.buffer_capacity() < 1024,
+            "{}",
+            decoder.buffer_capacity()
+        );
+        assert_eq!(decoder.buffered_len(), 104);
+    }
+
+    #[test]
+    fn limit_is_inclusive_and_configurable() {
+        let envelope = heartbeat(1);
+        let len = envelope.encoded_len();
+        let mut ok = FrameDecoder::with_max_frame_len(len);
+        ok.push(&framed(std::slice::from_ref(&envelope)));
+        assert_eq!(ok.next_envelope(), Ok(Some(envelope.clone())));
+
+        let mut too_small = FrameDecoder::with_max_frame_len(len - 1);
+        too_small.push(&framed(std::slice::from_ref(&envelope)));
+        assert!(matches!(
+            too_small.next_envelope(),
+            Err(DecodeError::FrameTooLarge { .. })
+        ));
+
+        let mut out = BytesMut::new();
+        assert_eq!(
+            encode_with_limit(&envelope, &mut out, len - 1),
+            Err(EncodeError::FrameTooLarge { len, max: len - 1 })
+        );
+        assert!(out.is_empty());
+    }
+
+    #[test]
+    fn errors_are_sticky_and_drop_buffers() {
+        let mut decoder = FrameDecoder::new();
+        // Length 3, then three bytes that are not a valid protobuf (field 0 is illegal).
+        decoder.push(&[0, 0, 0, 3, 0, 0, 0]);
+        let err = decoder.next_envelope().expect_err("malformed");
+        assert!(
+            matches!(err, DecodeError::Malformed { len: 3, .. }),
+            "{err}"
+        );
+        decoder.push(&framed(&[heartbeat(1)]));
+        assert_eq!(decoder.next_envelope(), Err(err.clone()));
+        assert_eq!(decoder.buffered_len(), 0);
+        assert_eq!(decoder.finish(), Err(err));
+    }
+
+    #[test]
+    fn empty_or_unknown_body_is_rejected() {
+        let mut decoder = FrameDecoder::new();
+        decoder.push(&[0, 0, 0, 0]);
+        assert_eq!(
+            decoder.next_envelope(),
+            Err(DecodeError::MissingBody { len: 0 })
+        );
+
+        // Field 99 (unknown to this schema), varint 1: prost skips it, leaving no body.
+        let mut decoder = FrameDecoder::new();
+        decoder.push(&[0, 0, 0, 3, 0x98, 0x06, 0x01]);
+        assert_eq!(
+            decoder.next_envelope(),
+            Err(DecodeError::MissingBody { len: 3 })
+        );
+    }
+
+    #[test]
+    fn encode_refuses_an_empty_envelope() {
+        let mut out = BytesMut::new();
+        assert_eq!(
+            encode(&Envelope::default(), &mut out),
+            Err(EncodeError::MissingBody)
+        );
+    }
+
+    #[test]
+    fn truncated_stream_is_reported_on_finish() {
+        let mut decoder = FrameDecoder::new();
+        let bytes = framed(&[heartbeat(9)]);
+        decoder.push(&bytes[..bytes.len() - 1]);
+        assert_eq!(decoder.next_envelope(), Ok(None));
+        assert_eq!(
+            decoder.finish(),
+            Err(DecodeError::Truncated {
+                buffered: bytes.len() - 1
+            })
+        );
+        decoder.push(&bytes[bytes.len() - 1..]);
+        assert_eq!(decoder.next_envelope(), Ok(Some(heartbeat(9))));
+        assert_eq!(decoder.finish(), Ok(()));
+    }
+
+    #[test]
+    fn body_frame_payload_is_a_slice_of_the_input() {
+        let payload = Bytes::from(vec![0xAB; 64 * 1024]);
+        let envelope = Envelope::new(Body::ProviderTunnelFrame(ProviderTunnelFrame {
+            run_id: "run-1".into(),
+            sequence: 3,
+            kind: TunnelFrameKind::Body as i32,
+            body: payload.clone(),
+            ..Default::default()
+        }));
+        let input = framed(&[envelope.clone(), heartbeat(1)]).freeze();
+        let range = input.as_ptr() as usize..input.as_ptr() as usize + input.len();
+
+        let mut decoder = FrameDecoder::new();
+        decoder.push_bytes(input.clone());
+        let Some(Envelope {
+            body: Some(Body::ProviderTunnelFrame(frame)),
+        }) = decoder.next_envelope().expect("decodes")
+        else {
+            panic!("expected a tunnel frame");
+        };
+        assert_eq!(frame.body, payload);
+        assert!(
+            range.contains(&(frame.body.as_ptr() as usize)),
+            "BODY payload was copied instead of sliced"
+        );
+        assert_eq!(decoder.next_envelope(), Ok(Some(heartbeat(1))));
+        assert_eq!(decoder.next_envelope(), Ok(None));
+    }
+
+    #[test]
+    fn owned_and_borrowed_pushes_interleave_in_order() {
+        let envelopes: Vec<_> = (0..5).map(heartbeat).collect();
+        let bytes = framed(&envelopes).freeze();
+        let mut decoder = FrameDecoder::new();
+        decoder.push_bytes(bytes.slice(..5));
+        decoder.push(&bytes[5..9]);
+        decoder.push_bytes(bytes.slice(9..20));
+        decoder.push_bytes(bytes.slice(20..));
+        let mut got = Vec::new();
+        while let Some(envelope) = decoder.next_envelope().expect("valid") {
+            got.push(envelope);
+        }
+        assert_eq!(got, envelopes);
+    }
+}

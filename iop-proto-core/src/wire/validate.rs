@@ -1,0 +1,617 @@
+//! Contract rules a decoded message must satisfy before anything acts on it.
+//!
+//! Decoding only proves a frame is well-formed protobuf. [`Validate`] checks what the
+//! contract adds: required identifiers, enum values this schema knows, the admitted node
+//! commands, and adapter configurations that can actually run. Every failure names the
+//! message and field at fault.
+
+use super::{
+    AdapterConfig, AdapterType, Body, CancelKind, CancelRequest, Envelope, Heartbeat, HeartbeatAck,
+    NodeCommandRequest, NodeCommandResponse, NodeCommandType, NodeConfigPayload,
+    NodeConfigRefreshRequest, NodeConfigRefreshResponse, NodeReadyRequest, NodeReadyResponse,
+    ProviderTunnelFrame, ProviderTunnelRequest, RefreshStatus, RegisterRequest, RegisterResponse,
+    RunEvent, RunEventType, RunRequest, TunnelFrameKind,
+};
+
+/// The read-only Ollama endpoints an `OLLAMA_API` command may reach.
+pub const OLLAMA_API_ENDPOINTS: [(&str, &str); 4] = [
+    ("GET", "/api/tags"),
+    ("GET", "/api/ps"),
+    ("GET", "/api/version"),
+    ("POST", "/api/show"),
+];
+
+/// A contract rule a message breaks.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ValidationError {
+    /// A required string field is empty.
+    #[error("{message}.{field} must not be empty")]
+    EmptyField {
+        /// Message name.
+        message: &'static str,
+        /// Field name.
+        field: &'static str,
+    },
+    /// A required sub-message is absent.
+    #[error("{message}.{field} is missing")]
+    MissingField {
+        /// Message name.
+        message: &'static str,
+        /// Field name.
+        field: &'static str,
+    },
+    /// An enum field holds a number this schema does not define.
+    #[error("{message}.{field} holds unknown enum value {value}")]
+    UnknownEnumValue {
+        /// Message name.
+        message: &'static str,
+        /// Field name.
+        field: &'static str,
+        /// The value received.
+        value: i32,
+    },
+    /// An enum field that must be set is `*_UNSPECIFIED`.
+    #[error("{message}.{field} is unspecified")]
+    UnspecifiedEnum {
+        /// Message name.
+        message: &'static str,
+        /// Field name.
+        field: &'static str,
+    },
+    /// A node command outside `CAPABILITIES`, `TRANSPORT_STATUS`, `OLLAMA_API`.
+    #[error(
+        "node command type {value} is not admitted (only CAPABILITIES, TRANSPORT_STATUS, OLLAMA_API)"
+    )]
+    CommandNotAdmitted {
+        /// The command type received.
+        value: i32,
+    },
+    /// An `OLLAMA_API` command for an endpoint outside the read-only set.
+    #[error(
+        "OLLAMA_API admits only GET /api/tags, GET /api/ps, GET /api/version and POST /api/show, not {method} {path}"
+    )]
+    OllamaEndpointNotAdmitted {
+        /// Requested method.
+        method: String,
+        /// Requested path.
+        path: String,
+    },
+    /// An HTTP path that is not absolute.
+    #[error("{message}.path must start with '/', got {path:?}")]
+    RelativePath {
+        /// Message name.
+        message: &'static str,
+        /// The path received.
+        path: String,
+    },
+    /// An adapter instance that cannot run as configured.
+    #[error("adapter {adapter:?}: {problem}")]
+    InvalidAdapter {
+        /// Instance name (or index when unnamed and untyped).
+        adapter: String,
+        /// What is wrong.
+        problem: &'static str,
+    },
+    /// Two adapter instances share a name.
+    #[error("adapter name {name:?} is used by more than one adapter")]
+    DuplicateAdapter {
+        /// The repeated instance name.
+        name: String,
+    },
+}
+
+/// Contract validation of a decoded message.
+pub trait Validate {
+    /// `Ok` when the message satisfies every rule of the contract that applies to it.
+    fn validate(&self) -> Result<(), ValidationError>;
+}
+
+fn non_empty(
+    value: &str,
+    message: &'static str,
+    field: &'static str,
+) -> Result<(), ValidationError> {
+    if value.is_empty() {
+        Err(ValidationError::EmptyField { message, field })
+    } else {
+        Ok(())
+    }
+}
+
+/// Checks that `value` is a defined, specified value of enum `E`.
+fn specified<E>(
+    value: i32,
+    message: &'static str,
+    field: &'static str,
+) -> Result<E, ValidationError>
+where
+    E: TryFrom<i32> + Default + PartialEq,
+{
+    let parsed = E::try_from(value).map_err(|_| ValidationError::UnknownEnumValue {
+        message,
+        field,
+        value,
+    })?;
+    if parsed == E::default() {
+        return Err(ValidationError::UnspecifiedEnum { message, field });
+    }
+    Ok(parsed)
+}
+
+impl Validate for Envelope {
+    fn validate(&self) -> Result<(), ValidationError> {
+        match &self.body {
+            None => Err(ValidationError::MissingField {
+                message: "Envelope",
+                field: "body",
+            }),
+            Some(body) => body.validate(),
+        }
+    }
+}
+
+impl Validate for Body {
+    fn validate(&self) -> Result<(), ValidationError> {
+        match self {
+            Body::RegisterRequest(m) => m.validate(),
+            Body::RegisterResponse(m) => m.validate(),
+            Body::NodeReadyRequest(m) => m.validate(),
+            Body::NodeReadyResponse(m) => m.validate(),
+            Body::Heartbeat(m) => m.validate(),
+            Body::HeartbeatAck(m) => m.validate(),
+            Body::RunRequest(m) => m.validate(),
+            Body::RunEvent(m) => m.validate(),
+            Body::ProviderTunnelRequest(m) => m.validate(),
+            Body::ProviderTunnelFrame(m) => m.validate(),
+            Body::CancelRequest(m) => m.validate(),
+            Body::NodeCommandRequest(m) => m.validate(),
+            Body::NodeCommandResponse(m) => m.validate(),
+            Body::NodeConfigRefreshRequest(m) => m.validate(),
+            Body::NodeConfigRefreshResponse(m) => m.validate(),
+        }
+    }
+}
+
+impl Validate for RegisterRequest {
+    fn validate(&self) -> Result<(), ValidationError> {
+        non_empty(&self.node_id, "RegisterRequest", "node_id")
+    }
+}
+
+impl Validate for RegisterResponse {
+    fn validate(&self) -> Result<(), ValidationError> {
+        if !self.accepted {
+            return Ok(());
+        }
+        non_empty(&self.node_id, "RegisterResponse", "node_id")?;
+        self.config
+            .as_ref()
+            .ok_or(ValidationError::MissingField {
+                message: "RegisterResponse",
+                field: "config",
+            })?
+            .validate()
+    }
+}
+
+impl Validate for NodeReadyRequest {
+    fn validate(&self) -> Result<(), ValidationError> {
+        non_empty(&self.node_id, "NodeReadyRequest", "node_id")
+    }
+}
+
+impl Validate for NodeReadyResponse {
+    fn validate(&self) -> Result<(), ValidationError> {
+        Ok(())
+    }
+}
+
+impl Validate for Heartbeat {
+    fn validate(&self) -> Result<(), ValidationError> {
+        Ok(())
+    }
+}
+
+impl Validate for HeartbeatAck {
+    fn validate(&self) -> Result<(), ValidationError> {
+        Ok(())
+    }
+}
+
+impl Validate for RunRequest {
+    fn validate(&self) -> Result<(), ValidationError> {
+        non_empty(&self.run_id, "RunRequest", "run_id")?;
+        non_empty(&self.adapter, "RunRequest", "adapter")
+    }
+}
+
+impl Validate for RunEvent {
+    fn validate(&self) -> Result<(), ValidationError> {
+        non_empty(&self.run_id, "RunEvent", "run_id")?;
+        specified::<RunEventType>(self.r#type, "RunEvent", "type").map(drop)
+    }
+}
+
+impl Validate for ProviderTunnelRequest {
+    fn validate(&self) -> Result<(), ValidationError> {
+        const M: &str = "ProviderTunnelRequest";
+        non_empty(&self.run_id, M, "run_id")?;
+        non_empty(&self.adapter, M, "adapter")?;
+        non_empty(&self.method, M, "method")?;
+        if !self.path.starts_with('/') {
+            return Err(ValidationError::RelativePath {
+                message: M,
+                path: self.path.clone(),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Validate for ProviderTunnelFrame {
+    fn validate(&self) -> Result<(), ValidationError> {
+        non_empty(&self.run_id, "ProviderTunnelFrame", "run_id")?;
+        specified::<TunnelFrameKind>(self.kind, "ProviderTunnelFrame", "kind").map(drop)
+    }
+}
+
+impl Validate for CancelRequest {
+    fn validate(&self) -> Result<(), ValidationError> {
+        non_empty(&self.run_id, "CancelRequest", "run_id")?;
+        specified::<CancelKind>(self.kind, "CancelRequest", "kind").map(drop)
+    }
+}
+
+impl Validate for NodeCommandRequest {
+    fn validate(&self) -> Result<(), ValidationError> {
+        const M: &str = "NodeCommandRequest";
+        // The admitted set is checked first, before anything that hints at a provider.
+        let kind = NodeCommandType::try_from(self.r#type)
+            .ok()
+            .filter(|kind| *kind != NodeCommandType::Unspecified)
+            .ok_or(ValidationError::CommandNotAdmitted { value: self.r#type })?;
+        non_empty(&self.request_id, M, "request_id")?;
+        if kind == NodeCommandType::OllamaApi {
+            non_empty(&self.adapter, M, "adapter")?;
+            let admitted = OLLAMA_API_ENDPOINTS
+                .iter()
+                .any(|(method, path)| *method == self.method && *path == self.path);
+            if !admitted {
+                return Err(ValidationError::OllamaEndpointNotAdmitted {
+                    method: self.method.clone(),
+                    path: self.path.clone(),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Validate for NodeCommandResponse {
+    fn validate(&self) -> Result<(), ValidationError> {
+        non_empty(&self.request_id, "NodeCommandResponse", "request_id")
+    }
+}
+
+impl Validate for AdapterConfig {
+    fn validate(&self) -> Result<(), ValidationError> {
+        let kind = match AdapterType::try_from(self.r#type) {
+            Ok(AdapterType::Unspecified) | Err(_) => {
+                return Err(ValidationError::InvalidAdapter {
+                    adapter: self.name.clone(),
+                    problem: "type must be one of openai_compat, vllm, ollama, mock",
+                });
+            }
+            Ok(kind) => kind,
+        };
+        let invalid = |problem| ValidationError::InvalidAdapter {
+            adapter: self.instance_name().to_owned(),
+            problem,
+        };
+        if self.enabled && self.capacity == 0 {
+            return Err(invalid(
+                "capacity must be at least 1 for an enabled adapter",
+            ));
+        }
+        if self.long_capacity > self.capacity {
+            return Err(invalid("long_capacity must not exceed capacity"));
+        }
+        if kind != AdapterType::Mock
+            && !(self.base_url.starts_with("http://") || self.base_url.starts_with("https://"))
+        {
+            return Err(invalid("base_url must start with http:// or https://"));
+        }
+        if self.targets.iter().any(String::is_empty) {
+            return Err(invalid("targets must not contain an empty name"));
+        }
+        Ok(())
+    }
+}
+
+impl Validate for NodeConfigPayload {
+    fn validate(&self) -> Result<(), ValidationError> {
+        let mut names: Vec<&str> = Vec::with_capacity(self.adapters.len());
+        for adapter in &self.adapters {
+            adapter.validate()?;
+            let name = adapter.instance_name();
+            if names.contains(&name) {
+                return Err(ValidationError::DuplicateAdapter {
+                    name: name.to_owned(),
+                });
+            }
+            names.push(name);
+        }
+        Ok(())
+    }
+}
+
+impl Validate for NodeConfigRefreshRequest {
+    fn validate(&self) -> Result<(), ValidationError> {
+        non_empty(&self.request_id, "NodeConfigRefreshRequest", "request_id")?;
+        self.config
+            .as_ref()
+            .ok_or(ValidationError::MissingField {
+                message: "NodeConfigRefreshRequest",
+                field: "config",
+            })?
+            .validate()
+    }
+}
+
+impl Validate for NodeConfigRefreshResponse {
+    fn validate(&self) -> Result<(), ValidationError> {
+        non_empty(&self.request_id, "NodeConfigRefreshResponse", "request_id")?;
+        specified::<RefreshStatus>(self.status, "NodeConfigRefreshResponse", "status").map(drop)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mock_adapter(name: &str) -> AdapterConfig {
+        AdapterConfig {
+            name: name.into(),
+            r#type: AdapterType::Mock as i32,
+            capacity: 2,
+            long_capacity: 1,
+            targets: vec!["m".into()],
+            enabled: true,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn cancel_needs_a_run_id_and_a_known_kind() {
+        let ok = CancelRequest {
+            run_id: "r1".into(),
+            kind: CancelKind::CancelRun as i32,
+            reason: String::new(),
+        };
+        assert_eq!(ok.validate(), Ok(()));
+        let terminate = CancelRequest {
+            kind: CancelKind::TerminateSession as i32,
+            ..ok.clone()
+        };
+        assert_eq!(terminate.validate(), Ok(()));
+        assert_eq!(
+            CancelRequest {
+                run_id: String::new(),
+                ..ok.clone()
+            }
+            .validate(),
+            Err(ValidationError::EmptyField {
+                message: "CancelRequest",
+                field: "run_id"
+            })
+        );
+        assert_eq!(
+            CancelRequest {
+                kind: 9,
+                ..ok.clone()
+            }
+            .validate(),
+            Err(ValidationError::UnknownEnumValue {
+                message: "CancelRequest",
+                field: "kind",
+                value: 9
+            })
+        );
+        assert_eq!(
+            CancelRequest { kind: 0, ..ok }.validate(),
+            Err(ValidationError::UnspecifiedEnum {
+                message: "CancelRequest",
+                field: "kind"
+            })
+        );
+    }
+
+    #[test]
+    fn node_commands_admit_only_the_three_types() {
+        let base = NodeCommandRequest {
+            request_id: "c1".into(),
+            r#type: NodeCommandType::Capabilities as i32,
+            ..Default::default()
+        };
+        assert_eq!(base.validate(), Ok(()));
+        let status = NodeCommandRequest {
+            r#type: NodeCommandType::TransportStatus as i32,
+            ..base.clone()
+        };
+        assert_eq!(status.validate(), Ok(()));
+        for value in [0, 4, 5, 6, 42, -1] {
+            // Rejected before anything else is looked at, even with an empty request_id.
+            let cmd = NodeCommandRequest {
+                r#type: value,
+                request_id: String::new(),
+                ..base.clone()
+            };
+            assert_eq!(
+                cmd.validate(),
+                Err(ValidationError::CommandNotAdmitted { value })
+            );
+        }
+    }
+
+    #[test]
+    fn ollama_api_is_limited_to_read_only_endpoints() {
+        let cmd = |method: &str, path: &str| NodeCommandRequest {
+            request_id: "c1".into(),
+            r#type: NodeCommandType::OllamaApi as i32,
+            adapter: "ollama".into(),
+            method: method.into(),
+            path: path.into(),
+            body: Default::default(),
+        };
+        for (method, path) in OLLAMA_API_ENDPOINTS {
+            assert_eq!(cmd(method, path).validate(), Ok(()));
+        }
+        for (method, path) in [
+            ("POST", "/api/pull"),
+            ("DELETE", "/api/delete"),
+            ("POST", "/api/tags"),
+            ("GET", "/api/show"),
+            ("POST", "/api/generate"),
+        ] {
+            assert!(matches!(
+                cmd(method, path).validate(),
+                Err(ValidationError::OllamaEndpointNotAdmitted { .. })
+            ));
+        }
+        let mut no_adapter = cmd("GET", "/api/tags");
+        no_adapter.adapter.clear();
+        assert!(matches!(
+            no_adapter.validate(),
+            Err(ValidationError::EmptyField {
+                field: "adapter",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn adapter_type_must_be_known() {
+        for value in [0, 5, 99] {
+            let adapter = AdapterConfig {
+                r#type: value,
+                ..mock_adapter("a")
+            };
+            assert!(
+                matches!(adapter.validate(), Err(ValidationError::InvalidAdapter { problem, .. }) if problem.contains("type")),
+                "type {value} accepted"
+            );
+        }
+        assert_eq!(mock_adapter("a").validate(), Ok(()));
+    }
+
+    #[test]
+    fn adapter_capacities_and_urls_are_checked() {
+        let zero = AdapterConfig {
+            capacity: 0,
+            long_capacity: 0,
+            ..mock_adapter("a")
+        };
+        assert!(zero.validate().is_err());
+        let disabled_zero = AdapterConfig {
+            enabled: false,
+            ..zero
+        };
+        assert_eq!(disabled_zero.validate(), Ok(()));
+        let long_over = AdapterConfig {
+            long_capacity: 3,
+            ..mock_adapter("a")
+        };
+        assert!(long_over.validate().is_err());
+        let no_url = AdapterConfig {
+            r#type: AdapterType::OpenaiCompat as i32,
+            ..mock_adapter("a")
+        };
+        assert!(no_url.validate().is_err());
+        let with_url = AdapterConfig {
+            base_url: "https://llm.internal:8443".into(),
+            ..no_url
+        };
+        assert_eq!(with_url.validate(), Ok(()));
+    }
+
+    #[test]
+    fn adapter_names_are_unique_counting_legacy_names() {
+        let payload = NodeConfigPayload {
+            revision: 1,
+            adapters: vec![mock_adapter(""), mock_adapter("mock")],
+            runtime: None,
+        };
+        assert_eq!(
+            payload.validate(),
+            Err(ValidationError::DuplicateAdapter {
+                name: "mock".into()
+            })
+        );
+    }
+
+    #[test]
+    fn events_and_frames_need_known_kinds() {
+        let event = RunEvent {
+            run_id: "r".into(),
+            r#type: 77,
+            ..Default::default()
+        };
+        assert!(matches!(
+            event.validate(),
+            Err(ValidationError::UnknownEnumValue { value: 77, .. })
+        ));
+        let frame = ProviderTunnelFrame {
+            run_id: "r".into(),
+            kind: 0,
+            ..Default::default()
+        };
+        assert!(matches!(
+            frame.validate(),
+            Err(ValidationError::UnspecifiedEnum { field: "kind", .. })
+        ));
+        let refresh = NodeConfigRefreshResponse {
+            request_id: "q".into(),
+            status: 8,
+            ..Default::default()
+        };
+        assert!(refresh.validate().is_err());
+    }
+
+    #[test]
+    fn accepted_register_response_carries_a_valid_config() {
+        let accepted = RegisterResponse {
+            accepted: true,
+            node_id: "n1".into(),
+            ..Default::default()
+        };
+        assert_eq!(
+            accepted.validate(),
+            Err(ValidationError::MissingField {
+                message: "RegisterResponse",
+                field: "config"
+            })
+        );
+        let rejected = RegisterResponse {
+            accepted: false,
+            reason: "bad token".into(),
+            ..Default::default()
+        };
+        assert_eq!(rejected.validate(), Ok(()));
+    }
+
+    #[test]
+    fn tunnel_paths_are_absolute() {
+        let req = ProviderTunnelRequest {
+            run_id: "r".into(),
+            adapter: "a".into(),
+            method: "POST".into(),
+            path: "v1/chat/completions".into(),
+            ..Default::default()
+        };
+        assert!(matches!(
+            req.validate(),
+            Err(ValidationError::RelativePath { .. })
+        ));
+    }
+}

@@ -1,0 +1,30 @@
+//! Replays the committed cargo-fuzz corpora (`fuzz/corpus/<target>/`) through the same
+//! entry points the fuzz targets call, so every kept input runs under plain `cargo test`.
+
+use std::path::PathBuf;
+
+fn corpus(target: &str) -> Vec<(PathBuf, Vec<u8>)> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../fuzz/corpus")
+        .join(target);
+    let mut inputs: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|err| panic!("corpus {} unreadable: {err}", dir.display()))
+        .map(|entry| {
+            let path = entry.expect("corpus entry").path();
+            let data = std::fs::read(&path).expect("corpus file");
+            (path, data)
+        })
+        .collect();
+    inputs.sort();
+    assert!(!inputs.is_empty(), "corpus {} is empty", dir.display());
+    inputs
+}
+
+#[test]
+fn frame_decoder_corpus_replays() {
+    for (path, data) in corpus("frame_decoder") {
+        let result =
+            std::panic::catch_unwind(|| iop_proto_core::testkit::fuzz::frame_decoder(&data));
+        assert!(result.is_ok(), "corpus input {} fails", path.display());
+    }
+}
