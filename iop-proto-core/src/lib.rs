@@ -12,7 +12,12 @@
 //! - [`wire`]: the generated message types, the length-prefixed frame codec and the
 //!   contract validation of each message.
 //! - [`time`]: [`Timestamp`], the only notion of time the machines know.
+//! - [`edge`]: the Edge machine ([`EdgeCore`]): registry, generation fencing, dispatch
+//!   and the streams of dispatched requests, over [`lease`] (the lease ledger) and
+//!   [`queue`] (the provider-pool wait queue), configured by [`edge_config`].
+//! - [`run`] and [`tunnel`]: the contract sequencers of normalized runs and raw tunnels.
 //! - [`reconnect`]: the Node's reconnect policy.
+//! - [`token`]: constant-time node credential checks.
 //!
 //! ## Example: framing a message and reading it back
 //! ```
@@ -38,12 +43,32 @@
 #![warn(missing_docs)]
 #![cfg_attr(not(test), warn(clippy::unwrap_used))]
 
+pub mod edge;
+pub mod edge_config;
+pub mod lease;
+pub mod queue;
 pub mod reconnect;
+pub mod run;
 pub mod time;
+pub mod token;
+pub mod tunnel;
 pub mod wire;
 
 #[cfg(feature = "testkit")]
 pub mod testkit;
 
+pub use edge::{
+    CloseReason, ConnId, Dispatch, DispatchError, DispatchShape, EdgeCore, EdgeEvent, Grant,
+    NodeState, NodeStatus, Outcome, RequestError, Submit, SubmitError, Transmit, UsageError,
+};
+pub use edge_config::{
+    CandidateSpec, ConfigDiff, EdgeConfig, EdgeConfigError, EdgeTiming, ModelSpec, NodeSpec,
+    QueueLimits,
+};
+pub use lease::{Generation, Lease, Ledger, Release, RequestId, ResourceId};
+pub use queue::{Candidate, WaitQueue, Waiter};
 pub use reconnect::{MaxAttempts, ReconnectConfigError, ReconnectPolicy};
+pub use run::{RunEmitter, RunStep, RunTracker, RunViolation};
 pub use time::Timestamp;
+pub use token::TokenVerifier;
+pub use tunnel::{TunnelEmitter, TunnelReceiver, TunnelStep, TunnelViolation};

@@ -2,3 +2,11 @@
 //! Compiled only with the `testkit` feature; it adds no dependencies.
 
 pub mod fuzz;
+
+/// Bugs that can be planted in the machines, to prove the simulator catches them.
+/// All off by default; only the `testkit` feature compiles the switches in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Faults {
+    /// Release a lease twice when a request ends.
+    pub double_release: bool,
+}

@@ -1,0 +1,1784 @@
+//! The Edge machine: node registry with generation fencing, provider leases, the
+//! provider-pool wait queue, dispatch and the run/tunnel streams of dispatched requests.
+//!
+//! Drive it with the convention of every machine in this crate:
+//! 1. feed inputs: [`handle_connection_opened`](EdgeCore::handle_connection_opened),
+//!    [`handle_envelope`](EdgeCore::handle_envelope),
+//!    [`handle_connection_closed`](EdgeCore::handle_connection_closed),
+//!    [`handle_submit`](EdgeCore::handle_submit), [`handle_dispatch`](EdgeCore::handle_dispatch),
+//!    [`handle_cancel`](EdgeCore::handle_cancel), [`handle_config`](EdgeCore::handle_config)
+//!    and [`handle_timeout`](EdgeCore::handle_timeout);
+//! 2. after each, drain [`poll_transmit`](EdgeCore::poll_transmit) (frames to write,
+//!    connections to close, in order) and [`poll_event`](EdgeCore::poll_event);
+//! 3. sleep until [`poll_timeout`](EdgeCore::poll_timeout).
+//!
+//! Rules (contract `iop.edge-node-runtime-wire`):
+//! - An accepted register claims ownership of the node id as *pending*: nothing is
+//!   dispatched to it, it is offline in snapshots and gets no refresh until it is ready.
+//! - A newer accepted register for the same node id fences the older generation in the
+//!   same transition (its leases return, its requests fail with `NodeLost`).
+//! - Only the current owner's close or heartbeat timeout fences it. Stale, superseded or
+//!   rejected connections change nothing and emit no event.
+//! - Ready from the current pending owner activates its resources, pumps waiters and
+//!   emits exactly one [`EdgeEvent::NodeConnected`]; a duplicate ready from the same ready
+//!   owner is answered `ready=true` with no side effect; any other ready gets `ready=false`
+//!   and the connection is closed.
+//! - Every accepted request ends exactly once with [`EdgeEvent::RequestEnded`].
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::edge_config::{EdgeConfig, EdgeConfigError, category_of};
+use crate::lease::{Generation, Lease, Ledger, Release, RequestId, ResourceId};
+use crate::queue::{Candidate, WaitQueue, Waiter};
+use crate::run::{RunStep, RunTracker};
+use crate::time::Timestamp;
+use crate::tunnel::{TunnelReceiver, TunnelStep};
+use crate::wire::{
+    AdapterConfig, AdapterType, Body, CancelKind, CancelRequest, Envelope, ErrorDetail, Heartbeat,
+    HeartbeatAck, NodeConfigRefreshRequest, NodeConfigRefreshResponse, NodeReadyRequest,
+    NodeReadyResponse, ProviderHealth, ProviderSnapshot, ProviderStatus, ProviderTunnelFrame,
+    ProviderTunnelRequest, RefreshStatus, RegisterRequest, RegisterResponse, RunEvent,
+    RunEventType, RunRequest, Validate,
+};
+
+/// Opaque identifier of a node connection, chosen by the shell.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ConnId(pub u64);
+
+/// Why the Edge closes a connection.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CloseReason {
+    /// Unknown node id or bad token.
+    RegisterRejected(String),
+    /// No register, or no ready, within the register timeout.
+    HandshakeTimeout,
+    /// A ready from a connection that is not the node's current owner.
+    ReadyRefused,
+    /// A newer connection registered for the same node id.
+    Superseded,
+    /// Nothing received within the heartbeat timeout.
+    HeartbeatTimeout,
+    /// The peer broke the protocol.
+    ProtocolViolation(String),
+    /// The node was removed from the configuration.
+    NodeRemoved,
+    /// The peer closed the connection (reported by the shell).
+    PeerClosed,
+}
+
+/// An output to hand to the transport, in order.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Transmit {
+    /// Write this envelope on the connection.
+    Frame {
+        /// Target connection.
+        conn: ConnId,
+        /// The message.
+        envelope: Envelope,
+    },
+    /// Flush what was written, then close the connection.
+    Close {
+        /// Connection to close.
+        conn: ConnId,
+        /// Why.
+        reason: CloseReason,
+    },
+}
+
+/// Which message a granted request must be dispatched as. Decided by the provider's
+/// adapter type, never by the caller.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DispatchShape {
+    /// Raw HTTP tunnel (`openai_compat`, `vllm`).
+    Tunnel,
+    /// Normalized run (`ollama`, `mock`).
+    Run,
+}
+
+impl DispatchShape {
+    /// The shape an adapter type is served with.
+    #[must_use]
+    pub fn of(kind: AdapterType) -> Self {
+        match kind {
+            AdapterType::OpenaiCompat | AdapterType::Vllm => DispatchShape::Tunnel,
+            AdapterType::Ollama | AdapterType::Mock | AdapterType::Unspecified => {
+                DispatchShape::Run
+            }
+        }
+    }
+}
+
+/// A lease granted to a request: where and how to dispatch it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Grant {
+    /// The request.
+    pub request: RequestId,
+    /// The lease it holds.
+    pub lease: Lease,
+    /// Public model name requested.
+    pub model: Arc<str>,
+    /// Node chosen.
+    pub node_id: Arc<str>,
+    /// Adapter instance chosen.
+    pub provider_id: Arc<str>,
+    /// Provider-side target to put in the request.
+    pub target: Arc<str>,
+    /// Message to dispatch.
+    pub shape: DispatchShape,
+}
+
+/// Why a request failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RequestError {
+    /// The node serving it disconnected or was fenced.
+    NodeLost {
+        /// The node.
+        node_id: Arc<str>,
+    },
+    /// The node's stream for it broke the contract.
+    Violation(String),
+    /// The provider or node reported an error (`ERROR` event or frame).
+    Provider(ErrorDetail),
+}
+
+/// How a request ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// `COMPLETE` or `END`.
+    Completed,
+    /// Failed.
+    Failed(RequestError),
+    /// Cancelled by the caller, or `CANCELLED` from the node.
+    Cancelled,
+    /// No capacity within the queue wait timeout.
+    Expired,
+}
+
+/// Something the shell should know about.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub enum EdgeEvent {
+    /// A node completed its ready handshake (exactly once per generation).
+    NodeConnected {
+        /// Node id.
+        node_id: Arc<str>,
+        /// Its connection generation.
+        generation: Generation,
+    },
+    /// A ready node's generation was fenced.
+    NodeDisconnected {
+        /// Node id.
+        node_id: Arc<str>,
+        /// The fenced generation.
+        generation: Generation,
+        /// Why.
+        reason: CloseReason,
+        /// Requests that were running on it; each also gets `RequestEnded(NodeLost)`.
+        lost: Vec<RequestId>,
+    },
+    /// A request holds a lease and must now be dispatched with
+    /// [`EdgeCore::handle_dispatch`].
+    Granted(Grant),
+    /// A valid, in-order event of a dispatched run.
+    RunEvent {
+        /// The request.
+        request: RequestId,
+        /// The event.
+        event: RunEvent,
+    },
+    /// A valid, in-order frame of a dispatched tunnel.
+    TunnelFrame {
+        /// The request.
+        request: RequestId,
+        /// The frame.
+        frame: ProviderTunnelFrame,
+    },
+    /// A request ended; emitted exactly once per accepted request.
+    RequestEnded {
+        /// The request.
+        request: RequestId,
+        /// How.
+        outcome: Outcome,
+    },
+    /// A node answered a config refresh.
+    RefreshAnswered {
+        /// Node id.
+        node_id: Arc<str>,
+        /// Outcome.
+        status: RefreshStatus,
+        /// Details from the node.
+        message: String,
+        /// Revision in force on the node.
+        revision: u64,
+    },
+    /// A node did not answer a config refresh in time.
+    RefreshTimedOut {
+        /// Node id.
+        node_id: Arc<str>,
+        /// Revision that was pushed.
+        revision: u64,
+    },
+    /// A peer broke the protocol (for logs and metrics; the machine already acted).
+    PeerViolation {
+        /// Connection.
+        conn: ConnId,
+        /// Node, when known.
+        node_id: Option<Arc<str>>,
+        /// What happened.
+        detail: String,
+    },
+}
+
+/// Refusal of a new request.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SubmitError {
+    /// No model group of that name.
+    #[error("model {0:?} does not exist")]
+    UnknownModel(String),
+    /// The model group has no candidate that could ever serve this request.
+    #[error("model {0:?} has no provider that can serve this request")]
+    NoCandidates(String),
+    /// Too many requests already wait for the model group.
+    #[error("queue for model {model:?} is full ({max_waiting} waiting)")]
+    QueueFull {
+        /// Model name.
+        model: String,
+        /// The limit.
+        max_waiting: usize,
+    },
+}
+
+/// Misuse of the machine by its driver.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum UsageError {
+    /// `handle_connection_opened` for a connection already open.
+    #[error("connection {0:?} is already open")]
+    DuplicateConnection(ConnId),
+    /// An input for a connection that is not open.
+    #[error("connection {0:?} is not open")]
+    UnknownConnection(ConnId),
+}
+
+/// Refusal of a dispatch.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DispatchError {
+    /// The request is not granted (never was, already dispatched, or already ended).
+    #[error("request {0} is not waiting for dispatch")]
+    NotGranted(RequestId),
+    /// The message does not match the grant's shape.
+    #[error("request {request} must be dispatched as {expected:?}")]
+    WrongShape {
+        /// The request.
+        request: RequestId,
+        /// The shape the grant requires.
+        expected: DispatchShape,
+    },
+}
+
+/// The message a granted request is dispatched with. `run_id`, `adapter` and `target`
+/// are filled in by the machine.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Dispatch {
+    /// A normalized run.
+    Run(RunRequest),
+    /// A raw provider tunnel.
+    Tunnel(ProviderTunnelRequest),
+}
+
+/// A new request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Submit<'a> {
+    /// Public model name.
+    pub model: &'a str,
+    /// Estimated prompt tokens, compared with the model's long-context threshold.
+    pub prompt_tokens: u64,
+}
+
+/// Readiness of a configured node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NodeState {
+    /// No connection owns it.
+    Offline,
+    /// Registered, ready handshake not complete.
+    Pending,
+    /// Dispatch-ready.
+    Ready,
+}
+
+/// A configured node as the Edge sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeStatus {
+    /// Node id.
+    pub node_id: Arc<str>,
+    /// Readiness.
+    pub state: NodeState,
+    /// Generation of the owning connection.
+    pub generation: Option<Generation>,
+    /// Configuration revision on the Edge.
+    pub revision: u64,
+    /// Revision the node last confirmed (registered with, or refreshed to).
+    pub applied_revision: u64,
+    /// Status of the last config refresh answered.
+    pub last_refresh: Option<RefreshStatus>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum TimerKey {
+    Handshake(ConnId),
+    Liveness(ConnId),
+    Ping(ConnId),
+    Refresh(usize, u64),
+    CancelGrace(RequestId),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Opened, no register yet.
+    Unregistered,
+    /// Accepted register for `node` in `generation` (pending or ready: see the node).
+    Owner { node: usize, generation: Generation },
+    /// Rejected or superseded; a close was requested. Nothing it sends matters.
+    Stale,
+}
+
+#[derive(Debug)]
+struct Conn {
+    phase: Phase,
+    /// Register, then ready, must arrive before this.
+    handshake_deadline: Timestamp,
+    last_rx: Timestamp,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Owner {
+    conn: ConnId,
+    generation: Generation,
+    ready: bool,
+    /// Revision sent in the `RegisterResponse`.
+    registered_revision: u64,
+}
+
+#[derive(Debug)]
+struct NodeEntry {
+    id: Arc<str>,
+    /// `None` once removed from the configuration.
+    spec: Option<crate::edge_config::NodeSpec>,
+    revision: u64,
+    applied_revision: u64,
+    owner: Option<Owner>,
+    /// Outstanding refresh: (request sequence, revision).
+    refresh: Option<(u64, u64)>,
+    last_refresh: Option<RefreshStatus>,
+    /// Adapter instance → resource, for every adapter ever configured on this node.
+    resources: Vec<(Arc<str>, ResourceId)>,
+}
+
+#[derive(Debug)]
+struct ResourceMeta {
+    node: usize,
+    provider_id: Arc<str>,
+}
+
+#[derive(Debug)]
+struct Model {
+    candidates: Arc<[Candidate]>,
+    long_threshold: Option<u64>,
+    long_possible: bool,
+    cursor: usize,
+}
+
+#[derive(Debug)]
+enum Stream {
+    Run(RunTracker),
+    Tunnel(TunnelReceiver),
+    /// The stream broke the contract; nothing more it sends is trusted.
+    Broken,
+}
+
+#[derive(Debug)]
+enum ReqState {
+    Waiting,
+    Granted {
+        lease: Lease,
+        conn: ConnId,
+        shape: DispatchShape,
+        target: Arc<str>,
+    },
+    Running {
+        lease: Lease,
+        conn: ConnId,
+        stream: Stream,
+    },
+    /// Ended for the caller; the lease is held until the node confirms or the grace ends.
+    Cancelling {
+        lease: Lease,
+        conn: ConnId,
+        stream: Stream,
+    },
+}
+
+/// The Edge protocol machine. See the [module documentation](self).
+#[derive(Debug)]
+pub struct EdgeCore {
+    config: EdgeConfig,
+    nodes: Vec<NodeEntry>,
+    node_index: HashMap<Arc<str>, usize>,
+    conns: HashMap<ConnId, Conn>,
+    ledger: Ledger,
+    resources: Vec<ResourceMeta>,
+    models: HashMap<Arc<str>, Model>,
+    queue: WaitQueue,
+    requests: HashMap<RequestId, ReqState>,
+    timers: BTreeSet<(Timestamp, TimerKey)>,
+    transmits: VecDeque<Transmit>,
+    events: VecDeque<EdgeEvent>,
+    next_request: u64,
+    next_generation: u64,
+    next_nonce: u64,
+    next_refresh: u64,
+    now: Timestamp,
+    #[cfg(feature = "testkit")]
+    faults: crate::testkit::Faults,
+}
+
+/// The run id on the wire for a request.
+#[must_use]
+pub fn run_id_of(request: RequestId) -> String {
+    format!("run-{}", request.0)
+}
+
+fn request_of(run_id: &str) -> Option<RequestId> {
+    run_id.strip_prefix("run-")?.parse().ok().map(RequestId)
+}
+
+fn millis(d: Duration) -> u32 {
+    u32::try_from(d.as_millis()).unwrap_or(u32::MAX)
+}
+
+impl EdgeCore {
+    /// A machine serving `config`.
+    pub fn new(config: EdgeConfig) -> Result<Self, EdgeConfigError> {
+        config.validate()?;
+        let mut core = EdgeCore {
+            config: EdgeConfig::default(),
+            nodes: Vec::new(),
+            node_index: HashMap::new(),
+            conns: HashMap::new(),
+            ledger: Ledger::new(),
+            resources: Vec::new(),
+            models: HashMap::new(),
+            queue: WaitQueue::new(),
+            requests: HashMap::new(),
+            timers: BTreeSet::new(),
+            transmits: VecDeque::new(),
+            events: VecDeque::new(),
+            next_request: 1,
+            next_generation: 1,
+            next_nonce: 1,
+            next_refresh: 1,
+            now: Timestamp::ZERO,
+            #[cfg(feature = "testkit")]
+            faults: crate::testkit::Faults::default(),
+        };
+        core.install(config);
+        Ok(core)
+    }
+
+    /// Plants bugs for the simulator's self-test (test support only).
+    #[cfg(feature = "testkit")]
+    pub fn set_faults(&mut self, faults: crate::testkit::Faults) {
+        self.faults = faults;
+    }
+
+    // ----- getters -----
+
+    /// The configuration in force.
+    #[must_use]
+    pub fn config(&self) -> &EdgeConfig {
+        &self.config
+    }
+
+    /// The lease ledger (read-only).
+    #[must_use]
+    pub fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+
+    /// The wait queue (read-only).
+    #[must_use]
+    pub fn queue(&self) -> &WaitQueue {
+        &self.queue
+    }
+
+    /// Requests accepted and not yet finished with the node (includes cancelled runs
+    /// whose lease is still held).
+    #[must_use]
+    pub fn open_requests(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// Number of open node connections (any phase).
+    #[must_use]
+    pub fn connections(&self) -> usize {
+        self.conns.len()
+    }
+
+    /// The node id and generation a connection owns, if it is a current owner.
+    #[must_use]
+    pub fn owner_of(&self, conn: ConnId) -> Option<(Arc<str>, Generation, bool)> {
+        let c = self.conns.get(&conn)?;
+        let Phase::Owner { node, generation } = c.phase else {
+            return None;
+        };
+        let owner = self.nodes[node].owner?;
+        (owner.conn == conn).then(|| (self.nodes[node].id.clone(), generation, owner.ready))
+    }
+
+    /// The resource of `(node_id, provider_id)`, if configured at any time.
+    #[must_use]
+    pub fn resource(&self, node_id: &str, provider_id: &str) -> Option<ResourceId> {
+        let node = &self.nodes[*self.node_index.get(node_id)?];
+        node.resources
+            .iter()
+            .find(|(name, _)| &**name == provider_id)
+            .map(|(_, r)| *r)
+    }
+
+    /// Configured nodes and their readiness, in id order.
+    #[must_use]
+    pub fn nodes(&self) -> Vec<NodeStatus> {
+        let mut out: Vec<NodeStatus> = self
+            .nodes
+            .iter()
+            .filter(|n| n.spec.is_some())
+            .map(|n| NodeStatus {
+                node_id: n.id.clone(),
+                state: match n.owner {
+                    None => NodeState::Offline,
+                    Some(o) if o.ready => NodeState::Ready,
+                    Some(_) => NodeState::Pending,
+                },
+                generation: n.owner.map(|o| o.generation),
+                revision: n.revision,
+                applied_revision: n.applied_revision,
+                last_refresh: n.last_refresh,
+            })
+            .collect();
+        out.sort_by(|a, b| a.node_id.cmp(&b.node_id));
+        out
+    }
+
+    /// One snapshot per configured provider, in node id then configuration order.
+    /// Providers of offline or pending nodes are listed `UNAVAILABLE`/`OFFLINE` with every
+    /// figure 0; disabled ones `DISABLED`/`OFFLINE` with every figure 0.
+    #[must_use]
+    pub fn snapshots(&self) -> Vec<ProviderSnapshot> {
+        let mut order: Vec<usize> = (0..self.nodes.len())
+            .filter(|&i| self.nodes[i].spec.is_some())
+            .collect();
+        order.sort_by(|&a, &b| self.nodes[a].id.cmp(&self.nodes[b].id));
+        let mut out = Vec::new();
+        for i in order {
+            let node = &self.nodes[i];
+            let Some(spec) = &node.spec else { continue };
+            let ready = node.owner.is_some_and(|o| o.ready);
+            for adapter in &spec.adapters {
+                let name = adapter.instance_name();
+                let kind = AdapterType::try_from(adapter.r#type).unwrap_or_default();
+                let mut snap = ProviderSnapshot {
+                    node_id: node.id.to_string(),
+                    provider_id: name.to_owned(),
+                    category: category_of(kind) as i32,
+                    status: ProviderStatus::Unavailable as i32,
+                    health: ProviderHealth::Offline as i32,
+                    targets: adapter.targets.clone(),
+                    ..ProviderSnapshot::default()
+                };
+                let resource = self.resource(&node.id, name);
+                let usage = resource.map(|r| self.ledger.usage(r)).unwrap_or_default();
+                if !adapter.enabled {
+                    snap.status = ProviderStatus::Disabled as i32;
+                } else if ready && usage.generation.is_some() {
+                    let (queued, long_queued) =
+                        resource.map_or((0, 0), |r| self.queue.queued_at(r));
+                    snap.status = ProviderStatus::Available as i32;
+                    snap.health = ProviderHealth::Healthy as i32;
+                    snap.capacity = usage.capacity;
+                    snap.long_capacity = usage.long_capacity;
+                    snap.in_flight = usage.in_flight;
+                    snap.long_in_flight = usage.long_in_flight;
+                    snap.queued = u32::try_from(queued).unwrap_or(u32::MAX);
+                    snap.long_queued = u32::try_from(long_queued).unwrap_or(u32::MAX);
+                }
+                out.push(snap);
+            }
+        }
+        out
+    }
+
+    // ----- outputs -----
+
+    /// The next frame to write or connection to close.
+    #[must_use]
+    pub fn poll_transmit(&mut self) -> Option<Transmit> {
+        self.transmits.pop_front()
+    }
+
+    /// The next event.
+    #[must_use]
+    pub fn poll_event(&mut self) -> Option<EdgeEvent> {
+        self.events.pop_front()
+    }
+
+    /// When [`handle_timeout`](Self::handle_timeout) must next be called.
+    #[must_use]
+    pub fn poll_timeout(&self) -> Option<Timestamp> {
+        let timer = self.timers.first().map(|(at, _)| *at);
+        match (timer, self.queue.next_deadline()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    // ----- inputs -----
+
+    fn advance(&mut self, now: Timestamp) {
+        debug_assert!(now >= self.now, "time went backwards: {now} < {}", self.now);
+        self.now = self.now.max(now);
+    }
+
+    /// A node connection was accepted by the transport.
+    pub fn handle_connection_opened(
+        &mut self,
+        now: Timestamp,
+        conn: ConnId,
+    ) -> Result<(), UsageError> {
+        self.advance(now);
+        if self.conns.contains_key(&conn) {
+            return Err(UsageError::DuplicateConnection(conn));
+        }
+        self.conns.insert(
+            conn,
+            Conn {
+                phase: Phase::Unregistered,
+                handshake_deadline: self.now + self.config.timing.register_timeout,
+                last_rx: self.now,
+            },
+        );
+        let timing = self.config.timing;
+        self.timers.insert((
+            self.now + timing.register_timeout,
+            TimerKey::Handshake(conn),
+        ));
+        self.timers.insert((
+            self.now + timing.heartbeat_timeout,
+            TimerKey::Liveness(conn),
+        ));
+        Ok(())
+    }
+
+    /// The transport reports the connection closed (by the peer, an IO error, or after a
+    /// requested [`Transmit::Close`]).
+    pub fn handle_connection_closed(
+        &mut self,
+        now: Timestamp,
+        conn: ConnId,
+    ) -> Result<(), UsageError> {
+        self.advance(now);
+        let c = self
+            .conns
+            .remove(&conn)
+            .ok_or(UsageError::UnknownConnection(conn))?;
+        if let Phase::Owner { node, generation } = c.phase {
+            self.fence_owner(node, generation, CloseReason::PeerClosed);
+        }
+        Ok(())
+    }
+
+    /// An envelope decoded from a connection.
+    pub fn handle_envelope(
+        &mut self,
+        now: Timestamp,
+        conn: ConnId,
+        envelope: Envelope,
+    ) -> Result<(), UsageError> {
+        self.advance(now);
+        let c = self
+            .conns
+            .get_mut(&conn)
+            .ok_or(UsageError::UnknownConnection(conn))?;
+        let phase = c.phase;
+        if phase == Phase::Stale {
+            // Rejected or superseded: answer a ready with a refusal, ignore the rest.
+            if let Some(Body::NodeReadyRequest(_)) = envelope.body {
+                self.refuse_ready(conn, "connection is not the node's current owner", false);
+            }
+            return Ok(());
+        }
+        c.last_rx = self.now;
+        if let Err(err) = envelope.validate() {
+            self.violation(conn, format!("invalid {}: {err}", envelope.kind()));
+            return Ok(());
+        }
+        let Some(body) = envelope.body else {
+            return Ok(());
+        };
+        match body {
+            Body::RegisterRequest(req) => self.on_register(conn, phase, req),
+            Body::NodeReadyRequest(req) => self.on_ready(conn, phase, &req),
+            Body::Heartbeat(ping) => self.send(
+                conn,
+                Body::HeartbeatAck(HeartbeatAck {
+                    nonce: ping.nonce,
+                    echo_sent_at_ms: ping.sent_at_ms,
+                }),
+            ),
+            Body::HeartbeatAck(_) => {}
+            Body::RunEvent(event) => self.on_run_event(conn, phase, event),
+            Body::ProviderTunnelFrame(frame) => self.on_tunnel_frame(conn, phase, frame),
+            Body::NodeConfigRefreshResponse(resp) => self.on_refresh_response(conn, phase, resp),
+            Body::NodeCommandResponse(_) => {}
+            other => self.violation(
+                conn,
+                format!("{} is not a node-to-edge message", other.kind()),
+            ),
+        }
+        Ok(())
+    }
+
+    /// Expires timers due at or before `now`. A spurious call does nothing.
+    pub fn handle_timeout(&mut self, now: Timestamp) {
+        self.advance(now);
+        while let Some(&(at, key)) = self.timers.first() {
+            if at > self.now {
+                break;
+            }
+            self.timers.pop_first();
+            self.fire(key);
+        }
+        while let Some(waiter) = self.queue.pop_expired(self.now) {
+            self.requests.remove(&waiter.request);
+            self.events.push_back(EdgeEvent::RequestEnded {
+                request: waiter.request,
+                outcome: Outcome::Expired,
+            });
+        }
+    }
+
+    /// A caller's request for `submit.model`. On success it is either granted at once
+    /// ([`EdgeEvent::Granted`]) or queued until capacity frees or it expires.
+    pub fn handle_submit(
+        &mut self,
+        now: Timestamp,
+        submit: Submit<'_>,
+    ) -> Result<RequestId, SubmitError> {
+        self.advance(now);
+        let model = self
+            .models
+            .get(submit.model)
+            .ok_or_else(|| SubmitError::UnknownModel(submit.model.to_owned()))?;
+        let long = model
+            .long_threshold
+            .is_some_and(|t| submit.prompt_tokens >= t);
+        if model.candidates.is_empty() || (long && !model.long_possible) {
+            return Err(SubmitError::NoCandidates(submit.model.to_owned()));
+        }
+        let request = RequestId(self.next_request);
+        let model_name: Arc<str> = self
+            .models
+            .get_key_value(submit.model)
+            .map(|(k, _)| k.clone())
+            .unwrap_or_else(|| submit.model.into());
+        if let Some(index) = self.pick_candidate(&model_name, long) {
+            self.next_request += 1;
+            let candidate = self.models[&model_name].candidates[index].clone();
+            self.grant(request, &model_name, &candidate, long);
+            return Ok(request);
+        }
+        let max_waiting = self.config.queue.max_waiting;
+        if self.queue.waiting_for(&model_name) >= max_waiting {
+            return Err(SubmitError::QueueFull {
+                model: submit.model.to_owned(),
+                max_waiting,
+            });
+        }
+        self.next_request += 1;
+        let candidates = self.models[&model_name].candidates.clone();
+        self.queue.push(Waiter {
+            request,
+            model: model_name,
+            long,
+            candidates,
+            deadline: self.now + self.config.queue.wait_timeout,
+        });
+        self.requests.insert(request, ReqState::Waiting);
+        Ok(request)
+    }
+
+    /// Sends a granted request to its node. The machine sets the message's `run_id`,
+    /// `adapter` and `target` from the grant; the shell supplies the rest.
+    pub fn handle_dispatch(
+        &mut self,
+        now: Timestamp,
+        request: RequestId,
+        dispatch: Dispatch,
+    ) -> Result<String, DispatchError> {
+        self.advance(now);
+        let Some(ReqState::Granted {
+            lease,
+            conn,
+            shape,
+            target,
+        }) = self.requests.get(&request)
+        else {
+            return Err(DispatchError::NotGranted(request));
+        };
+        let (lease, conn, shape, target) = (*lease, *conn, *shape, target.to_string());
+        let run_id = run_id_of(request);
+        let provider_id = self.resources[lease.resource.index()]
+            .provider_id
+            .to_string();
+        let (body, stream) = match (dispatch, shape) {
+            (Dispatch::Run(mut run), DispatchShape::Run) => {
+                run.run_id.clone_from(&run_id);
+                run.adapter = provider_id;
+                run.target = target;
+                run.long_context = lease.long;
+                (Body::RunRequest(run), Stream::Run(RunTracker::new()))
+            }
+            (Dispatch::Tunnel(mut tunnel), DispatchShape::Tunnel) => {
+                tunnel.run_id.clone_from(&run_id);
+                tunnel.adapter = provider_id;
+                tunnel.target = target;
+                (
+                    Body::ProviderTunnelRequest(tunnel),
+                    Stream::Tunnel(TunnelReceiver::new()),
+                )
+            }
+            (_, expected) => return Err(DispatchError::WrongShape { request, expected }),
+        };
+        self.send(conn, body);
+        self.requests.insert(
+            request,
+            ReqState::Running {
+                lease,
+                conn,
+                stream,
+            },
+        );
+        Ok(run_id)
+    }
+
+    /// The caller gave up on `request` (disconnect, response timeout, write failure).
+    /// A waiting request leaves the queue; a granted one returns its lease; a running one
+    /// is cancelled on its node with `CancelRequest(CANCEL_RUN)` and keeps its lease until
+    /// the node confirms or the cancel grace passes. Returns false when the request had
+    /// already ended.
+    pub fn handle_cancel(&mut self, now: Timestamp, request: RequestId, reason: &str) -> bool {
+        self.advance(now);
+        let Some(state) = self.requests.remove(&request) else {
+            return false;
+        };
+        match state {
+            ReqState::Waiting => {
+                self.queue.remove(request);
+            }
+            ReqState::Granted { lease, .. } => self.release(lease),
+            ReqState::Running {
+                lease,
+                conn,
+                stream,
+            } => {
+                self.send(
+                    conn,
+                    Body::CancelRequest(CancelRequest {
+                        run_id: run_id_of(request),
+                        kind: CancelKind::CancelRun as i32,
+                        reason: reason.to_owned(),
+                    }),
+                );
+                self.timers.insert((
+                    self.now + self.config.timing.cancel_grace,
+                    TimerKey::CancelGrace(request),
+                ));
+                self.requests.insert(
+                    request,
+                    ReqState::Cancelling {
+                        lease,
+                        conn,
+                        stream,
+                    },
+                );
+            }
+            ReqState::Cancelling { .. } => {
+                self.requests.insert(request, state);
+                return false;
+            }
+        }
+        self.events.push_back(EdgeEvent::RequestEnded {
+            request,
+            outcome: Outcome::Cancelled,
+        });
+        true
+    }
+
+    /// Replaces the configuration. Removed nodes are fenced and closed; ready nodes whose
+    /// payload changed get a `NodeConfigRefreshRequest` (pending ones after their ready);
+    /// model groups take effect for new requests. An invalid configuration changes nothing.
+    pub fn handle_config(
+        &mut self,
+        now: Timestamp,
+        config: EdgeConfig,
+    ) -> Result<crate::edge_config::ConfigDiff, EdgeConfigError> {
+        self.advance(now);
+        config.validate()?;
+        let diff = self.config.diff(&config);
+        for node_id in &diff.removed_nodes {
+            if let Some(&i) = self.node_index.get(node_id.as_str())
+                && let Some(owner) = self.nodes[i].owner
+            {
+                self.close(owner.conn, CloseReason::NodeRemoved);
+                self.fence_owner(i, owner.generation, CloseReason::NodeRemoved);
+            }
+        }
+        for node_id in &diff.changed_payloads {
+            if let Some(&i) = self.node_index.get(node_id.as_str()) {
+                self.nodes[i].revision += 1;
+            }
+        }
+        self.install(config);
+        for node_id in &diff.changed_payloads {
+            if let Some(&i) = self.node_index.get(node_id.as_str())
+                && self.nodes[i].owner.is_some_and(|o| o.ready)
+            {
+                self.push_refresh(i);
+            }
+        }
+        Ok(diff)
+    }
+
+    // ----- internals -----
+
+    /// Adopts a validated configuration: nodes, resources and model groups.
+    fn install(&mut self, config: EdgeConfig) {
+        for node in &mut self.nodes {
+            node.spec = None;
+        }
+        for (node_id, spec) in &config.nodes {
+            let i = match self.node_index.get(node_id.as_str()) {
+                Some(&i) => i,
+                None => {
+                    let id: Arc<str> = node_id.as_str().into();
+                    self.nodes.push(NodeEntry {
+                        id: id.clone(),
+                        spec: None,
+                        revision: 1,
+                        applied_revision: 0,
+                        owner: None,
+                        refresh: None,
+                        last_refresh: None,
+                        resources: Vec::new(),
+                    });
+                    self.node_index.insert(id, self.nodes.len() - 1);
+                    self.nodes.len() - 1
+                }
+            };
+            for adapter in &spec.adapters {
+                let name = adapter.instance_name();
+                if !self.nodes[i].resources.iter().any(|(n, _)| &**n == name) {
+                    let r = self.ledger.add_resource();
+                    let provider_id: Arc<str> = name.into();
+                    self.resources.push(ResourceMeta {
+                        node: i,
+                        provider_id: provider_id.clone(),
+                    });
+                    self.nodes[i].resources.push((provider_id, r));
+                }
+            }
+            self.nodes[i].spec = Some(spec.clone());
+        }
+        let mut models = HashMap::new();
+        for (name, spec) in &config.models {
+            let mut long_possible = false;
+            let candidates: Vec<Candidate> = spec
+                .candidates
+                .iter()
+                .filter_map(|c| {
+                    let adapter = config.nodes.get(&c.node_id)?.adapter(&c.provider_id)?;
+                    if !adapter.enabled {
+                        return None;
+                    }
+                    long_possible |= adapter.long_capacity > 0;
+                    Some(Candidate {
+                        resource: self.resource(&c.node_id, &c.provider_id)?,
+                        target: c.target.as_str().into(),
+                    })
+                })
+                .collect();
+            let cursor = self.models.get(name.as_str()).map_or(0, |m| m.cursor);
+            models.insert(
+                Arc::from(name.as_str()),
+                Model {
+                    candidates: candidates.into(),
+                    long_threshold: spec.long_context_threshold,
+                    long_possible,
+                    cursor,
+                },
+            );
+        }
+        self.models = models;
+        self.config = config;
+    }
+
+    fn send(&mut self, conn: ConnId, body: Body) {
+        self.transmits.push_back(Transmit::Frame {
+            conn,
+            envelope: Envelope::new(body),
+        });
+    }
+
+    fn close(&mut self, conn: ConnId, reason: CloseReason) {
+        if let Some(c) = self.conns.get_mut(&conn)
+            && c.phase != Phase::Stale
+        {
+            c.phase = Phase::Stale;
+            self.transmits.push_back(Transmit::Close { conn, reason });
+        }
+    }
+
+    fn node_of(&self, conn: ConnId) -> Option<Arc<str>> {
+        match self.conns.get(&conn)?.phase {
+            Phase::Owner { node, .. } => Some(self.nodes[node].id.clone()),
+            _ => None,
+        }
+    }
+
+    /// The peer broke the protocol at connection level: close it (fencing it if it owns).
+    fn violation(&mut self, conn: ConnId, detail: String) {
+        self.events.push_back(EdgeEvent::PeerViolation {
+            conn,
+            node_id: self.node_of(conn),
+            detail: detail.clone(),
+        });
+        let phase = self.conns.get(&conn).map(|c| c.phase);
+        self.close(conn, CloseReason::ProtocolViolation(detail.clone()));
+        if let Some(Phase::Owner { node, generation }) = phase {
+            self.fence_owner(node, generation, CloseReason::ProtocolViolation(detail));
+        }
+    }
+
+    fn on_register(&mut self, conn: ConnId, phase: Phase, req: RegisterRequest) {
+        if phase != Phase::Unregistered {
+            self.violation(conn, "second RegisterRequest on one connection".into());
+            return;
+        }
+        let node = self
+            .node_index
+            .get(req.node_id.as_str())
+            .copied()
+            .filter(|&i| self.nodes[i].spec.is_some());
+        let verified = node.filter(|&i| {
+            self.nodes[i]
+                .spec
+                .as_ref()
+                .is_some_and(|spec| spec.token.verify(req.token.as_bytes()))
+        });
+        let Some(i) = verified else {
+            let reason = if node.is_none() {
+                format!("unknown node id {:?}", req.node_id)
+            } else {
+                "invalid token".to_owned()
+            };
+            self.send(
+                conn,
+                Body::RegisterResponse(RegisterResponse {
+                    accepted: false,
+                    reason: reason.clone(),
+                    node_id: req.node_id,
+                    ..RegisterResponse::default()
+                }),
+            );
+            self.close(conn, CloseReason::RegisterRejected(reason));
+            return;
+        };
+        // A newer register supersedes the current owner in this same transition.
+        if let Some(old) = self.nodes[i].owner {
+            self.close(old.conn, CloseReason::Superseded);
+            self.fence_owner(i, old.generation, CloseReason::Superseded);
+        }
+        let generation = Generation(self.next_generation);
+        self.next_generation += 1;
+        let revision = self.nodes[i].revision;
+        self.nodes[i].owner = Some(Owner {
+            conn,
+            generation,
+            ready: false,
+            registered_revision: revision,
+        });
+        let timing = self.config.timing;
+        if let Some(c) = self.conns.get_mut(&conn) {
+            c.phase = Phase::Owner {
+                node: i,
+                generation,
+            };
+            c.handshake_deadline = self.now + timing.register_timeout;
+        }
+        let payload = self.nodes[i]
+            .spec
+            .as_ref()
+            .map(|spec| spec.payload(revision));
+        self.send(
+            conn,
+            Body::RegisterResponse(RegisterResponse {
+                accepted: true,
+                reason: String::new(),
+                node_id: self.nodes[i].id.to_string(),
+                config: payload,
+                heartbeat_interval_ms: millis(timing.heartbeat_interval),
+            }),
+        );
+        self.timers.insert((
+            self.now + timing.register_timeout,
+            TimerKey::Handshake(conn),
+        ));
+        self.timers
+            .insert((self.now + timing.heartbeat_interval, TimerKey::Ping(conn)));
+    }
+
+    fn refuse_ready(&mut self, conn: ConnId, reason: &str, close: bool) {
+        self.send(
+            conn,
+            Body::NodeReadyResponse(NodeReadyResponse {
+                ready: false,
+                reason: reason.to_owned(),
+            }),
+        );
+        if close {
+            self.close(conn, CloseReason::ReadyRefused);
+        }
+    }
+
+    fn on_ready(&mut self, conn: ConnId, phase: Phase, req: &NodeReadyRequest) {
+        let Phase::Owner {
+            node: i,
+            generation,
+        } = phase
+        else {
+            self.refuse_ready(conn, "ready before an accepted register", true);
+            return;
+        };
+        let Some(owner) = self.nodes[i].owner.filter(|o| o.conn == conn) else {
+            self.refuse_ready(conn, "connection is not the node's current owner", true);
+            return;
+        };
+        if *self.nodes[i].id != *req.node_id {
+            self.refuse_ready(conn, "node_id does not match the registered node", false);
+            self.violation(conn, "ready for another node id".into());
+            return;
+        }
+        self.send(
+            conn,
+            Body::NodeReadyResponse(NodeReadyResponse {
+                ready: true,
+                reason: String::new(),
+            }),
+        );
+        if owner.ready {
+            return; // duplicate ready from the ready owner: no side effect
+        }
+        if let Some(o) = self.nodes[i].owner.as_mut() {
+            o.ready = true;
+        }
+        self.nodes[i].applied_revision = owner.registered_revision;
+        self.events.push_back(EdgeEvent::NodeConnected {
+            node_id: self.nodes[i].id.clone(),
+            generation,
+        });
+        self.activate_node(i, generation);
+        if self.nodes[i].revision != owner.registered_revision {
+            self.push_refresh(i);
+        }
+    }
+
+    /// Brings every enabled adapter of node `i` online in `generation` and pumps waiters.
+    fn activate_node(&mut self, i: usize, generation: Generation) {
+        let Some(spec) = self.nodes[i].spec.clone() else {
+            return;
+        };
+        for (name, r) in self.nodes[i].resources.clone() {
+            match spec.adapter(&name).filter(|a| a.enabled) {
+                Some(adapter) => {
+                    let returned = self.ledger.activate(
+                        r,
+                        generation,
+                        adapter.capacity,
+                        adapter.long_capacity,
+                    );
+                    debug_assert!(returned.is_empty(), "older generation was not fenced");
+                    self.pump(r);
+                }
+                None => {
+                    let _ = self.ledger.fence(r);
+                }
+            }
+        }
+    }
+
+    /// Fences node `i`'s `generation` if it is still the owner: leases return once, its
+    /// running requests fail with `NodeLost`, its resources go offline.
+    fn fence_owner(&mut self, i: usize, generation: Generation, reason: CloseReason) {
+        let Some(owner) = self.nodes[i].owner.filter(|o| o.generation == generation) else {
+            return; // stale: changes nothing, emits nothing
+        };
+        self.nodes[i].owner = None;
+        self.nodes[i].refresh = None;
+        let node_id = self.nodes[i].id.clone();
+        let mut lost = Vec::new();
+        for (_, r) in self.nodes[i].resources.clone() {
+            for lease in self.ledger.fence(r) {
+                match self.requests.remove(&lease.request) {
+                    Some(ReqState::Granted { .. } | ReqState::Running { .. }) => {
+                        lost.push(lease.request);
+                    }
+                    Some(ReqState::Cancelling { .. }) | None => {}
+                    Some(state @ ReqState::Waiting) => {
+                        self.requests.insert(lease.request, state);
+                    }
+                }
+            }
+        }
+        lost.sort_unstable();
+        for &request in &lost {
+            self.events.push_back(EdgeEvent::RequestEnded {
+                request,
+                outcome: Outcome::Failed(RequestError::NodeLost {
+                    node_id: node_id.clone(),
+                }),
+            });
+        }
+        if owner.ready {
+            self.events.push_back(EdgeEvent::NodeDisconnected {
+                node_id,
+                generation,
+                reason,
+                lost,
+            });
+        }
+    }
+
+    /// Picks the live candidate with the most free capacity; ties go round-robin.
+    fn pick_candidate(&mut self, model: &str, long: bool) -> Option<usize> {
+        let entry = self.models.get(model)?;
+        let n = entry.candidates.len();
+        let mut best: Option<(usize, u32)> = None;
+        for step in 0..n {
+            let index = (entry.cursor + step) % n;
+            let free = self.ledger.free(entry.candidates[index].resource, long);
+            if free > 0 && best.is_none_or(|(_, f)| free > f) {
+                best = Some((index, free));
+            }
+        }
+        let (index, _) = best?;
+        if let Some(entry) = self.models.get_mut(model) {
+            entry.cursor = (index + 1) % n;
+        }
+        Some(index)
+    }
+
+    fn grant(&mut self, request: RequestId, model: &Arc<str>, candidate: &Candidate, long: bool) {
+        let Some(lease) = self.ledger.try_acquire(candidate.resource, request, long) else {
+            unreachable!("grant without free capacity");
+        };
+        let meta = &self.resources[candidate.resource.index()];
+        let node = &self.nodes[meta.node];
+        let Some(owner) = node.owner.filter(|o| o.ready) else {
+            unreachable!("live resource on a node that is not ready");
+        };
+        let kind = node
+            .spec
+            .as_ref()
+            .and_then(|s| s.adapter(&meta.provider_id))
+            .map_or(AdapterType::Unspecified, |a: &AdapterConfig| {
+                AdapterType::try_from(a.r#type).unwrap_or_default()
+            });
+        let shape = DispatchShape::of(kind);
+        self.requests.insert(
+            request,
+            ReqState::Granted {
+                lease,
+                conn: owner.conn,
+                shape,
+                target: candidate.target.clone(),
+            },
+        );
+        self.events.push_back(EdgeEvent::Granted(Grant {
+            request,
+            lease,
+            model: model.clone(),
+            node_id: node.id.clone(),
+            provider_id: meta.provider_id.clone(),
+            target: candidate.target.clone(),
+            shape,
+        }));
+    }
+
+    /// Serves waiters listing `resource` while it has free capacity, oldest first.
+    fn pump(&mut self, resource: ResourceId) {
+        loop {
+            let short_free = self.ledger.free(resource, false) > 0;
+            let long_free = self.ledger.free(resource, true) > 0;
+            let Some(request) = self.queue.oldest_fitting(resource, short_free, long_free) else {
+                return;
+            };
+            let Some(waiter) = self.queue.remove(request) else {
+                return;
+            };
+            let Some(candidate) = waiter
+                .candidates
+                .iter()
+                .find(|c| c.resource == resource)
+                .cloned()
+            else {
+                return;
+            };
+            self.grant(request, &waiter.model, &candidate, waiter.long);
+        }
+    }
+
+    fn release(&mut self, lease: Lease) {
+        #[cfg(feature = "testkit")]
+        if self.faults.double_release {
+            let _ = self.ledger.release(lease);
+        }
+        if self.ledger.release(lease) == Release::Released {
+            self.pump(lease.resource);
+        }
+    }
+
+    /// Common checks for a run event or tunnel frame: from the current ready owner, for a
+    /// request running on this connection. Anything else is stale and ignored.
+    fn stream_of(&mut self, conn: ConnId, phase: Phase, run_id: &str) -> Option<RequestId> {
+        let Phase::Owner { node, .. } = phase else {
+            self.violation(conn, "stream frame before register".into());
+            return None;
+        };
+        if !self.nodes[node]
+            .owner
+            .is_some_and(|o| o.conn == conn && o.ready)
+        {
+            self.violation(conn, "stream frame before ready".into());
+            return None;
+        }
+        let request = request_of(run_id)?;
+        match self.requests.get(&request)? {
+            ReqState::Running { conn: c, .. } | ReqState::Cancelling { conn: c, .. }
+                if *c == conn =>
+            {
+                Some(request)
+            }
+            _ => None,
+        }
+    }
+
+    fn on_run_event(&mut self, conn: ConnId, phase: Phase, event: RunEvent) {
+        let Some(request) = self.stream_of(conn, phase, &event.run_id) else {
+            return;
+        };
+        let Some(state) = self.requests.remove(&request) else {
+            return;
+        };
+        let (lease, conn, mut stream, cancelling) = match state {
+            ReqState::Running {
+                lease,
+                conn,
+                stream,
+            } => (lease, conn, stream, false),
+            ReqState::Cancelling {
+                lease,
+                conn,
+                stream,
+            } => (lease, conn, stream, true),
+            other => {
+                self.requests.insert(request, other);
+                return;
+            }
+        };
+        let tracker = match &mut stream {
+            Stream::Run(tracker) => tracker,
+            Stream::Broken => {
+                self.requests.insert(
+                    request,
+                    ReqState::Cancelling {
+                        lease,
+                        conn,
+                        stream,
+                    },
+                );
+                return;
+            }
+            Stream::Tunnel(_) => {
+                self.stream_violation(
+                    request,
+                    lease,
+                    conn,
+                    cancelling,
+                    "RunEvent for a tunnel".into(),
+                );
+                return;
+            }
+        };
+        match tracker.observe(&event) {
+            Ok(RunStep::Terminal(kind)) => {
+                self.release(lease);
+                if !cancelling {
+                    let outcome = match kind {
+                        RunEventType::Complete => Outcome::Completed,
+                        RunEventType::Cancelled => Outcome::Cancelled,
+                        _ => Outcome::Failed(RequestError::Provider(
+                            event.error.clone().unwrap_or_default(),
+                        )),
+                    };
+                    self.events
+                        .push_back(EdgeEvent::RunEvent { request, event });
+                    self.events
+                        .push_back(EdgeEvent::RequestEnded { request, outcome });
+                }
+            }
+            Ok(_) => {
+                if !cancelling {
+                    self.events
+                        .push_back(EdgeEvent::RunEvent { request, event });
+                }
+                self.requests.insert(
+                    request,
+                    if cancelling {
+                        ReqState::Cancelling {
+                            lease,
+                            conn,
+                            stream,
+                        }
+                    } else {
+                        ReqState::Running {
+                            lease,
+                            conn,
+                            stream,
+                        }
+                    },
+                );
+            }
+            Err(violation) => {
+                self.stream_violation(request, lease, conn, cancelling, violation.to_string());
+            }
+        }
+    }
+
+    fn on_tunnel_frame(&mut self, conn: ConnId, phase: Phase, frame: ProviderTunnelFrame) {
+        let Some(request) = self.stream_of(conn, phase, &frame.run_id) else {
+            return;
+        };
+        let Some(state) = self.requests.remove(&request) else {
+            return;
+        };
+        let (lease, conn, mut stream, cancelling) = match state {
+            ReqState::Running {
+                lease,
+                conn,
+                stream,
+            } => (lease, conn, stream, false),
+            ReqState::Cancelling {
+                lease,
+                conn,
+                stream,
+            } => (lease, conn, stream, true),
+            other => {
+                self.requests.insert(request, other);
+                return;
+            }
+        };
+        let receiver = match &mut stream {
+            Stream::Tunnel(receiver) => receiver,
+            Stream::Broken => {
+                self.requests.insert(
+                    request,
+                    ReqState::Cancelling {
+                        lease,
+                        conn,
+                        stream,
+                    },
+                );
+                return;
+            }
+            Stream::Run(_) => {
+                self.stream_violation(
+                    request,
+                    lease,
+                    conn,
+                    cancelling,
+                    "tunnel frame for a run".into(),
+                );
+                return;
+            }
+        };
+        match receiver.observe(&frame) {
+            Ok(step) if step.is_terminal() => {
+                self.release(lease);
+                if !cancelling {
+                    let outcome = if step == TunnelStep::End {
+                        Outcome::Completed
+                    } else {
+                        Outcome::Failed(RequestError::Provider(
+                            frame.error.clone().unwrap_or_default(),
+                        ))
+                    };
+                    self.events
+                        .push_back(EdgeEvent::TunnelFrame { request, frame });
+                    self.events
+                        .push_back(EdgeEvent::RequestEnded { request, outcome });
+                }
+            }
+            Ok(_) => {
+                if !cancelling {
+                    self.events
+                        .push_back(EdgeEvent::TunnelFrame { request, frame });
+                }
+                self.requests.insert(
+                    request,
+                    if cancelling {
+                        ReqState::Cancelling {
+                            lease,
+                            conn,
+                            stream,
+                        }
+                    } else {
+                        ReqState::Running {
+                            lease,
+                            conn,
+                            stream,
+                        }
+                    },
+                );
+            }
+            Err(violation) => {
+                self.stream_violation(request, lease, conn, cancelling, violation.to_string());
+            }
+        }
+    }
+
+    /// A run's stream broke the contract: that run alone fails, is cancelled on the node,
+    /// and keeps its lease until the node ends it or the cancel grace passes.
+    fn stream_violation(
+        &mut self,
+        request: RequestId,
+        lease: Lease,
+        conn: ConnId,
+        cancelling: bool,
+        detail: String,
+    ) {
+        self.events.push_back(EdgeEvent::PeerViolation {
+            conn,
+            node_id: self.node_of(conn),
+            detail: format!("{}: {detail}", run_id_of(request)),
+        });
+        if !cancelling {
+            self.events.push_back(EdgeEvent::RequestEnded {
+                request,
+                outcome: Outcome::Failed(RequestError::Violation(detail.clone())),
+            });
+            self.send(
+                conn,
+                Body::CancelRequest(CancelRequest {
+                    run_id: run_id_of(request),
+                    kind: CancelKind::CancelRun as i32,
+                    reason: format!("protocol violation: {detail}"),
+                }),
+            );
+            self.timers.insert((
+                self.now + self.config.timing.cancel_grace,
+                TimerKey::CancelGrace(request),
+            ));
+        }
+        // Nothing more this stream sends is trusted; the lease waits for the grace timer
+        // or a fence.
+        self.requests.insert(
+            request,
+            ReqState::Cancelling {
+                lease,
+                conn,
+                stream: Stream::Broken,
+            },
+        );
+    }
+
+    fn push_refresh(&mut self, i: usize) {
+        let Some(owner) = self.nodes[i].owner else {
+            return;
+        };
+        let Some(spec) = &self.nodes[i].spec else {
+            return;
+        };
+        let revision = self.nodes[i].revision;
+        let seq = self.next_refresh;
+        self.next_refresh += 1;
+        let payload = spec.payload(revision);
+        self.nodes[i].refresh = Some((seq, revision));
+        self.send(
+            owner.conn,
+            Body::NodeConfigRefreshRequest(NodeConfigRefreshRequest {
+                request_id: format!("refresh-{seq}"),
+                config: Some(payload),
+            }),
+        );
+        self.timers.insert((
+            self.now + self.config.timing.refresh_timeout,
+            TimerKey::Refresh(i, seq),
+        ));
+    }
+
+    fn on_refresh_response(&mut self, conn: ConnId, phase: Phase, resp: NodeConfigRefreshResponse) {
+        let Phase::Owner {
+            node: i,
+            generation,
+        } = phase
+        else {
+            return;
+        };
+        if !self.nodes[i]
+            .owner
+            .is_some_and(|o| o.conn == conn && o.ready)
+        {
+            return;
+        }
+        let Some((seq, revision)) = self.nodes[i].refresh else {
+            return;
+        };
+        if resp.request_id != format!("refresh-{seq}") {
+            return;
+        }
+        self.nodes[i].refresh = None;
+        let status = RefreshStatus::try_from(resp.status).unwrap_or_default();
+        self.nodes[i].last_refresh = Some(status);
+        if status == RefreshStatus::Applied {
+            self.nodes[i].applied_revision = revision;
+            self.apply_live_config(i, generation);
+        }
+        self.events.push_back(EdgeEvent::RefreshAnswered {
+            node_id: self.nodes[i].id.clone(),
+            status,
+            message: resp.message,
+            revision: resp.revision,
+        });
+        // The configuration may have moved on while this refresh was in flight.
+        if status == RefreshStatus::Applied && self.nodes[i].revision != revision {
+            self.push_refresh(i);
+        }
+    }
+
+    /// After an applied refresh: new adapters come online, changed capacities apply, and
+    /// removed or disabled adapters take no new work while their leases drain.
+    fn apply_live_config(&mut self, i: usize, generation: Generation) {
+        let Some(spec) = self.nodes[i].spec.clone() else {
+            return;
+        };
+        for (name, r) in self.nodes[i].resources.clone() {
+            match spec.adapter(&name).filter(|a| a.enabled) {
+                Some(adapter) => {
+                    if self.ledger.usage(r).generation == Some(generation) {
+                        self.ledger
+                            .set_capacity(r, adapter.capacity, adapter.long_capacity);
+                    } else {
+                        let _ = self.ledger.activate(
+                            r,
+                            generation,
+                            adapter.capacity,
+                            adapter.long_capacity,
+                        );
+                    }
+                    self.pump(r);
+                }
+                None => self.ledger.set_capacity(r, 0, 0),
+            }
+        }
+    }
+
+    fn fire(&mut self, key: TimerKey) {
+        let timing = self.config.timing;
+        match key {
+            TimerKey::Handshake(conn) => {
+                let Some(c) = self.conns.get(&conn) else {
+                    return;
+                };
+                let pending = match c.phase {
+                    Phase::Unregistered => true,
+                    Phase::Owner { node, .. } => self.nodes[node]
+                        .owner
+                        .is_some_and(|o| o.conn == conn && !o.ready),
+                    Phase::Stale => false,
+                };
+                // An earlier timer of a re-armed deadline is not due yet.
+                if pending && c.handshake_deadline <= self.now {
+                    let phase = c.phase;
+                    self.close(conn, CloseReason::HandshakeTimeout);
+                    if let Phase::Owner { node, generation } = phase {
+                        self.fence_owner(node, generation, CloseReason::HandshakeTimeout);
+                    }
+                }
+            }
+            TimerKey::Liveness(conn) => {
+                let Some(c) = self.conns.get(&conn) else {
+                    return;
+                };
+                let deadline = c.last_rx + timing.heartbeat_timeout;
+                if deadline > self.now {
+                    self.timers.insert((deadline, TimerKey::Liveness(conn)));
+                    return;
+                }
+                let phase = c.phase;
+                self.close(conn, CloseReason::HeartbeatTimeout);
+                if let Phase::Owner { node, generation } = phase {
+                    self.fence_owner(node, generation, CloseReason::HeartbeatTimeout);
+                }
+            }
+            TimerKey::Ping(conn) => {
+                if self.owner_of(conn).is_none() {
+                    return;
+                }
+                let nonce = self.next_nonce;
+                self.next_nonce += 1;
+                self.send(
+                    conn,
+                    Body::Heartbeat(Heartbeat {
+                        nonce,
+                        sent_at_ms: self.now.as_millis(),
+                    }),
+                );
+                self.timers
+                    .insert((self.now + timing.heartbeat_interval, TimerKey::Ping(conn)));
+            }
+            TimerKey::Refresh(i, seq) => {
+                if let Some((pending, revision)) = self.nodes[i].refresh
+                    && pending == seq
+                {
+                    self.nodes[i].refresh = None;
+                    self.events.push_back(EdgeEvent::RefreshTimedOut {
+                        node_id: self.nodes[i].id.clone(),
+                        revision,
+                    });
+                }
+            }
+            TimerKey::CancelGrace(request) => {
+                if let Some(ReqState::Cancelling { lease, .. }) = self.requests.get(&request) {
+                    let lease = *lease;
+                    self.requests.remove(&request);
+                    self.release(lease);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,469 @@
+//! The Edge's configured world: nodes with their credentials and adapter instances, model
+//! groups with their provider candidates, timing and queue limits. Validated as a whole,
+//! with an error that names the key at fault, and compared with [`EdgeConfig::diff`] to
+//! decide which nodes need a config refresh.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use crate::token::TokenVerifier;
+use crate::wire::{
+    AdapterConfig, AdapterType, NodeConfigPayload, NodeRuntimeConfig, Validate, ValidationError,
+};
+
+/// One node the Edge accepts.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NodeSpec {
+    /// How its token is checked.
+    pub token: TokenVerifier,
+    /// Adapter instances the node runs (sent in `RegisterResponse` and refreshes).
+    pub adapters: Vec<AdapterConfig>,
+    /// Runtime limits sent with the adapters.
+    pub runtime: NodeRuntimeConfig,
+}
+
+impl NodeSpec {
+    /// The payload sent to the node at `revision`.
+    #[must_use]
+    pub fn payload(&self, revision: u64) -> NodeConfigPayload {
+        NodeConfigPayload {
+            revision,
+            adapters: self.adapters.clone(),
+            runtime: Some(self.runtime),
+        }
+    }
+
+    /// The adapter instance named `provider_id`.
+    #[must_use]
+    pub fn adapter(&self, provider_id: &str) -> Option<&AdapterConfig> {
+        self.adapters
+            .iter()
+            .find(|adapter| adapter.instance_name() == provider_id)
+    }
+}
+
+/// One provider candidate of a model group.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CandidateSpec {
+    /// Node hosting the provider.
+    pub node_id: String,
+    /// Adapter instance name on that node.
+    pub provider_id: String,
+    /// Model name the provider knows.
+    pub target: String,
+}
+
+/// A public model name and the providers that can serve it.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct ModelSpec {
+    /// Candidates, in configuration order (the round-robin order on ties).
+    pub candidates: Vec<CandidateSpec>,
+    /// Requests whose estimated prompt tokens reach this count use long-context capacity.
+    pub long_context_threshold: Option<u64>,
+}
+
+/// Timers of the Edge's node protocol.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EdgeTiming {
+    /// How often the Edge pings each node connection, and tells nodes to ping.
+    pub heartbeat_interval: Duration,
+    /// Silence after which a node connection is considered lost.
+    pub heartbeat_timeout: Duration,
+    /// Time a new connection has to register and then to report ready.
+    pub register_timeout: Duration,
+    /// Time a node has to answer a config refresh.
+    pub refresh_timeout: Duration,
+    /// Time a cancelled run keeps its lease while the node confirms the cancel.
+    pub cancel_grace: Duration,
+}
+
+impl Default for EdgeTiming {
+    fn default() -> Self {
+        EdgeTiming {
+            heartbeat_interval: Duration::from_secs(5),
+            heartbeat_timeout: Duration::from_secs(15),
+            register_timeout: Duration::from_secs(10),
+            refresh_timeout: Duration::from_secs(10),
+            cancel_grace: Duration::from_secs(15),
+        }
+    }
+}
+
+/// Queue limits per model group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QueueLimits {
+    /// Requests that may wait per model group; one more is refused (HTTP 429).
+    pub max_waiting: usize,
+    /// How long a request waits for capacity before it fails.
+    pub wait_timeout: Duration,
+}
+
+impl Default for QueueLimits {
+    fn default() -> Self {
+        QueueLimits {
+            max_waiting: 256,
+            wait_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// The Edge's whole configured set.
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct EdgeConfig {
+    /// Nodes by id.
+    pub nodes: BTreeMap<String, NodeSpec>,
+    /// Model groups by public name.
+    pub models: BTreeMap<String, ModelSpec>,
+    /// Protocol timers.
+    pub timing: EdgeTiming,
+    /// Queue limits.
+    pub queue: QueueLimits,
+}
+
+/// A configuration that cannot run, naming the key at fault.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum EdgeConfigError {
+    /// A node id that is empty.
+    #[error("nodes: a node id must not be empty")]
+    EmptyNodeId,
+    /// An adapter of a node breaks the wire contract.
+    #[error("nodes.{node}.adapters: {source}")]
+    Adapter {
+        /// Node id.
+        node: String,
+        /// The adapter rule broken.
+        #[source]
+        source: ValidationError,
+    },
+    /// A model name that is empty.
+    #[error("models: a model name must not be empty")]
+    EmptyModelName,
+    /// A candidate naming a node that is not configured.
+    #[error("models.{model}: candidate node {node:?} is not configured")]
+    UnknownNode {
+        /// Model name.
+        model: String,
+        /// Node id named.
+        node: String,
+    },
+    /// A candidate naming an adapter its node does not have.
+    #[error("models.{model}: node {node:?} has no adapter {provider:?}")]
+    UnknownProvider {
+        /// Model name.
+        model: String,
+        /// Node id.
+        node: String,
+        /// Adapter instance named.
+        provider: String,
+    },
+    /// A candidate whose target the adapter does not list.
+    #[error("models.{model}: adapter {node}/{provider} does not serve target {target:?}")]
+    TargetNotServed {
+        /// Model name.
+        model: String,
+        /// Node id.
+        node: String,
+        /// Adapter instance.
+        provider: String,
+        /// Target named.
+        target: String,
+    },
+    /// The same provider listed twice in one model group.
+    #[error("models.{model}: provider {node}/{provider} is listed twice")]
+    DuplicateCandidate {
+        /// Model name.
+        model: String,
+        /// Node id.
+        node: String,
+        /// Adapter instance.
+        provider: String,
+    },
+    /// A timer that cannot work.
+    #[error("{key}: {problem}")]
+    Timing {
+        /// The config key.
+        key: &'static str,
+        /// What is wrong.
+        problem: &'static str,
+    },
+}
+
+/// What changed between two configurations.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ConfigDiff {
+    /// Nodes only in the new configuration.
+    pub added_nodes: Vec<String>,
+    /// Nodes only in the old configuration.
+    pub removed_nodes: Vec<String>,
+    /// Nodes in both whose adapters or runtime limits differ (need a refresh).
+    pub changed_payloads: Vec<String>,
+    /// Nodes in both whose credentials differ.
+    pub changed_tokens: Vec<String>,
+    /// Model names added, removed or changed.
+    pub changed_models: Vec<String>,
+}
+
+impl ConfigDiff {
+    /// True when nothing changed.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        *self == ConfigDiff::default()
+    }
+}
+
+impl EdgeConfig {
+    /// Checks every rule; the first broken one is returned.
+    pub fn validate(&self) -> Result<(), EdgeConfigError> {
+        let timing = &self.timing;
+        if timing.heartbeat_interval.is_zero() {
+            return Err(EdgeConfigError::Timing {
+                key: "heartbeat.interval",
+                problem: "must be positive",
+            });
+        }
+        if timing.heartbeat_timeout <= timing.heartbeat_interval {
+            return Err(EdgeConfigError::Timing {
+                key: "heartbeat.timeout",
+                problem: "must be longer than heartbeat.interval",
+            });
+        }
+        if timing.register_timeout.is_zero() {
+            return Err(EdgeConfigError::Timing {
+                key: "register_timeout",
+                problem: "must be positive",
+            });
+        }
+        if self.queue.wait_timeout.is_zero() {
+            return Err(EdgeConfigError::Timing {
+                key: "queue.wait_timeout",
+                problem: "must be positive",
+            });
+        }
+        for (node_id, node) in &self.nodes {
+            if node_id.is_empty() {
+                return Err(EdgeConfigError::EmptyNodeId);
+            }
+            node.payload(0)
+                .validate()
+                .map_err(|source| EdgeConfigError::Adapter {
+                    node: node_id.clone(),
+                    source,
+                })?;
+        }
+        for (model, spec) in &self.models {
+            if model.is_empty() {
+                return Err(EdgeConfigError::EmptyModelName);
+            }
+            let mut seen: Vec<(&str, &str)> = Vec::new();
+            for c in &spec.candidates {
+                let node =
+                    self.nodes
+                        .get(&c.node_id)
+                        .ok_or_else(|| EdgeConfigError::UnknownNode {
+                            model: model.clone(),
+                            node: c.node_id.clone(),
+                        })?;
+                let adapter = node.adapter(&c.provider_id).ok_or_else(|| {
+                    EdgeConfigError::UnknownProvider {
+                        model: model.clone(),
+                        node: c.node_id.clone(),
+                        provider: c.provider_id.clone(),
+                    }
+                })?;
+                if c.target.is_empty()
+                    || (!adapter.targets.is_empty() && !adapter.targets.contains(&c.target))
+                {
+                    return Err(EdgeConfigError::TargetNotServed {
+                        model: model.clone(),
+                        node: c.node_id.clone(),
+                        provider: c.provider_id.clone(),
+                        target: c.target.clone(),
+                    });
+                }
+                let key = (c.node_id.as_str(), c.provider_id.as_str());
+                if seen.contains(&key) {
+                    return Err(EdgeConfigError::DuplicateCandidate {
+                        model: model.clone(),
+                        node: c.node_id.clone(),
+                        provider: c.provider_id.clone(),
+                    });
+                }
+                seen.push(key);
+            }
+        }
+        Ok(())
+    }
+
+    /// What changed from `self` to `new`.
+    #[must_use]
+    pub fn diff(&self, new: &EdgeConfig) -> ConfigDiff {
+        let mut diff = ConfigDiff::default();
+        for (id, old) in &self.nodes {
+            match new.nodes.get(id) {
+                None => diff.removed_nodes.push(id.clone()),
+                Some(node) => {
+                    if node.adapters != old.adapters || node.runtime != old.runtime {
+                        diff.changed_payloads.push(id.clone());
+                    }
+                    if node.token != old.token {
+                        diff.changed_tokens.push(id.clone());
+                    }
+                }
+            }
+        }
+        diff.added_nodes = new
+            .nodes
+            .keys()
+            .filter(|id| !self.nodes.contains_key(*id))
+            .cloned()
+            .collect();
+        let mut models: Vec<&String> = self.models.keys().chain(new.models.keys()).collect();
+        models.sort();
+        models.dedup();
+        diff.changed_models = models
+            .into_iter()
+            .filter(|m| self.models.get(*m) != new.models.get(*m))
+            .cloned()
+            .collect();
+        diff
+    }
+}
+
+/// The provider category of an adapter type, for snapshots.
+#[must_use]
+pub fn category_of(kind: AdapterType) -> crate::wire::ProviderCategory {
+    match kind {
+        AdapterType::OpenaiCompat => crate::wire::ProviderCategory::Api,
+        AdapterType::Vllm | AdapterType::Ollama | AdapterType::Mock => {
+            crate::wire::ProviderCategory::LocalInference
+        }
+        AdapterType::Unspecified => crate::wire::ProviderCategory::Unspecified,
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    pub(crate) fn adapter(
+        name: &str,
+        kind: AdapterType,
+        capacity: u32,
+        long: u32,
+    ) -> AdapterConfig {
+        AdapterConfig {
+            name: name.into(),
+            r#type: kind as i32,
+            base_url: "http://127.0.0.1:9".into(),
+            capacity,
+            long_capacity: long,
+            targets: vec!["t".into()],
+            enabled: true,
+            ..Default::default()
+        }
+    }
+
+    pub(crate) fn node(adapters: Vec<AdapterConfig>) -> NodeSpec {
+        NodeSpec {
+            token: TokenVerifier::Plain(b"tok".to_vec()),
+            adapters,
+            runtime: NodeRuntimeConfig::default(),
+        }
+    }
+
+    fn candidate(node: &str, provider: &str, target: &str) -> CandidateSpec {
+        CandidateSpec {
+            node_id: node.into(),
+            provider_id: provider.into(),
+            target: target.into(),
+        }
+    }
+
+    fn config() -> EdgeConfig {
+        let mut cfg = EdgeConfig::default();
+        cfg.nodes.insert(
+            "n1".into(),
+            node(vec![adapter("a", AdapterType::Mock, 2, 1)]),
+        );
+        cfg.models.insert(
+            "m".into(),
+            ModelSpec {
+                candidates: vec![candidate("n1", "a", "t")],
+                long_context_threshold: None,
+            },
+        );
+        cfg
+    }
+
+    #[test]
+    fn a_consistent_config_validates() {
+        assert_eq!(config().validate(), Ok(()));
+    }
+
+    #[test]
+    fn candidates_must_reference_configured_providers_and_targets() {
+        let mut cfg = config();
+        cfg.models.get_mut("m").expect("m").candidates[0].node_id = "nx".into();
+        assert!(matches!(
+            cfg.validate(),
+            Err(EdgeConfigError::UnknownNode { .. })
+        ));
+        let mut cfg = config();
+        cfg.models.get_mut("m").expect("m").candidates[0].provider_id = "zz".into();
+        assert!(matches!(
+            cfg.validate(),
+            Err(EdgeConfigError::UnknownProvider { .. })
+        ));
+        let mut cfg = config();
+        cfg.models.get_mut("m").expect("m").candidates[0].target = "other".into();
+        assert!(matches!(
+            cfg.validate(),
+            Err(EdgeConfigError::TargetNotServed { .. })
+        ));
+        let mut cfg = config();
+        cfg.models
+            .get_mut("m")
+            .expect("m")
+            .candidates
+            .push(candidate("n1", "a", "t"));
+        assert!(matches!(
+            cfg.validate(),
+            Err(EdgeConfigError::DuplicateCandidate { .. })
+        ));
+    }
+
+    #[test]
+    fn invalid_adapters_and_timers_are_named() {
+        let mut cfg = config();
+        cfg.nodes.get_mut("n1").expect("n1").adapters[0].r#type = 0;
+        let err = cfg.validate().expect_err("unknown type");
+        assert!(err.to_string().starts_with("nodes.n1.adapters"), "{err}");
+        let mut cfg = config();
+        cfg.timing.heartbeat_timeout = cfg.timing.heartbeat_interval;
+        assert!(matches!(
+            cfg.validate(),
+            Err(EdgeConfigError::Timing {
+                key: "heartbeat.timeout",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn diff_names_what_changed() {
+        let old = config();
+        assert!(old.diff(&old).is_empty());
+        let mut new = config();
+        new.nodes.get_mut("n1").expect("n1").adapters[0].capacity = 5;
+        new.nodes.insert("n2".into(), node(vec![]));
+        new.models.insert("m2".into(), ModelSpec::default());
+        let diff = old.diff(&new);
+        assert_eq!(diff.changed_payloads, vec!["n1".to_string()]);
+        assert_eq!(diff.added_nodes, vec!["n2".to_string()]);
+        assert_eq!(diff.changed_models, vec!["m2".to_string()]);
+        assert!(diff.removed_nodes.is_empty());
+        let back = new.diff(&old);
+        assert_eq!(back.removed_nodes, vec!["n2".to_string()]);
+    }
+}

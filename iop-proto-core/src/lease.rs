@@ -1,0 +1,339 @@
+//! The lease ledger: per provider resource, its live generation, its capacities and the
+//! leases held against them.
+//!
+//! A resource is one adapter instance on one node, `(node_id, provider_id)`. It is live
+//! only while its node's current connection is ready; its capacity belongs to that
+//! connection's generation. A lease is a token naming the request, the resource and the
+//! generation it was granted in. It is returned exactly once: by [`Ledger::release`], or
+//! all at once when the generation is fenced. Anything after that reports
+//! [`Release::Stale`] and changes nothing.
+
+use std::collections::{BTreeSet, HashMap};
+
+/// Index of a provider resource in the ledger.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ResourceId(pub(crate) u32);
+
+impl ResourceId {
+    /// The index as a `usize`, for tables kept beside the ledger.
+    #[must_use]
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+/// A node connection's generation: every accepted register gets a new one, Edge-wide
+/// increasing, so a lease or a callback from an older connection is recognisably stale.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Generation(pub u64);
+
+/// Identifier of a client request; increasing in submission order (the queue's FIFO order).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RequestId(pub u64);
+
+impl std::fmt::Display for RequestId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "req-{}", self.0)
+    }
+}
+
+/// The token of one granted unit of provider capacity.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Lease {
+    /// The request holding the lease (at most one lease per request).
+    pub request: RequestId,
+    /// The resource whose capacity it holds.
+    pub resource: ResourceId,
+    /// The generation it was granted in.
+    pub generation: Generation,
+    /// Whether it also holds long-context capacity.
+    pub long: bool,
+}
+
+/// Outcome of returning a lease.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[must_use]
+pub enum Release {
+    /// The lease was held and its capacity is free again.
+    Released,
+    /// The lease was already returned (released before, or its generation was fenced).
+    Stale,
+}
+
+/// Capacity figures of one resource.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Live generation, `None` while offline.
+    pub generation: Option<Generation>,
+    /// Configured capacity of the live generation (0 offline).
+    pub capacity: u32,
+    /// Configured long-context capacity of the live generation (0 offline).
+    pub long_capacity: u32,
+    /// Leases held.
+    pub in_flight: u32,
+    /// Long-context leases held (also counted in `in_flight`).
+    pub long_in_flight: u32,
+}
+
+#[derive(Debug, Default)]
+struct Resource {
+    usage: Usage,
+    /// Requests holding a lease here; ordered so fencing is deterministic.
+    holders: BTreeSet<RequestId>,
+}
+
+/// All resources and the leases held against them.
+#[derive(Debug, Default)]
+pub struct Ledger {
+    resources: Vec<Resource>,
+    leases: HashMap<RequestId, Lease>,
+}
+
+impl Ledger {
+    /// An empty ledger.
+    #[must_use]
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds an offline resource.
+    pub fn add_resource(&mut self) -> ResourceId {
+        let id =
+            ResourceId(u32::try_from(self.resources.len()).expect("fewer than 2^32 resources"));
+        self.resources.push(Resource::default());
+        id
+    }
+
+    /// Number of resources ever added.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.resources.len()
+    }
+
+    /// True when no resource was added.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.resources.is_empty()
+    }
+
+    /// Current figures of `resource`.
+    #[must_use]
+    pub fn usage(&self, resource: ResourceId) -> Usage {
+        self.resources[resource.index()].usage
+    }
+
+    /// Number of leases held across all resources.
+    #[must_use]
+    pub fn leases_held(&self) -> usize {
+        self.leases.len()
+    }
+
+    /// The lease `request` holds, if any.
+    #[must_use]
+    pub fn lease_of(&self, request: RequestId) -> Option<Lease> {
+        self.leases.get(&request).copied()
+    }
+
+    /// Brings `resource` online for `generation` with the given capacities. A resource that
+    /// is live in an older generation is fenced first (its leases are returned).
+    pub fn activate(
+        &mut self,
+        resource: ResourceId,
+        generation: Generation,
+        capacity: u32,
+        long_capacity: u32,
+    ) -> Vec<Lease> {
+        let returned = match self.resources[resource.index()].usage.generation {
+            Some(live) if live != generation => self.fence(resource),
+            _ => Vec::new(),
+        };
+        let usage = &mut self.resources[resource.index()].usage;
+        usage.generation = Some(generation);
+        usage.capacity = capacity;
+        usage.long_capacity = long_capacity.min(capacity);
+        returned
+    }
+
+    /// Changes the capacities of a live resource in place. Leases already held stay held;
+    /// after a shrink no new lease is granted until `in_flight` is below the new figure.
+    pub fn set_capacity(&mut self, resource: ResourceId, capacity: u32, long_capacity: u32) {
+        let usage = &mut self.resources[resource.index()].usage;
+        if usage.generation.is_some() {
+            usage.capacity = capacity;
+            usage.long_capacity = long_capacity.min(capacity);
+        }
+    }
+
+    /// Takes `resource` offline and returns every lease held on it, each exactly once.
+    pub fn fence(&mut self, resource: ResourceId) -> Vec<Lease> {
+        let entry = &mut self.resources[resource.index()];
+        let holders = std::mem::take(&mut entry.holders);
+        entry.usage = Usage::default();
+        holders
+            .into_iter()
+            .filter_map(|request| self.leases.remove(&request))
+            .collect()
+    }
+
+    /// Free units of `resource` for a request of the given kind (0 when offline).
+    #[must_use]
+    pub fn free(&self, resource: ResourceId, long: bool) -> u32 {
+        let usage = &self.resources[resource.index()].usage;
+        if usage.generation.is_none() {
+            return 0;
+        }
+        let free = usage.capacity.saturating_sub(usage.in_flight);
+        if long {
+            free.min(usage.long_capacity.saturating_sub(usage.long_in_flight))
+        } else {
+            free
+        }
+    }
+
+    /// Grants `request` a lease on `resource` if it has a free unit of the right kind.
+    /// Returns `None` when it has none, or when `request` already holds a lease.
+    pub fn try_acquire(
+        &mut self,
+        resource: ResourceId,
+        request: RequestId,
+        long: bool,
+    ) -> Option<Lease> {
+        if self.free(resource, long) == 0 || self.leases.contains_key(&request) {
+            return None;
+        }
+        let entry = &mut self.resources[resource.index()];
+        let generation = entry.usage.generation?;
+        entry.usage.in_flight += 1;
+        if long {
+            entry.usage.long_in_flight += 1;
+        }
+        entry.holders.insert(request);
+        let lease = Lease {
+            request,
+            resource,
+            generation,
+            long,
+        };
+        self.leases.insert(request, lease);
+        Some(lease)
+    }
+
+    /// Returns a lease. Only the exact token currently held releases capacity.
+    pub fn release(&mut self, lease: Lease) -> Release {
+        if self.leases.get(&lease.request) != Some(&lease) {
+            return Release::Stale;
+        }
+        self.leases.remove(&lease.request);
+        let entry = &mut self.resources[lease.resource.index()];
+        entry.holders.remove(&lease.request);
+        entry.usage.in_flight -= 1;
+        if lease.long {
+            entry.usage.long_in_flight -= 1;
+        }
+        Release::Released
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn live(capacity: u32, long_capacity: u32) -> (Ledger, ResourceId) {
+        let mut ledger = Ledger::new();
+        let r = ledger.add_resource();
+        assert!(
+            ledger
+                .activate(r, Generation(1), capacity, long_capacity)
+                .is_empty()
+        );
+        (ledger, r)
+    }
+
+    #[test]
+    fn offline_resources_grant_nothing() {
+        let mut ledger = Ledger::new();
+        let r = ledger.add_resource();
+        assert_eq!(ledger.free(r, false), 0);
+        assert_eq!(ledger.try_acquire(r, RequestId(1), false), None);
+    }
+
+    #[test]
+    fn capacity_bounds_grants_and_long_counts_in_both() {
+        let (mut ledger, r) = live(2, 1);
+        let long = ledger
+            .try_acquire(r, RequestId(1), true)
+            .expect("long fits");
+        assert_eq!(
+            ledger.try_acquire(r, RequestId(2), true),
+            None,
+            "long capacity is 1"
+        );
+        let short = ledger
+            .try_acquire(r, RequestId(3), false)
+            .expect("short fits");
+        assert_eq!(
+            ledger.try_acquire(r, RequestId(4), false),
+            None,
+            "capacity is 2"
+        );
+        let usage = ledger.usage(r);
+        assert_eq!((usage.in_flight, usage.long_in_flight), (2, 1));
+        assert_eq!(ledger.release(long), Release::Released);
+        assert_eq!(ledger.release(short), Release::Released);
+        assert_eq!(ledger.usage(r).in_flight, 0);
+    }
+
+    #[test]
+    fn a_lease_is_released_exactly_once() {
+        let (mut ledger, r) = live(1, 0);
+        let lease = ledger.try_acquire(r, RequestId(1), false).expect("fits");
+        assert_eq!(ledger.release(lease), Release::Released);
+        assert_eq!(ledger.release(lease), Release::Stale);
+        // A new lease for another request is unaffected by the stale release.
+        let other = ledger.try_acquire(r, RequestId(2), false).expect("fits");
+        assert_eq!(ledger.release(lease), Release::Stale);
+        assert_eq!(ledger.usage(r).in_flight, 1);
+        assert_eq!(ledger.release(other), Release::Released);
+    }
+
+    #[test]
+    fn fencing_returns_all_leases_once_and_later_releases_are_stale() {
+        let (mut ledger, r) = live(3, 3);
+        let a = ledger.try_acquire(r, RequestId(1), false).expect("fits");
+        let b = ledger.try_acquire(r, RequestId(2), true).expect("fits");
+        let returned = ledger.fence(r);
+        assert_eq!(returned, vec![a, b]);
+        assert_eq!(ledger.usage(r), Usage::default());
+        assert_eq!(ledger.release(a), Release::Stale);
+        assert!(ledger.fence(r).is_empty());
+        // The next generation starts from zero; the old token cannot touch it.
+        assert!(ledger.activate(r, Generation(2), 3, 3).is_empty());
+        let c = ledger.try_acquire(r, RequestId(1), false).expect("fits");
+        assert_eq!(c.generation, Generation(2));
+        assert_eq!(ledger.release(a), Release::Stale);
+        assert_eq!(ledger.usage(r).in_flight, 1);
+    }
+
+    #[test]
+    fn activating_a_newer_generation_fences_the_older() {
+        let (mut ledger, r) = live(2, 0);
+        let a = ledger.try_acquire(r, RequestId(1), false).expect("fits");
+        assert_eq!(ledger.activate(r, Generation(5), 2, 0), vec![a]);
+        assert_eq!(ledger.usage(r).in_flight, 0);
+    }
+
+    #[test]
+    fn shrinking_capacity_stops_grants_until_drained() {
+        let (mut ledger, r) = live(2, 0);
+        let a = ledger.try_acquire(r, RequestId(1), false).expect("fits");
+        let _b = ledger.try_acquire(r, RequestId(2), false).expect("fits");
+        ledger.set_capacity(r, 1, 0);
+        assert_eq!(ledger.try_acquire(r, RequestId(3), false), None);
+        assert_eq!(ledger.release(a), Release::Released);
+        assert_eq!(
+            ledger.try_acquire(r, RequestId(3), false),
+            None,
+            "still at 1/1"
+        );
+    }
+}

@@ -1,0 +1,395 @@
+//! The tunnel sequencer: the ordered frames of one raw provider response.
+//!
+//! Contract: sequence starts at 0 and increases by one; `STATUS` (with the response
+//! headers) comes first, then any `HEADERS`/`BODY`/`USAGE`, then exactly one `END` or
+//! `ERROR`, and nothing after it. `USAGE` and `metadata` are observations and never join
+//! the body. The [`TunnelEmitter`] (Node side) can only produce valid sequences and splits
+//! bodies into chunks of at most the configured size, so one large response cannot starve
+//! other runs on the connection; the [`TunnelReceiver`] (Edge side) checks every frame.
+
+use bytes::Bytes;
+
+use crate::wire::{ErrorDetail, Header, ProviderTunnelFrame, TunnelFrameKind, Usage};
+
+/// Default maximum size of one `BODY` frame's payload: 64 KiB.
+pub const DEFAULT_CHUNK_SIZE: usize = 64 * 1024;
+
+/// What a valid frame carried.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TunnelStep {
+    /// The status line and headers.
+    Status,
+    /// More headers (trailers).
+    Headers,
+    /// A body chunk.
+    Body,
+    /// A usage observation.
+    Usage,
+    /// Terminal: the body is complete.
+    End,
+    /// Terminal: the tunnel failed or was cancelled.
+    Error,
+}
+
+impl TunnelStep {
+    /// True for `End` and `Error`.
+    #[must_use]
+    pub fn is_terminal(self) -> bool {
+        matches!(self, TunnelStep::End | TunnelStep::Error)
+    }
+}
+
+/// How a frame broke the contract.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TunnelViolation {
+    /// The kind is not a defined `TunnelFrameKind` (or is unspecified).
+    #[error("tunnel frame kind {0} is not a known kind")]
+    UnknownKind(i32),
+    /// A sequence number other than the next one.
+    #[error("tunnel frame sequence {got}, expected {expected}")]
+    OutOfSequence {
+        /// The next sequence number.
+        expected: u64,
+        /// The one received.
+        got: u64,
+    },
+    /// The first frame was not `STATUS`.
+    #[error("first tunnel frame must be STATUS, got {0:?}")]
+    StatusNotFirst(TunnelFrameKind),
+    /// A second `STATUS`.
+    #[error("duplicate STATUS frame")]
+    DuplicateStatus,
+    /// A `STATUS` frame whose code is not an HTTP status (100..=599).
+    #[error("STATUS frame carries invalid HTTP status {0}")]
+    InvalidStatus(u32),
+    /// Anything after `END` or `ERROR`.
+    #[error("{0:?} after the terminal frame")]
+    AfterTerminal(TunnelFrameKind),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+enum Phase {
+    #[default]
+    AwaitStatus,
+    Streaming,
+    Ended,
+}
+
+/// Checks the frames of one tunnel as they arrive.
+#[derive(Clone, Debug, Default)]
+pub struct TunnelReceiver {
+    phase: Phase,
+    next_sequence: u64,
+}
+
+impl TunnelReceiver {
+    /// A receiver expecting `STATUS` with sequence 0.
+    #[must_use]
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// True once a terminal frame was accepted or a violation ended the tunnel.
+    #[must_use]
+    pub fn is_ended(&self) -> bool {
+        self.phase == Phase::Ended
+    }
+
+    /// Checks `frame`, the next frame of this tunnel. After a violation or a terminal
+    /// frame every further frame is refused.
+    pub fn observe(&mut self, frame: &ProviderTunnelFrame) -> Result<TunnelStep, TunnelViolation> {
+        let result = self.check(frame);
+        match result {
+            Ok(step) if !step.is_terminal() => self.phase = Phase::Streaming,
+            _ => self.phase = Phase::Ended,
+        }
+        if result.is_ok() {
+            self.next_sequence += 1;
+        }
+        result
+    }
+
+    fn check(&self, frame: &ProviderTunnelFrame) -> Result<TunnelStep, TunnelViolation> {
+        let kind = match TunnelFrameKind::try_from(frame.kind) {
+            Ok(TunnelFrameKind::Unspecified) | Err(_) => {
+                return Err(TunnelViolation::UnknownKind(frame.kind));
+            }
+            Ok(kind) => kind,
+        };
+        if self.phase == Phase::Ended {
+            return Err(TunnelViolation::AfterTerminal(kind));
+        }
+        if frame.sequence != self.next_sequence {
+            return Err(TunnelViolation::OutOfSequence {
+                expected: self.next_sequence,
+                got: frame.sequence,
+            });
+        }
+        match (self.phase, kind) {
+            (Phase::AwaitStatus, TunnelFrameKind::Status) => {
+                if (100..=599).contains(&frame.status_code) {
+                    Ok(TunnelStep::Status)
+                } else {
+                    Err(TunnelViolation::InvalidStatus(frame.status_code))
+                }
+            }
+            // A tunnel may fail before the provider answered at all.
+            (Phase::AwaitStatus, TunnelFrameKind::Error) => Ok(TunnelStep::Error),
+            (Phase::AwaitStatus, other) => Err(TunnelViolation::StatusNotFirst(other)),
+            (_, TunnelFrameKind::Status) => Err(TunnelViolation::DuplicateStatus),
+            (_, TunnelFrameKind::Headers) => Ok(TunnelStep::Headers),
+            (_, TunnelFrameKind::Body) => Ok(TunnelStep::Body),
+            (_, TunnelFrameKind::Usage) => Ok(TunnelStep::Usage),
+            (_, TunnelFrameKind::End) => Ok(TunnelStep::End),
+            (_, TunnelFrameKind::Error) => Ok(TunnelStep::Error),
+            (_, TunnelFrameKind::Unspecified) => Err(TunnelViolation::UnknownKind(0)),
+        }
+    }
+}
+
+/// Produces the frames of one tunnel on the Node side, in contract order.
+///
+/// Each method returns the frames to send, empty once the tunnel has ended (after
+/// [`end`](Self::end) or [`error`](Self::error), nothing more is produced) or when called
+/// out of order (for example `body` before `status`, which yields nothing).
+#[derive(Clone, Debug)]
+pub struct TunnelEmitter {
+    run_id: String,
+    chunk_size: usize,
+    next_sequence: u64,
+    phase: Phase,
+}
+
+impl TunnelEmitter {
+    /// An emitter for `run_id` splitting bodies into chunks of at most `chunk_size` bytes
+    /// (at least 1).
+    #[must_use]
+    pub fn new(run_id: impl Into<String>, chunk_size: usize) -> Self {
+        TunnelEmitter {
+            run_id: run_id.into(),
+            chunk_size: chunk_size.max(1),
+            next_sequence: 0,
+            phase: Phase::AwaitStatus,
+        }
+    }
+
+    /// True once `END` or `ERROR` was produced.
+    #[must_use]
+    pub fn is_ended(&self) -> bool {
+        self.phase == Phase::Ended
+    }
+
+    /// True once `STATUS` was produced.
+    #[must_use]
+    pub fn has_status(&self) -> bool {
+        self.phase != Phase::AwaitStatus
+    }
+
+    fn frame(&mut self, kind: TunnelFrameKind) -> ProviderTunnelFrame {
+        let sequence = self.next_sequence;
+        self.next_sequence += 1;
+        ProviderTunnelFrame {
+            run_id: self.run_id.clone(),
+            sequence,
+            kind: kind as i32,
+            ..ProviderTunnelFrame::default()
+        }
+    }
+
+    /// The `STATUS` frame. Only valid first; an invalid HTTP status is clamped to 502.
+    pub fn status(
+        &mut self,
+        status_code: u32,
+        headers: Vec<Header>,
+    ) -> Option<ProviderTunnelFrame> {
+        if self.phase != Phase::AwaitStatus {
+            return None;
+        }
+        self.phase = Phase::Streaming;
+        let mut frame = self.frame(TunnelFrameKind::Status);
+        frame.status_code = if (100..=599).contains(&status_code) {
+            status_code
+        } else {
+            502
+        };
+        frame.headers = headers;
+        Some(frame)
+    }
+
+    /// `BODY` frames for `data`, split into chunks of at most the chunk size. The chunks
+    /// are slices of `data`, not copies.
+    pub fn body(&mut self, data: Bytes) -> Vec<ProviderTunnelFrame> {
+        if self.phase != Phase::Streaming || data.is_empty() {
+            return Vec::new();
+        }
+        let mut frames = Vec::with_capacity(data.len().div_ceil(self.chunk_size));
+        let mut offset = 0;
+        while offset < data.len() {
+            let end = (offset + self.chunk_size).min(data.len());
+            let mut frame = self.frame(TunnelFrameKind::Body);
+            frame.body = data.slice(offset..end);
+            frames.push(frame);
+            offset = end;
+        }
+        frames
+    }
+
+    /// A `HEADERS` frame (trailers).
+    pub fn headers(&mut self, headers: Vec<Header>) -> Option<ProviderTunnelFrame> {
+        if self.phase != Phase::Streaming {
+            return None;
+        }
+        let mut frame = self.frame(TunnelFrameKind::Headers);
+        frame.headers = headers;
+        Some(frame)
+    }
+
+    /// A `USAGE` observation.
+    pub fn usage(&mut self, usage: Usage) -> Option<ProviderTunnelFrame> {
+        if self.phase != Phase::Streaming {
+            return None;
+        }
+        let mut frame = self.frame(TunnelFrameKind::Usage);
+        frame.usage = Some(usage);
+        Some(frame)
+    }
+
+    /// The terminal `END` frame (only after `STATUS`).
+    pub fn end(&mut self) -> Option<ProviderTunnelFrame> {
+        if self.phase != Phase::Streaming {
+            return None;
+        }
+        self.phase = Phase::Ended;
+        let mut frame = self.frame(TunnelFrameKind::End);
+        frame.end = true;
+        Some(frame)
+    }
+
+    /// The terminal `ERROR` frame; valid at any point before the end (a cancelled tunnel
+    /// ends with it).
+    pub fn error(&mut self, error: ErrorDetail) -> Option<ProviderTunnelFrame> {
+        if self.phase == Phase::Ended {
+            return None;
+        }
+        self.phase = Phase::Ended;
+        let mut frame = self.frame(TunnelFrameKind::Error);
+        frame.end = true;
+        frame.error = Some(error);
+        Some(frame)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frame(kind: TunnelFrameKind, sequence: u64) -> ProviderTunnelFrame {
+        ProviderTunnelFrame {
+            run_id: "t".into(),
+            sequence,
+            kind: kind as i32,
+            status_code: if kind == TunnelFrameKind::Status {
+                200
+            } else {
+                0
+            },
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn status_first_then_body_then_one_terminal() {
+        let mut rx = TunnelReceiver::new();
+        use TunnelFrameKind as K;
+        assert_eq!(rx.observe(&frame(K::Status, 0)), Ok(TunnelStep::Status));
+        assert_eq!(rx.observe(&frame(K::Body, 1)), Ok(TunnelStep::Body));
+        assert_eq!(rx.observe(&frame(K::Usage, 2)), Ok(TunnelStep::Usage));
+        assert_eq!(rx.observe(&frame(K::Headers, 3)), Ok(TunnelStep::Headers));
+        assert_eq!(rx.observe(&frame(K::End, 4)), Ok(TunnelStep::End));
+        assert_eq!(
+            rx.observe(&frame(K::Body, 5)),
+            Err(TunnelViolation::AfterTerminal(K::Body))
+        );
+    }
+
+    #[test]
+    fn order_and_sequence_violations_are_named() {
+        use TunnelFrameKind as K;
+        let mut rx = TunnelReceiver::new();
+        assert_eq!(
+            rx.observe(&frame(K::Body, 0)),
+            Err(TunnelViolation::StatusNotFirst(K::Body))
+        );
+        let mut rx = TunnelReceiver::new();
+        assert_eq!(
+            rx.observe(&frame(K::Status, 1)),
+            Err(TunnelViolation::OutOfSequence {
+                expected: 0,
+                got: 1
+            })
+        );
+        let mut rx = TunnelReceiver::new();
+        rx.observe(&frame(K::Status, 0)).expect("status");
+        assert_eq!(
+            rx.observe(&frame(K::Status, 1)),
+            Err(TunnelViolation::DuplicateStatus)
+        );
+        let mut rx = TunnelReceiver::new();
+        let bad = ProviderTunnelFrame {
+            status_code: 99,
+            ..frame(K::Status, 0)
+        };
+        assert_eq!(rx.observe(&bad), Err(TunnelViolation::InvalidStatus(99)));
+    }
+
+    #[test]
+    fn error_may_come_before_status() {
+        let mut rx = TunnelReceiver::new();
+        assert_eq!(
+            rx.observe(&frame(TunnelFrameKind::Error, 0)),
+            Ok(TunnelStep::Error)
+        );
+        assert!(rx.is_ended());
+    }
+
+    #[test]
+    fn cancelled_tunnel_ends_with_error_and_nothing_after() {
+        let mut tx = TunnelEmitter::new("t", 4);
+        let mut frames = vec![tx.status(200, Vec::new()).expect("status")];
+        frames.extend(tx.body(Bytes::from_static(b"0123456789")));
+        frames.push(
+            tx.error(ErrorDetail {
+                code: "cancelled".into(),
+                message: "caller left".into(),
+                retryable: false,
+            })
+            .expect("error"),
+        );
+        assert!(tx.body(Bytes::from_static(b"more")).is_empty());
+        assert!(tx.end().is_none());
+        assert!(tx.error(ErrorDetail::default()).is_none());
+        let mut rx = TunnelReceiver::new();
+        for f in &frames {
+            rx.observe(f).expect("emitter output is valid");
+        }
+        assert!(rx.is_ended());
+        let bodies: Vec<_> = frames
+            .iter()
+            .filter(|f| f.kind == TunnelFrameKind::Body as i32)
+            .map(|f| f.body.len())
+            .collect();
+        assert_eq!(bodies, vec![4, 4, 2]);
+    }
+
+    #[test]
+    fn emitter_refuses_body_before_status() {
+        let mut tx = TunnelEmitter::new("t", 8);
+        assert!(tx.body(Bytes::from_static(b"x")).is_empty());
+        assert!(tx.end().is_none());
+        assert_eq!(
+            tx.status(1000, Vec::new()).map(|f| f.status_code),
+            Some(502)
+        );
+    }
+}

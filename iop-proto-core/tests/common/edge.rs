@@ -1,0 +1,247 @@
+//! A small harness around `EdgeCore` for scenario tests.
+
+use std::time::Duration;
+
+use iop_proto_core::wire::*;
+use iop_proto_core::*;
+
+pub const TOKEN: &str = "tok";
+
+pub fn adapter(name: &str, kind: AdapterType, capacity: u32, long: u32) -> AdapterConfig {
+    AdapterConfig {
+        name: name.into(),
+        r#type: kind as i32,
+        base_url: "http://127.0.0.1:9".into(),
+        capacity,
+        long_capacity: long,
+        targets: vec!["t".into()],
+        enabled: true,
+        ..Default::default()
+    }
+}
+
+pub fn node(adapters: Vec<AdapterConfig>) -> NodeSpec {
+    NodeSpec {
+        token: TokenVerifier::Plain(TOKEN.as_bytes().to_vec()),
+        adapters,
+        runtime: NodeRuntimeConfig::default(),
+    }
+}
+
+pub fn candidate(node: &str, provider: &str) -> CandidateSpec {
+    CandidateSpec {
+        node_id: node.into(),
+        provider_id: provider.into(),
+        target: "t".into(),
+    }
+}
+
+/// Two nodes: n1 with mock adapter "a" (capacity 2, long 1), n2 with openai_compat "b"
+/// (capacity 1, long 0). Model "m" lists both; model "solo" lists only n1/a.
+pub fn config() -> EdgeConfig {
+    let mut cfg = EdgeConfig {
+        timing: EdgeTiming {
+            heartbeat_interval: Duration::from_millis(1000),
+            heartbeat_timeout: Duration::from_millis(3000),
+            register_timeout: Duration::from_millis(2000),
+            refresh_timeout: Duration::from_millis(2000),
+            cancel_grace: Duration::from_millis(5000),
+        },
+        queue: QueueLimits {
+            max_waiting: 3,
+            wait_timeout: Duration::from_millis(10_000),
+        },
+        ..EdgeConfig::default()
+    };
+    cfg.nodes.insert(
+        "n1".into(),
+        node(vec![adapter("a", AdapterType::Mock, 2, 1)]),
+    );
+    cfg.nodes.insert(
+        "n2".into(),
+        node(vec![adapter("b", AdapterType::OpenaiCompat, 1, 0)]),
+    );
+    cfg.models.insert(
+        "m".into(),
+        ModelSpec {
+            candidates: vec![candidate("n1", "a"), candidate("n2", "b")],
+            long_context_threshold: Some(1000),
+        },
+    );
+    cfg.models.insert(
+        "solo".into(),
+        ModelSpec {
+            candidates: vec![candidate("n1", "a")],
+            long_context_threshold: Some(1000),
+        },
+    );
+    cfg
+}
+
+pub struct Harness {
+    pub edge: EdgeCore,
+    pub now: Timestamp,
+    next_conn: u64,
+}
+
+impl Harness {
+    pub fn new() -> Self {
+        Self::with(config())
+    }
+
+    pub fn with(cfg: EdgeConfig) -> Self {
+        Harness {
+            edge: EdgeCore::new(cfg).expect("valid config"),
+            now: Timestamp::ZERO,
+            next_conn: 1,
+        }
+    }
+
+    pub fn at(&mut self, ms: u64) {
+        self.now = Timestamp::from_millis(ms);
+        self.edge.handle_timeout(self.now);
+    }
+
+    pub fn open(&mut self) -> ConnId {
+        let conn = ConnId(self.next_conn);
+        self.next_conn += 1;
+        self.edge
+            .handle_connection_opened(self.now, conn)
+            .expect("new conn");
+        conn
+    }
+
+    pub fn send(&mut self, conn: ConnId, body: Body) {
+        self.edge
+            .handle_envelope(self.now, conn, Envelope::new(body))
+            .expect("open conn");
+    }
+
+    pub fn register(&mut self, conn: ConnId, node_id: &str) {
+        self.register_with(conn, node_id, TOKEN);
+    }
+
+    pub fn register_with(&mut self, conn: ConnId, node_id: &str, token: &str) {
+        self.send(
+            conn,
+            Body::RegisterRequest(RegisterRequest {
+                node_id: node_id.into(),
+                token: token.into(),
+                ..Default::default()
+            }),
+        );
+    }
+
+    pub fn ready(&mut self, conn: ConnId, node_id: &str) {
+        self.send(
+            conn,
+            Body::NodeReadyRequest(NodeReadyRequest {
+                node_id: node_id.into(),
+            }),
+        );
+    }
+
+    /// Opens, registers and readies `node_id`; drains outputs.
+    pub fn connect(&mut self, node_id: &str) -> ConnId {
+        let conn = self.open();
+        self.register(conn, node_id);
+        self.ready(conn, node_id);
+        self.drain();
+        conn
+    }
+
+    pub fn transmits(&mut self) -> Vec<Transmit> {
+        std::iter::from_fn(|| self.edge.poll_transmit()).collect()
+    }
+
+    pub fn events(&mut self) -> Vec<EdgeEvent> {
+        std::iter::from_fn(|| self.edge.poll_event()).collect()
+    }
+
+    pub fn drain(&mut self) -> (Vec<Transmit>, Vec<EdgeEvent>) {
+        (self.transmits(), self.events())
+    }
+
+    pub fn submit(&mut self, model: &str, prompt_tokens: u64) -> Result<RequestId, SubmitError> {
+        self.edge.handle_submit(
+            self.now,
+            Submit {
+                model,
+                prompt_tokens,
+            },
+        )
+    }
+
+    pub fn usage(&self, node: &str, provider: &str) -> lease::Usage {
+        self.edge
+            .ledger()
+            .usage(self.edge.resource(node, provider).expect("configured"))
+    }
+
+    /// Dispatches a granted request in the shape its grant requires.
+    pub fn dispatch(&mut self, grant: &Grant) -> String {
+        let dispatch = match grant.shape {
+            DispatchShape::Run => Dispatch::Run(RunRequest::default()),
+            DispatchShape::Tunnel => Dispatch::Tunnel(ProviderTunnelRequest {
+                method: "POST".into(),
+                path: "/v1/chat/completions".into(),
+                ..Default::default()
+            }),
+        };
+        self.edge
+            .handle_dispatch(self.now, grant.request, dispatch)
+            .expect("granted")
+    }
+
+    pub fn run_event(&mut self, conn: ConnId, run_id: &str, kind: RunEventType, sequence: u64) {
+        self.send(
+            conn,
+            Body::RunEvent(RunEvent {
+                run_id: run_id.into(),
+                sequence,
+                r#type: kind as i32,
+                ..Default::default()
+            }),
+        );
+    }
+}
+
+pub fn grants(events: &[EdgeEvent]) -> Vec<Grant> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            EdgeEvent::Granted(g) => Some(g.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+pub fn ended(events: &[EdgeEvent]) -> Vec<(RequestId, Outcome)> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            EdgeEvent::RequestEnded { request, outcome } => Some((*request, outcome.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+pub fn frames_to(transmits: &[Transmit], conn: ConnId) -> Vec<Body> {
+    transmits
+        .iter()
+        .filter_map(|t| match t {
+            Transmit::Frame { conn: c, envelope } if *c == conn => envelope.body.clone(),
+            _ => None,
+        })
+        .collect()
+}
+
+pub fn closed(transmits: &[Transmit]) -> Vec<(ConnId, CloseReason)> {
+    transmits
+        .iter()
+        .filter_map(|t| match t {
+            Transmit::Close { conn, reason } => Some((*conn, reason.clone())),
+            _ => None,
+        })
+        .collect()
+}

@@ -1,0 +1,670 @@
+//! Scenario tests of the Edge machine: one test per contract rule.
+
+mod common;
+
+use common::edge::*;
+use iop_proto_core::wire::*;
+use iop_proto_core::*;
+
+/// Heartbeats far apart, so a silent test node is not fenced during the test.
+fn quiet_config() -> EdgeConfig {
+    let mut cfg = config();
+    cfg.timing.heartbeat_interval = std::time::Duration::from_secs(100);
+    cfg.timing.heartbeat_timeout = std::time::Duration::from_secs(300);
+    cfg
+}
+
+fn snapshot(h: &Harness, provider: &str) -> ProviderSnapshot {
+    h.edge
+        .snapshots()
+        .into_iter()
+        .find(|s| s.provider_id == provider)
+        .expect("listed")
+}
+
+fn assert_offline_zeros(s: &ProviderSnapshot) {
+    assert_eq!(s.status, ProviderStatus::Unavailable as i32);
+    assert_eq!(s.health, ProviderHealth::Offline as i32);
+    assert_eq!(
+        (
+            s.capacity,
+            s.long_capacity,
+            s.in_flight,
+            s.long_in_flight,
+            s.queued,
+            s.long_queued
+        ),
+        (0, 0, 0, 0, 0, 0)
+    );
+}
+
+#[test]
+fn accepted_register_is_pending_only() {
+    let mut h = Harness::new();
+    let conn = h.open();
+    h.register(conn, "n1");
+    let (tx, events) = h.drain();
+    let Body::RegisterResponse(resp) = &frames_to(&tx, conn)[0] else {
+        panic!("expected RegisterResponse, got {tx:?}");
+    };
+    assert!(resp.accepted);
+    let config = resp.config.as_ref().expect("config");
+    assert_eq!(config.adapters[0].name, "a");
+    assert_eq!(resp.heartbeat_interval_ms, 1000);
+    assert!(
+        events.is_empty(),
+        "no node-connected before ready: {events:?}"
+    );
+    assert_offline_zeros(&snapshot(&h, "a"));
+    // Nothing is dispatched to a pending node: the request waits.
+    let req = h.submit("solo", 10).expect("accepted");
+    assert!(grants(&h.events()).is_empty());
+    assert_eq!(h.edge.queue().ids(), vec![req]);
+    assert_eq!(h.edge.nodes()[0].state, NodeState::Pending);
+}
+
+#[test]
+fn ready_from_pending_owner_activates_pumps_and_connects_once() {
+    let mut h = Harness::new();
+    let conn = h.open();
+    h.register(conn, "n1");
+    h.drain();
+    let waiting = h.submit("solo", 10).expect("queued");
+    h.ready(conn, "n1");
+    let (tx, events) = h.drain();
+    assert!(matches!(
+        frames_to(&tx, conn).as_slice(),
+        [Body::NodeReadyResponse(NodeReadyResponse {
+            ready: true,
+            ..
+        })]
+    ));
+    let connected = events
+        .iter()
+        .filter(|e| matches!(e, EdgeEvent::NodeConnected { .. }))
+        .count();
+    assert_eq!(connected, 1);
+    assert_eq!(
+        grants(&events)[0].request,
+        waiting,
+        "waiter pumped on ready"
+    );
+    let snap = snapshot(&h, "a");
+    assert_eq!(snap.status, ProviderStatus::Available as i32);
+    assert_eq!((snap.capacity, snap.in_flight), (2, 1));
+
+    // A duplicate ready from the same ready owner: ready=true, no side effect.
+    h.ready(conn, "n1");
+    let (tx, events) = h.drain();
+    assert!(matches!(
+        frames_to(&tx, conn).as_slice(),
+        [Body::NodeReadyResponse(NodeReadyResponse {
+            ready: true,
+            ..
+        })]
+    ));
+    assert!(events.is_empty(), "{events:?}");
+    assert_eq!(snapshot(&h, "a").in_flight, 1);
+}
+
+#[test]
+fn ready_from_anyone_else_is_refused_and_closed() {
+    let mut h = Harness::new();
+    // Before any register.
+    let early = h.open();
+    h.ready(early, "n1");
+    let (tx, events) = h.drain();
+    assert!(matches!(
+        frames_to(&tx, early).as_slice(),
+        [Body::NodeReadyResponse(NodeReadyResponse {
+            ready: false,
+            ..
+        })]
+    ));
+    assert_eq!(closed(&tx), vec![(early, CloseReason::ReadyRefused)]);
+    assert!(events.is_empty());
+
+    // From a superseded connection.
+    let old = h.open();
+    h.register(old, "n1");
+    let new = h.open();
+    h.register(new, "n1");
+    h.drain();
+    h.ready(old, "n1");
+    let (tx, events) = h.drain();
+    assert!(matches!(
+        frames_to(&tx, old).as_slice(),
+        [Body::NodeReadyResponse(NodeReadyResponse {
+            ready: false,
+            ..
+        })]
+    ));
+    assert!(events.is_empty(), "stale ready emits nothing: {events:?}");
+    assert_eq!(h.edge.nodes()[0].state, NodeState::Pending);
+    h.ready(new, "n1");
+    assert_eq!(h.edge.nodes()[0].state, NodeState::Ready);
+}
+
+#[test]
+fn newer_register_fences_the_older_generation_in_the_same_transition() {
+    let mut h = Harness::new();
+    let old = h.connect("n1");
+    let r1 = h.submit("solo", 10).expect("granted");
+    let grant = grants(&h.events()).remove(0);
+    h.dispatch(&grant);
+    assert_eq!(h.usage("n1", "a").in_flight, 1);
+
+    let new = h.open();
+    h.register(new, "n1");
+    let (tx, events) = h.drain();
+    assert_eq!(closed(&tx), vec![(old, CloseReason::Superseded)]);
+    assert_eq!(h.usage("n1", "a").in_flight, 0, "leases returned at once");
+    assert_eq!(h.usage("n1", "a").generation, None);
+    assert_eq!(
+        ended(&events),
+        vec![(
+            r1,
+            Outcome::Failed(RequestError::NodeLost {
+                node_id: "n1".into()
+            })
+        )]
+    );
+    assert!(events.iter().any(|e| matches!(
+        e,
+        EdgeEvent::NodeDisconnected { reason: CloseReason::Superseded, lost, .. } if lost == &vec![r1]
+    )));
+    // The old connection's close and late events change nothing.
+    h.run_event(old, &grant_run_id(r1), RunEventType::Start, 0);
+    h.edge.handle_connection_closed(h.now, old).expect("open");
+    let (tx, events) = h.drain();
+    assert!(tx.is_empty() && events.is_empty(), "{tx:?} {events:?}");
+    assert_eq!(h.edge.owner_of(new).map(|o| o.2), Some(false));
+}
+
+fn grant_run_id(r: RequestId) -> String {
+    iop_proto_core::edge::run_id_of(r)
+}
+
+#[test]
+fn only_the_current_owner_close_fences() {
+    let mut h = Harness::new();
+    let rejected = h.open();
+    h.register_with(rejected, "n1", "wrong");
+    let conn = h.connect("n1");
+    h.edge
+        .handle_connection_closed(h.now, rejected)
+        .expect("open");
+    assert!(h.events().is_empty());
+    assert_eq!(h.edge.nodes()[0].state, NodeState::Ready);
+    h.edge.handle_connection_closed(h.now, conn).expect("open");
+    let events = h.events();
+    assert!(matches!(
+        events.as_slice(),
+        [EdgeEvent::NodeDisconnected {
+            reason: CloseReason::PeerClosed,
+            ..
+        }]
+    ));
+    assert_offline_zeros(&snapshot(&h, "a"));
+}
+
+#[test]
+fn bad_token_and_unknown_node_are_rejected_and_closed() {
+    let mut h = Harness::new();
+    for (node, token) in [("n1", "wrong"), ("nx", TOKEN)] {
+        let conn = h.open();
+        h.register_with(conn, node, token);
+        let (tx, events) = h.drain();
+        let Body::RegisterResponse(resp) = &frames_to(&tx, conn)[0] else {
+            panic!("expected a response");
+        };
+        assert!(!resp.accepted);
+        assert!(!resp.reason.is_empty());
+        assert!(resp.config.is_none(), "no config for a rejected node");
+        assert!(matches!(closed(&tx)[0].1, CloseReason::RegisterRejected(_)));
+        assert!(events.is_empty());
+    }
+    assert_eq!(h.edge.nodes()[0].state, NodeState::Offline);
+}
+
+#[test]
+fn heartbeat_timeout_fences_the_owner_and_pings_are_sent() {
+    let mut h = Harness::new();
+    let conn = h.connect("n1");
+    h.at(1000);
+    let tx = h.transmits();
+    assert!(matches!(
+        frames_to(&tx, conn).as_slice(),
+        [Body::Heartbeat(_)]
+    ));
+    // The node answers at 1500, then goes silent.
+    h.now = iop_proto_core::Timestamp::from_millis(1500);
+    h.send(
+        conn,
+        Body::HeartbeatAck(HeartbeatAck {
+            nonce: 1,
+            echo_sent_at_ms: 1000,
+        }),
+    );
+    h.at(4400);
+    assert_eq!(
+        h.edge.nodes()[0].state,
+        NodeState::Ready,
+        "within the timeout"
+    );
+    h.at(4500);
+    let (tx, events) = h.drain();
+    assert!(closed(&tx).contains(&(conn, CloseReason::HeartbeatTimeout)));
+    assert!(matches!(
+        events.as_slice(),
+        [EdgeEvent::NodeDisconnected { .. }]
+    ));
+    assert_eq!(h.edge.nodes()[0].state, NodeState::Offline);
+}
+
+#[test]
+fn edge_answers_node_heartbeats() {
+    let mut h = Harness::new();
+    let conn = h.connect("n1");
+    h.send(
+        conn,
+        Body::Heartbeat(Heartbeat {
+            nonce: 77,
+            sent_at_ms: 5,
+        }),
+    );
+    let tx = h.transmits();
+    assert_eq!(
+        frames_to(&tx, conn),
+        vec![Body::HeartbeatAck(HeartbeatAck {
+            nonce: 77,
+            echo_sent_at_ms: 5
+        })]
+    );
+}
+
+#[test]
+fn handshake_must_complete_within_the_register_timeout() {
+    let mut h = Harness::new();
+    let silent = h.open();
+    h.at(1000);
+    let pending = h.open();
+    h.register(pending, "n1");
+    h.drain();
+    h.at(2000);
+    assert_eq!(
+        closed(&h.transmits()),
+        vec![(silent, CloseReason::HandshakeTimeout)]
+    );
+    h.at(2999);
+    assert!(
+        closed(&h.transmits()).is_empty(),
+        "register re-armed the deadline"
+    );
+    h.at(3000);
+    let (tx, events) = h.drain();
+    assert_eq!(closed(&tx), vec![(pending, CloseReason::HandshakeTimeout)]);
+    assert!(events.is_empty(), "a pending node was never connected");
+    assert_eq!(h.edge.nodes()[0].state, NodeState::Offline);
+}
+
+#[test]
+fn acquire_picks_most_free_capacity_with_round_robin_ties() {
+    let mut cfg = config();
+    cfg.nodes.insert(
+        "n2".into(),
+        node(vec![adapter("b", AdapterType::Mock, 2, 0)]),
+    );
+    let mut h = Harness::with(cfg);
+    h.connect("n1");
+    h.connect("n2");
+    let mut chosen = Vec::new();
+    for _ in 0..4 {
+        h.submit("m", 1).expect("granted");
+        chosen.push(grants(&h.events())[0].node_id.to_string());
+    }
+    // Equal free capacity alternates; then most free wins.
+    assert_eq!(chosen, vec!["n1", "n2", "n1", "n2"]);
+    let r = h.submit("m", 1).expect("queued");
+    assert!(grants(&h.events()).is_empty());
+    assert_eq!(h.edge.queue().ids(), vec![r]);
+}
+
+#[test]
+fn most_free_capacity_beats_rotation() {
+    let mut cfg = config();
+    cfg.nodes.insert(
+        "n2".into(),
+        node(vec![adapter("b", AdapterType::Mock, 5, 0)]),
+    );
+    let mut h = Harness::with(cfg);
+    h.connect("n1");
+    h.connect("n2");
+    for _ in 0..3 {
+        h.submit("m", 1).expect("granted");
+        assert_eq!(&*grants(&h.events())[0].node_id, "n2");
+    }
+}
+
+#[test]
+fn waiters_are_served_fifo_as_capacity_frees() {
+    let mut h = Harness::new();
+    let conn = h.connect("n1");
+    let a = h.submit("solo", 1).expect("ok");
+    let b = h.submit("solo", 1).expect("ok");
+    let granted = grants(&h.events());
+    let w1 = h.submit("solo", 1).expect("queued");
+    let w2 = h.submit("solo", 1).expect("queued");
+    assert_eq!(h.edge.queue().ids(), vec![w1, w2]);
+    let run_a = h.dispatch(&granted[0]);
+    h.dispatch(&granted[1]);
+    h.run_event(conn, &run_a, RunEventType::Start, 0);
+    h.run_event(conn, &run_a, RunEventType::Complete, 1);
+    let events = h.events();
+    assert!(ended(&events).contains(&(a, Outcome::Completed)));
+    assert_eq!(grants(&events)[0].request, w1, "oldest waiter first");
+    assert_eq!(h.edge.queue().ids(), vec![w2]);
+    let _ = b;
+}
+
+#[test]
+fn waiters_expire_with_a_typed_outcome() {
+    let mut h = Harness::with(quiet_config());
+    h.connect("n1");
+    h.submit("solo", 1).expect("ok");
+    h.submit("solo", 1).expect("ok");
+    h.events();
+    let w = h.submit("solo", 1).expect("queued");
+    assert_eq!(
+        h.edge.queue().next_deadline(),
+        Some(Timestamp::from_millis(10_000))
+    );
+    h.at(9999);
+    assert!(ended(&h.events()).is_empty());
+    h.at(10_000);
+    assert_eq!(ended(&h.events()), vec![(w, Outcome::Expired)]);
+    assert!(h.edge.queue().is_empty());
+}
+
+#[test]
+fn unknown_model_no_candidates_and_full_queue_fail_at_once() {
+    let mut cfg = config();
+    cfg.models.insert("empty".into(), ModelSpec::default());
+    let mut h = Harness::with(cfg);
+    assert_eq!(
+        h.submit("nope", 1),
+        Err(SubmitError::UnknownModel("nope".into()))
+    );
+    assert_eq!(
+        h.submit("empty", 1),
+        Err(SubmitError::NoCandidates("empty".into()))
+    );
+    // Node n2/b has no long capacity; "solo" is n1 only with long 1: long fits in config.
+    for _ in 0..3 {
+        h.submit("solo", 1).expect("queued while offline");
+    }
+    assert_eq!(
+        h.submit("solo", 1),
+        Err(SubmitError::QueueFull {
+            model: "solo".into(),
+            max_waiting: 3
+        })
+    );
+}
+
+#[test]
+fn long_requests_count_in_both_capacities() {
+    let mut h = Harness::new();
+    h.connect("n1");
+    h.submit("solo", 5000).expect("long granted");
+    let g = grants(&h.events()).remove(0);
+    assert!(g.lease.long);
+    let u = h.usage("n1", "a");
+    assert_eq!((u.in_flight, u.long_in_flight), (1, 1));
+    let long2 = h.submit("solo", 5000).expect("queued: long capacity is 1");
+    assert!(grants(&h.events()).is_empty());
+    let short = h.submit("solo", 1).expect("short still fits");
+    assert_eq!(grants(&h.events())[0].request, short);
+    assert_eq!(h.edge.queue().ids(), vec![long2]);
+    let s = h
+        .edge
+        .snapshots()
+        .into_iter()
+        .find(|s| s.provider_id == "a")
+        .expect("a");
+    assert_eq!((s.queued, s.long_queued), (1, 1));
+}
+
+#[test]
+fn dispatch_shape_follows_the_adapter_type() {
+    let mut h = Harness::new();
+    h.connect("n2");
+    h.submit("m", 1).expect("granted");
+    let g = grants(&h.events()).remove(0);
+    assert_eq!((&*g.node_id, g.shape), ("n2", DispatchShape::Tunnel));
+    assert_eq!(
+        h.edge
+            .handle_dispatch(h.now, g.request, Dispatch::Run(RunRequest::default())),
+        Err(DispatchError::WrongShape {
+            request: g.request,
+            expected: DispatchShape::Tunnel
+        })
+    );
+    let run_id = h.dispatch(&g);
+    let tx = h.transmits();
+    let Some(Transmit::Frame { envelope, .. }) = tx.first() else {
+        panic!("dispatch transmits");
+    };
+    let Some(Body::ProviderTunnelRequest(req)) = &envelope.body else {
+        panic!("tunnel expected");
+    };
+    assert_eq!(
+        (
+            req.run_id.as_str(),
+            req.adapter.as_str(),
+            req.target.as_str()
+        ),
+        (run_id.as_str(), "b", "t")
+    );
+
+    h.connect("n1");
+    h.submit("solo", 1).expect("granted");
+    assert_eq!(grants(&h.events())[0].shape, DispatchShape::Run);
+}
+
+#[test]
+fn run_violation_fails_that_run_only() {
+    let mut h = Harness::new();
+    let conn = h.connect("n1");
+    h.submit("solo", 1).expect("ok");
+    h.submit("solo", 1).expect("ok");
+    let gs = grants(&h.events());
+    let (ra, rb) = (h.dispatch(&gs[0]), h.dispatch(&gs[1]));
+    h.transmits();
+    h.run_event(conn, &ra, RunEventType::Delta, 0); // no START
+    h.run_event(conn, &rb, RunEventType::Start, 0);
+    h.run_event(conn, &rb, RunEventType::Complete, 1);
+    let (tx, events) = h.drain();
+    let outcomes = ended(&events);
+    assert!(
+        matches!(outcomes[0], (r, Outcome::Failed(RequestError::Violation(_))) if r == gs[0].request)
+    );
+    assert_eq!(outcomes[1], (gs[1].request, Outcome::Completed));
+    assert!(
+        frames_to(&tx, conn)
+            .iter()
+            .any(|b| matches!(b, Body::CancelRequest(c) if c.run_id == ra))
+    );
+    assert!(closed(&tx).is_empty(), "the connection stays up");
+}
+
+#[test]
+fn cancel_sends_cancel_run_and_releases_the_lease_exactly_once() {
+    let mut h = Harness::new();
+    let conn = h.connect("n1");
+    let r = h.submit("solo", 1).expect("ok");
+    let g = grants(&h.events()).remove(0);
+    let run = h.dispatch(&g);
+    h.transmits();
+    assert!(h.edge.handle_cancel(h.now, r, "caller left"));
+    let (tx, events) = h.drain();
+    assert_eq!(ended(&events), vec![(r, Outcome::Cancelled)]);
+    assert!(matches!(
+        frames_to(&tx, conn).as_slice(),
+        [Body::CancelRequest(CancelRequest { kind, .. })] if *kind == CancelKind::CancelRun as i32
+    ));
+    assert_eq!(
+        h.usage("n1", "a").in_flight,
+        1,
+        "held until the node confirms"
+    );
+    assert!(!h.edge.handle_cancel(h.now, r, "again"));
+    h.run_event(conn, &run, RunEventType::Start, 0);
+    h.run_event(conn, &run, RunEventType::Cancelled, 1);
+    assert!(h.events().is_empty(), "the caller already got its end");
+    assert_eq!(h.usage("n1", "a").in_flight, 0);
+    h.at(10_000); // the grace timer finds nothing left to release
+    assert_eq!(h.usage("n1", "a").in_flight, 0);
+}
+
+#[test]
+fn cancel_grace_releases_when_the_node_never_confirms() {
+    let mut h = Harness::with(quiet_config());
+    h.connect("n1");
+    let r = h.submit("solo", 1).expect("ok");
+    let g = grants(&h.events()).remove(0);
+    h.dispatch(&g);
+    h.edge.handle_cancel(h.now, r, "caller left");
+    h.at(4999);
+    assert_eq!(h.usage("n1", "a").in_flight, 1);
+    h.at(5000);
+    assert_eq!(h.usage("n1", "a").in_flight, 0);
+}
+
+#[test]
+fn cancelling_a_waiter_leaves_the_queue() {
+    let mut h = Harness::new();
+    let r = h.submit("solo", 1).expect("queued");
+    assert!(h.edge.handle_cancel(h.now, r, "gone"));
+    assert!(h.edge.queue().is_empty());
+    assert_eq!(ended(&h.events()), vec![(r, Outcome::Cancelled)]);
+}
+
+#[test]
+fn stream_frames_from_a_pending_owner_are_a_violation() {
+    let mut h = Harness::new();
+    let conn = h.open();
+    h.register(conn, "n1");
+    h.drain();
+    h.run_event(conn, "run-1", RunEventType::Start, 0);
+    let (tx, events) = h.drain();
+    assert!(matches!(
+        closed(&tx)[0].1,
+        CloseReason::ProtocolViolation(_)
+    ));
+    assert!(matches!(events[0], EdgeEvent::PeerViolation { .. }));
+    assert_eq!(h.edge.nodes()[0].state, NodeState::Offline);
+}
+
+#[test]
+fn config_refresh_goes_to_ready_nodes_and_applies_on_answer() {
+    let mut h = Harness::new();
+    let conn = h.connect("n1");
+    let pending = h.open();
+    h.register(pending, "n2");
+    h.drain();
+    let mut cfg = config();
+    cfg.nodes.get_mut("n1").expect("n1").adapters[0].capacity = 4;
+    cfg.nodes.get_mut("n2").expect("n2").adapters[0].capacity = 3;
+    let diff = h.edge.handle_config(h.now, cfg).expect("valid");
+    assert_eq!(
+        diff.changed_payloads,
+        vec!["n1".to_string(), "n2".to_string()]
+    );
+    let tx = h.transmits();
+    let refreshes: Vec<_> = frames_to(&tx, conn);
+    let [Body::NodeConfigRefreshRequest(req)] = refreshes.as_slice() else {
+        panic!("one refresh to the ready node: {tx:?}");
+    };
+    assert!(
+        frames_to(&tx, pending).is_empty(),
+        "no refresh before ready"
+    );
+    assert_eq!(
+        h.usage("n1", "a").capacity,
+        2,
+        "not before the node applied it"
+    );
+    h.send(
+        conn,
+        Body::NodeConfigRefreshResponse(NodeConfigRefreshResponse {
+            request_id: req.request_id.clone(),
+            status: RefreshStatus::Applied as i32,
+            message: String::new(),
+            revision: 2,
+        }),
+    );
+    assert_eq!(h.usage("n1", "a").capacity, 4);
+    assert!(matches!(
+        h.events().as_slice(),
+        [EdgeEvent::RefreshAnswered {
+            status: RefreshStatus::Applied,
+            ..
+        }]
+    ));
+    // The pending node registered with revision 1: it gets the refresh right after ready.
+    h.ready(pending, "n2");
+    assert!(
+        frames_to(&h.transmits(), pending)
+            .iter()
+            .any(|b| matches!(b, Body::NodeConfigRefreshRequest(_)))
+    );
+}
+
+#[test]
+fn invalid_config_changes_nothing() {
+    let mut h = Harness::new();
+    h.connect("n1");
+    let mut cfg = config();
+    cfg.models.get_mut("m").expect("m").candidates[0].node_id = "ghost".into();
+    assert!(h.edge.handle_config(h.now, cfg).is_err());
+    assert_eq!(h.edge.config(), &config());
+    assert!(h.transmits().is_empty());
+}
+
+#[test]
+fn removed_node_is_fenced_and_closed() {
+    let mut h = Harness::new();
+    let conn = h.connect("n2");
+    let mut cfg = config();
+    cfg.nodes.remove("n2");
+    cfg.models.get_mut("m").expect("m").candidates.pop();
+    h.edge.handle_config(h.now, cfg).expect("valid");
+    let (tx, events) = h.drain();
+    assert_eq!(closed(&tx), vec![(conn, CloseReason::NodeRemoved)]);
+    assert!(matches!(
+        events.as_slice(),
+        [EdgeEvent::NodeDisconnected { .. }]
+    ));
+    assert!(h.edge.snapshots().iter().all(|s| s.node_id != "n2"));
+}
+
+#[test]
+fn node_to_edge_direction_is_enforced() {
+    let mut h = Harness::new();
+    let conn = h.connect("n1");
+    h.send(
+        conn,
+        Body::RunRequest(RunRequest {
+            run_id: "x".into(),
+            adapter: "a".into(),
+            ..Default::default()
+        }),
+    );
+    let (tx, _) = h.drain();
+    assert!(matches!(
+        closed(&tx)[0].1,
+        CloseReason::ProtocolViolation(_)
+    ));
+    assert_eq!(h.edge.nodes()[0].state, NodeState::Offline);
+}
