@@ -30,6 +30,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::edge_config::{EdgeConfig, EdgeConfigError, category_of};
+use crate::idhash::IdMap;
 use crate::lease::{Generation, Lease, Ledger, Release, RequestId, ResourceId};
 use crate::queue::{Candidate, WaitQueue, Waiter};
 use crate::run::{RunStep, RunTracker};
@@ -430,12 +431,12 @@ pub struct EdgeCore {
     config: EdgeConfig,
     nodes: Vec<NodeEntry>,
     node_index: HashMap<Arc<str>, usize>,
-    conns: HashMap<ConnId, Conn>,
+    conns: IdMap<ConnId, Conn>,
     ledger: Ledger,
     resources: Vec<ResourceMeta>,
     models: HashMap<Arc<str>, Model>,
     queue: WaitQueue,
-    requests: HashMap<RequestId, ReqState>,
+    requests: IdMap<RequestId, ReqState>,
     timers: BTreeSet<(Timestamp, TimerKey)>,
     transmits: VecDeque<Transmit>,
     events: VecDeque<EdgeEvent>,
@@ -470,12 +471,12 @@ impl EdgeCore {
             config: EdgeConfig::default(),
             nodes: Vec::new(),
             node_index: HashMap::new(),
-            conns: HashMap::new(),
+            conns: IdMap::default(),
             ledger: Ledger::new(),
             resources: Vec::new(),
             models: HashMap::new(),
             queue: WaitQueue::new(),
-            requests: HashMap::new(),
+            requests: IdMap::default(),
             timers: BTreeSet::new(),
             transmits: VecDeque::new(),
             events: VecDeque::new(),
@@ -539,6 +540,14 @@ impl EdgeCore {
         };
         let owner = self.nodes[node].owner?;
         (owner.conn == conn).then(|| (self.nodes[node].id.clone(), generation, owner.ready))
+    }
+
+    /// The connection that currently owns `node_id` (pending or ready).
+    #[must_use]
+    pub fn owner_of_node(&self, node_id: &str) -> Option<ConnId> {
+        self.nodes[*self.node_index.get(node_id)?]
+            .owner
+            .map(|o| o.conn)
     }
 
     /// The resource of `(node_id, provider_id)`, if configured at any time.

@@ -8,7 +8,9 @@
 //! all at once when the generation is fenced. Anything after that reports
 //! [`Release::Stale`] and changes nothing.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
+
+use crate::idhash::IdMap;
 
 /// Index of a provider resource in the ledger.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -86,7 +88,7 @@ struct Resource {
 #[derive(Debug, Default)]
 pub struct Ledger {
     resources: Vec<Resource>,
-    leases: HashMap<RequestId, Lease>,
+    leases: IdMap<RequestId, Lease>,
 }
 
 impl Ledger {

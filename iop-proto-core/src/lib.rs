@@ -45,6 +45,7 @@
 
 pub mod edge;
 pub mod edge_config;
+mod idhash;
 pub mod lease;
 pub mod queue;
 pub mod reconnect;

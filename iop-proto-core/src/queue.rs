@@ -6,6 +6,8 @@
 //! and deadlines are kept in one ordered set. Nothing scans all waiters or all resources.
 
 use std::collections::{BTreeSet, HashMap};
+
+use crate::idhash::IdMap;
 use std::sync::Arc;
 
 use crate::lease::{RequestId, ResourceId};
@@ -44,7 +46,7 @@ struct Lanes {
 /// Waiting requests, indexed by candidate resource and by deadline.
 #[derive(Debug, Default)]
 pub struct WaitQueue {
-    waiters: HashMap<RequestId, Waiter>,
+    waiters: IdMap<RequestId, Waiter>,
     lanes: Vec<Lanes>,
     deadlines: BTreeSet<(Timestamp, RequestId)>,
     per_model: HashMap<Arc<str>, usize>,
