@@ -90,7 +90,6 @@ impl Indexed {
             this.enqueue(rng);
             this.now += 1;
         }
-        this.now = 0;
         this
     }
 
@@ -116,10 +115,10 @@ impl Indexed {
         let r = self.resources[i];
         let _ = self.ledger.release(self.leases[i]);
         let holder = match self.queue.oldest_fitting(r, true, false) {
-            Some(id) => {
-                self.queue.remove(id);
+            Some(ticket) => {
+                let waiter = self.queue.remove(ticket).expect("live front");
                 self.enqueue(rng);
-                id
+                waiter.request
             }
             None => RequestId(u64::MAX - i as u64),
         };
@@ -159,7 +158,6 @@ impl Naive {
             this.enqueue(rng);
             this.now += 1;
         }
-        this.now = 0;
         this
     }
 

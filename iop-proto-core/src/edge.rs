@@ -32,7 +32,7 @@ use std::time::Duration;
 use crate::edge_config::{EdgeConfig, EdgeConfigError, category_of};
 use crate::idhash::IdMap;
 use crate::lease::{Generation, Lease, Ledger, Release, RequestId, ResourceId};
-use crate::queue::{Candidate, WaitQueue, Waiter};
+use crate::queue::{Candidate, Ticket, WaitQueue, Waiter};
 use crate::run::{RunStep, RunTracker};
 use crate::time::Timestamp;
 use crate::tunnel::{TunnelReceiver, TunnelStep};
@@ -405,7 +405,9 @@ enum Stream {
 
 #[derive(Debug)]
 enum ReqState {
-    Waiting,
+    Waiting {
+        ticket: Ticket,
+    },
     Granted {
         lease: Lease,
         conn: ConnId,
@@ -820,14 +822,14 @@ impl EdgeCore {
         }
         self.next_request += 1;
         let candidates = self.models[&model_name].candidates.clone();
-        self.queue.push(Waiter {
+        let ticket = self.queue.push(Waiter {
             request,
             model: model_name,
             long,
             candidates,
             deadline: self.now + self.config.queue.wait_timeout,
         });
-        self.requests.insert(request, ReqState::Waiting);
+        self.requests.insert(request, ReqState::Waiting { ticket });
         Ok(request)
     }
 
@@ -896,8 +898,8 @@ impl EdgeCore {
             return false;
         };
         match state {
-            ReqState::Waiting => {
-                self.queue.remove(request);
+            ReqState::Waiting { ticket } => {
+                self.queue.remove(ticket);
             }
             ReqState::Granted { lease, .. } => self.release(lease),
             ReqState::Running {
@@ -1257,7 +1259,7 @@ impl EdgeCore {
                         lost.push(lease.request);
                     }
                     Some(ReqState::Cancelling { .. }) | None => {}
-                    Some(state @ ReqState::Waiting) => {
+                    Some(state @ ReqState::Waiting { .. }) => {
                         self.requests.insert(lease.request, state);
                     }
                 }
@@ -1343,12 +1345,13 @@ impl EdgeCore {
         loop {
             let short_free = self.ledger.free(resource, false) > 0;
             let long_free = self.ledger.free(resource, true) > 0;
-            let Some(request) = self.queue.oldest_fitting(resource, short_free, long_free) else {
+            let Some(ticket) = self.queue.oldest_fitting(resource, short_free, long_free) else {
                 return;
             };
-            let Some(waiter) = self.queue.remove(request) else {
+            let Some(waiter) = self.queue.remove(ticket) else {
                 return;
             };
+            let request = waiter.request;
             let Some(candidate) = waiter
                 .candidates
                 .iter()

@@ -8,8 +8,6 @@
 //! all at once when the generation is fenced. Anything after that reports
 //! [`Release::Stale`] and changes nothing.
 
-use std::collections::BTreeSet;
-
 use crate::idhash::IdMap;
 
 /// Index of a provider resource in the ledger.
@@ -77,17 +75,10 @@ pub struct Usage {
     pub long_in_flight: u32,
 }
 
-#[derive(Debug, Default)]
-struct Resource {
-    usage: Usage,
-    /// Requests holding a lease here; ordered so fencing is deterministic.
-    holders: BTreeSet<RequestId>,
-}
-
 /// All resources and the leases held against them.
 #[derive(Debug, Default)]
 pub struct Ledger {
-    resources: Vec<Resource>,
+    resources: Vec<Usage>,
     leases: IdMap<RequestId, Lease>,
 }
 
@@ -102,7 +93,7 @@ impl Ledger {
     pub fn add_resource(&mut self) -> ResourceId {
         let id =
             ResourceId(u32::try_from(self.resources.len()).expect("fewer than 2^32 resources"));
-        self.resources.push(Resource::default());
+        self.resources.push(Usage::default());
         id
     }
 
@@ -121,7 +112,7 @@ impl Ledger {
     /// Current figures of `resource`.
     #[must_use]
     pub fn usage(&self, resource: ResourceId) -> Usage {
-        self.resources[resource.index()].usage
+        self.resources[resource.index()]
     }
 
     /// Number of leases held across all resources.
@@ -145,11 +136,11 @@ impl Ledger {
         capacity: u32,
         long_capacity: u32,
     ) -> Vec<Lease> {
-        let returned = match self.resources[resource.index()].usage.generation {
+        let returned = match self.resources[resource.index()].generation {
             Some(live) if live != generation => self.fence(resource),
             _ => Vec::new(),
         };
-        let usage = &mut self.resources[resource.index()].usage;
+        let usage = &mut self.resources[resource.index()];
         usage.generation = Some(generation);
         usage.capacity = capacity;
         usage.long_capacity = long_capacity.min(capacity);
@@ -159,28 +150,35 @@ impl Ledger {
     /// Changes the capacities of a live resource in place. Leases already held stay held;
     /// after a shrink no new lease is granted until `in_flight` is below the new figure.
     pub fn set_capacity(&mut self, resource: ResourceId, capacity: u32, long_capacity: u32) {
-        let usage = &mut self.resources[resource.index()].usage;
+        let usage = &mut self.resources[resource.index()];
         if usage.generation.is_some() {
             usage.capacity = capacity;
             usage.long_capacity = long_capacity.min(capacity);
         }
     }
 
-    /// Takes `resource` offline and returns every lease held on it, each exactly once.
+    /// Takes `resource` offline and returns every lease held on it, each exactly once,
+    /// in request order. Fencing is rare (a node lost), so it walks the held leases
+    /// instead of making every acquire and release maintain a per-resource index.
     pub fn fence(&mut self, resource: ResourceId) -> Vec<Lease> {
-        let entry = &mut self.resources[resource.index()];
-        let holders = std::mem::take(&mut entry.holders);
-        entry.usage = Usage::default();
-        holders
-            .into_iter()
-            .filter_map(|request| self.leases.remove(&request))
-            .collect()
+        self.resources[resource.index()] = Usage::default();
+        let mut returned: Vec<Lease> = self
+            .leases
+            .values()
+            .filter(|lease| lease.resource == resource)
+            .copied()
+            .collect();
+        returned.sort_unstable_by_key(|lease| lease.request);
+        for lease in &returned {
+            self.leases.remove(&lease.request);
+        }
+        returned
     }
 
     /// Free units of `resource` for a request of the given kind (0 when offline).
     #[must_use]
     pub fn free(&self, resource: ResourceId, long: bool) -> u32 {
-        let usage = &self.resources[resource.index()].usage;
+        let usage = &self.resources[resource.index()];
         if usage.generation.is_none() {
             return 0;
         }
@@ -203,13 +201,12 @@ impl Ledger {
         if self.free(resource, long) == 0 || self.leases.contains_key(&request) {
             return None;
         }
-        let entry = &mut self.resources[resource.index()];
-        let generation = entry.usage.generation?;
-        entry.usage.in_flight += 1;
+        let usage = &mut self.resources[resource.index()];
+        let generation = usage.generation?;
+        usage.in_flight += 1;
         if long {
-            entry.usage.long_in_flight += 1;
+            usage.long_in_flight += 1;
         }
-        entry.holders.insert(request);
         let lease = Lease {
             request,
             resource,
@@ -226,11 +223,10 @@ impl Ledger {
             return Release::Stale;
         }
         self.leases.remove(&lease.request);
-        let entry = &mut self.resources[lease.resource.index()];
-        entry.holders.remove(&lease.request);
-        entry.usage.in_flight -= 1;
+        let usage = &mut self.resources[lease.resource.index()];
+        usage.in_flight -= 1;
         if lease.long {
-            entry.usage.long_in_flight -= 1;
+            usage.long_in_flight -= 1;
         }
         Release::Released
     }

@@ -67,7 +67,7 @@ pub use edge_config::{
     QueueLimits,
 };
 pub use lease::{Generation, Lease, Ledger, Release, RequestId, ResourceId};
-pub use queue::{Candidate, WaitQueue, Waiter};
+pub use queue::{Candidate, Ticket, WaitQueue, Waiter};
 pub use reconnect::{MaxAttempts, ReconnectConfigError, ReconnectPolicy};
 pub use run::{RunEmitter, RunStep, RunTracker, RunViolation};
 pub use time::Timestamp;

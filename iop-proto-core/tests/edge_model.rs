@@ -439,8 +439,8 @@ fn check(
     // No waiter waits while one of its candidates could take it, and grants from the
     // queue went to the oldest fitting waiter.
     let queue = h.edge.queue();
-    for id in queue.ids() {
-        let w = queue.get(id).expect("waiting");
+    for w in queue.waiters() {
+        let id = w.request;
         for c in w.candidates.iter() {
             prop_assert_eq!(
                 ledger.free(c.resource, w.long),
@@ -453,8 +453,8 @@ fn check(
     }
     for event in events {
         if let EdgeEvent::Granted(g) = event {
-            for id in queue.ids() {
-                let w = queue.get(id).expect("waiting");
+            for w in queue.waiters() {
+                let id = w.request;
                 if w.long == g.lease.long
                     && w.candidates.iter().any(|c| c.resource == g.lease.resource)
                 {
