@@ -16,7 +16,8 @@
 //!   and the streams of dispatched requests, over [`lease`] (the lease ledger) and
 //!   [`queue`] (the provider-pool wait queue), configured by [`edge_config`].
 //! - [`run`] and [`tunnel`]: the contract sequencers of normalized runs and raw tunnels.
-//! - [`reconnect`]: the Node's reconnect policy.
+//! - [`session`]: the Node session machine ([`NodeSession`]), with [`gate`] (per-adapter
+//!   capacity) and [`reconnect`] (the reconnect policy and its [`Supervisor`]).
 //! - [`token`]: constant-time node credential checks.
 //!
 //! ## Example: framing a message and reading it back
@@ -45,11 +46,13 @@
 
 pub mod edge;
 pub mod edge_config;
+pub mod gate;
 mod idhash;
 pub mod lease;
 pub mod queue;
 pub mod reconnect;
 pub mod run;
+pub mod session;
 pub mod time;
 pub mod token;
 pub mod tunnel;
@@ -66,10 +69,18 @@ pub use edge_config::{
     CandidateSpec, ConfigDiff, EdgeConfig, EdgeConfigError, EdgeTiming, ModelSpec, NodeSpec,
     QueueLimits,
 };
+pub use gate::{CapacityGate, GateError};
 pub use lease::{Generation, Lease, Ledger, Release, RequestId, ResourceId};
 pub use queue::{Candidate, Ticket, WaitQueue, Waiter};
-pub use reconnect::{MaxAttempts, ReconnectConfigError, ReconnectPolicy};
+pub use reconnect::{
+    Action, Backoff, ExitReason, Failure, MaxAttempts, ReconnectConfigError, ReconnectPolicy,
+    Supervisor, SupervisorError, SupervisorState,
+};
 pub use run::{RunEmitter, RunStep, RunTracker, RunViolation};
+pub use session::{
+    AdapterDiff, CancelError, NodeSession, RunOutput, SessionConfig, SessionEnd, SessionError,
+    SessionEvent, SessionState, TunnelOutput, diff_adapters,
+};
 pub use time::Timestamp;
 pub use token::TokenVerifier;
 pub use tunnel::{TunnelEmitter, TunnelReceiver, TunnelStep, TunnelViolation};

@@ -4,9 +4,17 @@
 //! - `max_attempts` omitted → 10; `0` → unlimited until local shutdown; a positive value →
 //!   exactly that many attempts; negative → a validation error.
 //! - `interval_sec` omitted → 10 seconds; in unlimited mode it must be positive.
+//!
+//! [`Supervisor`] is the machine that applies the policy: it tells the shell when to dial,
+//! counts attempts (a successful ready resets the count), classifies failures (retryable
+//! remote failures retry; a credential rejection or a local config error is fatal) and
+//! decides the process exit: 1 for exhaustion or a fatal error, 0 for local shutdown.
 
+use std::collections::VecDeque;
 use std::num::NonZeroU32;
 use std::time::Duration;
+
+use crate::time::Timestamp;
 
 /// Attempts made when `max_attempts` is omitted.
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 10;
@@ -92,6 +100,330 @@ impl ReconnectPolicy {
     }
 }
 
+/// Exponential backoff with jitter: an extension; the default is the contract's fixed
+/// interval. Delay before attempt `n + 1` is `min(max, base * 2^(n-1))`, reduced by up to
+/// `jitter` (a fraction in `0..=1`) drawn from a RNG seeded with `seed`, so a run replays.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Backoff {
+    /// Delay after the first failure.
+    pub base: Duration,
+    /// Upper bound of the delay.
+    pub max: Duration,
+    /// Fraction of the delay removed at random (0 = none, 1 = up to all of it).
+    pub jitter: f64,
+    /// RNG seed.
+    pub seed: u64,
+}
+
+/// Why a dial or an established session failed, as the supervisor classifies it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Failure {
+    /// Connection refused.
+    Refused,
+    /// Connection reset.
+    Reset,
+    /// Dial, handshake or heartbeat timed out.
+    TimedOut,
+    /// The Edge closed the connection or refused readiness.
+    EdgeClosed(String),
+    /// The Edge rejected the node's credentials or identity: fatal, never retried.
+    CredentialRejected(String),
+    /// The local configuration cannot work: fatal.
+    LocalConfig(String),
+}
+
+impl Failure {
+    /// Fatal failures end the process instead of retrying.
+    #[must_use]
+    pub fn is_fatal(&self) -> bool {
+        matches!(
+            self,
+            Failure::CredentialRejected(_) | Failure::LocalConfig(_)
+        )
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Failure::Refused => f.write_str("connection refused"),
+            Failure::Reset => f.write_str("connection reset"),
+            Failure::TimedOut => f.write_str("timed out"),
+            Failure::EdgeClosed(why) => write!(f, "edge closed the session: {why}"),
+            Failure::CredentialRejected(why) => write!(f, "edge rejected the node: {why}"),
+            Failure::LocalConfig(why) => write!(f, "local configuration error: {why}"),
+        }
+    }
+}
+
+/// Why the supervisor ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ExitReason {
+    /// Local shutdown (SIGINT/SIGTERM).
+    Shutdown,
+    /// The finite attempt budget ran out; the last failure is attached.
+    Exhausted {
+        /// Attempts made.
+        attempts: u32,
+        /// The last failure.
+        last: Failure,
+    },
+    /// A fatal failure.
+    Fatal(Failure),
+}
+
+impl ExitReason {
+    /// The process exit code: 0 for local shutdown, 1 otherwise.
+    #[must_use]
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            ExitReason::Shutdown => 0,
+            ExitReason::Exhausted { .. } | ExitReason::Fatal(_) => 1,
+        }
+    }
+}
+
+/// What the supervisor asks the shell to do.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Dial the Edge; `attempt` counts from 1 since the start or the last ready.
+    Dial {
+        /// Attempt number.
+        attempt: u32,
+    },
+    /// Stop: cancel in-flight work and exit with `reason.exit_code()`.
+    Exit(ExitReason),
+}
+
+/// Misuse of the supervisor by its driver.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SupervisorError {
+    /// An input that makes no sense in the current state (e.g. `handle_ready` while idle).
+    #[error("supervisor input {input} is invalid while {state:?}")]
+    InvalidInput {
+        /// The input.
+        input: &'static str,
+        /// The state it arrived in.
+        state: SupervisorState,
+    },
+}
+
+/// Where the supervisor is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SupervisorState {
+    /// Not started.
+    Idle,
+    /// A dial is in progress.
+    Dialing,
+    /// Connected; `ready` once the ready handshake completed.
+    Connected {
+        /// Whether the session reached ready.
+        ready: bool,
+    },
+    /// Waiting before the next attempt.
+    Waiting {
+        /// When to dial again.
+        until: Timestamp,
+    },
+    /// Finished.
+    Exited,
+}
+
+/// The reconnect supervisor machine. One instance governs the whole life of a node
+/// process: the initial dial and every reconnect.
+#[derive(Debug)]
+pub struct Supervisor {
+    policy: ReconnectPolicy,
+    backoff: Option<Backoff>,
+    rng: u64,
+    attempts: u32,
+    state: SupervisorState,
+    actions: VecDeque<Action>,
+    now: Timestamp,
+}
+
+impl Supervisor {
+    /// A supervisor with the contract's fixed interval.
+    #[must_use]
+    pub fn new(policy: ReconnectPolicy) -> Self {
+        Supervisor {
+            policy,
+            backoff: None,
+            rng: 0,
+            attempts: 0,
+            state: SupervisorState::Idle,
+            actions: VecDeque::new(),
+            now: Timestamp::ZERO,
+        }
+    }
+
+    /// A supervisor using exponential backoff with jitter instead of the fixed interval
+    /// (the attempt limit still comes from `policy`).
+    #[must_use]
+    pub fn with_backoff(policy: ReconnectPolicy, backoff: Backoff) -> Self {
+        let mut supervisor = Supervisor::new(policy);
+        supervisor.rng = backoff.seed;
+        supervisor.backoff = Some(backoff);
+        supervisor
+    }
+
+    /// Current state.
+    #[must_use]
+    pub fn state(&self) -> SupervisorState {
+        self.state
+    }
+
+    /// Attempts made since the start or the last ready.
+    #[must_use]
+    pub fn attempts(&self) -> u32 {
+        self.attempts
+    }
+
+    /// The next action for the shell.
+    #[must_use]
+    pub fn poll_action(&mut self) -> Option<Action> {
+        self.actions.pop_front()
+    }
+
+    /// When the next dial is due.
+    #[must_use]
+    pub fn poll_timeout(&self) -> Option<Timestamp> {
+        match self.state {
+            SupervisorState::Waiting { until } => Some(until),
+            _ => None,
+        }
+    }
+
+    fn advance(&mut self, now: Timestamp) {
+        debug_assert!(now >= self.now, "time went backwards");
+        self.now = self.now.max(now);
+    }
+
+    fn invalid(&self, input: &'static str) -> SupervisorError {
+        SupervisorError::InvalidInput {
+            input,
+            state: self.state,
+        }
+    }
+
+    fn dial(&mut self) {
+        self.attempts = self.attempts.saturating_add(1);
+        self.state = SupervisorState::Dialing;
+        self.actions.push_back(Action::Dial {
+            attempt: self.attempts,
+        });
+    }
+
+    fn exit(&mut self, reason: ExitReason) {
+        self.state = SupervisorState::Exited;
+        self.actions.push_back(Action::Exit(reason));
+    }
+
+    /// Starts: the initial dial happens at once.
+    pub fn handle_start(&mut self, now: Timestamp) -> Result<(), SupervisorError> {
+        self.advance(now);
+        if self.state != SupervisorState::Idle {
+            return Err(self.invalid("start"));
+        }
+        self.dial();
+        Ok(())
+    }
+
+    /// The dial connected; the session now registers.
+    pub fn handle_connected(&mut self, now: Timestamp) -> Result<(), SupervisorError> {
+        self.advance(now);
+        if self.state != SupervisorState::Dialing {
+            return Err(self.invalid("connected"));
+        }
+        self.state = SupervisorState::Connected { ready: false };
+        Ok(())
+    }
+
+    /// The session completed its ready handshake: the attempt count resets.
+    pub fn handle_ready(&mut self, now: Timestamp) -> Result<(), SupervisorError> {
+        self.advance(now);
+        if !matches!(self.state, SupervisorState::Connected { .. }) {
+            return Err(self.invalid("ready"));
+        }
+        self.attempts = 0;
+        self.state = SupervisorState::Connected { ready: true };
+        Ok(())
+    }
+
+    /// A dial failed or an established session ended. Fatal failures exit; retryable ones
+    /// retry after the interval while attempts remain.
+    pub fn handle_failure(
+        &mut self,
+        now: Timestamp,
+        failure: Failure,
+    ) -> Result<(), SupervisorError> {
+        self.advance(now);
+        if !matches!(
+            self.state,
+            SupervisorState::Dialing | SupervisorState::Connected { .. }
+        ) {
+            return Err(self.invalid("failure"));
+        }
+        if failure.is_fatal() {
+            self.exit(ExitReason::Fatal(failure));
+            return Ok(());
+        }
+        if let MaxAttempts::Limited(max) = self.policy.max_attempts
+            && self.attempts >= max.get()
+        {
+            self.exit(ExitReason::Exhausted {
+                attempts: self.attempts,
+                last: failure,
+            });
+            return Ok(());
+        }
+        let delay = self.delay();
+        self.state = SupervisorState::Waiting {
+            until: self.now + delay,
+        };
+        Ok(())
+    }
+
+    /// Local shutdown: exit 0 from any state (a no-op once exited).
+    pub fn handle_shutdown(&mut self, now: Timestamp) {
+        self.advance(now);
+        if self.state != SupervisorState::Exited {
+            self.exit(ExitReason::Shutdown);
+        }
+    }
+
+    /// Dials when the wait is over. A spurious call does nothing.
+    pub fn handle_timeout(&mut self, now: Timestamp) {
+        self.advance(now);
+        if let SupervisorState::Waiting { until } = self.state
+            && until <= self.now
+        {
+            self.dial();
+        }
+    }
+
+    fn delay(&mut self) -> Duration {
+        let Some(backoff) = self.backoff else {
+            return self.policy.interval;
+        };
+        let exponent = self.attempts.saturating_sub(1).min(30);
+        let full = backoff
+            .base
+            .saturating_mul(1u32 << exponent)
+            .min(backoff.max);
+        // SplitMix64: a tiny, well-distributed generator; enough for jitter.
+        self.rng = self.rng.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.rng;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        let unit = (z >> 11) as f64 / (1u64 << 53) as f64;
+        full.mul_f64(1.0 - backoff.jitter.clamp(0.0, 1.0) * unit)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -149,6 +481,162 @@ mod tests {
                 ReconnectPolicy::from_config(Some(0), Some(bad)),
                 Err(ReconnectConfigError::InvalidInterval(_))
             ));
+        }
+    }
+
+    fn policy(max: i64, interval: f64) -> ReconnectPolicy {
+        ReconnectPolicy::from_config(Some(max), Some(interval)).expect("valid")
+    }
+
+    fn drain(s: &mut Supervisor) -> Vec<Action> {
+        std::iter::from_fn(|| s.poll_action()).collect()
+    }
+
+    #[test]
+    fn finite_policy_makes_exactly_max_attempts_then_exits_1() {
+        let mut s = Supervisor::new(policy(3, 2.0));
+        s.handle_start(Timestamp::ZERO).expect("idle");
+        assert_eq!(drain(&mut s), vec![Action::Dial { attempt: 1 }]);
+        s.handle_failure(Timestamp::ZERO, Failure::Refused)
+            .expect("dialing");
+        assert_eq!(s.poll_timeout(), Some(Timestamp::from_millis(2000)));
+        s.handle_timeout(Timestamp::from_millis(1999));
+        assert!(drain(&mut s).is_empty(), "not before the interval");
+        s.handle_timeout(Timestamp::from_millis(2000));
+        assert_eq!(drain(&mut s), vec![Action::Dial { attempt: 2 }]);
+        s.handle_failure(Timestamp::from_millis(2000), Failure::Reset)
+            .expect("dialing");
+        s.handle_timeout(Timestamp::from_millis(4000));
+        assert_eq!(drain(&mut s), vec![Action::Dial { attempt: 3 }]);
+        s.handle_failure(Timestamp::from_millis(4000), Failure::TimedOut)
+            .expect("dialing");
+        let actions = drain(&mut s);
+        let [Action::Exit(reason)] = actions.as_slice() else {
+            panic!("{actions:?}");
+        };
+        assert_eq!(
+            reason,
+            &ExitReason::Exhausted {
+                attempts: 3,
+                last: Failure::TimedOut
+            }
+        );
+        assert_eq!(reason.exit_code(), 1);
+        assert_eq!(s.poll_timeout(), None);
+    }
+
+    #[test]
+    fn fatal_failures_exit_without_retrying() {
+        for failure in [
+            Failure::CredentialRejected("invalid token".into()),
+            Failure::LocalConfig("bad address".into()),
+        ] {
+            let mut s = Supervisor::new(policy(0, 1.0));
+            s.handle_start(Timestamp::ZERO).expect("idle");
+            s.handle_connected(Timestamp::ZERO).expect("dialing");
+            drain(&mut s);
+            s.handle_failure(Timestamp::ZERO, failure.clone())
+                .expect("connected");
+            assert_eq!(
+                drain(&mut s),
+                vec![Action::Exit(ExitReason::Fatal(failure))]
+            );
+            assert_eq!(s.state(), SupervisorState::Exited);
+        }
+    }
+
+    #[test]
+    fn ready_resets_the_attempt_count_and_reconnects_use_the_same_policy() {
+        let mut s = Supervisor::new(policy(2, 1.0));
+        s.handle_start(Timestamp::ZERO).expect("idle");
+        s.handle_failure(Timestamp::ZERO, Failure::Refused)
+            .expect("dialing");
+        s.handle_timeout(Timestamp::from_millis(1000));
+        s.handle_connected(Timestamp::from_millis(1000))
+            .expect("dialing");
+        s.handle_ready(Timestamp::from_millis(1000))
+            .expect("connected");
+        assert_eq!(s.attempts(), 0);
+        drain(&mut s);
+        // The established session drops: two more attempts are allowed, not zero.
+        s.handle_failure(
+            Timestamp::from_millis(5000),
+            Failure::EdgeClosed("restart".into()),
+        )
+        .expect("connected");
+        s.handle_timeout(Timestamp::from_millis(6000));
+        assert_eq!(drain(&mut s), vec![Action::Dial { attempt: 1 }]);
+        s.handle_failure(Timestamp::from_millis(6000), Failure::Refused)
+            .expect("dialing");
+        s.handle_timeout(Timestamp::from_millis(7000));
+        assert_eq!(drain(&mut s), vec![Action::Dial { attempt: 2 }]);
+        s.handle_failure(Timestamp::from_millis(7000), Failure::Refused)
+            .expect("dialing");
+        assert!(matches!(
+            drain(&mut s).as_slice(),
+            [Action::Exit(ExitReason::Exhausted { attempts: 2, .. })]
+        ));
+    }
+
+    #[test]
+    fn unlimited_policy_retries_until_shutdown_which_exits_0() {
+        let mut s = Supervisor::new(policy(0, 1.0));
+        s.handle_start(Timestamp::ZERO).expect("idle");
+        let mut now = 0;
+        for _ in 0..1000 {
+            s.handle_failure(Timestamp::from_millis(now), Failure::Refused)
+                .expect("dialing");
+            now += 1000;
+            s.handle_timeout(Timestamp::from_millis(now));
+        }
+        assert_eq!(s.attempts(), 1001);
+        s.handle_shutdown(Timestamp::from_millis(now));
+        let actions = drain(&mut s);
+        assert_eq!(actions.last(), Some(&Action::Exit(ExitReason::Shutdown)));
+        assert_eq!(ExitReason::Shutdown.exit_code(), 0);
+    }
+
+    #[test]
+    fn misuse_is_a_usage_error() {
+        let mut s = Supervisor::new(ReconnectPolicy::default());
+        assert!(s.handle_ready(Timestamp::ZERO).is_err());
+        assert!(s.handle_failure(Timestamp::ZERO, Failure::Refused).is_err());
+        s.handle_start(Timestamp::ZERO).expect("idle");
+        assert!(s.handle_start(Timestamp::ZERO).is_err());
+    }
+
+    #[test]
+    fn backoff_grows_is_capped_jittered_and_replays_from_its_seed() {
+        let backoff = Backoff {
+            base: Duration::from_millis(100),
+            max: Duration::from_millis(1000),
+            jitter: 0.5,
+            seed: 42,
+        };
+        let delays = |seed: u64| {
+            let mut s = Supervisor::with_backoff(policy(0, 1.0), Backoff { seed, ..backoff });
+            s.handle_start(Timestamp::ZERO).expect("idle");
+            let mut now = Timestamp::ZERO;
+            let mut out = Vec::new();
+            for _ in 0..8 {
+                s.handle_failure(now, Failure::Refused).expect("dialing");
+                let until = s.poll_timeout().expect("waiting");
+                out.push(until.saturating_duration_since(now).as_millis() as u64);
+                now = until;
+                s.handle_timeout(now);
+            }
+            out
+        };
+        let a = delays(42);
+        assert_eq!(a, delays(42), "same seed, same delays");
+        assert_ne!(a, delays(7));
+        for (i, d) in a.iter().enumerate() {
+            let full = (100u64 << i).min(1000);
+            assert!(
+                *d <= full && *d >= full / 2,
+                "attempt {i}: {d} not in [{}, {full}]",
+                full / 2
+            );
         }
     }
 }

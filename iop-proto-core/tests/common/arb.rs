@@ -202,13 +202,14 @@ pub fn body() -> impl Strategy<Value = Body> {
                 any::<bool>(),
                 any::<u32>(),
                 labels(),
-                text()
+                text(),
+                any::<bool>()
             )
         )
             .prop_map(
                 |(
                     (run_id, adapter, target, method, path),
-                    (headers, body, stream, timeout_sec, metadata, session_id),
+                    (headers, body, stream, timeout_sec, metadata, session_id, long_context),
                 )| {
                     Body::ProviderTunnelRequest(ProviderTunnelRequest {
                         run_id,
@@ -222,6 +223,7 @@ pub fn body() -> impl Strategy<Value = Body> {
                         timeout_sec,
                         metadata,
                         session_id,
+                        long_context,
                     })
                 }
             ),

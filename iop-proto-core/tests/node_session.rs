@@ -1,0 +1,634 @@
+//! Scenario tests of the Node session machine: one test per contract rule.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use bytes::Bytes;
+use iop_proto_core::wire::*;
+use iop_proto_core::*;
+
+fn adapter(name: &str, kind: AdapterType, capacity: u32, long: u32) -> AdapterConfig {
+    AdapterConfig {
+        name: name.into(),
+        r#type: kind as i32,
+        base_url: "http://127.0.0.1:9".into(),
+        capacity,
+        long_capacity: long,
+        targets: vec!["t".into()],
+        enabled: true,
+        ..Default::default()
+    }
+}
+
+fn payload(revision: u64, adapters: Vec<AdapterConfig>) -> NodeConfigPayload {
+    NodeConfigPayload {
+        revision,
+        adapters,
+        runtime: None,
+    }
+}
+
+struct H {
+    s: NodeSession,
+    now: u64,
+}
+
+impl H {
+    fn t(&self) -> Timestamp {
+        Timestamp::from_millis(self.now)
+    }
+
+    fn new() -> Self {
+        let mut cfg = SessionConfig::new("n1", "secret");
+        cfg.handshake_timeout = Duration::from_millis(5000);
+        cfg.chunk_size = 4;
+        H {
+            s: NodeSession::new(cfg),
+            now: 0,
+        }
+    }
+
+    fn rx(&mut self, body: Body) {
+        let t = self.t();
+        self.s.handle_envelope(t, Envelope::new(body));
+    }
+
+    fn tx(&mut self) -> Vec<Body> {
+        std::iter::from_fn(|| self.s.poll_transmit())
+            .filter_map(|e| e.body)
+            .collect()
+    }
+
+    fn events(&mut self) -> Vec<SessionEvent> {
+        std::iter::from_fn(|| self.s.poll_event()).collect()
+    }
+
+    fn at(&mut self, ms: u64) {
+        self.now = ms;
+        let t = self.t();
+        self.s.handle_timeout(t);
+    }
+
+    fn accept(&mut self, adapters: Vec<AdapterConfig>) {
+        self.rx(Body::RegisterResponse(RegisterResponse {
+            accepted: true,
+            reason: String::new(),
+            node_id: "n1".into(),
+            config: Some(payload(1, adapters)),
+            heartbeat_interval_ms: 1000,
+        }));
+    }
+
+    /// Connected, registered with a mock adapter "a" (capacity 2, long 1), ready.
+    fn ready() -> Self {
+        let mut h = H::new();
+        h.s.handle_connected(h.t()).expect("connecting");
+        h.accept(vec![adapter("a", AdapterType::Mock, 2, 1)]);
+        h.s.handle_config_applied(h.t(), Ok(()))
+            .expect("configuring");
+        h.rx(Body::NodeReadyResponse(NodeReadyResponse {
+            ready: true,
+            reason: String::new(),
+        }));
+        h.tx();
+        h.events();
+        assert_eq!(h.s.state(), SessionState::Ready);
+        h
+    }
+
+    fn run(&mut self, run_id: &str, adapter: &str, long: bool) {
+        self.rx(Body::RunRequest(RunRequest {
+            run_id: run_id.into(),
+            adapter: adapter.into(),
+            target: "t".into(),
+            long_context: long,
+            ..Default::default()
+        }));
+    }
+}
+
+#[test]
+fn register_then_apply_then_ready_in_that_order() {
+    let mut h = H::new();
+    assert_eq!(h.s.state(), SessionState::Connecting);
+    h.s.handle_connected(h.t()).expect("connecting");
+    let tx = h.tx();
+    let [Body::RegisterRequest(reg)] = tx.as_slice() else {
+        panic!("{tx:?}");
+    };
+    assert_eq!((reg.node_id.as_str(), reg.token.as_str()), ("n1", "secret"));
+    h.accept(vec![adapter("a", AdapterType::Mock, 2, 1)]);
+    assert_eq!(h.s.state(), SessionState::Configuring);
+    assert!(matches!(
+        h.events().as_slice(),
+        [SessionEvent::ApplyConfig { .. }]
+    ));
+    assert!(h.tx().is_empty(), "no ready before the adapters started");
+    h.s.handle_config_applied(h.t(), Ok(()))
+        .expect("configuring");
+    assert!(matches!(h.tx().as_slice(), [Body::NodeReadyRequest(r)] if r.node_id == "n1"));
+    h.rx(Body::NodeReadyResponse(NodeReadyResponse {
+        ready: true,
+        reason: String::new(),
+    }));
+    assert_eq!(h.events(), vec![SessionEvent::Ready]);
+    assert_eq!(h.s.heartbeat_interval(), Duration::from_millis(1000));
+    assert_eq!(h.s.gate("a").map(CapacityGate::capacity), Some(2));
+}
+
+#[test]
+fn rejected_register_is_fatal_and_ready_false_is_retryable() {
+    let mut h = H::new();
+    h.s.handle_connected(h.t()).expect("connecting");
+    h.rx(Body::RegisterResponse(RegisterResponse {
+        accepted: false,
+        reason: "invalid token".into(),
+        ..Default::default()
+    }));
+    assert_eq!(h.s.state(), SessionState::Closed);
+    let failure = h.s.end().and_then(SessionEnd::failure).expect("failure");
+    assert!(failure.is_fatal(), "{failure}");
+
+    let mut h = H::new();
+    h.s.handle_connected(h.t()).expect("connecting");
+    h.accept(vec![]);
+    h.s.handle_config_applied(h.t(), Ok(()))
+        .expect("configuring");
+    h.rx(Body::NodeReadyResponse(NodeReadyResponse {
+        ready: false,
+        reason: "superseded".into(),
+    }));
+    assert_eq!(
+        h.s.end(),
+        Some(&SessionEnd::ReadyRefused("superseded".into()))
+    );
+    assert!(
+        !h.s.end()
+            .and_then(SessionEnd::failure)
+            .expect("failure")
+            .is_fatal()
+    );
+}
+
+#[test]
+fn adapters_that_fail_to_start_end_the_session() {
+    let mut h = H::new();
+    h.s.handle_connected(h.t()).expect("connecting");
+    h.accept(vec![adapter("a", AdapterType::Mock, 1, 0)]);
+    h.s.handle_config_applied(h.t(), Err("port in use".into()))
+        .expect("configuring");
+    assert!(
+        h.tx()
+            .iter()
+            .all(|b| !matches!(b, Body::NodeReadyRequest(_)))
+    );
+    assert!(matches!(h.s.end(), Some(SessionEnd::InvalidConfig(_))));
+}
+
+#[test]
+fn heartbeats_are_answered_sent_and_silence_loses_the_connection() {
+    let mut h = H::ready();
+    h.rx(Body::Heartbeat(Heartbeat {
+        nonce: 9,
+        sent_at_ms: 3,
+    }));
+    assert_eq!(
+        h.tx(),
+        vec![Body::HeartbeatAck(HeartbeatAck {
+            nonce: 9,
+            echo_sent_at_ms: 3
+        })]
+    );
+    h.at(1000);
+    assert!(matches!(h.tx().as_slice(), [Body::Heartbeat(_)]));
+    h.now = 1200;
+    h.rx(Body::HeartbeatAck(HeartbeatAck {
+        nonce: 1,
+        echo_sent_at_ms: 1000,
+    }));
+    assert_eq!(h.s.last_rtt(), Some(Duration::from_millis(200)));
+    h.at(4199);
+    assert_eq!(h.s.state(), SessionState::Ready);
+    h.at(4200);
+    assert_eq!(h.s.end(), Some(&SessionEnd::HeartbeatTimeout));
+}
+
+#[test]
+fn handshake_must_complete_in_time() {
+    let mut h = H::new();
+    h.s.handle_connected(h.t()).expect("connecting");
+    h.accept(vec![]);
+    h.rx(Body::Heartbeat(Heartbeat::default())); // the Edge is alive
+    h.now = 4999;
+    h.rx(Body::Heartbeat(Heartbeat::default()));
+    h.at(4999);
+    assert_eq!(h.s.state(), SessionState::Configuring);
+    h.at(5000);
+    assert_eq!(h.s.end(), Some(&SessionEnd::HandshakeTimeout));
+}
+
+#[test]
+fn work_passes_the_capacity_gate_or_is_refused_at_once() {
+    let mut h = H::ready();
+    h.run("r1", "a", true);
+    h.run("r2", "a", true); // long capacity is 1
+    h.run("r3", "a", false);
+    h.run("r4", "a", false); // capacity is 2
+    h.run("r5", "zz", false); // unknown adapter
+    let events = h.events();
+    let started: Vec<_> = events
+        .iter()
+        .filter_map(|e| match e {
+            SessionEvent::StartRun { request } => Some(request.run_id.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(started, vec!["r1", "r3"]);
+    let refused: Vec<_> = events
+        .iter()
+        .filter_map(|e| match e {
+            SessionEvent::WorkRefused { run_id, .. } => Some(run_id.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(refused, vec!["r2", "r4", "r5"]);
+    // Each refusal is a valid run: START then ERROR.
+    let tx = h.tx();
+    for run in ["r2", "r4", "r5"] {
+        let mut tracker = RunTracker::new();
+        let events: Vec<_> = tx
+            .iter()
+            .filter_map(|b| match b {
+                Body::RunEvent(e) if e.run_id == run => Some(e.clone()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(events.len(), 2);
+        for e in &events {
+            tracker.observe(e).expect("valid refusal");
+        }
+        assert!(tracker.is_ended());
+    }
+    // Runs and tunnels share the gate.
+    h.rx(Body::ProviderTunnelRequest(ProviderTunnelRequest {
+        run_id: "t1".into(),
+        adapter: "a".into(),
+        method: "POST".into(),
+        path: "/v1/chat/completions".into(),
+        ..Default::default()
+    }));
+    assert!(matches!(
+        h.events().as_slice(),
+        [SessionEvent::WorkRefused { .. }]
+    ));
+    let tx = h.tx();
+    assert!(
+        matches!(tx.as_slice(), [Body::ProviderTunnelFrame(f)] if f.kind == TunnelFrameKind::Error as i32 && f.sequence == 0)
+    );
+}
+
+#[test]
+fn run_output_is_sequenced_and_checked() {
+    let mut h = H::ready();
+    h.run("r1", "a", false);
+    h.events();
+    let t = h.t();
+    assert!(matches!(
+        h.s.handle_run_output(t, "r1", RunOutput::Delta("x".into())),
+        Err(SessionError::InvalidRunOutput { .. })
+    ));
+    assert!(h.tx().is_empty(), "a refused output sends nothing");
+    h.s.handle_run_output(t, "r1", RunOutput::Start)
+        .expect("start");
+    h.s.handle_run_output(t, "r1", RunOutput::Delta("hel".into()))
+        .expect("delta");
+    let mut metadata = BTreeMap::new();
+    metadata.insert("openai_tool_calls".to_string(), "[]".to_string());
+    h.s.handle_run_output(
+        t,
+        "r1",
+        RunOutput::Complete {
+            usage: None,
+            metadata,
+        },
+    )
+    .expect("complete");
+    assert_eq!(
+        h.s.handle_run_output(t, "r1", RunOutput::Delta("late".into())),
+        Err(SessionError::UnknownRun("r1".into()))
+    );
+    let seqs: Vec<_> = h
+        .tx()
+        .into_iter()
+        .filter_map(|b| match b {
+            Body::RunEvent(e) => Some((e.sequence, e.r#type)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        seqs,
+        vec![
+            (0, RunEventType::Start as i32),
+            (1, RunEventType::Delta as i32),
+            (2, RunEventType::Complete as i32)
+        ]
+    );
+    assert_eq!(
+        h.s.gate("a").map(CapacityGate::in_flight),
+        Some(0),
+        "unit returned"
+    );
+}
+
+#[test]
+fn tunnel_output_is_chunked_ordered_and_ends_once() {
+    let mut h = H::ready();
+    h.rx(Body::ProviderTunnelRequest(ProviderTunnelRequest {
+        run_id: "t1".into(),
+        adapter: "a".into(),
+        method: "POST".into(),
+        path: "/v1/chat/completions".into(),
+        ..Default::default()
+    }));
+    assert!(matches!(
+        h.events().as_slice(),
+        [SessionEvent::StartTunnel { .. }]
+    ));
+    let t = h.t();
+    assert_eq!(
+        h.s.handle_tunnel_output(t, "t1", TunnelOutput::Body(Bytes::from_static(b"early"))),
+        Err(SessionError::InvalidTunnelOutput("t1".into()))
+    );
+    h.s.handle_tunnel_output(
+        t,
+        "t1",
+        TunnelOutput::Status {
+            status: 200,
+            headers: vec![],
+        },
+    )
+    .expect("status");
+    h.s.handle_tunnel_output(
+        t,
+        "t1",
+        TunnelOutput::Body(Bytes::from_static(b"0123456789")),
+    )
+    .expect("body");
+    h.s.handle_tunnel_output(t, "t1", TunnelOutput::Usage(Usage::default()))
+        .expect("usage");
+    h.s.handle_tunnel_output(t, "t1", TunnelOutput::End)
+        .expect("end");
+    assert!(
+        h.s.handle_tunnel_output(t, "t1", TunnelOutput::End)
+            .is_err()
+    );
+    let frames: Vec<_> = h
+        .tx()
+        .into_iter()
+        .filter_map(|b| match b {
+            Body::ProviderTunnelFrame(f) => Some(f),
+            _ => None,
+        })
+        .collect();
+    let mut rx = TunnelReceiver::new();
+    for f in &frames {
+        rx.observe(f).expect("valid frame");
+    }
+    let body: Vec<u8> = frames.iter().flat_map(|f| f.body.to_vec()).collect();
+    assert_eq!(body, b"0123456789");
+    assert_eq!(
+        frames
+            .iter()
+            .filter(|f| f.kind == TunnelFrameKind::Body as i32)
+            .count(),
+        3
+    );
+}
+
+#[test]
+fn cancel_affects_only_the_named_run() {
+    let mut h = H::ready();
+    h.run("r1", "a", false);
+    h.run("r2", "a", false);
+    h.events();
+    h.rx(Body::CancelRequest(CancelRequest {
+        run_id: "r1".into(),
+        kind: CancelKind::TerminateSession as i32,
+        reason: "caller left".into(),
+    }));
+    assert_eq!(
+        h.events(),
+        vec![SessionEvent::CancelRun {
+            run_id: "r1".into()
+        }]
+    );
+    h.rx(Body::CancelRequest(CancelRequest {
+        run_id: "r1".into(),
+        kind: CancelKind::CancelRun as i32,
+        reason: String::new(),
+    }));
+    assert!(
+        h.events().is_empty(),
+        "a repeated cancel is not re-signalled"
+    );
+    assert_eq!(h.s.in_flight(), 2, "r2 untouched");
+    h.rx(Body::CancelRequest(CancelRequest {
+        run_id: "nope".into(),
+        kind: CancelKind::CancelRun as i32,
+        reason: String::new(),
+    }));
+    assert_eq!(
+        h.events(),
+        vec![SessionEvent::CancelRejected {
+            run_id: "nope".into(),
+            error: CancelError::UnknownRun
+        }]
+    );
+    // After the terminal: a no-op.
+    let t = h.t();
+    h.s.handle_run_output(t, "r2", RunOutput::Start)
+        .expect("start");
+    h.s.handle_run_output(t, "r2", RunOutput::Error(ErrorDetail::default()))
+        .expect("end");
+    h.rx(Body::CancelRequest(CancelRequest {
+        run_id: "r2".into(),
+        kind: CancelKind::CancelRun as i32,
+        reason: String::new(),
+    }));
+    assert!(h.events().is_empty());
+    h.rx(Body::CancelRequest(CancelRequest::default()));
+    assert!(matches!(
+        h.events().as_slice(),
+        [SessionEvent::CancelRejected {
+            error: CancelError::Invalid(_),
+            ..
+        }]
+    ));
+}
+
+fn refresh(h: &mut H, id: &str, adapters: Vec<AdapterConfig>) {
+    h.rx(Body::NodeConfigRefreshRequest(NodeConfigRefreshRequest {
+        request_id: id.into(),
+        config: Some(payload(2, adapters)),
+    }));
+}
+
+fn refresh_status(tx: &[Body]) -> (RefreshStatus, String) {
+    tx.iter()
+        .find_map(|b| match b {
+            Body::NodeConfigRefreshResponse(r) => Some((
+                RefreshStatus::try_from(r.status).expect("known"),
+                r.message.clone(),
+            )),
+            _ => None,
+        })
+        .expect("a refresh response")
+}
+
+#[test]
+fn invalid_refresh_fails_and_keeps_the_old_config() {
+    let mut h = H::ready();
+    let mut bad = adapter("a", AdapterType::Mock, 5, 9); // long above capacity
+    bad.enabled = true;
+    refresh(&mut h, "q1", vec![bad]);
+    let (status, message) = refresh_status(&h.tx());
+    assert_eq!(status, RefreshStatus::Failed);
+    assert!(message.contains("long_capacity"), "{message}");
+    assert_eq!(h.s.applied_config().map(|p| p.revision), Some(1));
+    assert_eq!(h.s.gate("a").map(CapacityGate::capacity), Some(2));
+}
+
+#[test]
+fn a_type_change_requires_a_restart_and_says_which() {
+    let mut h = H::ready();
+    refresh(&mut h, "q1", vec![adapter("a", AdapterType::Ollama, 2, 1)]);
+    let (status, message) = refresh_status(&h.tx());
+    assert_eq!(status, RefreshStatus::RestartRequired);
+    assert!(
+        message.contains("\"a\"") && message.contains("mock") && message.contains("ollama"),
+        "{message}"
+    );
+    assert_eq!(h.s.applied_config().map(|p| p.revision), Some(1));
+}
+
+#[test]
+fn applied_refresh_resizes_adds_and_removes_adapters_without_dropping_runs() {
+    let mut h = H::ready();
+    h.run("r1", "a", false);
+    h.events();
+    refresh(&mut h, "q1", vec![adapter("b", AdapterType::Mock, 1, 0)]);
+    let events = h.events();
+    let [SessionEvent::RefreshConfig { diff, .. }] = events.as_slice() else {
+        panic!("{events:?}");
+    };
+    assert_eq!(
+        (diff.added.clone(), diff.removed.clone()),
+        (vec!["b".to_string()], vec!["a".to_string()])
+    );
+    assert!(h.tx().is_empty(), "answer only once applied");
+    let t = h.t();
+    h.s.handle_refresh_applied(t, "q1", Ok(()))
+        .expect("pending");
+    assert_eq!(refresh_status(&h.tx()).0, RefreshStatus::Applied);
+    // Nothing new goes to the removed adapter; the run on it still finishes normally.
+    h.run("r2", "a", false);
+    assert!(matches!(
+        h.events().as_slice(),
+        [SessionEvent::WorkRefused { .. }]
+    ));
+    h.s.handle_run_output(t, "r1", RunOutput::Start)
+        .expect("still in flight");
+    h.s.handle_run_output(
+        t,
+        "r1",
+        RunOutput::Complete {
+            usage: None,
+            metadata: BTreeMap::new(),
+        },
+    )
+    .expect("finishes");
+    h.run("r3", "b", false);
+    assert!(matches!(
+        h.events().as_slice(),
+        [SessionEvent::StartRun { .. }]
+    ));
+    assert_eq!(h.s.applied_config().map(|p| p.revision), Some(2));
+}
+
+#[test]
+fn failed_apply_answers_failed() {
+    let mut h = H::ready();
+    refresh(&mut h, "q1", vec![adapter("a", AdapterType::Mock, 3, 1)]);
+    h.events();
+    let t = h.t();
+    h.s.handle_refresh_applied(t, "q1", Err("bind failed".into()))
+        .expect("pending");
+    let (status, message) = refresh_status(&h.tx());
+    assert_eq!(status, RefreshStatus::Failed);
+    assert!(message.contains("bind failed"));
+    assert_eq!(h.s.gate("a").map(CapacityGate::capacity), Some(2));
+    assert!(
+        h.s.handle_refresh_applied(t, "q1", Ok(())).is_err(),
+        "answered once"
+    );
+}
+
+#[test]
+fn commands_outside_the_admitted_set_fail_before_any_lookup() {
+    let mut h = H::ready();
+    h.rx(Body::NodeCommandRequest(NodeCommandRequest {
+        request_id: "c1".into(),
+        r#type: 5,
+        adapter: "does-not-matter".into(),
+        ..Default::default()
+    }));
+    assert!(h.events().is_empty(), "never reaches the shell");
+    assert!(
+        matches!(h.tx().as_slice(), [Body::NodeCommandResponse(r)] if !r.ok && r.request_id == "c1")
+    );
+    h.rx(Body::NodeCommandRequest(NodeCommandRequest {
+        request_id: "c2".into(),
+        r#type: NodeCommandType::Capabilities as i32,
+        ..Default::default()
+    }));
+    assert!(matches!(
+        h.events().as_slice(),
+        [SessionEvent::Command { .. }]
+    ));
+    let t = h.t();
+    h.s.handle_command_response(
+        t,
+        NodeCommandResponse {
+            request_id: "c2".into(),
+            ok: true,
+            ..Default::default()
+        },
+    )
+    .expect("pending");
+    assert!(matches!(h.tx().as_slice(), [Body::NodeCommandResponse(r)] if r.ok));
+}
+
+#[test]
+fn losing_the_connection_abandons_in_flight_work_explicitly() {
+    let mut h = H::ready();
+    h.run("r1", "a", false);
+    h.events();
+    let t = h.t();
+    h.s.handle_connection_lost(t, Failure::Reset);
+    assert_eq!(
+        h.events(),
+        vec![SessionEvent::Closed {
+            end: SessionEnd::ConnectionLost(Failure::Reset),
+            abandoned: vec!["r1".into()]
+        }]
+    );
+    assert!(h.s.handle_run_output(t, "r1", RunOutput::Start).is_err());
+}
+
+#[test]
+fn work_before_ready_is_a_protocol_violation() {
+    let mut h = H::new();
+    h.s.handle_connected(h.t()).expect("connecting");
+    h.run("r1", "a", false);
+    assert!(matches!(h.s.end(), Some(SessionEnd::ProtocolViolation(_))));
+}
