@@ -1,14 +1,86 @@
 //! `iop-node`: runs beside LLM providers and dials out to the Edge.
 
-use clap::Parser;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use iop_node_shell::config::NodeConfig;
+use iop_node_shell::logging::{self, LogFormat};
+use iop_node_shell::supervisor;
+use tokio_util::sync::CancellationToken;
 
 /// IOP Node: connects LLM providers to an IOP Edge.
 #[derive(Debug, Parser)]
 #[command(name = "iop-node", version, about)]
-struct Cli {}
+struct Cli {
+    /// The node's TOML config file.
+    #[arg(long, global = true, default_value = "node.toml")]
+    config: PathBuf,
+    /// Log format on stderr.
+    #[arg(long, global = true, value_enum, default_value = "text")]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
 
-fn main() {
-    let _cli = Cli::parse();
-    eprintln!("iop-node: running is not implemented yet (see issue 6)");
-    std::process::exit(2);
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Connect to the Edge and serve (the default).
+    Run,
+    /// Validate the config file and exit (0 valid, 1 invalid).
+    CheckConfig,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    logging::init(cli.log_format);
+    let config = match NodeConfig::load(&cli.config) {
+        Ok(config) => config,
+        Err(err) => {
+            tracing::error!(config = %cli.config.display(), error = %err, "invalid configuration");
+            eprintln!("iop-node: {err}");
+            return ExitCode::from(1);
+        }
+    };
+    if matches!(cli.command, Some(Command::CheckConfig)) {
+        println!(
+            "{}: ok (node_id {}, edge {})",
+            cli.config.display(),
+            config.node_id,
+            config.edge_addr
+        );
+        return ExitCode::SUCCESS;
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(err) => {
+            eprintln!("iop-node: cannot start the runtime: {err}");
+            return ExitCode::from(1);
+        }
+    };
+    let reason = runtime.block_on(async move {
+        let shutdown = CancellationToken::new();
+        tokio::spawn(wait_for_signal(shutdown.clone()));
+        let ctx = supervisor::context(&config);
+        supervisor::run(config, ctx, shutdown).await
+    });
+    ExitCode::from(u8::try_from(reason.exit_code()).unwrap_or(1))
+}
+
+async fn wait_for_signal(shutdown: CancellationToken) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!(signal = "SIGTERM", "shutdown requested"),
+        _ = int.recv() => tracing::info!(signal = "SIGINT", "shutdown requested"),
+    }
+    shutdown.cancel();
 }

@@ -125,6 +125,8 @@ pub enum Failure {
     Reset,
     /// Dial, handshake or heartbeat timed out.
     TimedOut,
+    /// The Edge could not be reached for another network reason (DNS, unreachable).
+    Unreachable(String),
     /// The Edge closed the connection or refused readiness.
     EdgeClosed(String),
     /// The Edge rejected the node's credentials or identity: fatal, never retried.
@@ -150,6 +152,7 @@ impl std::fmt::Display for Failure {
             Failure::Refused => f.write_str("connection refused"),
             Failure::Reset => f.write_str("connection reset"),
             Failure::TimedOut => f.write_str("timed out"),
+            Failure::Unreachable(why) => write!(f, "edge unreachable: {why}"),
             Failure::EdgeClosed(why) => write!(f, "edge closed the session: {why}"),
             Failure::CredentialRejected(why) => write!(f, "edge rejected the node: {why}"),
             Failure::LocalConfig(why) => write!(f, "local configuration error: {why}"),

@@ -1,0 +1,483 @@
+//! The task that owns the [`EdgeCore`]: node connections and HTTP handlers send it
+//! messages; it feeds them to the machine, writes its transmits to the right connection,
+//! and routes its events to the request that waits for them. One owner, no locks around
+//! protocol state.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use iop_proto_core::wire::{
+    self, Envelope, Header, ProviderSnapshot, ProviderTunnelFrame, ProviderTunnelRequest, RunEvent,
+    RunRequest,
+};
+use iop_proto_core::{
+    ConfigDiff, ConnId, Dispatch, DispatchShape, EdgeConfig, EdgeCore, EdgeEvent, Grant,
+    NodeStatus, Outcome, RequestId, SubmitError, Transmit,
+};
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::clock::Clock;
+use crate::metrics::Metrics;
+use crate::openai::rewrite_model;
+
+/// The OpenAI endpoint a request came to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/v1/chat/completions`.
+    Chat,
+    /// `/v1/completions`.
+    Completions,
+    /// `/v1/embeddings`.
+    Embeddings,
+}
+
+impl Endpoint {
+    /// The path forwarded to OpenAI-compatible providers.
+    #[must_use]
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "/v1/chat/completions",
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::Embeddings => "/v1/embeddings",
+        }
+    }
+}
+
+/// What an HTTP request asks for, kept until it is granted.
+#[derive(Clone, Debug)]
+pub struct Work {
+    /// Endpoint.
+    pub endpoint: Endpoint,
+    /// The body as received.
+    pub raw: Bytes,
+    /// Whether the caller asked for a stream.
+    pub stream: bool,
+    /// Request headers to forward on a tunnel.
+    pub headers: Vec<Header>,
+    /// Upper bound the node applies to the provider call.
+    pub timeout: Duration,
+}
+
+/// What happens to a request, as its handler sees it.
+#[derive(Debug)]
+pub enum ReqEvent {
+    /// Sent to a node.
+    Dispatched {
+        /// Tunnel or run.
+        shape: DispatchShape,
+        /// Node chosen.
+        node_id: Arc<str>,
+    },
+    /// The chosen provider cannot serve this endpoint.
+    Unsupported(String),
+    /// A run event.
+    Run(RunEvent),
+    /// A tunnel frame.
+    Frame(ProviderTunnelFrame),
+    /// The end (exactly once).
+    Ended(Outcome),
+}
+
+/// Bytes a request may have waiting for a slow client before it is cancelled.
+pub const MAX_BUFFERED_PER_REQUEST: usize = 16 << 20;
+
+/// A request's event channel and its buffered-bytes counter.
+#[derive(Debug)]
+pub struct Events {
+    /// Events in order.
+    pub rx: mpsc::UnboundedReceiver<ReqEvent>,
+    /// Bytes queued in `rx` (the handler subtracts what it takes).
+    pub buffered: Arc<AtomicUsize>,
+}
+
+/// Status for `/v1/status` and `/metrics`.
+#[derive(Clone, Debug, Default)]
+pub struct Snapshot {
+    /// Configured nodes.
+    pub nodes: Vec<NodeStatus>,
+    /// Configured providers.
+    pub providers: Vec<ProviderSnapshot>,
+    /// Waiting requests per model.
+    pub queue_by_model: Vec<(String, usize)>,
+    /// Requests accepted and not finished.
+    pub open_requests: usize,
+}
+
+/// A message to the core task.
+#[derive(Debug)]
+pub enum CoreMsg {
+    /// A node connection was accepted.
+    ConnOpened {
+        /// Its id.
+        conn: ConnId,
+        /// Where its frames are written.
+        writer: mpsc::UnboundedSender<Bytes>,
+        /// Cancels its reader.
+        closer: CancellationToken,
+    },
+    /// A decoded envelope from a node connection.
+    Frame {
+        /// Connection.
+        conn: ConnId,
+        /// Envelope.
+        envelope: Envelope,
+    },
+    /// A node connection closed.
+    ConnClosed {
+        /// Connection.
+        conn: ConnId,
+    },
+    /// A new request.
+    Submit {
+        /// Public model name.
+        model: String,
+        /// Estimated prompt tokens.
+        prompt_tokens: u64,
+        /// What to dispatch once granted.
+        work: Work,
+        /// Where its events go.
+        events: mpsc::UnboundedSender<ReqEvent>,
+        /// Shared buffered-bytes counter.
+        buffered: Arc<AtomicUsize>,
+        /// The id, or why it was refused.
+        reply: oneshot::Sender<Result<RequestId, SubmitError>>,
+    },
+    /// The caller gave up.
+    Cancel {
+        /// Request.
+        request: RequestId,
+        /// Why.
+        reason: &'static str,
+    },
+    /// A new configuration (SIGHUP).
+    Reload {
+        /// The validated core part.
+        config: EdgeConfig,
+        /// What changed, or why it was refused.
+        reply: oneshot::Sender<Result<ConfigDiff, String>>,
+    },
+    /// A status snapshot.
+    Snapshot {
+        /// Answer.
+        reply: oneshot::Sender<Snapshot>,
+    },
+}
+
+struct Conn {
+    writer: mpsc::UnboundedSender<Bytes>,
+    closer: CancellationToken,
+}
+
+struct Entry {
+    events: mpsc::UnboundedSender<ReqEvent>,
+    buffered: Arc<AtomicUsize>,
+    work: Option<Work>,
+    model: String,
+    submitted: Instant,
+}
+
+struct Task {
+    core: EdgeCore,
+    clock: Clock,
+    metrics: Arc<Metrics>,
+    conns: HashMap<ConnId, Conn>,
+    requests: HashMap<RequestId, Entry>,
+}
+
+/// Runs the core task until every sender is gone.
+pub async fn run(
+    core: EdgeCore,
+    mut inbox: mpsc::Receiver<CoreMsg>,
+    clock: Clock,
+    metrics: Arc<Metrics>,
+) {
+    let mut task = Task {
+        core,
+        clock,
+        metrics,
+        conns: HashMap::new(),
+        requests: HashMap::new(),
+    };
+    loop {
+        task.drain();
+        let deadline = task.core.poll_timeout().map_or_else(
+            || clock.instant(iop_proto_core::Timestamp::MAX),
+            |t| clock.instant(t),
+        );
+        tokio::select! {
+            message = inbox.recv() => match message {
+                None => return,
+                Some(message) => task.handle(message),
+            },
+            () = tokio::time::sleep_until(deadline) => task.core.handle_timeout(clock.now()),
+        }
+    }
+}
+
+impl Task {
+    fn handle(&mut self, message: CoreMsg) {
+        let now = self.clock.now();
+        match message {
+            CoreMsg::ConnOpened {
+                conn,
+                writer,
+                closer,
+            } => {
+                if self.core.handle_connection_opened(now, conn).is_ok() {
+                    self.conns.insert(conn, Conn { writer, closer });
+                }
+            }
+            CoreMsg::Frame { conn, envelope } => {
+                let _ = self.core.handle_envelope(now, conn, envelope);
+            }
+            CoreMsg::ConnClosed { conn } => {
+                let _ = self.core.handle_connection_closed(now, conn);
+                self.conns.remove(&conn);
+            }
+            CoreMsg::Submit {
+                model,
+                prompt_tokens,
+                work,
+                events,
+                buffered,
+                reply,
+            } => {
+                let result = self.core.handle_submit(
+                    now,
+                    iop_proto_core::Submit {
+                        model: &model,
+                        prompt_tokens,
+                    },
+                );
+                if let Ok(request) = result {
+                    self.requests.insert(
+                        request,
+                        Entry {
+                            events,
+                            buffered,
+                            work: Some(work),
+                            model,
+                            submitted: Instant::now(),
+                        },
+                    );
+                }
+                let _ = reply.send(result);
+            }
+            CoreMsg::Cancel { request, reason } => {
+                if self.core.handle_cancel(now, request, reason) {
+                    debug!(request = %request, reason, "request cancelled");
+                }
+            }
+            CoreMsg::Reload { config, reply } => {
+                let result = self
+                    .core
+                    .handle_config(now, config)
+                    .map_err(|err| err.to_string());
+                let _ = reply.send(result);
+            }
+            CoreMsg::Snapshot { reply } => {
+                let mut queue_by_model: Vec<(String, usize)> = self
+                    .core
+                    .config()
+                    .models
+                    .keys()
+                    .map(|m| (m.clone(), self.core.queue().waiting_for(m)))
+                    .collect();
+                queue_by_model.sort();
+                let _ = reply.send(Snapshot {
+                    nodes: self.core.nodes(),
+                    providers: self.core.snapshots(),
+                    queue_by_model,
+                    open_requests: self.core.open_requests(),
+                });
+            }
+        }
+    }
+
+    /// Drains every output of the machine: frames to their connections (one buffer per
+    /// connection per drain), closes, and events to their requests.
+    fn drain(&mut self) {
+        loop {
+            let mut batches: HashMap<ConnId, (BytesMut, u64)> = HashMap::new();
+            let mut progressed = false;
+            while let Some(transmit) = self.core.poll_transmit() {
+                progressed = true;
+                match transmit {
+                    Transmit::Frame { conn, envelope } => {
+                        let (buf, frames) = batches.entry(conn).or_default();
+                        match wire::encode(&envelope, buf) {
+                            Ok(()) => *frames += 1,
+                            Err(err) => {
+                                warn!(conn = conn.0, %err, kind = envelope.kind(), "frame cannot be encoded")
+                            }
+                        }
+                    }
+                    Transmit::Close { conn, reason } => {
+                        self.flush(conn, batches.remove(&conn));
+                        info!(conn = conn.0, reason = ?reason, "closing node connection");
+                        // Dropping the writer flushes what is queued, then closes the socket.
+                        if let Some(c) = self.conns.remove(&conn) {
+                            c.closer.cancel();
+                        }
+                    }
+                }
+            }
+            for (conn, batch) in batches {
+                self.flush(conn, Some(batch));
+            }
+            while let Some(event) = self.core.poll_event() {
+                progressed = true;
+                self.on_event(event);
+            }
+            if !progressed {
+                return;
+            }
+        }
+    }
+
+    fn flush(&mut self, conn: ConnId, batch: Option<(BytesMut, u64)>) {
+        let Some((buf, frames)) = batch else { return };
+        if buf.is_empty() {
+            return;
+        }
+        if let Some(c) = self.conns.get(&conn) {
+            Metrics::add(&self.metrics.frames_out, frames);
+            Metrics::add(&self.metrics.bytes_out, buf.len() as u64);
+            let _ = c.writer.send(buf.freeze());
+        }
+    }
+
+    fn forward(&mut self, request: RequestId, event: ReqEvent, size: usize) {
+        let Some(entry) = self.requests.get(&request) else {
+            return;
+        };
+        let buffered = entry.buffered.fetch_add(size, Ordering::Relaxed) + size;
+        if entry.events.send(event).is_err() || buffered > MAX_BUFFERED_PER_REQUEST {
+            // The caller is gone or not reading: stop the work upstream.
+            let now = self.clock.now();
+            self.core
+                .handle_cancel(now, request, "caller gone or not reading");
+        }
+    }
+
+    fn on_event(&mut self, event: EdgeEvent) {
+        let now = self.clock.now();
+        match event {
+            EdgeEvent::Granted(grant) => self.dispatch(&grant),
+            EdgeEvent::RunEvent { request, event } => {
+                let size = event.delta.len() + 64;
+                self.forward(request, ReqEvent::Run(event), size);
+            }
+            EdgeEvent::TunnelFrame { request, frame } => {
+                let size = frame.body.len() + 64;
+                self.forward(request, ReqEvent::Frame(frame), size);
+            }
+            EdgeEvent::RequestEnded { request, outcome } => {
+                if let Some(entry) = self.requests.remove(&request) {
+                    if !matches!(outcome, Outcome::Completed) {
+                        debug!(request = %request, model = entry.model, outcome = ?outcome, "request ended");
+                    }
+                    let _ = entry.events.send(ReqEvent::Ended(outcome));
+                }
+            }
+            EdgeEvent::NodeConnected {
+                node_id,
+                generation,
+            } => {
+                Metrics::add(&self.metrics.node_connects, 1);
+                info!(node_id = %node_id, generation = generation.0, "node ready");
+            }
+            EdgeEvent::NodeDisconnected {
+                node_id,
+                generation,
+                reason,
+                lost,
+            } => {
+                Metrics::add(&self.metrics.node_disconnects, 1);
+                warn!(node_id = %node_id, generation = generation.0, reason = ?reason, lost = lost.len(), "node fenced");
+            }
+            EdgeEvent::RefreshAnswered {
+                node_id,
+                status,
+                message,
+                revision,
+            } => {
+                info!(node_id = %node_id, status = ?status, message, revision, "config refresh answered")
+            }
+            EdgeEvent::RefreshTimedOut { node_id, revision } => {
+                warn!(node_id = %node_id, revision, "config refresh not answered in time");
+            }
+            EdgeEvent::PeerViolation {
+                conn,
+                node_id,
+                detail,
+            } => {
+                warn!(
+                    conn = conn.0,
+                    node_id = node_id.as_deref().unwrap_or("-"),
+                    detail,
+                    "node broke the protocol"
+                );
+            }
+            _ => {}
+        }
+        let _ = now;
+    }
+
+    /// Builds the message for a granted request and hands it to the machine.
+    fn dispatch(&mut self, grant: &Grant) {
+        let now = self.clock.now();
+        let Some(entry) = self.requests.get_mut(&grant.request) else {
+            self.core
+                .handle_cancel(now, grant.request, "request vanished");
+            return;
+        };
+        self.metrics.queue_wait(entry.submitted.elapsed());
+        let Some(work) = entry.work.take() else {
+            return;
+        };
+        let dispatch = match grant.shape {
+            DispatchShape::Run if work.endpoint != Endpoint::Chat => {
+                let _ = entry.events.send(ReqEvent::Unsupported(format!(
+                    "the provider chosen for this model serves chat completions only, not {}",
+                    work.endpoint.path()
+                )));
+                self.core
+                    .handle_cancel(now, grant.request, "endpoint unsupported by provider");
+                return;
+            }
+            DispatchShape::Run => Dispatch::Run(RunRequest {
+                input: work.raw,
+                metadata: [("model".to_owned(), grant.model.to_string())]
+                    .into_iter()
+                    .collect(),
+                ..RunRequest::default()
+            }),
+            DispatchShape::Tunnel => {
+                let body = rewrite_model(&work.raw, &grant.target).unwrap_or(work.raw);
+                Dispatch::Tunnel(ProviderTunnelRequest {
+                    method: "POST".into(),
+                    path: work.endpoint.path().into(),
+                    headers: work.headers,
+                    body,
+                    stream: work.stream,
+                    timeout_sec: u32::try_from(work.timeout.as_secs()).unwrap_or(u32::MAX),
+                    ..ProviderTunnelRequest::default()
+                })
+            }
+        };
+        let _ = entry.events.send(ReqEvent::Dispatched {
+            shape: grant.shape,
+            node_id: grant.node_id.clone(),
+        });
+        if let Err(err) = self.core.handle_dispatch(now, grant.request, dispatch) {
+            warn!(request = %grant.request, %err, "dispatch refused");
+        }
+    }
+}

@@ -1,0 +1,1087 @@
+//! The public HTTP surface: OpenAI-compatible routes, status, metrics and health, over
+//! HTTP/1.1 and h2c. Handlers talk to the core task only through messages.
+
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
+use std::task::{Context, Poll};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http::{HeaderValue, Method, Request, Response, StatusCode, header};
+use http_body::{Body, Frame};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use iop_proto_core::wire::{Header, ProviderTunnelFrame, RunEventType, TunnelFrameKind, Usage};
+use iop_proto_core::{DispatchShape, NodeState, Outcome, RequestError, RequestId, SubmitError};
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use crate::config::HttpSettings;
+use crate::core_task::{CoreMsg, Endpoint, Events, ReqEvent, Snapshot, Work};
+use crate::metrics::Metrics;
+use crate::openai;
+
+type Chunk = Result<Frame<Bytes>, std::io::Error>;
+
+/// A response body: either complete, or fed by a task through a channel.
+#[derive(Debug)]
+pub enum ResBody {
+    /// Whole body.
+    Full(Option<Bytes>),
+    /// Streamed body.
+    Stream(mpsc::Receiver<Chunk>),
+}
+
+impl Body for ResBody {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Chunk>> {
+        match &mut *self {
+            ResBody::Full(data) => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+            ResBody::Stream(rx) => rx.poll_recv(cx),
+        }
+    }
+}
+
+/// Shared state of the HTTP surface.
+#[derive(Debug)]
+pub struct State {
+    /// The core task.
+    pub core: mpsc::Sender<CoreMsg>,
+    /// Settings; replaced on reload.
+    pub settings: RwLock<Arc<HttpSettings>>,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+    /// Bounds concurrent requests.
+    pub permits: Arc<Semaphore>,
+}
+
+impl State {
+    fn settings(&self) -> Arc<HttpSettings> {
+        self.settings
+            .read()
+            .map(|s| s.clone())
+            .unwrap_or_else(|p| p.into_inner().clone())
+    }
+}
+
+fn json_response(status: StatusCode, body: Bytes) -> Response<ResBody> {
+    let mut response = Response::new(ResBody::Full(Some(body)));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+/// An OpenAI error response.
+fn error(status: StatusCode, message: &str, kind: &str, code: Option<&str>) -> Response<ResBody> {
+    json_response(status, openai::error_body(message, kind, code))
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Serves HTTP until `shutdown`.
+pub async fn serve(listener: TcpListener, state: Arc<State>, shutdown: CancellationToken) {
+    loop {
+        let (stream, _) = tokio::select! {
+            () = shutdown.cancelled() => return,
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(err) => {
+                    warn!(%err, "http accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        let state = state.clone();
+        let settings = state.settings();
+        tokio::spawn(async move {
+            let service = service_fn(move |req| {
+                let state = state.clone();
+                async move { Ok::<_, Infallible>(route(req, state).await) }
+            });
+            let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+            builder
+                .http1()
+                .timer(TokioTimer::new())
+                .header_read_timeout(settings.header_read_timeout)
+                .max_buf_size(settings.max_header_bytes);
+            builder
+                .http2()
+                .timer(TokioTimer::new())
+                .max_header_list_size(u32::try_from(settings.max_header_bytes).unwrap_or(u32::MAX));
+            if let Err(err) = builder
+                .serve_connection(TokioIo::new(stream), service)
+                .await
+            {
+                debug!(%err, "http connection ended with an error");
+            }
+        });
+    }
+}
+
+async fn route(req: Request<Incoming>, state: Arc<State>) -> Response<ResBody> {
+    let path = req.uri().path().to_owned();
+    match (req.method().clone(), path.as_str()) {
+        (Method::GET, "/healthz") => {
+            let mut r = Response::new(ResBody::Full(Some(Bytes::from_static(b"ok\n"))));
+            r.headers_mut()
+                .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+            r
+        }
+        (Method::GET, "/metrics") => {
+            let snapshot = snapshot(&state).await.unwrap_or_default();
+            let mut r = Response::new(ResBody::Full(Some(Bytes::from(
+                state.metrics.render(&snapshot),
+            ))));
+            r.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("text/plain; version=0.0.4"),
+            );
+            r
+        }
+        (method, path) if path.starts_with("/v1/") => {
+            if let Some(denied) = authorize(&req, &state.settings()) {
+                return denied;
+            }
+            match (method, path) {
+                (Method::GET, "/v1/models") => models(&state).await,
+                (Method::GET, "/v1/status") => status(&state).await,
+                (Method::POST, "/v1/chat/completions") => {
+                    inference(req, state, Endpoint::Chat).await
+                }
+                (Method::POST, "/v1/completions") => {
+                    inference(req, state, Endpoint::Completions).await
+                }
+                (Method::POST, "/v1/embeddings") => {
+                    inference(req, state, Endpoint::Embeddings).await
+                }
+                _ => error(
+                    StatusCode::NOT_FOUND,
+                    &format!("no route for {path}"),
+                    "invalid_request_error",
+                    Some("unknown_url"),
+                ),
+            }
+        }
+        _ => error(
+            StatusCode::NOT_FOUND,
+            &format!("no route for {path}"),
+            "invalid_request_error",
+            Some("unknown_url"),
+        ),
+    }
+}
+
+fn authorize(req: &Request<Incoming>, settings: &HttpSettings) -> Option<Response<ResBody>> {
+    if settings.api_keys.is_empty() {
+        return None;
+    }
+    let presented = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    if settings
+        .api_keys
+        .iter()
+        .any(|key| key.verify(presented.as_bytes()))
+    {
+        None
+    } else {
+        Some(error(
+            StatusCode::UNAUTHORIZED,
+            "Incorrect API key provided.",
+            "invalid_request_error",
+            Some("invalid_api_key"),
+        ))
+    }
+}
+
+async fn snapshot(state: &State) -> Option<Snapshot> {
+    let (reply, rx) = oneshot::channel();
+    state.core.send(CoreMsg::Snapshot { reply }).await.ok()?;
+    rx.await.ok()
+}
+
+async fn models(state: &State) -> Response<ResBody> {
+    let Some(snapshot) = snapshot(state).await else {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "edge is shutting down",
+            "server_error",
+            None,
+        );
+    };
+    let data: Vec<Value> = snapshot
+        .queue_by_model
+        .iter()
+        .map(|(name, _)| json!({ "id": name, "object": "model", "created": 0, "owned_by": "iop" }))
+        .collect();
+    json_response(
+        StatusCode::OK,
+        Bytes::from(json!({ "object": "list", "data": data }).to_string()),
+    )
+}
+
+fn enum_name<E: std::fmt::Debug, X>(value: Result<E, X>) -> String {
+    value.map_or_else(
+        |_| "unknown".to_owned(),
+        |v| format!("{v:?}").to_lowercase(),
+    )
+}
+
+async fn status(state: &State) -> Response<ResBody> {
+    use iop_proto_core::wire::{ProviderCategory, ProviderHealth, ProviderStatus};
+    let Some(snapshot) = snapshot(state).await else {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "edge is shutting down",
+            "server_error",
+            None,
+        );
+    };
+    let nodes: Vec<Value> = snapshot
+        .nodes
+        .iter()
+        .map(|n| {
+            json!({
+                "node_id": &*n.node_id,
+                "state": format!("{:?}", n.state).to_lowercase(),
+                "connected": n.state == NodeState::Ready,
+                "generation": n.generation.map(|g| g.0),
+                "config_revision": n.revision,
+                "applied_revision": n.applied_revision,
+                "last_refresh": n.last_refresh.map(|s| format!("{s:?}").to_lowercase()),
+            })
+        })
+        .collect();
+    let providers: Vec<Value> = snapshot
+        .providers
+        .iter()
+        .map(|p| {
+            json!({
+                "node_id": p.node_id,
+                "provider_id": p.provider_id,
+                "category": enum_name(ProviderCategory::try_from(p.category)),
+                "status": enum_name(ProviderStatus::try_from(p.status)),
+                "health": enum_name(ProviderHealth::try_from(p.health)),
+                "capacity": p.capacity,
+                "long_capacity": p.long_capacity,
+                "in_flight": p.in_flight,
+                "long_in_flight": p.long_in_flight,
+                "queued": p.queued,
+                "long_queued": p.long_queued,
+                "targets": p.targets,
+            })
+        })
+        .collect();
+    let queue: serde_json::Map<String, Value> = snapshot
+        .queue_by_model
+        .iter()
+        .map(|(m, n)| (m.clone(), json!(n)))
+        .collect();
+    let body = json!({
+        "nodes": nodes,
+        "providers": providers,
+        "queue": queue,
+        "open_requests": snapshot.open_requests,
+    });
+    json_response(StatusCode::OK, Bytes::from(body.to_string()))
+}
+
+/// Cancels the request when dropped before `disarm` (client gone, write failure, timeout).
+struct CancelGuard {
+    core: mpsc::Sender<CoreMsg>,
+    request: RequestId,
+    armed: bool,
+    reason: &'static str,
+}
+
+impl CancelGuard {
+    fn disarm(&mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for CancelGuard {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = self.core.try_send(CoreMsg::Cancel {
+                request: self.request,
+                reason: self.reason,
+            });
+        }
+    }
+}
+
+/// Forwarded on tunnels: describes the body; credentials and hop-by-hop headers are not.
+const FORWARDED_HEADERS: [&str; 4] = ["content-type", "accept", "user-agent", "openai-beta"];
+
+struct Finish {
+    metrics: Arc<Metrics>,
+    model: String,
+    started: Instant,
+    first_byte: bool,
+}
+
+impl Finish {
+    fn first_byte(&mut self) {
+        if !self.first_byte {
+            self.first_byte = true;
+            self.metrics.first_byte(&self.model, self.started.elapsed());
+        }
+    }
+
+    fn done(&self, status: u16) {
+        self.metrics
+            .request(&self.model, status, self.started.elapsed());
+    }
+}
+
+async fn inference(
+    req: Request<Incoming>,
+    state: Arc<State>,
+    endpoint: Endpoint,
+) -> Response<ResBody> {
+    let started = Instant::now();
+    let settings = state.settings();
+    let Ok(permit) = state.permits.clone().try_acquire_owned() else {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too many concurrent requests",
+            "server_error",
+            Some("overloaded"),
+        );
+    };
+    let headers: Vec<Header> = req
+        .headers()
+        .iter()
+        .filter(|(name, _)| FORWARDED_HEADERS.contains(&name.as_str()))
+        .map(|(name, value)| Header {
+            name: name.as_str().to_owned(),
+            value: Bytes::copy_from_slice(value.as_bytes()),
+        })
+        .collect();
+    let raw = match Limited::new(req.into_body(), settings.max_body_bytes)
+        .collect()
+        .await
+    {
+        Ok(collected) => collected.to_bytes(),
+        Err(err) if err.is::<http_body_util::LengthLimitError>() => {
+            return error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                &format!("request body exceeds {} bytes", settings.max_body_bytes),
+                "invalid_request_error",
+                Some("body_too_large"),
+            );
+        }
+        Err(_) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "could not read the request body",
+                "invalid_request_error",
+                None,
+            );
+        }
+    };
+    let body: Value = match serde_json::from_slice(&raw) {
+        Ok(Value::Object(map)) => Value::Object(map),
+        Ok(_) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "the request body must be a JSON object",
+                "invalid_request_error",
+                None,
+            );
+        }
+        Err(err) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                &format!("invalid JSON: {err}"),
+                "invalid_request_error",
+                None,
+            );
+        }
+    };
+    let Some(model) = body.get("model").and_then(Value::as_str).map(str::to_owned) else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "you must provide a model parameter",
+            "invalid_request_error",
+            Some("missing_model"),
+        );
+    };
+    let required = match endpoint {
+        Endpoint::Chat => (
+            "messages",
+            body.get("messages").is_some_and(Value::is_array),
+        ),
+        Endpoint::Completions => ("prompt", body.get("prompt").is_some()),
+        Endpoint::Embeddings => ("input", body.get("input").is_some()),
+    };
+    if !required.1 {
+        return error(
+            StatusCode::BAD_REQUEST,
+            &format!("missing or invalid required parameter: {}", required.0),
+            "invalid_request_error",
+            Some("invalid_value"),
+        );
+    }
+    let stream = match body.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "stream must be a boolean",
+                "invalid_request_error",
+                Some("invalid_value"),
+            );
+        }
+    };
+    let include_usage = body
+        .pointer("/stream_options/include_usage")
+        .and_then(Value::as_bool)
+        == Some(true);
+    let wants_tools = body
+        .get("tools")
+        .and_then(Value::as_array)
+        .is_some_and(|t| !t.is_empty());
+
+    let (tx, rx) = mpsc::unbounded_channel();
+    let buffered = Arc::new(AtomicUsize::new(0));
+    let (reply, answer) = oneshot::channel();
+    let work = Work {
+        endpoint,
+        raw: raw.clone(),
+        stream,
+        headers,
+        timeout: settings.response_timeout,
+    };
+    let submit = CoreMsg::Submit {
+        model: model.clone(),
+        prompt_tokens: (raw.len() as u64).div_ceil(4),
+        work,
+        events: tx,
+        buffered: buffered.clone(),
+        reply,
+    };
+    if state.core.send(submit).await.is_err() {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "edge is shutting down",
+            "server_error",
+            None,
+        );
+    }
+    let mut finish = Finish {
+        metrics: state.metrics.clone(),
+        model: model.clone(),
+        started,
+        first_byte: false,
+    };
+    let request = match answer.await {
+        Ok(Ok(request)) => request,
+        Ok(Err(refused)) => {
+            let response = match refused {
+                SubmitError::UnknownModel(m) => {
+                    // Unknown names are caller input: keep them out of metric labels.
+                    finish.model = "_unknown".to_owned();
+                    error(
+                        StatusCode::NOT_FOUND,
+                        &format!("The model `{m}` does not exist or you do not have access to it."),
+                        "invalid_request_error",
+                        Some("model_not_found"),
+                    )
+                }
+                SubmitError::QueueFull { .. } => error(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    &refused.to_string(),
+                    "rate_limit_error",
+                    Some("queue_full"),
+                ),
+                other => error(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    &other.to_string(),
+                    "server_error",
+                    Some("no_provider"),
+                ),
+            };
+            finish.done(response.status().as_u16());
+            return response;
+        }
+        Err(_) => {
+            return error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "edge is shutting down",
+                "server_error",
+                None,
+            );
+        }
+    };
+    let guard = CancelGuard {
+        core: state.core.clone(),
+        request,
+        armed: true,
+        reason: "caller disconnected",
+    };
+    let deadline = started + settings.response_timeout;
+    let mut events = Events { rx, buffered };
+    let ctx = Ctx {
+        model,
+        run_id: iop_proto_core::edge::run_id_of(request),
+        stream,
+        include_usage,
+        wants_tools,
+        deadline,
+    };
+    let response = respond(&mut events, guard, &ctx, &mut finish, permit).await;
+    if let ResBody::Full(_) = response.body() {
+        finish.done(response.status().as_u16());
+    }
+    response
+}
+
+struct Ctx {
+    model: String,
+    run_id: String,
+    stream: bool,
+    include_usage: bool,
+    wants_tools: bool,
+    deadline: Instant,
+}
+
+async fn next_event(events: &mut Events, deadline: Instant) -> Option<ReqEvent> {
+    match tokio::time::timeout_at(deadline, events.rx.recv()).await {
+        Ok(Some(event)) => {
+            let size = match &event {
+                ReqEvent::Run(e) => e.delta.len() + 64,
+                ReqEvent::Frame(f) => f.body.len() + 64,
+                _ => 0,
+            };
+            events.buffered.fetch_sub(size, Ordering::Relaxed);
+            Some(event)
+        }
+        _ => None,
+    }
+}
+
+fn failure(outcome: &Outcome) -> Response<ResBody> {
+    match outcome {
+        Outcome::Expired => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no provider capacity became free within the queue wait timeout",
+            "server_error",
+            Some("capacity_timeout"),
+        ),
+        Outcome::Failed(RequestError::NodeLost { .. }) => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the node serving this request was lost",
+            "server_error",
+            Some("node_lost"),
+        ),
+        Outcome::Failed(RequestError::Provider(detail)) => {
+            let status = if detail.code == "timeout" {
+                StatusCode::GATEWAY_TIMEOUT
+            } else {
+                StatusCode::BAD_GATEWAY
+            };
+            error(
+                status,
+                &format!("provider error: {}", detail.message),
+                "server_error",
+                Some(&detail.code),
+            )
+        }
+        Outcome::Failed(RequestError::Violation(why)) => error(
+            StatusCode::BAD_GATEWAY,
+            &format!("node protocol violation: {why}"),
+            "server_error",
+            Some("protocol_violation"),
+        ),
+        Outcome::Cancelled => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "request cancelled",
+            "server_error",
+            Some("cancelled"),
+        ),
+        Outcome::Failed(_) | Outcome::Completed => error(
+            StatusCode::BAD_GATEWAY,
+            "request ended unexpectedly",
+            "server_error",
+            None,
+        ),
+    }
+}
+
+fn timeout_response() -> Response<ResBody> {
+    error(
+        StatusCode::GATEWAY_TIMEOUT,
+        "the request timed out",
+        "server_error",
+        Some("timeout"),
+    )
+}
+
+async fn respond(
+    events: &mut Events,
+    mut guard: CancelGuard,
+    ctx: &Ctx,
+    finish: &mut Finish,
+    permit: tokio::sync::OwnedSemaphorePermit,
+) -> Response<ResBody> {
+    // Wait for the grant (queueing happens here).
+    let shape = loop {
+        match next_event(events, ctx.deadline).await {
+            None => {
+                guard.reason = "response timeout";
+                return timeout_response();
+            }
+            Some(ReqEvent::Dispatched { shape, .. }) => break shape,
+            Some(ReqEvent::Unsupported(why)) => {
+                guard.disarm();
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    &why,
+                    "invalid_request_error",
+                    Some("unsupported_endpoint"),
+                );
+            }
+            Some(ReqEvent::Ended(outcome)) => {
+                guard.disarm();
+                return failure(&outcome);
+            }
+            Some(_) => {}
+        }
+    };
+    match shape {
+        DispatchShape::Tunnel => {
+            tunnel_response(
+                std::mem::replace(events, dummy_events()),
+                guard,
+                ctx,
+                finish,
+                permit,
+            )
+            .await
+        }
+        DispatchShape::Run if ctx.stream => run_stream(
+            std::mem::replace(events, dummy_events()),
+            guard,
+            ctx,
+            finish,
+            permit,
+        ),
+        DispatchShape::Run => run_whole(events, guard, ctx, finish).await,
+    }
+}
+
+fn dummy_events() -> Events {
+    let (_tx, rx) = mpsc::unbounded_channel();
+    Events {
+        rx,
+        buffered: Arc::new(AtomicUsize::new(0)),
+    }
+}
+
+async fn tunnel_response(
+    mut events: Events,
+    mut guard: CancelGuard,
+    ctx: &Ctx,
+    finish: &mut Finish,
+    permit: tokio::sync::OwnedSemaphorePermit,
+) -> Response<ResBody> {
+    let status_frame: ProviderTunnelFrame = loop {
+        match next_event(&mut events, ctx.deadline).await {
+            None => {
+                guard.reason = "response timeout";
+                return timeout_response();
+            }
+            Some(ReqEvent::Frame(frame)) if frame.kind == TunnelFrameKind::Status as i32 => {
+                break frame;
+            }
+            Some(ReqEvent::Frame(frame)) if frame.kind == TunnelFrameKind::Error as i32 => {
+                let detail = frame.error.unwrap_or_default();
+                let status = if detail.code == "timeout" {
+                    StatusCode::GATEWAY_TIMEOUT
+                } else {
+                    StatusCode::BAD_GATEWAY
+                };
+                guard.disarm();
+                return error(
+                    status,
+                    &format!("provider error: {}", detail.message),
+                    "server_error",
+                    Some(&detail.code),
+                );
+            }
+            Some(ReqEvent::Ended(outcome)) => {
+                guard.disarm();
+                return failure(&outcome);
+            }
+            Some(_) => {}
+        }
+    };
+    finish.first_byte();
+    let status = StatusCode::from_u16(u16::try_from(status_frame.status_code).unwrap_or(502))
+        .unwrap_or(StatusCode::BAD_GATEWAY);
+    let mut sse = false;
+    let mut builder = Response::builder().status(status);
+    for h in &status_frame.headers {
+        let name = h.name.to_ascii_lowercase();
+        if matches!(
+            name.as_str(),
+            "content-length" | "transfer-encoding" | "connection" | "keep-alive"
+        ) {
+            continue;
+        }
+        if name == "content-type" && h.value.starts_with(b"text/event-stream") {
+            sse = true;
+        }
+        builder = builder.header(h.name.as_str(), h.value.as_ref());
+    }
+    let (tx, rx) = mpsc::channel::<Chunk>(16);
+    let response = builder.body(ResBody::Stream(rx)).unwrap_or_else(|_| {
+        error(
+            StatusCode::BAD_GATEWAY,
+            "provider sent invalid headers",
+            "server_error",
+            None,
+        )
+    });
+    let deadline = ctx.deadline;
+    let metrics = finish.metrics.clone();
+    let model = ctx.model.clone();
+    let started = finish.started;
+    let code = status.as_u16();
+    tokio::spawn(async move {
+        let _permit = permit;
+        let mut ok = true;
+        loop {
+            let event = next_event(&mut events, deadline).await;
+            let chunk: Option<Chunk> = match event {
+                None => {
+                    guard.reason = "response timeout";
+                    ok = false;
+                    Some(stream_failure(sse, "the request timed out", "timeout"))
+                }
+                Some(ReqEvent::Frame(frame)) => match TunnelFrameKind::try_from(frame.kind) {
+                    Ok(TunnelFrameKind::Body) => Some(Ok(Frame::data(frame.body))),
+                    Ok(TunnelFrameKind::Error) => {
+                        ok = false;
+                        let detail = frame.error.unwrap_or_default();
+                        Some(stream_failure(
+                            sse,
+                            &format!("provider error: {}", detail.message),
+                            &detail.code,
+                        ))
+                    }
+                    _ => None, // USAGE and HEADERS are observations
+                },
+                Some(ReqEvent::Ended(Outcome::Completed)) => {
+                    guard.disarm();
+                    break;
+                }
+                Some(ReqEvent::Ended(outcome)) => {
+                    guard.disarm();
+                    ok = false;
+                    let message = match outcome {
+                        Outcome::Failed(RequestError::NodeLost { .. }) => {
+                            "the node serving this request was lost"
+                        }
+                        _ => "the request failed",
+                    };
+                    Some(stream_failure(sse, message, "stream_failed"))
+                }
+                Some(_) => None,
+            };
+            let Some(chunk) = chunk else { continue };
+            let last = chunk.is_err() || !ok;
+            if tx.send(chunk).await.is_err() {
+                return; // client gone: the guard cancels upstream
+            }
+            if last {
+                guard.disarm();
+                break;
+            }
+        }
+        metrics.request(&model, if ok { code } else { 599 }, started.elapsed());
+    });
+    response
+}
+
+/// How a stream that already sent its status reports a failure: an SSE error event (the
+/// SDKs raise on it), or an aborted body for anything else.
+fn stream_failure(sse: bool, message: &str, code: &str) -> Chunk {
+    if sse {
+        Ok(Frame::data(openai::error_event(
+            message,
+            "server_error",
+            Some(code),
+        )))
+    } else {
+        Err(std::io::Error::other(message.to_owned()))
+    }
+}
+
+async fn run_whole(
+    events: &mut Events,
+    mut guard: CancelGuard,
+    ctx: &Ctx,
+    finish: &mut Finish,
+) -> Response<ResBody> {
+    let mut content = String::new();
+    let mut usage: Option<Usage> = None;
+    let mut metadata = std::collections::BTreeMap::new();
+    loop {
+        match next_event(events, ctx.deadline).await {
+            None => {
+                guard.reason = "response timeout";
+                return timeout_response();
+            }
+            Some(ReqEvent::Run(event)) => {
+                finish.first_byte();
+                content.push_str(&event.delta);
+                if event.usage.is_some() {
+                    usage = event.usage;
+                }
+                if event.r#type == RunEventType::Complete as i32 {
+                    metadata = event.metadata;
+                }
+            }
+            Some(ReqEvent::Ended(Outcome::Completed)) => break,
+            Some(ReqEvent::Ended(outcome)) => {
+                guard.disarm();
+                return failure(&outcome);
+            }
+            Some(_) => {}
+        }
+    }
+    guard.disarm();
+    let tool_calls = restore_tool_calls(&metadata, &content, &ctx.run_id);
+    // A fallback's text *was* the tool call; an empty text next to tool calls is null.
+    let text_is_call = metadata.contains_key("openai_text_tool_fallback") || content.is_empty();
+    let content = if tool_calls.is_some() && text_is_call {
+        None
+    } else {
+        Some(content.as_str())
+    };
+    let body = openai::chat_completion(
+        &format!("chatcmpl-{}", ctx.run_id),
+        &ctx.model,
+        now_secs(),
+        content,
+        tool_calls.as_ref(),
+        usage.as_ref(),
+    );
+    json_response(StatusCode::OK, Bytes::from(body.to_string()))
+}
+
+/// `tool_calls` from the native metadata key, or parsed from the text only when the node
+/// marked the text fallback.
+fn restore_tool_calls(
+    metadata: &std::collections::BTreeMap<String, String>,
+    content: &str,
+    run_id: &str,
+) -> Option<Value> {
+    if let Some(native) = metadata.get("openai_tool_calls")
+        && let Ok(calls @ Value::Array(_)) = serde_json::from_str::<Value>(native)
+        && calls.as_array().is_some_and(|a| !a.is_empty())
+    {
+        return Some(calls);
+    }
+    if metadata
+        .get("openai_text_tool_fallback")
+        .map(String::as_str)
+        == Some("true")
+    {
+        return openai::parse_text_tool_calls(content, run_id);
+    }
+    None
+}
+
+fn run_stream(
+    mut events: Events,
+    mut guard: CancelGuard,
+    ctx: &Ctx,
+    finish: &mut Finish,
+    permit: tokio::sync::OwnedSemaphorePermit,
+) -> Response<ResBody> {
+    let (tx, rx) = mpsc::channel::<Chunk>(16);
+    let mut response = Response::new(ResBody::Stream(rx));
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    let id = format!("chatcmpl-{}", ctx.run_id);
+    let model = ctx.model.clone();
+    let run_id = ctx.run_id.clone();
+    let deadline = ctx.deadline;
+    let include_usage = ctx.include_usage;
+    // With tools offered, text may turn out to be a fallback tool call: hold it back
+    // until the run completes and says.
+    let hold_text = ctx.wants_tools;
+    let metrics = finish.metrics.clone();
+    let started = finish.started;
+    tokio::spawn(async move {
+        let _permit = permit;
+        let created = now_secs();
+        let mut held = String::new();
+        let mut first = true;
+        let mut ok = true;
+        let send = |value: Value| Ok(Frame::data(openai::sse(&value)));
+        loop {
+            let mut out: Vec<Chunk> = Vec::new();
+            match next_event(&mut events, deadline).await {
+                None => {
+                    guard.reason = "response timeout";
+                    ok = false;
+                    out.push(Ok(Frame::data(openai::error_event(
+                        "the request timed out",
+                        "server_error",
+                        Some("timeout"),
+                    ))));
+                }
+                Some(ReqEvent::Run(event)) => {
+                    if first {
+                        first = false;
+                        metrics.first_byte(&model, started.elapsed());
+                        out.push(send(openai::chunk(
+                            &id,
+                            &model,
+                            created,
+                            json!({"role": "assistant", "content": ""}),
+                            None,
+                        )));
+                    }
+                    match RunEventType::try_from(event.r#type) {
+                        Ok(RunEventType::Delta) if !event.delta.is_empty() => {
+                            if hold_text {
+                                held.push_str(&event.delta);
+                            } else {
+                                out.push(send(openai::chunk(
+                                    &id,
+                                    &model,
+                                    created,
+                                    json!({"content": event.delta}),
+                                    None,
+                                )));
+                            }
+                        }
+                        Ok(RunEventType::Complete) => {
+                            let calls = restore_tool_calls(&event.metadata, &held, &run_id);
+                            let fallback = event.metadata.contains_key("openai_text_tool_fallback");
+                            if !held.is_empty() && (calls.is_none() || !fallback) {
+                                out.push(send(openai::chunk(
+                                    &id,
+                                    &model,
+                                    created,
+                                    json!({"content": held}),
+                                    None,
+                                )));
+                            }
+                            let finish_reason = match &calls {
+                                Some(calls) => {
+                                    out.push(send(openai::chunk(
+                                        &id,
+                                        &model,
+                                        created,
+                                        json!({"tool_calls": openai::tool_call_deltas(calls)}),
+                                        None,
+                                    )));
+                                    "tool_calls"
+                                }
+                                None => "stop",
+                            };
+                            out.push(send(openai::chunk(
+                                &id,
+                                &model,
+                                created,
+                                json!({}),
+                                Some(finish_reason),
+                            )));
+                            if include_usage && let Some(u) = &event.usage {
+                                let mut usage_chunk =
+                                    openai::chunk(&id, &model, created, json!({}), None);
+                                usage_chunk["choices"] = json!([]);
+                                usage_chunk["usage"] = openai::usage_json(u);
+                                out.push(send(usage_chunk));
+                            }
+                            out.push(Ok(Frame::data(Bytes::from_static(openai::SSE_DONE))));
+                        }
+                        Ok(RunEventType::Error) => {
+                            ok = false;
+                            let detail = event.error.unwrap_or_default();
+                            out.push(Ok(Frame::data(openai::error_event(
+                                &format!("provider error: {}", detail.message),
+                                "server_error",
+                                Some(&detail.code),
+                            ))));
+                        }
+                        _ => {}
+                    }
+                }
+                Some(ReqEvent::Ended(Outcome::Completed)) => {
+                    guard.disarm();
+                    break;
+                }
+                Some(ReqEvent::Ended(outcome)) => {
+                    guard.disarm();
+                    if !matches!(outcome, Outcome::Failed(RequestError::Provider(_))) {
+                        ok = false;
+                        let message = match outcome {
+                            Outcome::Failed(RequestError::NodeLost { .. }) => {
+                                "the node serving this request was lost".to_owned()
+                            }
+                            other => format!("the request failed: {other:?}"),
+                        };
+                        out.push(Ok(Frame::data(openai::error_event(
+                            &message,
+                            "server_error",
+                            Some("stream_failed"),
+                        ))));
+                    }
+                    for chunk in out {
+                        if tx.send(chunk).await.is_err() {
+                            break;
+                        }
+                    }
+                    break;
+                }
+                Some(_) => {}
+            }
+            let stop = !ok;
+            for chunk in out {
+                if tx.send(chunk).await.is_err() {
+                    return; // client gone: the guard cancels upstream
+                }
+            }
+            if stop {
+                break;
+            }
+        }
+        metrics.request(&model, if ok { 200 } else { 599 }, started.elapsed());
+    });
+    response
+}

@@ -1,0 +1,131 @@
+//! The IOP Edge shell: IO around [`iop_proto_core::EdgeCore`].
+//!
+//! - [`config`]: the TOML configuration.
+//! - [`core_task`]: the one task that owns the core and routes its outputs.
+//! - [`nodes`]: the node listener (a reader and a writer task per connection).
+//! - [`http`]: the OpenAI-compatible HTTP surface, status, metrics and health.
+
+pub mod clock;
+pub mod config;
+pub mod core_task;
+pub mod http;
+pub mod logging;
+pub mod metrics;
+pub mod nodes;
+pub mod openai;
+
+use std::path::PathBuf;
+use std::sync::{Arc, RwLock};
+
+use tokio::net::TcpListener;
+use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+use crate::config::Config;
+use crate::core_task::CoreMsg;
+
+/// Runs the Edge until `shutdown`: binds both listeners, then serves. SIGHUP (when
+/// `reload` is set) reloads `config_path`.
+pub async fn run(
+    config: Config,
+    config_path: PathBuf,
+    shutdown: CancellationToken,
+    reload: bool,
+) -> std::io::Result<()> {
+    let clock = clock::Clock::new();
+    let metrics = Arc::new(metrics::Metrics::default());
+    let core = iop_proto_core::EdgeCore::new(config.core.clone())
+        .map_err(|err| std::io::Error::other(err.to_string()))?;
+    let (core_tx, core_rx) = mpsc::channel(4096);
+    let node_listener = TcpListener::bind(config.http.nodes_addr).await?;
+    let http_listener = TcpListener::bind(config.http.http_addr).await?;
+    info!(
+        http = %http_listener.local_addr()?,
+        nodes = %node_listener.local_addr()?,
+        models = config.core.models.len(),
+        nodes_configured = config.core.nodes.len(),
+        "edge listening"
+    );
+    let state = Arc::new(http::State {
+        core: core_tx.clone(),
+        permits: Arc::new(Semaphore::new(config.http.max_concurrent_requests)),
+        settings: RwLock::new(Arc::new(config.http.clone())),
+        metrics: metrics.clone(),
+    });
+    let core_task = tokio::spawn(core_task::run(core, core_rx, clock, metrics.clone()));
+    tokio::spawn(nodes::serve(
+        node_listener,
+        core_tx.clone(),
+        metrics.clone(),
+        shutdown.clone(),
+    ));
+    tokio::spawn(http::serve(http_listener, state.clone(), shutdown.clone()));
+    if reload {
+        tokio::spawn(reload_on_sighup(
+            config_path,
+            state.clone(),
+            shutdown.clone(),
+        ));
+    }
+    shutdown.cancelled().await;
+    drop(state);
+    drop(core_tx);
+    core_task.abort();
+    Ok(())
+}
+
+async fn reload_on_sighup(path: PathBuf, state: Arc<http::State>, shutdown: CancellationToken) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let Ok(mut hup) = signal(SignalKind::hangup()) else {
+        return;
+    };
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            got = hup.recv() => if got.is_none() { return },
+        }
+        info!(config = %path.display(), "SIGHUP: reloading configuration");
+        let config = match Config::load(&path) {
+            Ok(config) => config,
+            Err(err) => {
+                error!(error = %err, "reload refused: the running configuration stays in force");
+                continue;
+            }
+        };
+        let (reply, answer) = oneshot::channel();
+        if state
+            .core
+            .send(CoreMsg::Reload {
+                config: config.core,
+                reply,
+            })
+            .await
+            .is_err()
+        {
+            return;
+        }
+        match answer.await {
+            Ok(Ok(diff)) => {
+                if let Ok(mut settings) = state.settings.write() {
+                    let mut next = config.http.clone();
+                    // Listeners stay where they are bound.
+                    next.http_addr = settings.http_addr;
+                    next.nodes_addr = settings.nodes_addr;
+                    *settings = Arc::new(next);
+                }
+                info!(
+                    added = ?diff.added_nodes,
+                    removed = ?diff.removed_nodes,
+                    refreshed = ?diff.changed_payloads,
+                    models = ?diff.changed_models,
+                    "configuration reloaded"
+                );
+            }
+            Ok(Err(err)) => {
+                warn!(error = %err, "reload refused: the running configuration stays in force")
+            }
+            Err(_) => return,
+        }
+    }
+}

@@ -1,0 +1,112 @@
+//! The pooled HTTP client adapters share, and request helpers.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue, Method, Request, Uri};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use iop_proto_core::wire::Header;
+
+/// A pooled HTTP/1.1 client (keep-alive connections are reused across requests).
+pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+/// Builds the shared client.
+#[must_use]
+pub fn client() -> HttpClient {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    connector.set_connect_timeout(Some(Duration::from_secs(10)));
+    Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(60))
+        .build(connector)
+}
+
+/// Headers that describe one hop and must not be forwarded.
+const HOP_BY_HOP: [&str; 10] = [
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "host",
+    "content-length",
+];
+
+/// True for headers that are forwarded through a tunnel in either direction.
+#[must_use]
+pub fn forwardable(name: &str) -> bool {
+    let lower = name.to_ascii_lowercase();
+    !HOP_BY_HOP.contains(&lower.as_str())
+}
+
+/// Parses and normalises an adapter base URL (`http://host:port[/prefix]`).
+pub fn base_url(url: &str) -> Result<String, String> {
+    let uri: Uri = url
+        .parse()
+        .map_err(|err| format!("base_url {url:?}: {err}"))?;
+    match uri.scheme_str() {
+        Some("http") => {}
+        Some("https") => {
+            return Err(format!(
+                "base_url {url:?}: https is not supported by this build; put a TLS-terminating proxy on loopback"
+            ));
+        }
+        _ => return Err(format!("base_url {url:?} must start with http://")),
+    }
+    if uri.authority().is_none() {
+        return Err(format!("base_url {url:?} has no host"));
+    }
+    Ok(url.trim_end_matches('/').to_owned())
+}
+
+/// Builds a request with a full body, the adapter's bearer key and forwarded headers.
+pub fn request(
+    method: &str,
+    url: &str,
+    headers: &[Header],
+    api_key: &str,
+    body: Bytes,
+) -> Result<Request<Full<Bytes>>, String> {
+    let method =
+        Method::from_bytes(method.as_bytes()).map_err(|_| format!("invalid method {method:?}"))?;
+    let mut builder = Request::builder().method(method).uri(url);
+    for header in headers {
+        if !forwardable(&header.name) || header.name.eq_ignore_ascii_case("authorization") {
+            continue;
+        }
+        let (Ok(name), Ok(value)) = (
+            HeaderName::from_bytes(header.name.as_bytes()),
+            HeaderValue::from_bytes(&header.value),
+        ) else {
+            continue;
+        };
+        builder = builder.header(name, value);
+    }
+    if !api_key.is_empty() {
+        builder = builder.header(http::header::AUTHORIZATION, format!("Bearer {api_key}"));
+    }
+    builder
+        .body(Full::new(body))
+        .map_err(|err| format!("cannot build request: {err}"))
+}
+
+/// Response headers as wire headers.
+#[must_use]
+pub fn wire_headers(response: &http::Response<Incoming>) -> Vec<Header> {
+    response
+        .headers()
+        .iter()
+        .filter(|(name, _)| forwardable(name.as_str()))
+        .map(|(name, value)| Header {
+            name: name.as_str().to_owned(),
+            value: Bytes::copy_from_slice(value.as_bytes()),
+        })
+        .collect()
+}

@@ -1,0 +1,197 @@
+//! The built-in deterministic provider: a configurable reply streamed word by word, with
+//! per-token delay and failure injection. It is what the quickstart, the tests and the
+//! benchmarks use when no real LLM is present.
+//!
+//! Options (all strings, from the adapter's `options` map):
+//! - `reply`: the text to stream (default `"Hello from the IOP mock provider."`);
+//! - `tokens`: how many words to stream, cycling through the reply (default: its length);
+//! - `token_delay_ms`: delay before each word (default 20);
+//! - `fail`: `never` (default), `always` (fails after START), or `after:N` (after N words);
+//! - `tool_call`: when set and the request offers `tools`, the run completes with one
+//!   call to this function (in `openai_tool_calls`) instead of text.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+use iop_proto_core::RunOutput;
+use iop_proto_core::wire::{RunRequest, Usage};
+use tokio_util::sync::CancellationToken;
+
+use super::{Sink, error};
+
+/// When the mock fails.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fail {
+    /// Never.
+    Never,
+    /// Right after START.
+    Always,
+    /// After this many words.
+    After(usize),
+}
+
+/// The mock provider's settings.
+#[derive(Clone, Debug)]
+pub struct Mock {
+    words: Vec<String>,
+    tokens: usize,
+    delay: Duration,
+    fail: Fail,
+    tool_call: Option<String>,
+}
+
+impl Mock {
+    /// Reads the options; unknown keys are refused so typos do not go unnoticed.
+    pub fn from_options(options: &BTreeMap<String, String>) -> Result<Self, String> {
+        let mut options: HashMap<&str, &str> = options
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        let reply = options
+            .remove("reply")
+            .unwrap_or("Hello from the IOP mock provider.");
+        let words: Vec<String> = reply.split_whitespace().map(str::to_owned).collect();
+        if words.is_empty() {
+            return Err("option reply must not be empty".into());
+        }
+        let tokens = match options.remove("tokens") {
+            None => words.len(),
+            Some(n) => n
+                .parse()
+                .map_err(|_| format!("option tokens: {n:?} is not a count"))?,
+        };
+        let delay = match options.remove("token_delay_ms") {
+            None => Duration::from_millis(20),
+            Some(ms) => Duration::from_millis(
+                ms.parse()
+                    .map_err(|_| format!("option token_delay_ms: {ms:?} is not a number"))?,
+            ),
+        };
+        let fail = match options.remove("fail") {
+            None | Some("never") => Fail::Never,
+            Some("always") => Fail::Always,
+            Some(other) => match other.strip_prefix("after:").and_then(|n| n.parse().ok()) {
+                Some(n) => Fail::After(n),
+                None => {
+                    return Err(format!(
+                        "option fail: {other:?} is not never, always or after:N"
+                    ));
+                }
+            },
+        };
+        let tool_call = options.remove("tool_call").map(str::to_owned);
+        if let Some(key) = options.keys().next() {
+            return Err(format!("unknown mock option {key:?}"));
+        }
+        Ok(Mock {
+            words,
+            tokens,
+            delay,
+            fail,
+            tool_call,
+        })
+    }
+
+    /// Streams the reply.
+    pub async fn run(&self, request: RunRequest, sink: Sink, cancel: CancellationToken) {
+        if !sink.run(RunOutput::Start).await {
+            return;
+        }
+        let input: serde_json::Value = serde_json::from_slice(&request.input).unwrap_or_default();
+        let prompt_tokens = (request.input.len() as u64).div_ceil(4);
+        if self.fail == Fail::Always {
+            let _ = sink
+                .run(RunOutput::Error(error(
+                    "mock_failure",
+                    "injected failure",
+                    false,
+                )))
+                .await;
+            return;
+        }
+        let wants_tools = input
+            .get("tools")
+            .is_some_and(|t| t.as_array().is_some_and(|a| !a.is_empty()));
+        if let (Some(name), true) = (&self.tool_call, wants_tools) {
+            let calls = serde_json::json!([{
+                "id": format!("call_{}", request.run_id),
+                "type": "function",
+                "function": { "name": name, "arguments": "{}" },
+            }]);
+            let mut metadata = BTreeMap::new();
+            metadata.insert("openai_tool_calls".to_owned(), calls.to_string());
+            let _ = sink
+                .run(RunOutput::Complete {
+                    usage: Some(usage(prompt_tokens, 1)),
+                    metadata,
+                })
+                .await;
+            return;
+        }
+        for i in 0..self.tokens {
+            if self.fail == Fail::After(i) {
+                let _ = sink
+                    .run(RunOutput::Error(error(
+                        "mock_failure",
+                        format!("injected failure after {i} tokens"),
+                        false,
+                    )))
+                    .await;
+                return;
+            }
+            tokio::select! {
+                () = cancel.cancelled() => {
+                    let _ = sink.run(RunOutput::Cancelled).await;
+                    return;
+                }
+                () = tokio::time::sleep(self.delay) => {}
+            }
+            let word = &self.words[i % self.words.len()];
+            let piece = if i + 1 == self.tokens {
+                word.clone()
+            } else {
+                format!("{word} ")
+            };
+            if !sink.run(RunOutput::Delta(piece)).await {
+                return;
+            }
+        }
+        let _ = sink
+            .run(RunOutput::Complete {
+                usage: Some(usage(prompt_tokens, self.tokens as u64)),
+                metadata: BTreeMap::new(),
+            })
+            .await;
+    }
+}
+
+fn usage(prompt: u64, completion: u64) -> Usage {
+    Usage {
+        prompt_tokens: prompt,
+        completion_tokens: completion,
+        total_tokens: prompt + completion,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_are_validated() {
+        let opts = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+            pairs
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect()
+        };
+        assert!(Mock::from_options(&opts(&[])).is_ok());
+        assert_eq!(
+            Mock::from_options(&opts(&[("fail", "after:3")])).map(|m| m.fail),
+            Ok(Fail::After(3))
+        );
+        assert!(Mock::from_options(&opts(&[("fail", "sometimes")])).is_err());
+        assert!(Mock::from_options(&opts(&[("tokens", "x")])).is_err());
+        assert!(Mock::from_options(&opts(&[("replay", "typo")])).is_err());
+    }
+}

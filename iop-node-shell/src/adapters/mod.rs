@@ -1,0 +1,285 @@
+//! Provider adapters. The session decides what runs where; an adapter only turns a
+//! `RunRequest` or `ProviderTunnelRequest` into HTTP calls and reports progress through a
+//! [`Sink`]. Cancellation arrives through a `CancellationToken`; an adapter then aborts the
+//! upstream request and still ends with a terminal output.
+
+pub mod http;
+pub mod mock;
+pub mod ollama;
+pub mod openai;
+pub mod sse;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use iop_proto_core::wire::{
+    AdapterConfig, AdapterType, ErrorDetail, NodeCommandRequest, NodeCommandResponse,
+    NodeCommandType, NodeConfigPayload, ProviderTunnelRequest, RunRequest,
+};
+use iop_proto_core::{RunOutput, TunnelOutput};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+pub use self::http::HttpClient;
+
+/// Progress from an adapter task to the connection driver.
+#[derive(Debug)]
+pub enum Output {
+    /// A run's progress.
+    Run {
+        /// The run.
+        run_id: String,
+        /// What happened.
+        output: RunOutput,
+    },
+    /// A tunnel's progress.
+    Tunnel {
+        /// The tunnel.
+        run_id: String,
+        /// What happened.
+        output: TunnelOutput,
+    },
+    /// The adapter task returned (the driver ends the work if no terminal was reported).
+    Finished {
+        /// The run or tunnel.
+        run_id: String,
+        /// Whether it was a tunnel.
+        tunnel: bool,
+    },
+    /// The answer to a command.
+    Command(NodeCommandResponse),
+}
+
+/// Where an adapter task reports progress.
+#[derive(Clone, Debug)]
+pub struct Sink {
+    run_id: String,
+    tx: mpsc::Sender<Output>,
+}
+
+impl Sink {
+    /// A sink for `run_id`.
+    #[must_use]
+    pub fn new(run_id: String, tx: mpsc::Sender<Output>) -> Self {
+        Sink { run_id, tx }
+    }
+
+    /// Reports run progress; false once the connection is gone.
+    pub async fn run(&self, output: RunOutput) -> bool {
+        self.tx
+            .send(Output::Run {
+                run_id: self.run_id.clone(),
+                output,
+            })
+            .await
+            .is_ok()
+    }
+
+    /// Reports tunnel progress; false once the connection is gone.
+    pub async fn tunnel(&self, output: TunnelOutput) -> bool {
+        self.tx
+            .send(Output::Tunnel {
+                run_id: self.run_id.clone(),
+                output,
+            })
+            .await
+            .is_ok()
+    }
+}
+
+/// A stable error for a terminal event or frame.
+#[must_use]
+pub fn error(code: &str, message: impl Into<String>, retryable: bool) -> ErrorDetail {
+    ErrorDetail {
+        code: code.into(),
+        message: message.into(),
+        retryable,
+    }
+}
+
+/// One configured adapter instance.
+#[derive(Debug)]
+pub enum Adapter {
+    /// Built-in deterministic provider.
+    Mock(mock::Mock),
+    /// OpenAI-compatible server (also vLLM).
+    OpenAi(openai::OpenAi),
+    /// Ollama.
+    Ollama(ollama::Ollama),
+}
+
+impl Adapter {
+    /// Builds an adapter from its config, checking what the HTTP layer needs.
+    pub fn build(
+        config: &AdapterConfig,
+        client: &HttpClient,
+        default_timeout: Duration,
+    ) -> Result<Self, String> {
+        let kind =
+            AdapterType::try_from(config.r#type).map_err(|_| "unknown adapter type".to_string())?;
+        Ok(match kind {
+            AdapterType::Mock => Adapter::Mock(mock::Mock::from_options(&config.options)?),
+            AdapterType::OpenaiCompat | AdapterType::Vllm => Adapter::OpenAi(openai::OpenAi::new(
+                config,
+                client.clone(),
+                default_timeout,
+                kind == AdapterType::Vllm,
+            )?),
+            AdapterType::Ollama => Adapter::Ollama(ollama::Ollama::new(
+                config,
+                client.clone(),
+                default_timeout,
+            )?),
+            AdapterType::Unspecified => return Err("adapter type is unspecified".into()),
+        })
+    }
+
+    /// Executes a normalized run to its terminal output.
+    pub async fn run(&self, request: RunRequest, sink: Sink, cancel: CancellationToken) {
+        match self {
+            Adapter::Mock(m) => m.run(request, sink, cancel).await,
+            Adapter::OpenAi(o) => o.run(request, sink, cancel).await,
+            Adapter::Ollama(o) => o.run(request, sink, cancel).await,
+        }
+    }
+
+    /// Executes a raw tunnel to its terminal output.
+    pub async fn tunnel(
+        &self,
+        request: ProviderTunnelRequest,
+        sink: Sink,
+        cancel: CancellationToken,
+    ) {
+        match self {
+            Adapter::OpenAi(o) => o.tunnel(request, sink, cancel).await,
+            Adapter::Mock(_) | Adapter::Ollama(_) => {
+                let _ = sink
+                    .tunnel(TunnelOutput::Error(error(
+                        "unsupported",
+                        "this adapter serves normalized runs, not tunnels",
+                        false,
+                    )))
+                    .await;
+            }
+        }
+    }
+}
+
+/// The adapters of the config in force, keyed by instance name. Cloning is cheap
+/// (adapters are shared).
+#[derive(Clone, Debug)]
+pub struct AdapterHost {
+    client: HttpClient,
+    default_timeout: Duration,
+    configs: HashMap<String, AdapterConfig>,
+    adapters: HashMap<String, Arc<Adapter>>,
+}
+
+impl AdapterHost {
+    /// An empty host.
+    #[must_use]
+    pub fn new(client: HttpClient, default_timeout: Duration) -> Self {
+        AdapterHost {
+            client,
+            default_timeout,
+            configs: HashMap::new(),
+            adapters: HashMap::new(),
+        }
+    }
+
+    /// Replaces the adapter set with `payload`'s enabled adapters. All are built before
+    /// any is swapped in, so a failure leaves the previous set running. Unchanged
+    /// adapters keep their instance (and its connection pool).
+    pub fn apply(&mut self, payload: &NodeConfigPayload) -> Result<(), String> {
+        let mut adapters = HashMap::new();
+        let mut configs = HashMap::new();
+        for config in payload.adapters.iter().filter(|a| a.enabled) {
+            let name = config.instance_name().to_owned();
+            let adapter = match (self.configs.get(&name), self.adapters.get(&name)) {
+                (Some(old), Some(existing)) if old == config => existing.clone(),
+                _ => Arc::new(
+                    Adapter::build(config, &self.client, self.default_timeout)
+                        .map_err(|err| format!("adapter {name:?}: {err}"))?,
+                ),
+            };
+            adapters.insert(name.clone(), adapter);
+            configs.insert(name, config.clone());
+        }
+        self.adapters = adapters;
+        self.configs = configs;
+        Ok(())
+    }
+
+    /// The adapter named `name`.
+    #[must_use]
+    pub fn get(&self, name: &str) -> Option<Arc<Adapter>> {
+        self.adapters.get(name).cloned()
+    }
+
+    /// Answers a validated command. `transport` is the `TRANSPORT_STATUS` payload.
+    pub async fn command(
+        &self,
+        request: NodeCommandRequest,
+        transport: serde_json::Value,
+    ) -> NodeCommandResponse {
+        let reply = |result: Result<Bytes, String>| match result {
+            Ok(payload) => NodeCommandResponse {
+                request_id: request.request_id.clone(),
+                ok: true,
+                error: String::new(),
+                payload,
+            },
+            Err(error) => NodeCommandResponse {
+                request_id: request.request_id.clone(),
+                ok: false,
+                error,
+                payload: Bytes::new(),
+            },
+        };
+        match NodeCommandType::try_from(request.r#type) {
+            Ok(NodeCommandType::Capabilities) => reply(Ok(self.capabilities().await)),
+            Ok(NodeCommandType::TransportStatus) => reply(Ok(Bytes::from(transport.to_string()))),
+            Ok(NodeCommandType::OllamaApi) => {
+                match self.adapters.get(&request.adapter).map(|a| &**a) {
+                    Some(Adapter::Ollama(ollama)) => reply(
+                        ollama
+                            .api(&request.method, &request.path, request.body.clone())
+                            .await,
+                    ),
+                    Some(_) => reply(Err(format!(
+                        "adapter {:?} is not an ollama adapter",
+                        request.adapter
+                    ))),
+                    None => reply(Err(format!("no adapter named {:?}", request.adapter))),
+                }
+            }
+            _ => reply(Err("command type not admitted".into())),
+        }
+    }
+
+    async fn capabilities(&self) -> Bytes {
+        let mut names: Vec<&String> = self.configs.keys().collect();
+        names.sort();
+        let mut adapters = Vec::new();
+        for name in names {
+            let config = &self.configs[name];
+            let kind =
+                AdapterType::try_from(config.r#type).map_or("unknown", AdapterType::config_name);
+            let health = match self.adapters.get(name).map(|a| &**a) {
+                Some(Adapter::OpenAi(o)) => o.health().await,
+                _ => "healthy",
+            };
+            adapters.push(serde_json::json!({
+                "name": name,
+                "type": kind,
+                "targets": config.targets,
+                "capacity": config.capacity,
+                "long_capacity": config.long_capacity,
+                "health": health,
+            }));
+        }
+        Bytes::from(serde_json::json!({ "adapters": adapters }).to_string())
+    }
+}

@@ -1,0 +1,319 @@
+//! `ollama`: normalized runs over `/api/chat` (streaming NDJSON) with tool calls and
+//! usage, and the read-only `OLLAMA_API` pass-through.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use iop_proto_core::RunOutput;
+use iop_proto_core::wire::{AdapterConfig, Header, RunRequest, Usage};
+use serde_json::{Map, Value, json};
+use tokio::time::{Instant, timeout_at};
+use tokio_util::sync::CancellationToken;
+
+use super::http::{self, HttpClient, base_url};
+use super::sse::Lines;
+use super::{Sink, error};
+
+/// An Ollama server.
+#[derive(Debug)]
+pub struct Ollama {
+    base: String,
+    client: HttpClient,
+    default_timeout: Duration,
+}
+
+/// Converts an OpenAI chat request into an Ollama `/api/chat` request.
+#[must_use]
+pub fn to_ollama(input: &Value, target: &str) -> Value {
+    let mut messages = input.get("messages").cloned().unwrap_or_else(|| json!([]));
+    // OpenAI carries tool-call arguments as a JSON string, Ollama as an object.
+    if let Some(list) = messages.as_array_mut() {
+        for message in list {
+            if let Some(calls) = message.get_mut("tool_calls").and_then(Value::as_array_mut) {
+                for call in calls {
+                    if let Some(args) = call.pointer_mut("/function/arguments")
+                        && let Some(text) = args.as_str()
+                    {
+                        *args = serde_json::from_str(text).unwrap_or_else(|_| json!({}));
+                    }
+                }
+            }
+        }
+    }
+    let mut body = json!({ "model": target, "messages": messages, "stream": true });
+    if let Some(tools) = input
+        .get("tools")
+        .filter(|t| t.as_array().is_some_and(|a| !a.is_empty()))
+    {
+        body["tools"] = tools.clone();
+    }
+    let mut options = Map::new();
+    for (from, to) in [
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+        ("max_tokens", "num_predict"),
+        ("seed", "seed"),
+        ("stop", "stop"),
+    ] {
+        if let Some(value) = input.get(from) {
+            options.insert(to.to_owned(), value.clone());
+        }
+    }
+    if !options.is_empty() {
+        body["options"] = Value::Object(options);
+    }
+    body
+}
+
+/// Converts Ollama tool calls into OpenAI `tool_calls`.
+#[must_use]
+pub fn openai_tool_calls(calls: &[Value], first_index: usize) -> Vec<Value> {
+    calls
+        .iter()
+        .enumerate()
+        .map(|(i, call)| {
+            let name = call
+                .pointer("/function/name")
+                .and_then(Value::as_str)
+                .unwrap_or("");
+            let arguments = call
+                .pointer("/function/arguments")
+                .cloned()
+                .unwrap_or_else(|| json!({}));
+            let arguments = match arguments {
+                Value::String(text) => text,
+                other => other.to_string(),
+            };
+            json!({
+                "id": format!("call_{}", first_index + i),
+                "type": "function",
+                "function": { "name": name, "arguments": arguments },
+            })
+        })
+        .collect()
+}
+
+impl Ollama {
+    /// An adapter for `config`.
+    pub fn new(
+        config: &AdapterConfig,
+        client: HttpClient,
+        default_timeout: Duration,
+    ) -> Result<Self, String> {
+        Ok(Ollama {
+            base: base_url(&config.base_url)?,
+            client,
+            default_timeout,
+        })
+    }
+
+    /// Streams a chat through `/api/chat`.
+    pub async fn run(&self, request: RunRequest, sink: Sink, cancel: CancellationToken) {
+        if !sink.run(RunOutput::Start).await {
+            return;
+        }
+        let output = tokio::select! {
+            () = cancel.cancelled() => RunOutput::Cancelled,
+            output = self.run_inner(&request, &sink) => output,
+        };
+        let _ = sink.run(output).await;
+    }
+
+    async fn run_inner(&self, request: &RunRequest, sink: &Sink) -> RunOutput {
+        let deadline = Instant::now() + self.default_timeout;
+        let input: Value = match serde_json::from_slice(&request.input) {
+            Ok(value @ Value::Object(_)) => value,
+            _ => {
+                return RunOutput::Error(error(
+                    "bad_request",
+                    "run input is not a JSON object",
+                    false,
+                ));
+            }
+        };
+        let body = to_ollama(&input, &request.target);
+        let headers = [Header {
+            name: "content-type".into(),
+            value: Bytes::from_static(b"application/json"),
+        }];
+        let upstream = match http::request(
+            "POST",
+            &format!("{}/api/chat", self.base),
+            &headers,
+            "",
+            Bytes::from(body.to_string()),
+        ) {
+            Ok(r) => r,
+            Err(err) => return RunOutput::Error(error("bad_request", err, false)),
+        };
+        let response = match timeout_at(deadline, self.client.request(upstream)).await {
+            Err(_) => {
+                return RunOutput::Error(error("timeout", "ollama did not answer in time", true));
+            }
+            Ok(Err(err)) => {
+                return RunOutput::Error(error(
+                    "upstream_unreachable",
+                    format!("request failed: {err}"),
+                    true,
+                ));
+            }
+            Ok(Ok(response)) => response,
+        };
+        let status = response.status();
+        let mut body = response.into_body();
+        if !status.is_success() {
+            let text = match timeout_at(deadline, body.collect()).await {
+                Ok(Ok(collected)) => String::from_utf8_lossy(&collected.to_bytes()).into_owned(),
+                _ => String::new(),
+            };
+            return RunOutput::Error(error(
+                "upstream_status",
+                format!("ollama answered {}: {}", status.as_u16(), text.trim()),
+                status.is_server_error(),
+            ));
+        }
+        let mut lines = Lines::default();
+        let mut calls: Vec<Value> = Vec::new();
+        let mut usage: Option<Usage> = None;
+        let mut ended = false;
+        while !ended {
+            let data = match timeout_at(deadline, body.frame()).await {
+                Err(_) => return RunOutput::Error(error("timeout", "ollama stream stalled", true)),
+                // A newline flushes a last line that lacked one.
+                Ok(None) => {
+                    ended = true;
+                    Bytes::from_static(b"\n")
+                }
+                Ok(Some(Err(err))) => {
+                    return RunOutput::Error(error(
+                        "upstream_unreachable",
+                        format!("stream failed: {err}"),
+                        true,
+                    ));
+                }
+                Ok(Some(Ok(frame))) => match frame.into_data() {
+                    Ok(data) => data,
+                    Err(_) => continue,
+                },
+            };
+            for line in lines.push(&data) {
+                if line.is_empty() {
+                    continue;
+                }
+                let Ok(chunk) = serde_json::from_slice::<Value>(&line) else {
+                    return RunOutput::Error(error(
+                        "upstream_protocol",
+                        "ollama sent a line that is not JSON",
+                        false,
+                    ));
+                };
+                if let Some(message) = chunk.get("error").and_then(Value::as_str) {
+                    return RunOutput::Error(error("upstream_error", message, false));
+                }
+                if let Some(text) = chunk.pointer("/message/content").and_then(Value::as_str)
+                    && !text.is_empty()
+                    && !sink.run(RunOutput::Delta(text.to_owned())).await
+                {
+                    return RunOutput::Cancelled;
+                }
+                if let Some(list) = chunk
+                    .pointer("/message/tool_calls")
+                    .and_then(Value::as_array)
+                {
+                    let converted = openai_tool_calls(list, calls.len());
+                    calls.extend(converted);
+                }
+                if chunk.get("done").and_then(Value::as_bool) == Some(true) {
+                    let n = |key: &str| chunk.get(key).and_then(Value::as_u64).unwrap_or(0);
+                    let (prompt, completion) = (n("prompt_eval_count"), n("eval_count"));
+                    usage = Some(Usage {
+                        prompt_tokens: prompt,
+                        completion_tokens: completion,
+                        total_tokens: prompt + completion,
+                    });
+                }
+            }
+        }
+        let mut metadata = BTreeMap::new();
+        if !calls.is_empty() {
+            metadata.insert(
+                "openai_tool_calls".to_owned(),
+                Value::Array(calls).to_string(),
+            );
+        }
+        RunOutput::Complete { usage, metadata }
+    }
+
+    /// Read-only pass-through (the session already admitted only the allowed endpoints).
+    pub async fn api(&self, method: &str, path: &str, body: Bytes) -> Result<Bytes, String> {
+        let headers = [Header {
+            name: "content-type".into(),
+            value: Bytes::from_static(b"application/json"),
+        }];
+        let request = http::request(
+            method,
+            &format!("{}{}", self.base, path),
+            &headers,
+            "",
+            body,
+        )?;
+        let response = tokio::time::timeout(Duration::from_secs(30), self.client.request(request))
+            .await
+            .map_err(|_| "ollama did not answer in time".to_string())?
+            .map_err(|err| format!("request failed: {err}"))?;
+        let status = response.status();
+        let bytes = tokio::time::timeout(Duration::from_secs(30), response.into_body().collect())
+            .await
+            .map_err(|_| "ollama response stalled".to_string())?
+            .map_err(|err| format!("response failed: {err}"))?
+            .to_bytes();
+        if status.is_success() {
+            Ok(bytes)
+        } else {
+            Err(format!(
+                "ollama answered {}: {}",
+                status.as_u16(),
+                String::from_utf8_lossy(&bytes).trim()
+            ))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn openai_requests_become_ollama_requests() {
+        let input = json!({
+            "model": "public",
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{\"x\":1}"}}]}
+            ],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "max_tokens": 5
+        });
+        let out = to_ollama(&input, "llama3");
+        assert_eq!(out["model"], "llama3");
+        assert_eq!(out["stream"], true);
+        assert_eq!(out["options"]["num_predict"], 5);
+        assert_eq!(
+            out["messages"][1]["tool_calls"][0]["function"]["arguments"]["x"],
+            1
+        );
+        assert!(out["tools"].is_array());
+    }
+
+    #[test]
+    fn ollama_tool_calls_become_openai_tool_calls() {
+        let calls = openai_tool_calls(
+            &[json!({"function": {"name": "f", "arguments": {"x": 1}}})],
+            0,
+        );
+        assert_eq!(calls[0]["function"]["arguments"], "{\"x\":1}");
+        assert_eq!(calls[0]["id"], "call_0");
+    }
+}

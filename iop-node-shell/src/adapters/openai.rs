@@ -1,0 +1,454 @@
+//! `openai_compat` and `vllm`: raw tunnels pass method, path, headers and body through and
+//! stream the response back as ordered frames; normalized runs go through
+//! `/v1/chat/completions` streaming, with native `tool_calls` reported in
+//! `openai_tool_calls` and a one-time text tool-call fallback when the backend rejects
+//! `tools`.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use iop_proto_core::wire::{AdapterConfig, Header, ProviderTunnelRequest, RunRequest, Usage};
+use iop_proto_core::{RunOutput, TunnelOutput};
+use serde_json::{Value, json};
+use tokio::time::{Instant, timeout_at};
+use tokio_util::sync::CancellationToken;
+
+use super::http::{self, HttpClient, base_url, wire_headers};
+use super::sse::{Lines, UsageWatcher, sse_data, usage_of};
+use super::{Sink, error};
+
+/// An OpenAI-compatible backend (`vllm` adds its `/health` endpoint).
+#[derive(Debug)]
+pub struct OpenAi {
+    base: String,
+    api_key: String,
+    client: HttpClient,
+    default_timeout: Duration,
+    vllm: bool,
+}
+
+/// How an upstream call failed before or while streaming.
+enum CallError {
+    Cancelled,
+    TimedOut,
+    Unreachable(String),
+}
+
+impl CallError {
+    fn detail(&self) -> iop_proto_core::wire::ErrorDetail {
+        match self {
+            CallError::Cancelled => error("cancelled", "cancelled by the edge", false),
+            CallError::TimedOut => error("timeout", "provider did not answer in time", true),
+            CallError::Unreachable(why) => error("upstream_unreachable", why.clone(), true),
+        }
+    }
+}
+
+async fn send(
+    client: &HttpClient,
+    request: hyper::Request<http_body_util::Full<Bytes>>,
+    deadline: Instant,
+    cancel: &CancellationToken,
+) -> Result<hyper::Response<Incoming>, CallError> {
+    tokio::select! {
+        () = cancel.cancelled() => Err(CallError::Cancelled),
+        result = timeout_at(deadline, client.request(request)) => match result {
+            Err(_) => Err(CallError::TimedOut),
+            Ok(Err(err)) => Err(CallError::Unreachable(format!("request failed: {err}"))),
+            Ok(Ok(response)) => Ok(response),
+        },
+    }
+}
+
+/// The next body frame, honouring cancellation and the deadline.
+async fn next_frame(
+    body: &mut Incoming,
+    deadline: Instant,
+    cancel: &CancellationToken,
+) -> Result<Option<hyper::body::Frame<Bytes>>, CallError> {
+    tokio::select! {
+        () = cancel.cancelled() => Err(CallError::Cancelled),
+        frame = timeout_at(deadline, body.frame()) => match frame {
+            Err(_) => Err(CallError::TimedOut),
+            Ok(None) => Ok(None),
+            Ok(Some(Err(err))) => Err(CallError::Unreachable(format!("response body failed: {err}"))),
+            Ok(Some(Ok(frame))) => Ok(Some(frame)),
+        },
+    }
+}
+
+/// Reads at most `limit` bytes of a body, for error messages.
+async fn excerpt(
+    body: &mut Incoming,
+    limit: usize,
+    deadline: Instant,
+    cancel: &CancellationToken,
+) -> String {
+    let mut out = Vec::new();
+    while out.len() < limit {
+        match next_frame(body, deadline, cancel).await {
+            Ok(Some(frame)) => {
+                if let Ok(data) = frame.into_data() {
+                    out.extend_from_slice(&data);
+                }
+            }
+            _ => break,
+        }
+    }
+    out.truncate(limit);
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+impl OpenAi {
+    /// An adapter for `config`.
+    pub fn new(
+        config: &AdapterConfig,
+        client: HttpClient,
+        default_timeout: Duration,
+        vllm: bool,
+    ) -> Result<Self, String> {
+        Ok(OpenAi {
+            base: base_url(&config.base_url)?,
+            api_key: config.api_key.clone(),
+            client,
+            default_timeout,
+            vllm,
+        })
+    }
+
+    /// `healthy`/`unhealthy` from vLLM's `/health`; `unknown` for plain openai_compat.
+    pub async fn health(&self) -> &'static str {
+        if !self.vllm {
+            return "unknown";
+        }
+        let Ok(request) = http::request(
+            "GET",
+            &format!("{}/health", self.base),
+            &[],
+            &self.api_key,
+            Bytes::new(),
+        ) else {
+            return "unhealthy";
+        };
+        match tokio::time::timeout(Duration::from_secs(2), self.client.request(request)).await {
+            Ok(Ok(response)) if response.status().is_success() => "healthy",
+            _ => "unhealthy",
+        }
+    }
+
+    fn deadline(&self, timeout_sec: u32) -> Instant {
+        let timeout = if timeout_sec > 0 {
+            Duration::from_secs(u64::from(timeout_sec))
+        } else {
+            self.default_timeout
+        };
+        Instant::now() + timeout
+    }
+
+    /// Raw pass-through of one HTTP request.
+    pub async fn tunnel(
+        &self,
+        request: ProviderTunnelRequest,
+        sink: Sink,
+        cancel: CancellationToken,
+    ) {
+        if let Err(err) = self.tunnel_inner(request, &sink, &cancel).await {
+            let _ = sink.tunnel(TunnelOutput::Error(err.detail())).await;
+        }
+    }
+
+    async fn tunnel_inner(
+        &self,
+        request: ProviderTunnelRequest,
+        sink: &Sink,
+        cancel: &CancellationToken,
+    ) -> Result<(), CallError> {
+        let deadline = self.deadline(request.timeout_sec);
+        let url = format!("{}{}", self.base, request.path);
+        let upstream = http::request(
+            &request.method,
+            &url,
+            &request.headers,
+            &self.api_key,
+            request.body,
+        )
+        .map_err(CallError::Unreachable)?;
+        let response = send(&self.client, upstream, deadline, cancel).await?;
+        let content_type = response
+            .headers()
+            .get(hyper::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_owned();
+        let status = u32::from(response.status().as_u16());
+        if !sink
+            .tunnel(TunnelOutput::Status {
+                status,
+                headers: wire_headers(&response),
+            })
+            .await
+        {
+            return Ok(());
+        }
+        let mut watcher = UsageWatcher::new(&content_type);
+        let mut body = response.into_body();
+        while let Some(frame) = next_frame(&mut body, deadline, cancel).await? {
+            match frame.into_data() {
+                Ok(data) => {
+                    watcher.push(&data);
+                    if !sink.tunnel(TunnelOutput::Body(data)).await {
+                        return Ok(());
+                    }
+                }
+                Err(frame) => {
+                    if let Ok(trailers) = frame.into_trailers() {
+                        let headers = trailers
+                            .iter()
+                            .map(|(name, value)| Header {
+                                name: name.as_str().to_owned(),
+                                value: Bytes::copy_from_slice(value.as_bytes()),
+                            })
+                            .collect();
+                        let _ = sink.tunnel(TunnelOutput::Trailers(headers)).await;
+                    }
+                }
+            }
+        }
+        if let Some(usage) = watcher.finish() {
+            let _ = sink.tunnel(TunnelOutput::Usage(usage)).await;
+        }
+        let _ = sink.tunnel(TunnelOutput::End).await;
+        Ok(())
+    }
+
+    /// A normalized run through `/v1/chat/completions` with `stream: true`.
+    pub async fn run(&self, request: RunRequest, sink: Sink, cancel: CancellationToken) {
+        if !sink.run(RunOutput::Start).await {
+            return;
+        }
+        let output = match self.run_inner(&request, &sink, &cancel).await {
+            Ok(output) => output,
+            Err(CallError::Cancelled) => RunOutput::Cancelled,
+            Err(err) => RunOutput::Error(err.detail()),
+        };
+        let _ = sink.run(output).await;
+    }
+
+    async fn run_inner(
+        &self,
+        request: &RunRequest,
+        sink: &Sink,
+        cancel: &CancellationToken,
+    ) -> Result<RunOutput, CallError> {
+        let deadline = self.deadline(0);
+        let mut body: Value = match serde_json::from_slice(&request.input) {
+            Ok(Value::Object(map)) => Value::Object(map),
+            _ => {
+                return Ok(RunOutput::Error(error(
+                    "bad_request",
+                    "run input is not a JSON object",
+                    false,
+                )));
+            }
+        };
+        body["model"] = json!(request.target);
+        body["stream"] = json!(true);
+        body["stream_options"] = json!({ "include_usage": true });
+        let had_tools = body
+            .get("tools")
+            .and_then(Value::as_array)
+            .is_some_and(|t| !t.is_empty());
+        let url = format!("{}/v1/chat/completions", self.base);
+        let headers = [Header {
+            name: "content-type".into(),
+            value: Bytes::from_static(b"application/json"),
+        }];
+        let mut fallback = false;
+        let response = loop {
+            let upstream = http::request(
+                "POST",
+                &url,
+                &headers,
+                &self.api_key,
+                Bytes::from(body.to_string()),
+            )
+            .map_err(CallError::Unreachable)?;
+            let mut response = send(&self.client, upstream, deadline, cancel).await?;
+            let status = response.status();
+            if status.is_success() {
+                break response;
+            }
+            let text = excerpt(response.body_mut(), 4096, deadline, cancel).await;
+            if status.is_client_error()
+                && had_tools
+                && !fallback
+                && text.to_ascii_lowercase().contains("tool")
+            {
+                fallback = true;
+                body = text_tool_fallback(body);
+                continue;
+            }
+            return Ok(RunOutput::Error(error(
+                "upstream_status",
+                format!("provider answered {}: {}", status.as_u16(), text.trim()),
+                status.is_server_error(),
+            )));
+        };
+        let mut lines = Lines::default();
+        let mut calls = ToolCalls::default();
+        let mut usage: Option<Usage> = None;
+        let mut body = response.into_body();
+        'stream: while let Some(frame) = next_frame(&mut body, deadline, cancel).await? {
+            let Ok(data) = frame.into_data() else {
+                continue;
+            };
+            for line in lines.push(&data) {
+                let Some(payload) = sse_data(&line) else {
+                    continue;
+                };
+                if payload == b"[DONE]" {
+                    break 'stream;
+                }
+                let Ok(chunk) = serde_json::from_slice::<Value>(payload) else {
+                    continue;
+                };
+                if let Some(u) = usage_of(&chunk) {
+                    usage = Some(u);
+                }
+                let Some(delta) = chunk.pointer("/choices/0/delta") else {
+                    continue;
+                };
+                if let Some(text) = delta.get("content").and_then(Value::as_str)
+                    && !text.is_empty()
+                    && !sink.run(RunOutput::Delta(text.to_owned())).await
+                {
+                    return Err(CallError::Cancelled);
+                }
+                if let Some(parts) = delta.get("tool_calls").and_then(Value::as_array) {
+                    calls.merge(parts);
+                }
+            }
+        }
+        let mut metadata = BTreeMap::new();
+        if !calls.is_empty() {
+            metadata.insert("openai_tool_calls".to_owned(), calls.to_json().to_string());
+        }
+        if fallback {
+            metadata.insert("openai_text_tool_fallback".to_owned(), "true".to_owned());
+        }
+        Ok(RunOutput::Complete { usage, metadata })
+    }
+}
+
+/// Streamed `tool_calls` fragments, merged by index.
+#[derive(Debug, Default)]
+struct ToolCalls {
+    calls: BTreeMap<u64, (String, String, String)>,
+}
+
+impl ToolCalls {
+    fn merge(&mut self, parts: &[Value]) {
+        for (position, part) in parts.iter().enumerate() {
+            let index = part
+                .get("index")
+                .and_then(Value::as_u64)
+                .unwrap_or(position as u64);
+            let entry = self.calls.entry(index).or_default();
+            if let Some(id) = part.get("id").and_then(Value::as_str) {
+                entry.0.push_str(id);
+            }
+            if let Some(name) = part.pointer("/function/name").and_then(Value::as_str) {
+                entry.1.push_str(name);
+            }
+            if let Some(args) = part.pointer("/function/arguments").and_then(Value::as_str) {
+                entry.2.push_str(args);
+            }
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.calls.is_empty()
+    }
+
+    fn to_json(&self) -> Value {
+        Value::Array(
+            self.calls
+                .iter()
+                .map(|(index, (id, name, args))| {
+                    let id = if id.is_empty() { format!("call_{index}") } else { id.clone() };
+                    json!({ "id": id, "type": "function", "function": { "name": name, "arguments": args } })
+                })
+                .collect(),
+        )
+    }
+}
+
+/// The request without `tools`/`tool_choice`, with a text tool-call instruction merged into
+/// the leading system message (some backends reject a system message elsewhere).
+#[must_use]
+pub fn text_tool_fallback(mut body: Value) -> Value {
+    let tools = body.get("tools").cloned().unwrap_or(Value::Null);
+    if let Some(map) = body.as_object_mut() {
+        map.remove("tools");
+        map.remove("tool_choice");
+    }
+    let instruction = format!(
+        "You can call these tools: {tools}\nTo call tools, answer with only this JSON and no other text: \
+         {{\"tool_calls\": [{{\"name\": \"<tool name>\", \"arguments\": {{...}}}}]}}"
+    );
+    if let Some(messages) = body.get_mut("messages").and_then(Value::as_array_mut) {
+        match messages.first_mut() {
+            Some(first) if first.get("role").and_then(Value::as_str) == Some("system") => {
+                let content = first
+                    .get("content")
+                    .and_then(Value::as_str)
+                    .unwrap_or("")
+                    .to_owned();
+                first["content"] = json!(format!("{content}\n\n{instruction}"));
+            }
+            _ => messages.insert(0, json!({ "role": "system", "content": instruction })),
+        }
+    }
+    body
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fallback_merges_into_the_leading_system_message() {
+        let body = json!({
+            "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": {"name": "lookup"}}],
+            "tool_choice": "auto"
+        });
+        let out = text_tool_fallback(body);
+        assert!(out.get("tools").is_none() && out.get("tool_choice").is_none());
+        let messages = out["messages"].as_array().expect("messages");
+        assert_eq!(messages.len(), 2);
+        let system = messages[0]["content"].as_str().expect("text");
+        assert!(system.starts_with("Be brief.") && system.contains("lookup"));
+
+        let out = text_tool_fallback(
+            json!({"messages": [{"role": "user", "content": "hi"}], "tools": []}),
+        );
+        assert_eq!(out["messages"][0]["role"], "system");
+    }
+
+    #[test]
+    fn tool_call_fragments_merge_by_index() {
+        let mut calls = ToolCalls::default();
+        calls.merge(&[
+            json!({"index": 0, "id": "c1", "function": {"name": "get", "arguments": "{\"a\""}}),
+        ]);
+        calls.merge(&[json!({"index": 0, "function": {"arguments": ": 1}"}})]);
+        assert_eq!(
+            calls.to_json(),
+            json!([{"id": "c1", "type": "function", "function": {"name": "get", "arguments": "{\"a\": 1}"}}])
+        );
+    }
+}

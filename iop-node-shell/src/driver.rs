@@ -1,0 +1,432 @@
+//! One connection to the Edge: read frames → `NodeSession::handle_*` → drain `poll_*` →
+//! write frames. One `select!` over the socket, the session's deadline, adapter output and
+//! shutdown. Writes go through a writer task that coalesces whatever is queued into one
+//! write, so many small frames cost one syscall; when too many bytes are queued the driver
+//! stops taking adapter output (backpressure reaches the provider) but keeps reading.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use iop_proto_core::wire::{self, FrameDecoder};
+use iop_proto_core::{
+    Failure, NodeSession, RunOutput, SessionConfig, SessionEnd, SessionEvent, TunnelOutput,
+};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::adapters::{AdapterHost, HttpClient, Output, Sink, error};
+use crate::clock::Clock;
+use crate::stats::TransportStats;
+
+/// Queued output bytes above which adapter output waits.
+const HIGH_WATER: usize = 4 << 20;
+/// Largest single read.
+const READ_CHUNK: usize = 64 << 10;
+
+/// What the connection's end means for the supervisor.
+#[derive(Debug)]
+pub struct Outcome {
+    /// Why it ended.
+    pub end: SessionEnd,
+    /// Whether it reached ready (the supervisor then resets its attempt count).
+    pub was_ready: bool,
+}
+
+/// Everything a connection needs from the process.
+#[derive(Clone, Debug)]
+pub struct Context {
+    /// The process clock.
+    pub clock: Clock,
+    /// Transport counters.
+    pub stats: Arc<TransportStats>,
+    /// Shared HTTP client for adapters.
+    pub http: HttpClient,
+    /// Default provider request timeout.
+    pub request_timeout: Duration,
+    /// How long a local shutdown waits for cancelled work to end in order.
+    pub shutdown_grace: Duration,
+    /// When the process started (for `TRANSPORT_STATUS`).
+    pub started: tokio::time::Instant,
+}
+
+async fn write_loop<W: AsyncWrite + Unpin>(
+    mut writer: W,
+    mut rx: mpsc::UnboundedReceiver<Bytes>,
+    pending: Arc<AtomicUsize>,
+    stats: Arc<TransportStats>,
+) -> std::io::Result<()> {
+    let mut batch = BytesMut::new();
+    while let Some(first) = rx.recv().await {
+        batch.extend_from_slice(&first);
+        while batch.len() < (1 << 20) {
+            match rx.try_recv() {
+                Ok(more) => batch.extend_from_slice(&more),
+                Err(_) => break,
+            }
+        }
+        writer.write_all(&batch).await?;
+        TransportStats::add(&stats.bytes_out, batch.len() as u64);
+        pending.fetch_sub(batch.len(), Ordering::Relaxed);
+        batch.clear();
+    }
+    writer.flush().await?;
+    writer.shutdown().await
+}
+
+fn io_failure(err: &std::io::Error) -> Failure {
+    use std::io::ErrorKind;
+    match err.kind() {
+        ErrorKind::ConnectionRefused => Failure::Refused,
+        ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted | ErrorKind::BrokenPipe => {
+            Failure::Reset
+        }
+        ErrorKind::TimedOut => Failure::TimedOut,
+        _ => Failure::Unreachable(err.to_string()),
+    }
+}
+
+/// Runs one session over `stream` until it closes.
+pub async fn run<S>(
+    stream: S,
+    config: SessionConfig,
+    ctx: &Context,
+    shutdown: &CancellationToken,
+) -> Outcome
+where
+    S: AsyncRead + AsyncWrite + Send + 'static,
+{
+    let (mut reader, writer) = tokio::io::split(stream);
+    let pending = Arc::new(AtomicUsize::new(0));
+    let (wtx, wrx) = mpsc::unbounded_channel::<Bytes>();
+    let mut writer_task = tokio::spawn(write_loop(writer, wrx, pending.clone(), ctx.stats.clone()));
+    let (out_tx, mut out_rx) = mpsc::channel::<Output>(1024);
+
+    let node_id = config.node_id.clone();
+    let mut session = NodeSession::new(config);
+    let mut decoder = FrameDecoder::new();
+    let mut host = AdapterHost::new(ctx.http.clone(), ctx.request_timeout);
+    let mut tasks: HashMap<String, CancellationToken> = HashMap::new();
+    let mut was_ready = false;
+    let mut draining: Option<tokio::time::Instant> = None;
+    let mut read_buf = BytesMut::with_capacity(READ_CHUNK);
+    let _ = session.handle_connected(ctx.clock.now());
+
+    loop {
+        // Drain every output of the machine before waiting again.
+        loop {
+            let mut out = BytesMut::new();
+            let mut frames = 0u64;
+            while let Some(envelope) = session.poll_transmit() {
+                if let Err(err) = wire::encode(&envelope, &mut out) {
+                    warn!(node_id, %err, kind = envelope.kind(), "dropping a frame that cannot be encoded");
+                    continue;
+                }
+                frames += 1;
+            }
+            if !out.is_empty() {
+                TransportStats::add(&ctx.stats.frames_out, frames);
+                pending.fetch_add(out.len(), Ordering::Relaxed);
+                let _ = wtx.send(out.freeze());
+            }
+            let Some(event) = session.poll_event() else {
+                break;
+            };
+            handle_event(
+                event,
+                &mut session,
+                &mut host,
+                &mut tasks,
+                &out_tx,
+                ctx,
+                &node_id,
+                &mut was_ready,
+            );
+        }
+        if let Some(rtt) = session.last_rtt() {
+            ctx.stats
+                .last_rtt_ms
+                .store(rtt.as_millis() as u64, Ordering::Relaxed);
+        }
+        if draining.is_some() && session.in_flight() == 0 {
+            session.handle_shutdown(ctx.clock.now());
+            continue;
+        }
+        if let Some(end) = session.end() {
+            let end = end.clone();
+            for token in tasks.values() {
+                token.cancel();
+            }
+            drop(wtx);
+            // Let queued frames (terminal events, the last ack) reach the Edge.
+            let _ = tokio::time::timeout(Duration::from_secs(2), &mut writer_task).await;
+            writer_task.abort();
+            return Outcome { end, was_ready };
+        }
+
+        let deadline = session.poll_timeout().map_or_else(
+            || ctx.clock.instant(iop_proto_core::Timestamp::MAX),
+            |t| ctx.clock.instant(t),
+        );
+        let drain_deadline =
+            draining.unwrap_or_else(|| ctx.clock.instant(iop_proto_core::Timestamp::MAX));
+        let accept_output = pending.load(Ordering::Relaxed) < HIGH_WATER;
+        read_buf.reserve(READ_CHUNK);
+        tokio::select! {
+            () = shutdown.cancelled(), if draining.is_none() => {
+                info!(node_id, in_flight = session.in_flight(), "shutting down: cancelling in-flight work");
+                for token in tasks.values() {
+                    token.cancel();
+                }
+                draining = Some(tokio::time::Instant::now() + ctx.shutdown_grace);
+            }
+            () = tokio::time::sleep_until(drain_deadline), if draining.is_some() => {
+                warn!(node_id, in_flight = session.in_flight(), "shutdown grace over; closing with work in flight");
+                session.handle_shutdown(ctx.clock.now());
+            }
+            read = reader.read_buf(&mut read_buf) => {
+                let now = ctx.clock.now();
+                match read {
+                    Ok(0) => session.handle_connection_lost(now, Failure::EdgeClosed("edge closed the connection".into())),
+                    Ok(n) => {
+                        TransportStats::add(&ctx.stats.bytes_in, n as u64);
+                        decoder.push_bytes(read_buf.split().freeze());
+                        loop {
+                            match decoder.next_envelope() {
+                                Ok(Some(envelope)) => {
+                                    TransportStats::add(&ctx.stats.frames_in, 1);
+                                    session.handle_envelope(now, envelope);
+                                }
+                                Ok(None) => break,
+                                Err(err) => {
+                                    warn!(node_id, %err, "undecodable frame from the edge");
+                                    session.handle_connection_lost(now, Failure::EdgeClosed(format!("malformed frame: {err}")));
+                                    break;
+                                }
+                            }
+                        }
+                    }
+                    Err(err) => session.handle_connection_lost(now, io_failure(&err)),
+                }
+            }
+            Some(output) = out_rx.recv(), if accept_output => {
+                apply_output(output, &mut session, &mut tasks, ctx, &node_id);
+            }
+            () = tokio::time::sleep_until(deadline) => session.handle_timeout(ctx.clock.now()),
+            written = &mut writer_task => {
+                let failure = match written {
+                    Ok(Err(err)) => io_failure(&err),
+                    _ => Failure::Reset,
+                };
+                session.handle_connection_lost(ctx.clock.now(), failure);
+                // The writer is gone: make the final wait above return at once.
+                writer_task = tokio::spawn(async { Ok(()) });
+            }
+        }
+    }
+}
+
+fn apply_output(
+    output: Output,
+    session: &mut NodeSession,
+    tasks: &mut HashMap<String, CancellationToken>,
+    ctx: &Context,
+    node_id: &str,
+) {
+    let now = ctx.clock.now();
+    let result = match output {
+        Output::Run { run_id, output } => {
+            let terminal = matches!(
+                output,
+                RunOutput::Complete { .. } | RunOutput::Error(_) | RunOutput::Cancelled
+            );
+            let result = session.handle_run_output(now, &run_id, output);
+            if terminal {
+                tasks.remove(&run_id);
+            }
+            result
+        }
+        Output::Tunnel { run_id, output } => {
+            let terminal = matches!(output, TunnelOutput::End | TunnelOutput::Error(_));
+            let result = session.handle_tunnel_output(now, &run_id, output);
+            if terminal {
+                tasks.remove(&run_id);
+            }
+            result
+        }
+        Output::Finished { run_id, tunnel } => {
+            tasks.remove(&run_id);
+            // An adapter that returned without a terminal must not strand its capacity.
+            let detail = error(
+                "adapter_error",
+                "adapter ended without a terminal event",
+                true,
+            );
+            let _ = if tunnel {
+                session.handle_tunnel_output(now, &run_id, TunnelOutput::Error(detail))
+            } else {
+                session
+                    .handle_run_output(now, &run_id, RunOutput::Start)
+                    .ok();
+                session.handle_run_output(now, &run_id, RunOutput::Error(detail))
+            };
+            Ok(())
+        }
+        Output::Command(response) => session.handle_command_response(now, response),
+    };
+    if let Err(err) = result {
+        debug!(node_id, %err, "adapter output not sent");
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn handle_event(
+    event: SessionEvent,
+    session: &mut NodeSession,
+    host: &mut AdapterHost,
+    tasks: &mut HashMap<String, CancellationToken>,
+    out_tx: &mpsc::Sender<Output>,
+    ctx: &Context,
+    node_id: &str,
+    was_ready: &mut bool,
+) {
+    let now = ctx.clock.now();
+    match event {
+        SessionEvent::ApplyConfig { payload } => {
+            let result = host.apply(&payload);
+            match &result {
+                Ok(()) => info!(
+                    node_id,
+                    revision = payload.revision,
+                    adapters = payload.adapters.len(),
+                    "config applied"
+                ),
+                Err(err) => warn!(node_id, %err, "config from the edge cannot be applied"),
+            }
+            let _ = session.handle_config_applied(now, result);
+        }
+        SessionEvent::Ready => {
+            *was_ready = true;
+            info!(node_id, "ready: the edge may dispatch work");
+        }
+        SessionEvent::StartRun { request } => {
+            let Some(adapter) = host.get(&request.adapter) else {
+                return;
+            };
+            let token = CancellationToken::new();
+            tasks.insert(request.run_id.clone(), token.clone());
+            let sink = Sink::new(request.run_id.clone(), out_tx.clone());
+            let done = out_tx.clone();
+            debug!(
+                node_id,
+                run_id = request.run_id,
+                adapter = request.adapter,
+                "run started"
+            );
+            tokio::spawn(async move {
+                let run_id = request.run_id.clone();
+                adapter.run(request, sink, token).await;
+                let _ = done
+                    .send(Output::Finished {
+                        run_id,
+                        tunnel: false,
+                    })
+                    .await;
+            });
+        }
+        SessionEvent::StartTunnel { request } => {
+            let Some(adapter) = host.get(&request.adapter) else {
+                return;
+            };
+            let token = CancellationToken::new();
+            tasks.insert(request.run_id.clone(), token.clone());
+            let sink = Sink::new(request.run_id.clone(), out_tx.clone());
+            let done = out_tx.clone();
+            debug!(
+                node_id,
+                run_id = request.run_id,
+                adapter = request.adapter,
+                path = request.path,
+                "tunnel opened"
+            );
+            tokio::spawn(async move {
+                let run_id = request.run_id.clone();
+                adapter.tunnel(request, sink, token).await;
+                let _ = done
+                    .send(Output::Finished {
+                        run_id,
+                        tunnel: true,
+                    })
+                    .await;
+            });
+        }
+        SessionEvent::CancelRun { run_id } => {
+            info!(node_id, run_id, "cancel requested by the edge");
+            if let Some(token) = tasks.get(&run_id) {
+                token.cancel();
+            }
+        }
+        SessionEvent::CancelRejected { run_id, error } => {
+            debug!(node_id, run_id, %error, "cancel ignored")
+        }
+        SessionEvent::Command { request } => {
+            let transport = transport_status(ctx, session);
+            // Commands may call a provider: answer from a task, never block the driver.
+            let host = host.clone();
+            let tx = out_tx.clone();
+            tokio::spawn(async move {
+                let response = host.command(request, transport).await;
+                let _ = tx.send(Output::Command(response)).await;
+            });
+        }
+        SessionEvent::RefreshConfig {
+            request_id,
+            payload,
+            diff,
+        } => {
+            let result = host.apply(&payload);
+            match &result {
+                Ok(()) => {
+                    info!(node_id, request_id, revision = payload.revision, added = ?diff.added, removed = ?diff.removed, changed = ?diff.changed, "config refresh applied")
+                }
+                Err(err) => {
+                    warn!(node_id, request_id, %err, "config refresh failed; previous adapters stay")
+                }
+            }
+            let _ = session.handle_refresh_applied(now, &request_id, result);
+        }
+        SessionEvent::WorkRefused { run_id, reason } => {
+            warn!(node_id, run_id, reason, "work refused")
+        }
+        SessionEvent::PeerViolation { detail } => warn!(node_id, detail, "edge broke the protocol"),
+        SessionEvent::Closed { end, abandoned } => {
+            for run_id in &abandoned {
+                if let Some(token) = tasks.get(run_id) {
+                    token.cancel();
+                }
+            }
+            info!(node_id, end = ?end, abandoned = abandoned.len(), "session closed");
+        }
+        _ => {}
+    }
+}
+
+fn transport_status(ctx: &Context, session: &NodeSession) -> serde_json::Value {
+    let s = &ctx.stats;
+    serde_json::json!({
+        "state": format!("{:?}", session.state()).to_lowercase(),
+        "uptime_ms": ctx.started.elapsed().as_millis() as u64,
+        "frames_in": TransportStats::get(&s.frames_in),
+        "frames_out": TransportStats::get(&s.frames_out),
+        "bytes_in": TransportStats::get(&s.bytes_in),
+        "bytes_out": TransportStats::get(&s.bytes_out),
+        "connections": TransportStats::get(&s.connections),
+        "reconnects": TransportStats::get(&s.reconnects),
+        "last_heartbeat_rtt_ms": session.last_rtt().map(|d| d.as_millis() as u64),
+        "in_flight": session.in_flight(),
+    })
+}

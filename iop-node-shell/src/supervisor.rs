@@ -1,0 +1,132 @@
+//! The one task that dials the Edge and redials it, exactly as the core `Supervisor`
+//! decides: the same policy for the initial dial and every reconnect, fatal failures end
+//! the process, local shutdown exits 0.
+
+use std::sync::Arc;
+
+use iop_proto_core::{Action, ExitReason, Failure, SessionConfig, Supervisor};
+use tokio::net::TcpStream;
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+use crate::config::NodeConfig;
+use crate::driver::{self, Context};
+use crate::stats::TransportStats;
+
+fn dial_failure(err: &std::io::Error) -> Failure {
+    use std::io::ErrorKind;
+    match err.kind() {
+        ErrorKind::ConnectionRefused => Failure::Refused,
+        ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted => Failure::Reset,
+        ErrorKind::TimedOut => Failure::TimedOut,
+        _ => Failure::Unreachable(err.to_string()),
+    }
+}
+
+/// The session settings a connection uses.
+#[must_use]
+pub fn session_config(config: &NodeConfig) -> SessionConfig {
+    let mut session = SessionConfig::new(config.node_id.clone(), config.token.expose().to_owned());
+    session.version = env!("CARGO_PKG_VERSION").to_owned();
+    session.labels = config.labels.clone();
+    session.handshake_timeout = config.handshake_timeout;
+    session
+}
+
+/// Runs until the supervisor exits; returns why (its `exit_code()` is the process's).
+pub async fn run(config: NodeConfig, ctx: Context, shutdown: CancellationToken) -> ExitReason {
+    let mut supervisor = match config.backoff {
+        Some(backoff) => Supervisor::with_backoff(config.policy, backoff),
+        None => Supervisor::new(config.policy),
+    };
+    let clock = ctx.clock;
+    let _ = supervisor.handle_start(clock.now());
+    loop {
+        while let Some(action) = supervisor.poll_action() {
+            match action {
+                Action::Exit(reason) => {
+                    match &reason {
+                        ExitReason::Shutdown => info!("local shutdown"),
+                        ExitReason::Exhausted { attempts, last } => {
+                            error!(attempts, last = %last, "giving up: reconnect attempts exhausted");
+                        }
+                        ExitReason::Fatal(failure) => {
+                            error!(failure = %failure, "giving up: fatal error")
+                        }
+                    }
+                    return reason;
+                }
+                Action::Dial { attempt } => {
+                    info!(
+                        attempt,
+                        edge = config.edge_addr,
+                        node_id = config.node_id,
+                        "dialing the edge"
+                    );
+                    let dial = tokio::time::timeout(
+                        config.connect_timeout,
+                        TcpStream::connect(&config.edge_addr),
+                    );
+                    let stream = tokio::select! {
+                        () = shutdown.cancelled() => {
+                            supervisor.handle_shutdown(clock.now());
+                            continue;
+                        }
+                        result = dial => result,
+                    };
+                    match stream {
+                        Ok(Ok(stream)) => {
+                            let _ = stream.set_nodelay(true);
+                            let _ = supervisor.handle_connected(clock.now());
+                            if TransportStats::get(&ctx.stats.connections) > 0 {
+                                TransportStats::add(&ctx.stats.reconnects, 1);
+                            }
+                            TransportStats::add(&ctx.stats.connections, 1);
+                            let outcome =
+                                driver::run(stream, session_config(&config), &ctx, &shutdown).await;
+                            if outcome.was_ready {
+                                let _ = supervisor.handle_ready(clock.now());
+                            }
+                            match outcome.end.failure() {
+                                None => supervisor.handle_shutdown(clock.now()),
+                                Some(failure) => {
+                                    warn!(failure = %failure, "session ended");
+                                    let _ = supervisor.handle_failure(clock.now(), failure);
+                                }
+                            }
+                        }
+                        Ok(Err(err)) => {
+                            let failure = dial_failure(&err);
+                            warn!(attempt, failure = %failure, "dial failed");
+                            let _ = supervisor.handle_failure(clock.now(), failure);
+                        }
+                        Err(_) => {
+                            warn!(attempt, "dial timed out");
+                            let _ = supervisor.handle_failure(clock.now(), Failure::TimedOut);
+                        }
+                    }
+                }
+            }
+        }
+        let Some(at) = supervisor.poll_timeout() else {
+            continue;
+        };
+        tokio::select! {
+            () = shutdown.cancelled() => supervisor.handle_shutdown(clock.now()),
+            () = tokio::time::sleep_until(clock.instant(at)) => supervisor.handle_timeout(clock.now()),
+        }
+    }
+}
+
+/// Process-wide pieces a supervisor needs.
+#[must_use]
+pub fn context(config: &NodeConfig) -> Context {
+    Context {
+        clock: crate::clock::Clock::new(),
+        stats: Arc::new(TransportStats::default()),
+        http: crate::adapters::http::client(),
+        request_timeout: config.request_timeout,
+        shutdown_grace: config.shutdown_grace,
+        started: tokio::time::Instant::now(),
+    }
+}
