@@ -242,11 +242,19 @@ async fn models(state: &State) -> Response<ResBody> {
     )
 }
 
+/// `LocalInference` → `local_inference`: the wire enum names, as configuration spells them.
 fn enum_name<E: std::fmt::Debug, X>(value: Result<E, X>) -> String {
-    value.map_or_else(
-        |_| "unknown".to_owned(),
-        |v| format!("{v:?}").to_lowercase(),
-    )
+    let Ok(value) = value else {
+        return "unknown".to_owned();
+    };
+    let mut out = String::new();
+    for (i, c) in format!("{value:?}").chars().enumerate() {
+        if c.is_uppercase() && i > 0 {
+            out.push('_');
+        }
+        out.push(c.to_ascii_lowercase());
+    }
+    out
 }
 
 async fn status(state: &State) -> Response<ResBody> {

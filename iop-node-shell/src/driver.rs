@@ -152,10 +152,6 @@ where
                 .last_rtt_ms
                 .store(rtt.as_millis() as u64, Ordering::Relaxed);
         }
-        if draining.is_some() && session.in_flight() == 0 {
-            session.handle_shutdown(ctx.clock.now());
-            continue;
-        }
         if let Some(end) = session.end() {
             let end = end.clone();
             for token in tasks.values() {
@@ -166,6 +162,10 @@ where
             let _ = tokio::time::timeout(Duration::from_secs(2), &mut writer_task).await;
             writer_task.abort();
             return Outcome { end, was_ready };
+        }
+        if draining.is_some() && session.in_flight() == 0 {
+            session.handle_shutdown(ctx.clock.now());
+            continue;
         }
 
         let deadline = session.poll_timeout().map_or_else(

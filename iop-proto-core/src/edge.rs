@@ -100,7 +100,18 @@ pub enum DispatchShape {
 }
 
 impl DispatchShape {
-    /// The shape an adapter type is served with.
+    /// The shape an adapter instance is served with: its `dispatch` option (`run` or
+    /// `tunnel`) when set, else its type's default.
+    #[must_use]
+    pub fn for_adapter(adapter: &AdapterConfig) -> Self {
+        match adapter.options.get("dispatch").map(String::as_str) {
+            Some("run") => DispatchShape::Run,
+            Some("tunnel") => DispatchShape::Tunnel,
+            _ => Self::of(AdapterType::try_from(adapter.r#type).unwrap_or_default()),
+        }
+    }
+
+    /// The shape an adapter type is served with by default.
     #[must_use]
     pub fn of(kind: AdapterType) -> Self {
         match kind {
@@ -1312,14 +1323,11 @@ impl EdgeCore {
         let Some(owner) = node.owner.filter(|o| o.ready) else {
             unreachable!("live resource on a node that is not ready");
         };
-        let kind = node
+        let shape = node
             .spec
             .as_ref()
             .and_then(|s| s.adapter(&meta.provider_id))
-            .map_or(AdapterType::Unspecified, |a: &AdapterConfig| {
-                AdapterType::try_from(a.r#type).unwrap_or_default()
-            });
-        let shape = DispatchShape::of(kind);
+            .map_or(DispatchShape::Run, DispatchShape::for_adapter);
         self.requests.insert(
             request,
             ReqState::Granted {

@@ -1,6 +1,14 @@
-//! Helpers for black-box tests: locating and running the workspace's binaries.
+//! Support for black-box tests: start the real `iop-edge` and `iop-node` binaries with
+//! temporary configs, talk to them over HTTP, and impersonate providers ([`fake`]).
 
-use std::path::PathBuf;
+pub mod client;
+pub mod fake;
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 /// Path of a workspace binary (`iop-edge`, `iop-node`) built into the same target
 /// directory as the running test. The test command builds the binaries first.
@@ -18,4 +26,150 @@ pub fn binary(name: &str) -> PathBuf {
         path.display()
     );
     path
+}
+
+/// A free loopback port (bound then released; the race is acceptable on loopback).
+#[must_use]
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// A temporary directory removed on drop.
+#[derive(Debug)]
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    /// A new empty directory.
+    #[must_use]
+    pub fn new(tag: &str) -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let path = std::env::temp_dir().join(format!(
+            "iop-{tag}-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&path).expect("temp dir");
+        TempDir(path)
+    }
+
+    /// The directory.
+    #[must_use]
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+
+    /// Writes `name` with `text`, returning its path.
+    pub fn write(&self, name: &str, text: &str) -> PathBuf {
+        let path = self.0.join(name);
+        std::fs::write(&path, text).expect("write temp file");
+        path
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A child process killed on drop; its stderr goes to a log file.
+#[derive(Debug)]
+pub struct Proc {
+    child: Child,
+    log: PathBuf,
+    name: String,
+}
+
+impl Proc {
+    /// Starts `binary` with `args`, logging to `dir/<name>.log`.
+    pub fn start(
+        binary_name: &str,
+        args: &[&str],
+        dir: &TempDir,
+        name: &str,
+        envs: &[(&str, &str)],
+    ) -> Self {
+        let log = dir.path().join(format!("{name}.log"));
+        let file = std::fs::File::create(&log).expect("log file");
+        let mut command = Command::new(binary(binary_name));
+        command
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(file)
+            .env("RUST_LOG", "info");
+        for (k, v) in envs {
+            command.env(k, v);
+        }
+        let child = command.spawn().expect("spawn");
+        Proc {
+            child,
+            log,
+            name: name.to_owned(),
+        }
+    }
+
+    /// The process id.
+    #[must_use]
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Sends a signal by name (`TERM`, `KILL`, `STOP`, `CONT`, `HUP`).
+    pub fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(self.pid().to_string())
+            .status()
+            .expect("kill runs");
+        assert!(status.success(), "kill -{signal} {} failed", self.name);
+    }
+
+    /// Waits up to `timeout` for the process to exit.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+
+    /// Whether it is still running.
+    pub fn running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// The log so far.
+    #[must_use]
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            eprintln!("----- {} log -----\n{}", self.name, self.log());
+        }
+    }
+}
+
+/// Polls `check` every 20 ms until it returns true or `timeout` passes.
+pub fn wait_until(timeout: Duration, mut check: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if check() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    false
 }

@@ -80,6 +80,8 @@ impl Mock {
             },
         };
         let tool_call = options.remove("tool_call").map(str::to_owned);
+        // Read by the Edge, not by the adapter.
+        options.remove("dispatch");
         if let Some(key) = options.keys().next() {
             return Err(format!("unknown mock option {key:?}"));
         }

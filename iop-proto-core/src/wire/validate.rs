@@ -325,6 +325,16 @@ impl Validate for AdapterConfig {
         if self.targets.iter().any(String::is_empty) {
             return Err(invalid("targets must not contain an empty name"));
         }
+        match self.options.get("dispatch").map(String::as_str) {
+            None | Some("run") => {}
+            Some("tunnel") if matches!(kind, AdapterType::OpenaiCompat | AdapterType::Vllm) => {}
+            Some("tunnel") => {
+                return Err(invalid(
+                    "option dispatch = \"tunnel\" needs an openai_compat or vllm adapter",
+                ));
+            }
+            Some(_) => return Err(invalid("option dispatch must be \"run\" or \"tunnel\"")),
+        }
         Ok(())
     }
 }
@@ -533,6 +543,17 @@ mod tests {
             ..no_url
         };
         assert_eq!(with_url.validate(), Ok(()));
+    }
+
+    #[test]
+    fn dispatch_option_is_checked() {
+        let mut adapter = mock_adapter("a");
+        adapter.options.insert("dispatch".into(), "tunnel".into());
+        assert!(adapter.validate().is_err(), "a mock cannot be tunnelled");
+        adapter.options.insert("dispatch".into(), "run".into());
+        assert_eq!(adapter.validate(), Ok(()));
+        adapter.options.insert("dispatch".into(), "sideways".into());
+        assert!(adapter.validate().is_err());
     }
 
     #[test]

@@ -1,0 +1,335 @@
+//! An HTTP client for tests, and a small cluster builder that starts an Edge and Nodes
+//! with temporary configs tuned for fast tests (short heartbeats and reconnects).
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::Request;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde_json::Value;
+
+use crate::{Proc, TempDir, free_port, wait_until};
+
+/// An HTTP/1.1 client bound to one base URL.
+#[derive(Clone, Debug)]
+pub struct Http {
+    client: Client<HttpConnector, Full<Bytes>>,
+    base: String,
+    key: Option<String>,
+}
+
+/// A response read to the end.
+#[derive(Debug)]
+pub struct Whole {
+    /// Status code.
+    pub status: u16,
+    /// Content type.
+    pub content_type: String,
+    /// Body.
+    pub body: Bytes,
+}
+
+impl Whole {
+    /// The body as JSON.
+    #[must_use]
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|err| {
+            panic!("not JSON ({err}): {}", String::from_utf8_lossy(&self.body))
+        })
+    }
+}
+
+impl Http {
+    /// A client for `http://127.0.0.1:port`.
+    #[must_use]
+    pub fn new(port: u16) -> Self {
+        Http {
+            client: Client::builder(TokioExecutor::new()).build(HttpConnector::new()),
+            base: format!("http://127.0.0.1:{port}"),
+            key: None,
+        }
+    }
+
+    /// The same client sending `Authorization: Bearer key`.
+    #[must_use]
+    pub fn with_key(mut self, key: &str) -> Self {
+        self.key = Some(key.to_owned());
+        self
+    }
+
+    async fn send(&self, method: &str, path: &str, body: Bytes) -> http::Response<Incoming> {
+        let mut builder = Request::builder()
+            .method(method)
+            .uri(format!("{}{path}", self.base))
+            .header("content-type", "application/json");
+        if let Some(key) = &self.key {
+            builder = builder.header("authorization", format!("Bearer {key}"));
+        }
+        let request = builder.body(Full::new(body)).expect("request");
+        tokio::time::timeout(Duration::from_secs(30), self.client.request(request))
+            .await
+            .expect("response within 30 s")
+            .expect("request sent")
+    }
+
+    async fn read(response: http::Response<Incoming>) -> Whole {
+        let status = response.status().as_u16();
+        let content_type = response
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_owned();
+        let body = tokio::time::timeout(Duration::from_secs(30), response.into_body().collect())
+            .await
+            .expect("body within 30 s")
+            .map(|c| c.to_bytes())
+            .unwrap_or_default();
+        Whole {
+            status,
+            content_type,
+            body,
+        }
+    }
+
+    /// GET, read to the end.
+    pub async fn get(&self, path: &str) -> Whole {
+        Self::read(self.send("GET", path, Bytes::new()).await).await
+    }
+
+    /// POST a JSON body, read to the end.
+    pub async fn post(&self, path: &str, body: &Value) -> Whole {
+        Self::read(self.send("POST", path, Bytes::from(body.to_string())).await).await
+    }
+
+    /// POST raw bytes, read to the end.
+    pub async fn post_raw(&self, path: &str, body: impl Into<Bytes>) -> Whole {
+        Self::read(self.send("POST", path, body.into()).await).await
+    }
+
+    /// POST and return the response with its body unread (for streams).
+    pub async fn post_stream(&self, path: &str, body: &Value) -> http::Response<Incoming> {
+        self.send("POST", path, Bytes::from(body.to_string())).await
+    }
+
+    /// `/v1/status` as JSON.
+    pub async fn status(&self) -> Value {
+        self.get("/v1/status").await.json()
+    }
+}
+
+/// Reads SSE `data:` payloads until the stream ends or `timeout` passes. Returns the
+/// payloads and whether the stream ended (as opposed to timing out or erroring).
+pub async fn read_sse(body: &mut Incoming, timeout: Duration) -> (Vec<String>, bool) {
+    let mut buffer = String::new();
+    let mut events = Vec::new();
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        match tokio::time::timeout_at(deadline, body.frame()).await {
+            Err(_) => return (events, false),
+            Ok(None) => return (events, true),
+            Ok(Some(Err(_))) => return (events, false),
+            Ok(Some(Ok(frame))) => {
+                if let Ok(data) = frame.into_data() {
+                    buffer.push_str(&String::from_utf8_lossy(&data));
+                    while let Some(end) = buffer.find("\n\n") {
+                        let event: String = buffer.drain(..end + 2).collect();
+                        for line in event.lines() {
+                            if let Some(payload) = line.strip_prefix("data: ") {
+                                events.push(payload.to_owned());
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Reads one SSE `data:` payload (or `None` at the end or after `timeout`).
+pub async fn next_sse(body: &mut Incoming, timeout: Duration) -> Option<String> {
+    let mut buffer = String::new();
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let frame = tokio::time::timeout_at(deadline, body.frame())
+            .await
+            .ok()??
+            .ok()?;
+        if let Ok(data) = frame.into_data() {
+            buffer.push_str(&String::from_utf8_lossy(&data));
+            if let Some(start) = buffer.find("data: ")
+                && let Some(end) = buffer[start..].find("\n\n")
+            {
+                return Some(buffer[start + 6..start + end].to_owned());
+            }
+        }
+    }
+}
+
+/// Timers for test clusters: heartbeats every 200 ms, lost after 1 s.
+pub const HEARTBEAT_MS: u64 = 200;
+/// See [`HEARTBEAT_MS`].
+pub const HEARTBEAT_TIMEOUT_MS: u64 = 1000;
+
+/// An Edge (and the Nodes started against it) with temporary configs.
+#[derive(Debug)]
+pub struct Cluster {
+    /// Holds configs and logs.
+    pub dir: TempDir,
+    /// Public HTTP port.
+    pub http_port: u16,
+    /// Node listener port.
+    pub node_port: u16,
+    /// The edge process.
+    pub edge: Proc,
+    /// The edge's config file.
+    pub edge_config: std::path::PathBuf,
+    body: String,
+    extra_head: String,
+}
+
+impl Cluster {
+    /// The edge config text for `body` (nodes and models) and `head` (extra sections).
+    #[must_use]
+    pub fn edge_toml(http_port: u16, node_port: u16, head: &str, body: &str) -> String {
+        format!(
+            "[listen]\nhttp = \"127.0.0.1:{http_port}\"\nnodes = \"127.0.0.1:{node_port}\"\n\n\
+             [heartbeat]\ninterval_ms = {HEARTBEAT_MS}\ntimeout_ms = {HEARTBEAT_TIMEOUT_MS}\n\n\
+             [timeouts]\nregister_ms = 2000\nrefresh_ms = 2000\ncancel_grace_ms = 2000\nresponse_sec = 30\n\n\
+             {head}\n\n{body}\n"
+        )
+    }
+
+    /// Starts an Edge with `head` (extra sections such as `[queue]`) and `body`.
+    pub fn start(head: &str, body: &str) -> Self {
+        let dir = TempDir::new("cluster");
+        let (http_port, node_port) = (free_port(), free_port());
+        let text = Self::edge_toml(http_port, node_port, head, body);
+        let edge_config = dir.write("edge.toml", &text);
+        let path = edge_config.to_string_lossy().into_owned();
+        let edge = Proc::start("iop-edge", &["--config", &path], &dir, "edge", &[]);
+        let cluster = Cluster {
+            dir,
+            http_port,
+            node_port,
+            edge,
+            edge_config,
+            body: body.to_owned(),
+            extra_head: head.to_owned(),
+        };
+        assert!(
+            wait_until(Duration::from_secs(10), || std::net::TcpStream::connect((
+                "127.0.0.1",
+                http_port
+            ))
+            .is_ok()),
+            "edge did not listen: {}",
+            cluster.edge.log()
+        );
+        cluster
+    }
+
+    /// Restarts the Edge process on the same ports and config.
+    pub fn restart_edge(&mut self) {
+        self.edge.signal("KILL");
+        let _ = self.edge.wait_exit(Duration::from_secs(5));
+        let path = self.edge_config.to_string_lossy().into_owned();
+        self.edge = Proc::start(
+            "iop-edge",
+            &["--config", &path],
+            &self.dir,
+            "edge-restarted",
+            &[],
+        );
+        let port = self.http_port;
+        assert!(wait_until(Duration::from_secs(10), || {
+            std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+        }));
+    }
+
+    /// Rewrites the edge config with a new body (and the same head).
+    pub fn rewrite(&mut self, body: &str) {
+        self.body = body.to_owned();
+        let text = Self::edge_toml(self.http_port, self.node_port, &self.extra_head, body);
+        std::fs::write(&self.edge_config, text).expect("rewrite config");
+    }
+
+    /// Writes raw text as the edge config.
+    pub fn write_raw_config(&self, text: &str) {
+        std::fs::write(&self.edge_config, text).expect("rewrite config");
+    }
+
+    /// The node config text.
+    #[must_use]
+    pub fn node_toml(&self, node_id: &str, token: &str, reconnect: &str) -> String {
+        format!(
+            "node_id = \"{node_id}\"\nedge_addr = \"127.0.0.1:{}\"\ntoken = \"{token}\"\n\n[reconnect]\n{reconnect}\n\n[timeouts]\nconnect_sec = 1\nhandshake_sec = 3\nshutdown_grace_sec = 2\n",
+            self.node_port
+        )
+    }
+
+    /// Starts a node with the default fast reconnect policy.
+    pub fn node(&self, node_id: &str, token: &str) -> Proc {
+        self.node_with(node_id, token, "max_attempts = 0\ninterval_sec = 0.2")
+    }
+
+    /// Starts a node with an explicit `[reconnect]` section body.
+    pub fn node_with(&self, node_id: &str, token: &str, reconnect: &str) -> Proc {
+        let name = format!("node-{node_id}-{}", crate::free_port());
+        let path = self.dir.write(
+            &format!("{name}.toml"),
+            &self.node_toml(node_id, token, reconnect),
+        );
+        let path = path.to_string_lossy().into_owned();
+        Proc::start("iop-node", &["--config", &path], &self.dir, &name, &[])
+    }
+
+    /// A client for the public API.
+    #[must_use]
+    pub fn http(&self) -> Http {
+        Http::new(self.http_port)
+    }
+
+    /// Waits until `node_id` is ready.
+    pub async fn wait_ready(&self, node_id: &str) {
+        self.wait_node(node_id, true).await;
+    }
+
+    /// Waits until `node_id`'s connected flag equals `connected`.
+    pub async fn wait_node(&self, node_id: &str, connected: bool) {
+        let http = self.http();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+        while tokio::time::Instant::now() < deadline {
+            let status = http.status().await;
+            let found = status["nodes"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|n| n["node_id"] == node_id && n["connected"] == connected);
+            if found {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!(
+            "node {node_id} never reached connected={connected}\nedge log:\n{}",
+            self.edge.log()
+        );
+    }
+
+    /// The provider snapshot of `node_id/provider`.
+    pub async fn provider(&self, node_id: &str, provider: &str) -> Value {
+        let status = self.http().status().await;
+        status["providers"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|p| p["node_id"] == node_id && p["provider_id"] == provider)
+            .cloned()
+            .unwrap_or(Value::Null)
+    }
+}
