@@ -360,7 +360,6 @@ async fn errors_use_the_openai_shape_and_fitting_status_codes() {
     let cluster = Cluster::start(head, &body(&oa.url(), &oa.url()));
     let _node = cluster.node("n1", "tok-1");
     let http = cluster.http().with_key("sk-good");
-    cluster.http().with_key("sk-good");
     // wait_ready uses an unauthenticated client: poll with the key instead.
     let mut ready = false;
     for _ in 0..300 {
