@@ -1,0 +1,210 @@
+"""Conformance of the IOP Edge with the official OpenAI Python SDK.
+
+Starts the quickstart system (examples/edge.toml and examples/node.toml, on free ports,
+with a client API key and an extra OpenAI-compatible provider for embeddings served by a
+tiny local fake), then drives it with the `openai` package: chat completions with and
+without streaming, with tools, embeddings, model listing, and the SDK's error classes for
+an unknown model and a bad API key.
+"""
+
+import http.server
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+import openai
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BIN = ROOT / "target" / "debug"
+KEY = "sk-conformance"
+passed = 0
+failed = 0
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FakeEmbeddings(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        reply = {
+            "object": "list",
+            "model": body.get("model"),
+            "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2, 0.3]}],
+            "usage": {"prompt_tokens": 1, "total_tokens": 1},
+        }
+        data = json.dumps(reply).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def check(name, fn):
+    global passed, failed
+    try:
+        fn()
+        passed += 1
+        print(f"ok   {name}")
+    except Exception as err:  # noqa: BLE001 - report every failure by name
+        failed += 1
+        print(f"FAIL {name}: {type(err).__name__}: {err}")
+
+
+def main():
+    fake = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeEmbeddings)
+    threading.Thread(target=fake.serve_forever, daemon=True).start()
+    http_port, node_port = free_port(), free_port()
+
+    edge = (ROOT / "examples" / "edge.toml").read_text()
+    edge = edge.replace("127.0.0.1:8080", f"127.0.0.1:{http_port}")
+    edge = edge.replace("127.0.0.1:7100", f"127.0.0.1:{node_port}")
+    edge = edge.replace("api_keys = []", f'api_keys = ["{KEY}"]')
+    edge = edge.replace(
+        "[[models]]",
+        "[[nodes.adapters]]\n"
+        'name = "embedder"\ntype = "openai_compat"\n'
+        f'base_url = "http://127.0.0.1:{fake.server_address[1]}"\n'
+        'capacity = 2\ntargets = ["fake-embed"]\n\n[[models]]',
+        1,
+    )
+    edge += '\n[[models]]\nname = "embed"\nproviders = [{ node = "node-1", adapter = "embedder", target = "fake-embed" }]\n'
+    node = (ROOT / "examples" / "node.toml").read_text().replace("127.0.0.1:7100", f"127.0.0.1:{node_port}")
+
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="iop-sdk-"))
+    (tmp / "edge.toml").write_text(edge)
+    (tmp / "node.toml").write_text(node)
+    logs = [open(tmp / "edge.log", "w"), open(tmp / "node.log", "w")]
+    procs = [
+        subprocess.Popen([BIN / "iop-edge", "--config", tmp / "edge.toml"], stderr=logs[0]),
+        subprocess.Popen([BIN / "iop-node", "--config", tmp / "node.toml"], stderr=logs[1]),
+    ]
+    try:
+        deadline = time.time() + 30
+        while True:
+            try:
+                req = urllib.request.Request(
+                    f"http://127.0.0.1:{http_port}/v1/status", headers={"authorization": f"Bearer {KEY}"}
+                )
+                with urllib.request.urlopen(req, timeout=1) as r:
+                    if all(n["connected"] for n in json.load(r)["nodes"]):
+                        break
+            except OSError:
+                pass
+            if time.time() > deadline:
+                sys.exit("the system did not become ready")
+            time.sleep(0.1)
+
+        base = f"http://127.0.0.1:{http_port}/v1"
+        client = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0)
+
+        def chat():
+            r = client.chat.completions.create(model="mock-chat", messages=[{"role": "user", "content": "Hello"}])
+            assert r.choices[0].message.content.startswith("Hello from IOP!"), r
+            assert r.choices[0].finish_reason == "stop"
+            assert r.usage.total_tokens > 0
+
+        def chat_stream():
+            stream = client.chat.completions.create(
+                model="mock-chat", messages=[{"role": "user", "content": "Hello"}], stream=True,
+                stream_options={"include_usage": True},
+            )
+            text, usage = "", None
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    text += chunk.choices[0].delta.content
+                if chunk.usage:
+                    usage = chunk.usage
+            assert text.startswith("Hello from IOP!"), text
+            assert usage is not None and usage.completion_tokens > 0
+
+        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}]
+
+        def chat_tools():
+            r = client.chat.completions.create(
+                model="mock-chat", messages=[{"role": "user", "content": "Weather?"}], tools=tools
+            )
+            call = r.choices[0].message.tool_calls[0]
+            assert r.choices[0].finish_reason == "tool_calls"
+            assert call.function.name == "get_weather"
+            assert json.loads(call.function.arguments) == {}
+
+        def chat_tools_stream():
+            stream = client.chat.completions.create(
+                model="mock-chat", messages=[{"role": "user", "content": "Weather?"}], tools=tools, stream=True
+            )
+            names = [
+                tc.function.name
+                for chunk in stream
+                for tc in (chunk.choices[0].delta.tool_calls or [] if chunk.choices else [])
+            ]
+            assert names == ["get_weather"], names
+
+        def embeddings():
+            r = client.embeddings.create(model="embed", input="hello")
+            assert r.data[0].embedding == [0.1, 0.2, 0.3], r
+
+        def models():
+            ids = sorted(m.id for m in client.models.list())
+            assert ids == ["embed", "mock-chat"], ids
+
+        def unknown_model():
+            try:
+                client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+            except openai.NotFoundError as err:
+                assert err.status_code == 404
+                return
+            raise AssertionError("no NotFoundError")
+
+        def bad_key():
+            bad = openai.OpenAI(base_url=base, api_key="sk-wrong", max_retries=0)
+            try:
+                bad.models.list()
+            except openai.AuthenticationError as err:
+                assert err.status_code == 401
+                return
+            raise AssertionError("no AuthenticationError")
+
+        for name, fn in [
+            ("chat.completions.create", chat),
+            ("chat.completions.create(stream=True)", chat_stream),
+            ("chat.completions.create(tools=...)", chat_tools),
+            ("chat.completions.create(tools=..., stream=True)", chat_tools_stream),
+            ("embeddings.create", embeddings),
+            ("models.list", models),
+            ("NotFoundError for an unknown model", unknown_model),
+            ("AuthenticationError for a bad API key", bad_key),
+        ]:
+            check(name, fn)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if failed:
+            for log in ("edge.log", "node.log"):
+                print(f"----- {log} -----")
+                print((tmp / log).read_text())
+    print(f"sdk: {passed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,316 @@
+//! Faults through the real binaries: node crash, freeze, Edge restart, bad credentials,
+//! exhaustion, signals, config reload and hostile raw TCP clients.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use iop_blackbox::client::{Cluster, next_sse, read_sse};
+use iop_blackbox::{free_port, wait_until};
+use serde_json::{Value, json};
+
+fn body(reply: &str, delay_ms: u32) -> String {
+    format!(
+        r#"
+[[nodes]]
+id = "n1"
+token = "tok-1"
+[[nodes.adapters]]
+name = "mock"
+type = "mock"
+capacity = 2
+long_capacity = 1
+targets = ["m"]
+[nodes.adapters.options]
+reply = "{reply}"
+tokens = "40"
+token_delay_ms = "{delay_ms}"
+
+[[models]]
+name = "chat"
+providers = [{{ node = "n1", adapter = "mock", target = "m" }}]
+"#
+    )
+}
+
+fn ask(stream: bool) -> Value {
+    json!({"model": "chat", "stream": stream, "messages": [{"role": "user", "content": "x"}]})
+}
+
+async fn reply_text(cluster: &Cluster) -> String {
+    let r = cluster
+        .http()
+        .post("/v1/chat/completions", &ask(false))
+        .await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    r.json()["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or("")
+        .to_owned()
+}
+
+fn stream_failed(events: &[String]) -> bool {
+    events.iter().any(|e| e.contains("\"error\"")) && !events.iter().any(|e| e == "[DONE]")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_killed_mid_stream_ends_the_stream_with_an_error_and_a_restart_serves_again() {
+    let cluster = Cluster::start("", &body("one two", 50));
+    let mut node = cluster.node("n1", "tok-1");
+    cluster.wait_ready("n1").await;
+    let mut s = cluster
+        .http()
+        .post_stream("/v1/chat/completions", &ask(true))
+        .await;
+    assert!(
+        next_sse(s.body_mut(), Duration::from_secs(5))
+            .await
+            .is_some()
+    );
+    node.signal("KILL");
+    let killed = Instant::now();
+    let (events, ended) = read_sse(s.body_mut(), Duration::from_secs(10)).await;
+    assert!(ended, "the stream must end, not hang");
+    assert!(
+        killed.elapsed() < Duration::from_millis(3000),
+        "took {:?}",
+        killed.elapsed()
+    );
+    assert!(stream_failed(&events), "{events:?}");
+    let _ = node.wait_exit(Duration::from_secs(2));
+
+    cluster.wait_node("n1", false).await;
+    let p = cluster.provider("n1", "mock").await;
+    assert_eq!(
+        (p["status"].as_str(), p["health"].as_str()),
+        (Some("unavailable"), Some("offline"))
+    );
+    for key in [
+        "capacity",
+        "long_capacity",
+        "in_flight",
+        "long_in_flight",
+        "queued",
+        "long_queued",
+    ] {
+        assert_eq!(p[key], 0, "{key}: {p}");
+    }
+    let _again = cluster.node("n1", "tok-1");
+    cluster.wait_ready("n1").await;
+    assert!(reply_text(&cluster).await.starts_with("one two"));
+    assert_eq!(cluster.provider("n1", "mock").await["in_flight"], 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_node_is_fenced_and_its_old_connection_changes_nothing() {
+    let cluster = Cluster::start("", &body("hi", 1));
+    let node = cluster.node("n1", "tok-1");
+    cluster.wait_ready("n1").await;
+    let generation = cluster.http().status().await["nodes"][0]["generation"]
+        .as_u64()
+        .expect("gen");
+    node.signal("STOP");
+    let stopped = Instant::now();
+    cluster.wait_node("n1", false).await;
+    assert!(
+        stopped.elapsed() >= Duration::from_millis(900),
+        "fenced before the heartbeat timeout"
+    );
+    assert!(
+        stopped.elapsed() < Duration::from_secs(4),
+        "fenced too late: {:?}",
+        stopped.elapsed()
+    );
+    node.signal("CONT");
+    cluster.wait_ready("n1").await;
+    let status = cluster.http().status().await;
+    assert!(
+        status["nodes"][0]["generation"].as_u64().expect("gen") > generation,
+        "{status}"
+    );
+    assert_eq!(
+        reply_text(&cluster).await,
+        "hi hi hi hi hi hi hi hi hi hi hi hi hi hi hi hi hi hi hi hi hi hi hi hi hi hi hi hi hi hi hi hi hi hi hi hi hi hi hi hi"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edge_restart_ends_in_flight_requests_and_the_node_reconnects() {
+    let mut cluster = Cluster::start("", &body("one", 50));
+    let _node = cluster.node("n1", "tok-1");
+    cluster.wait_ready("n1").await;
+    let mut s = cluster
+        .http()
+        .post_stream("/v1/chat/completions", &ask(true))
+        .await;
+    assert!(
+        next_sse(s.body_mut(), Duration::from_secs(5))
+            .await
+            .is_some()
+    );
+    let restarted = Instant::now();
+    cluster.restart_edge();
+    let (events, _) = read_sse(s.body_mut(), Duration::from_secs(5)).await;
+    assert!(
+        restarted.elapsed() < Duration::from_secs(5),
+        "the in-flight request hung"
+    );
+    assert!(
+        !events.iter().any(|e| e == "[DONE]"),
+        "a cut request must not look complete"
+    );
+    cluster.wait_ready("n1").await;
+    assert!(reply_text(&cluster).await.starts_with("one"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn credentials_exhaustion_and_signals_decide_the_exit_code() {
+    let cluster = Cluster::start("", &body("hi", 1));
+    // A wrong token: exit 1 at once, no retry.
+    let mut bad = cluster.node_with("n1", "wrong", "max_attempts = 0\ninterval_sec = 0.2");
+    let status = bad.wait_exit(Duration::from_secs(10)).expect("exits");
+    assert_eq!(status.code(), Some(1));
+    let log = bad.log();
+    assert_eq!(log.matches("dialing the edge").count(), 1, "{log}");
+    assert!(log.contains("invalid token"), "{log}");
+
+    // Exhaustion against a closed port: exactly max_attempts dials, then exit 1.
+    let dir = iop_blackbox::TempDir::new("exhaust");
+    let text = format!(
+        "node_id = \"n1\"\nedge_addr = \"127.0.0.1:{}\"\ntoken = \"t\"\n[reconnect]\nmax_attempts = 3\ninterval_sec = 0.1\n",
+        free_port()
+    );
+    let path = dir.write("node.toml", &text).to_string_lossy().into_owned();
+    let mut lost = iop_blackbox::Proc::start("iop-node", &["--config", &path], &dir, "lost", &[]);
+    assert_eq!(
+        lost.wait_exit(Duration::from_secs(10))
+            .expect("exits")
+            .code(),
+        Some(1)
+    );
+    let log = lost.log();
+    assert_eq!(log.matches("dialing the edge").count(), 3, "{log}");
+    assert!(log.contains("exhausted"), "{log}");
+
+    // SIGTERM: exit 0.
+    let mut good = cluster.node("n1", "tok-1");
+    cluster.wait_ready("n1").await;
+    good.signal("TERM");
+    assert_eq!(
+        good.wait_exit(Duration::from_secs(10))
+            .expect("exits")
+            .code(),
+        Some(0)
+    );
+
+    // check-config: a bad file is refused with the key named.
+    let bad_cfg = dir.write(
+        "bad.toml",
+        "node_id = \"n\"\nedge_addr = \"nowhere\"\ntoken = \"t\"\n",
+    );
+    let out = std::process::Command::new(iop_blackbox::binary("iop-node"))
+        .args(["check-config", "--config", &bad_cfg.to_string_lossy()])
+        .output()
+        .expect("runs");
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("edge_addr"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_refreshes_nodes_and_an_invalid_file_changes_nothing() {
+    let mut cluster = Cluster::start("", &body("before", 1));
+    let _node = cluster.node("n1", "tok-1");
+    cluster.wait_ready("n1").await;
+    assert!(reply_text(&cluster).await.starts_with("before"));
+
+    // A changed adapter and a new model: the node gets a refresh and serves both.
+    let mut next = body("after", 1);
+    next = next.replace(
+        "[[models]]",
+        "[[nodes.adapters]]\nname = \"second\"\ntype = \"mock\"\ncapacity = 1\ntargets = [\"m2\"]\n[nodes.adapters.options]\nreply = \"second adapter\"\n\n[[models]]",
+    );
+    next.push_str("\n[[models]]\nname = \"chat2\"\nproviders = [{ node = \"n1\", adapter = \"second\", target = \"m2\" }]\n");
+    cluster.rewrite(&next);
+    cluster.edge.signal("HUP");
+    let http = cluster.http();
+    let mut refreshed = false;
+    for _ in 0..200 {
+        let status = http.status().await;
+        if status["nodes"][0]["last_refresh"] == "applied"
+            && status["nodes"][0]["applied_revision"] == 2
+        {
+            refreshed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(refreshed, "{}", cluster.edge.log());
+    assert!(reply_text(&cluster).await.starts_with("after"));
+    let r = http
+        .post(
+            "/v1/chat/completions",
+            &json!({"model": "chat2", "messages": [{"role": "user", "content": "x"}]}),
+        )
+        .await;
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        r.json()["choices"][0]["message"]["content"],
+        "second adapter"
+    );
+
+    // An invalid file: the running configuration stays in force.
+    cluster.write_raw_config("[listen]\nthis is not toml");
+    cluster.edge.signal("HUP");
+    assert!(wait_until(Duration::from_secs(5), || cluster
+        .edge
+        .log()
+        .contains("reload refused")));
+    assert!(reply_text(&cluster).await.starts_with("after"));
+    assert_eq!(http.status().await["nodes"][0]["applied_revision"], 2);
+}
+
+fn closed_by_peer(stream: &mut TcpStream) -> bool {
+    stream
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let mut buf = [0u8; 64];
+    loop {
+        match stream.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(err) => return err.kind() == std::io::ErrorKind::ConnectionReset,
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_raw_tcp_clients_are_closed_and_everyone_else_is_served() {
+    let cluster = Cluster::start("", &body("fine", 1));
+    let _node = cluster.node("n1", "tok-1");
+    cluster.wait_ready("n1").await;
+    let addr = ("127.0.0.1", cluster.node_port);
+
+    let mut garbage = TcpStream::connect(addr).expect("connect");
+    garbage
+        .write_all(b"\x00\x00\x00\x05hello world, not protobuf")
+        .expect("write");
+    let mut oversized = TcpStream::connect(addr).expect("connect");
+    oversized.write_all(&u32::MAX.to_be_bytes()).expect("write");
+    let mut header_only = TcpStream::connect(addr).expect("connect");
+    header_only
+        .write_all(&1000u32.to_be_bytes())
+        .expect("write");
+
+    assert!(closed_by_peer(&mut garbage), "garbage stayed open");
+    assert!(
+        closed_by_peer(&mut oversized),
+        "oversized length stayed open"
+    );
+    // A header alone is closed by the register deadline (2 s in tests).
+    assert!(
+        closed_by_peer(&mut header_only),
+        "header-only client stayed open"
+    );
+    assert!(reply_text(&cluster).await.starts_with("fine"));
+    assert_eq!(cluster.http().status().await["nodes"][0]["connected"], true);
+}
