@@ -1172,6 +1172,10 @@ impl EdgeCore {
         ));
         self.timers
             .insert((self.now + timing.heartbeat_interval, TimerKey::Ping(conn)));
+        #[cfg(feature = "testkit")]
+        if self.faults.dispatch_before_ready {
+            self.activate_node(i, generation);
+        }
     }
 
     fn refuse_ready(&mut self, conn: ConnId, reason: &str, close: bool) {
@@ -1456,7 +1460,13 @@ impl EdgeCore {
         };
         match tracker.observe(&event) {
             Ok(RunStep::Terminal(kind)) => {
-                self.release(lease);
+                #[cfg(feature = "testkit")]
+                let leak = self.faults.leak_lease && kind == RunEventType::Complete;
+                #[cfg(not(feature = "testkit"))]
+                let leak = false;
+                if !leak {
+                    self.release(lease);
+                }
                 if !cancelling {
                     let outcome = match kind {
                         RunEventType::Complete => Outcome::Completed,

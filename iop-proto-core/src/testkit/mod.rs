@@ -2,6 +2,8 @@
 //! Compiled only with the `testkit` feature; it adds no dependencies.
 
 pub mod fuzz;
+pub mod rng;
+pub mod sim;
 
 /// Bugs that can be planted in the machines, to prove the simulator catches them.
 /// All off by default; only the `testkit` feature compiles the switches in.
@@ -9,4 +11,8 @@ pub mod fuzz;
 pub struct Faults {
     /// Release a lease twice when a request ends.
     pub double_release: bool,
+    /// Activate a node's resources at register instead of at ready.
+    pub dispatch_before_ready: bool,
+    /// Forget to release the lease of a completed run.
+    pub leak_lease: bool,
 }

@@ -1,0 +1,1513 @@
+//! A deterministic simulation of the whole protocol in one thread.
+//!
+//! One [`EdgeCore`], several simulated node processes (each a [`Supervisor`] plus a
+//! [`NodeSession`] per connection, with a simulated provider behind it), one simulated
+//! TCP link per connection carrying frames encoded and decoded by the real codec, with
+//! seeded latency and jitter, and clients that submit, cancel and give up. Time is virtual
+//! and jumps to the next thing due, so minutes of protocol run in milliseconds.
+//!
+//! Faults are weighted after FoundationDB's simulator and TigerBeetle's VOPR: node crash
+//! (state lost, restart on a new connection), node freeze (no heartbeats, then it resumes
+//! with stale state), network partition, abrupt disconnect, a second process registering
+//! with the same node id, Edge config refresh, provider modes (slow, failing, hanging),
+//! and bursts above capacity. Global invariants are checked after every step; the first
+//! violation stops the run with the seed and the last steps of the trace.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+
+use crate::edge::{
+    CloseReason, ConnId, Dispatch, DispatchShape, EdgeCore, EdgeEvent, NodeState, Outcome, Submit,
+    Transmit,
+};
+use crate::edge_config::{CandidateSpec, EdgeConfig, EdgeTiming, ModelSpec, NodeSpec, QueueLimits};
+use crate::lease::RequestId;
+use crate::reconnect::{Action, Failure, ReconnectPolicy, Supervisor};
+use crate::run::RunTracker;
+use crate::session::{NodeSession, RunOutput, SessionConfig, SessionEvent, TunnelOutput};
+use crate::testkit::Faults;
+use crate::testkit::rng::Rng;
+use crate::time::Timestamp;
+use crate::token::TokenVerifier;
+use crate::tunnel::TunnelReceiver;
+use crate::wire::{
+    self, AdapterConfig, AdapterType, Envelope, ErrorDetail, FrameDecoder, NodeCommandResponse,
+    NodeRuntimeConfig, ProviderTunnelRequest, RunRequest, Usage,
+};
+
+/// How a simulated provider behaves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Answers after a few milliseconds per token.
+    Normal,
+    /// Answers slowly.
+    Slow,
+    /// Fails every request.
+    Fail,
+    /// Never answers until cancelled.
+    Hang,
+}
+
+/// One step of a simulation. Generated from a seed by [`generate`], or by proptest.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// Let this many milliseconds pass.
+    Advance(u16),
+    /// A client request; it cancels after `cancel_after_ms` if set, and gives up at its
+    /// timeout.
+    Submit {
+        /// Model group (index).
+        model: u8,
+        /// Long-context.
+        long: bool,
+        /// Client timeout in milliseconds.
+        timeout_ms: u16,
+        /// Cancel (caller disconnects) after this long.
+        cancel_after_ms: Option<u16>,
+    },
+    /// Many requests at once (above capacity).
+    Burst {
+        /// Model group.
+        model: u8,
+        /// How many.
+        count: u8,
+    },
+    /// The node process dies (state lost) and restarts later.
+    Crash {
+        /// Node.
+        node: u8,
+        /// Restart delay.
+        restart_after_ms: u16,
+    },
+    /// The node process stops (no timers, no reads), then resumes.
+    Freeze {
+        /// Node.
+        node: u8,
+        /// How long.
+        for_ms: u16,
+    },
+    /// The node's link stalls both ways, then delivers what it held.
+    Partition {
+        /// Node.
+        node: u8,
+        /// How long.
+        for_ms: u16,
+    },
+    /// The node's connection resets.
+    Disconnect {
+        /// Node.
+        node: u8,
+    },
+    /// A second process registers with the node's id, and dies after a while.
+    Impostor {
+        /// Node id (index).
+        node: u8,
+        /// Lifetime.
+        for_ms: u16,
+    },
+    /// The Edge reloads a changed configuration (refresh pushed to ready nodes).
+    Refresh,
+    /// The node's provider changes behaviour.
+    Provider {
+        /// Node.
+        node: u8,
+        /// Behaviour.
+        mode: Mode,
+    },
+}
+
+/// Nodes in the simulated world.
+pub const NODES: usize = 3;
+/// Model groups in the simulated world.
+pub const MODELS: usize = 3;
+
+/// Generates `len` weighted operations from `seed`.
+#[must_use]
+pub fn generate(seed: u64, len: usize) -> Vec<Op> {
+    let mut rng = Rng::new(seed.wrapping_mul(0x2545_F491_4F6C_DD1D));
+    let node = |rng: &mut Rng| u8::try_from(rng.below(NODES as u64)).unwrap_or(0);
+    let ms = |rng: &mut Rng, lo: u64, hi: u64| u16::try_from(rng.range(lo, hi)).unwrap_or(u16::MAX);
+    (0..len)
+        .map(|_| match rng.below(100) {
+            0..=29 => Op::Advance(ms(&mut rng, 1, 600)),
+            30..=59 => Op::Submit {
+                model: u8::try_from(rng.below(MODELS as u64)).unwrap_or(0),
+                long: rng.chance(25),
+                timeout_ms: ms(&mut rng, 300, 5000),
+                cancel_after_ms: rng.chance(20).then(|| ms(&mut rng, 1, 800)),
+            },
+            60..=64 => Op::Burst {
+                model: u8::try_from(rng.below(MODELS as u64)).unwrap_or(0),
+                count: u8::try_from(rng.range(3, 12)).unwrap_or(3),
+            },
+            65..=69 => Op::Crash {
+                node: node(&mut rng),
+                restart_after_ms: ms(&mut rng, 0, 1500),
+            },
+            70..=74 => Op::Freeze {
+                node: node(&mut rng),
+                for_ms: ms(&mut rng, 50, 1500),
+            },
+            75..=78 => Op::Partition {
+                node: node(&mut rng),
+                for_ms: ms(&mut rng, 50, 1500),
+            },
+            79..=82 => Op::Disconnect {
+                node: node(&mut rng),
+            },
+            83..=85 => Op::Impostor {
+                node: node(&mut rng),
+                for_ms: ms(&mut rng, 50, 1500),
+            },
+            86..=89 => Op::Refresh,
+            _ => Op::Provider {
+                node: node(&mut rng),
+                mode: match rng.below(10) {
+                    0..=4 => Mode::Normal,
+                    5..=6 => Mode::Slow,
+                    7..=8 => Mode::Fail,
+                    _ => Mode::Hang,
+                },
+            },
+        })
+        .collect()
+}
+
+/// Figures of a finished run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Virtual time simulated.
+    pub simulated: Duration,
+    /// Steps (event-processing rounds) taken.
+    pub steps: u64,
+    /// Requests submitted and accepted.
+    pub requests: u64,
+    /// Requests that completed.
+    pub completed: u64,
+    /// Requests refused at submit (queue full).
+    pub refused: u64,
+    /// Frames carried by the links.
+    pub frames: u64,
+}
+
+/// A violated invariant, with what is needed to replay it.
+#[derive(Clone, Debug)]
+pub struct SimFailure {
+    /// The seed (latencies, jitter and provider timings).
+    pub seed: u64,
+    /// The virtual time of the violation.
+    pub at: Timestamp,
+    /// What broke.
+    pub message: String,
+    /// The last steps before it.
+    pub trace: String,
+}
+
+impl std::fmt::Display for SimFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "simulation seed {} failed at {}: {}\nreplay with IOP_SIM_SEED={}\nlast steps:\n{}",
+            self.seed, self.at, self.message, self.seed, self.trace
+        )
+    }
+}
+
+/// Options of a run.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SimOptions {
+    /// Planted bugs.
+    pub faults: Faults,
+    /// Keep the whole trace instead of the last steps.
+    pub full_trace: bool,
+}
+
+const TOKEN: &str = "sim-token";
+
+fn timing() -> EdgeTiming {
+    EdgeTiming {
+        heartbeat_interval: Duration::from_millis(200),
+        heartbeat_timeout: Duration::from_millis(700),
+        register_timeout: Duration::from_millis(800),
+        refresh_timeout: Duration::from_millis(800),
+        cancel_grace: Duration::from_millis(600),
+    }
+}
+
+fn adapter(name: &str, kind: AdapterType, capacity: u32, long: u32, rev: u32) -> AdapterConfig {
+    AdapterConfig {
+        name: name.into(),
+        r#type: kind as i32,
+        base_url: "http://provider.sim".into(),
+        capacity,
+        long_capacity: long,
+        targets: vec!["t".into()],
+        enabled: true,
+        options: [("rev".to_owned(), rev.to_string())].into_iter().collect(),
+        ..AdapterConfig::default()
+    }
+}
+
+/// The simulated Edge configuration; `rev` changes adapter options (a refresh).
+#[must_use]
+pub fn world_config(rev: u32) -> EdgeConfig {
+    let mut nodes = BTreeMap::new();
+    for n in 0..NODES {
+        nodes.insert(
+            format!("n{n}"),
+            NodeSpec {
+                token: TokenVerifier::Plain(TOKEN.as_bytes().to_vec()),
+                adapters: vec![
+                    adapter("run", AdapterType::Mock, 2, 1, rev),
+                    adapter("tun", AdapterType::OpenaiCompat, 1 + (n as u32 % 2), 1, rev),
+                ],
+                runtime: NodeRuntimeConfig::default(),
+            },
+        );
+    }
+    let candidate = |n: usize, p: &str| CandidateSpec {
+        node_id: format!("n{n}"),
+        provider_id: p.into(),
+        target: "t".into(),
+    };
+    let mut models = BTreeMap::new();
+    models.insert(
+        "m0".to_owned(),
+        ModelSpec {
+            candidates: vec![candidate(0, "run"), candidate(1, "run")],
+            long_context_threshold: Some(100),
+        },
+    );
+    models.insert(
+        "m1".to_owned(),
+        ModelSpec {
+            candidates: vec![candidate(1, "tun"), candidate(2, "tun")],
+            long_context_threshold: Some(100),
+        },
+    );
+    models.insert(
+        "m2".to_owned(),
+        ModelSpec {
+            candidates: vec![
+                candidate(0, "tun"),
+                candidate(2, "run"),
+                candidate(1, "tun"),
+            ],
+            long_context_threshold: Some(100),
+        },
+    );
+    EdgeConfig {
+        nodes,
+        models,
+        timing: timing(),
+        queue: QueueLimits {
+            max_waiting: 6,
+            wait_timeout: Duration::from_millis(1500),
+        },
+    }
+}
+
+#[derive(Debug)]
+struct Work {
+    tunnel: bool,
+    next_at: Timestamp,
+    step: u32,
+    total: u32,
+    cancelled: bool,
+    fail: bool,
+}
+
+#[derive(Debug)]
+struct NodeProc {
+    node_id: String,
+    alive: bool,
+    impostor: bool,
+    supervisor: Supervisor,
+    conn: Option<ConnId>,
+    session: Option<NodeSession>,
+    frozen_until: Timestamp,
+    restart_at: Option<Timestamp>,
+    kill_at: Option<Timestamp>,
+    dial_at: Option<Timestamp>,
+    mode: Mode,
+    work: BTreeMap<String, Work>,
+}
+
+impl NodeProc {
+    fn new(node_id: String, now: Timestamp, impostor: bool) -> Self {
+        let policy = ReconnectPolicy::from_config(Some(0), Some(0.1)).unwrap_or_default();
+        let mut supervisor = Supervisor::new(policy);
+        let _ = supervisor.handle_start(now);
+        NodeProc {
+            node_id,
+            alive: true,
+            impostor,
+            supervisor,
+            conn: None,
+            session: None,
+            frozen_until: Timestamp::ZERO,
+            restart_at: None,
+            kill_at: None,
+            dial_at: None,
+            mode: Mode::Normal,
+            work: BTreeMap::new(),
+        }
+    }
+
+    fn runnable(&self, now: Timestamp) -> bool {
+        self.alive && self.frozen_until <= now
+    }
+}
+
+#[derive(Debug)]
+struct Link {
+    node: usize,
+    to_node: VecDeque<(Timestamp, Bytes)>,
+    to_edge: VecDeque<(Timestamp, Bytes)>,
+    node_decoder: FrameDecoder,
+    edge_decoder: FrameDecoder,
+    held_until: Timestamp,
+    /// The Edge closed its side: the node sees EOF once `to_node` drains.
+    edge_closed: bool,
+    /// The node side closed: the Edge sees EOF once `to_edge` drains.
+    node_closed: bool,
+    /// The Edge has been told the connection closed.
+    edge_done: bool,
+    last_to_node: Timestamp,
+    last_to_edge: Timestamp,
+}
+
+#[derive(Debug)]
+enum Checker {
+    Run(RunTracker),
+    Tunnel(TunnelReceiver),
+}
+
+#[derive(Debug)]
+struct Client {
+    deadline: Timestamp,
+    ended: bool,
+    checker: Option<Checker>,
+}
+
+struct World {
+    now: Timestamp,
+    rng: Rng,
+    edge: EdgeCore,
+    rev: u32,
+    procs: Vec<NodeProc>,
+    links: BTreeMap<u64, Link>,
+    next_conn: u64,
+    clients: BTreeMap<RequestId, Client>,
+    client_timers: BTreeSet<(Timestamp, RequestId)>,
+    trace: VecDeque<String>,
+    full_trace: bool,
+    stats: Stats,
+    failure: Option<String>,
+}
+
+macro_rules! check {
+    ($world:expr, $cond:expr, $($msg:tt)*) => {
+        if !$cond && $world.failure.is_none() {
+            $world.failure = Some(format!($($msg)*));
+        }
+    };
+}
+
+impl World {
+    fn log(&mut self, line: impl FnOnce() -> String) {
+        let text = format!("{} {}", self.now, line());
+        self.trace.push_back(text);
+        if !self.full_trace && self.trace.len() > 400 {
+            self.trace.pop_front();
+        }
+    }
+
+    fn latency(&mut self) -> Duration {
+        // Mostly fast, sometimes slow: a long tail like a real network.
+        let ms = if self.rng.chance(5) {
+            self.rng.range(20, 120)
+        } else {
+            self.rng.range(1, 8)
+        };
+        Duration::from_millis(ms)
+    }
+
+    // ----- the Edge side -----
+
+    fn drain_edge(&mut self) {
+        loop {
+            let mut progressed = false;
+            let mut closes = Vec::new();
+            while let Some(transmit) = self.edge.poll_transmit() {
+                progressed = true;
+                match transmit {
+                    Transmit::Frame { conn, envelope } => self.send_to_node(conn, &envelope),
+                    Transmit::Close { conn, reason } => {
+                        self.log(|| format!("edge closes conn {} ({reason:?})", conn.0));
+                        if let Some(link) = self.links.get_mut(&conn.0) {
+                            link.edge_closed = true;
+                        }
+                        closes.push((conn, reason));
+                    }
+                }
+            }
+            while let Some(event) = self.edge.poll_event() {
+                progressed = true;
+                self.on_edge_event(event);
+            }
+            // The shell stops reading a connection it closed and reports it closed.
+            for (conn, reason) in closes {
+                self.edge_closed(conn, &reason);
+            }
+            if !progressed {
+                return;
+            }
+        }
+    }
+
+    /// Tells the Edge a connection is closed, checking that a connection that no longer
+    /// owns its node changes nothing and emits nothing.
+    fn edge_closed(&mut self, conn: ConnId, reason: &CloseReason) {
+        let Some(link) = self.links.get_mut(&conn.0) else {
+            return;
+        };
+        if link.edge_done {
+            return;
+        }
+        link.edge_done = true;
+        let owner = self.edge.owner_of(conn);
+        let before = self.edge.nodes();
+        if self.edge.handle_connection_closed(self.now, conn).is_err() {
+            return;
+        }
+        if owner.is_none() {
+            let after = self.edge.nodes();
+            let quiet = self.edge.poll_event().is_none() && self.edge.poll_transmit().is_none();
+            check!(
+                self,
+                before == after && quiet,
+                "closing stale conn {} ({reason:?}) changed live state",
+                conn.0
+            );
+        }
+        self.drain_edge();
+    }
+
+    fn send_to_node(&mut self, conn: ConnId, envelope: &Envelope) {
+        let latency = self.latency();
+        let now = self.now;
+        let Some(link) = self.links.get_mut(&conn.0) else {
+            return;
+        };
+        if link.edge_closed {
+            return;
+        }
+        let mut out = BytesMut::new();
+        if wire::encode(envelope, &mut out).is_err() {
+            return;
+        }
+        let at = link.last_to_node.max(now + latency);
+        link.last_to_node = at;
+        link.to_node.push_back((at, out.freeze()));
+        self.stats.frames += 1;
+    }
+
+    fn on_edge_event(&mut self, event: EdgeEvent) {
+        match event {
+            EdgeEvent::Granted(grant) => {
+                // Nothing is dispatched before ready or to a fenced generation.
+                let node = self
+                    .edge
+                    .nodes()
+                    .into_iter()
+                    .find(|n| n.node_id == grant.node_id);
+                let live = node.is_some_and(|n| {
+                    n.state == NodeState::Ready && n.generation == Some(grant.lease.generation)
+                });
+                check!(
+                    self,
+                    live,
+                    "{} granted on {} generation {:?} which is not the ready owner",
+                    grant.request,
+                    grant.node_id,
+                    grant.lease.generation
+                );
+                let usage = self.edge.ledger().usage(grant.lease.resource);
+                check!(
+                    self,
+                    usage.in_flight <= usage.capacity,
+                    "grant beyond capacity on {}/{}",
+                    grant.node_id,
+                    grant.provider_id
+                );
+                let dispatch = match grant.shape {
+                    DispatchShape::Run => Dispatch::Run(RunRequest::default()),
+                    DispatchShape::Tunnel => Dispatch::Tunnel(ProviderTunnelRequest {
+                        method: "POST".into(),
+                        path: "/v1/chat/completions".into(),
+                        ..ProviderTunnelRequest::default()
+                    }),
+                };
+                if let Some(client) = self.clients.get_mut(&grant.request) {
+                    client.checker = Some(match grant.shape {
+                        DispatchShape::Run => Checker::Run(RunTracker::new()),
+                        DispatchShape::Tunnel => Checker::Tunnel(TunnelReceiver::new()),
+                    });
+                }
+                self.log(|| {
+                    format!(
+                        "{} granted on {}/{} ({:?})",
+                        grant.request, grant.node_id, grant.provider_id, grant.shape
+                    )
+                });
+                let dispatched = self.edge.handle_dispatch(self.now, grant.request, dispatch);
+                check!(
+                    self,
+                    dispatched.is_ok(),
+                    "dispatch of a fresh grant failed: {dispatched:?}"
+                );
+            }
+            EdgeEvent::RunEvent { request, event } => {
+                let ok = match self
+                    .clients
+                    .get_mut(&request)
+                    .and_then(|c| c.checker.as_mut())
+                {
+                    Some(Checker::Run(tracker)) => {
+                        tracker.observe(&event).map_err(|e| e.to_string())
+                    }
+                    _ => Err("run event for a request that is not a dispatched run".into()),
+                };
+                check!(
+                    self,
+                    ok.is_ok(),
+                    "{request}: invalid run sequence reached the caller: {ok:?}"
+                );
+            }
+            EdgeEvent::TunnelFrame { request, frame } => {
+                let ok = match self
+                    .clients
+                    .get_mut(&request)
+                    .and_then(|c| c.checker.as_mut())
+                {
+                    Some(Checker::Tunnel(rx)) => rx.observe(&frame).map_err(|e| e.to_string()),
+                    _ => Err("tunnel frame for a request that is not a dispatched tunnel".into()),
+                };
+                check!(
+                    self,
+                    ok.is_ok(),
+                    "{request}: invalid tunnel sequence reached the caller: {ok:?}"
+                );
+            }
+            EdgeEvent::RequestEnded { request, outcome } => {
+                self.log(|| format!("{request} ended: {outcome:?}"));
+                if outcome == Outcome::Completed {
+                    self.stats.completed += 1;
+                }
+                match self.clients.get_mut(&request) {
+                    Some(client) => {
+                        check!(self, !client.ended, "{request} ended twice");
+                        client.ended = true;
+                    }
+                    None => check!(self, false, "{request} ended but was never accepted"),
+                }
+            }
+            EdgeEvent::NodeConnected {
+                node_id,
+                generation,
+            } => {
+                self.log(|| format!("node {node_id} ready (generation {})", generation.0));
+            }
+            EdgeEvent::NodeDisconnected {
+                node_id,
+                generation,
+                reason,
+                lost,
+            } => {
+                self.log(|| {
+                    format!(
+                        "node {node_id} generation {} fenced ({reason:?}), {} lost",
+                        generation.0,
+                        lost.len()
+                    )
+                });
+            }
+            other => self.log(|| format!("edge event {other:?}")),
+        }
+    }
+
+    // ----- the node side -----
+
+    fn drain_node(&mut self, i: usize) {
+        loop {
+            let mut progressed = false;
+            let conn = self.procs[i].conn;
+            let mut frames = Vec::new();
+            let mut events = Vec::new();
+            if let Some(session) = self.procs[i].session.as_mut() {
+                while let Some(envelope) = session.poll_transmit() {
+                    frames.push(envelope);
+                }
+                while let Some(event) = session.poll_event() {
+                    events.push(event);
+                }
+            }
+            for envelope in frames {
+                progressed = true;
+                if let Some(conn) = conn {
+                    self.send_to_edge(conn, &envelope);
+                }
+            }
+            for event in events {
+                progressed = true;
+                self.on_session_event(i, event);
+            }
+            while let Some(action) = self.procs[i].supervisor.poll_action() {
+                progressed = true;
+                match action {
+                    Action::Dial { attempt } => {
+                        let at = self.now + self.latency();
+                        let id = self.procs[i].node_id.clone();
+                        self.log(|| format!("{id} (proc {i}) dials, attempt {attempt}"));
+                        self.procs[i].dial_at = Some(at);
+                    }
+                    Action::Exit(reason) => {
+                        check!(self, false, "node process {i} exited: {reason:?}");
+                        self.procs[i].alive = false;
+                    }
+                }
+            }
+            if !progressed {
+                return;
+            }
+        }
+    }
+
+    fn send_to_edge(&mut self, conn: ConnId, envelope: &Envelope) {
+        let latency = self.latency();
+        let now = self.now;
+        let Some(link) = self.links.get_mut(&conn.0) else {
+            return;
+        };
+        if link.node_closed {
+            return;
+        }
+        let mut out = BytesMut::new();
+        if wire::encode(envelope, &mut out).is_err() {
+            return;
+        }
+        let at = link.last_to_edge.max(now + latency);
+        link.last_to_edge = at;
+        link.to_edge.push_back((at, out.freeze()));
+        self.stats.frames += 1;
+    }
+
+    fn provider_delay(&mut self, mode: Mode) -> Duration {
+        Duration::from_millis(match mode {
+            Mode::Slow => self.rng.range(100, 400),
+            _ => self.rng.range(2, 30),
+        })
+    }
+
+    fn on_session_event(&mut self, i: usize, event: SessionEvent) {
+        let now = self.now;
+        match event {
+            SessionEvent::ApplyConfig { .. } => {
+                if let Some(s) = self.procs[i].session.as_mut() {
+                    let _ = s.handle_config_applied(now, Ok(()));
+                }
+            }
+            SessionEvent::Ready => {
+                let _ = self.procs[i].supervisor.handle_ready(now);
+            }
+            SessionEvent::StartRun { request } => self.start_work(i, request.run_id, false),
+            SessionEvent::StartTunnel { request } => self.start_work(i, request.run_id, true),
+            SessionEvent::CancelRun { run_id } => {
+                let at = now + self.provider_delay(Mode::Normal);
+                if let Some(work) = self.procs[i].work.get_mut(&run_id) {
+                    work.cancelled = true;
+                    work.next_at = work.next_at.min(at);
+                }
+            }
+            SessionEvent::Command { request } => {
+                if let Some(s) = self.procs[i].session.as_mut() {
+                    let _ = s.handle_command_response(
+                        now,
+                        NodeCommandResponse {
+                            request_id: request.request_id,
+                            ok: true,
+                            ..NodeCommandResponse::default()
+                        },
+                    );
+                }
+            }
+            SessionEvent::RefreshConfig { request_id, .. } => {
+                if let Some(s) = self.procs[i].session.as_mut() {
+                    let _ = s.handle_refresh_applied(now, &request_id, Ok(()));
+                }
+            }
+            SessionEvent::Closed { end, abandoned } => {
+                let id = self.procs[i].node_id.clone();
+                self.log(|| {
+                    format!(
+                        "{id} (proc {i}) session closed: {end:?}, {} abandoned",
+                        abandoned.len()
+                    )
+                });
+                self.procs[i].work.clear();
+                self.procs[i].session = None;
+                if let Some(conn) = self.procs[i].conn.take()
+                    && let Some(link) = self.links.get_mut(&conn.0)
+                {
+                    link.node_closed = true;
+                    link.to_node.clear();
+                }
+                let _ = match end.failure() {
+                    Some(failure) => self.procs[i].supervisor.handle_failure(now, failure),
+                    None => {
+                        self.procs[i].supervisor.handle_shutdown(now);
+                        Ok(())
+                    }
+                };
+            }
+            _ => {}
+        }
+    }
+
+    fn start_work(&mut self, i: usize, run_id: String, tunnel: bool) {
+        let mode = self.procs[i].mode;
+        let delay = self.provider_delay(mode);
+        let total = u32::try_from(self.rng.range(1, 6)).unwrap_or(1);
+        let next_at = if mode == Mode::Hang {
+            Timestamp::MAX
+        } else {
+            self.now + delay
+        };
+        self.procs[i].work.insert(
+            run_id,
+            Work {
+                tunnel,
+                next_at,
+                step: 0,
+                total,
+                cancelled: false,
+                fail: mode == Mode::Fail,
+            },
+        );
+    }
+
+    /// Advances one piece of provider work by one output.
+    fn progress_work(&mut self, i: usize, run_id: &str) {
+        let now = self.now;
+        let mode = self.procs[i].mode;
+        let delay = self.provider_delay(mode);
+        let Some(work) = self.procs[i].work.get_mut(run_id) else {
+            return;
+        };
+        let (tunnel, step, total, cancelled, fail) = (
+            work.tunnel,
+            work.step,
+            work.total,
+            work.cancelled,
+            work.fail,
+        );
+        work.step += 1;
+        work.next_at = now + delay;
+        let last = cancelled || fail && step >= 1 || step > total;
+        let Some(session) = self.procs[i].session.as_mut() else {
+            return;
+        };
+        let _ = if tunnel {
+            let output = if step == 0 && !cancelled {
+                TunnelOutput::Status {
+                    status: 200,
+                    headers: Vec::new(),
+                }
+            } else if cancelled {
+                TunnelOutput::Error(ErrorDetail {
+                    code: "cancelled".into(),
+                    ..ErrorDetail::default()
+                })
+            } else if fail {
+                TunnelOutput::Error(ErrorDetail {
+                    code: "upstream_error".into(),
+                    ..ErrorDetail::default()
+                })
+            } else if step > total {
+                TunnelOutput::End
+            } else if step == total {
+                TunnelOutput::Usage(Usage::default())
+            } else {
+                TunnelOutput::Body(Bytes::from_static(b"data: x\n\n"))
+            };
+            session.handle_tunnel_output(now, run_id, output)
+        } else {
+            let output = if step == 0 {
+                RunOutput::Start
+            } else if cancelled {
+                RunOutput::Cancelled
+            } else if fail {
+                RunOutput::Error(ErrorDetail {
+                    code: "upstream_error".into(),
+                    ..ErrorDetail::default()
+                })
+            } else if step > total {
+                RunOutput::Complete {
+                    usage: None,
+                    metadata: BTreeMap::new(),
+                }
+            } else {
+                RunOutput::Delta("x".into())
+            };
+            session.handle_run_output(now, run_id, output)
+        };
+        if last {
+            self.procs[i].work.remove(run_id);
+        }
+    }
+
+    fn crash(&mut self, i: usize) {
+        let id = self.procs[i].node_id.clone();
+        self.log(|| format!("{id} (proc {i}) crashes"));
+        let p = &mut self.procs[i];
+        p.alive = false;
+        p.session = None;
+        p.work.clear();
+        p.dial_at = None;
+        if let Some(conn) = p.conn.take()
+            && let Some(link) = self.links.get_mut(&conn.0)
+        {
+            link.node_closed = true;
+            link.to_node.clear();
+        }
+    }
+
+    // ----- the scheduler -----
+
+    fn next_due(&self) -> Timestamp {
+        let mut next = Timestamp::MAX;
+        if let Some(t) = self.edge.poll_timeout() {
+            next = next.min(t);
+        }
+        for link in self.links.values() {
+            let node_runnable =
+                self.procs[link.node].runnable(self.now) || !self.procs[link.node].alive;
+            if !link.edge_done {
+                if let Some(&(at, _)) = link.to_edge.front() {
+                    next = next.min(at.max(link.held_until));
+                } else if link.node_closed {
+                    next = next.min(self.now.max(link.held_until));
+                }
+            }
+            if node_runnable && !link.node_closed {
+                if let Some(&(at, _)) = link.to_node.front() {
+                    next = next.min(at.max(link.held_until));
+                } else if link.edge_closed {
+                    next = next.min(self.now.max(link.held_until));
+                }
+            }
+        }
+        for p in &self.procs {
+            if let Some(t) = p.restart_at {
+                next = next.min(t);
+            }
+            if let Some(t) = p.kill_at {
+                next = next.min(t);
+            }
+            if !p.alive {
+                continue;
+            }
+            if p.frozen_until > self.now {
+                next = next.min(p.frozen_until);
+                continue;
+            }
+            if let Some(t) = p.dial_at {
+                next = next.min(t);
+            }
+            if let Some(t) = p.supervisor.poll_timeout() {
+                next = next.min(t);
+            }
+            if let Some(t) = p.session.as_ref().and_then(NodeSession::poll_timeout) {
+                next = next.min(t);
+            }
+            for w in p.work.values() {
+                next = next.min(w.next_at);
+            }
+        }
+        if let Some(&(t, _)) = self.client_timers.first() {
+            next = next.min(t);
+        }
+        next
+    }
+
+    /// Processes everything due at `self.now`.
+    fn step(&mut self) {
+        self.stats.steps += 1;
+        let now = self.now;
+        if self.edge.poll_timeout().is_some_and(|t| t <= now) {
+            self.edge.handle_timeout(now);
+            self.drain_edge();
+        }
+        // Links, in connection order: deliveries to the Edge, then to the node.
+        let conns: Vec<u64> = self.links.keys().copied().collect();
+        for c in conns {
+            self.deliver(ConnId(c));
+        }
+        // Node processes.
+        for i in 0..self.procs.len() {
+            self.step_node(i);
+        }
+        // Clients giving up or leaving.
+        while let Some(&(t, request)) = self.client_timers.first() {
+            if t > now {
+                break;
+            }
+            self.client_timers.pop_first();
+            if self.clients.get(&request).is_some_and(|c| !c.ended) {
+                self.log(|| format!("client gives up on {request}"));
+                self.edge.handle_cancel(now, request, "client gave up");
+                self.drain_edge();
+            }
+        }
+        self.check_invariants();
+    }
+
+    fn deliver(&mut self, conn: ConnId) {
+        let now = self.now;
+        // To the Edge.
+        loop {
+            let Some(link) = self.links.get_mut(&conn.0) else {
+                return;
+            };
+            if link.held_until > now || link.edge_done {
+                break;
+            }
+            match link.to_edge.front() {
+                Some(&(at, _)) if at <= now => {
+                    let (_, bytes) = link.to_edge.pop_front().expect("front");
+                    link.edge_decoder.push_bytes(bytes);
+                    let mut envelopes = Vec::new();
+                    let mut broken = false;
+                    loop {
+                        match link.edge_decoder.next_envelope() {
+                            Ok(Some(e)) => envelopes.push(e),
+                            Ok(None) => break,
+                            Err(_) => {
+                                broken = true;
+                                break;
+                            }
+                        }
+                    }
+                    check!(self, !broken, "the codec failed on frames it encoded");
+                    for envelope in envelopes {
+                        let kind = envelope.kind();
+                        self.log(|| format!("conn {} node->edge {kind}", conn.0));
+                        let _ = self.edge.handle_envelope(now, conn, envelope);
+                        self.drain_edge();
+                    }
+                }
+                None if link.node_closed => {
+                    self.log(|| format!("edge sees conn {} closed", conn.0));
+                    self.edge_closed(conn, &CloseReason::PeerClosed);
+                    break;
+                }
+                _ => break,
+            }
+        }
+        // To the node.
+        loop {
+            let Some(link) = self.links.get_mut(&conn.0) else {
+                return;
+            };
+            let i = link.node;
+            if link.held_until > now || link.node_closed || !self.procs[i].runnable(now) {
+                break;
+            }
+            match link.to_node.front() {
+                Some(&(at, _)) if at <= now => {
+                    let (_, bytes) = link.to_node.pop_front().expect("front");
+                    link.node_decoder.push_bytes(bytes);
+                    let mut envelopes = Vec::new();
+                    while let Ok(Some(e)) = link.node_decoder.next_envelope() {
+                        envelopes.push(e);
+                    }
+                    for envelope in envelopes {
+                        let kind = envelope.kind();
+                        self.log(|| format!("conn {} edge->node {kind}", conn.0));
+                        if self.procs[i].conn == Some(conn)
+                            && let Some(s) = self.procs[i].session.as_mut()
+                        {
+                            s.handle_envelope(now, envelope);
+                        }
+                        self.drain_node(i);
+                    }
+                }
+                None if link.edge_closed => {
+                    self.log(|| format!("node sees conn {} closed", conn.0));
+                    if self.procs[i].conn == Some(conn)
+                        && let Some(s) = self.procs[i].session.as_mut()
+                    {
+                        s.handle_connection_lost(
+                            now,
+                            Failure::EdgeClosed("closed by the edge".into()),
+                        );
+                    }
+                    if let Some(link) = self.links.get_mut(&conn.0) {
+                        link.node_closed = true;
+                    }
+                    self.drain_node(i);
+                    break;
+                }
+                _ => break,
+            }
+        }
+        if let Some(link) = self.links.get(&conn.0)
+            && link.edge_done
+            && link.node_closed
+        {
+            self.links.remove(&conn.0);
+        }
+    }
+
+    fn step_node(&mut self, i: usize) {
+        let now = self.now;
+        if self.procs[i].kill_at.is_some_and(|t| t <= now) {
+            self.procs[i].kill_at = None;
+            self.crash(i);
+        }
+        if self.procs[i].restart_at.is_some_and(|t| t <= now) {
+            self.procs[i].restart_at = None;
+            let id = self.procs[i].node_id.clone();
+            self.log(|| format!("{id} (proc {i}) restarts"));
+            self.procs[i] = NodeProc::new(id, now, false);
+            self.drain_node(i);
+        }
+        if !self.procs[i].runnable(now) {
+            return;
+        }
+        if self.procs[i].dial_at.is_some_and(|t| t <= now) {
+            self.procs[i].dial_at = None;
+            let conn = ConnId(self.next_conn);
+            self.next_conn += 1;
+            self.links.insert(
+                conn.0,
+                Link {
+                    node: i,
+                    to_node: VecDeque::new(),
+                    to_edge: VecDeque::new(),
+                    node_decoder: FrameDecoder::new(),
+                    edge_decoder: FrameDecoder::new(),
+                    held_until: Timestamp::ZERO,
+                    edge_closed: false,
+                    node_closed: false,
+                    edge_done: false,
+                    last_to_node: now,
+                    last_to_edge: now,
+                },
+            );
+            let _ = self.edge.handle_connection_opened(now, conn);
+            self.drain_edge();
+            let id = self.procs[i].node_id.clone();
+            self.log(|| format!("{id} (proc {i}) connected on conn {}", conn.0));
+            let p = &mut self.procs[i];
+            let _ = p.supervisor.handle_connected(now);
+            let mut config = SessionConfig::new(p.node_id.clone(), TOKEN);
+            config.heartbeat_interval = timing().heartbeat_interval;
+            config.handshake_timeout = Duration::from_millis(1000);
+            config.chunk_size = 4;
+            let mut session = NodeSession::new(config);
+            let _ = session.handle_connected(now);
+            p.session = Some(session);
+            p.conn = Some(conn);
+            self.drain_node(i);
+        }
+        if self.procs[i]
+            .supervisor
+            .poll_timeout()
+            .is_some_and(|t| t <= now)
+        {
+            self.procs[i].supervisor.handle_timeout(now);
+            self.drain_node(i);
+        }
+        if let Some(s) = self.procs[i].session.as_mut()
+            && s.poll_timeout().is_some_and(|t| t <= now)
+        {
+            s.handle_timeout(now);
+            self.drain_node(i);
+        }
+        let due: Vec<String> = self.procs[i]
+            .work
+            .iter()
+            .filter(|(_, w)| w.next_at <= now)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for run_id in due {
+            self.progress_work(i, &run_id);
+            self.drain_node(i);
+        }
+    }
+
+    fn advance(&mut self, ms: u64) {
+        let target = self.now + Duration::from_millis(ms);
+        while self.failure.is_none() {
+            let next = self.next_due();
+            if next > target {
+                self.now = target;
+                return;
+            }
+            self.now = next.max(self.now);
+            self.step();
+        }
+    }
+
+    fn submit(&mut self, model: u8, long: bool, timeout_ms: u16, cancel_after_ms: Option<u16>) {
+        let name = format!("m{}", usize::from(model) % MODELS);
+        let result = self.edge.handle_submit(
+            self.now,
+            Submit {
+                model: &name,
+                prompt_tokens: if long { 500 } else { 10 },
+            },
+        );
+        match result {
+            Ok(request) => {
+                self.stats.requests += 1;
+                let deadline = self.now + Duration::from_millis(u64::from(timeout_ms));
+                let cancel_at =
+                    cancel_after_ms.map(|ms| self.now + Duration::from_millis(u64::from(ms)));
+                self.clients.insert(
+                    request,
+                    Client {
+                        deadline,
+                        ended: false,
+                        checker: None,
+                    },
+                );
+                self.client_timers
+                    .insert((cancel_at.unwrap_or(deadline).min(deadline), request));
+                self.log(|| format!("{request} submitted for {name} (long: {long})"));
+                self.drain_edge();
+            }
+            Err(err) => {
+                self.stats.refused += 1;
+                self.log(|| format!("submit for {name} refused: {err}"));
+            }
+        }
+    }
+
+    fn apply(&mut self, op: &Op) {
+        let now = self.now;
+        let node = |n: u8| usize::from(n) % NODES;
+        match *op {
+            Op::Advance(ms) => self.advance(u64::from(ms)),
+            Op::Submit {
+                model,
+                long,
+                timeout_ms,
+                cancel_after_ms,
+            } => self.submit(model, long, timeout_ms, cancel_after_ms),
+            Op::Burst { model, count } => {
+                for _ in 0..count {
+                    self.submit(model, false, 3000, None);
+                }
+            }
+            Op::Crash {
+                node: n,
+                restart_after_ms,
+            } => {
+                let i = node(n);
+                if self.procs[i].alive {
+                    self.crash(i);
+                    self.procs[i].restart_at =
+                        Some(now + Duration::from_millis(u64::from(restart_after_ms)));
+                }
+            }
+            Op::Freeze { node: n, for_ms } => {
+                let i = node(n);
+                self.log(|| format!("proc {i} freezes for {for_ms}ms"));
+                self.procs[i].frozen_until = now + Duration::from_millis(u64::from(for_ms));
+            }
+            Op::Partition { node: n, for_ms } => {
+                let i = node(n);
+                if let Some(conn) = self.procs[i].conn
+                    && let Some(link) = self.links.get_mut(&conn.0)
+                {
+                    link.held_until = now + Duration::from_millis(u64::from(for_ms));
+                    self.log(|| format!("conn {} partitioned for {for_ms}ms", conn.0));
+                }
+            }
+            Op::Disconnect { node: n } => {
+                let i = node(n);
+                if let Some(conn) = self.procs[i].conn {
+                    self.log(|| format!("conn {} resets", conn.0));
+                    if let Some(link) = self.links.get_mut(&conn.0) {
+                        link.to_node.clear();
+                        link.to_edge.clear();
+                        link.node_closed = true;
+                        link.edge_closed = true;
+                    }
+                    self.edge_closed(conn, &CloseReason::PeerClosed);
+                    if self.procs[i].runnable(now)
+                        && let Some(s) = self.procs[i].session.as_mut()
+                    {
+                        s.handle_connection_lost(now, Failure::Reset);
+                        self.drain_node(i);
+                    }
+                }
+            }
+            Op::Impostor { node: n, for_ms } => {
+                let id = format!("n{}", node(n));
+                let mut imp = NodeProc::new(id.clone(), now, true);
+                imp.kill_at = Some(now + Duration::from_millis(u64::from(for_ms)));
+                self.procs.push(imp);
+                let i = self.procs.len() - 1;
+                self.log(|| format!("impostor proc {i} for {id}"));
+                self.drain_node(i);
+            }
+            Op::Refresh => {
+                self.rev += 1;
+                let rev = self.rev;
+                self.log(|| format!("edge reloads config rev {rev}"));
+                let result = self.edge.handle_config(now, world_config(rev));
+                check!(
+                    self,
+                    result.is_ok(),
+                    "a valid config was refused: {result:?}"
+                );
+                self.drain_edge();
+            }
+            Op::Provider { node: n, mode } => {
+                let i = node(n);
+                self.procs[i].mode = mode;
+                // A hung provider wakes its pending work when it is no longer hanging.
+                if mode != Mode::Hang {
+                    for w in self.procs[i].work.values_mut() {
+                        w.next_at = w.next_at.min(now + Duration::from_millis(5));
+                    }
+                }
+            }
+        }
+    }
+
+    fn check_invariants(&mut self) {
+        if self.failure.is_some() {
+            return;
+        }
+        let ledger = self.edge.ledger();
+        let mut held = 0usize;
+        let nodes = self.edge.nodes();
+        let snapshots = self.edge.snapshots();
+        let mut problems = Vec::new();
+        for snap in &snapshots {
+            let Some(r) = self.edge.resource(&snap.node_id, &snap.provider_id) else {
+                continue;
+            };
+            let usage = ledger.usage(r);
+            held += usage.in_flight as usize;
+            if usage.in_flight > usage.capacity && usage.generation.is_some() {
+                problems.push(format!(
+                    "{}/{}: in_flight {} > capacity {}",
+                    snap.node_id, snap.provider_id, usage.in_flight, usage.capacity
+                ));
+            }
+            if usage.long_in_flight > usage.long_capacity && usage.generation.is_some() {
+                problems.push(format!(
+                    "{}/{}: long_in_flight over long capacity",
+                    snap.node_id, snap.provider_id
+                ));
+            }
+            let ready = nodes
+                .iter()
+                .any(|n| *n.node_id == snap.node_id && n.state == NodeState::Ready);
+            if ready {
+                let (queued, _) = self.edge.queue().queued_at(r);
+                if snap.in_flight != usage.in_flight || snap.queued as usize != queued {
+                    problems.push(format!(
+                        "snapshot of {}/{} disagrees with the ledger",
+                        snap.node_id, snap.provider_id
+                    ));
+                }
+            } else if usage.in_flight != 0 || snap.in_flight != 0 || snap.capacity != 0 {
+                problems.push(format!(
+                    "{}/{} holds leases or capacity while its node is not ready",
+                    snap.node_id, snap.provider_id
+                ));
+            }
+        }
+        if held != ledger.leases_held() {
+            problems.push(format!(
+                "ledger holds {} leases but resources count {held}",
+                ledger.leases_held()
+            ));
+        }
+        // No waiter waits while one of its candidates has room for it.
+        for w in self.edge.queue().waiters() {
+            if w.candidates
+                .iter()
+                .any(|c| ledger.free(c.resource, w.long) > 0)
+            {
+                problems.push(format!(
+                    "{} waits while a candidate has free capacity",
+                    w.request
+                ));
+                break;
+            }
+        }
+        // Every request ends, at the latest when its client gives up.
+        let grace = timing().heartbeat_timeout;
+        for (request, client) in &self.clients {
+            if !client.ended && self.now > client.deadline + grace {
+                problems.push(format!(
+                    "{request} still open {} past its deadline",
+                    self.now
+                        .saturating_duration_since(client.deadline)
+                        .as_millis()
+                ));
+                break;
+            }
+        }
+        if let Some(p) = problems.into_iter().next() {
+            self.failure = Some(p);
+        }
+    }
+
+    /// Load stops and faults heal: everything must end and every lease come back.
+    fn quiesce(&mut self) {
+        self.log(|| "quiesce: no more load, faults heal".into());
+        let now = self.now;
+        for i in 0..self.procs.len() {
+            if self.procs[i].impostor {
+                if self.procs[i].alive {
+                    self.crash(i);
+                }
+                self.procs[i].kill_at = None;
+            } else {
+                self.procs[i].frozen_until = self.procs[i].frozen_until.min(now);
+                self.procs[i].mode = Mode::Normal;
+                for w in self.procs[i].work.values_mut() {
+                    w.next_at = w.next_at.min(now + Duration::from_millis(5));
+                }
+                if !self.procs[i].alive && self.procs[i].restart_at.is_none() {
+                    self.procs[i].restart_at = Some(now);
+                }
+            }
+        }
+        for link in self.links.values_mut() {
+            link.held_until = link.held_until.min(now);
+        }
+        self.advance(8000);
+        if self.failure.is_some() {
+            return;
+        }
+        let open: Vec<_> = self
+            .clients
+            .iter()
+            .filter(|(_, c)| !c.ended)
+            .map(|(r, _)| *r)
+            .collect();
+        check!(self, open.is_empty(), "requests never ended: {open:?}");
+        check!(
+            self,
+            self.edge.ledger().leases_held() == 0,
+            "{} leases never returned",
+            self.edge.ledger().leases_held()
+        );
+        check!(
+            self,
+            self.edge.queue().is_empty(),
+            "waiters left in the queue"
+        );
+        check!(
+            self,
+            self.edge.open_requests() == 0,
+            "{} requests still open in the edge",
+            self.edge.open_requests()
+        );
+        let not_ready: Vec<_> = self
+            .edge
+            .nodes()
+            .into_iter()
+            .filter(|n| n.state != NodeState::Ready)
+            .map(|n| n.node_id)
+            .collect();
+        check!(
+            self,
+            not_ready.is_empty(),
+            "nodes not ready after healing: {not_ready:?}"
+        );
+    }
+}
+
+/// Runs `ops` in a world seeded with `seed`.
+pub fn run(seed: u64, ops: &[Op], options: SimOptions) -> Result<Stats, SimFailure> {
+    let mut edge = EdgeCore::new(world_config(0)).expect("the simulated config is valid");
+    edge.set_faults(options.faults);
+    let mut world = World {
+        now: Timestamp::ZERO,
+        rng: Rng::new(seed),
+        edge,
+        rev: 0,
+        procs: (0..NODES)
+            .map(|n| NodeProc::new(format!("n{n}"), Timestamp::ZERO, false))
+            .collect(),
+        links: BTreeMap::new(),
+        next_conn: 1,
+        clients: BTreeMap::new(),
+        client_timers: BTreeSet::new(),
+        trace: VecDeque::new(),
+        full_trace: options.full_trace,
+        stats: Stats::default(),
+        failure: None,
+    };
+    // A machine that panics on a broken internal invariant is a finding too: keep the
+    // seed and the trace that led there.
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        for i in 0..NODES {
+            world.drain_node(i);
+        }
+        // Let the nodes come up before load starts.
+        world.advance(300);
+        for op in ops {
+            if world.failure.is_some() {
+                break;
+            }
+            let text = format!("{op:?}");
+            world.log(|| format!("op {text}"));
+            world.apply(op);
+            if world.failure.is_none() {
+                world.check_invariants();
+            }
+        }
+        if world.failure.is_none() {
+            world.quiesce();
+        }
+    }));
+    if let Err(panic) = outcome {
+        let message = panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+            .unwrap_or_else(|| "a machine panicked".to_owned());
+        world.failure = Some(format!("panic: {message}"));
+    }
+    world.stats.simulated = world.now.saturating_duration_since(Timestamp::ZERO);
+    match world.failure.take() {
+        None => Ok(world.stats),
+        Some(message) => {
+            let mut trace = String::new();
+            for line in &world.trace {
+                let _ = writeln!(trace, "  {line}");
+            }
+            Err(SimFailure {
+                seed,
+                at: world.now,
+                message,
+                trace,
+            })
+        }
+    }
+}
