@@ -28,3 +28,37 @@ fn frame_decoder_corpus_replays() {
         assert!(result.is_ok(), "corpus input {} fails", path.display());
     }
 }
+
+#[test]
+fn edge_core_corpus_replays() {
+    for (path, data) in corpus("edge_core") {
+        let result = std::panic::catch_unwind(|| iop_proto_core::testkit::fuzz::edge_core(&data));
+        assert!(result.is_ok(), "corpus input {} fails", path.display());
+    }
+}
+
+#[test]
+fn node_session_corpus_replays() {
+    for (path, data) in corpus("node_session") {
+        let result =
+            std::panic::catch_unwind(|| iop_proto_core::testkit::fuzz::node_session(&data));
+        assert!(result.is_ok(), "corpus input {} fails", path.display());
+    }
+}
+
+#[test]
+fn tunnel_receiver_corpus_replays() {
+    for (path, data) in corpus("tunnel_receiver") {
+        let result =
+            std::panic::catch_unwind(|| iop_proto_core::testkit::fuzz::tunnel_receiver(&data));
+        assert!(result.is_ok(), "corpus input {} fails", path.display());
+    }
+}
+
+#[test]
+fn lease_queue_corpus_replays() {
+    for (path, data) in corpus("lease_queue") {
+        let result = std::panic::catch_unwind(|| iop_proto_core::testkit::fuzz::lease_queue(&data));
+        assert!(result.is_ok(), "corpus input {} fails", path.display());
+    }
+}

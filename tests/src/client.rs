@@ -267,7 +267,7 @@ impl Cluster {
     #[must_use]
     pub fn node_toml(&self, node_id: &str, token: &str, reconnect: &str) -> String {
         format!(
-            "node_id = \"{node_id}\"\nedge_addr = \"127.0.0.1:{}\"\ntoken = \"{token}\"\n\n[reconnect]\n{reconnect}\n\n[timeouts]\nconnect_sec = 1\nhandshake_sec = 3\nshutdown_grace_sec = 2\n",
+            "node_id = \"{node_id}\"\nedge_addr = \"127.0.0.1:{}\"\ntoken = \"{token}\"\n\n[reconnect]\n{reconnect}\n\n[timeouts]\nconnect_sec = 1\nhandshake_sec = 3\nshutdown_grace_sec = 2\nrequest_sec = 3\n",
             self.node_port
         )
     }

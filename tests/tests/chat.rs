@@ -495,3 +495,34 @@ async fn a_client_that_disconnects_mid_stream_cancels_upstream() {
     }
     assert!(node.log().contains("cancel requested by the edge"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_that_hangs_ends_in_a_timeout_error() {
+    let oa = fake::start(
+        Flavor::OpenAi,
+        Behaviour {
+            hang: true,
+            ..Behaviour::default()
+        },
+    )
+    .await;
+    let cluster = Cluster::start("", &body(&oa.url(), &oa.url()));
+    let _node = cluster.node("n1", "tok-1");
+    cluster.wait_ready("n1").await;
+    // The node's request timeout (3 s in test clusters) ends the upstream call.
+    let started = std::time::Instant::now();
+    let r = cluster
+        .http()
+        .post("/v1/chat/completions", &chat("run-chat", false))
+        .await;
+    assert_eq!(r.status, 504, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.json()["error"]["code"], "timeout");
+    assert!(
+        started.elapsed() >= Duration::from_secs(3) && started.elapsed() < Duration::from_secs(10)
+    );
+    assert!(
+        oa.state.aborted() >= 1,
+        "the hung upstream request was not closed"
+    );
+    assert_eq!(cluster.provider("n1", "oa-run").await["in_flight"], 0);
+}

@@ -81,3 +81,444 @@ fn truncation_is_ok(err: DecodeError) -> Result<(), DecodeError> {
         other => Err(other),
     }
 }
+
+/// Reads bytes off the front of fuzz input, yielding zeros once exhausted.
+struct Input<'a>(&'a [u8]);
+
+impl Input<'_> {
+    fn byte(&mut self) -> u8 {
+        match self.0.split_first() {
+            Some((b, rest)) => {
+                self.0 = rest;
+                *b
+            }
+            None => 0,
+        }
+    }
+
+    fn u16(&mut self) -> u16 {
+        u16::from_le_bytes([self.byte(), self.byte()])
+    }
+
+    fn bytes(&mut self, max: usize) -> &[u8] {
+        let n = usize::from(self.byte()).min(max).min(self.0.len());
+        let (head, rest) = self.0.split_at(n);
+        self.0 = rest;
+        head
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+fn structured_envelope(input: &mut Input<'_>) -> Option<Envelope> {
+    use prost::Message;
+
+    use crate::wire::{
+        Body, CancelRequest, Heartbeat, HeartbeatAck, NodeConfigRefreshResponse, NodeReadyRequest,
+        ProviderTunnelFrame, RegisterRequest, RunEvent,
+    };
+    let node_id = format!("n{}", input.byte() % 4);
+    let run_id = format!("run-{}", input.byte() % 16);
+    let body = match input.byte() % 10 {
+        0 => {
+            let raw = input.bytes(64);
+            return Envelope::decode(raw).ok();
+        }
+        1 => Body::RegisterRequest(RegisterRequest {
+            node_id,
+            token: if input.byte() % 4 == 0 {
+                "bad".into()
+            } else {
+                "sim-token".into()
+            },
+            ..RegisterRequest::default()
+        }),
+        2 => Body::NodeReadyRequest(NodeReadyRequest { node_id }),
+        3 => Body::Heartbeat(Heartbeat {
+            nonce: u64::from(input.byte()),
+            sent_at_ms: u64::from(input.u16()),
+        }),
+        4 => Body::HeartbeatAck(HeartbeatAck {
+            nonce: u64::from(input.byte()),
+            echo_sent_at_ms: 0,
+        }),
+        5 | 6 => Body::RunEvent(RunEvent {
+            run_id,
+            sequence: u64::from(input.byte() % 8),
+            r#type: i32::from(input.byte() % 7),
+            delta: "x".into(),
+            ..RunEvent::default()
+        }),
+        7 => Body::ProviderTunnelFrame(ProviderTunnelFrame {
+            run_id,
+            sequence: u64::from(input.byte() % 8),
+            kind: i32::from(input.byte() % 8),
+            status_code: u32::from(input.u16() % 700),
+            body: bytes::Bytes::copy_from_slice(input.bytes(16)),
+            ..ProviderTunnelFrame::default()
+        }),
+        8 => Body::NodeConfigRefreshResponse(NodeConfigRefreshResponse {
+            request_id: format!("refresh-{}", input.byte() % 4),
+            status: i32::from(input.byte() % 5),
+            ..NodeConfigRefreshResponse::default()
+        }),
+        _ => Body::CancelRequest(CancelRequest {
+            run_id,
+            kind: i32::from(input.byte() % 4),
+            reason: String::new(),
+        }),
+    };
+    Some(Envelope::new(body))
+}
+
+/// The Edge machine fed arbitrary envelopes from several connections, interleaved with
+/// time, submits, dispatches and cancels. Checks that nothing panics and that the lease
+/// accounting stays consistent after every input.
+pub fn edge_core(data: &[u8]) {
+    use crate::edge::{ConnId, Dispatch, DispatchShape, EdgeCore, EdgeEvent, Submit};
+    use crate::testkit::sim::world_config;
+    use crate::time::Timestamp;
+    use crate::wire::{ProviderTunnelRequest, RunRequest};
+
+    let Ok(mut edge) = EdgeCore::new(world_config(0)) else {
+        return;
+    };
+    let mut input = Input(data);
+    let mut now = 0u64;
+    let mut open = [false; 4];
+    let mut requests = Vec::new();
+    while !input.is_empty() {
+        let op = input.byte();
+        let conn = usize::from(op >> 4) % open.len();
+        let t = Timestamp::from_millis(now);
+        match op % 8 {
+            0 => {
+                if !open[conn] {
+                    open[conn] = edge
+                        .handle_connection_opened(t, ConnId(conn as u64))
+                        .is_ok();
+                }
+            }
+            1 => {
+                if open[conn] {
+                    open[conn] = false;
+                    let _ = edge.handle_connection_closed(t, ConnId(conn as u64));
+                }
+            }
+            2..=4 => {
+                if let Some(envelope) = structured_envelope(&mut input)
+                    && open[conn]
+                {
+                    let _ = edge.handle_envelope(t, ConnId(conn as u64), envelope);
+                }
+            }
+            5 => {
+                now += u64::from(input.u16());
+                edge.handle_timeout(Timestamp::from_millis(now));
+            }
+            6 => {
+                let model = format!("m{}", input.byte() % 4);
+                if let Ok(r) = edge.handle_submit(
+                    t,
+                    Submit {
+                        model: &model,
+                        prompt_tokens: u64::from(input.byte()),
+                    },
+                ) {
+                    requests.push(r);
+                }
+            }
+            _ => {
+                if let Some(&r) = requests.get(usize::from(input.byte())) {
+                    edge.handle_cancel(t, r, "fuzz");
+                }
+            }
+        }
+        // Drain like a shell: dispatch grants, forget the rest.
+        let t = Timestamp::from_millis(now);
+        while edge.poll_transmit().is_some() {}
+        while let Some(event) = edge.poll_event() {
+            if let EdgeEvent::Granted(grant) = event {
+                let dispatch = match grant.shape {
+                    DispatchShape::Run => Dispatch::Run(RunRequest::default()),
+                    DispatchShape::Tunnel => Dispatch::Tunnel(ProviderTunnelRequest {
+                        method: "POST".into(),
+                        path: "/".into(),
+                        ..ProviderTunnelRequest::default()
+                    }),
+                };
+                let _ = edge.handle_dispatch(t, grant.request, dispatch);
+            }
+        }
+        while edge.poll_transmit().is_some() {}
+        let ledger = edge.ledger();
+        let held: u32 = edge
+            .snapshots()
+            .iter()
+            .filter_map(|s| edge.resource(&s.node_id, &s.provider_id))
+            .map(|r| ledger.usage(r).in_flight)
+            .sum();
+        assert_eq!(
+            held as usize,
+            ledger.leases_held(),
+            "lease accounting diverged"
+        );
+    }
+}
+
+/// The Node session fed arbitrary envelopes, shell outputs and timeouts. Checks that
+/// nothing panics and that every run event it transmits forms a valid sequence per run.
+pub fn node_session(data: &[u8]) {
+    use std::collections::HashMap;
+
+    use crate::run::RunTracker;
+    use crate::session::{NodeSession, RunOutput, SessionConfig, TunnelOutput};
+    use crate::time::Timestamp;
+    use crate::wire::{
+        AdapterConfig, AdapterType, Body, ErrorDetail, NodeConfigPayload, RegisterResponse,
+    };
+
+    let mut session = NodeSession::new(SessionConfig::new("n0", "sim-token"));
+    let mut input = Input(data);
+    let mut now = 0u64;
+    let _ = session.handle_connected(Timestamp::ZERO);
+    let mut trackers: HashMap<String, RunTracker> = HashMap::new();
+    while !input.is_empty() {
+        let t = Timestamp::from_millis(now);
+        match input.byte() % 8 {
+            0 => {
+                // An accepted register with a plausible config.
+                let payload = NodeConfigPayload {
+                    revision: 1,
+                    adapters: vec![AdapterConfig {
+                        name: "run".into(),
+                        r#type: AdapterType::Mock as i32,
+                        capacity: u32::from(input.byte() % 4),
+                        long_capacity: 0,
+                        enabled: true,
+                        ..AdapterConfig::default()
+                    }],
+                    runtime: None,
+                };
+                session.handle_envelope(
+                    t,
+                    Envelope::new(Body::RegisterResponse(RegisterResponse {
+                        accepted: input.byte() % 8 != 0,
+                        node_id: "n0".into(),
+                        config: Some(payload),
+                        heartbeat_interval_ms: u32::from(input.u16()),
+                        ..RegisterResponse::default()
+                    })),
+                );
+            }
+            1 => {
+                let _ = session.handle_config_applied(
+                    t,
+                    if input.byte() % 8 == 0 {
+                        Err("no".into())
+                    } else {
+                        Ok(())
+                    },
+                );
+            }
+            2 | 3 => {
+                if let Some(envelope) = structured_envelope(&mut input) {
+                    session.handle_envelope(t, envelope);
+                }
+            }
+            4 => {
+                let run_id = format!("run-{}", input.byte() % 16);
+                let output = match input.byte() % 5 {
+                    0 => RunOutput::Start,
+                    1 => RunOutput::Delta("x".into()),
+                    2 => RunOutput::Complete {
+                        usage: None,
+                        metadata: Default::default(),
+                    },
+                    3 => RunOutput::Error(ErrorDetail::default()),
+                    _ => RunOutput::Cancelled,
+                };
+                let _ = session.handle_run_output(t, &run_id, output);
+            }
+            5 => {
+                let run_id = format!("run-{}", input.byte() % 16);
+                let output = match input.byte() % 4 {
+                    0 => TunnelOutput::Status {
+                        status: u32::from(input.u16()),
+                        headers: Vec::new(),
+                    },
+                    1 => TunnelOutput::Body(bytes::Bytes::copy_from_slice(input.bytes(200))),
+                    2 => TunnelOutput::End,
+                    _ => TunnelOutput::Error(ErrorDetail::default()),
+                };
+                let _ = session.handle_tunnel_output(t, &run_id, output);
+            }
+            6 => {
+                now += u64::from(input.u16());
+                session.handle_timeout(Timestamp::from_millis(now));
+            }
+            _ => {
+                // Answer a pending refresh or command with arbitrary ids.
+                let id = format!("refresh-{}", input.byte() % 4);
+                let _ = session.handle_refresh_applied(t, &id, Ok(()));
+            }
+        }
+        while session.poll_event().is_some() {}
+        while let Some(envelope) = session.poll_transmit() {
+            if let Some(Body::RunEvent(event)) = envelope.body {
+                let tracker = trackers.entry(event.run_id.clone()).or_default();
+                assert!(
+                    tracker.observe(&event).is_ok(),
+                    "the session emitted an invalid run sequence: {event:?}"
+                );
+                if tracker.is_ended() {
+                    // A run id may be reused by a later request after it ended.
+                    trackers.remove(&event.run_id);
+                }
+            }
+        }
+    }
+}
+
+/// Arbitrary frames into the tunnel receiver: it never panics, and once it refuses a frame
+/// or accepts a terminal it accepts nothing more.
+pub fn tunnel_receiver(data: &[u8]) {
+    use crate::tunnel::TunnelReceiver;
+    use crate::wire::ProviderTunnelFrame;
+
+    let mut input = Input(data);
+    let mut receiver = TunnelReceiver::new();
+    let mut closed = false;
+    while !input.is_empty() {
+        let frame = ProviderTunnelFrame {
+            run_id: "t".into(),
+            sequence: u64::from(input.byte() % 12),
+            kind: i32::from(input.byte() % 9) - 1,
+            status_code: u32::from(input.u16()),
+            ..ProviderTunnelFrame::default()
+        };
+        let accepted = receiver.observe(&frame);
+        if closed {
+            assert!(accepted.is_err(), "accepted a frame after the tunnel ended");
+        }
+        match accepted {
+            Ok(step) => closed = step.is_terminal(),
+            Err(_) => closed = true,
+        }
+        assert_eq!(closed, receiver.is_ended());
+    }
+}
+
+/// Operation lists over the lease ledger and the wait queue, checked against plain
+/// counting: each lease is held once, released once, and fencing returns exactly the
+/// leases of its resource.
+pub fn lease_queue(data: &[u8]) {
+    use std::collections::BTreeMap;
+    use std::sync::Arc;
+
+    use crate::lease::{Generation, Lease, Ledger, Release, RequestId};
+    use crate::queue::{Candidate, Ticket, WaitQueue, Waiter};
+    use crate::time::Timestamp;
+
+    let mut ledger = Ledger::new();
+    let resources: Vec<_> = (0..4).map(|_| ledger.add_resource()).collect();
+    let mut queue = WaitQueue::new();
+    let mut model: BTreeMap<u64, Lease> = BTreeMap::new();
+    let mut released: Vec<Lease> = Vec::new();
+    let mut tickets: Vec<Ticket> = Vec::new();
+    let mut generation = 1u64;
+    let mut input = Input(data);
+    let mut next = 1u64;
+    while !input.is_empty() {
+        let r = resources[usize::from(input.byte()) % resources.len()];
+        match input.byte() % 7 {
+            0 => {
+                generation += 1;
+                let fenced = ledger.activate(
+                    r,
+                    Generation(generation),
+                    u32::from(input.byte() % 4),
+                    u32::from(input.byte() % 3),
+                );
+                for lease in fenced {
+                    assert_eq!(model.remove(&lease.request.0), Some(lease));
+                }
+            }
+            1 => {
+                let fenced = ledger.fence(r);
+                for lease in &fenced {
+                    assert_eq!(lease.resource, r);
+                    assert_eq!(model.remove(&lease.request.0), Some(*lease));
+                }
+                assert!(
+                    model.values().all(|l| l.resource != r),
+                    "fence left a lease behind"
+                );
+            }
+            2 => {
+                let long = input.byte() % 2 == 0;
+                if let Some(lease) = ledger.try_acquire(r, RequestId(next), long) {
+                    model.insert(next, lease);
+                }
+                next += 1;
+            }
+            3 => {
+                let pick = usize::from(input.byte());
+                if let Some(&lease) = model.values().nth(pick % model.len().max(1)) {
+                    assert_eq!(ledger.release(lease), Release::Released);
+                    model.remove(&lease.request.0);
+                    released.push(lease);
+                } else if let Some(&old) = released.get(pick % released.len().max(1)) {
+                    assert_eq!(
+                        ledger.release(old),
+                        Release::Stale,
+                        "a lease released twice"
+                    );
+                }
+            }
+            4 => {
+                let candidates: Arc<[Candidate]> = vec![Candidate {
+                    resource: r,
+                    target: "t".into(),
+                }]
+                .into();
+                tickets.push(queue.push(Waiter {
+                    request: RequestId(next),
+                    model: "m".into(),
+                    long: input.byte() % 2 == 0,
+                    candidates,
+                    deadline: Timestamp::from_millis(u64::from(input.u16())),
+                }));
+                next += 1;
+            }
+            5 => {
+                let pick = usize::from(input.byte());
+                if let Some(&ticket) = tickets.get(pick % tickets.len().max(1)) {
+                    let _ = queue.remove(ticket);
+                }
+            }
+            _ => {
+                let now = Timestamp::from_millis(u64::from(input.u16()));
+                while let Some(w) = queue.pop_expired(now) {
+                    assert!(w.deadline <= now);
+                }
+            }
+        }
+        assert_eq!(ledger.leases_held(), model.len());
+        let counted: usize = resources
+            .iter()
+            .map(|&r| ledger.usage(r).in_flight as usize)
+            .sum();
+        assert_eq!(counted, model.len());
+        for &res in &resources {
+            let u = ledger.usage(res);
+            let (queued, long_queued) = queue.queued_at(res);
+            assert!(long_queued <= queued);
+            assert!(u.long_in_flight <= u.in_flight);
+        }
+        let live = queue.waiters().len();
+        assert_eq!(live, queue.len());
+    }
+}

@@ -1,0 +1,8 @@
+//! Arbitrary envelopes, shell outputs and timeouts into the Node session machine.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    iop_proto_core::testkit::fuzz::node_session(data);
+});
