@@ -73,6 +73,14 @@ struct RawConfig {
     reconnect: RawReconnect,
     #[serde(default)]
     timeouts: RawTimeouts,
+    #[serde(default)]
+    tls: RawTls,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTls {
+    ca_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -126,6 +134,8 @@ pub struct NodeConfig {
     pub request_timeout: Duration,
     /// How long shutdown waits for cancelled work to end in order.
     pub shutdown_grace: Duration,
+    /// Extra CA certificates (PEM) trusted for `https://` providers.
+    pub ca_file: Option<PathBuf>,
 }
 
 fn seconds(key: &'static str, value: Option<f64>, default: f64) -> Result<Duration, ConfigError> {
@@ -237,6 +247,10 @@ impl NodeConfig {
                 raw.timeouts.shutdown_grace_sec,
                 5.0,
             )?,
+            ca_file: raw
+                .tls
+                .ca_file
+                .map(|file| path.parent().map_or(file.clone(), |dir| dir.join(&file))),
         })
     }
 }

@@ -62,11 +62,21 @@ fn main() -> ExitCode {
         }
     };
     let reason = runtime.block_on(async move {
+        let ctx = match supervisor::context(&config) {
+            Ok(ctx) => ctx,
+            Err(err) => {
+                tracing::error!(error = %err, "invalid configuration");
+                eprintln!("iop-node: {err}");
+                return None;
+            }
+        };
         let shutdown = CancellationToken::new();
         tokio::spawn(wait_for_signal(shutdown.clone()));
-        let ctx = supervisor::context(&config);
-        supervisor::run(config, ctx, shutdown).await
+        Some(supervisor::run(config, ctx, shutdown).await)
     });
+    let Some(reason) = reason else {
+        return ExitCode::from(1);
+    };
     ExitCode::from(u8::try_from(reason.exit_code()).unwrap_or(1))
 }
 

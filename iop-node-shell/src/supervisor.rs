@@ -118,15 +118,14 @@ pub async fn run(config: NodeConfig, ctx: Context, shutdown: CancellationToken) 
     }
 }
 
-/// Process-wide pieces a supervisor needs.
-#[must_use]
-pub fn context(config: &NodeConfig) -> Context {
-    Context {
+/// Process-wide pieces a supervisor needs; fails on an unusable TLS configuration.
+pub fn context(config: &NodeConfig) -> Result<Context, String> {
+    Ok(Context {
         clock: crate::clock::Clock::new(),
         stats: Arc::new(TransportStats::default()),
-        http: crate::adapters::http::client(),
+        http: crate::adapters::http::client(config.ca_file.as_deref())?,
         request_timeout: config.request_timeout,
         shutdown_grace: config.shutdown_grace,
         started: tokio::time::Instant::now(),
-    }
+    })
 }

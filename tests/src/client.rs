@@ -279,11 +279,14 @@ impl Cluster {
 
     /// Starts a node with an explicit `[reconnect]` section body.
     pub fn node_with(&self, node_id: &str, token: &str, reconnect: &str) -> Proc {
+        self.node_extra(node_id, token, reconnect, "")
+    }
+
+    /// Starts a node whose config ends with `extra` (e.g. a `[tls]` section).
+    pub fn node_extra(&self, node_id: &str, token: &str, reconnect: &str, extra: &str) -> Proc {
         let name = format!("node-{node_id}-{}", crate::free_port());
-        let path = self.dir.write(
-            &format!("{name}.toml"),
-            &self.node_toml(node_id, token, reconnect),
-        );
+        let text = format!("{}\n{extra}\n", self.node_toml(node_id, token, reconnect));
+        let path = self.dir.write(&format!("{name}.toml"), &text);
         let path = path.to_string_lossy().into_owned();
         Proc::start("iop-node", &["--config", &path], &self.dir, &name, &[])
     }

@@ -182,8 +182,58 @@ impl Drop for HangGuard {
     }
 }
 
+/// A private CA and a `localhost` server certificate it signed, for TLS fakes.
+#[derive(Debug)]
+pub struct TestPki {
+    /// The CA certificate, PEM (what a node trusts through `tls.ca_file`).
+    pub ca_pem: String,
+    server: Arc<rustls::ServerConfig>,
+}
+
+/// Generates a fresh CA and a server certificate for `localhost`.
+#[must_use]
+pub fn test_pki() -> TestPki {
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("params");
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca =
+        CertifiedIssuer::self_signed(ca_params, KeyPair::generate().expect("key")).expect("ca");
+    let key = KeyPair::generate().expect("key");
+    let cert = CertificateParams::new(vec!["localhost".to_owned()])
+        .expect("params")
+        .signed_by(&key, &ca)
+        .expect("signed");
+    let key_der = rustls_pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into());
+    let server = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .expect("versions")
+    .with_no_client_auth()
+    .with_single_cert(vec![cert.der().clone()], key_der)
+    .expect("server config");
+    TestPki {
+        ca_pem: ca.pem(),
+        server: Arc::new(server),
+    }
+}
+
 /// Starts a fake on a free loopback port.
 pub async fn start(flavor: Flavor, behaviour: Behaviour) -> Fake {
+    start_with(flavor, behaviour, None).await
+}
+
+/// Starts a fake that speaks HTTPS with `pki`'s server certificate.
+pub async fn start_tls(flavor: Flavor, behaviour: Behaviour, pki: &TestPki) -> Fake {
+    start_with(flavor, behaviour, Some(pki.server.clone())).await
+}
+
+async fn start_with(
+    flavor: Flavor,
+    behaviour: Behaviour,
+    tls: Option<Arc<rustls::ServerConfig>>,
+) -> Fake {
+    let acceptor = tls.map(tokio_rustls::TlsAcceptor::from);
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     let state = Arc::new(State {
@@ -197,14 +247,25 @@ pub async fn start(flavor: Flavor, behaviour: Behaviour) -> Fake {
                 return;
             };
             let state = server_state.clone();
+            let acceptor = acceptor.clone();
             tokio::spawn(async move {
                 let service = service_fn(move |req| {
                     let state = state.clone();
                     async move { Ok::<_, Infallible>(handle(flavor, req, state).await) }
                 });
-                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                    .serve_connection(TokioIo::new(stream), service)
-                    .await;
+                let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+                match acceptor {
+                    None => {
+                        let _ = builder
+                            .serve_connection(TokioIo::new(stream), service)
+                            .await;
+                    }
+                    Some(acceptor) => {
+                        if let Ok(tls) = acceptor.accept(stream).await {
+                            let _ = builder.serve_connection(TokioIo::new(tls), service).await;
+                        }
+                    }
+                }
             });
         }
     });

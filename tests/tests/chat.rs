@@ -526,3 +526,45 @@ async fn a_provider_that_hangs_ends_in_a_timeout_error() {
     );
     assert_eq!(cluster.provider("n1", "oa-run").await["in_flight"], 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn https_providers_are_reached_through_rustls_with_a_private_ca() {
+    let pki = fake::test_pki();
+    let tls = fake::start_tls(Flavor::OpenAi, Behaviour::default(), &pki).await;
+    let url = format!("https://localhost:{}", tls.addr.port());
+    let cluster = Cluster::start("", &body(&url, &url));
+    cluster.dir.write("ca.pem", &pki.ca_pem);
+    let _node = cluster.node_extra(
+        "n1",
+        "tok-1",
+        "max_attempts = 0\ninterval_sec = 0.2",
+        "[tls]\nca_file = \"ca.pem\"",
+    );
+    cluster.wait_ready("n1").await;
+    let http = cluster.http();
+    let r = http
+        .post("/v1/chat/completions", &chat("tunnel-chat", false))
+        .await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(content(&r.json()), "w0 w1 w2 ");
+    let r = http
+        .post("/v1/chat/completions", &chat("run-chat", false))
+        .await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(tls.state.requests().len(), 2);
+
+    // Without the CA the certificate is refused and the caller gets a provider error.
+    let other = Cluster::start("", &body(&url, &url));
+    let _untrusting = other.node("n1", "tok-1");
+    other.wait_ready("n1").await;
+    let r = other
+        .http()
+        .post("/v1/chat/completions", &chat("tunnel-chat", false))
+        .await;
+    assert_eq!(r.status, 502, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(
+        tls.state.requests().len(),
+        2,
+        "no request got through an untrusted TLS session"
+    );
+}

@@ -1,28 +1,68 @@
 //! The pooled HTTP client adapters share, and request helpers.
 
+use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Method, Request, Uri};
 use http_body_util::Full;
 use hyper::body::Incoming;
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use iop_proto_core::wire::Header;
 
-/// A pooled HTTP/1.1 client (keep-alive connections are reused across requests).
-pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
+/// A pooled HTTP/1.1 client for `http://` and `https://` providers (keep-alive
+/// connections are reused across requests).
+pub type HttpClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
 
-/// Builds the shared client.
-#[must_use]
-pub fn client() -> HttpClient {
+/// Builds the shared client. TLS trusts the Mozilla roots, plus the PEM certificates in
+/// `extra_ca` (for providers behind a private CA).
+pub fn client(extra_ca: Option<&Path>) -> Result<HttpClient, String> {
+    use rustls_pki_types::CertificateDer;
+    use rustls_pki_types::pem::PemObject;
+
+    let mut roots = rustls::RootCertStore::empty();
+    roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+    if let Some(path) = extra_ca {
+        let certs = CertificateDer::pem_file_iter(path)
+            .map_err(|err| format!("tls.ca_file {}: {err}", path.display()))?;
+        let mut added = 0;
+        for cert in certs {
+            let cert = cert.map_err(|err| format!("tls.ca_file {}: {err}", path.display()))?;
+            roots
+                .add(cert)
+                .map_err(|err| format!("tls.ca_file {}: {err}", path.display()))?;
+            added += 1;
+        }
+        if added == 0 {
+            return Err(format!(
+                "tls.ca_file {}: no certificate found",
+                path.display()
+            ));
+        }
+    }
+    let tls = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .map_err(|err| format!("tls: {err}"))?
+    .with_root_certificates(roots)
+    .with_no_client_auth();
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
+    connector.enforce_http(false);
     connector.set_connect_timeout(Some(Duration::from_secs(10)));
-    Client::builder(TokioExecutor::new())
+    let https = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .wrap_connector(connector);
+    Ok(Client::builder(TokioExecutor::new())
         .pool_idle_timeout(Duration::from_secs(60))
-        .build(connector)
+        .build(https))
 }
 
 /// Headers that describe one hop and must not be forwarded.
@@ -52,13 +92,12 @@ pub fn base_url(url: &str) -> Result<String, String> {
         .parse()
         .map_err(|err| format!("base_url {url:?}: {err}"))?;
     match uri.scheme_str() {
-        Some("http") => {}
-        Some("https") => {
+        Some("http" | "https") => {}
+        _ => {
             return Err(format!(
-                "base_url {url:?}: https is not supported by this build; put a TLS-terminating proxy on loopback"
+                "base_url {url:?} must start with http:// or https://"
             ));
         }
-        _ => return Err(format!("base_url {url:?} must start with http://")),
     }
     if uri.authority().is_none() {
         return Err(format!("base_url {url:?} has no host"));
