@@ -162,6 +162,15 @@ pub enum CoreMsg {
         /// What changed, or why it was refused.
         reply: oneshot::Sender<Result<ConfigDiff, String>>,
     },
+    /// A query command for a node.
+    Command {
+        /// Node id.
+        node_id: String,
+        /// The command (its request id is assigned by the core).
+        request: iop_proto_core::wire::NodeCommandRequest,
+        /// The node's answer, or why it was not sent.
+        reply: CommandReply,
+    },
     /// A status snapshot.
     Snapshot {
         /// Answer.
@@ -182,7 +191,13 @@ struct Entry {
     submitted: Instant,
 }
 
+/// Where a command's answer goes.
+pub type CommandReply = oneshot::Sender<
+    Result<iop_proto_core::wire::NodeCommandResponse, iop_proto_core::CommandError>,
+>;
+
 struct Task {
+    commands: HashMap<String, CommandReply>,
     core: EdgeCore,
     clock: Clock,
     metrics: Arc<Metrics>,
@@ -198,6 +213,7 @@ pub async fn run(
     metrics: Arc<Metrics>,
 ) {
     let mut task = Task {
+        commands: HashMap::new(),
         core,
         clock,
         metrics,
@@ -281,6 +297,18 @@ impl Task {
                     .map_err(|err| err.to_string());
                 let _ = reply.send(result);
             }
+            CoreMsg::Command {
+                node_id,
+                request,
+                reply,
+            } => match self.core.handle_command(now, &node_id, request) {
+                Ok(request_id) => {
+                    self.commands.insert(request_id, reply);
+                }
+                Err(err) => {
+                    let _ = reply.send(Err(err));
+                }
+            },
             CoreMsg::Snapshot { reply } => {
                 let mut queue_by_model: Vec<(String, usize)> = self
                     .core
@@ -412,6 +440,11 @@ impl Task {
             }
             EdgeEvent::RefreshTimedOut { node_id, revision } => {
                 warn!(node_id = %node_id, revision, "config refresh not answered in time");
+            }
+            EdgeEvent::CommandAnswered { response, .. } => {
+                if let Some(reply) = self.commands.remove(&response.request_id) {
+                    let _ = reply.send(Ok(response));
+                }
             }
             EdgeEvent::PeerViolation {
                 conn,

@@ -173,6 +173,7 @@ async fn route(req: Request<Incoming>, state: Arc<State>) -> Response<ResBody> {
                 (Method::POST, "/v1/embeddings") => {
                     inference(req, state, Endpoint::Embeddings).await
                 }
+                (_, path) if path.starts_with("/v1/nodes/") => node_command(req, &state).await,
                 _ => error(
                     StatusCode::NOT_FOUND,
                     &format!("no route for {path}"),
@@ -314,6 +315,112 @@ async fn status(state: &State) -> Response<ResBody> {
         "open_requests": snapshot.open_requests,
     });
     json_response(StatusCode::OK, Bytes::from(body.to_string()))
+}
+
+/// `/v1/nodes/{node}/capabilities`, `/v1/nodes/{node}/transport` and the read-only
+/// `/v1/nodes/{node}/ollama/{adapter}/api/...` pass-through: node commands.
+async fn node_command(req: Request<Incoming>, state: &State) -> Response<ResBody> {
+    use iop_proto_core::CommandError;
+    use iop_proto_core::wire::{NodeCommandRequest, NodeCommandType};
+    let method = req.method().as_str().to_owned();
+    let path = req.uri().path().to_owned();
+    let rest = path.trim_start_matches("/v1/nodes/");
+    let (node_id, what) = rest.split_once('/').unwrap_or((rest, ""));
+    let mut request = NodeCommandRequest {
+        method,
+        ..NodeCommandRequest::default()
+    };
+    match what {
+        "capabilities" => request.r#type = NodeCommandType::Capabilities as i32,
+        "transport" => request.r#type = NodeCommandType::TransportStatus as i32,
+        other => match other
+            .strip_prefix("ollama/")
+            .and_then(|r| r.split_once('/'))
+        {
+            Some((adapter, api)) => {
+                request.r#type = NodeCommandType::OllamaApi as i32;
+                request.adapter = adapter.to_owned();
+                request.path = format!("/{api}");
+            }
+            None => {
+                return error(
+                    StatusCode::NOT_FOUND,
+                    &format!("no route for {path}"),
+                    "invalid_request_error",
+                    Some("unknown_url"),
+                );
+            }
+        },
+    }
+    let limit = state.settings().max_body_bytes;
+    request.body = match Limited::new(req.into_body(), limit).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(_) => {
+            return error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "request body too large",
+                "invalid_request_error",
+                None,
+            );
+        }
+    };
+    let (reply, answer) = oneshot::channel();
+    let sent = state
+        .core
+        .send(CoreMsg::Command {
+            node_id: node_id.to_owned(),
+            request,
+            reply,
+        })
+        .await;
+    if sent.is_err() {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "edge is shutting down",
+            "server_error",
+            None,
+        );
+    }
+    match answer.await {
+        Ok(Ok(response)) if response.ok => {
+            let payload = if response.payload.is_empty() {
+                Bytes::from_static(b"{}")
+            } else {
+                response.payload
+            };
+            json_response(StatusCode::OK, payload)
+        }
+        Ok(Ok(response)) => error(
+            StatusCode::BAD_GATEWAY,
+            &response.error,
+            "server_error",
+            Some("command_failed"),
+        ),
+        Ok(Err(CommandError::Invalid(err))) => error(
+            StatusCode::BAD_REQUEST,
+            &err.to_string(),
+            "invalid_request_error",
+            Some("command_not_admitted"),
+        ),
+        Ok(Err(CommandError::UnknownNode(node))) => error(
+            StatusCode::NOT_FOUND,
+            &format!("node {node:?} does not exist"),
+            "invalid_request_error",
+            Some("unknown_node"),
+        ),
+        Ok(Err(err)) => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            &err.to_string(),
+            "server_error",
+            Some("node_not_ready"),
+        ),
+        Err(_) => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "edge is shutting down",
+            "server_error",
+            None,
+        ),
+    }
 }
 
 /// Cancels the request when dropped before `disarm` (client gone, write failure, timeout).

@@ -38,10 +38,10 @@ use crate::time::Timestamp;
 use crate::tunnel::{TunnelReceiver, TunnelStep};
 use crate::wire::{
     AdapterConfig, AdapterType, Body, CancelKind, CancelRequest, Envelope, ErrorDetail, Heartbeat,
-    HeartbeatAck, NodeConfigRefreshRequest, NodeConfigRefreshResponse, NodeReadyRequest,
-    NodeReadyResponse, ProviderHealth, ProviderSnapshot, ProviderStatus, ProviderTunnelFrame,
-    ProviderTunnelRequest, RefreshStatus, RegisterRequest, RegisterResponse, RunEvent,
-    RunEventType, RunRequest, Validate,
+    HeartbeatAck, NodeCommandResponse, NodeConfigRefreshRequest, NodeConfigRefreshResponse,
+    NodeReadyRequest, NodeReadyResponse, ProviderHealth, ProviderSnapshot, ProviderStatus,
+    ProviderTunnelFrame, ProviderTunnelRequest, RefreshStatus, RegisterRequest, RegisterResponse,
+    RunEvent, RunEventType, RunRequest, Validate,
 };
 
 /// Opaque identifier of a node connection, chosen by the shell.
@@ -234,6 +234,14 @@ pub enum EdgeEvent {
         /// Revision that was pushed.
         revision: u64,
     },
+    /// A node answered a command, or the command failed (node lost, timed out: then
+    /// `ok` is false and `error` says why).
+    CommandAnswered {
+        /// Node id.
+        node_id: Arc<str>,
+        /// The answer.
+        response: NodeCommandResponse,
+    },
     /// A peer broke the protocol (for logs and metrics; the machine already acted).
     PeerViolation {
         /// Connection.
@@ -275,6 +283,21 @@ pub enum UsageError {
     /// An input for a connection that is not open.
     #[error("connection {0:?} is not open")]
     UnknownConnection(ConnId),
+}
+
+/// Refusal of a node command.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CommandError {
+    /// The command breaks the contract (checked before any node or provider lookup).
+    #[error("{0}")]
+    Invalid(crate::wire::ValidationError),
+    /// No configured node of that id.
+    #[error("node {0:?} does not exist")]
+    UnknownNode(String),
+    /// The node is not ready.
+    #[error("node {0:?} is not ready")]
+    NotReady(String),
 }
 
 /// Refusal of a dispatch.
@@ -348,6 +371,7 @@ enum TimerKey {
     Ping(ConnId),
     Refresh(usize, u64),
     CancelGrace(RequestId),
+    Command(u64),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -457,6 +481,8 @@ pub struct EdgeCore {
     next_generation: u64,
     next_nonce: u64,
     next_refresh: u64,
+    /// Commands awaiting an answer: sequence → (node, generation, request id).
+    commands: std::collections::BTreeMap<u64, (usize, Generation, String)>,
     now: Timestamp,
     #[cfg(feature = "testkit")]
     faults: crate::testkit::Faults,
@@ -497,6 +523,7 @@ impl EdgeCore {
             next_generation: 1,
             next_nonce: 1,
             next_refresh: 1,
+            commands: std::collections::BTreeMap::new(),
             now: Timestamp::ZERO,
             #[cfg(feature = "testkit")]
             faults: crate::testkit::Faults::default(),
@@ -766,7 +793,7 @@ impl EdgeCore {
             Body::RunEvent(event) => self.on_run_event(conn, phase, event),
             Body::ProviderTunnelFrame(frame) => self.on_tunnel_frame(conn, phase, frame),
             Body::NodeConfigRefreshResponse(resp) => self.on_refresh_response(conn, phase, resp),
-            Body::NodeCommandResponse(_) => {}
+            Body::NodeCommandResponse(resp) => self.on_command_response(conn, phase, resp),
             other => self.violation(
                 conn,
                 format!("{} is not a node-to-edge message", other.kind()),
@@ -949,6 +976,42 @@ impl EdgeCore {
             outcome: Outcome::Cancelled,
         });
         true
+    }
+
+    /// Sends a query command (`CAPABILITIES`, `TRANSPORT_STATUS`, `OLLAMA_API`) to a ready
+    /// node. The command is validated first, before the node is even looked up; its
+    /// `request_id` is assigned here and returned. The answer arrives as
+    /// [`EdgeEvent::CommandAnswered`] (also when the node is lost or does not answer
+    /// within the refresh timeout).
+    pub fn handle_command(
+        &mut self,
+        now: Timestamp,
+        node_id: &str,
+        mut request: crate::wire::NodeCommandRequest,
+    ) -> Result<String, CommandError> {
+        self.advance(now);
+        let seq = self.next_refresh;
+        request.request_id = format!("cmd-{seq}");
+        request.validate().map_err(CommandError::Invalid)?;
+        let i = *self
+            .node_index
+            .get(node_id)
+            .filter(|&&i| self.nodes[i].spec.is_some())
+            .ok_or_else(|| CommandError::UnknownNode(node_id.to_owned()))?;
+        let owner = self.nodes[i]
+            .owner
+            .filter(|o| o.ready)
+            .ok_or_else(|| CommandError::NotReady(node_id.to_owned()))?;
+        self.next_refresh += 1;
+        let request_id = request.request_id.clone();
+        self.commands
+            .insert(seq, (i, owner.generation, request_id.clone()));
+        self.send(owner.conn, Body::NodeCommandRequest(request));
+        self.timers.insert((
+            self.now + self.config.timing.refresh_timeout,
+            TimerKey::Command(seq),
+        ));
+        Ok(request_id)
     }
 
     /// Replaces the configuration. Removed nodes are fenced and closed; ready nodes whose
@@ -1266,6 +1329,15 @@ impl EdgeCore {
         self.nodes[i].owner = None;
         self.nodes[i].refresh = None;
         let node_id = self.nodes[i].id.clone();
+        let pending: Vec<u64> = self
+            .commands
+            .iter()
+            .filter(|(_, (node, g, _))| *node == i && *g == generation)
+            .map(|(seq, _)| *seq)
+            .collect();
+        for seq in pending {
+            self.fail_command(seq, "the node disconnected");
+        }
         let mut lost = Vec::new();
         for (_, r) in self.nodes[i].resources.clone() {
             for lease in self.ledger.fence(r) {
@@ -1646,6 +1718,54 @@ impl EdgeCore {
         );
     }
 
+    fn fail_command(&mut self, seq: u64, why: &str) {
+        if let Some((i, _, request_id)) = self.commands.remove(&seq) {
+            self.events.push_back(EdgeEvent::CommandAnswered {
+                node_id: self.nodes[i].id.clone(),
+                response: NodeCommandResponse {
+                    request_id,
+                    ok: false,
+                    error: why.to_owned(),
+                    payload: bytes::Bytes::new(),
+                },
+            });
+        }
+    }
+
+    fn on_command_response(&mut self, conn: ConnId, phase: Phase, response: NodeCommandResponse) {
+        let Phase::Owner {
+            node: i,
+            generation,
+        } = phase
+        else {
+            return;
+        };
+        if !self.nodes[i]
+            .owner
+            .is_some_and(|o| o.conn == conn && o.ready)
+        {
+            return;
+        }
+        let Some(seq) = response
+            .request_id
+            .strip_prefix("cmd-")
+            .and_then(|n| n.parse::<u64>().ok())
+        else {
+            return;
+        };
+        if self
+            .commands
+            .get(&seq)
+            .is_some_and(|(node, g, _)| *node == i && *g == generation)
+        {
+            self.commands.remove(&seq);
+            self.events.push_back(EdgeEvent::CommandAnswered {
+                node_id: self.nodes[i].id.clone(),
+                response,
+            });
+        }
+    }
+
     fn push_refresh(&mut self, i: usize) {
         let Some(owner) = self.nodes[i].owner else {
             return;
@@ -1802,6 +1922,7 @@ impl EdgeCore {
                     });
                 }
             }
+            TimerKey::Command(seq) => self.fail_command(seq, "the node did not answer in time"),
             TimerKey::CancelGrace(request) => {
                 if let Some(ReqState::Cancelling { lease, .. }) = self.requests.get(&request) {
                     let lease = *lease;

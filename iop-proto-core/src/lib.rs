@@ -62,8 +62,8 @@ pub mod wire;
 pub mod testkit;
 
 pub use edge::{
-    CloseReason, ConnId, Dispatch, DispatchError, DispatchShape, EdgeCore, EdgeEvent, Grant,
-    NodeState, NodeStatus, Outcome, RequestError, Submit, SubmitError, Transmit, UsageError,
+    CloseReason, CommandError, ConnId, Dispatch, DispatchError, DispatchShape, EdgeCore, EdgeEvent,
+    Grant, NodeState, NodeStatus, Outcome, RequestError, Submit, SubmitError, Transmit, UsageError,
 };
 pub use edge_config::{
     CandidateSpec, ConfigDiff, EdgeConfig, EdgeConfigError, EdgeTiming, ModelSpec, NodeSpec,

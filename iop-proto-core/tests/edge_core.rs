@@ -668,3 +668,60 @@ fn node_to_edge_direction_is_enforced() {
     ));
     assert_eq!(h.edge.nodes()[0].state, NodeState::Offline);
 }
+
+#[test]
+fn commands_are_validated_first_then_sent_to_ready_nodes_and_answered() {
+    let mut h = Harness::new();
+    let conn = h.connect("n1");
+    let cmd = |kind: i32| NodeCommandRequest {
+        r#type: kind,
+        ..Default::default()
+    };
+    // An inadmissible type is refused before the node is even looked up.
+    assert!(matches!(
+        h.edge.handle_command(h.now, "no-such-node", cmd(5)),
+        Err(CommandError::Invalid(_))
+    ));
+    assert_eq!(
+        h.edge.handle_command(
+            h.now,
+            "no-such-node",
+            cmd(NodeCommandType::Capabilities as i32)
+        ),
+        Err(CommandError::UnknownNode("no-such-node".into()))
+    );
+    assert_eq!(
+        h.edge
+            .handle_command(h.now, "n2", cmd(NodeCommandType::Capabilities as i32)),
+        Err(CommandError::NotReady("n2".into()))
+    );
+    let id = h
+        .edge
+        .handle_command(h.now, "n1", cmd(NodeCommandType::TransportStatus as i32))
+        .expect("sent");
+    let tx = h.transmits();
+    assert!(
+        matches!(frames_to(&tx, conn).as_slice(), [Body::NodeCommandRequest(r)] if r.request_id == id)
+    );
+    h.send(
+        conn,
+        Body::NodeCommandResponse(NodeCommandResponse {
+            request_id: id.clone(),
+            ok: true,
+            error: String::new(),
+            payload: bytes::Bytes::from_static(b"{}"),
+        }),
+    );
+    assert!(matches!(
+        h.events().as_slice(),
+        [EdgeEvent::CommandAnswered { response, .. }] if response.ok && response.request_id == id
+    ));
+    // A pending command fails when its node goes away.
+    let id = h
+        .edge
+        .handle_command(h.now, "n1", cmd(NodeCommandType::Capabilities as i32))
+        .expect("sent");
+    h.edge.handle_connection_closed(h.now, conn).expect("open");
+    let events = h.events();
+    assert!(events.iter().any(|e| matches!(e, EdgeEvent::CommandAnswered { response, .. } if !response.ok && response.request_id == id)));
+}

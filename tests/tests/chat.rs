@@ -568,3 +568,59 @@ async fn https_providers_are_reached_through_rustls_with_a_private_ca() {
         "no request got through an untrusted TLS session"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_commands_report_capabilities_transport_and_read_only_ollama() {
+    let oa = fake::start(Flavor::OpenAi, Behaviour::default()).await;
+    let ol = fake::start(Flavor::Ollama, Behaviour::default()).await;
+    let cluster = Cluster::start("", &body(&oa.url(), &ol.url()));
+    let _node = cluster.node("n1", "tok-1");
+    cluster.wait_ready("n1").await;
+    let http = cluster.http();
+
+    let caps = http.get("/v1/nodes/n1/capabilities").await;
+    assert_eq!(caps.status, 200, "{}", String::from_utf8_lossy(&caps.body));
+    let text = String::from_utf8_lossy(&caps.body).into_owned();
+    assert!(
+        !text.contains("provider-secret"),
+        "capabilities leak an API key: {text}"
+    );
+    let caps = caps.json();
+    let names: Vec<&str> = caps["adapters"]
+        .as_array()
+        .expect("list")
+        .iter()
+        .filter_map(|a| a["name"].as_str())
+        .collect();
+    assert_eq!(names, vec!["mock", "oa", "oa-run", "ol"]);
+    assert_eq!(caps["adapters"][1]["type"], "openai_compat");
+    assert_eq!(caps["adapters"][0]["capacity"], 2);
+
+    let transport = http.get("/v1/nodes/n1/transport").await.json();
+    assert_eq!(transport["state"], "ready");
+    assert!(
+        transport["frames_in"].as_u64().is_some_and(|n| n >= 3),
+        "{transport}"
+    );
+    assert!(
+        transport["bytes_out"].as_u64().is_some_and(|n| n > 0),
+        "{transport}"
+    );
+
+    let tags = http.get("/v1/nodes/n1/ollama/ol/api/tags").await;
+    assert_eq!(tags.status, 200);
+    assert_eq!(tags.json()["models"][0]["name"], "llama3:8b");
+    // Only the read-only endpoints pass; the check happens before any provider lookup.
+    let pull = http
+        .post("/v1/nodes/n1/ollama/ol/api/pull", &json!({"name": "x"}))
+        .await;
+    assert_eq!(pull.status, 400);
+    assert_eq!(pull.json()["error"]["code"], "command_not_admitted");
+    assert!(!ol.state.requests().iter().any(|r| r.path == "/api/pull"));
+    assert_eq!(http.get("/v1/nodes/nope/capabilities").await.status, 404);
+    assert_eq!(
+        http.get("/v1/nodes/n1/ollama/oa/api/tags").await.status,
+        502,
+        "not an ollama adapter"
+    );
+}
