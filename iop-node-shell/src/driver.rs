@@ -314,38 +314,26 @@ fn handle_event(
             info!(node_id, "ready: the edge may dispatch work");
         }
         SessionEvent::StartRun { request } => {
-            let Some(adapter) = host.get(&request.adapter) else {
-                return;
-            };
-            let token = CancellationToken::new();
-            tasks.insert(request.run_id.clone(), token.clone());
-            let sink = Sink::new(request.run_id.clone(), out_tx.clone());
-            let done = out_tx.clone();
             debug!(
                 node_id,
                 run_id = request.run_id,
                 adapter = request.adapter,
                 "run started"
             );
-            tokio::spawn(async move {
-                let run_id = request.run_id.clone();
-                adapter.run(request, sink, token).await;
-                let _ = done
-                    .send(Output::Finished {
-                        run_id,
-                        tunnel: false,
-                    })
-                    .await;
-            });
+            let (run_id, adapter) = (request.run_id.clone(), request.adapter.clone());
+            spawn_work(
+                host,
+                tasks,
+                out_tx,
+                run_id,
+                &adapter,
+                false,
+                |adapter, sink, token| async move {
+                    adapter.run(request, sink, token).await;
+                },
+            );
         }
         SessionEvent::StartTunnel { request } => {
-            let Some(adapter) = host.get(&request.adapter) else {
-                return;
-            };
-            let token = CancellationToken::new();
-            tasks.insert(request.run_id.clone(), token.clone());
-            let sink = Sink::new(request.run_id.clone(), out_tx.clone());
-            let done = out_tx.clone();
             debug!(
                 node_id,
                 run_id = request.run_id,
@@ -353,16 +341,18 @@ fn handle_event(
                 path = request.path,
                 "tunnel opened"
             );
-            tokio::spawn(async move {
-                let run_id = request.run_id.clone();
-                adapter.tunnel(request, sink, token).await;
-                let _ = done
-                    .send(Output::Finished {
-                        run_id,
-                        tunnel: true,
-                    })
-                    .await;
-            });
+            let (run_id, adapter) = (request.run_id.clone(), request.adapter.clone());
+            spawn_work(
+                host,
+                tasks,
+                out_tx,
+                run_id,
+                &adapter,
+                true,
+                |adapter, sink, token| async move {
+                    adapter.tunnel(request, sink, token).await;
+                },
+            );
         }
         SessionEvent::CancelRun { run_id } => {
             info!(node_id, run_id, "cancel requested by the edge");
@@ -413,6 +403,35 @@ fn handle_event(
         }
         _ => {}
     }
+}
+
+/// Runs one piece of work on its adapter in its own task, cancellable by `run_id`; when
+/// the task returns the driver is told, so work that ended without a terminal is closed.
+fn spawn_work<F, Fut>(
+    host: &AdapterHost,
+    tasks: &mut HashMap<String, CancellationToken>,
+    out_tx: &mpsc::Sender<Output>,
+    run_id: String,
+    adapter: &str,
+    tunnel: bool,
+    work: F,
+) where
+    F: FnOnce(Arc<crate::adapters::Adapter>, Sink, CancellationToken) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    // The session admitted the work, so the adapter exists in the config it applied.
+    let Some(adapter) = host.get(adapter) else {
+        return;
+    };
+    let token = CancellationToken::new();
+    tasks.insert(run_id.clone(), token.clone());
+    let sink = Sink::new(run_id.clone(), out_tx.clone());
+    let done = out_tx.clone();
+    let future = work(adapter, sink, token);
+    tokio::spawn(async move {
+        future.await;
+        let _ = done.send(Output::Finished { run_id, tunnel }).await;
+    });
 }
 
 fn transport_status(ctx: &Context, session: &NodeSession) -> serde_json::Value {

@@ -462,6 +462,67 @@ enum ReqState {
     },
 }
 
+/// One item of a dispatched request's stream.
+#[derive(Debug)]
+enum StreamItem {
+    Run(RunEvent),
+    Frame(ProviderTunnelFrame),
+}
+
+impl StreamItem {
+    fn run_id(&self) -> &str {
+        match self {
+            StreamItem::Run(event) => &event.run_id,
+            StreamItem::Frame(frame) => &frame.run_id,
+        }
+    }
+
+    fn into_event(self, request: RequestId) -> EdgeEvent {
+        match self {
+            StreamItem::Run(event) => EdgeEvent::RunEvent { request, event },
+            StreamItem::Frame(frame) => EdgeEvent::TunnelFrame { request, frame },
+        }
+    }
+}
+
+/// What a stream item did.
+enum Observed {
+    Progress,
+    Terminal(Outcome),
+    Violation(String),
+}
+
+/// Checks `item` against `stream`'s contract; `None` for a stream already broken.
+fn observe(stream: &mut Stream, item: &StreamItem) -> Option<Observed> {
+    let provider_error = |error: &Option<ErrorDetail>| {
+        Outcome::Failed(RequestError::Provider(error.clone().unwrap_or_default()))
+    };
+    Some(match (stream, item) {
+        (Stream::Broken, _) => return None,
+        (Stream::Run(tracker), StreamItem::Run(event)) => match tracker.observe(event) {
+            Ok(RunStep::Terminal(RunEventType::Complete)) => Observed::Terminal(Outcome::Completed),
+            Ok(RunStep::Terminal(RunEventType::Cancelled)) => {
+                Observed::Terminal(Outcome::Cancelled)
+            }
+            Ok(RunStep::Terminal(_)) => Observed::Terminal(provider_error(&event.error)),
+            Ok(_) => Observed::Progress,
+            Err(violation) => Observed::Violation(violation.to_string()),
+        },
+        (Stream::Tunnel(receiver), StreamItem::Frame(frame)) => match receiver.observe(frame) {
+            Ok(TunnelStep::End) => Observed::Terminal(Outcome::Completed),
+            Ok(TunnelStep::Error) => Observed::Terminal(provider_error(&frame.error)),
+            Ok(_) => Observed::Progress,
+            Err(violation) => Observed::Violation(violation.to_string()),
+        },
+        (Stream::Run(_), StreamItem::Frame(_)) => {
+            Observed::Violation("tunnel frame for a run".into())
+        }
+        (Stream::Tunnel(_), StreamItem::Run(_)) => {
+            Observed::Violation("RunEvent for a tunnel".into())
+        }
+    })
+}
+
 /// The Edge protocol machine. See the [module documentation](self).
 #[derive(Debug)]
 pub struct EdgeCore {
@@ -790,8 +851,10 @@ impl EdgeCore {
                 }),
             ),
             Body::HeartbeatAck(_) => {}
-            Body::RunEvent(event) => self.on_run_event(conn, phase, event),
-            Body::ProviderTunnelFrame(frame) => self.on_tunnel_frame(conn, phase, frame),
+            Body::RunEvent(event) => self.on_stream(conn, phase, StreamItem::Run(event)),
+            Body::ProviderTunnelFrame(frame) => {
+                self.on_stream(conn, phase, StreamItem::Frame(frame));
+            }
             Body::NodeConfigRefreshResponse(resp) => self.on_refresh_response(conn, phase, resp),
             Body::NodeCommandResponse(resp) => self.on_command_response(conn, phase, resp),
             other => self.violation(
@@ -1483,8 +1546,10 @@ impl EdgeCore {
         }
     }
 
-    fn on_run_event(&mut self, conn: ConnId, phase: Phase, event: RunEvent) {
-        let Some(request) = self.stream_of(conn, phase, &event.run_id) else {
+    /// A run event or tunnel frame from a node: checked against its stream's contract,
+    /// passed to the caller while the request is open, and ending it on the terminal.
+    fn on_stream(&mut self, conn: ConnId, phase: Phase, item: StreamItem) {
+        let Some(request) = self.stream_of(conn, phase, item.run_id()) else {
             return;
         };
         let Some(state) = self.requests.remove(&request) else {
@@ -1506,169 +1571,54 @@ impl EdgeCore {
                 return;
             }
         };
-        let tracker = match &mut stream {
-            Stream::Run(tracker) => tracker,
-            Stream::Broken => {
-                self.requests.insert(
-                    request,
-                    ReqState::Cancelling {
-                        lease,
-                        conn,
-                        stream,
-                    },
-                );
-                return;
-            }
-            Stream::Tunnel(_) => {
-                self.stream_violation(
-                    request,
+        let Some(observed) = observe(&mut stream, &item) else {
+            // A broken stream: nothing it sends is trusted any more.
+            self.requests.insert(
+                request,
+                ReqState::Cancelling {
                     lease,
                     conn,
-                    cancelling,
-                    "RunEvent for a tunnel".into(),
-                );
-                return;
-            }
+                    stream,
+                },
+            );
+            return;
         };
-        match tracker.observe(&event) {
-            Ok(RunStep::Terminal(kind)) => {
+        match observed {
+            Observed::Terminal(outcome) => {
                 #[cfg(feature = "testkit")]
-                let leak = self.faults.leak_lease && kind == RunEventType::Complete;
+                let leak = self.faults.leak_lease && outcome == Outcome::Completed;
                 #[cfg(not(feature = "testkit"))]
                 let leak = false;
                 if !leak {
                     self.release(lease);
                 }
                 if !cancelling {
-                    let outcome = match kind {
-                        RunEventType::Complete => Outcome::Completed,
-                        RunEventType::Cancelled => Outcome::Cancelled,
-                        _ => Outcome::Failed(RequestError::Provider(
-                            event.error.clone().unwrap_or_default(),
-                        )),
-                    };
-                    self.events
-                        .push_back(EdgeEvent::RunEvent { request, event });
+                    self.events.push_back(item.into_event(request));
                     self.events
                         .push_back(EdgeEvent::RequestEnded { request, outcome });
                 }
             }
-            Ok(_) => {
+            Observed::Progress => {
                 if !cancelling {
-                    self.events
-                        .push_back(EdgeEvent::RunEvent { request, event });
+                    self.events.push_back(item.into_event(request));
                 }
-                self.requests.insert(
-                    request,
-                    if cancelling {
-                        ReqState::Cancelling {
-                            lease,
-                            conn,
-                            stream,
-                        }
-                    } else {
-                        ReqState::Running {
-                            lease,
-                            conn,
-                            stream,
-                        }
-                    },
-                );
-            }
-            Err(violation) => {
-                self.stream_violation(request, lease, conn, cancelling, violation.to_string());
-            }
-        }
-    }
-
-    fn on_tunnel_frame(&mut self, conn: ConnId, phase: Phase, frame: ProviderTunnelFrame) {
-        let Some(request) = self.stream_of(conn, phase, &frame.run_id) else {
-            return;
-        };
-        let Some(state) = self.requests.remove(&request) else {
-            return;
-        };
-        let (lease, conn, mut stream, cancelling) = match state {
-            ReqState::Running {
-                lease,
-                conn,
-                stream,
-            } => (lease, conn, stream, false),
-            ReqState::Cancelling {
-                lease,
-                conn,
-                stream,
-            } => (lease, conn, stream, true),
-            other => {
-                self.requests.insert(request, other);
-                return;
-            }
-        };
-        let receiver = match &mut stream {
-            Stream::Tunnel(receiver) => receiver,
-            Stream::Broken => {
-                self.requests.insert(
-                    request,
+                let state = if cancelling {
                     ReqState::Cancelling {
                         lease,
                         conn,
                         stream,
-                    },
-                );
-                return;
+                    }
+                } else {
+                    ReqState::Running {
+                        lease,
+                        conn,
+                        stream,
+                    }
+                };
+                self.requests.insert(request, state);
             }
-            Stream::Run(_) => {
-                self.stream_violation(
-                    request,
-                    lease,
-                    conn,
-                    cancelling,
-                    "tunnel frame for a run".into(),
-                );
-                return;
-            }
-        };
-        match receiver.observe(&frame) {
-            Ok(step) if step.is_terminal() => {
-                self.release(lease);
-                if !cancelling {
-                    let outcome = if step == TunnelStep::End {
-                        Outcome::Completed
-                    } else {
-                        Outcome::Failed(RequestError::Provider(
-                            frame.error.clone().unwrap_or_default(),
-                        ))
-                    };
-                    self.events
-                        .push_back(EdgeEvent::TunnelFrame { request, frame });
-                    self.events
-                        .push_back(EdgeEvent::RequestEnded { request, outcome });
-                }
-            }
-            Ok(_) => {
-                if !cancelling {
-                    self.events
-                        .push_back(EdgeEvent::TunnelFrame { request, frame });
-                }
-                self.requests.insert(
-                    request,
-                    if cancelling {
-                        ReqState::Cancelling {
-                            lease,
-                            conn,
-                            stream,
-                        }
-                    } else {
-                        ReqState::Running {
-                            lease,
-                            conn,
-                            stream,
-                        }
-                    },
-                );
-            }
-            Err(violation) => {
-                self.stream_violation(request, lease, conn, cancelling, violation.to_string());
+            Observed::Violation(detail) => {
+                self.stream_violation(request, lease, conn, cancelling, detail);
             }
         }
     }
