@@ -42,6 +42,12 @@ type = "ollama"
 base_url = "{ollama}"
 capacity = 2
 targets = ["llama3:8b"]
+[[nodes.adapters]]
+name = "vl"
+type = "vllm"
+base_url = "{oa}"
+capacity = 2
+targets = ["gpt-x"]
 
 [[models]]
 name = "mock-chat"
@@ -52,6 +58,9 @@ providers = [{{ node = "n1", adapter = "oa", target = "gpt-x" }}]
 [[models]]
 name = "run-chat"
 providers = [{{ node = "n1", adapter = "oa-run", target = "gpt-x" }}]
+[[models]]
+name = "vllm-chat"
+providers = [{{ node = "n1", adapter = "vl", target = "gpt-x" }}]
 [[models]]
 name = "ollama-chat"
 providers = [{{ node = "n1", adapter = "ol", target = "llama3:8b" }}]
@@ -198,8 +207,20 @@ async fn chat_completions_through_both_shapes_and_embeddings_through_the_tunnel(
         .collect();
     assert_eq!(
         ids,
-        vec!["mock-chat", "ollama-chat", "run-chat", "tunnel-chat"]
+        vec![
+            "mock-chat",
+            "ollama-chat",
+            "run-chat",
+            "tunnel-chat",
+            "vllm-chat"
+        ]
     );
+    // vLLM is an OpenAI-compatible tunnel too.
+    let r = http
+        .post("/v1/chat/completions", &chat("vllm-chat", false))
+        .await;
+    assert_eq!(r.status, 200);
+    assert_eq!(content(&r.json()), "w0 w1 w2 ");
     let status = http.get("/v1/status").await;
     let text = String::from_utf8_lossy(&status.body).into_owned();
     for secret in [
@@ -597,7 +618,10 @@ async fn node_commands_report_capabilities_transport_and_read_only_ollama() {
         .iter()
         .filter_map(|a| a["name"].as_str())
         .collect();
-    assert_eq!(names, vec!["mock", "oa", "oa-run", "ol"]);
+    assert_eq!(names, vec!["mock", "oa", "oa-run", "ol", "vl"]);
+    // vLLM's health comes from its /health endpoint; plain openai_compat has none.
+    assert_eq!(caps["adapters"][4]["health"], "healthy");
+    assert_eq!(caps["adapters"][1]["health"], "unknown");
     assert_eq!(caps["adapters"][1]["type"], "openai_compat");
     assert_eq!(caps["adapters"][0]["capacity"], 2);
 
@@ -628,4 +652,36 @@ async fn node_commands_report_capabilities_transport_and_read_only_ollama() {
         502,
         "not an ollama adapter"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_edge_speaks_h2c() {
+    use http_body_util::{BodyExt, Full};
+    let oa = fake::start(Flavor::OpenAi, Behaviour::default()).await;
+    let cluster = Cluster::start("", &body(&oa.url(), &oa.url()));
+    let _node = cluster.node("n1", "tok-1");
+    cluster.wait_ready("n1").await;
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .http2_only(true)
+        .build_http::<Full<bytes::Bytes>>();
+    let request = http::Request::post(format!(
+        "http://127.0.0.1:{}/v1/chat/completions",
+        cluster.http_port
+    ))
+    .header("content-type", "application/json")
+    .body(Full::new(bytes::Bytes::from(
+        chat("mock-chat", false).to_string(),
+    )))
+    .expect("request");
+    let response = client.request(request).await.expect("h2c response");
+    assert_eq!(response.version(), http::Version::HTTP_2);
+    assert_eq!(response.status(), 200);
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    let v: Value = serde_json::from_slice(&body).expect("json");
+    assert_eq!(content(&v), "alpha beta gamma");
 }
