@@ -1,8 +1,9 @@
 //! A fast hasher for the machines' own integer ids (request ids, connection ids).
 //!
-//! These keys are chosen by the machine or the local shell, never by a peer, so the
-//! flooding resistance of SipHash buys nothing; a multiplicative hash is several times
-//! faster and keeps per-operation cost flat in large queues.
+//! These keys are chosen by the machine, the local shell or the configuration (model
+//! names), never by a peer, so the flooding resistance of SipHash buys nothing; a
+//! multiplicative hash is several times faster and keeps per-operation cost flat in
+//! large queues.
 
 use std::hash::{BuildHasherDefault, Hasher};
 

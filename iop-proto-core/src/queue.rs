@@ -12,9 +12,10 @@
 //!
 //! Nothing scans all waiters or all resources.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Arc;
 
+use crate::idhash::IdMap;
 use crate::lease::{RequestId, ResourceId};
 use crate::time::Timestamp;
 
@@ -78,7 +79,7 @@ pub struct WaitQueue {
     lanes: Vec<Lanes>,
     /// Sorted by deadline, then ticket; entries of removed waiters are dropped lazily.
     deadlines: VecDeque<(Timestamp, Ticket)>,
-    per_model: HashMap<Arc<str>, usize>,
+    per_model: IdMap<Arc<str>, usize>,
 }
 
 impl WaitQueue {

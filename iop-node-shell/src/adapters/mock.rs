@@ -141,12 +141,18 @@ impl Mock {
                     .await;
                 return;
             }
-            tokio::select! {
-                () = cancel.cancelled() => {
-                    let _ = sink.run(RunOutput::Cancelled).await;
-                    return;
+            // A zero delay must not round up to the timer's millisecond tick.
+            if self.delay.is_zero() {
+                tokio::task::yield_now().await;
+            } else {
+                tokio::select! {
+                    () = cancel.cancelled() => {}
+                    () = tokio::time::sleep(self.delay) => {}
                 }
-                () = tokio::time::sleep(self.delay) => {}
+            }
+            if cancel.is_cancelled() {
+                let _ = sink.run(RunOutput::Cancelled).await;
+                return;
             }
             let word = &self.words[i % self.words.len()];
             let piece = if i + 1 == self.tokens {
