@@ -439,10 +439,22 @@ impl CancelGuard {
 
 impl Drop for CancelGuard {
     fn drop(&mut self) {
-        if self.armed {
-            let _ = self.core.try_send(CoreMsg::Cancel {
-                request: self.request,
-                reason: self.reason,
+        if !self.armed {
+            return;
+        }
+        let cancel = CoreMsg::Cancel {
+            request: self.request,
+            reason: self.reason,
+        };
+        // A cancel must not be lost to a momentarily full inbox: the lease would then be
+        // held until the provider finished on its own.
+        if let Err(tokio::sync::mpsc::error::TrySendError::Full(cancel)) =
+            self.core.try_send(cancel)
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            let core = self.core.clone();
+            runtime.spawn(async move {
+                let _ = core.send(cancel).await;
             });
         }
     }
