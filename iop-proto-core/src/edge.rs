@@ -1682,20 +1682,21 @@ impl EdgeCore {
         }
     }
 
-    fn on_command_response(&mut self, conn: ConnId, phase: Phase, response: NodeCommandResponse) {
-        let Phase::Owner {
-            node: i,
-            generation,
-        } = phase
-        else {
-            return;
+    /// The node and generation `conn` owns, if it is that node's current, ready owner.
+    fn ready_owner(&self, conn: ConnId, phase: Phase) -> Option<(usize, Generation)> {
+        let Phase::Owner { node, generation } = phase else {
+            return None;
         };
-        if !self.nodes[i]
+        self.nodes[node]
             .owner
             .is_some_and(|o| o.conn == conn && o.ready)
-        {
+            .then_some((node, generation))
+    }
+
+    fn on_command_response(&mut self, conn: ConnId, phase: Phase, response: NodeCommandResponse) {
+        let Some((i, generation)) = self.ready_owner(conn, phase) else {
             return;
-        }
+        };
         let Some(seq) = response
             .request_id
             .strip_prefix("cmd-")
@@ -1742,19 +1743,9 @@ impl EdgeCore {
     }
 
     fn on_refresh_response(&mut self, conn: ConnId, phase: Phase, resp: NodeConfigRefreshResponse) {
-        let Phase::Owner {
-            node: i,
-            generation,
-        } = phase
-        else {
+        let Some((i, generation)) = self.ready_owner(conn, phase) else {
             return;
         };
-        if !self.nodes[i]
-            .owner
-            .is_some_and(|o| o.conn == conn && o.ready)
-        {
-            return;
-        }
         let Some((seq, revision)) = self.nodes[i].refresh else {
             return;
         };

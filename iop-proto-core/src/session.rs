@@ -767,13 +767,7 @@ impl NodeSession {
         output: RunOutput,
     ) -> Result<(), SessionError> {
         self.advance(now);
-        if self.state == SessionState::Closed {
-            return Err(self.wrong_state("run output"));
-        }
-        let work = self
-            .work
-            .get_mut(run_id)
-            .ok_or_else(|| SessionError::UnknownRun(run_id.to_owned()))?;
+        let work = self.work_in_flight(run_id, "run output")?;
         let WorkKind::Run(emitter, tracker) = &mut work.kind else {
             return Err(SessionError::WrongKind(run_id.to_owned()));
         };
@@ -823,13 +817,7 @@ impl NodeSession {
         output: TunnelOutput,
     ) -> Result<(), SessionError> {
         self.advance(now);
-        if self.state == SessionState::Closed {
-            return Err(self.wrong_state("tunnel output"));
-        }
-        let work = self
-            .work
-            .get_mut(run_id)
-            .ok_or_else(|| SessionError::UnknownRun(run_id.to_owned()))?;
+        let work = self.work_in_flight(run_id, "tunnel output")?;
         let WorkKind::Tunnel(emitter) = &mut work.kind else {
             return Err(SessionError::WrongKind(run_id.to_owned()));
         };
@@ -858,6 +846,20 @@ impl NodeSession {
     }
 
     // ----- internals -----
+
+    /// The work `run_id` while the session is open and the work has not ended.
+    fn work_in_flight(
+        &mut self,
+        run_id: &str,
+        input: &'static str,
+    ) -> Result<&mut Work, SessionError> {
+        if self.state == SessionState::Closed {
+            return Err(self.wrong_state(input));
+        }
+        self.work
+            .get_mut(run_id)
+            .ok_or_else(|| SessionError::UnknownRun(run_id.to_owned()))
+    }
 
     fn applied_revision(&self) -> u64 {
         self.applied.as_ref().map_or(0, |p| p.revision)
