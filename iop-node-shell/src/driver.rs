@@ -19,7 +19,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::adapters::{AdapterHost, HttpClient, Output, Sink, error};
+use crate::adapters::{AdapterHost, HttpClient, Output, Sink};
 use crate::clock::Clock;
 use crate::stats::TransportStats;
 
@@ -258,22 +258,11 @@ fn apply_output(
             }
             result
         }
-        Output::Finished { run_id, tunnel } => {
+        Output::Finished { run_id } => {
             tasks.remove(&run_id);
-            // An adapter that returned without a terminal must not strand its capacity.
-            let detail = error(
-                "adapter_error",
-                "adapter ended without a terminal event",
-                true,
-            );
-            let _ = if tunnel {
-                session.handle_tunnel_output(now, &run_id, TunnelOutput::Error(detail))
-            } else {
-                session
-                    .handle_run_output(now, &run_id, RunOutput::Start)
-                    .ok();
-                session.handle_run_output(now, &run_id, RunOutput::Error(detail))
-            };
+            if session.handle_work_returned(now, &run_id) {
+                warn!(node_id, run_id, "adapter returned without a terminal event");
+            }
             Ok(())
         }
         Output::Command(response) => session.handle_command_response(now, response),
@@ -327,7 +316,6 @@ fn handle_event(
                 out_tx,
                 run_id,
                 &adapter,
-                false,
                 |adapter, sink, token| async move {
                     adapter.run(request, sink, token).await;
                 },
@@ -348,7 +336,6 @@ fn handle_event(
                 out_tx,
                 run_id,
                 &adapter,
-                true,
                 |adapter, sink, token| async move {
                     adapter.tunnel(request, sink, token).await;
                 },
@@ -413,7 +400,6 @@ fn spawn_work<F, Fut>(
     out_tx: &mpsc::Sender<Output>,
     run_id: String,
     adapter: &str,
-    tunnel: bool,
     work: F,
 ) where
     F: FnOnce(Arc<crate::adapters::Adapter>, Sink, CancellationToken) -> Fut,
@@ -430,7 +416,7 @@ fn spawn_work<F, Fut>(
     let future = work(adapter, sink, token);
     tokio::spawn(async move {
         future.await;
-        let _ = done.send(Output::Finished { run_id, tunnel }).await;
+        let _ = done.send(Output::Finished { run_id }).await;
     });
 }
 

@@ -1300,7 +1300,7 @@ impl EdgeCore {
             .insert((self.now + timing.heartbeat_interval, TimerKey::Ping(conn)));
         #[cfg(feature = "testkit")]
         if self.faults.dispatch_before_ready {
-            self.activate_node(i, generation);
+            self.sync_resources(i, generation);
         }
     }
 
@@ -1353,32 +1353,38 @@ impl EdgeCore {
             node_id: self.nodes[i].id.clone(),
             generation,
         });
-        self.activate_node(i, generation);
+        self.sync_resources(i, generation);
         if self.nodes[i].revision != owner.registered_revision {
             self.push_refresh(i);
         }
     }
 
-    /// Brings every enabled adapter of node `i` online in `generation` and pumps waiters.
-    fn activate_node(&mut self, i: usize, generation: Generation) {
+    /// Brings node `i`'s resources in line with its configuration for `generation`, at
+    /// ready and after an applied refresh: enabled adapters come online (or take their new
+    /// capacities when already live) and waiters are pumped; removed or disabled adapters
+    /// take no new work while their leases drain (offline ones simply stay offline).
+    fn sync_resources(&mut self, i: usize, generation: Generation) {
         let Some(spec) = self.nodes[i].spec.clone() else {
             return;
         };
         for (name, r) in self.nodes[i].resources.clone() {
             match spec.adapter(&name).filter(|a| a.enabled) {
                 Some(adapter) => {
-                    let returned = self.ledger.activate(
-                        r,
-                        generation,
-                        adapter.capacity,
-                        adapter.long_capacity,
-                    );
-                    debug_assert!(returned.is_empty(), "older generation was not fenced");
+                    if self.ledger.usage(r).generation == Some(generation) {
+                        self.ledger
+                            .set_capacity(r, adapter.capacity, adapter.long_capacity);
+                    } else {
+                        let returned = self.ledger.activate(
+                            r,
+                            generation,
+                            adapter.capacity,
+                            adapter.long_capacity,
+                        );
+                        debug_assert!(returned.is_empty(), "older generation was not fenced");
+                    }
                     self.pump(r);
                 }
-                None => {
-                    let _ = self.ledger.fence(r);
-                }
+                None => self.ledger.set_capacity(r, 0, 0),
             }
         }
     }
@@ -1757,7 +1763,7 @@ impl EdgeCore {
         self.nodes[i].last_refresh = Some(status);
         if status == RefreshStatus::Applied {
             self.nodes[i].applied_revision = revision;
-            self.apply_live_config(i, generation);
+            self.sync_resources(i, generation);
         }
         self.events.push_back(EdgeEvent::RefreshAnswered {
             node_id: self.nodes[i].id.clone(),
@@ -1768,33 +1774,6 @@ impl EdgeCore {
         // The configuration may have moved on while this refresh was in flight.
         if status == RefreshStatus::Applied && self.nodes[i].revision != revision {
             self.push_refresh(i);
-        }
-    }
-
-    /// After an applied refresh: new adapters come online, changed capacities apply, and
-    /// removed or disabled adapters take no new work while their leases drain.
-    fn apply_live_config(&mut self, i: usize, generation: Generation) {
-        let Some(spec) = self.nodes[i].spec.clone() else {
-            return;
-        };
-        for (name, r) in self.nodes[i].resources.clone() {
-            match spec.adapter(&name).filter(|a| a.enabled) {
-                Some(adapter) => {
-                    if self.ledger.usage(r).generation == Some(generation) {
-                        self.ledger
-                            .set_capacity(r, adapter.capacity, adapter.long_capacity);
-                    } else {
-                        let _ = self.ledger.activate(
-                            r,
-                            generation,
-                            adapter.capacity,
-                            adapter.long_capacity,
-                        );
-                    }
-                    self.pump(r);
-                }
-                None => self.ledger.set_capacity(r, 0, 0),
-            }
         }
     }
 

@@ -845,6 +845,31 @@ impl NodeSession {
         Ok(())
     }
 
+    /// The adapter task for `run_id` returned. Work it left without a terminal ends here
+    /// with an `adapter_error` terminal, so its capacity is never stranded and the Edge
+    /// still receives a complete sequence. Returns whether that was needed.
+    pub fn handle_work_returned(&mut self, now: Timestamp, run_id: &str) -> bool {
+        let tunnel = match self.work.get(run_id).map(|w| &w.kind) {
+            None => return false,
+            Some(WorkKind::Tunnel(_)) => true,
+            Some(WorkKind::Run(..)) => false,
+        };
+        let detail = ErrorDetail {
+            code: "adapter_error".into(),
+            message: "adapter ended without a terminal event".into(),
+            retryable: true,
+        };
+        if tunnel {
+            self.handle_tunnel_output(now, run_id, TunnelOutput::Error(detail))
+                .is_ok()
+        } else {
+            // A run that never started must start before it can end.
+            let _ = self.handle_run_output(now, run_id, RunOutput::Start);
+            self.handle_run_output(now, run_id, RunOutput::Error(detail))
+                .is_ok()
+        }
+    }
+
     // ----- internals -----
 
     /// The work `run_id` while the session is open and the work has not ended.

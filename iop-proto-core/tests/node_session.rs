@@ -632,3 +632,40 @@ fn work_before_ready_is_a_protocol_violation() {
     h.run("r1", "a", false);
     assert!(matches!(h.s.end(), Some(SessionEnd::ProtocolViolation(_))));
 }
+
+#[test]
+fn work_whose_adapter_returned_without_a_terminal_ends_with_an_error() {
+    let mut h = H::ready();
+    h.run("r1", "a", false);
+    h.rx(Body::ProviderTunnelRequest(ProviderTunnelRequest {
+        run_id: "t1".into(),
+        adapter: "a".into(),
+        method: "POST".into(),
+        path: "/v1/chat/completions".into(),
+        ..Default::default()
+    }));
+    h.events();
+    let t = h.t();
+    assert!(h.s.handle_work_returned(t, "r1"));
+    assert!(h.s.handle_work_returned(t, "t1"));
+    assert!(!h.s.handle_work_returned(t, "r1"), "already ended");
+    let mut run = RunTracker::new();
+    let mut tunnel = TunnelReceiver::new();
+    for body in h.tx() {
+        match body {
+            Body::RunEvent(e) => {
+                run.observe(&e).expect("valid run");
+            }
+            Body::ProviderTunnelFrame(f) => {
+                tunnel.observe(&f).expect("valid tunnel");
+            }
+            _ => {}
+        }
+    }
+    assert!(run.is_ended() && tunnel.is_ended());
+    assert_eq!(
+        h.s.gate("a").map(CapacityGate::in_flight),
+        Some(0),
+        "capacity returned"
+    );
+}

@@ -41,12 +41,10 @@ pub enum Output {
         /// What happened.
         output: TunnelOutput,
     },
-    /// The adapter task returned (the driver ends the work if no terminal was reported).
+    /// The adapter task returned (the session ends the work if no terminal was reported).
     Finished {
         /// The run or tunnel.
         run_id: String,
-        /// Whether it was a tunnel.
-        tunnel: bool,
     },
     /// The answer to a command.
     Command(NodeCommandResponse),
