@@ -269,6 +269,7 @@ impl Task {
                     iop_proto_core::Submit {
                         model: &model,
                         prompt_tokens,
+                        tunnel_only: work.endpoint != Endpoint::Chat,
                     },
                 );
                 if let Ok(request) = result {

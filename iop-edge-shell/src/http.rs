@@ -646,6 +646,12 @@ async fn inference(
                     "rate_limit_error",
                     Some("queue_full"),
                 ),
+                SubmitError::NoCandidates(_) if endpoint != Endpoint::Chat => error(
+                    StatusCode::BAD_REQUEST,
+                    &format!("no provider of model `{model}` serves {}", endpoint.path()),
+                    "invalid_request_error",
+                    Some("unsupported_endpoint"),
+                ),
                 other => error(
                     StatusCode::SERVICE_UNAVAILABLE,
                     &other.to_string(),

@@ -334,6 +334,10 @@ pub struct Submit<'a> {
     pub model: &'a str,
     /// Estimated prompt tokens, compared with the model's long-context threshold.
     pub prompt_tokens: u64,
+    /// Only tunnel-served providers can answer (embeddings and completions are raw
+    /// OpenAI endpoints a normalized run cannot render); chat sets it false, so no
+    /// candidate is excluded for its type.
+    pub tunnel_only: bool,
 }
 
 /// Readiness of a configured node.
@@ -899,7 +903,20 @@ impl EdgeCore {
         let long = model
             .long_threshold
             .is_some_and(|t| submit.prompt_tokens >= t);
-        if model.candidates.is_empty() || (long && !model.long_possible) {
+        if long && !model.long_possible {
+            return Err(SubmitError::NoCandidates(submit.model.to_owned()));
+        }
+        let candidates: Arc<[Candidate]> = if submit.tunnel_only {
+            model
+                .candidates
+                .iter()
+                .filter(|c| self.shape_of(c.resource) == DispatchShape::Tunnel)
+                .cloned()
+                .collect()
+        } else {
+            model.candidates.clone()
+        };
+        if candidates.is_empty() {
             return Err(SubmitError::NoCandidates(submit.model.to_owned()));
         }
         let request = RequestId(self.next_request);
@@ -908,9 +925,8 @@ impl EdgeCore {
             .get_key_value(submit.model)
             .map(|(k, _)| k.clone())
             .unwrap_or_else(|| submit.model.into());
-        if let Some(index) = self.pick_candidate(&model_name, long) {
+        if let Some(candidate) = self.pick_candidate(&model_name, &candidates, long) {
             self.next_request += 1;
-            let candidate = self.models[&model_name].candidates[index].clone();
             self.grant(request, &model_name, &candidate, long);
             return Ok(request);
         }
@@ -922,7 +938,6 @@ impl EdgeCore {
             });
         }
         self.next_request += 1;
-        let candidates = self.models[&model_name].candidates.clone();
         let ticket = self.queue.push(Waiter {
             request,
             model: model_name,
@@ -1441,13 +1456,20 @@ impl EdgeCore {
     }
 
     /// Picks the live candidate with the most free capacity; ties go round-robin.
-    fn pick_candidate(&mut self, model: &str, long: bool) -> Option<usize> {
-        let entry = self.models.get(model)?;
-        let n = entry.candidates.len();
+    /// Picks among `candidates` (the model's, possibly filtered) the live one with the
+    /// most free capacity; ties go round-robin from the model's cursor.
+    fn pick_candidate(
+        &mut self,
+        model: &str,
+        candidates: &[Candidate],
+        long: bool,
+    ) -> Option<Candidate> {
+        let cursor = self.models.get(model)?.cursor;
+        let n = candidates.len();
         let mut best: Option<(usize, u32)> = None;
         for step in 0..n {
-            let index = (entry.cursor + step) % n;
-            let free = self.ledger.free(entry.candidates[index].resource, long);
+            let index = (cursor + step) % n;
+            let free = self.ledger.free(candidates[index].resource, long);
             if free > 0 && best.is_none_or(|(_, f)| free > f) {
                 best = Some((index, free));
             }
@@ -1456,7 +1478,17 @@ impl EdgeCore {
         if let Some(entry) = self.models.get_mut(model) {
             entry.cursor = (index + 1) % n;
         }
-        Some(index)
+        Some(candidates[index].clone())
+    }
+
+    /// The message shape a resource is dispatched with.
+    fn shape_of(&self, resource: ResourceId) -> DispatchShape {
+        let meta = &self.resources[resource.index()];
+        self.nodes[meta.node]
+            .spec
+            .as_ref()
+            .and_then(|s| s.adapter(&meta.provider_id))
+            .map_or(DispatchShape::Run, DispatchShape::for_adapter)
     }
 
     fn grant(&mut self, request: RequestId, model: &Arc<str>, candidate: &Candidate, long: bool) {
@@ -1468,11 +1500,7 @@ impl EdgeCore {
         let Some(owner) = node.owner.filter(|o| o.ready) else {
             unreachable!("live resource on a node that is not ready");
         };
-        let shape = node
-            .spec
-            .as_ref()
-            .and_then(|s| s.adapter(&meta.provider_id))
-            .map_or(DispatchShape::Run, DispatchShape::for_adapter);
+        let shape = self.shape_of(candidate.resource);
         self.requests.insert(
             request,
             ReqState::Granted {

@@ -725,3 +725,46 @@ fn commands_are_validated_first_then_sent_to_ready_nodes_and_answered() {
     let events = h.events();
     assert!(events.iter().any(|e| matches!(e, EdgeEvent::CommandAnswered { response, .. } if !response.ok && response.request_id == id)));
 }
+
+#[test]
+fn tunnel_only_requests_use_only_tunnel_served_candidates() {
+    // Model "m" mixes n1/a (mock: runs) and n2/b (openai_compat: tunnels).
+    let mut h = Harness::new();
+    h.connect("n1");
+    h.connect("n2");
+    let tunnel = |h: &mut Harness| {
+        h.edge.handle_submit(
+            h.now,
+            Submit {
+                model: "m",
+                prompt_tokens: 1,
+                tunnel_only: true,
+            },
+        )
+    };
+    let first = tunnel(&mut h).expect("granted");
+    let g = grants(&h.events()).remove(0);
+    assert_eq!(
+        (g.request, &*g.node_id, g.shape),
+        (first, "n2", DispatchShape::Tunnel)
+    );
+    // n2/b is full (capacity 1): the next one waits even though the mock has room.
+    let second = tunnel(&mut h).expect("queued");
+    assert!(grants(&h.events()).is_empty());
+    assert_eq!(h.edge.queue().ids(), vec![second]);
+    // A model with no tunnel-served candidate refuses at once.
+    assert_eq!(
+        h.edge.handle_submit(
+            h.now,
+            Submit {
+                model: "solo",
+                prompt_tokens: 1,
+                tunnel_only: true
+            }
+        ),
+        Err(SubmitError::NoCandidates("solo".into()))
+    );
+    // Chat requests still use every candidate.
+    h.submit("m", 1).expect("granted on the mock");
+    assert_eq!(&*grants(&h.events())[0].node_id, "n1");
+}

@@ -173,6 +173,7 @@ fn handshake_transcript_matches_the_golden_file() {
             Submit {
                 model: "m0",
                 prompt_tokens: 5,
+                tunnel_only: false,
             },
         )
         .expect("accepted");
@@ -209,6 +210,7 @@ fn handshake_transcript_matches_the_golden_file() {
             Submit {
                 model: "m0",
                 prompt_tokens: 5,
+                tunnel_only: false,
             },
         )
         .expect("accepted");

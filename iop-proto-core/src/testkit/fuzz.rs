@@ -225,6 +225,7 @@ pub fn edge_core(data: &[u8]) {
                     Submit {
                         model: &model,
                         prompt_tokens: u64::from(input.byte()),
+                        tunnel_only: input.byte() % 4 == 0,
                     },
                 ) {
                     requests.push(r);

@@ -1171,6 +1171,7 @@ impl World {
             Submit {
                 model: &name,
                 prompt_tokens: if long { 500 } else { 10 },
+                tunnel_only: false,
             },
         );
         match result {

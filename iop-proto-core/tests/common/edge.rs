@@ -168,6 +168,7 @@ impl Harness {
             Submit {
                 model,
                 prompt_tokens,
+                tunnel_only: false,
             },
         )
     }
