@@ -413,28 +413,41 @@ pub fn tunnel_receiver(data: &[u8]) {
 }
 
 /// Operation lists over the lease ledger and the wait queue, checked against plain
-/// counting: each lease is held once, released once, and fencing returns exactly the
-/// leases of its resource.
+/// models: each lease is held once, released once, and fencing returns exactly the
+/// leases of its resource; the queue agrees after every step with a list of waiters in
+/// arrival order (oldest fitting waiter per resource, expiry by deadline then arrival,
+/// counts per resource, earliest deadline, lookups by ticket, FIFO listing).
 pub fn lease_queue(data: &[u8]) {
     use std::collections::BTreeMap;
     use std::sync::Arc;
 
-    use crate::lease::{Generation, Lease, Ledger, Release, RequestId};
+    use crate::lease::{Generation, Lease, Ledger, Release, RequestId, ResourceId};
     use crate::queue::{Candidate, Ticket, WaitQueue, Waiter};
     use crate::time::Timestamp;
 
+    /// A waiting request as the model sees it.
+    struct Waiting {
+        ticket: Ticket,
+        request: RequestId,
+        resources: Vec<ResourceId>,
+        long: bool,
+        deadline: Timestamp,
+    }
+
+    let mut input = Input(data);
     let mut ledger = Ledger::new();
     let resources: Vec<_> = (0..4).map(|_| ledger.add_resource()).collect();
-    let mut queue = WaitQueue::new();
+    // A tiny ring slack so that long-staying waiters move out of the ring early.
+    let mut queue = WaitQueue::with_ring_slack(usize::from(input.byte() % 4));
     let mut model: BTreeMap<u64, Lease> = BTreeMap::new();
     let mut released: Vec<Lease> = Vec::new();
+    let mut waiting: Vec<Waiting> = Vec::new();
     let mut tickets: Vec<Ticket> = Vec::new();
     let mut generation = 1u64;
-    let mut input = Input(data);
     let mut next = 1u64;
     while !input.is_empty() {
         let r = resources[usize::from(input.byte()) % resources.len()];
-        match input.byte() % 7 {
+        match input.byte() % 8 {
             0 => {
                 generation += 1;
                 let fenced = ledger.activate(
@@ -479,31 +492,85 @@ pub fn lease_queue(data: &[u8]) {
                     );
                 }
             }
-            4 => {
-                let candidates: Arc<[Candidate]> = vec![Candidate {
-                    resource: r,
-                    target: "t".into(),
-                }]
-                .into();
-                tickets.push(queue.push(Waiter {
+            4 | 5 => {
+                // One to three distinct candidates, starting at `r`.
+                let extra = input.byte();
+                let mut listed = vec![r];
+                for k in 0..usize::from(extra % 3) {
+                    let other = resources[(r.index() + 1 + k) % resources.len()];
+                    if !listed.contains(&other) {
+                        listed.push(other);
+                    }
+                }
+                let candidates: Arc<[Candidate]> = listed
+                    .iter()
+                    .map(|&resource| Candidate {
+                        resource,
+                        target: "t".into(),
+                    })
+                    .collect();
+                let long = extra & 0x80 != 0;
+                let deadline = Timestamp::from_millis(u64::from(input.u16() % 512));
+                let ticket = queue.push(Waiter {
                     request: RequestId(next),
                     model: "m".into(),
-                    long: input.byte() % 2 == 0,
+                    long,
                     candidates,
-                    deadline: Timestamp::from_millis(u64::from(input.u16())),
-                }));
+                    deadline,
+                });
+                assert!(
+                    tickets.last().is_none_or(|&last| last < ticket),
+                    "tickets follow arrival"
+                );
+                tickets.push(ticket);
+                waiting.push(Waiting {
+                    ticket,
+                    request: RequestId(next),
+                    resources: listed,
+                    long,
+                    deadline,
+                });
                 next += 1;
             }
-            5 => {
+            6 => {
+                // Remove any ticket ever issued; a removed one stays removed.
                 let pick = usize::from(input.byte());
                 if let Some(&ticket) = tickets.get(pick % tickets.len().max(1)) {
-                    let _ = queue.remove(ticket);
+                    let expected = waiting.iter().position(|w| w.ticket == ticket);
+                    let got = queue.remove(ticket).map(|w| w.request);
+                    assert_eq!(got, expected.map(|at| waiting.remove(at).request));
                 }
             }
             _ => {
-                let now = Timestamp::from_millis(u64::from(input.u16()));
-                while let Some(w) = queue.pop_expired(now) {
-                    assert!(w.deadline <= now);
+                let flags = input.byte();
+                if flags & 4 == 0 {
+                    // A grant: the oldest waiter listing `r` that fits what is free.
+                    let (short_free, long_free) = (flags & 1 != 0, flags & 2 != 0);
+                    let expected = waiting.iter().position(|w| {
+                        w.resources.contains(&r) && if w.long { long_free } else { short_free }
+                    });
+                    let got = queue.oldest_fitting(r, short_free, long_free);
+                    assert_eq!(got, expected.map(|at| waiting[at].ticket));
+                    if let Some(ticket) = got {
+                        let removed = queue.remove(ticket).map(|w| w.request);
+                        assert_eq!(removed, expected.map(|at| waiting.remove(at).request));
+                    }
+                } else {
+                    // Expiry: earliest deadline first, arrival order among equals.
+                    let now = Timestamp::from_millis(u64::from(input.u16() % 512));
+                    loop {
+                        let due = waiting
+                            .iter()
+                            .enumerate()
+                            .filter(|(_, w)| w.deadline <= now)
+                            .min_by_key(|(_, w)| (w.deadline, w.ticket))
+                            .map(|(at, _)| at);
+                        let got = queue.pop_expired(now).map(|w| w.request);
+                        assert_eq!(got, due.map(|at| waiting.remove(at).request));
+                        if got.is_none() {
+                            break;
+                        }
+                    }
                 }
             }
         }
@@ -515,11 +582,20 @@ pub fn lease_queue(data: &[u8]) {
         assert_eq!(counted, model.len());
         for &res in &resources {
             let u = ledger.usage(res);
-            let (queued, long_queued) = queue.queued_at(res);
-            assert!(long_queued <= queued);
             assert!(u.long_in_flight <= u.in_flight);
+            let listing = waiting.iter().filter(|w| w.resources.contains(&res));
+            let long = listing.clone().filter(|w| w.long).count();
+            assert_eq!(queue.queued_at(res), (listing.count(), long));
         }
-        let live = queue.waiters().len();
-        assert_eq!(live, queue.len());
+        assert_eq!(queue.len(), waiting.len());
+        assert_eq!(
+            queue.next_deadline(),
+            waiting.iter().map(|w| w.deadline).min()
+        );
+        let listed: Vec<RequestId> = waiting.iter().map(|w| w.request).collect();
+        assert_eq!(queue.ids(), listed, "FIFO listing");
+        for w in &waiting {
+            assert_eq!(queue.get(w.ticket).map(|q| q.request), Some(w.request));
+        }
     }
 }
