@@ -1,9 +1,11 @@
 //! Lease and queue operations per second as the queue and the resource set grow, against
 //! a plain `VecDeque` + `HashMap` doing the same operation sequence in the same group.
 //!
-//! One iteration = enqueue a waiter, expire the oldest waiter, release a lease on a random
-//! resource and hand the freed unit to the oldest waiter listing it (acquire), then
-//! enqueue a replacement so the queue keeps its size.
+//! One iteration does the same operations at every size: enqueue a waiter, expire the
+//! waiter with the earliest deadline, release the lease on one of the new waiter's
+//! candidate resources, grant the freed unit to the oldest waiter listing that resource
+//! (acquire), and enqueue a replacement, so the queue keeps exactly its size. Only where
+//! the expired and the served waiters sit in memory changes with the size.
 //!
 //! Run: `cargo bench -p iop-proto-core --bench queue`
 
@@ -39,14 +41,14 @@ impl Rng {
 struct Indexed {
     queue: WaitQueue,
     ledger: Ledger,
-    resources: Vec<ResourceId>,
+    /// The lease held on each resource, by resource index.
     leases: Vec<Lease>,
     model: Arc<str>,
     /// Candidate lists shared by waiters, as model groups share theirs.
     pools: Vec<Arc<[Candidate]>>,
+    /// Candidates of the newest waiter.
+    newest: Arc<[Candidate]>,
     next_id: u64,
-    now: u64,
-    wait: u64,
 }
 
 impl Indexed {
@@ -79,52 +81,46 @@ impl Indexed {
             pools,
             queue: WaitQueue::new(),
             ledger,
-            resources: ids,
             leases,
             model: "m".into(),
+            newest: Arc::new([]),
             next_id: 1,
-            now: 0,
-            wait: waiters as u64,
         };
         for _ in 0..waiters {
             this.enqueue(rng);
-            this.now += 1;
         }
         this
     }
 
+    /// Deadlines follow arrival, one millisecond apart, as with a fixed wait timeout.
     fn enqueue(&mut self, rng: &mut Rng) {
         let candidates = self.pools[rng.below(POOLS)].clone();
+        self.newest = candidates.clone();
         self.queue.push(Waiter {
             request: RequestId(self.next_id),
             model: self.model.clone(),
             long: false,
             candidates,
-            deadline: Timestamp::from_millis(self.now + self.wait + 1),
+            deadline: Timestamp::from_millis(self.next_id),
         });
         self.next_id += 1;
     }
 
     fn iteration(&mut self, rng: &mut Rng) {
         self.enqueue(rng);
-        self.now += 1;
-        while let Some(w) = self.queue.pop_expired(Timestamp::from_millis(self.now)) {
-            black_box(w);
-        }
-        let i = rng.below(self.resources.len());
-        let r = self.resources[i];
-        let _ = self.ledger.release(self.leases[i]);
-        let holder = match self.queue.oldest_fitting(r, true, false) {
-            Some(ticket) => {
-                let waiter = self.queue.remove(ticket).expect("live front");
-                self.enqueue(rng);
-                waiter.request
-            }
-            None => RequestId(u64::MAX - i as u64),
-        };
-        self.leases[i] = self
+        let due = self.queue.next_deadline().expect("waiters");
+        black_box(self.queue.pop_expired(due).expect("one is due"));
+        let r = self.newest[rng.below(self.newest.len())].resource;
+        let _ = self.ledger.release(self.leases[r.index()]);
+        let ticket = self
+            .queue
+            .oldest_fitting(r, true, false)
+            .expect("the newest waiter lists it");
+        let waiter = self.queue.remove(ticket).expect("live front");
+        self.enqueue(rng);
+        self.leases[r.index()] = self
             .ledger
-            .try_acquire(r, holder, false)
+            .try_acquire(r, waiter.request, false)
             .expect("freed unit");
     }
 }
@@ -132,12 +128,10 @@ impl Indexed {
 /// The baseline: one FIFO `VecDeque` scanned front to back, a `HashMap` of holders.
 struct Naive {
     pools: Vec<[usize; 2]>,
-    queue: VecDeque<(u64, [usize; 2], u64)>,
+    queue: VecDeque<(u64, [usize; 2])>,
     holders: HashMap<usize, u64>,
-    resources: usize,
+    newest: [usize; 2],
     next_id: u64,
-    now: u64,
-    wait: u64,
 }
 
 impl Naive {
@@ -149,42 +143,35 @@ impl Naive {
             pools,
             queue: VecDeque::new(),
             holders: (0..resources).map(|r| (r, u64::MAX - r as u64)).collect(),
-            resources,
+            newest: [0, 0],
             next_id: 1,
-            now: 0,
-            wait: waiters as u64,
         };
         for _ in 0..waiters {
             this.enqueue(rng);
-            this.now += 1;
         }
         this
     }
 
     fn enqueue(&mut self, rng: &mut Rng) {
-        let cands = self.pools[rng.below(POOLS)];
-        self.queue
-            .push_back((self.next_id, cands, self.now + self.wait + 1));
+        self.newest = self.pools[rng.below(POOLS)];
+        self.queue.push_back((self.next_id, self.newest));
         self.next_id += 1;
     }
 
     fn iteration(&mut self, rng: &mut Rng) {
         self.enqueue(rng);
-        self.now += 1;
-        while self.queue.front().is_some_and(|w| w.2 <= self.now) {
-            black_box(self.queue.pop_front());
-        }
-        let r = rng.below(self.resources);
+        // Deadlines follow arrival: the front is the earliest.
+        black_box(self.queue.pop_front());
+        let r = self.newest[rng.below(2)];
         self.holders.remove(&r);
-        let holder = match self.queue.iter().position(|w| w.1.contains(&r)) {
-            Some(pos) => {
-                let (id, _, _) = self.queue.remove(pos).expect("found");
-                self.enqueue(rng);
-                id
-            }
-            None => u64::MAX - r as u64,
-        };
-        self.holders.insert(r, holder);
+        let pos = self
+            .queue
+            .iter()
+            .position(|w| w.1.contains(&r))
+            .expect("the newest waiter lists it");
+        let (id, _) = self.queue.remove(pos).expect("found");
+        self.enqueue(rng);
+        self.holders.insert(r, id);
     }
 }
 
