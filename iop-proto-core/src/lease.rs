@@ -75,11 +75,26 @@ pub struct Usage {
     pub long_in_flight: u32,
 }
 
+/// A held lease and its place in its resource's holder list.
+#[derive(Clone, Copy, Debug)]
+struct Held {
+    lease: Lease,
+    at: u32,
+}
+
 /// All resources and the leases held against them.
 #[derive(Debug, Default)]
 pub struct Ledger {
-    resources: Vec<Usage>,
-    leases: IdMap<RequestId, Lease>,
+    resources: Vec<Resource>,
+    leases: IdMap<RequestId, Held>,
+}
+
+/// One resource's figures and the requests holding a lease on it (in no particular
+/// order), side by side so an acquire or release touches one place.
+#[derive(Debug, Default)]
+struct Resource {
+    usage: Usage,
+    holders: Vec<RequestId>,
 }
 
 impl Ledger {
@@ -93,7 +108,7 @@ impl Ledger {
     pub fn add_resource(&mut self) -> ResourceId {
         let id =
             ResourceId(u32::try_from(self.resources.len()).expect("fewer than 2^32 resources"));
-        self.resources.push(Usage::default());
+        self.resources.push(Resource::default());
         id
     }
 
@@ -112,7 +127,7 @@ impl Ledger {
     /// Current figures of `resource`.
     #[must_use]
     pub fn usage(&self, resource: ResourceId) -> Usage {
-        self.resources[resource.index()]
+        self.resources[resource.index()].usage
     }
 
     /// Number of leases held across all resources.
@@ -124,7 +139,7 @@ impl Ledger {
     /// The lease `request` holds, if any.
     #[must_use]
     pub fn lease_of(&self, request: RequestId) -> Option<Lease> {
-        self.leases.get(&request).copied()
+        self.leases.get(&request).map(|held| held.lease)
     }
 
     /// Brings `resource` online for `generation` with the given capacities. A resource that
@@ -136,11 +151,11 @@ impl Ledger {
         capacity: u32,
         long_capacity: u32,
     ) -> Vec<Lease> {
-        let returned = match self.resources[resource.index()].generation {
+        let returned = match self.resources[resource.index()].usage.generation {
             Some(live) if live != generation => self.fence(resource),
             _ => Vec::new(),
         };
-        let usage = &mut self.resources[resource.index()];
+        let usage = &mut self.resources[resource.index()].usage;
         usage.generation = Some(generation);
         usage.capacity = capacity;
         usage.long_capacity = long_capacity.min(capacity);
@@ -150,7 +165,7 @@ impl Ledger {
     /// Changes the capacities of a live resource in place. Leases already held stay held;
     /// after a shrink no new lease is granted until `in_flight` is below the new figure.
     pub fn set_capacity(&mut self, resource: ResourceId, capacity: u32, long_capacity: u32) {
-        let usage = &mut self.resources[resource.index()];
+        let usage = &mut self.resources[resource.index()].usage;
         if usage.generation.is_some() {
             usage.capacity = capacity;
             usage.long_capacity = long_capacity.min(capacity);
@@ -158,27 +173,22 @@ impl Ledger {
     }
 
     /// Takes `resource` offline and returns every lease held on it, each exactly once,
-    /// in request order. Fencing is rare (a node lost), so it walks the held leases
-    /// instead of making every acquire and release maintain a per-resource index.
+    /// in request order. Costs O(leases on `resource`), whatever else is held.
     pub fn fence(&mut self, resource: ResourceId) -> Vec<Lease> {
-        self.resources[resource.index()] = Usage::default();
-        let mut returned: Vec<Lease> = self
-            .leases
-            .values()
-            .filter(|lease| lease.resource == resource)
-            .copied()
+        let holders = std::mem::take(&mut self.resources[resource.index()]).holders;
+        let mut returned: Vec<Lease> = holders
+            .iter()
+            .filter_map(|request| self.leases.remove(request))
+            .map(|held| held.lease)
             .collect();
         returned.sort_unstable_by_key(|lease| lease.request);
-        for lease in &returned {
-            self.leases.remove(&lease.request);
-        }
         returned
     }
 
     /// Free units of `resource` for a request of the given kind (0 when offline).
     #[must_use]
     pub fn free(&self, resource: ResourceId, long: bool) -> u32 {
-        let usage = &self.resources[resource.index()];
+        let usage = &self.resources[resource.index()].usage;
         if usage.generation.is_none() {
             return 0;
         }
@@ -201,7 +211,7 @@ impl Ledger {
         if self.free(resource, long) == 0 || self.leases.contains_key(&request) {
             return None;
         }
-        let usage = &mut self.resources[resource.index()];
+        let usage = &mut self.resources[resource.index()].usage;
         let generation = usage.generation?;
         usage.in_flight += 1;
         if long {
@@ -213,17 +223,32 @@ impl Ledger {
             generation,
             long,
         };
-        self.leases.insert(request, lease);
+        let holders = &mut self.resources[resource.index()].holders;
+        let at = u32::try_from(holders.len()).expect("capacity is a u32");
+        holders.push(request);
+        self.leases.insert(request, Held { lease, at });
         Some(lease)
     }
 
     /// Returns a lease. Only the exact token currently held releases capacity.
     pub fn release(&mut self, lease: Lease) -> Release {
-        if self.leases.get(&lease.request) != Some(&lease) {
-            return Release::Stale;
+        let held = match self.leases.remove(&lease.request) {
+            Some(held) if held.lease == lease => held,
+            Some(other) => {
+                // The request holds a different lease: put it back untouched.
+                self.leases.insert(lease.request, other);
+                return Release::Stale;
+            }
+            None => return Release::Stale,
+        };
+        let holders = &mut self.resources[lease.resource.index()].holders;
+        holders.swap_remove(held.at as usize);
+        if let Some(&moved) = holders.get(held.at as usize)
+            && let Some(entry) = self.leases.get_mut(&moved)
+        {
+            entry.at = held.at;
         }
-        self.leases.remove(&lease.request);
-        let usage = &mut self.resources[lease.resource.index()];
+        let usage = &mut self.resources[lease.resource.index()].usage;
         usage.in_flight -= 1;
         if lease.long {
             usage.long_in_flight -= 1;
@@ -310,6 +335,29 @@ mod tests {
         assert_eq!(c.generation, Generation(2));
         assert_eq!(ledger.release(a), Release::Stale);
         assert_eq!(ledger.usage(r).in_flight, 1);
+    }
+
+    #[test]
+    fn fencing_returns_only_the_leases_of_its_resource_after_any_release_order() {
+        let mut ledger = Ledger::new();
+        let r = ledger.add_resource();
+        let other = ledger.add_resource();
+        assert!(ledger.activate(r, Generation(1), 4, 0).is_empty());
+        assert!(ledger.activate(other, Generation(2), 4, 0).is_empty());
+        let held: Vec<Lease> = (1..=4)
+            .map(|i| ledger.try_acquire(r, RequestId(i), false).expect("fits"))
+            .collect();
+        let kept = ledger
+            .try_acquire(other, RequestId(9), false)
+            .expect("fits");
+        // Releasing from the front moves the last holder into the freed place.
+        assert_eq!(ledger.release(held[0]), Release::Released);
+        assert_eq!(ledger.release(held[3]), Release::Released);
+        assert_eq!(ledger.release(held[3]), Release::Stale);
+        assert_eq!(ledger.fence(r), vec![held[1], held[2]]);
+        assert_eq!(ledger.lease_of(RequestId(9)), Some(kept));
+        assert_eq!(ledger.leases_held(), 1);
+        assert_eq!(ledger.fence(other), vec![kept]);
     }
 
     #[test]
