@@ -74,8 +74,6 @@ pub enum ReqEvent {
         /// Node chosen.
         node_id: Arc<str>,
     },
-    /// The chosen provider cannot serve this endpoint.
-    Unsupported(String),
     /// A run event.
     Run(RunEvent),
     /// A tunnel frame.
@@ -476,16 +474,10 @@ impl Task {
         let Some(work) = entry.work.take() else {
             return;
         };
+        // The core grants requests submitted as `tunnel_only` (every endpoint but chat)
+        // only to tunnel-served providers.
+        debug_assert!(grant.shape == DispatchShape::Tunnel || work.endpoint == Endpoint::Chat);
         let dispatch = match grant.shape {
-            DispatchShape::Run if work.endpoint != Endpoint::Chat => {
-                let _ = entry.events.send(ReqEvent::Unsupported(format!(
-                    "the provider chosen for this model serves chat completions only, not {}",
-                    work.endpoint.path()
-                )));
-                self.core
-                    .handle_cancel(now, grant.request, "endpoint unsupported by provider");
-                return;
-            }
             DispatchShape::Run => Dispatch::Run(RunRequest {
                 input: work.raw,
                 metadata: [("model".to_owned(), grant.model.to_string())]

@@ -745,6 +745,12 @@ fn failure(outcome: &Outcome) -> Response<ResBody> {
                 Some(&detail.code),
             )
         }
+        Outcome::Failed(RequestError::Unsupported(why)) => error(
+            StatusCode::BAD_REQUEST,
+            why,
+            "invalid_request_error",
+            Some("unsupported_endpoint"),
+        ),
         Outcome::Failed(RequestError::Violation(why)) => error(
             StatusCode::BAD_GATEWAY,
             &format!("node protocol violation: {why}"),
@@ -790,15 +796,6 @@ async fn respond(
                 return timeout_response();
             }
             Some(ReqEvent::Dispatched { shape, .. }) => break shape,
-            Some(ReqEvent::Unsupported(why)) => {
-                guard.disarm();
-                return error(
-                    StatusCode::BAD_REQUEST,
-                    &why,
-                    "invalid_request_error",
-                    Some("unsupported_endpoint"),
-                );
-            }
             Some(ReqEvent::Ended(outcome)) => {
                 guard.disarm();
                 return failure(&outcome);

@@ -155,6 +155,10 @@ pub enum RequestError {
     Violation(String),
     /// The provider or node reported an error (`ERROR` event or frame).
     Provider(ErrorDetail),
+    /// The request needs a tunnel-served provider (embeddings, completions) and none of
+    /// its model's candidates is one any more: a configuration refresh changed their
+    /// adapters while it waited.
+    Unsupported(String),
 }
 
 /// How a request ended.
@@ -446,6 +450,8 @@ enum Stream {
 enum ReqState {
     Waiting {
         ticket: Ticket,
+        /// Only a tunnel-served provider can answer it.
+        tunnel_only: bool,
     },
     Granted {
         lease: Lease,
@@ -945,7 +951,13 @@ impl EdgeCore {
             candidates,
             deadline: self.now + self.config.queue.wait_timeout,
         });
-        self.requests.insert(request, ReqState::Waiting { ticket });
+        self.requests.insert(
+            request,
+            ReqState::Waiting {
+                ticket,
+                tunnel_only: submit.tunnel_only,
+            },
+        );
         Ok(request)
     }
 
@@ -1014,7 +1026,7 @@ impl EdgeCore {
             return false;
         };
         match state {
-            ReqState::Waiting { ticket } => {
+            ReqState::Waiting { ticket, .. } => {
                 self.queue.remove(ticket);
             }
             ReqState::Granted { lease, .. } => self.release(lease),
@@ -1533,6 +1545,17 @@ impl EdgeCore {
                 return;
             };
             let request = waiter.request;
+            let tunnel_only = matches!(
+                self.requests.get(&request),
+                Some(ReqState::Waiting {
+                    tunnel_only: true,
+                    ..
+                })
+            );
+            if tunnel_only && self.shape_of(resource) != DispatchShape::Tunnel {
+                self.requeue_for_tunnel(waiter);
+                continue;
+            }
             let Some(candidate) = waiter
                 .candidates
                 .iter()
@@ -1543,6 +1566,46 @@ impl EdgeCore {
             };
             self.grant(request, &waiter.model, &candidate, waiter.long);
         }
+    }
+
+    /// A tunnel-only waiter reached a provider that no longer tunnels (a configuration
+    /// refresh changed its adapter while the request waited). It goes on with its
+    /// candidates that still tunnel: granted at once where one has room, otherwise
+    /// queued again, behind, with its deadline kept; with none left it fails.
+    fn requeue_for_tunnel(&mut self, waiter: Waiter) {
+        let request = waiter.request;
+        let candidates: Arc<[Candidate]> = waiter
+            .candidates
+            .iter()
+            .filter(|c| self.shape_of(c.resource) == DispatchShape::Tunnel)
+            .cloned()
+            .collect();
+        if candidates.is_empty() {
+            self.requests.remove(&request);
+            self.events.push_back(EdgeEvent::RequestEnded {
+                request,
+                outcome: Outcome::Failed(RequestError::Unsupported(format!(
+                    "no provider of model `{}` serves this endpoint any more",
+                    waiter.model
+                ))),
+            });
+            return;
+        }
+        if let Some(candidate) = self.pick_candidate(&waiter.model, &candidates, waiter.long) {
+            self.grant(request, &waiter.model, &candidate, waiter.long);
+            return;
+        }
+        let ticket = self.queue.push(Waiter {
+            candidates,
+            ..waiter
+        });
+        self.requests.insert(
+            request,
+            ReqState::Waiting {
+                ticket,
+                tunnel_only: true,
+            },
+        );
     }
 
     fn release(&mut self, lease: Lease) {

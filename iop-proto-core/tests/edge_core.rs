@@ -768,3 +768,82 @@ fn tunnel_only_requests_use_only_tunnel_served_candidates() {
     h.submit("m", 1).expect("granted on the mock");
     assert_eq!(&*grants(&h.events())[0].node_id, "n1");
 }
+
+#[test]
+fn a_waiting_tunnel_request_skips_a_provider_that_stopped_tunnelling() {
+    // Model "t": n2/b and n3/c, both openai_compat with capacity 1.
+    let mut cfg = config();
+    cfg.nodes.insert(
+        "n3".into(),
+        node(vec![adapter("c", AdapterType::OpenaiCompat, 1, 0)]),
+    );
+    cfg.models.insert(
+        "t".into(),
+        ModelSpec {
+            candidates: vec![candidate("n2", "b"), candidate("n3", "c")],
+            long_context_threshold: None,
+        },
+    );
+    let mut h = Harness::with(cfg.clone());
+    h.connect("n2");
+    h.connect("n3");
+    let tunnel = |h: &mut Harness, model: &str| {
+        h.edge.handle_submit(
+            h.now,
+            Submit {
+                model,
+                prompt_tokens: 1,
+                tunnel_only: true,
+            },
+        )
+    };
+    let on_b = tunnel(&mut h, "t").expect("granted");
+    let on_c = tunnel(&mut h, "t").expect("granted");
+    let first = tunnel(&mut h, "t").expect("queued");
+    let second = tunnel(&mut h, "t").expect("queued");
+    h.drain();
+    // A refresh turns n2/b into an Ollama adapter (served by runs) while both wait.
+    cfg.nodes.get_mut("n2").expect("n2").adapters[0].r#type = AdapterType::Ollama as i32;
+    h.edge.handle_config(h.now, cfg).expect("valid");
+    h.drain();
+    // n2/b frees: neither waiter may take it. Both keep waiting for n3/c, in order.
+    assert!(h.edge.handle_cancel(h.now, on_b, "caller left"));
+    let events = h.events();
+    assert!(grants(&events).is_empty(), "{events:?}");
+    assert!(
+        !events
+            .iter()
+            .any(|e| matches!(e, EdgeEvent::RequestEnded { request, .. } if *request != on_b)),
+        "{events:?}"
+    );
+    assert_eq!(h.edge.queue().ids(), vec![first, second]);
+    assert_eq!(h.usage("n2", "b").in_flight, 0, "the freed unit stays free");
+    // A chat request may use n2/b now.
+    h.submit("t", 1).expect("granted on n2/b");
+    assert_eq!(&*grants(&h.events())[0].node_id, "n2");
+    // n3/c frees: the older waiter gets it.
+    assert!(h.edge.handle_cancel(h.now, on_c, "caller left"));
+    let granted = grants(&h.events());
+    assert_eq!(granted.len(), 1);
+    assert_eq!((granted[0].request, &*granted[0].node_id), (first, "n3"));
+    // With n3/c turned into a run-served mock as well, the last waiter has no provider
+    // left for its endpoint: it fails with a typed error when n3/c frees.
+    let mut cfg = h.edge.config().clone();
+    cfg.nodes.get_mut("n3").expect("n3").adapters[0].r#type = AdapterType::Mock as i32;
+    h.edge.handle_config(h.now, cfg).expect("valid");
+    h.drain();
+    assert!(h.edge.handle_cancel(h.now, first, "caller left"));
+    let events = h.events();
+    assert!(
+        events.iter().any(|e| matches!(
+            e,
+            EdgeEvent::RequestEnded {
+                request,
+                outcome: Outcome::Failed(RequestError::Unsupported(_)),
+            } if *request == second
+        )),
+        "{events:?}"
+    );
+    assert!(grants(&events).is_empty());
+    assert!(h.edge.queue().is_empty());
+}
