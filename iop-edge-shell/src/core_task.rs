@@ -22,9 +22,9 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::clock::Clock;
 use crate::metrics::Metrics;
 use crate::openai::rewrite_model;
+use iop_shell_common::clock::Clock;
 
 /// The OpenAI endpoint a request came to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

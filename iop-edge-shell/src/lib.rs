@@ -5,11 +5,9 @@
 //! - [`nodes`]: the node listener (a reader and a writer task per connection).
 //! - [`http`]: the OpenAI-compatible HTTP surface, status, metrics and health.
 
-pub mod clock;
 pub mod config;
 pub mod core_task;
 pub mod http;
-pub mod logging;
 pub mod metrics;
 pub mod nodes;
 pub mod openai;
@@ -33,7 +31,7 @@ pub async fn run(
     shutdown: CancellationToken,
     reload: bool,
 ) -> std::io::Result<()> {
-    let clock = clock::Clock::new();
+    let clock = iop_shell_common::clock::Clock::new();
     let metrics = Arc::new(metrics::Metrics::default());
     let core = iop_proto_core::EdgeCore::new(config.core.clone())
         .map_err(|err| std::io::Error::other(err.to_string()))?;

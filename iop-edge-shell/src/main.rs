@@ -5,7 +5,8 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use iop_edge_shell::config::Config;
-use iop_edge_shell::logging::{self, LogFormat};
+use iop_shell_common::logging::{self, LogFormat};
+use iop_shell_common::process;
 use tokio_util::sync::CancellationToken;
 
 /// IOP Edge: serves the OpenAI-compatible HTTP API and dispatches work to Nodes.
@@ -35,11 +36,7 @@ fn main() -> ExitCode {
     logging::init(cli.log_format);
     let config = match Config::load(&cli.config) {
         Ok(config) => config,
-        Err(err) => {
-            tracing::error!(config = %cli.config.display(), error = %err, "invalid configuration");
-            eprintln!("iop-edge: {err}");
-            return ExitCode::from(1);
-        }
+        Err(err) => return process::invalid_config("iop-edge", &cli.config, &err),
     };
     if matches!(cli.command, Some(Command::CheckConfig)) {
         println!(
@@ -50,19 +47,13 @@ fn main() -> ExitCode {
         );
         return ExitCode::SUCCESS;
     }
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match process::runtime("iop-edge") {
         Ok(runtime) => runtime,
-        Err(err) => {
-            eprintln!("iop-edge: cannot start the runtime: {err}");
-            return ExitCode::from(1);
-        }
+        Err(code) => return code,
     };
     let result = runtime.block_on(async move {
         let shutdown = CancellationToken::new();
-        tokio::spawn(wait_for_signal(shutdown.clone()));
+        tokio::spawn(process::cancel_on_signal(shutdown.clone()));
         iop_edge_shell::run(config, cli.config, shutdown, true).await
     });
     match result {
@@ -72,19 +63,4 @@ fn main() -> ExitCode {
             ExitCode::from(1)
         }
     }
-}
-
-async fn wait_for_signal(shutdown: CancellationToken) {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
-        return;
-    };
-    tokio::select! {
-        _ = term.recv() => tracing::info!(signal = "SIGTERM", "shutdown requested"),
-        _ = int.recv() => tracing::info!(signal = "SIGINT", "shutdown requested"),
-    }
-    shutdown.cancel();
 }

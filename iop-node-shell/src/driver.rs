@@ -20,8 +20,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::adapters::{AdapterHost, HttpClient, Output, Sink};
-use crate::clock::Clock;
 use crate::stats::TransportStats;
+use iop_shell_common::clock::Clock;
 
 /// Queued output bytes above which adapter output waits.
 const HIGH_WATER: usize = 4 << 20;

@@ -6,9 +6,7 @@
 //! - [`adapters`]: the provider adapters (`mock`, `openai_compat`, `vllm`, `ollama`).
 
 pub mod adapters;
-pub mod clock;
 pub mod config;
 pub mod driver;
-pub mod logging;
 pub mod stats;
 pub mod supervisor;

@@ -5,8 +5,9 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use iop_node_shell::config::NodeConfig;
-use iop_node_shell::logging::{self, LogFormat};
 use iop_node_shell::supervisor;
+use iop_shell_common::logging::{self, LogFormat};
+use iop_shell_common::process;
 use tokio_util::sync::CancellationToken;
 
 /// IOP Node: connects LLM providers to an IOP Edge.
@@ -36,11 +37,7 @@ fn main() -> ExitCode {
     logging::init(cli.log_format);
     let config = match NodeConfig::load(&cli.config) {
         Ok(config) => config,
-        Err(err) => {
-            tracing::error!(config = %cli.config.display(), error = %err, "invalid configuration");
-            eprintln!("iop-node: {err}");
-            return ExitCode::from(1);
-        }
+        Err(err) => return process::invalid_config("iop-node", &cli.config, &err),
     };
     if matches!(cli.command, Some(Command::CheckConfig)) {
         println!(
@@ -51,15 +48,9 @@ fn main() -> ExitCode {
         );
         return ExitCode::SUCCESS;
     }
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match process::runtime("iop-node") {
         Ok(runtime) => runtime,
-        Err(err) => {
-            eprintln!("iop-node: cannot start the runtime: {err}");
-            return ExitCode::from(1);
-        }
+        Err(code) => return code,
     };
     let reason = runtime.block_on(async move {
         let ctx = match supervisor::context(&config) {
@@ -71,26 +62,11 @@ fn main() -> ExitCode {
             }
         };
         let shutdown = CancellationToken::new();
-        tokio::spawn(wait_for_signal(shutdown.clone()));
+        tokio::spawn(process::cancel_on_signal(shutdown.clone()));
         Some(supervisor::run(config, ctx, shutdown).await)
     });
     let Some(reason) = reason else {
         return ExitCode::from(1);
     };
     ExitCode::from(u8::try_from(reason.exit_code()).unwrap_or(1))
-}
-
-async fn wait_for_signal(shutdown: CancellationToken) {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
-        return;
-    };
-    tokio::select! {
-        _ = term.recv() => tracing::info!(signal = "SIGTERM", "shutdown requested"),
-        _ = int.recv() => tracing::info!(signal = "SIGINT", "shutdown requested"),
-    }
-    shutdown.cancel();
 }

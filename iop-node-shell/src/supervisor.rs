@@ -121,7 +121,7 @@ pub async fn run(config: NodeConfig, ctx: Context, shutdown: CancellationToken) 
 /// Process-wide pieces a supervisor needs; fails on an unusable TLS configuration.
 pub fn context(config: &NodeConfig) -> Result<Context, String> {
     Ok(Context {
-        clock: crate::clock::Clock::new(),
+        clock: iop_shell_common::clock::Clock::new(),
         stats: Arc::new(TransportStats::default()),
         http: crate::adapters::http::client(config.ca_file.as_deref())?,
         request_timeout: config.request_timeout,

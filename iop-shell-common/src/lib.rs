@@ -1,0 +1,10 @@
+//! What the two IOP shells (`iop-edge`, `iop-node`) share. No protocol decisions live
+//! here; those are in [`iop_proto_core`].
+//!
+//! - [`clock`]: the monotonic clock mapped onto the core's `Timestamp`.
+//! - [`logging`]: `tracing` to stderr as text or JSON lines.
+//! - [`process`]: the runtime and the shutdown signals of a binary.
+
+pub mod clock;
+pub mod logging;
+pub mod process;

@@ -1,0 +1,44 @@
+//! Process plumbing shared by the binaries: the tokio runtime and shutdown signals.
+
+use std::process::ExitCode;
+
+use tokio_util::sync::CancellationToken;
+
+/// The multi-threaded runtime a binary runs on; on failure the message is printed
+/// under `program`'s name and the exit code to return is given back.
+pub fn runtime(program: &str) -> Result<tokio::runtime::Runtime, ExitCode> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|err| {
+            eprintln!("{program}: cannot start the runtime: {err}");
+            ExitCode::from(1)
+        })
+}
+
+/// Reports an invalid configuration (log and stderr) and gives the exit code (1).
+pub fn invalid_config(
+    program: &str,
+    path: &std::path::Path,
+    err: &dyn std::fmt::Display,
+) -> ExitCode {
+    tracing::error!(config = %path.display(), error = %err, "invalid configuration");
+    eprintln!("{program}: {err}");
+    ExitCode::from(1)
+}
+
+/// Cancels `shutdown` on the first SIGTERM or SIGINT. Spawn it once at start.
+pub async fn cancel_on_signal(shutdown: CancellationToken) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!(signal = "SIGTERM", "shutdown requested"),
+        _ = int.recv() => tracing::info!(signal = "SIGINT", "shutdown requested"),
+    }
+    shutdown.cancel();
+}
