@@ -732,36 +732,19 @@ fn tunnel_only_requests_use_only_tunnel_served_candidates() {
     let mut h = Harness::new();
     h.connect("n1");
     h.connect("n2");
-    let tunnel = |h: &mut Harness| {
-        h.edge.handle_submit(
-            h.now,
-            Submit {
-                model: "m",
-                prompt_tokens: 1,
-                tunnel_only: true,
-            },
-        )
-    };
-    let first = tunnel(&mut h).expect("granted");
+    let first = h.submit_tunnel("m").expect("granted");
     let g = grants(&h.events()).remove(0);
     assert_eq!(
         (g.request, &*g.node_id, g.shape),
         (first, "n2", DispatchShape::Tunnel)
     );
     // n2/b is full (capacity 1): the next one waits even though the mock has room.
-    let second = tunnel(&mut h).expect("queued");
+    let second = h.submit_tunnel("m").expect("queued");
     assert!(grants(&h.events()).is_empty());
     assert_eq!(h.edge.queue().ids(), vec![second]);
     // A model with no tunnel-served candidate refuses at once.
     assert_eq!(
-        h.edge.handle_submit(
-            h.now,
-            Submit {
-                model: "solo",
-                prompt_tokens: 1,
-                tunnel_only: true
-            }
-        ),
+        h.submit_tunnel("solo"),
         Err(SubmitError::NoCandidates("solo".into()))
     );
     // Chat requests still use every candidate.
@@ -787,20 +770,10 @@ fn a_waiting_tunnel_request_skips_a_provider_that_stopped_tunnelling() {
     let mut h = Harness::with(cfg.clone());
     h.connect("n2");
     h.connect("n3");
-    let tunnel = |h: &mut Harness, model: &str| {
-        h.edge.handle_submit(
-            h.now,
-            Submit {
-                model,
-                prompt_tokens: 1,
-                tunnel_only: true,
-            },
-        )
-    };
-    let on_b = tunnel(&mut h, "t").expect("granted");
-    let on_c = tunnel(&mut h, "t").expect("granted");
-    let first = tunnel(&mut h, "t").expect("queued");
-    let second = tunnel(&mut h, "t").expect("queued");
+    let on_b = h.submit_tunnel("t").expect("granted");
+    let on_c = h.submit_tunnel("t").expect("granted");
+    let first = h.submit_tunnel("t").expect("queued");
+    let second = h.submit_tunnel("t").expect("queued");
     h.drain();
     // A refresh turns n2/b into an Ollama adapter (served by runs) while both wait.
     cfg.nodes.get_mut("n2").expect("n2").adapters[0].r#type = AdapterType::Ollama as i32;

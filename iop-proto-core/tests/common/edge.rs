@@ -173,6 +173,18 @@ impl Harness {
         )
     }
 
+    /// A request only a tunnel-served provider can answer (embeddings, completions).
+    pub fn submit_tunnel(&mut self, model: &str) -> Result<RequestId, SubmitError> {
+        self.edge.handle_submit(
+            self.now,
+            Submit {
+                model,
+                prompt_tokens: 1,
+                tunnel_only: true,
+            },
+        )
+    }
+
     pub fn usage(&self, node: &str, provider: &str) -> lease::Usage {
         self.edge
             .ledger()
