@@ -2,8 +2,8 @@
 //! group's live candidates wait here, FIFO, until capacity frees or their deadline passes.
 //!
 //! The cost of every operation stays flat as the queue grows (amortised O(1), O(log n)
-//! only in the rare case of a deadline earlier than one already queued), and so does the
-//! memory each operation touches:
+//! for a deadline earlier than one already queued, which only a shortened wait timeout
+//! causes), and so does the memory each operation touches:
 //! - a [`Ticket`] is the waiter's arrival sequence number, which orders the queue;
 //! - waiters live in a ring indexed by arrival, so the oldest waiters (the ones expiry
 //!   and grants take) sit together at its front and new ones are appended at its back.
@@ -17,11 +17,13 @@
 //!   is read, and a lane is compacted when it grows while removed tickets outnumber live
 //!   ones, so lanes stay proportional to their live waiters. The per-resource counts of
 //!   live waiters sit in their own small table;
-//! - deadlines are a sorted deque, normally appended at the back.
+//! - deadlines follow arrival while the wait timeout stays the same, so they are appended
+//!   to a deque; one earlier than the deque's last goes to an ordered set instead, and
+//!   expiry takes the earlier of the two fronts.
 //!
 //! Nothing scans all waiters or all resources.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
 use std::sync::Arc;
 
 use crate::idhash::IdMap;
@@ -143,6 +145,8 @@ pub struct WaitQueue {
     /// Sorted by deadline, then ticket; its front is always live, other entries of
     /// removed waiters are dropped lazily.
     deadlines: VecDeque<(Timestamp, Ticket)>,
+    /// Deadlines that arrived earlier than the deque's last; same rules.
+    early: BTreeSet<(Timestamp, Ticket)>,
     per_model: IdMap<Arc<str>, usize>,
 }
 
@@ -175,6 +179,7 @@ impl WaitQueue {
             lanes: Vec::new(),
             counts: Vec::new(),
             deadlines: VecDeque::new(),
+            early: BTreeSet::new(),
             per_model: IdMap::default(),
         }
     }
@@ -258,10 +263,13 @@ impl WaitQueue {
         }
         let entry = (waiter.deadline, ticket);
         match self.deadlines.back() {
+            // Only after the wait timeout was shortened.
             Some(last) if *last > entry => {
-                // Only after the wait timeout was shortened: keep the deque sorted.
-                let at = self.deadlines.partition_point(|e| *e < entry);
-                self.deadlines.insert(at, entry);
+                self.early.insert(entry);
+                if self.early.len() > 2 * self.len + 16 {
+                    let bits = &self.live;
+                    self.early.retain(|(_, t)| bits.contains(t.seq));
+                }
             }
             _ => self.deadlines.push_back(entry),
         }
@@ -318,6 +326,13 @@ impl WaitQueue {
             .is_some_and(|(_, t)| !self.live.contains(t.seq))
         {
             self.deadlines.pop_front();
+        }
+        while self
+            .early
+            .first()
+            .is_some_and(|(_, t)| !self.live.contains(t.seq))
+        {
+            self.early.pop_first();
         }
         if let Some(count) = self.per_model.get_mut(&waiter.model) {
             *count -= 1;
@@ -399,12 +414,20 @@ impl WaitQueue {
     /// The earliest deadline among waiters.
     #[must_use]
     pub fn next_deadline(&self) -> Option<Timestamp> {
-        self.deadlines.front().map(|(deadline, _)| *deadline)
+        self.earliest().map(|(deadline, _)| deadline)
+    }
+
+    /// The earliest `(deadline, ticket)`; both fronts are always live.
+    fn earliest(&self) -> Option<(Timestamp, Ticket)> {
+        match (self.deadlines.front(), self.early.first()) {
+            (Some(&a), Some(&b)) => Some(a.min(b)),
+            (a, b) => a.or(b).copied(),
+        }
     }
 
     /// Removes and returns one waiter whose deadline is at or before `now`, earliest first.
     pub fn pop_expired(&mut self, now: Timestamp) -> Option<Waiter> {
-        let &(deadline, ticket) = self.deadlines.front()?;
+        let (deadline, ticket) = self.earliest()?;
         if deadline > now {
             return None;
         }
@@ -524,6 +547,28 @@ mod tests {
             "the bitmap shrinks behind the oldest"
         );
         assert_eq!(q.get(newer).map(|w| w.request), Some(RequestId(10_000)));
+    }
+
+    #[test]
+    fn a_shortened_wait_timeout_keeps_expiry_in_deadline_order() {
+        let mut q = WaitQueue::new();
+        // 1,000 waiters with a long timeout, then 1,000 with a shorter one: the later
+        // arrivals expire first, without reordering the long ones.
+        for i in 0..1_000u64 {
+            q.push(waiter(i, false, &[0], 60_000 + i));
+        }
+        for i in 0..1_000u64 {
+            q.push(waiter(1_000 + i, false, &[0], 5_000 + i));
+        }
+        assert_eq!(q.early.len(), 1_000);
+        assert_eq!(q.next_deadline(), Some(Timestamp::from_millis(5_000)));
+        let mut expired = Vec::new();
+        while let Some(w) = q.pop_expired(Timestamp::from_millis(u64::MAX)) {
+            expired.push(w.request.0);
+        }
+        let expected: Vec<u64> = (1_000..2_000).chain(0..1_000).collect();
+        assert_eq!(expired, expected);
+        assert!(q.early.is_empty() && q.deadlines.is_empty());
     }
 
     #[test]
