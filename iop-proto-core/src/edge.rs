@@ -1552,6 +1552,8 @@ impl EdgeCore {
                     ..
                 })
             );
+            #[cfg(feature = "testkit")]
+            let tunnel_only = tunnel_only && !self.faults.ignore_tunnel_only;
             if tunnel_only && self.shape_of(resource) != DispatchShape::Tunnel {
                 self.requeue_for_tunnel(waiter);
                 continue;

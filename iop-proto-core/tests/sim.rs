@@ -41,7 +41,7 @@ fn every_seed_keeps_every_invariant() {
     }
     let started = Instant::now();
     let mut simulated = std::time::Duration::ZERO;
-    let (mut requests, mut completed, mut frames) = (0, 0, 0);
+    let (mut requests, mut completed, mut frames, mut unsupported) = (0, 0, 0, 0);
     for seed in 0..seeds() {
         let ops = sim::generate(seed, OPS_PER_SEED);
         match sim::run(seed, &ops, SimOptions::default()) {
@@ -50,13 +50,15 @@ fn every_seed_keeps_every_invariant() {
                 requests += stats.requests;
                 completed += stats.completed;
                 frames += stats.frames;
+                unsupported += stats.unsupported;
             }
             Err(failure) => panic!("{failure}"),
         }
     }
     let real = started.elapsed();
     println!(
-        "simulated {:.0} s in {:.1} s real ({:.0}x), {requests} requests ({completed} completed), {frames} frames",
+        "simulated {:.0} s in {:.1} s real ({:.0}x), {requests} requests ({completed} completed, \
+         {unsupported} left without a tunnel by a reload), {frames} frames",
         simulated.as_secs_f64(),
         real.as_secs_f64(),
         simulated.as_secs_f64() / real.as_secs_f64()
@@ -91,6 +93,13 @@ fn planted_bugs_are_caught_within_the_default_seeds() {
                 ..Faults::default()
             },
         ),
+        (
+            "tunnel-only request granted to a run-served provider",
+            Faults {
+                ignore_tunnel_only: true,
+                ..Faults::default()
+            },
+        ),
     ];
     for (name, faults) in planted {
         let caught = (0..seeds()).find_map(|seed| {
@@ -117,8 +126,8 @@ fn op() -> impl Strategy<Value = Op> {
     let node = 0..sim::NODES as u8;
     prop_oneof![
         6 => (1u16..600).prop_map(Op::Advance),
-        6 => (0..sim::MODELS as u8, any::<bool>(), 300u16..5000, prop::option::of(1u16..800))
-            .prop_map(|(model, long, timeout_ms, cancel_after_ms)| Op::Submit { model, long, timeout_ms, cancel_after_ms }),
+        6 => (0..sim::MODELS as u8, any::<bool>(), 300u16..5000, prop::option::of(1u16..800), prop::bool::weighted(0.25))
+            .prop_map(|(model, long, timeout_ms, cancel_after_ms, tunnel_only)| Op::Submit { model, long, timeout_ms, cancel_after_ms, tunnel_only }),
         1 => (0..sim::MODELS as u8, 3u8..12).prop_map(|(model, count)| Op::Burst { model, count }),
         1 => (node.clone(), 0u16..1500).prop_map(|(node, restart_after_ms)| Op::Crash { node, restart_after_ms }),
         1 => (node.clone(), 50u16..1500).prop_map(|(node, for_ms)| Op::Freeze { node, for_ms }),

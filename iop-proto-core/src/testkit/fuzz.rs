@@ -174,8 +174,9 @@ fn structured_envelope(input: &mut Input<'_>) -> Option<Envelope> {
 }
 
 /// The Edge machine fed arbitrary envelopes from several connections, interleaved with
-/// time, submits, dispatches and cancels. Checks that nothing panics and that the lease
-/// accounting stays consistent after every input.
+/// time, submits, dispatches, cancels and reloads that move adapters between the run and
+/// tunnel shapes. Checks that nothing panics, that the lease accounting stays consistent
+/// after every input, and that no tunnel-only request is granted to a run-served provider.
 pub fn edge_core(data: &[u8]) {
     use crate::edge::{ConnId, Dispatch, DispatchShape, EdgeCore, EdgeEvent, Submit};
     use crate::testkit::sim::world_config;
@@ -189,6 +190,8 @@ pub fn edge_core(data: &[u8]) {
     let mut now = 0u64;
     let mut open = [false; 4];
     let mut requests = Vec::new();
+    let mut tunnel_only_requests = std::collections::HashSet::new();
+    let shapes = ["run", "tunnel"];
     while !input.is_empty() {
         let op = input.byte();
         let conn = usize::from(op >> 4) % open.len();
@@ -220,16 +223,38 @@ pub fn edge_core(data: &[u8]) {
             }
             6 => {
                 let model = format!("m{}", input.byte() % 4);
+                let tunnel_only = input.byte() % 4 == 0;
                 if let Ok(r) = edge.handle_submit(
                     t,
                     Submit {
                         model: &model,
                         prompt_tokens: u64::from(input.byte()),
-                        tunnel_only: input.byte() % 4 == 0,
+                        tunnel_only,
                     },
                 ) {
                     requests.push(r);
+                    if tunnel_only {
+                        tunnel_only_requests.insert(r);
+                    }
                 }
+            }
+            _ if op & 0x08 != 0 => {
+                // A reload: each adapter of each node may be switched to the other shape.
+                let flips = input.u16();
+                let mut cfg = world_config(u32::from(flips >> 12));
+                for (bit, adapter) in cfg
+                    .nodes
+                    .values_mut()
+                    .flat_map(|node| node.adapters.iter_mut())
+                    .enumerate()
+                {
+                    if flips >> (bit % 12) & 1 == 1 {
+                        adapter
+                            .options
+                            .insert("dispatch".into(), shapes[bit % 2].into());
+                    }
+                }
+                let _ = edge.handle_config(t, cfg);
             }
             _ => {
                 if let Some(&r) = requests.get(usize::from(input.byte())) {
@@ -242,6 +267,11 @@ pub fn edge_core(data: &[u8]) {
         while edge.poll_transmit().is_some() {}
         while let Some(event) = edge.poll_event() {
             if let EdgeEvent::Granted(grant) = event {
+                assert!(
+                    grant.shape == DispatchShape::Tunnel
+                        || !tunnel_only_requests.contains(&grant.request),
+                    "a tunnel-only request was granted to a run-served provider"
+                );
                 let dispatch = match grant.shape {
                     DispatchShape::Run => Dispatch::Run(RunRequest::default()),
                     DispatchShape::Tunnel => Dispatch::Tunnel(ProviderTunnelRequest {

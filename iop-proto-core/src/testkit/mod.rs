@@ -15,4 +15,6 @@ pub struct Faults {
     pub dispatch_before_ready: bool,
     /// Forget to release the lease of a completed run.
     pub leak_lease: bool,
+    /// Grant a tunnel-only waiter to a provider that stopped tunnelling.
+    pub ignore_tunnel_only: bool,
 }

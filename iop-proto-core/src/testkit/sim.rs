@@ -20,8 +20,8 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 
 use crate::edge::{
-    CloseReason, ConnId, Dispatch, DispatchShape, EdgeCore, EdgeEvent, NodeState, Outcome, Submit,
-    Transmit,
+    CloseReason, ConnId, Dispatch, DispatchShape, EdgeCore, EdgeEvent, NodeState, Outcome,
+    RequestError, Submit, Transmit,
 };
 use crate::edge_config::{CandidateSpec, EdgeConfig, EdgeTiming, ModelSpec, NodeSpec, QueueLimits};
 use crate::lease::RequestId;
@@ -67,6 +67,8 @@ pub enum Op {
         timeout_ms: u16,
         /// Cancel (caller disconnects) after this long.
         cancel_after_ms: Option<u16>,
+        /// Only a tunnel-served provider may answer it (embeddings, completions).
+        tunnel_only: bool,
     },
     /// Many requests at once (above capacity).
     Burst {
@@ -138,6 +140,7 @@ pub fn generate(seed: u64, len: usize) -> Vec<Op> {
                 long: rng.chance(25),
                 timeout_ms: ms(&mut rng, 300, 5000),
                 cancel_after_ms: rng.chance(20).then(|| ms(&mut rng, 1, 800)),
+                tunnel_only: rng.chance(25),
             },
             60..=64 => Op::Burst {
                 model: u8::try_from(rng.below(MODELS as u64)).unwrap_or(0),
@@ -189,6 +192,8 @@ pub struct Stats {
     pub completed: u64,
     /// Requests refused at submit (queue full).
     pub refused: u64,
+    /// Tunnel-only requests that ended because a reload left no tunnel-served provider.
+    pub unsupported: u64,
     /// Frames carried by the links.
     pub frames: u64,
 }
@@ -251,19 +256,27 @@ fn adapter(name: &str, kind: AdapterType, capacity: u32, long: u32, rev: u32) ->
     }
 }
 
-/// The simulated Edge configuration; `rev` changes adapter options (a refresh).
+/// The simulated Edge configuration; `rev` changes adapter options (a refresh). Every
+/// fourth revision from 1 serves n1's `tun` adapter by runs, from 2 n1's and n2's, so
+/// requests waiting for a tunnel see their providers change shape.
 #[must_use]
 pub fn world_config(rev: u32) -> EdgeConfig {
     let mut nodes = BTreeMap::new();
     for n in 0..NODES {
+        let mut tun = adapter("tun", AdapterType::OpenaiCompat, 1 + (n as u32 % 2), 1, rev);
+        let by_runs = match rev % 4 {
+            1 => n == 1,
+            2 => n == 1 || n == 2,
+            _ => false,
+        };
+        if by_runs {
+            tun.options.insert("dispatch".into(), "run".into());
+        }
         nodes.insert(
             format!("n{n}"),
             NodeSpec {
                 token: TokenVerifier::Plain(TOKEN.as_bytes().to_vec()),
-                adapters: vec![
-                    adapter("run", AdapterType::Mock, 2, 1, rev),
-                    adapter("tun", AdapterType::OpenaiCompat, 1 + (n as u32 % 2), 1, rev),
-                ],
+                adapters: vec![adapter("run", AdapterType::Mock, 2, 1, rev), tun],
                 runtime: NodeRuntimeConfig::default(),
             },
         );
@@ -391,6 +404,7 @@ struct Client {
     deadline: Timestamp,
     ended: bool,
     checker: Option<Checker>,
+    tunnel_only: bool,
 }
 
 struct World {
@@ -544,6 +558,18 @@ impl World {
                     grant.node_id,
                     grant.provider_id
                 );
+                let tunnel_only = self
+                    .clients
+                    .get(&grant.request)
+                    .is_some_and(|c| c.tunnel_only);
+                check!(
+                    self,
+                    grant.shape == DispatchShape::Tunnel || !tunnel_only,
+                    "tunnel-only {} granted to run-served {}/{}",
+                    grant.request,
+                    grant.node_id,
+                    grant.provider_id
+                );
                 let dispatch = match grant.shape {
                     DispatchShape::Run => Dispatch::Run(RunRequest::default()),
                     DispatchShape::Tunnel => Dispatch::Tunnel(ProviderTunnelRequest {
@@ -605,8 +631,10 @@ impl World {
             }
             EdgeEvent::RequestEnded { request, outcome } => {
                 self.log(|| format!("{request} ended: {outcome:?}"));
-                if outcome == Outcome::Completed {
-                    self.stats.completed += 1;
+                match outcome {
+                    Outcome::Completed => self.stats.completed += 1,
+                    Outcome::Failed(RequestError::Unsupported(_)) => self.stats.unsupported += 1,
+                    _ => {}
                 }
                 match self.clients.get_mut(&request) {
                     Some(client) => {
@@ -1164,14 +1192,21 @@ impl World {
         }
     }
 
-    fn submit(&mut self, model: u8, long: bool, timeout_ms: u16, cancel_after_ms: Option<u16>) {
+    fn submit(
+        &mut self,
+        model: u8,
+        long: bool,
+        timeout_ms: u16,
+        cancel_after_ms: Option<u16>,
+        tunnel_only: bool,
+    ) {
         let name = format!("m{}", usize::from(model) % MODELS);
         let result = self.edge.handle_submit(
             self.now,
             Submit {
                 model: &name,
                 prompt_tokens: if long { 500 } else { 10 },
-                tunnel_only: false,
+                tunnel_only,
             },
         );
         match result {
@@ -1186,11 +1221,16 @@ impl World {
                         deadline,
                         ended: false,
                         checker: None,
+                        tunnel_only,
                     },
                 );
                 self.client_timers
                     .insert((cancel_at.unwrap_or(deadline).min(deadline), request));
-                self.log(|| format!("{request} submitted for {name} (long: {long})"));
+                self.log(|| {
+                    format!(
+                        "{request} submitted for {name} (long: {long}, tunnel only: {tunnel_only})"
+                    )
+                });
                 self.drain_edge();
             }
             Err(err) => {
@@ -1210,10 +1250,11 @@ impl World {
                 long,
                 timeout_ms,
                 cancel_after_ms,
-            } => self.submit(model, long, timeout_ms, cancel_after_ms),
+                tunnel_only,
+            } => self.submit(model, long, timeout_ms, cancel_after_ms, tunnel_only),
             Op::Burst { model, count } => {
                 for _ in 0..count {
-                    self.submit(model, false, 3000, None);
+                    self.submit(model, false, 3000, None, false);
                 }
             }
             Op::Crash {
