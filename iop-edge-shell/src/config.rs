@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use iop_proto_core::wire::{AdapterConfig, AdapterType, NodeRuntimeConfig};
@@ -13,41 +13,8 @@ use iop_proto_core::{
 };
 use serde::Deserialize;
 
-/// A configuration that cannot be used.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    /// The file could not be read.
-    #[error("cannot read {path}: {source}")]
-    Io {
-        /// Path.
-        path: PathBuf,
-        /// Why.
-        source: std::io::Error,
-    },
-    /// Malformed TOML or an unknown/mistyped key.
-    #[error("{path}: {message}")]
-    Parse {
-        /// Path.
-        path: PathBuf,
-        /// The parser's message (names the key and line).
-        message: String,
-    },
-    /// A value that cannot work.
-    #[error("{key}: {problem}")]
-    Invalid {
-        /// The key.
-        key: String,
-        /// What is wrong.
-        problem: String,
-    },
-}
-
-fn invalid(key: impl Into<String>, problem: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid {
-        key: key.into(),
-        problem: problem.into(),
-    }
-}
+pub use iop_shell_common::config::ConfigError;
+use iop_shell_common::config::invalid;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -216,19 +183,12 @@ fn positive_ms(key: &str, value: Option<u64>, default: u64) -> Result<Duration, 
 impl Config {
     /// Reads and validates `path`.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
-            path: path.to_owned(),
-            source,
-        })?;
-        Self::parse(&text, path)
+        Self::parse(&iop_shell_common::config::read(path)?, path)
     }
 
     /// Parses and validates configuration text.
     pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
-        let raw: Raw = toml::from_str(text).map_err(|err| ConfigError::Parse {
-            path: path.to_owned(),
-            message: err.to_string().trim().to_owned(),
-        })?;
+        let raw: Raw = iop_shell_common::config::parse_toml(text, path)?;
         let timing = EdgeTiming {
             heartbeat_interval: positive_ms(
                 "heartbeat.interval_ms",

@@ -31,34 +31,8 @@ impl std::fmt::Debug for Secret {
     }
 }
 
-/// A configuration that cannot be used, naming the key at fault.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    /// The file could not be read.
-    #[error("cannot read {path}: {source}")]
-    Io {
-        /// The path.
-        path: PathBuf,
-        /// Why.
-        source: std::io::Error,
-    },
-    /// The TOML is malformed or has an unknown or mistyped key.
-    #[error("{path}: {message}")]
-    Parse {
-        /// The path.
-        path: PathBuf,
-        /// The parser's message (names the key and line).
-        message: String,
-    },
-    /// A key holds a value that cannot work.
-    #[error("{key}: {problem}")]
-    Invalid {
-        /// The key.
-        key: &'static str,
-        /// What is wrong.
-        problem: String,
-    },
-}
+pub use iop_shell_common::config::ConfigError;
+use iop_shell_common::config::invalid;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -142,87 +116,73 @@ fn seconds(key: &'static str, value: Option<f64>, default: f64) -> Result<Durati
     let secs = value.unwrap_or(default);
     match Duration::try_from_secs_f64(secs) {
         Ok(d) if !d.is_zero() => Ok(d),
-        _ => Err(ConfigError::Invalid {
+        _ => Err(invalid(
             key,
-            problem: format!("must be a positive number of seconds, got {secs}"),
-        }),
+            format!("must be a positive number of seconds, got {secs}"),
+        )),
     }
 }
 
 impl NodeConfig {
     /// Reads and validates `path`; the token may come from the environment.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
-            path: path.to_owned(),
-            source,
-        })?;
+        let text = iop_shell_common::config::read(path)?;
         Self::parse(&text, path, std::env::var(TOKEN_ENV).ok())
     }
 
     /// Parses and validates configuration text. `env_token` is the value of
     /// [`TOKEN_ENV`], if set. Relative `token_file` paths resolve against `path`'s folder.
     pub fn parse(text: &str, path: &Path, env_token: Option<String>) -> Result<Self, ConfigError> {
-        let raw: RawConfig = toml::from_str(text).map_err(|err| ConfigError::Parse {
-            path: path.to_owned(),
-            message: err.to_string().trim().to_owned(),
-        })?;
+        let raw: RawConfig = iop_shell_common::config::parse_toml(text, path)?;
         if raw.node_id.trim().is_empty() {
-            return Err(ConfigError::Invalid {
-                key: "node_id",
-                problem: "must not be empty".into(),
-            });
+            return Err(invalid("node_id", "must not be empty"));
         }
         if !valid_addr(&raw.edge_addr) {
-            return Err(ConfigError::Invalid {
-                key: "edge_addr",
-                problem: format!("must be host:port, got {:?}", raw.edge_addr),
-            });
+            return Err(invalid(
+                "edge_addr",
+                format!("must be host:port, got {:?}", raw.edge_addr),
+            ));
         }
         let token = match (raw.token, raw.token_file) {
             (Some(_), Some(_)) => {
-                return Err(ConfigError::Invalid {
-                    key: "token",
-                    problem: "set either token or token_file, not both".into(),
-                });
+                return Err(invalid("token", "set either token or token_file, not both"));
             }
             (Some(token), None) => token,
             (None, Some(file)) => {
                 let file = path.parent().map_or(file.clone(), |dir| dir.join(&file));
                 std::fs::read_to_string(&file)
-                    .map_err(|err| ConfigError::Invalid {
-                        key: "token_file",
-                        problem: format!("cannot read {}: {err}", file.display()),
+                    .map_err(|err| {
+                        invalid(
+                            "token_file",
+                            format!("cannot read {}: {err}", file.display()),
+                        )
                     })?
                     .trim()
                     .to_owned()
             }
-            (None, None) => env_token.ok_or_else(|| ConfigError::Invalid {
-                key: "token",
-                problem: format!(
-                    "missing: set token, token_file or the {TOKEN_ENV} environment variable"
-                ),
+            (None, None) => env_token.ok_or_else(|| {
+                invalid(
+                    "token",
+                    format!(
+                        "missing: set token, token_file or the {TOKEN_ENV} environment variable"
+                    ),
+                )
             })?,
         };
         if token.is_empty() {
-            return Err(ConfigError::Invalid {
-                key: "token",
-                problem: "must not be empty".into(),
-            });
+            return Err(invalid("token", "must not be empty"));
         }
         let policy =
             ReconnectPolicy::from_config(raw.reconnect.max_attempts, raw.reconnect.interval_sec)
-                .map_err(|err| ConfigError::Invalid {
-                    key: "reconnect",
-                    problem: err.to_string(),
-                })?;
+                .map_err(|err| invalid("reconnect", err.to_string()))?;
         let backoff = match raw.reconnect.backoff {
             None => None,
             Some(b) => {
                 if b.base_ms == 0 || b.max_ms < b.base_ms || !(0.0..=1.0).contains(&b.jitter) {
-                    return Err(ConfigError::Invalid {
-                        key: "reconnect.backoff",
-                        problem: "needs 0 < base_ms <= max_ms and 0 <= jitter <= 1".into(),
-                    });
+                    return Err(invalid(
+                        "reconnect.backoff",
+                        "needs 0 < base_ms <= max_ms and 0 <= jitter <= 1",
+                    ));
                 }
                 Some(Backoff {
                     base: Duration::from_millis(b.base_ms),
