@@ -28,10 +28,22 @@ passed = 0
 failed = 0
 
 
+_next_port = 32000 - (os.getpid() * 7919) % 12000
+
+
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free when checked, below the kernel's ephemeral range (32768 and
+    up) so no outgoing connection can take it before the binary binds it."""
+    global _next_port
+    for _ in range(12000):
+        _next_port = 20000 + (_next_port - 20000 + 1) % 12000
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", _next_port))
+            except OSError:
+                continue
+            return _next_port
+    raise RuntimeError("no free loopback port between 20000 and 32000")
 
 
 class FakeEmbeddings(http.server.BaseHTTPRequestHandler):

@@ -28,13 +28,27 @@ pub fn binary(name: &str) -> PathBuf {
     path
 }
 
-/// A free loopback port (bound then released; the race is acceptable on loopback).
+/// A loopback port for a binary to listen on, free when checked.
+///
+/// Ports come from below Linux's ephemeral range (32768 and up), walked by a per-process
+/// counter from a start that depends on the process id. Asking the kernel for port 0
+/// instead hands out ephemeral ports, which the many outgoing test connections also draw
+/// from: one of them can take the port between this check and the binary's bind.
 #[must_use]
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
+    const FIRST: u32 = 20_000;
+    const SPAN: u32 = 12_000;
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let start = std::process::id().wrapping_mul(7_919) % SPAN;
+    for _ in 0..SPAN {
+        let step = u32::try_from(NEXT.fetch_add(1, Ordering::Relaxed) % u64::from(SPAN))
+            .expect("below SPAN");
+        let port = u16::try_from(FIRST + (start + step) % SPAN).expect("below 32000");
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free loopback port between {FIRST} and {}", FIRST + SPAN)
 }
 
 /// A temporary directory removed on drop.
