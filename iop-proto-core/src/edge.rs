@@ -1035,18 +1035,7 @@ impl EdgeCore {
                 conn,
                 stream,
             } => {
-                self.send(
-                    conn,
-                    Body::CancelRequest(CancelRequest {
-                        run_id: run_id_of(request),
-                        kind: CancelKind::CancelRun as i32,
-                        reason: reason.to_owned(),
-                    }),
-                );
-                self.timers.insert((
-                    self.now + self.config.timing.cancel_grace,
-                    TimerKey::CancelGrace(request),
-                ));
+                self.cancel_on_node(request, conn, reason.to_owned());
                 self.requests.insert(
                     request,
                     ReqState::Cancelling {
@@ -1722,6 +1711,23 @@ impl EdgeCore {
         }
     }
 
+    /// Sends `CancelRequest(CANCEL_RUN)` for `request` on `conn` and arms its cancel
+    /// grace: the lease is returned when the node ends the run or the grace passes.
+    fn cancel_on_node(&mut self, request: RequestId, conn: ConnId, reason: String) {
+        self.send(
+            conn,
+            Body::CancelRequest(CancelRequest {
+                run_id: run_id_of(request),
+                kind: CancelKind::CancelRun as i32,
+                reason,
+            }),
+        );
+        self.timers.insert((
+            self.now + self.config.timing.cancel_grace,
+            TimerKey::CancelGrace(request),
+        ));
+    }
+
     /// A run's stream broke the contract: that run alone fails, is cancelled on the node,
     /// and keeps its lease until the node ends it or the cancel grace passes.
     fn stream_violation(
@@ -1742,18 +1748,7 @@ impl EdgeCore {
                 request,
                 outcome: Outcome::Failed(RequestError::Violation(detail.clone())),
             });
-            self.send(
-                conn,
-                Body::CancelRequest(CancelRequest {
-                    run_id: run_id_of(request),
-                    kind: CancelKind::CancelRun as i32,
-                    reason: format!("protocol violation: {detail}"),
-                }),
-            );
-            self.timers.insert((
-                self.now + self.config.timing.cancel_grace,
-                TimerKey::CancelGrace(request),
-            ));
+            self.cancel_on_node(request, conn, format!("protocol violation: {detail}"));
         }
         // Nothing more this stream sends is trusted; the lease waits for the grace timer
         // or a fence.

@@ -72,13 +72,7 @@ fn ready_from_pending_owner_activates_pumps_and_connects_once() {
     let waiting = h.submit("solo", 10).expect("queued");
     h.ready(conn, "n1");
     let (tx, events) = h.drain();
-    assert!(matches!(
-        frames_to(&tx, conn).as_slice(),
-        [Body::NodeReadyResponse(NodeReadyResponse {
-            ready: true,
-            ..
-        })]
-    ));
+    assert_eq!(only_ready_answer(&tx, conn), Some(true));
     let connected = events
         .iter()
         .filter(|e| matches!(e, EdgeEvent::NodeConnected { .. }))
@@ -96,13 +90,7 @@ fn ready_from_pending_owner_activates_pumps_and_connects_once() {
     // A duplicate ready from the same ready owner: ready=true, no side effect.
     h.ready(conn, "n1");
     let (tx, events) = h.drain();
-    assert!(matches!(
-        frames_to(&tx, conn).as_slice(),
-        [Body::NodeReadyResponse(NodeReadyResponse {
-            ready: true,
-            ..
-        })]
-    ));
+    assert_eq!(only_ready_answer(&tx, conn), Some(true));
     assert!(events.is_empty(), "{events:?}");
     assert_eq!(snapshot(&h, "a").in_flight, 1);
 }
@@ -114,13 +102,7 @@ fn ready_from_anyone_else_is_refused_and_closed() {
     let early = h.open();
     h.ready(early, "n1");
     let (tx, events) = h.drain();
-    assert!(matches!(
-        frames_to(&tx, early).as_slice(),
-        [Body::NodeReadyResponse(NodeReadyResponse {
-            ready: false,
-            ..
-        })]
-    ));
+    assert_eq!(only_ready_answer(&tx, early), Some(false));
     assert_eq!(closed(&tx), vec![(early, CloseReason::ReadyRefused)]);
     assert!(events.is_empty());
 
@@ -132,13 +114,7 @@ fn ready_from_anyone_else_is_refused_and_closed() {
     h.drain();
     h.ready(old, "n1");
     let (tx, events) = h.drain();
-    assert!(matches!(
-        frames_to(&tx, old).as_slice(),
-        [Body::NodeReadyResponse(NodeReadyResponse {
-            ready: false,
-            ..
-        })]
-    ));
+    assert_eq!(only_ready_answer(&tx, old), Some(false));
     assert!(events.is_empty(), "stale ready emits nothing: {events:?}");
     assert_eq!(h.edge.nodes()[0].state, NodeState::Pending);
     h.ready(new, "n1");

@@ -96,6 +96,17 @@ impl H {
         h
     }
 
+    /// A chat-completions tunnel request from the Edge.
+    fn tunnel(&mut self, run_id: &str, adapter: &str) {
+        self.rx(Body::ProviderTunnelRequest(ProviderTunnelRequest {
+            run_id: run_id.into(),
+            adapter: adapter.into(),
+            method: "POST".into(),
+            path: "/v1/chat/completions".into(),
+            ..Default::default()
+        }));
+    }
+
     fn run(&mut self, run_id: &str, adapter: &str, long: bool) {
         self.rx(Body::RunRequest(RunRequest {
             run_id: run_id.into(),
@@ -270,13 +281,7 @@ fn work_passes_the_capacity_gate_or_is_refused_at_once() {
         assert!(tracker.is_ended());
     }
     // Runs and tunnels share the gate.
-    h.rx(Body::ProviderTunnelRequest(ProviderTunnelRequest {
-        run_id: "t1".into(),
-        adapter: "a".into(),
-        method: "POST".into(),
-        path: "/v1/chat/completions".into(),
-        ..Default::default()
-    }));
+    h.tunnel("t1", "a");
     assert!(matches!(
         h.events().as_slice(),
         [SessionEvent::WorkRefused { .. }]
@@ -343,13 +348,7 @@ fn run_output_is_sequenced_and_checked() {
 #[test]
 fn tunnel_output_is_chunked_ordered_and_ends_once() {
     let mut h = H::ready();
-    h.rx(Body::ProviderTunnelRequest(ProviderTunnelRequest {
-        run_id: "t1".into(),
-        adapter: "a".into(),
-        method: "POST".into(),
-        path: "/v1/chat/completions".into(),
-        ..Default::default()
-    }));
+    h.tunnel("t1", "a");
     assert!(matches!(
         h.events().as_slice(),
         [SessionEvent::StartTunnel { .. }]
@@ -637,13 +636,7 @@ fn work_before_ready_is_a_protocol_violation() {
 fn work_whose_adapter_returned_without_a_terminal_ends_with_an_error() {
     let mut h = H::ready();
     h.run("r1", "a", false);
-    h.rx(Body::ProviderTunnelRequest(ProviderTunnelRequest {
-        run_id: "t1".into(),
-        adapter: "a".into(),
-        method: "POST".into(),
-        path: "/v1/chat/completions".into(),
-        ..Default::default()
-    }));
+    h.tunnel("t1", "a");
     h.events();
     let t = h.t();
     assert!(h.s.handle_work_returned(t, "r1"));

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use iop_blackbox::Proc;
 use iop_blackbox::client::{Cluster, next_sse, read_sse};
 use iop_blackbox::fake::{self, Behaviour, Flavor};
 use serde_json::{Value, json};
@@ -68,6 +69,14 @@ providers = [{{ node = "n1", adapter = "ol", target = "llama3:8b" }}]
     )
 }
 
+/// An Edge serving `body(oa, ollama)` with node n1 running and ready.
+async fn ready_cluster(oa: &str, ollama: &str) -> (Cluster, Proc) {
+    let cluster = Cluster::start("", &body(oa, ollama));
+    let node = cluster.node("n1", "tok-1");
+    cluster.wait_ready("n1").await;
+    (cluster, node)
+}
+
 fn chat(model: &str, stream: bool) -> Value {
     json!({"model": model, "stream": stream, "messages": [{"role": "user", "content": "hello \"there\""}]})
 }
@@ -96,9 +105,7 @@ fn streamed_text(events: &[String]) -> String {
 async fn chat_completions_through_both_shapes_and_embeddings_through_the_tunnel() {
     let oa = fake::start(Flavor::OpenAi, Behaviour::default()).await;
     let ol = fake::start(Flavor::Ollama, Behaviour::default()).await;
-    let cluster = Cluster::start("", &body(&oa.url(), &ol.url()));
-    let _node = cluster.node("n1", "tok-1");
-    cluster.wait_ready("n1").await;
+    let (cluster, _node) = ready_cluster(&oa.url(), &ol.url()).await;
     let http = cluster.http();
 
     // Normalized run (mock): whole and streamed.
@@ -273,9 +280,7 @@ async fn tool_calls_native_and_text_fallback() {
         },
     )
     .await;
-    let cluster = Cluster::start("", &body(&oa.url(), &ol.url()));
-    let _node = cluster.node("n1", "tok-1");
-    cluster.wait_ready("n1").await;
+    let (cluster, _node) = ready_cluster(&oa.url(), &ol.url()).await;
     let http = cluster.http();
     let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]);
     let ask = |model: &str, stream: bool| {
@@ -527,9 +532,7 @@ async fn a_provider_that_hangs_ends_in_a_timeout_error() {
         },
     )
     .await;
-    let cluster = Cluster::start("", &body(&oa.url(), &oa.url()));
-    let _node = cluster.node("n1", "tok-1");
-    cluster.wait_ready("n1").await;
+    let (cluster, _node) = ready_cluster(&oa.url(), &oa.url()).await;
     // The node's request timeout (3 s in test clusters) ends the upstream call.
     let started = std::time::Instant::now();
     let r = cluster
@@ -599,9 +602,7 @@ async fn https_providers_are_reached_through_rustls_with_a_private_ca() {
 async fn node_commands_report_capabilities_transport_and_read_only_ollama() {
     let oa = fake::start(Flavor::OpenAi, Behaviour::default()).await;
     let ol = fake::start(Flavor::Ollama, Behaviour::default()).await;
-    let cluster = Cluster::start("", &body(&oa.url(), &ol.url()));
-    let _node = cluster.node("n1", "tok-1");
-    cluster.wait_ready("n1").await;
+    let (cluster, _node) = ready_cluster(&oa.url(), &ol.url()).await;
     let http = cluster.http();
 
     let caps = http.get("/v1/nodes/n1/capabilities").await;
@@ -658,9 +659,7 @@ async fn node_commands_report_capabilities_transport_and_read_only_ollama() {
 async fn the_edge_speaks_h2c() {
     use http_body_util::{BodyExt, Full};
     let oa = fake::start(Flavor::OpenAi, Behaviour::default()).await;
-    let cluster = Cluster::start("", &body(&oa.url(), &oa.url()));
-    let _node = cluster.node("n1", "tok-1");
-    cluster.wait_ready("n1").await;
+    let (cluster, _node) = ready_cluster(&oa.url(), &oa.url()).await;
     let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
         .http2_only(true)
         .build_http::<Full<bytes::Bytes>>();

@@ -249,6 +249,14 @@ pub fn frames_to(transmits: &[Transmit], conn: ConnId) -> Vec<Body> {
         .collect()
 }
 
+/// `Some(ready)` when the only frame sent to `conn` is a `NodeReadyResponse`.
+pub fn only_ready_answer(transmits: &[Transmit], conn: ConnId) -> Option<bool> {
+    match frames_to(transmits, conn).as_slice() {
+        [Body::NodeReadyResponse(response)] => Some(response.ready),
+        _ => None,
+    }
+}
+
 pub fn closed(transmits: &[Transmit]) -> Vec<(ConnId, CloseReason)> {
     transmits
         .iter()
