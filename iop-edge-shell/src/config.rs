@@ -1,25 +1,44 @@
-//! The Edge's TOML configuration: listen addresses, nodes with their tokens and adapters,
-//! model groups, queue limits, timers, HTTP limits and client API keys. Errors name the
-//! key and the problem; the core validates the protocol rules.
+//! The Edge's TOML configuration: listen addresses and their TLS, nodes with their tokens
+//! and adapters, model groups, queue limits, timers, HTTP limits, API keys and admission
+//! limits. Errors name the key and the problem; the core validates the protocol rules.
+//!
+//! Security rules enforced here (so `check-config` reports them):
+//! - the node listener is TLS unless `listen.nodes_plaintext = true`, and plaintext on a
+//!   non-loopback address also needs `listen.allow_public_plaintext = true`;
+//! - node tokens have at least [`MIN_TOKEN_CHARS`] characters, and the quickstart's
+//!   [`EXAMPLE_TOKEN`] is refused when the node listener is not on loopback;
+//! - API keys are never empty or whitespace; a key is a client key or an admin key.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use iop_proto_core::wire::{AdapterConfig, AdapterType, NodeRuntimeConfig};
 use iop_proto_core::{
-    CandidateSpec, EdgeConfig, EdgeTiming, ModelSpec, NodeSpec, QueueLimits, TokenVerifier,
+    Admission, CandidateSpec, ConflictLimits, EdgeConfig, EdgeTiming, ModelSpec, NodeSpec,
+    QueueLimits, ThrottleLimits, TokenVerifier,
 };
+use iop_shell_common::tls::ServerFiles;
 use serde::Deserialize;
 
 pub use iop_shell_common::config::ConfigError;
 use iop_shell_common::config::invalid;
 
+/// Shortest node token accepted.
+pub const MIN_TOKEN_CHARS: usize = 16;
+
+/// The token of the quickstart configuration; refused unless the node listener is on
+/// loopback.
+pub const EXAMPLE_TOKEN: &str = "dev-token-change-me";
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Raw {
     listen: RawListen,
+    #[serde(default)]
+    admission: RawAdmission,
     #[serde(default)]
     heartbeat: RawHeartbeat,
     #[serde(default)]
@@ -41,6 +60,38 @@ struct Raw {
 struct RawListen {
     http: String,
     nodes: String,
+    #[serde(default)]
+    nodes_plaintext: bool,
+    #[serde(default)]
+    allow_public_plaintext: bool,
+    nodes_tls: Option<RawTls>,
+    http_tls: Option<RawHttpTls>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTls {
+    cert_file: PathBuf,
+    key_file: PathBuf,
+    client_ca_file: Option<PathBuf>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawHttpTls {
+    cert_file: PathBuf,
+    key_file: PathBuf,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawAdmission {
+    free_failures: Option<u32>,
+    failure_window_sec: Option<u64>,
+    max_backoff_sec: Option<u64>,
+    conflict_supersedes: Option<u32>,
+    conflict_window_sec: Option<u64>,
+    conflict_hold_down_sec: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -80,6 +131,8 @@ struct RawLimits {
 struct RawAuth {
     #[serde(default)]
     api_keys: Vec<String>,
+    #[serde(default)]
+    admin_keys: Vec<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -143,8 +196,11 @@ pub struct HttpSettings {
     pub http_addr: SocketAddr,
     /// Node listener address.
     pub nodes_addr: SocketAddr,
-    /// Client API keys (empty: no authentication).
+    /// Client API keys: inference routes and `/v1/models` (empty: those routes are open).
     pub api_keys: Vec<TokenVerifier>,
+    /// Admin API keys: status, metrics, node commands (empty: those routes answer
+    /// loopback callers only).
+    pub admin_keys: Vec<TokenVerifier>,
     /// Largest accepted request body.
     pub max_body_bytes: usize,
     /// Requests served at once; more get 503.
@@ -158,6 +214,17 @@ pub struct HttpSettings {
     pub response_timeout: Duration,
 }
 
+/// TLS of both listeners, loaded and checked.
+#[derive(Clone, Debug)]
+pub struct TlsSettings {
+    /// The node link: `None` only with `listen.nodes_plaintext = true`.
+    pub nodes: Option<Arc<rustls::ServerConfig>>,
+    /// Where the node link's material came from (reloaded on SIGHUP).
+    pub nodes_files: Option<ServerFiles>,
+    /// HTTPS on the public listener, if configured (ALPN h2, http/1.1).
+    pub http: Option<Arc<rustls::ServerConfig>>,
+}
+
 /// The whole Edge configuration.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -165,12 +232,36 @@ pub struct Config {
     pub core: EdgeConfig,
     /// What the HTTP shell governs.
     pub http: HttpSettings,
+    /// TLS of the listeners.
+    pub tls: TlsSettings,
 }
 
 fn addr(key: &str, value: &str) -> Result<SocketAddr, ConfigError> {
     value
         .parse()
         .map_err(|_| invalid(key, format!("must be ip:port, got {value:?}")))
+}
+
+fn positive_secs(key: &str, value: Option<u64>, default: u64) -> Result<Duration, ConfigError> {
+    match value.unwrap_or(default) {
+        0 => Err(invalid(key, "must be positive")),
+        s => Ok(Duration::from_secs(s)),
+    }
+}
+
+fn relative(base: &Path, file: &Path) -> PathBuf {
+    base.parent().map_or(file.to_owned(), |dir| dir.join(file))
+}
+
+fn keys(key: &str, values: Vec<String>) -> Result<Vec<TokenVerifier>, ConfigError> {
+    values
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            TokenVerifier::parse_key(v)
+                .map_err(|err| invalid(format!("{key}[{i}]"), err.to_string()))
+        })
+        .collect()
 }
 
 fn positive_ms(key: &str, value: Option<u64>, default: u64) -> Result<Duration, ConfigError> {
@@ -212,6 +303,34 @@ impl Config {
                 15_000,
             )?,
         };
+        let http_addr = addr("listen.http", &raw.listen.http)?;
+        let nodes_addr = addr("listen.nodes", &raw.listen.nodes)?;
+        let tls = tls_settings(&raw.listen, nodes_addr, path)?;
+        let a = &raw.admission;
+        let admission = Admission {
+            require_client_identity: raw
+                .listen
+                .nodes_tls
+                .as_ref()
+                .is_some_and(|t| t.client_ca_file.is_some()),
+            throttle: ThrottleLimits {
+                free_failures: a.free_failures.unwrap_or(5),
+                window: positive_secs("admission.failure_window_sec", a.failure_window_sec, 60)?,
+                base_block: Duration::from_secs(1),
+                max_block: positive_secs("admission.max_backoff_sec", a.max_backoff_sec, 60)?,
+                max_sources: 4096,
+            },
+            conflict: ConflictLimits {
+                supersedes: a.conflict_supersedes.unwrap_or(3).max(2),
+                window: positive_secs("admission.conflict_window_sec", a.conflict_window_sec, 30)?,
+                hold_down: positive_secs(
+                    "admission.conflict_hold_down_sec",
+                    a.conflict_hold_down_sec,
+                    60,
+                )?,
+                retry_after: Duration::from_secs(5),
+            },
+        };
         let queue = QueueLimits {
             max_waiting: raw.queue.max_waiting.unwrap_or(256),
             wait_timeout: positive_ms("queue.wait_timeout_ms", raw.queue.wait_timeout_ms, 30_000)?,
@@ -220,7 +339,24 @@ impl Config {
         for (i, node) in raw.nodes.into_iter().enumerate() {
             let key = format!("nodes[{i}]");
             let token = match (node.token, node.token_sha256) {
-                (Some(t), None) if !t.is_empty() => TokenVerifier::Plain(t.into_bytes()),
+                (Some(t), None) if !t.is_empty() => {
+                    if t.chars().count() < MIN_TOKEN_CHARS {
+                        return Err(invalid(
+                            format!("{key}.token"),
+                            format!("must have at least {MIN_TOKEN_CHARS} characters"),
+                        ));
+                    }
+                    if t == EXAMPLE_TOKEN && !nodes_addr.ip().is_loopback() {
+                        return Err(invalid(
+                            format!("{key}.token"),
+                            format!(
+                                "{EXAMPLE_TOKEN:?} is the quickstart's token and anyone knows \
+                                 it; choose a secret one for a node listener on {nodes_addr}"
+                            ),
+                        ));
+                    }
+                    TokenVerifier::from_secret(t.as_bytes())
+                }
                 (None, Some(hex)) => TokenVerifier::from_sha256_hex(&hex).ok_or_else(|| {
                     invalid(format!("{key}.token_sha256"), "must be 64 hex digits")
                 })?,
@@ -300,19 +436,24 @@ impl Config {
             models,
             timing,
             queue,
+            admission,
         };
         core.validate()
             .map_err(|err| invalid("config", err.to_string()))?;
         let limits = raw.limits;
+        let api_keys = keys("auth.api_keys", raw.auth.api_keys)?;
+        let admin_keys = keys("auth.admin_keys", raw.auth.admin_keys)?;
+        if let Some(i) = admin_keys.iter().position(|k| api_keys.contains(k)) {
+            return Err(invalid(
+                format!("auth.admin_keys[{i}]"),
+                "is also a client key; give admins their own key",
+            ));
+        }
         let http = HttpSettings {
-            http_addr: addr("listen.http", &raw.listen.http)?,
-            nodes_addr: addr("listen.nodes", &raw.listen.nodes)?,
-            api_keys: raw
-                .auth
-                .api_keys
-                .into_iter()
-                .map(|k| TokenVerifier::Plain(k.into_bytes()))
-                .collect(),
+            http_addr,
+            nodes_addr,
+            api_keys,
+            admin_keys,
             max_body_bytes: limits.max_body_bytes.unwrap_or(8 << 20),
             max_concurrent_requests: limits.max_concurrent_requests.unwrap_or(1024).max(1),
             header_read_timeout: Duration::from_secs(
@@ -321,8 +462,71 @@ impl Config {
             max_header_bytes: limits.max_header_bytes.unwrap_or(64 << 10).max(4096),
             response_timeout: Duration::from_secs(raw.timeouts.response_sec.unwrap_or(600).max(1)),
         };
-        Ok(Config { core, http })
+        Ok(Config { core, http, tls })
     }
+}
+
+/// The listeners' TLS: the node link is TLS unless plaintext is asked for explicitly, and
+/// plaintext on a non-loopback address needs a second, louder opt-in.
+fn tls_settings(
+    listen: &RawListen,
+    nodes_addr: SocketAddr,
+    path: &Path,
+) -> Result<TlsSettings, ConfigError> {
+    let nodes_files = match (&listen.nodes_tls, listen.nodes_plaintext) {
+        (Some(_), true) => {
+            return Err(invalid(
+                "listen.nodes_plaintext",
+                "set either listen.nodes_tls or nodes_plaintext = true, not both",
+            ));
+        }
+        (None, false) => {
+            return Err(invalid(
+                "listen.nodes_tls",
+                "missing: the node link is TLS; give cert_file and key_file (`iop-edge \
+                 gen-cert` makes a self-signed pair), or set listen.nodes_plaintext = true",
+            ));
+        }
+        (None, true) => {
+            if !nodes_addr.ip().is_loopback() && !listen.allow_public_plaintext {
+                return Err(invalid(
+                    "listen.nodes_plaintext",
+                    format!(
+                        "refused on {nodes_addr}: node tokens, provider keys and every prompt \
+                         would cross the network in clear; use listen.nodes_tls, or set \
+                         listen.allow_public_plaintext = true if another layer encrypts the link"
+                    ),
+                ));
+            }
+            None
+        }
+        (Some(t), false) => Some(ServerFiles {
+            cert_file: relative(path, &t.cert_file),
+            key_file: relative(path, &t.key_file),
+            client_ca_file: t.client_ca_file.as_ref().map(|f| relative(path, f)),
+        }),
+    };
+    let nodes = nodes_files
+        .as_ref()
+        .map(|files| iop_shell_common::tls::server_config("listen.nodes_tls", files, &[]))
+        .transpose()?;
+    let http = listen
+        .http_tls
+        .as_ref()
+        .map(|t| {
+            let files = ServerFiles {
+                cert_file: relative(path, &t.cert_file),
+                key_file: relative(path, &t.key_file),
+                client_ca_file: None,
+            };
+            iop_shell_common::tls::server_config("listen.http_tls", &files, &[b"h2", b"http/1.1"])
+        })
+        .transpose()?;
+    Ok(TlsSettings {
+        nodes,
+        nodes_files,
+        http,
+    })
 }
 
 #[cfg(test)]
@@ -333,10 +537,11 @@ mod tests {
 [listen]
 http = "127.0.0.1:8080"
 nodes = "127.0.0.1:7100"
+nodes_plaintext = true
 
 [[nodes]]
 id = "n1"
-token = "t"
+token = "t-0123456789abcdef"
 [[nodes.adapters]]
 name = "mock"
 type = "mock"
@@ -354,6 +559,22 @@ providers = [{ node = "n1", adapter = "mock", target = "m" }]
         assert_eq!(cfg.core.nodes.len(), 1);
         assert_eq!(cfg.core.models["chat"].candidates.len(), 1);
         assert!(cfg.http.api_keys.is_empty());
+        assert!(cfg.tls.nodes.is_none(), "plaintext as asked");
+    }
+
+    #[test]
+    fn public_plaintext_needs_a_second_opt_in_and_keys_may_be_hashed() {
+        let text = MINIMAL.replace("127.0.0.1:7100", "0.0.0.0:7100").replace(
+            "nodes_plaintext = true",
+            "nodes_plaintext = true\nallow_public_plaintext = true",
+        );
+        let digest = iop_proto_core::token::sha256_hex(b"sk-admin");
+        let text = format!(
+            "{text}\n[auth]\napi_keys = [\"sk-client\"]\nadmin_keys = [\"sha256:{digest}\"]\n"
+        );
+        let cfg = Config::parse(&text, Path::new("edge.toml")).expect("valid");
+        assert!(cfg.http.admin_keys[0].verify(b"sk-admin"));
+        assert!(cfg.http.api_keys[0].verify(b"sk-client"));
     }
 
     #[test]
@@ -363,7 +584,42 @@ providers = [{ node = "n1", adapter = "mock", target = "m" }]
                 MINIMAL.replace("type = \"mock\"", "type = \"cli\""),
                 "nodes[0].adapters[0].type",
             ),
-            (MINIMAL.replace("token = \"t\"", ""), "nodes[0].token"),
+            (
+                MINIMAL.replace("token = \"t-0123456789abcdef\"", ""),
+                "nodes[0].token",
+            ),
+            (
+                MINIMAL.replace("t-0123456789abcdef", "short"),
+                "nodes[0].token",
+            ),
+            (
+                MINIMAL
+                    .replace("127.0.0.1:7100", "0.0.0.0:7100")
+                    .replace("nodes_plaintext = true", "nodes_plaintext = true\nallow_public_plaintext = true")
+                    .replace("t-0123456789abcdef", EXAMPLE_TOKEN),
+                "nodes[0].token",
+            ),
+            (
+                MINIMAL.replace("127.0.0.1:7100", "0.0.0.0:7100"),
+                "listen.nodes_plaintext",
+            ),
+            (
+                MINIMAL.replace("nodes_plaintext = true", ""),
+                "listen.nodes_tls",
+            ),
+            (
+                MINIMAL.replace(
+                    "nodes_plaintext = true",
+                    "[listen.nodes_tls]\ncert_file = \"/nonexistent/c.pem\"\nkey_file = \"/nonexistent/k.pem\"",
+                ),
+                "listen.nodes_tls.cert_file",
+            ),
+            (format!("{MINIMAL}\n[auth]\napi_keys = [\"\", \"sk-real\"]\n"), "auth.api_keys[0]"),
+            (format!("{MINIMAL}\n[auth]\nadmin_keys = [\"  \"]\n"), "auth.admin_keys[0]"),
+            (
+                format!("{MINIMAL}\n[auth]\napi_keys = [\"sk-a\"]\nadmin_keys = [\"sk-a\"]\n"),
+                "auth.admin_keys[0]",
+            ),
             (
                 MINIMAL.replace("nodes = \"127.0.0.1:7100\"", "nodes = \"x\""),
                 "listen.nodes",

@@ -14,13 +14,13 @@ use iop_proto_core::wire::{
     RunRequest,
 };
 use iop_proto_core::{
-    ConfigDiff, ConnId, Dispatch, DispatchShape, EdgeConfig, EdgeCore, EdgeEvent, Grant,
-    NodeStatus, Outcome, RequestId, SubmitError, Transmit,
+    CloseReason, ConfigDiff, ConnId, Dispatch, DispatchShape, EdgeConfig, EdgeCore, EdgeEvent,
+    Grant, NodeStatus, Outcome, RequestId, SubmitError, Transmit,
 };
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 use crate::metrics::Metrics;
 use crate::openai::rewrite_model;
@@ -114,6 +114,8 @@ pub enum CoreMsg {
     ConnOpened {
         /// Its id.
         conn: ConnId,
+        /// What the transport knows of the peer (address, TLS, client certificate).
+        peer: iop_proto_core::Peer,
         /// Where its frames are written.
         writer: mpsc::UnboundedSender<Bytes>,
         /// Cancels its reader.
@@ -240,10 +242,11 @@ impl Task {
         match message {
             CoreMsg::ConnOpened {
                 conn,
+                peer,
                 writer,
                 closer,
             } => {
-                if self.core.handle_connection_opened(now, conn).is_ok() {
+                if self.core.handle_connection_opened(now, conn, peer).is_ok() {
                     self.conns.insert(conn, Conn { writer, closer });
                 }
             }
@@ -347,7 +350,12 @@ impl Task {
                     }
                     Transmit::Close { conn, reason } => {
                         self.flush(conn, batches.remove(&conn));
-                        info!(conn = conn.0, reason = ?reason, "closing node connection");
+                        if matches!(reason, CloseReason::RegisterRejected(_)) {
+                            // Logged, rate-limited, by the RegisterRejected event.
+                            debug!(conn = conn.0, reason = ?reason, "closing node connection");
+                        } else {
+                            info!(conn = conn.0, reason = ?reason, "closing node connection");
+                        }
                         // Dropping the writer flushes what is queued, then closes the socket.
                         if let Some(c) = self.conns.remove(&conn) {
                             c.closer.cancel();
@@ -444,6 +452,52 @@ impl Task {
                 if let Some(reply) = self.commands.remove(&response.request_id) {
                     let _ = reply.send(Ok(response));
                 }
+            }
+            EdgeEvent::RegisterRejected {
+                conn,
+                addr,
+                node_id,
+                reason,
+                failures,
+                blocked_for,
+                log,
+            } => {
+                self.metrics.rejected(reason.as_str());
+                if log {
+                    let peer = addr.map_or_else(|| "-".to_owned(), |a| a.to_string());
+                    let backoff_ms = blocked_for.map(|d| d.as_millis() as u64);
+                    if reason == iop_proto_core::RejectReason::Conflict {
+                        warn!(
+                            conn = conn.0,
+                            peer, node_id, "registration held off: the node id is in conflict"
+                        );
+                    } else {
+                        warn!(
+                            conn = conn.0,
+                            peer,
+                            node_id,
+                            reason = reason.as_str(),
+                            failures,
+                            backoff_ms,
+                            "node registration refused (logged at 1, 2, 4, 8... failures per address)"
+                        );
+                    }
+                }
+            }
+            EdgeEvent::NodeConflict {
+                node_id,
+                supersedes,
+                hold_down,
+            } => {
+                Metrics::add(&self.metrics.node_conflicts, 1);
+                error!(
+                    node_id = %node_id,
+                    supersedes,
+                    hold_down_sec = hold_down.as_secs(),
+                    "node id conflict: two live connections keep taking this node id from each \
+                     other (two nodes configured with the same id?); the current one keeps it, \
+                     newcomers are refused until they stop"
+                );
             }
             EdgeEvent::PeerViolation {
                 conn,

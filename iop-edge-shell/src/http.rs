@@ -95,15 +95,23 @@ fn now_secs() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// Serves HTTP until `shutdown`.
-pub async fn serve(listener: TcpListener, state: Arc<State>, shutdown: CancellationToken) {
+/// Serves HTTP (and HTTPS when `tls` holds an acceptor) until `shutdown`.
+pub async fn serve(
+    listener: TcpListener,
+    state: Arc<State>,
+    tls: crate::nodes::TlsSlot,
+    shutdown: CancellationToken,
+) {
+    let accept_errors = iop_shell_common::logging::LogLimiter::new(Duration::from_secs(10), 3);
     loop {
-        let (stream, _) = tokio::select! {
+        let (stream, peer) = tokio::select! {
             () = shutdown.cancelled() => return,
             accepted = listener.accept() => match accepted {
                 Ok(accepted) => accepted,
                 Err(err) => {
-                    warn!(%err, "http accept failed");
+                    if let Some(suppressed) = accept_errors.allow() {
+                        warn!(%err, suppressed, "http listener: accept failed");
+                    }
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }
@@ -111,34 +119,89 @@ pub async fn serve(listener: TcpListener, state: Arc<State>, shutdown: Cancellat
         };
         let _ = stream.set_nodelay(true);
         let state = state.clone();
-        let settings = state.settings();
+        let acceptor = tls
+            .read()
+            .map_or(None, |tls| tls.clone().map(tokio_rustls::TlsAcceptor::from));
         tokio::spawn(async move {
-            let service = service_fn(move |req| {
-                let state = state.clone();
-                async move { Ok::<_, Infallible>(route(req, state).await) }
-            });
-            let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-            builder
-                .http1()
-                .timer(TokioTimer::new())
-                .header_read_timeout(settings.header_read_timeout)
-                .max_buf_size(settings.max_header_bytes);
-            builder
-                .http2()
-                .timer(TokioTimer::new())
-                .max_header_list_size(u32::try_from(settings.max_header_bytes).unwrap_or(u32::MAX));
-            if let Err(err) = builder
-                .serve_connection(TokioIo::new(stream), service)
-                .await
-            {
-                debug!(%err, "http connection ended with an error");
+            let settings = state.settings();
+            match acceptor {
+                None => serve_connection(stream, peer, state, &settings).await,
+                Some(acceptor) => {
+                    match tokio::time::timeout(
+                        settings.header_read_timeout,
+                        acceptor.accept(stream),
+                    )
+                    .await
+                    {
+                        Ok(Ok(stream)) => serve_connection(stream, peer, state, &settings).await,
+                        Ok(Err(err)) => debug!(%peer, %err, "https handshake failed"),
+                        Err(_) => debug!(%peer, "https handshake timed out"),
+                    }
+                }
             }
         });
     }
 }
 
-async fn route(req: Request<Incoming>, state: Arc<State>) -> Response<ResBody> {
+async fn serve_connection<S>(
+    stream: S,
+    peer: std::net::SocketAddr,
+    state: Arc<State>,
+    settings: &HttpSettings,
+) where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+{
+    let service = service_fn(move |req| {
+        let state = state.clone();
+        async move { Ok::<_, Infallible>(route(req, state, peer).await) }
+    });
+    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(settings.header_read_timeout)
+        .max_buf_size(settings.max_header_bytes);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_header_list_size(u32::try_from(settings.max_header_bytes).unwrap_or(u32::MAX));
+    if let Err(err) = builder
+        .serve_connection(TokioIo::new(stream), service)
+        .await
+    {
+        debug!(%err, "http connection ended with an error");
+    }
+}
+
+/// Who may call a route.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Access {
+    /// `/healthz`.
+    Open,
+    /// Inference and `/v1/models`: a client key (or an admin key).
+    Client,
+    /// Status, metrics, node commands: an admin key.
+    Admin,
+}
+
+fn access(path: &str) -> Access {
+    match path {
+        "/healthz" => Access::Open,
+        "/metrics" | "/v1/status" => Access::Admin,
+        p if p.starts_with("/v1/nodes/") => Access::Admin,
+        _ => Access::Client,
+    }
+}
+
+async fn route(
+    req: Request<Incoming>,
+    state: Arc<State>,
+    peer: std::net::SocketAddr,
+) -> Response<ResBody> {
     let path = req.uri().path().to_owned();
+    if let Some(denied) = authorize(&req, peer, &state.settings(), access(&path)) {
+        return denied;
+    }
     match (req.method().clone(), path.as_str()) {
         (Method::GET, "/healthz") => {
             let mut r = Response::new(ResBody::Full(Some(Bytes::from_static(b"ok\n"))));
@@ -157,31 +220,12 @@ async fn route(req: Request<Incoming>, state: Arc<State>) -> Response<ResBody> {
             );
             r
         }
-        (method, path) if path.starts_with("/v1/") => {
-            if let Some(denied) = authorize(&req, &state.settings()) {
-                return denied;
-            }
-            match (method, path) {
-                (Method::GET, "/v1/models") => models(&state).await,
-                (Method::GET, "/v1/status") => status(&state).await,
-                (Method::POST, "/v1/chat/completions") => {
-                    inference(req, state, Endpoint::Chat).await
-                }
-                (Method::POST, "/v1/completions") => {
-                    inference(req, state, Endpoint::Completions).await
-                }
-                (Method::POST, "/v1/embeddings") => {
-                    inference(req, state, Endpoint::Embeddings).await
-                }
-                (_, path) if path.starts_with("/v1/nodes/") => node_command(req, &state).await,
-                _ => error(
-                    StatusCode::NOT_FOUND,
-                    &format!("no route for {path}"),
-                    "invalid_request_error",
-                    Some("unknown_url"),
-                ),
-            }
-        }
+        (Method::GET, "/v1/models") => models(&state).await,
+        (Method::GET, "/v1/status") => status(&state).await,
+        (Method::POST, "/v1/chat/completions") => inference(req, state, Endpoint::Chat).await,
+        (Method::POST, "/v1/completions") => inference(req, state, Endpoint::Completions).await,
+        (Method::POST, "/v1/embeddings") => inference(req, state, Endpoint::Embeddings).await,
+        (_, path) if path.starts_with("/v1/nodes/") => node_command(req, &state).await,
         _ => error(
             StatusCode::NOT_FOUND,
             &format!("no route for {path}"),
@@ -191,29 +235,73 @@ async fn route(req: Request<Incoming>, state: Arc<State>) -> Response<ResBody> {
     }
 }
 
-fn authorize(req: &Request<Incoming>, settings: &HttpSettings) -> Option<Response<ResBody>> {
-    if settings.api_keys.is_empty() {
-        return None;
-    }
-    let presented = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("");
-    if settings
-        .api_keys
-        .iter()
-        .any(|key| key.verify(presented.as_bytes()))
-    {
-        None
-    } else {
-        Some(error(
+/// The token of an `Authorization: Bearer <token>` header; the scheme is
+/// case-insensitive (RFC 9110 section 11.1).
+fn bearer(req: &Request<Incoming>) -> Option<&str> {
+    let value = req.headers().get(header::AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, token) = value.trim().split_once([' ', '\t'])?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| token.trim())
+        .filter(|t| !t.is_empty())
+}
+
+/// `None` when the caller may use a route of `access`; else the 401 or 403 to answer.
+fn authorize(
+    req: &Request<Incoming>,
+    peer: std::net::SocketAddr,
+    settings: &HttpSettings,
+    access: Access,
+) -> Option<Response<ResBody>> {
+    use iop_proto_core::TokenVerifier;
+    let presented = bearer(req).map(str::as_bytes);
+    let is =
+        |keys: &[TokenVerifier]| presented.is_some_and(|p| TokenVerifier::find(keys, p).is_some());
+    let unauthorized = || {
+        let mut r = error(
             StatusCode::UNAUTHORIZED,
             "Incorrect API key provided.",
             "invalid_request_error",
             Some("invalid_api_key"),
-        ))
+        );
+        r.headers_mut()
+            .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        r
+    };
+    let forbidden = |message: &str| {
+        error(
+            StatusCode::FORBIDDEN,
+            message,
+            "invalid_request_error",
+            Some("permission_denied"),
+        )
+    };
+    match access {
+        Access::Open => None,
+        Access::Client => {
+            if settings.api_keys.is_empty() || is(&settings.api_keys) || is(&settings.admin_keys) {
+                None
+            } else {
+                Some(unauthorized())
+            }
+        }
+        Access::Admin if settings.admin_keys.is_empty() => (!peer.ip().is_loopback()).then(|| {
+            forbidden(
+                "This route is for operators: configure [auth] admin_keys to reach it from \
+                 another host.",
+            )
+        }),
+        Access::Admin => {
+            if is(&settings.admin_keys) {
+                None
+            } else if is(&settings.api_keys) {
+                Some(forbidden(
+                    "This route needs an admin key, not a client key.",
+                ))
+            } else {
+                Some(unauthorized())
+            }
+        }
     }
 }
 
@@ -272,10 +360,21 @@ async fn status(state: &State) -> Response<ResBody> {
         .nodes
         .iter()
         .map(|n| {
+            // A node id in conflict says so in its state; `connected` still tells
+            // whether the connection holding it is ready.
+            let state = if n.conflict {
+                "conflict".to_owned()
+            } else {
+                format!("{:?}", n.state).to_lowercase()
+            };
             json!({
                 "node_id": &*n.node_id,
-                "state": format!("{:?}", n.state).to_lowercase(),
+                "state": state,
                 "connected": n.state == NodeState::Ready,
+                "conflict": n.conflict,
+                "tls": n.tls.is_some(),
+                "tls_version": n.tls,
+                "client_certificate": n.client_certificate,
                 "generation": n.generation.map(|g| g.0),
                 "config_revision": n.revision,
                 "applied_revision": n.applied_revision,
@@ -460,9 +559,6 @@ impl Drop for CancelGuard {
     }
 }
 
-/// Forwarded on tunnels: describes the body; credentials and hop-by-hop headers are not.
-const FORWARDED_HEADERS: [&str; 4] = ["content-type", "accept", "user-agent", "openai-beta"];
-
 struct Finish {
     metrics: Arc<Metrics>,
     model: String,
@@ -502,7 +598,7 @@ async fn inference(
     let headers: Vec<Header> = req
         .headers()
         .iter()
-        .filter(|(name, _)| FORWARDED_HEADERS.contains(&name.as_str()))
+        .filter(|(name, _)| iop_proto_core::tunnel::forwards_request_header(name.as_str()))
         .map(|(name, value)| Header {
             name: name.as_str().to_owned(),
             value: Bytes::copy_from_slice(value.as_bytes()),
@@ -876,15 +972,13 @@ async fn tunnel_response(
         .unwrap_or(StatusCode::BAD_GATEWAY);
     let mut sse = false;
     let mut builder = Response::builder().status(status);
+    // Only the allow-listed provider headers reach the caller, whatever a node sends.
     for h in &status_frame.headers {
-        let name = h.name.to_ascii_lowercase();
-        if matches!(
-            name.as_str(),
-            "content-length" | "transfer-encoding" | "connection" | "keep-alive"
-        ) {
+        if !iop_proto_core::tunnel::forwards_response_header(&h.name) {
             continue;
         }
-        if name == "content-type" && h.value.starts_with(b"text/event-stream") {
+        if h.name.eq_ignore_ascii_case("content-type") && h.value.starts_with(b"text/event-stream")
+        {
             sse = true;
         }
         builder = builder.header(h.name.as_str(), h.value.as_ref());

@@ -1,10 +1,12 @@
 //! The IOP Edge shell: IO around [`iop_proto_core::EdgeCore`].
 //!
 //! - [`config`]: the TOML configuration.
+//! - [`certgen`]: `iop-edge gen-cert`, certificates for the node link.
 //! - [`core_task`]: the one task that owns the core and routes its outputs.
 //! - [`nodes`]: the node listener (a reader and a writer task per connection).
 //! - [`http`]: the OpenAI-compatible HTTP surface, status, metrics and health.
 
+pub mod certgen;
 pub mod config;
 pub mod core_task;
 pub mod http;
@@ -36,15 +38,21 @@ pub async fn run(
     let core = iop_proto_core::EdgeCore::new(config.core.clone())
         .map_err(|err| std::io::Error::other(err.to_string()))?;
     let (core_tx, core_rx) = mpsc::channel(4096);
-    let node_listener = TcpListener::bind(config.http.nodes_addr).await?;
-    let http_listener = TcpListener::bind(config.http.http_addr).await?;
+    let node_listener = bind("listen.nodes", config.http.nodes_addr).await?;
+    let http_listener = bind("listen.http", config.http.http_addr).await?;
     info!(
         http = %http_listener.local_addr()?,
+        https = config.tls.http.is_some(),
         nodes = %node_listener.local_addr()?,
+        nodes_tls = config.tls.nodes.is_some(),
+        mutual_tls = config.core.admission.require_client_identity,
         models = config.core.models.len(),
         nodes_configured = config.core.nodes.len(),
         "edge listening"
     );
+    warn_about_exposure(&config);
+    let node_tls: nodes::TlsSlot = Arc::new(RwLock::new(config.tls.nodes.clone()));
+    let http_tls: nodes::TlsSlot = Arc::new(RwLock::new(config.tls.http.clone()));
     let state = Arc::new(http::State {
         core: core_tx.clone(),
         permits: Arc::new(Semaphore::new(config.http.max_concurrent_requests)),
@@ -54,15 +62,25 @@ pub async fn run(
     let core_task = tokio::spawn(core_task::run(core, core_rx, clock, metrics.clone()));
     tokio::spawn(nodes::serve(
         node_listener,
-        core_tx.clone(),
-        metrics.clone(),
+        nodes::Listener {
+            core: core_tx.clone(),
+            metrics: metrics.clone(),
+            tls: node_tls.clone(),
+            handshake_timeout: config.core.timing.register_timeout,
+            shutdown: shutdown.clone(),
+        },
+    ));
+    tokio::spawn(http::serve(
+        http_listener,
+        state.clone(),
+        http_tls.clone(),
         shutdown.clone(),
     ));
-    tokio::spawn(http::serve(http_listener, state.clone(), shutdown.clone()));
     if reload {
         tokio::spawn(reload_on_sighup(
             config_path,
             state.clone(),
+            [node_tls, http_tls],
             shutdown.clone(),
         ));
     }
@@ -73,7 +91,44 @@ pub async fn run(
     Ok(())
 }
 
-async fn reload_on_sighup(path: PathBuf, state: Arc<http::State>, shutdown: CancellationToken) {
+/// Binds `addr`, naming the listener in the error (two listeners can fail the same way).
+async fn bind(key: &str, addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|err| std::io::Error::new(err.kind(), format!("{key} = \"{addr}\": {err}")))
+}
+
+/// Says loudly what an operator exposes without protection.
+fn warn_about_exposure(config: &Config) {
+    if config.tls.nodes.is_none() {
+        warn!(
+            nodes = %config.http.nodes_addr,
+            "the node link is PLAINTEXT (listen.nodes_plaintext = true): node tokens, provider \
+             keys, prompts and completions cross it in clear"
+        );
+    }
+    let public = !config.http.http_addr.ip().is_loopback();
+    if public && config.http.api_keys.is_empty() {
+        warn!(
+            http = %config.http.http_addr,
+            "no [auth] api_keys: anyone who reaches the public listener can call every model"
+        );
+    }
+    if public && config.tls.http.is_none() && !config.http.api_keys.is_empty() {
+        warn!(
+            http = %config.http.http_addr,
+            "API keys travel in clear to the public listener: configure listen.http_tls, or \
+             terminate TLS in front of the Edge"
+        );
+    }
+}
+
+async fn reload_on_sighup(
+    path: PathBuf,
+    state: Arc<http::State>,
+    [node_tls, http_tls]: [nodes::TlsSlot; 2],
+    shutdown: CancellationToken,
+) {
     use tokio::signal::unix::{SignalKind, signal};
     let Ok(mut hup) = signal(SignalKind::hangup()) else {
         return;
@@ -105,6 +160,18 @@ async fn reload_on_sighup(path: PathBuf, state: Arc<http::State>, shutdown: Canc
         }
         match answer.await {
             Ok(Ok(diff)) => {
+                // New connections use the reloaded certificates; a listener keeps its
+                // kind (TLS or plaintext) until a restart.
+                for (tls, next) in [
+                    (&node_tls, &config.tls.nodes),
+                    (&http_tls, &config.tls.http),
+                ] {
+                    if let (Ok(mut current), Some(next)) = (tls.write(), next)
+                        && current.is_some()
+                    {
+                        *current = Some(next.clone());
+                    }
+                }
                 if let Ok(mut settings) = state.settings.write() {
                     let mut next = config.http.clone();
                     // Listeners stay where they are bound.

@@ -29,21 +29,94 @@ enum Command {
     Run,
     /// Validate the config file and exit (0 valid, 1 invalid).
     CheckConfig,
+    /// Write a certificate and key for the node link (self-signed by default) and print
+    /// the certificate's SHA-256 fingerprint, which Nodes can pin.
+    GenCert {
+        /// A DNS name or IP address the certificate is for (repeat for more; the first
+        /// is also the subject name). For a Node's client certificate, its node id.
+        #[arg(long = "name", required = true)]
+        names: Vec<String>,
+        /// Certificate output file (PEM).
+        #[arg(long, default_value = "edge-cert.pem")]
+        cert: PathBuf,
+        /// Private key output file (PEM, written with mode 0600).
+        #[arg(long, default_value = "edge-key.pem")]
+        key: PathBuf,
+        /// Validity in days.
+        #[arg(long, default_value_t = 825)]
+        days: u32,
+        /// Make a certificate authority (to issue Edge and Node certificates from).
+        #[arg(long)]
+        ca: bool,
+        /// Issue with this CA certificate instead of self-signing (needs --ca-key).
+        #[arg(long, requires = "ca_key")]
+        ca_cert: Option<PathBuf>,
+        /// The CA's private key.
+        #[arg(long, requires = "ca_cert")]
+        ca_key: Option<PathBuf>,
+        /// Replace existing files.
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+fn gen_cert(request: iop_edge_shell::certgen::Request) -> ExitCode {
+    match iop_edge_shell::certgen::generate(&request) {
+        Ok(made) => {
+            println!("certificate: {}", request.cert.display());
+            println!("private key: {}", request.key.display());
+            println!("SHA-256 fingerprint: {}", made.fingerprint);
+            ExitCode::SUCCESS
+        }
+        Err(err) => {
+            eprintln!("iop-edge gen-cert: {err}");
+            ExitCode::from(1)
+        }
+    }
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     logging::init(cli.log_format);
+    if let Some(Command::GenCert {
+        names,
+        cert,
+        key,
+        days,
+        ca,
+        ca_cert,
+        ca_key,
+        force,
+    }) = cli.command
+    {
+        return gen_cert(iop_edge_shell::certgen::Request {
+            names,
+            cert,
+            key,
+            days,
+            ca,
+            issuer: ca_cert.zip(ca_key),
+            force,
+        });
+    }
     let config = match Config::load(&cli.config) {
         Ok(config) => config,
         Err(err) => return process::invalid_config("iop-edge", &cli.config, &err),
     };
     if matches!(cli.command, Some(Command::CheckConfig)) {
         println!(
-            "{}: ok ({} nodes, {} models)",
+            "{}: ok ({} nodes, {} models; node link {})",
             cli.config.display(),
             config.core.nodes.len(),
-            config.core.models.len()
+            config.core.models.len(),
+            match (
+                &config.tls.nodes,
+                config.core.admission.require_client_identity
+            ) {
+                (None, _) => "PLAINTEXT",
+                (Some(_), false) => "TLS",
+                (Some(_), true) => "mutual TLS",
+            }
         );
         return ExitCode::SUCCESS;
     }

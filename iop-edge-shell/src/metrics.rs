@@ -62,6 +62,7 @@ struct Inner {
     latency: BTreeMap<String, Histogram>,
     ttfb: BTreeMap<String, Histogram>,
     queue_wait: Histogram,
+    rejected: BTreeMap<&'static str, u64>,
 }
 
 /// Process-wide metrics.
@@ -80,6 +81,10 @@ pub struct Metrics {
     pub node_connects: AtomicU64,
     /// Node generations fenced.
     pub node_disconnects: AtomicU64,
+    /// Node ids that became a conflict.
+    pub node_conflicts: AtomicU64,
+    /// Node connections whose TLS handshake failed or timed out.
+    pub tls_handshake_failures: AtomicU64,
 }
 
 fn escape(value: &str) -> String {
@@ -118,6 +123,13 @@ impl Metrics {
                 .entry(model.to_owned())
                 .or_default()
                 .observe(ttfb);
+        }
+    }
+
+    /// A refused node registration, by reason.
+    pub fn rejected(&self, reason: &'static str) {
+        if let Ok(mut inner) = self.inner.lock() {
+            *inner.rejected.entry(reason).or_default() += 1;
         }
     }
 
@@ -163,6 +175,13 @@ impl Metrics {
         inner
             .queue_wait
             .render(&mut out, "iop_queue_wait_seconds", "");
+        out.push_str("# HELP iop_node_registrations_refused_total Node registrations refused, by reason.\n# TYPE iop_node_registrations_refused_total counter\n");
+        for (reason, n) in &inner.rejected {
+            let _ = writeln!(
+                out,
+                "iop_node_registrations_refused_total{{reason=\"{reason}\"}} {n}"
+            );
+        }
         drop(inner);
         out.push_str("# HELP iop_queue_depth Requests waiting, by public model.\n# TYPE iop_queue_depth gauge\n");
         for (model, n) in &snapshot.queue_by_model {
@@ -207,6 +226,16 @@ impl Metrics {
                 "iop_node_disconnects_total",
                 "Node generations fenced.",
                 &self.node_disconnects,
+            ),
+            (
+                "iop_node_conflicts_total",
+                "Node ids that two live connections kept taking from each other.",
+                &self.node_conflicts,
+            ),
+            (
+                "iop_node_tls_handshake_failures_total",
+                "Node connections whose TLS handshake failed or timed out.",
+                &self.tls_handshake_failures,
             ),
         ] {
             let _ = writeln!(

@@ -1,32 +1,53 @@
-//! The node listener: one reader and one writer task per connection, around the core
-//! task. A connection that sends garbage, an oversized length or only a header is closed
-//! on its own; everyone else keeps being served.
+//! The node listener: a TLS handshake (unless the operator chose plaintext), then one
+//! reader and one writer task per connection, around the core task. A connection that
+//! fails its handshake, sends garbage, an oversized length or only a header is closed on
+//! its own; everyone else keeps being served.
 
-use std::sync::Arc;
+use std::net::SocketAddr;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use iop_proto_core::ConnId;
 use iop_proto_core::wire::FrameDecoder;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use iop_proto_core::{ConnId, Peer};
+use iop_shell_common::logging::LogLimiter;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpListener;
 use tokio::sync::mpsc;
+use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::core_task::CoreMsg;
 use crate::metrics::Metrics;
 
+/// A listener's TLS, replaceable at run time (SIGHUP reloads the certificate). `None`
+/// means plaintext, which the node listener only allows when asked explicitly.
+pub type TlsSlot = Arc<RwLock<Option<Arc<rustls::ServerConfig>>>>;
+
+/// What every node connection task shares.
+#[derive(Clone, Debug)]
+pub struct Listener {
+    /// The core task.
+    pub core: mpsc::Sender<CoreMsg>,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+    /// TLS, if any.
+    pub tls: TlsSlot,
+    /// How long a peer has for its TLS handshake.
+    pub handshake_timeout: Duration,
+    /// Stops everything.
+    pub shutdown: CancellationToken,
+}
+
 /// Accepts node connections until `shutdown`.
-pub async fn serve(
-    listener: TcpListener,
-    core: mpsc::Sender<CoreMsg>,
-    metrics: Arc<Metrics>,
-    shutdown: CancellationToken,
-) {
+pub async fn serve(listener: TcpListener, shared: Listener) {
+    let accept_errors = LogLimiter::new(Duration::from_secs(10), 3);
+    let handshake_errors = Arc::new(LogLimiter::new(Duration::from_secs(10), 5));
     let mut next = 1u64;
     loop {
         let accepted = tokio::select! {
-            () = shutdown.cancelled() => return,
+            () = shared.shutdown.cancelled() => return,
             accepted = listener.accept() => accepted,
         };
         match accepted {
@@ -35,26 +56,85 @@ pub async fn serve(
                 next += 1;
                 debug!(conn = conn.0, %peer, "node connection accepted");
                 let _ = stream.set_nodelay(true);
-                tokio::spawn(connection(
-                    stream,
-                    conn,
-                    core.clone(),
-                    metrics.clone(),
-                    shutdown.clone(),
-                ));
+                let tls = shared
+                    .tls
+                    .read()
+                    .map_or(None, |tls| tls.clone().map(TlsAcceptor::from));
+                let shared = shared.clone();
+                let handshake_errors = handshake_errors.clone();
+                tokio::spawn(async move {
+                    match tls {
+                        None => {
+                            let peer = Peer {
+                                addr: Some(peer.ip()),
+                                ..Peer::default()
+                            };
+                            connection(stream, conn, peer, shared).await;
+                        }
+                        Some(acceptor) => {
+                            let handshake = tokio::select! {
+                                () = shared.shutdown.cancelled() => return,
+                                done = tokio::time::timeout(
+                                    shared.handshake_timeout,
+                                    acceptor.accept(stream),
+                                ) => done,
+                            };
+                            match handshake {
+                                Ok(Ok(stream)) => {
+                                    let peer = tls_peer(peer, stream.get_ref().1);
+                                    connection(stream, conn, peer, shared).await;
+                                }
+                                Ok(Err(err)) => {
+                                    handshake_failed(&shared, &handshake_errors, peer, &err)
+                                }
+                                Err(_) => {
+                                    handshake_failed(&shared, &handshake_errors, peer, &"timed out")
+                                }
+                            }
+                        }
+                    }
+                });
             }
             Err(err) => {
-                warn!(%err, "accept failed");
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                if let Some(suppressed) = accept_errors.allow() {
+                    warn!(%err, suppressed, "node listener: accept failed");
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }
     }
 }
 
-async fn write_loop(
-    mut writer: tokio::net::tcp::OwnedWriteHalf,
-    mut rx: mpsc::UnboundedReceiver<Bytes>,
+fn tls_peer(addr: SocketAddr, session: &rustls::ServerConnection) -> Peer {
+    let identities = session
+        .peer_certificates()
+        .and_then(|chain| chain.first())
+        .map(|leaf| iop_shell_common::tls::names(leaf))
+        .unwrap_or_default();
+    Peer {
+        addr: Some(addr.ip()),
+        tls: session
+            .protocol_version()
+            .and_then(iop_shell_common::tls::version_name),
+        identities,
+    }
+}
+
+fn handshake_failed(
+    shared: &Listener,
+    limiter: &LogLimiter,
+    peer: SocketAddr,
+    err: &dyn std::fmt::Display,
 ) {
+    Metrics::add(&shared.metrics.tls_handshake_failures, 1);
+    if let Some(suppressed) = limiter.allow() {
+        info!(%peer, error = %err, suppressed, "node TLS handshake failed");
+    } else {
+        debug!(%peer, error = %err, "node TLS handshake failed");
+    }
+}
+
+async fn write_loop<W: AsyncWrite + Unpin>(mut writer: W, mut rx: mpsc::UnboundedReceiver<Bytes>) {
     let mut batch = BytesMut::new();
     while let Some(first) = rx.recv().await {
         batch.extend_from_slice(&first);
@@ -64,7 +144,7 @@ async fn write_loop(
                 Err(_) => break,
             }
         }
-        if writer.write_all(&batch).await.is_err() {
+        if writer.write_all(&batch).await.is_err() || writer.flush().await.is_err() {
             return;
         }
         batch.clear();
@@ -72,20 +152,25 @@ async fn write_loop(
     let _ = writer.shutdown().await;
 }
 
-async fn connection(
-    stream: TcpStream,
-    conn: ConnId,
-    core: mpsc::Sender<CoreMsg>,
-    metrics: Arc<Metrics>,
-    shutdown: CancellationToken,
-) {
-    let (mut reader, writer) = stream.into_split();
+async fn connection<S>(stream: S, conn: ConnId, peer: Peer, shared: Listener)
+where
+    S: AsyncRead + AsyncWrite + Send + 'static,
+{
+    let Listener {
+        core,
+        metrics,
+        shutdown,
+        ..
+    } = shared;
+    let plaintext = peer.tls.is_none();
+    let (mut reader, writer) = tokio::io::split(stream);
     let (wtx, wrx) = mpsc::unbounded_channel();
     let closer = CancellationToken::new();
     tokio::spawn(write_loop(writer, wrx));
     if core
         .send(CoreMsg::ConnOpened {
             conn,
+            peer,
             writer: wtx,
             closer: closer.clone(),
         })
@@ -96,6 +181,7 @@ async fn connection(
     }
     let mut decoder = FrameDecoder::new();
     let mut buf = BytesMut::with_capacity(64 << 10);
+    let mut first = true;
     'read: loop {
         buf.reserve(64 << 10);
         let read = tokio::select! {
@@ -111,6 +197,17 @@ async fn connection(
                 break;
             }
             Ok(n) => {
+                // A TLS ClientHello starts 0x16 0x03: a node that speaks TLS to a
+                // plaintext listener. Say so instead of "frame too large".
+                if first && plaintext && buf.starts_with(&[0x16, 0x03]) {
+                    warn!(
+                        conn = conn.0,
+                        "a node started a TLS handshake, but this node listener is plaintext \
+                         (listen.nodes_plaintext = true); give it listen.nodes_tls instead"
+                    );
+                    break;
+                }
+                first = false;
                 Metrics::add(&metrics.bytes_in, n as u64);
                 decoder.push_bytes(buf.split().freeze());
                 loop {

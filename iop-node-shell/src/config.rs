@@ -1,13 +1,20 @@
 //! The Node's local configuration file (TOML). It holds only what a node needs before it
-//! reaches the Edge: the Edge address, its identity and token, the reconnect policy and
-//! timeouts. Adapter configuration comes from the Edge, never from this file.
+//! reaches the Edge: the Edge address and how to check it, its identity and token, the
+//! reconnect policy and timeouts. Adapter configuration comes from the Edge, never from
+//! this file.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use iop_proto_core::{Backoff, ReconnectPolicy};
+use rustls::RootCertStore;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use serde::Deserialize;
+
+/// Shortest token accepted (the Edge refuses shorter ones too).
+pub const MIN_TOKEN_CHARS: usize = 16;
 
 /// Environment variable read for the token when the file sets neither `token` nor
 /// `token_file`.
@@ -41,6 +48,9 @@ struct RawConfig {
     edge_addr: String,
     token: Option<String>,
     token_file: Option<PathBuf>,
+    edge_cert_sha256: Option<String>,
+    #[serde(default)]
+    edge_tls: RawEdgeTls,
     #[serde(default)]
     labels: BTreeMap<String, String>,
     #[serde(default)]
@@ -55,6 +65,46 @@ struct RawConfig {
 #[serde(deny_unknown_fields)]
 struct RawTls {
     ca_file: Option<PathBuf>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawEdgeTls {
+    ca_file: Option<PathBuf>,
+    server_name: Option<String>,
+    cert_file: Option<PathBuf>,
+    key_file: Option<PathBuf>,
+    #[serde(default)]
+    plaintext: bool,
+}
+
+/// How the node decides that the peer at `edge_addr` is its Edge.
+#[derive(Clone, Debug)]
+pub enum EdgeTrust {
+    /// Exactly the certificate with this SHA-256 digest (`edge_cert_sha256`).
+    Pinned([u8; 32]),
+    /// A certificate for the server name issued by one of these roots (`edge_tls.ca_file`,
+    /// else the Mozilla roots).
+    Roots(Arc<RootCertStore>),
+}
+
+/// A client certificate chain and its key, for an Edge that requires mutual TLS.
+pub type ClientCert = Arc<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>)>;
+
+/// The link to the Edge.
+#[derive(Clone, Debug)]
+pub enum LinkConfig {
+    /// Plain TCP: `edge_tls.plaintext = true`, for an Edge that also opted in.
+    Plain,
+    /// TLS (the default).
+    Tls {
+        /// How the Edge is checked.
+        trust: EdgeTrust,
+        /// SNI and the name checked against a CA-issued certificate.
+        server_name: ServerName<'static>,
+        /// The node's own certificate, if it has one.
+        client_cert: Option<ClientCert>,
+    },
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -92,6 +142,8 @@ pub struct NodeConfig {
     pub node_id: String,
     /// `host:port` of the Edge's node listener.
     pub edge_addr: String,
+    /// TLS or plaintext, and how the Edge is checked.
+    pub link: LinkConfig,
     /// The node's token.
     pub token: Secret,
     /// Labels reported at register.
@@ -169,9 +221,18 @@ impl NodeConfig {
                 )
             })?,
         };
-        if token.is_empty() {
-            return Err(invalid("token", "must not be empty"));
+        if token.chars().count() < MIN_TOKEN_CHARS {
+            return Err(invalid(
+                "token",
+                format!("must have at least {MIN_TOKEN_CHARS} characters"),
+            ));
         }
+        let link = link_config(
+            &raw.edge_addr,
+            raw.edge_cert_sha256.as_deref(),
+            &raw.edge_tls,
+            path,
+        )?;
         let policy =
             ReconnectPolicy::from_config(raw.reconnect.max_attempts, raw.reconnect.interval_sec)
                 .map_err(|err| invalid("reconnect", err.to_string()))?;
@@ -195,6 +256,7 @@ impl NodeConfig {
         Ok(NodeConfig {
             node_id: raw.node_id,
             edge_addr: raw.edge_addr,
+            link,
             token: Secret(token),
             labels: raw.labels,
             policy,
@@ -215,6 +277,89 @@ impl NodeConfig {
     }
 }
 
+fn link_config(
+    edge_addr: &str,
+    pin: Option<&str>,
+    tls: &RawEdgeTls,
+    path: &Path,
+) -> Result<LinkConfig, ConfigError> {
+    let relative = |file: &Path| path.parent().map_or(file.to_owned(), |dir| dir.join(file));
+    if tls.plaintext {
+        if pin.is_some()
+            || tls.ca_file.is_some()
+            || tls.server_name.is_some()
+            || tls.cert_file.is_some()
+            || tls.key_file.is_some()
+        {
+            return Err(invalid(
+                "edge_tls.plaintext",
+                "plaintext leaves no TLS setting to use; remove it or the TLS settings",
+            ));
+        }
+        return Ok(LinkConfig::Plain);
+    }
+    let trust = match (pin, &tls.ca_file) {
+        (Some(_), Some(_)) => {
+            return Err(invalid(
+                "edge_cert_sha256",
+                "set either edge_cert_sha256 or edge_tls.ca_file, not both",
+            ));
+        }
+        (Some(pin), None) => EdgeTrust::Pinned(
+            iop_shell_common::tls::parse_fingerprint(pin).ok_or_else(|| {
+                invalid(
+                    "edge_cert_sha256",
+                    "must be 64 hex digits (colons allowed), as `iop-edge gen-cert` prints it",
+                )
+            })?,
+        ),
+        (None, ca) => {
+            let extra = match ca {
+                Some(file) => {
+                    iop_shell_common::tls::read_certs("edge_tls.ca_file", &relative(file))?
+                }
+                None => Vec::new(),
+            };
+            EdgeTrust::Roots(Arc::new(
+                crate::link::roots(&extra).map_err(|err| invalid("edge_tls.ca_file", err))?,
+            ))
+        }
+    };
+    let host = match &tls.server_name {
+        Some(name) => name.clone(),
+        None => {
+            let (host, _) = edge_addr.rsplit_once(':').unwrap_or((edge_addr, ""));
+            host.trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_owned()
+        }
+    };
+    let server_name = ServerName::try_from(host.clone()).map_err(|_| {
+        invalid(
+            "edge_tls.server_name",
+            format!("{host:?} is not a DNS name or an IP address"),
+        )
+    })?;
+    let client_cert = match (&tls.cert_file, &tls.key_file) {
+        (None, None) => None,
+        (Some(cert), Some(key)) => Some(Arc::new((
+            iop_shell_common::tls::read_certs("edge_tls.cert_file", &relative(cert))?,
+            iop_shell_common::tls::read_key("edge_tls.key_file", &relative(key))?,
+        ))),
+        _ => {
+            return Err(invalid(
+                "edge_tls.cert_file",
+                "a client certificate needs both edge_tls.cert_file and edge_tls.key_file",
+            ));
+        }
+    };
+    Ok(LinkConfig::Tls {
+        trust,
+        server_name,
+        client_cert,
+    })
+}
+
 fn valid_addr(addr: &str) -> bool {
     match addr.rsplit_once(':') {
         Some((host, port)) => !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p != 0),
@@ -232,40 +377,75 @@ mod tests {
 
     #[test]
     fn minimal_config_takes_the_contract_defaults() {
-        let cfg = parse("node_id = \"n1\"\nedge_addr = \"127.0.0.1:7100\"\ntoken = \"t\"\n")
-            .expect("valid");
+        let cfg = parse(
+            "node_id = \"n1\"\nedge_addr = \"127.0.0.1:7100\"\ntoken = \"t-0123456789abcdef\"\n",
+        )
+        .expect("valid");
         assert_eq!(cfg.policy, ReconnectPolicy::default());
         assert_eq!(cfg.connect_timeout, Duration::from_secs(5));
-        assert!(!format!("{cfg:?}").contains("\"t\""), "token printed");
+        assert!(
+            !format!("{cfg:?}").contains("0123456789abcdef"),
+            "token printed"
+        );
+        assert!(
+            matches!(
+                cfg.link,
+                LinkConfig::Tls {
+                    trust: EdgeTrust::Roots(_),
+                    ..
+                }
+            ),
+            "TLS with the web roots unless told otherwise"
+        );
     }
 
     #[test]
     fn errors_name_the_key() {
         let cases = [
             (
-                "node_id = \"\"\nedge_addr = \"a:1\"\ntoken = \"t\"",
+                "node_id = \"\"\nedge_addr = \"a:1\"\ntoken = \"t-0123456789abcdef\"",
                 "node_id",
             ),
             (
-                "node_id = \"n\"\nedge_addr = \"nope\"\ntoken = \"t\"",
+                "node_id = \"n\"\nedge_addr = \"nope\"\ntoken = \"t-0123456789abcdef\"",
                 "edge_addr",
             ),
             ("node_id = \"n\"\nedge_addr = \"a:1\"", "token"),
             (
-                "node_id = \"n\"\nedge_addr = \"a:1\"\ntoken = \"t\"\n[reconnect]\nmax_attempts = -1",
+                "node_id = \"n\"\nedge_addr = \"a:1\"\ntoken = \"t-0123456789abcdef\"\n[reconnect]\nmax_attempts = -1",
                 "reconnect",
             ),
             (
-                "node_id = \"n\"\nedge_addr = \"a:1\"\ntoken = \"t\"\n[reconnect]\nmax_attempts = 0\ninterval_sec = 0",
+                "node_id = \"n\"\nedge_addr = \"a:1\"\ntoken = \"t-0123456789abcdef\"\n[reconnect]\nmax_attempts = 0\ninterval_sec = 0",
                 "reconnect",
             ),
             (
-                "node_id = \"n\"\nedge_addr = \"a:1\"\ntoken = \"t\"\n[timeouts]\nconnect_sec = -2",
+                "node_id = \"n\"\nedge_addr = \"a:1\"\ntoken = \"t-0123456789abcdef\"\n[timeouts]\nconnect_sec = -2",
                 "timeouts.connect_sec",
             ),
             (
-                "node_id = \"n\"\nedge_addr = \"a:1\"\ntoken = \"t\"\nadapters = []",
+                "node_id = \"n\"\nedge_addr = \"a:1\"\ntoken = \"t-0123456789abcdef\"\nadapters = []",
                 "adapters",
+            ),
+            (
+                "node_id = \"n\"\nedge_addr = \"a:1\"\ntoken = \"short\"",
+                "token",
+            ),
+            (
+                "node_id = \"n\"\nedge_addr = \"a:1\"\ntoken = \"t-0123456789abcdef\"\nedge_cert_sha256 = \"AB:CD\"",
+                "edge_cert_sha256",
+            ),
+            (
+                "node_id = \"n\"\nedge_addr = \"a:1\"\ntoken = \"t-0123456789abcdef\"\n[edge_tls]\nplaintext = true\nserver_name = \"x\"",
+                "edge_tls.plaintext",
+            ),
+            (
+                "node_id = \"n\"\nedge_addr = \"a:1\"\ntoken = \"t-0123456789abcdef\"\n[edge_tls]\ncert_file = \"c.pem\"",
+                "edge_tls.cert_file",
+            ),
+            (
+                "node_id = \"n\"\nedge_addr = \"a:1\"\ntoken = \"t-0123456789abcdef\"\n[edge_tls]\nca_file = \"/nonexistent/ca.pem\"",
+                "edge_tls.ca_file",
             ),
         ];
         for (text, key) in cases {
@@ -275,13 +455,37 @@ mod tests {
     }
 
     #[test]
+    fn the_edge_is_pinned_by_fingerprint_and_named_by_its_address() {
+        let pin = "ab:".repeat(31) + "ab";
+        let cfg = parse(&format!(
+            "node_id = \"n\"\nedge_addr = \"edge.example:7100\"\ntoken = \"t-0123456789abcdef\"\nedge_cert_sha256 = \"{pin}\""
+        ))
+        .expect("valid");
+        let LinkConfig::Tls {
+            trust: EdgeTrust::Pinned(digest),
+            server_name,
+            client_cert: None,
+        } = cfg.link
+        else {
+            panic!("pinned TLS: {:?}", cfg.link);
+        };
+        assert_eq!(digest, [0xab; 32]);
+        assert_eq!(server_name.to_str(), "edge.example");
+        let plain = parse(
+            "node_id = \"n\"\nedge_addr = \"a:1\"\ntoken = \"t-0123456789abcdef\"\n[edge_tls]\nplaintext = true",
+        )
+        .expect("valid");
+        assert!(matches!(plain.link, LinkConfig::Plain));
+    }
+
+    #[test]
     fn token_may_come_from_the_environment() {
         let cfg = NodeConfig::parse(
             "node_id = \"n\"\nedge_addr = \"a:1\"",
             Path::new("x.toml"),
-            Some("from-env".into()),
+            Some("from-env-0123456789".into()),
         )
         .expect("valid");
-        assert_eq!(cfg.token.expose(), "from-env");
+        assert_eq!(cfg.token.expose(), "from-env-0123456789");
     }
 }

@@ -40,8 +40,25 @@ fn main() -> ExitCode {
         Err(err) => return process::invalid_config("iop-node", &cli.config, &err),
     };
     if matches!(cli.command, Some(Command::CheckConfig)) {
+        let link = match &config.link {
+            iop_node_shell::config::LinkConfig::Plain => "PLAINTEXT".to_owned(),
+            iop_node_shell::config::LinkConfig::Tls {
+                trust, client_cert, ..
+            } => format!(
+                "TLS, edge checked by {}{}",
+                match trust {
+                    iop_node_shell::config::EdgeTrust::Pinned(_) => "pinned fingerprint",
+                    iop_node_shell::config::EdgeTrust::Roots(_) => "CA",
+                },
+                if client_cert.is_some() {
+                    ", client certificate"
+                } else {
+                    ""
+                }
+            ),
+        };
         println!(
-            "{}: ok (node_id {}, edge {})",
+            "{}: ok (node_id {}, edge {}, {link})",
             cli.config.display(),
             config.node_id,
             config.edge_addr

@@ -4,24 +4,14 @@
 
 use std::sync::Arc;
 
-use iop_proto_core::{Action, ExitReason, Failure, SessionConfig, Supervisor};
-use tokio::net::TcpStream;
+use iop_proto_core::{Action, ExitReason, SessionConfig, Supervisor};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use crate::config::NodeConfig;
 use crate::driver::{self, Context};
+use crate::link::{Connection, EdgeLink};
 use crate::stats::TransportStats;
-
-fn dial_failure(err: &std::io::Error) -> Failure {
-    use std::io::ErrorKind;
-    match err.kind() {
-        ErrorKind::ConnectionRefused => Failure::Refused,
-        ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted => Failure::Reset,
-        ErrorKind::TimedOut => Failure::TimedOut,
-        _ => Failure::Unreachable(err.to_string()),
-    }
-}
 
 /// The session settings a connection uses.
 #[must_use]
@@ -35,6 +25,21 @@ pub fn session_config(config: &NodeConfig) -> SessionConfig {
 
 /// Runs until the supervisor exits; returns why (its `exit_code()` is the process's).
 pub async fn run(config: NodeConfig, ctx: Context, shutdown: CancellationToken) -> ExitReason {
+    let link = match EdgeLink::new(&config.link) {
+        Ok(link) => link,
+        Err(err) => {
+            let failure = iop_proto_core::Failure::LocalConfig(err);
+            error!(failure = %failure, "giving up: fatal error");
+            return ExitReason::Fatal(failure);
+        }
+    };
+    if matches!(link, EdgeLink::Plain) {
+        warn!(
+            edge = config.edge_addr,
+            "the link to the edge is PLAINTEXT (edge_tls.plaintext = true): the token, provider \
+             keys and every prompt cross it in clear"
+        );
+    }
     let mut supervisor = match config.backoff {
         Some(backoff) => Supervisor::with_backoff(config.policy, backoff),
         None => Supervisor::new(config.policy),
@@ -63,10 +68,7 @@ pub async fn run(config: NodeConfig, ctx: Context, shutdown: CancellationToken) 
                         node_id = config.node_id,
                         "dialing the edge"
                     );
-                    let dial = tokio::time::timeout(
-                        config.connect_timeout,
-                        TcpStream::connect(&config.edge_addr),
-                    );
+                    let dial = link.connect(&config.edge_addr, config.connect_timeout);
                     let stream = tokio::select! {
                         () = shutdown.cancelled() => {
                             supervisor.handle_shutdown(clock.now());
@@ -75,15 +77,26 @@ pub async fn run(config: NodeConfig, ctx: Context, shutdown: CancellationToken) 
                         result = dial => result,
                     };
                     match stream {
-                        Ok(Ok(stream)) => {
-                            let _ = stream.set_nodelay(true);
+                        Ok(stream) => {
+                            info!(
+                                edge = config.edge_addr,
+                                tls = stream.tls_version().unwrap_or("none"),
+                                "connected to the edge"
+                            );
                             let _ = supervisor.handle_connected(clock.now());
                             if TransportStats::get(&ctx.stats.connections) > 0 {
                                 TransportStats::add(&ctx.stats.reconnects, 1);
                             }
                             TransportStats::add(&ctx.stats.connections, 1);
-                            let outcome =
-                                driver::run(stream, session_config(&config), &ctx, &shutdown).await;
+                            let session = session_config(&config);
+                            let outcome = match stream {
+                                Connection::Plain(tcp) => {
+                                    driver::run(tcp, session, &ctx, &shutdown).await
+                                }
+                                Connection::Tls(tls) => {
+                                    driver::run(*tls, session, &ctx, &shutdown).await
+                                }
+                            };
                             if outcome.was_ready {
                                 let _ = supervisor.handle_ready(clock.now());
                             }
@@ -95,14 +108,9 @@ pub async fn run(config: NodeConfig, ctx: Context, shutdown: CancellationToken) 
                                 }
                             }
                         }
-                        Ok(Err(err)) => {
-                            let failure = dial_failure(&err);
+                        Err(failure) => {
                             warn!(attempt, failure = %failure, "dial failed");
                             let _ = supervisor.handle_failure(clock.now(), failure);
-                        }
-                        Err(_) => {
-                            warn!(attempt, "dial timed out");
-                            let _ = supervisor.handle_failure(clock.now(), Failure::TimedOut);
                         }
                     }
                 }

@@ -26,15 +26,18 @@
 //! - Every accepted request ends exactly once with [`EdgeEvent::RequestEnded`].
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::edge_config::{EdgeConfig, EdgeConfigError, category_of};
+use crate::guard::{AuthThrottle, Contest, FlapGuard, Source};
 use crate::idhash::IdMap;
 use crate::lease::{Generation, Lease, Ledger, Release, RequestId, ResourceId};
 use crate::queue::{Candidate, Ticket, WaitQueue, Waiter};
 use crate::run::{RunStep, RunTracker};
 use crate::time::Timestamp;
+use crate::token::TokenVerifier;
 use crate::tunnel::{TunnelReceiver, TunnelStep};
 use crate::wire::{
     AdapterConfig, AdapterType, Body, CancelKind, CancelRequest, Envelope, ErrorDetail, Heartbeat,
@@ -47,6 +50,56 @@ use crate::wire::{
 /// Opaque identifier of a node connection, chosen by the shell.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ConnId(pub u64);
+
+/// What the transport knows about a node connection's peer, given when it opens.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Peer {
+    /// The remote address. Failed registrations are throttled per source address;
+    /// `None` when the transport has none (all such connections share one budget).
+    pub addr: Option<IpAddr>,
+    /// The negotiated TLS version (e.g. `"TLSv1.3"`); `None` on a plaintext connection.
+    pub tls: Option<&'static str>,
+    /// Names the peer's verified client certificate vouches for (its subject common name
+    /// and DNS subject alternative names); empty without a client certificate. With
+    /// [`Admission::require_client_identity`](crate::edge_config::Admission) a node may
+    /// only register under one of these names.
+    pub identities: Vec<String>,
+}
+
+/// The one rejection reason a failed registration gets on the wire, whatever failed
+/// (unknown node id, wrong token, certificate for another node, back-off), so a peer
+/// cannot tell node ids from tokens. The Edge's own logs get the real [`RejectReason`].
+pub const AUTH_FAILED: &str = "authentication failed";
+
+/// Why a registration was refused (for the Edge's logs and metrics only).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RejectReason {
+    /// No configured node has the claimed id.
+    UnknownNode,
+    /// The token is not the node's.
+    BadToken,
+    /// Mutual TLS is required and the client certificate does not name the node id.
+    IdentityMismatch,
+    /// The source failed too often and is backing off; credentials were not checked.
+    Throttled,
+    /// Authenticated, but the node id is in conflict and held by another connection.
+    Conflict,
+}
+
+impl RejectReason {
+    /// A stable name for logs and metric labels.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RejectReason::UnknownNode => "unknown_node",
+            RejectReason::BadToken => "bad_token",
+            RejectReason::IdentityMismatch => "identity_mismatch",
+            RejectReason::Throttled => "throttled",
+            RejectReason::Conflict => "conflict",
+        }
+    }
+}
 
 /// Why the Edge closes a connection.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -66,6 +119,9 @@ pub enum CloseReason {
     ProtocolViolation(String),
     /// The node was removed from the configuration.
     NodeRemoved,
+    /// The node's token changed in the configuration: the connection that registered
+    /// with the old one is revoked.
+    CredentialsChanged,
     /// The peer closed the connection (reported by the shell).
     PeerClosed,
 }
@@ -246,6 +302,37 @@ pub enum EdgeEvent {
         /// The answer.
         response: NodeCommandResponse,
     },
+    /// A registration was refused (the peer got [`AUTH_FAILED`], or a conflict reason).
+    /// Emitted for every refusal, for metrics; `log` says whether it is worth a log line
+    /// (the 1st, 2nd, 4th, 8th… failure of a source, the start of its back-off, every
+    /// conflict refusal), so an attack cannot flood the log.
+    RegisterRejected {
+        /// Connection.
+        conn: ConnId,
+        /// The peer's address, when known.
+        addr: Option<IpAddr>,
+        /// The node id claimed (at most 64 characters of it).
+        node_id: String,
+        /// Why.
+        reason: RejectReason,
+        /// Failures of this source since it was last quiet.
+        failures: u32,
+        /// The back-off this failure started or extended.
+        blocked_for: Option<Duration>,
+        /// Whether to log it.
+        log: bool,
+    },
+    /// Two live connections took a node id from each other too often: the node id is now
+    /// in conflict (emitted once per conflict; log it loudly). The current owner keeps
+    /// the node, newcomers are refused for `hold_down` after the last one tried.
+    NodeConflict {
+        /// Node id.
+        node_id: Arc<str>,
+        /// Supersedes seen within the detection window.
+        supersedes: u32,
+        /// How long newcomers are held off.
+        hold_down: Duration,
+    },
     /// A peer broke the protocol (for logs and metrics; the machine already acted).
     PeerViolation {
         /// Connection.
@@ -370,6 +457,13 @@ pub struct NodeStatus {
     pub applied_revision: u64,
     /// Status of the last config refresh answered.
     pub last_refresh: Option<RefreshStatus>,
+    /// Two live connections keep taking this node id from each other: the current owner
+    /// keeps it and newcomers are held off (see [`crate::guard::FlapGuard`]).
+    pub conflict: bool,
+    /// TLS version of the owning connection; `None` when plaintext or offline.
+    pub tls: Option<&'static str>,
+    /// Whether the owning connection presented a verified client certificate.
+    pub client_certificate: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -395,6 +489,7 @@ enum Phase {
 #[derive(Debug)]
 struct Conn {
     phase: Phase,
+    peer: Peer,
     /// Register, then ready, must arrive before this.
     handshake_deadline: Timestamp,
     last_rx: Timestamp,
@@ -422,6 +517,8 @@ struct NodeEntry {
     last_refresh: Option<RefreshStatus>,
     /// Adapter instance → resource, for every adapter ever configured on this node.
     resources: Vec<(Arc<str>, ResourceId)>,
+    /// Supersedes of this node id, to notice two nodes fighting over it.
+    flap: FlapGuard,
 }
 
 #[derive(Debug)]
@@ -541,6 +638,7 @@ pub struct EdgeCore {
     node_index: HashMap<Arc<str>, usize>,
     conns: IdMap<ConnId, Conn>,
     ledger: Ledger,
+    throttle: AuthThrottle,
     resources: Vec<ResourceMeta>,
     models: HashMap<Arc<str>, Model>,
     queue: WaitQueue,
@@ -583,6 +681,7 @@ impl EdgeCore {
             node_index: HashMap::new(),
             conns: IdMap::default(),
             ledger: Ledger::new(),
+            throttle: AuthThrottle::new(config.admission.throttle),
             resources: Vec::new(),
             models: HashMap::new(),
             queue: WaitQueue::new(),
@@ -678,17 +777,26 @@ impl EdgeCore {
             .nodes
             .iter()
             .filter(|n| n.spec.is_some())
-            .map(|n| NodeStatus {
-                node_id: n.id.clone(),
-                state: match n.owner {
-                    None => NodeState::Offline,
-                    Some(o) if o.ready => NodeState::Ready,
-                    Some(_) => NodeState::Pending,
-                },
-                generation: n.owner.map(|o| o.generation),
-                revision: n.revision,
-                applied_revision: n.applied_revision,
-                last_refresh: n.last_refresh,
+            .map(|n| {
+                let peer = n
+                    .owner
+                    .and_then(|o| self.conns.get(&o.conn))
+                    .map(|c| &c.peer);
+                NodeStatus {
+                    node_id: n.id.clone(),
+                    state: match n.owner {
+                        None => NodeState::Offline,
+                        Some(o) if o.ready => NodeState::Ready,
+                        Some(_) => NodeState::Pending,
+                    },
+                    generation: n.owner.map(|o| o.generation),
+                    revision: n.revision,
+                    applied_revision: n.applied_revision,
+                    last_refresh: n.last_refresh,
+                    conflict: n.flap.in_conflict(self.now),
+                    tls: peer.and_then(|p| p.tls),
+                    client_certificate: peer.is_some_and(|p| !p.identities.is_empty()),
+                }
             })
             .collect();
         out.sort_by(|a, b| a.node_id.cmp(&b.node_id));
@@ -774,11 +882,13 @@ impl EdgeCore {
         self.now = self.now.max(now);
     }
 
-    /// A node connection was accepted by the transport.
+    /// A node connection was accepted by the transport (after its TLS handshake, when
+    /// there is one); `peer` says what the transport knows about the other end.
     pub fn handle_connection_opened(
         &mut self,
         now: Timestamp,
         conn: ConnId,
+        peer: Peer,
     ) -> Result<(), UsageError> {
         self.advance(now);
         if self.conns.contains_key(&conn) {
@@ -788,6 +898,7 @@ impl EdgeCore {
             conn,
             Conn {
                 phase: Phase::Unregistered,
+                peer,
                 handshake_deadline: self.now + self.config.timing.register_timeout,
                 last_rx: self.now,
             },
@@ -1112,6 +1223,15 @@ impl EdgeCore {
                 self.fence_owner(i, owner.generation, CloseReason::NodeRemoved);
             }
         }
+        // A changed token revokes the connection that registered with the old one.
+        for node_id in &diff.changed_tokens {
+            if let Some(&i) = self.node_index.get(node_id.as_str())
+                && let Some(owner) = self.nodes[i].owner
+            {
+                self.close(owner.conn, CloseReason::CredentialsChanged);
+                self.fence_owner(i, owner.generation, CloseReason::CredentialsChanged);
+            }
+        }
         for node_id in &diff.changed_payloads {
             if let Some(&i) = self.node_index.get(node_id.as_str()) {
                 self.nodes[i].revision += 1;
@@ -1149,6 +1269,7 @@ impl EdgeCore {
                         refresh: None,
                         last_refresh: None,
                         resources: Vec::new(),
+                        flap: FlapGuard::default(),
                     });
                     self.node_index.insert(id, self.nodes.len() - 1);
                     self.nodes.len() - 1
@@ -1198,6 +1319,7 @@ impl EdgeCore {
             );
         }
         self.models = models;
+        self.throttle.set_limits(config.admission.throttle);
         self.config = config;
     }
 
@@ -1243,37 +1365,75 @@ impl EdgeCore {
             self.violation(conn, "second RegisterRequest on one connection".into());
             return;
         }
-        let node = self
-            .node_index
-            .get(req.node_id.as_str())
-            .copied()
-            .filter(|&i| self.nodes[i].spec.is_some());
-        let verified = node.filter(|&i| {
-            self.nodes[i]
-                .spec
-                .as_ref()
-                .is_some_and(|spec| spec.token.verify(req.token.as_bytes()))
-        });
-        let Some(i) = verified else {
-            let reason = if node.is_none() {
-                format!("unknown node id {:?}", req.node_id)
-            } else {
-                "invalid token".to_owned()
-            };
-            self.send(
-                conn,
-                Body::RegisterResponse(RegisterResponse {
-                    accepted: false,
-                    reason: reason.clone(),
-                    node_id: req.node_id,
-                    ..RegisterResponse::default()
-                }),
-            );
-            self.close(conn, CloseReason::RegisterRejected(reason));
+        let Some(addr) = self.conns.get(&conn).map(|c| c.peer.addr) else {
             return;
         };
-        // A newer register supersedes the current owner in this same transition.
+        let source = Source::of(addr);
+        let verdict = match self.throttle.blocked(self.now, source) {
+            Some(_) => Err(RejectReason::Throttled),
+            None => self.authenticate(conn, &req),
+        };
+        let i = match verdict {
+            Ok(i) => i,
+            Err(reason) => {
+                let record = self.throttle.record_failure(self.now, source);
+                // Refused while backing off: the peer may come back when the back-off is
+                // over. Wrong credentials are final (retry_after 0).
+                let retry_after = match reason {
+                    RejectReason::Throttled => self.throttle.blocked(self.now, source),
+                    _ => None,
+                };
+                self.reject_register(conn, &req.node_id, AUTH_FAILED.to_owned(), retry_after);
+                self.events.push_back(EdgeEvent::RegisterRejected {
+                    conn,
+                    addr,
+                    node_id: req.node_id.chars().take(64).collect(),
+                    reason,
+                    failures: record.failures,
+                    blocked_for: record.blocked_for,
+                    log: record.log,
+                });
+                return;
+            }
+        };
+        self.throttle.record_success(source);
+        // A newer register supersedes the current owner in this same transition, unless
+        // the two keep taking the node id from each other.
         if let Some(old) = self.nodes[i].owner {
+            let limits = self.config.admission.conflict;
+            match self.nodes[i].flap.contest(self.now, limits) {
+                Contest::HoldOff { retry_after, log } => {
+                    let reason = format!(
+                        "node id {:?} is in conflict: another live connection holds it \
+                         (two nodes share this id?)",
+                        &*self.nodes[i].id
+                    );
+                    self.reject_register(conn, &req.node_id, reason, Some(retry_after));
+                    self.events.push_back(EdgeEvent::RegisterRejected {
+                        conn,
+                        addr,
+                        node_id: self.nodes[i].id.to_string(),
+                        reason: RejectReason::Conflict,
+                        failures: 0,
+                        blocked_for: None,
+                        log,
+                    });
+                    return;
+                }
+                Contest::SupersedeAndHold => self.events.push_back(EdgeEvent::NodeConflict {
+                    node_id: self.nodes[i].id.clone(),
+                    supersedes: limits.supersedes,
+                    hold_down: limits.hold_down,
+                }),
+                Contest::Supersede => {}
+            }
+            self.send(
+                old.conn,
+                Body::NodeReadyResponse(NodeReadyResponse {
+                    ready: false,
+                    reason: "superseded: a newer connection registered this node id".into(),
+                }),
+            );
             self.close(old.conn, CloseReason::Superseded);
             self.fence_owner(i, old.generation, CloseReason::Superseded);
         }
@@ -1306,6 +1466,7 @@ impl EdgeCore {
                 node_id: self.nodes[i].id.to_string(),
                 config: payload,
                 heartbeat_interval_ms: millis(timing.heartbeat_interval),
+                retry_after_ms: 0,
             }),
         );
         self.timers.insert((
@@ -1318,6 +1479,57 @@ impl EdgeCore {
         if self.faults.dispatch_before_ready {
             self.sync_resources(i, generation);
         }
+    }
+
+    /// The node a register may claim: a configured id, its token, and (with mutual TLS
+    /// required) a client certificate naming it. An unknown id still costs a token check,
+    /// so timing does not tell ids from tokens either.
+    fn authenticate(&self, conn: ConnId, req: &RegisterRequest) -> Result<usize, RejectReason> {
+        let node = self
+            .node_index
+            .get(req.node_id.as_str())
+            .copied()
+            .and_then(|i| Some((i, self.nodes[i].spec.as_ref()?)));
+        let Some((i, spec)) = node else {
+            let _ = TokenVerifier::from_secret(b"").verify(req.token.as_bytes());
+            return Err(RejectReason::UnknownNode);
+        };
+        if !spec.token.verify(req.token.as_bytes()) {
+            return Err(RejectReason::BadToken);
+        }
+        if self.config.admission.require_client_identity {
+            let named = self
+                .conns
+                .get(&conn)
+                .is_some_and(|c| c.peer.identities.contains(&req.node_id));
+            if !named {
+                return Err(RejectReason::IdentityMismatch);
+            }
+        }
+        Ok(i)
+    }
+
+    fn reject_register(
+        &mut self,
+        conn: ConnId,
+        node_id: &str,
+        reason: String,
+        retry_after: Option<Duration>,
+    ) {
+        self.send(
+            conn,
+            Body::RegisterResponse(RegisterResponse {
+                accepted: false,
+                reason: reason.clone(),
+                node_id: node_id
+                    .chars()
+                    .take(crate::wire::MAX_NODE_ID_BYTES)
+                    .collect(),
+                retry_after_ms: retry_after.map_or(0, |d| millis(d).max(1)),
+                ..RegisterResponse::default()
+            }),
+        );
+        self.close(conn, CloseReason::RegisterRejected(reason));
     }
 
     fn refuse_ready(&mut self, conn: ConnId, reason: &str, close: bool) {

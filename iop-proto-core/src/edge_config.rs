@@ -6,6 +6,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use crate::guard::{ConflictLimits, ThrottleLimits};
 use crate::token::TokenVerifier;
 use crate::wire::{
     AdapterConfig, AdapterType, NodeConfigPayload, NodeRuntimeConfig, Validate, ValidationError,
@@ -107,6 +108,19 @@ impl Default for QueueLimits {
     }
 }
 
+/// How the Edge admits node connections, beyond each node's token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Admission {
+    /// Every node must come over mutual TLS with a client certificate that names its
+    /// node id (see [`Peer::identities`](crate::edge::Peer::identities)); a valid
+    /// certificate for node A cannot register as node B.
+    pub require_client_identity: bool,
+    /// Back-off of sources that keep failing to register.
+    pub throttle: ThrottleLimits,
+    /// When two live connections fighting over one node id become a conflict.
+    pub conflict: ConflictLimits,
+}
+
 /// The Edge's whole configured set.
 #[derive(Clone, Debug, PartialEq, Default)]
 pub struct EdgeConfig {
@@ -118,6 +132,8 @@ pub struct EdgeConfig {
     pub timing: EdgeTiming,
     /// Queue limits.
     pub queue: QueueLimits,
+    /// Node admission rules.
+    pub admission: Admission,
 }
 
 /// A configuration that cannot run, naming the key at fault.
@@ -366,7 +382,7 @@ pub(crate) mod tests {
 
     pub(crate) fn node(adapters: Vec<AdapterConfig>) -> NodeSpec {
         NodeSpec {
-            token: TokenVerifier::Plain(b"tok".to_vec()),
+            token: TokenVerifier::from_secret(b"tok"),
             adapters,
             runtime: NodeRuntimeConfig::default(),
         }

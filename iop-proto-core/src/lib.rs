@@ -18,7 +18,8 @@
 //! - [`run`] and [`tunnel`]: the contract sequencers of normalized runs and raw tunnels.
 //! - [`session`]: the Node session machine ([`NodeSession`]), with [`gate`] (per-adapter
 //!   capacity) and [`reconnect`] (the reconnect policy and its [`Supervisor`]).
-//! - [`token`]: constant-time node credential checks.
+//! - [`token`]: constant-time credential checks (node tokens, API keys), and [`guard`]:
+//!   the per-source back-off of failed registrations and node-id conflict detection.
 //!
 //! ## Example: framing a message and reading it back
 //! ```
@@ -47,6 +48,7 @@
 pub mod edge;
 pub mod edge_config;
 pub mod gate;
+pub mod guard;
 mod idhash;
 pub mod lease;
 pub mod queue;
@@ -62,14 +64,16 @@ pub mod wire;
 pub mod testkit;
 
 pub use edge::{
-    CloseReason, CommandError, ConnId, Dispatch, DispatchError, DispatchShape, EdgeCore, EdgeEvent,
-    Grant, NodeState, NodeStatus, Outcome, RequestError, Submit, SubmitError, Transmit, UsageError,
+    AUTH_FAILED, CloseReason, CommandError, ConnId, Dispatch, DispatchError, DispatchShape,
+    EdgeCore, EdgeEvent, Grant, NodeState, NodeStatus, Outcome, Peer, RejectReason, RequestError,
+    Submit, SubmitError, Transmit, UsageError,
 };
 pub use edge_config::{
-    CandidateSpec, ConfigDiff, EdgeConfig, EdgeConfigError, EdgeTiming, ModelSpec, NodeSpec,
-    QueueLimits,
+    Admission, CandidateSpec, ConfigDiff, EdgeConfig, EdgeConfigError, EdgeTiming, ModelSpec,
+    NodeSpec, QueueLimits,
 };
 pub use gate::{CapacityGate, GateError};
+pub use guard::{AuthThrottle, ConflictLimits, Contest, FlapGuard, Source, ThrottleLimits};
 pub use lease::{Generation, Lease, Ledger, Release, RequestId, ResourceId};
 pub use queue::{Candidate, Ticket, WaitQueue, Waiter};
 pub use reconnect::{
@@ -82,5 +86,5 @@ pub use session::{
     SessionEvent, SessionState, TunnelOutput, diff_adapters,
 };
 pub use time::Timestamp;
-pub use token::TokenVerifier;
+pub use token::{SecretError, TokenVerifier};
 pub use tunnel::{TunnelEmitter, TunnelReceiver, TunnelStep, TunnelViolation};

@@ -129,6 +129,19 @@ pub enum Failure {
     Unreachable(String),
     /// The Edge closed the connection or refused readiness.
     EdgeClosed(String),
+    /// The Edge's certificate did not check out (wrong fingerprint, unknown CA, wrong
+    /// name, expired) or the TLS handshake failed: the node sent nothing and retries, in
+    /// case the Edge is being re-keyed or a network path is being tampered with.
+    Tls(String),
+    /// The Edge refused the register for now (the node's address is backing off after
+    /// failed attempts, or its node id is held by another connection): retried no sooner
+    /// than `retry_after`.
+    Deferred {
+        /// The Edge's reason.
+        reason: String,
+        /// The earliest retry.
+        retry_after: Duration,
+    },
     /// The Edge rejected the node's credentials or identity: fatal, never retried.
     CredentialRejected(String),
     /// The local configuration cannot work: fatal.
@@ -154,6 +167,15 @@ impl std::fmt::Display for Failure {
             Failure::TimedOut => f.write_str("timed out"),
             Failure::Unreachable(why) => write!(f, "edge unreachable: {why}"),
             Failure::EdgeClosed(why) => write!(f, "edge closed the session: {why}"),
+            Failure::Tls(why) => write!(f, "tls: {why}"),
+            Failure::Deferred {
+                reason,
+                retry_after,
+            } => write!(
+                f,
+                "edge refused the node for now: {reason} (retry after {} ms)",
+                retry_after.as_millis()
+            ),
             Failure::CredentialRejected(why) => write!(f, "edge rejected the node: {why}"),
             Failure::LocalConfig(why) => write!(f, "local configuration error: {why}"),
         }
@@ -382,7 +404,10 @@ impl Supervisor {
             });
             return Ok(());
         }
-        let delay = self.delay();
+        let mut delay = self.delay();
+        if let Failure::Deferred { retry_after, .. } = failure {
+            delay = delay.max(retry_after);
+        }
         self.state = SupervisorState::Waiting {
             until: self.now + delay,
         };
@@ -597,6 +622,29 @@ mod tests {
         let actions = drain(&mut s);
         assert_eq!(actions.last(), Some(&Action::Exit(ExitReason::Shutdown)));
         assert_eq!(ExitReason::Shutdown.exit_code(), 0);
+    }
+
+    #[test]
+    fn a_deferred_rejection_waits_at_least_as_long_as_the_edge_asked() {
+        let mut s = Supervisor::new(policy(0, 1.0));
+        s.handle_start(Timestamp::ZERO).expect("idle");
+        let deferred = |ms| Failure::Deferred {
+            reason: "authentication failed".into(),
+            retry_after: Duration::from_millis(ms),
+        };
+        s.handle_failure(Timestamp::ZERO, deferred(7000))
+            .expect("dialing");
+        assert_eq!(s.poll_timeout(), Some(Timestamp::from_millis(7000)));
+        s.handle_timeout(Timestamp::from_millis(7000));
+        s.handle_failure(Timestamp::from_millis(7000), deferred(10))
+            .expect("dialing");
+        assert_eq!(
+            s.poll_timeout(),
+            Some(Timestamp::from_millis(8000)),
+            "never sooner than the policy's interval"
+        );
+        assert!(!deferred(1).is_fatal());
+        assert!(!Failure::Tls("unknown issuer".into()).is_fatal());
     }
 
     #[test]

@@ -115,6 +115,13 @@ pub enum SessionState {
 pub enum SessionEnd {
     /// The Edge rejected the register (bad token or unknown node): fatal.
     Rejected(String),
+    /// The Edge refused the register for now (`retry_after_ms` set): retried later.
+    Deferred {
+        /// The Edge's reason.
+        reason: String,
+        /// The earliest retry.
+        retry_after: Duration,
+    },
     /// The Edge answered `ready=false`.
     ReadyRefused(String),
     /// The Edge sent a config this node cannot apply.
@@ -137,6 +144,13 @@ impl SessionEnd {
     pub fn failure(&self) -> Option<Failure> {
         match self {
             SessionEnd::Rejected(why) => Some(Failure::CredentialRejected(why.clone())),
+            SessionEnd::Deferred {
+                reason,
+                retry_after,
+            } => Some(Failure::Deferred {
+                reason: reason.clone(),
+                retry_after: *retry_after,
+            }),
             SessionEnd::ReadyRefused(why)
             | SessionEnd::InvalidConfig(why)
             | SessionEnd::ProtocolViolation(why) => Some(Failure::EdgeClosed(why.clone())),
@@ -697,7 +711,14 @@ impl NodeSession {
         match body {
             Body::RegisterResponse(resp) if self.state == SessionState::Registering => {
                 if !resp.accepted {
-                    self.close(SessionEnd::Rejected(resp.reason));
+                    let end = match resp.retry_after_ms {
+                        0 => SessionEnd::Rejected(resp.reason),
+                        ms => SessionEnd::Deferred {
+                            reason: resp.reason,
+                            retry_after: Duration::from_millis(u64::from(ms)),
+                        },
+                    };
+                    self.close(end);
                     return;
                 }
                 let payload = match resp.validate() {
@@ -715,6 +736,14 @@ impl NodeSession {
                 self.state = SessionState::Configuring;
                 self.pending_apply = Some(payload.clone());
                 self.events.push_back(SessionEvent::ApplyConfig { payload });
+            }
+            // Unasked, ready=false tells a connection the Edge is dropping why (e.g. a
+            // newer connection took the node id over).
+            Body::NodeReadyResponse(resp)
+                if !resp.ready
+                    && matches!(self.state, SessionState::Configuring | SessionState::Ready) =>
+            {
+                self.close(SessionEnd::ReadyRefused(resp.reason));
             }
             Body::NodeReadyResponse(resp)
                 if self.state == SessionState::Configuring && self.ready_sent =>

@@ -14,6 +14,49 @@ use crate::wire::{ErrorDetail, Header, ProviderTunnelFrame, TunnelFrameKind, Usa
 /// Default maximum size of one `BODY` frame's payload: 64 KiB.
 pub const DEFAULT_CHUNK_SIZE: usize = 64 * 1024;
 
+/// Caller request headers a tunnel carries to the provider: they describe the body or the
+/// client. Credentials (the caller's key is the Edge's, the provider's key is the
+/// adapter's), cookies and hop-by-hop headers never cross.
+pub const FORWARDED_REQUEST_HEADERS: [&str; 4] =
+    ["content-type", "accept", "user-agent", "openai-beta"];
+
+/// Provider response headers a tunnel carries back to the caller; every other header is
+/// dropped by the Node before it reaches the link, and again by the Edge.
+///
+/// - `content-type`, `content-encoding`: describe the body, which passes byte for byte.
+/// - `cache-control`: keeps intermediaries from buffering or caching streams.
+/// - `retry-after`: what a caller needs to honour a provider's 429 or 503.
+/// - `x-request-id`: the provider's id, for a support request about one call.
+///
+/// Dropped on purpose: upstream routing and accounting (`openai-organization`,
+/// `openai-project`, `x-litellm-*`, spend and version headers), rate-limit figures of
+/// the upstream account (`x-ratelimit-*`), timing (`openai-processing-ms`, which tells
+/// callers which upstream serves them), cookies, and anything hop-by-hop.
+pub const FORWARDED_RESPONSE_HEADERS: [&str; 5] = [
+    "content-type",
+    "content-encoding",
+    "cache-control",
+    "retry-after",
+    "x-request-id",
+];
+
+/// Whether a caller request header named `name` (any case) goes through a tunnel.
+#[must_use]
+pub fn forwards_request_header(name: &str) -> bool {
+    FORWARDED_REQUEST_HEADERS
+        .iter()
+        .any(|h| h.eq_ignore_ascii_case(name))
+}
+
+/// Whether a provider response header (or trailer) named `name` (any case) goes back
+/// through a tunnel.
+#[must_use]
+pub fn forwards_response_header(name: &str) -> bool {
+    FORWARDED_RESPONSE_HEADERS
+        .iter()
+        .any(|h| h.eq_ignore_ascii_case(name))
+}
+
 /// What a valid frame carried.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TunnelStep {
@@ -283,6 +326,34 @@ impl TunnelEmitter {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_the_allow_listed_headers_cross_a_tunnel() {
+        for name in [
+            "Content-Type",
+            "content-encoding",
+            "Retry-After",
+            "x-request-id",
+        ] {
+            assert!(forwards_response_header(name), "{name}");
+        }
+        for name in [
+            "openai-organization",
+            "openai-project",
+            "openai-processing-ms",
+            "x-litellm-model-api-base",
+            "x-ratelimit-remaining-tokens",
+            "set-cookie",
+            "server",
+            "content-length",
+            "transfer-encoding",
+        ] {
+            assert!(!forwards_response_header(name), "{name}");
+        }
+        assert!(forwards_request_header("OpenAI-Beta"));
+        assert!(!forwards_request_header("authorization"));
+        assert!(!forwards_request_header("cookie"));
+    }
 
     fn frame(kind: TunnelFrameKind, sequence: u64) -> ProviderTunnelFrame {
         ProviderTunnelFrame {

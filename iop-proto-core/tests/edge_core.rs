@@ -187,7 +187,10 @@ fn only_the_current_owner_close_fences() {
 #[test]
 fn bad_token_and_unknown_node_are_rejected_and_closed() {
     let mut h = Harness::new();
-    for (node, token) in [("n1", "wrong"), ("nx", TOKEN)] {
+    for (node, token, why) in [
+        ("n1", "wrong", RejectReason::BadToken),
+        ("nx", TOKEN, RejectReason::UnknownNode),
+    ] {
         let conn = h.open();
         h.register_with(conn, node, token);
         let (tx, events) = h.drain();
@@ -195,10 +198,15 @@ fn bad_token_and_unknown_node_are_rejected_and_closed() {
             panic!("expected a response");
         };
         assert!(!resp.accepted);
-        assert!(!resp.reason.is_empty());
+        // One reason on the wire whatever failed: node ids cannot be enumerated.
+        assert_eq!(resp.reason, AUTH_FAILED);
+        assert_eq!(resp.retry_after_ms, 0, "wrong credentials are final");
         assert!(resp.config.is_none(), "no config for a rejected node");
         assert!(matches!(closed(&tx)[0].1, CloseReason::RegisterRejected(_)));
-        assert!(events.is_empty());
+        assert!(
+            matches!(events.as_slice(), [EdgeEvent::RegisterRejected { reason, log: true, .. }] if *reason == why),
+            "{events:?}"
+        );
     }
     assert_eq!(h.edge.nodes()[0].state, NodeState::Offline);
 }

@@ -33,7 +33,7 @@ impl Pair {
         config.adapter_types = vec!["mock".into(), "openai_compat".into()];
         self.node = NodeSession::new(config);
         self.edge
-            .handle_connection_opened(self.now, conn)
+            .handle_connection_opened(self.now, conn, iop_proto_core::Peer::default())
             .expect("new conn");
         self.node.handle_connected(self.now).expect("connecting");
         let _ = writeln!(self.out, "{} -- connection {} opened", self.now, conn.0);

@@ -76,6 +76,7 @@ impl H {
             node_id: "n1".into(),
             config: Some(payload(1, adapters)),
             heartbeat_interval_ms: 1000,
+            retry_after_ms: 0,
         }));
     }
 
@@ -179,6 +180,39 @@ fn rejected_register_is_fatal_and_ready_false_is_retryable() {
             .expect("failure")
             .is_fatal()
     );
+}
+
+#[test]
+fn a_temporary_rejection_is_retried_and_an_unasked_ready_false_says_why() {
+    let mut h = H::new();
+    h.s.handle_connected(h.t()).expect("connecting");
+    h.rx(Body::RegisterResponse(RegisterResponse {
+        accepted: false,
+        reason: "authentication failed".into(),
+        retry_after_ms: 4000,
+        ..Default::default()
+    }));
+    let failure = h.s.end().and_then(SessionEnd::failure).expect("failure");
+    assert!(!failure.is_fatal(), "{failure}");
+    assert!(matches!(failure, Failure::Deferred { retry_after, .. }
+        if retry_after == std::time::Duration::from_secs(4)));
+
+    // A ready node the Edge drops for a newer connection is told why.
+    let mut h = H::new();
+    h.s.handle_connected(h.t()).expect("connecting");
+    h.accept(vec![]);
+    h.s.handle_config_applied(h.t(), Ok(()))
+        .expect("configuring");
+    h.rx(Body::NodeReadyResponse(NodeReadyResponse {
+        ready: true,
+        reason: String::new(),
+    }));
+    assert_eq!(h.s.state(), SessionState::Ready);
+    h.rx(Body::NodeReadyResponse(NodeReadyResponse {
+        ready: false,
+        reason: "superseded: a newer connection registered this node id".into(),
+    }));
+    assert!(matches!(h.s.end(), Some(SessionEnd::ReadyRefused(why)) if why.contains("superseded")));
 }
 
 #[test]

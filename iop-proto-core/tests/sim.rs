@@ -41,7 +41,7 @@ fn every_seed_keeps_every_invariant() {
     }
     let started = Instant::now();
     let mut simulated = std::time::Duration::ZERO;
-    let (mut requests, mut completed, mut frames, mut unsupported) = (0, 0, 0, 0);
+    let (mut requests, mut completed, mut frames, mut unsupported, mut conflicts) = (0, 0, 0, 0, 0);
     for seed in 0..seeds() {
         let ops = sim::generate(seed, OPS_PER_SEED);
         match sim::run(seed, &ops, SimOptions::default()) {
@@ -51,6 +51,7 @@ fn every_seed_keeps_every_invariant() {
                 completed += stats.completed;
                 frames += stats.frames;
                 unsupported += stats.unsupported;
+                conflicts += stats.conflicts;
             }
             Err(failure) => panic!("{failure}"),
         }
@@ -58,7 +59,8 @@ fn every_seed_keeps_every_invariant() {
     let real = started.elapsed();
     println!(
         "simulated {:.0} s in {:.1} s real ({:.0}x), {requests} requests ({completed} completed, \
-         {unsupported} left without a tunnel by a reload), {frames} frames",
+         {unsupported} left without a tunnel by a reload), {frames} frames, {conflicts} node-id \
+         conflicts",
         simulated.as_secs_f64(),
         real.as_secs_f64(),
         simulated.as_secs_f64() / real.as_secs_f64()

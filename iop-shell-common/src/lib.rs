@@ -5,8 +5,10 @@
 //! - [`config`]: reading a TOML file, errors naming the file or the key.
 //! - [`logging`]: `tracing` to stderr as text or JSON lines.
 //! - [`process`]: the runtime and the shutdown signals of a binary.
+//! - [`tls`]: PEM files, certificate fingerprints and names, server configurations.
 
 pub mod clock;
 pub mod config;
 pub mod logging;
 pub mod process;
+pub mod tls;

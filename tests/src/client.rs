@@ -188,27 +188,104 @@ pub struct Cluster {
     pub edge: Proc,
     /// The edge's config file.
     pub edge_config: std::path::PathBuf,
+    /// SHA-256 fingerprint of the Edge's node-link certificate (`None`: plaintext link).
+    pub fingerprint: Option<String>,
     body: String,
     extra_head: String,
 }
 
+/// Node listener security of a test cluster.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Link {
+    /// TLS with a self-signed certificate made by `iop-edge gen-cert`; nodes pin it.
+    Tls,
+    /// `listen.nodes_plaintext = true`; nodes set `edge_tls.plaintext = true`.
+    Plaintext,
+}
+
+/// Runs `iop-edge gen-cert` into `dir` and returns the printed fingerprint.
+pub fn gen_cert(dir: &TempDir, stem: &str, names: &[&str], extra: &[&str]) -> String {
+    let cert = dir.path().join(format!("{stem}.pem"));
+    let key = dir.path().join(format!("{stem}-key.pem"));
+    let mut args: Vec<String> = vec![
+        "gen-cert".into(),
+        "--cert".into(),
+        cert.to_string_lossy().into_owned(),
+        "--key".into(),
+        key.to_string_lossy().into_owned(),
+    ];
+    for name in names {
+        args.push("--name".into());
+        args.push((*name).to_owned());
+    }
+    args.extend(extra.iter().map(|a| (*a).to_owned()));
+    let out = std::process::Command::new(crate::binary("iop-edge"))
+        .args(&args)
+        .output()
+        .expect("gen-cert runs");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "gen-cert failed: {stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("SHA-256 fingerprint: "))
+        .expect("gen-cert prints the fingerprint")
+        .trim()
+        .to_owned()
+}
+
 impl Cluster {
-    /// The edge config text for `body` (nodes and models) and `head` (extra sections).
+    /// The edge config text for `body` (nodes and models) and `head` (extra sections),
+    /// with a TLS node listener using `edge-cert.pem` beside the config file.
     #[must_use]
     pub fn edge_toml(http_port: u16, node_port: u16, head: &str, body: &str) -> String {
+        Self::edge_toml_with(Link::Tls, http_port, node_port, head, body)
+    }
+
+    /// [`Cluster::edge_toml`] with a chosen node link.
+    #[must_use]
+    pub fn edge_toml_with(
+        link: Link,
+        http_port: u16,
+        node_port: u16,
+        head: &str,
+        body: &str,
+    ) -> String {
+        let link = match link {
+            Link::Tls => {
+                "[listen.nodes_tls]\ncert_file = \"edge-cert.pem\"\nkey_file = \"edge-cert-key.pem\"\n"
+            }
+            Link::Plaintext => "",
+        };
+        let plaintext = if link.is_empty() {
+            "nodes_plaintext = true\n"
+        } else {
+            ""
+        };
         format!(
-            "[listen]\nhttp = \"127.0.0.1:{http_port}\"\nnodes = \"127.0.0.1:{node_port}\"\n\n\
+            "[listen]\nhttp = \"127.0.0.1:{http_port}\"\nnodes = \"127.0.0.1:{node_port}\"\n{plaintext}{link}\n\
              [heartbeat]\ninterval_ms = {HEARTBEAT_MS}\ntimeout_ms = {HEARTBEAT_TIMEOUT_MS}\n\n\
              [timeouts]\nregister_ms = 2000\nrefresh_ms = 2000\ncancel_grace_ms = 2000\nresponse_sec = 30\n\n\
              {head}\n\n{body}\n"
         )
     }
 
-    /// Starts an Edge with `head` (extra sections such as `[queue]`) and `body`.
+    /// Starts an Edge with `head` (extra sections such as `[queue]`) and `body`, with a
+    /// TLS node link whose certificate the nodes pin.
     pub fn start(head: &str, body: &str) -> Self {
+        Self::start_with(Link::Tls, head, body)
+    }
+
+    /// [`Cluster::start`] with a chosen node link.
+    pub fn start_with(link: Link, head: &str, body: &str) -> Self {
         let dir = TempDir::new("cluster");
+        let fingerprint = (link == Link::Tls)
+            .then(|| gen_cert(&dir, "edge-cert", &["localhost", "127.0.0.1"], &[]));
         let (http_port, node_port) = (free_port(), free_port());
-        let text = Self::edge_toml(http_port, node_port, head, body);
+        let text = Self::edge_toml_with(link, http_port, node_port, head, body);
         let edge_config = dir.write("edge.toml", &text);
         let path = edge_config.to_string_lossy().into_owned();
         let edge = Proc::start("iop-edge", &["--config", &path], &dir, "edge", &[]);
@@ -218,6 +295,7 @@ impl Cluster {
             node_port,
             edge,
             edge_config,
+            fingerprint,
             body: body.to_owned(),
             extra_head: head.to_owned(),
         };
@@ -251,10 +329,16 @@ impl Cluster {
         }));
     }
 
-    /// Rewrites the edge config with a new body (and the same head).
+    /// Rewrites the edge config with a new body (and the same head and link).
     pub fn rewrite(&mut self, body: &str) {
         self.body = body.to_owned();
-        let text = Self::edge_toml(self.http_port, self.node_port, &self.extra_head, body);
+        let link = if self.fingerprint.is_some() {
+            Link::Tls
+        } else {
+            Link::Plaintext
+        };
+        let text =
+            Self::edge_toml_with(link, self.http_port, self.node_port, &self.extra_head, body);
         std::fs::write(&self.edge_config, text).expect("rewrite config");
     }
 
@@ -263,11 +347,15 @@ impl Cluster {
         std::fs::write(&self.edge_config, text).expect("rewrite config");
     }
 
-    /// The node config text.
+    /// The node config text: the Edge pinned by its fingerprint (or a plaintext link).
     #[must_use]
     pub fn node_toml(&self, node_id: &str, token: &str, reconnect: &str) -> String {
+        let (pin, plaintext) = match &self.fingerprint {
+            Some(fp) => (format!("edge_cert_sha256 = \"{fp}\"\n"), ""),
+            None => (String::new(), "\n[edge_tls]\nplaintext = true\n"),
+        };
         format!(
-            "node_id = \"{node_id}\"\nedge_addr = \"127.0.0.1:{}\"\ntoken = \"{token}\"\n\n[reconnect]\n{reconnect}\n\n[timeouts]\nconnect_sec = 1\nhandshake_sec = 3\nshutdown_grace_sec = 2\nrequest_sec = 3\n",
+            "node_id = \"{node_id}\"\nedge_addr = \"127.0.0.1:{}\"\ntoken = \"{token}\"\n{pin}\n[reconnect]\n{reconnect}\n\n[timeouts]\nconnect_sec = 1\nhandshake_sec = 3\nshutdown_grace_sec = 2\nrequest_sec = 3\n{plaintext}",
             self.node_port
         )
     }

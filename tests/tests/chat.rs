@@ -13,7 +13,7 @@ fn body(oa: &str, ollama: &str) -> String {
         r#"
 [[nodes]]
 id = "n1"
-token = "tok-1"
+token = "tok-1-long-enough-secret"
 [[nodes.adapters]]
 name = "mock"
 type = "mock"
@@ -72,7 +72,7 @@ providers = [{{ node = "n1", adapter = "ol", target = "llama3:8b" }}]
 /// An Edge serving `body(oa, ollama)` with node n1 running and ready.
 async fn ready_cluster(oa: &str, ollama: &str) -> (Cluster, Proc) {
     let cluster = Cluster::start("", &body(oa, ollama));
-    let node = cluster.node("n1", "tok-1");
+    let node = cluster.node("n1", "tok-1-long-enough-secret");
     cluster.wait_ready("n1").await;
     (cluster, node)
 }
@@ -231,7 +231,7 @@ async fn chat_completions_through_both_shapes_and_embeddings_through_the_tunnel(
     let status = http.get("/v1/status").await;
     let text = String::from_utf8_lossy(&status.body).into_owned();
     for secret in [
-        "tok-1",
+        "tok-1-long-enough-secret",
         "provider-secret",
         "127.0.0.1",
         &oa.addr.port().to_string(),
@@ -384,7 +384,7 @@ async fn errors_use_the_openai_shape_and_fitting_status_codes() {
     .await;
     let head = "[auth]\napi_keys = [\"sk-good\"]\n\n[limits]\nmax_body_bytes = 4096\n";
     let cluster = Cluster::start(head, &body(&oa.url(), &oa.url()));
-    let _node = cluster.node("n1", "tok-1");
+    let _node = cluster.node("n1", "tok-1-long-enough-secret");
     let http = cluster.http().with_key("sk-good");
     // wait_ready uses an unauthenticated client: poll with the key instead.
     let mut ready = false;
@@ -478,7 +478,7 @@ async fn a_client_that_disconnects_mid_stream_cancels_upstream() {
         "token_delay_ms = \"50\"\ntokens = \"200\"",
     );
     let cluster = Cluster::start("", &text);
-    let node = cluster.node("n1", "tok-1");
+    let node = cluster.node("n1", "tok-1-long-enough-secret");
     cluster.wait_ready("n1").await;
     let http = cluster.http();
 
@@ -565,7 +565,7 @@ async fn https_providers_are_reached_through_rustls_with_a_private_ca() {
     cluster.dir.write("ca.pem", &pki.ca_pem);
     let _node = cluster.node_extra(
         "n1",
-        "tok-1",
+        "tok-1-long-enough-secret",
         "max_attempts = 0\ninterval_sec = 0.2",
         "[tls]\nca_file = \"ca.pem\"",
     );
@@ -584,7 +584,7 @@ async fn https_providers_are_reached_through_rustls_with_a_private_ca() {
 
     // Without the CA the certificate is refused and the caller gets a provider error.
     let other = Cluster::start("", &body(&url, &url));
-    let _untrusting = other.node("n1", "tok-1");
+    let _untrusting = other.node("n1", "tok-1-long-enough-secret");
     other.wait_ready("n1").await;
     let r = other
         .http()

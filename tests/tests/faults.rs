@@ -14,7 +14,7 @@ fn body(reply: &str, delay_ms: u32) -> String {
         r#"
 [[nodes]]
 id = "n1"
-token = "tok-1"
+token = "tok-1-long-enough-secret"
 [[nodes.adapters]]
 name = "mock"
 type = "mock"
@@ -56,7 +56,7 @@ fn stream_failed(events: &[String]) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_killed_mid_stream_ends_the_stream_with_an_error_and_a_restart_serves_again() {
     let cluster = Cluster::start("", &body("one two", 50));
-    let mut node = cluster.node("n1", "tok-1");
+    let mut node = cluster.node("n1", "tok-1-long-enough-secret");
     cluster.wait_ready("n1").await;
     let mut s = cluster
         .http()
@@ -95,7 +95,7 @@ async fn node_killed_mid_stream_ends_the_stream_with_an_error_and_a_restart_serv
     ] {
         assert_eq!(p[key], 0, "{key}: {p}");
     }
-    let _again = cluster.node("n1", "tok-1");
+    let _again = cluster.node("n1", "tok-1-long-enough-secret");
     cluster.wait_ready("n1").await;
     assert!(reply_text(&cluster).await.starts_with("one two"));
     assert_eq!(cluster.provider("n1", "mock").await["in_flight"], 0);
@@ -104,7 +104,7 @@ async fn node_killed_mid_stream_ends_the_stream_with_an_error_and_a_restart_serv
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_node_is_fenced_and_its_old_connection_changes_nothing() {
     let cluster = Cluster::start("", &body("hi", 1));
-    let node = cluster.node("n1", "tok-1");
+    let node = cluster.node("n1", "tok-1-long-enough-secret");
     cluster.wait_ready("n1").await;
     let generation = cluster.http().status().await["nodes"][0]["generation"]
         .as_u64()
@@ -139,7 +139,7 @@ async fn a_frozen_node_is_fenced_and_its_old_connection_changes_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_edge_restart_ends_in_flight_requests_and_the_node_reconnects() {
     let mut cluster = Cluster::start("", &body("one", 50));
-    let _node = cluster.node("n1", "tok-1");
+    let _node = cluster.node("n1", "tok-1-long-enough-secret");
     cluster.wait_ready("n1").await;
     let mut s = cluster
         .http()
@@ -169,17 +169,21 @@ async fn an_edge_restart_ends_in_flight_requests_and_the_node_reconnects() {
 async fn credentials_exhaustion_and_signals_decide_the_exit_code() {
     let cluster = Cluster::start("", &body("hi", 1));
     // A wrong token: exit 1 at once, no retry.
-    let mut bad = cluster.node_with("n1", "wrong", "max_attempts = 0\ninterval_sec = 0.2");
+    let mut bad = cluster.node_with(
+        "n1",
+        "wrong-token-of-enough-length",
+        "max_attempts = 0\ninterval_sec = 0.2",
+    );
     let status = bad.wait_exit(Duration::from_secs(10)).expect("exits");
     assert_eq!(status.code(), Some(1));
     let log = bad.log();
     assert_eq!(log.matches("dialing the edge").count(), 1, "{log}");
-    assert!(log.contains("invalid token"), "{log}");
+    assert!(log.contains("authentication failed"), "{log}");
 
     // Exhaustion against a closed port: exactly max_attempts dials, then exit 1.
     let dir = iop_blackbox::TempDir::new("exhaust");
     let text = format!(
-        "node_id = \"n1\"\nedge_addr = \"127.0.0.1:{}\"\ntoken = \"t\"\n[reconnect]\nmax_attempts = 3\ninterval_sec = 0.1\n",
+        "node_id = \"n1\"\nedge_addr = \"127.0.0.1:{}\"\ntoken = \"exhaust-token-0123456\"\n[reconnect]\nmax_attempts = 3\ninterval_sec = 0.1\n",
         free_port()
     );
     let path = dir.write("node.toml", &text).to_string_lossy().into_owned();
@@ -195,7 +199,7 @@ async fn credentials_exhaustion_and_signals_decide_the_exit_code() {
     assert!(log.contains("exhausted"), "{log}");
 
     // SIGTERM: exit 0.
-    let mut good = cluster.node("n1", "tok-1");
+    let mut good = cluster.node("n1", "tok-1-long-enough-secret");
     cluster.wait_ready("n1").await;
     good.signal("TERM");
     assert_eq!(
@@ -221,7 +225,7 @@ async fn credentials_exhaustion_and_signals_decide_the_exit_code() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_refreshes_nodes_and_an_invalid_file_changes_nothing() {
     let mut cluster = Cluster::start("", &body("before", 1));
-    let _node = cluster.node("n1", "tok-1");
+    let _node = cluster.node("n1", "tok-1-long-enough-secret");
     cluster.wait_ready("n1").await;
     assert!(reply_text(&cluster).await.starts_with("before"));
 
@@ -288,7 +292,7 @@ fn closed_by_peer(stream: &mut TcpStream) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_raw_tcp_clients_are_closed_and_everyone_else_is_served() {
     let cluster = Cluster::start("", &body("fine", 1));
-    let _node = cluster.node("n1", "tok-1");
+    let _node = cluster.node("n1", "tok-1-long-enough-secret");
     cluster.wait_ready("n1").await;
     let addr = ("127.0.0.1", cluster.node_port);
 

@@ -9,7 +9,7 @@ use serde_json::json;
 const BODY: &str = r#"
 [[nodes]]
 id = "n1"
-token = "tok-1"
+token = "tok-1-long-enough-secret"
 [[nodes.adapters]]
 name = "mock"
 type = "mock"
@@ -28,7 +28,7 @@ providers = [{ node = "n1", adapter = "mock", target = "m" }]
 async fn beyond_capacity_requests_queue_fifo_expire_and_overflow() {
     // One slot, each request holds it ~0.8 s; two may wait, for at most 1.2 s.
     let cluster = Cluster::start("[queue]\nmax_waiting = 2\nwait_timeout_ms = 1200\n", BODY);
-    let _node = cluster.node("n1", "tok-1");
+    let _node = cluster.node("n1", "tok-1-long-enough-secret");
     cluster.wait_ready("n1").await;
     let http = cluster.http();
     let ask = json!({"model": "slow", "messages": [{"role": "user", "content": "x"}]});

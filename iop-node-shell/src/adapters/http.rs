@@ -7,7 +7,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Method, Request, Uri};
 use http_body_util::Full;
-use hyper::body::Incoming;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -136,13 +135,13 @@ pub fn request(
         .map_err(|err| format!("cannot build request: {err}"))
 }
 
-/// Response headers as wire headers.
+/// The response headers a tunnel may carry back (see
+/// [`iop_proto_core::tunnel::FORWARDED_RESPONSE_HEADERS`]), as wire headers.
 #[must_use]
-pub fn wire_headers(response: &http::Response<Incoming>) -> Vec<Header> {
-    response
-        .headers()
+pub fn wire_headers(headers: &http::HeaderMap) -> Vec<Header> {
+    headers
         .iter()
-        .filter(|(name, _)| forwardable(name.as_str()))
+        .filter(|(name, _)| iop_proto_core::tunnel::forwards_response_header(name.as_str()))
         .map(|(name, value)| Header {
             name: name.as_str().to_owned(),
             value: Bytes::copy_from_slice(value.as_bytes()),

@@ -187,7 +187,7 @@ impl OpenAi {
         if !sink
             .tunnel(TunnelOutput::Status {
                 status,
-                headers: wire_headers(&response),
+                headers: wire_headers(response.headers()),
             })
             .await
         {
@@ -205,13 +205,7 @@ impl OpenAi {
                 }
                 Err(frame) => {
                     if let Ok(trailers) = frame.into_trailers() {
-                        let headers = trailers
-                            .iter()
-                            .map(|(name, value)| Header {
-                                name: name.as_str().to_owned(),
-                                value: Bytes::copy_from_slice(value.as_bytes()),
-                            })
-                            .collect();
+                        let headers = wire_headers(&trailers);
                         let _ = sink.tunnel(TunnelOutput::Trailers(headers)).await;
                     }
                 }

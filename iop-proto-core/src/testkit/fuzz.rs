@@ -200,7 +200,11 @@ pub fn edge_core(data: &[u8]) {
             0 => {
                 if !open[conn] {
                     open[conn] = edge
-                        .handle_connection_opened(t, ConnId(conn as u64))
+                        .handle_connection_opened(
+                            t,
+                            ConnId(conn as u64),
+                            crate::edge::Peer::default(),
+                        )
                         .is_ok();
                 }
             }

@@ -196,6 +196,8 @@ pub struct Stats {
     pub unsupported: u64,
     /// Frames carried by the links.
     pub frames: u64,
+    /// Node ids that became a conflict (impostors fighting the real node).
+    pub conflicts: u64,
 }
 
 /// A violated invariant, with what is needed to replay it.
@@ -275,7 +277,7 @@ pub fn world_config(rev: u32) -> EdgeConfig {
         nodes.insert(
             format!("n{n}"),
             NodeSpec {
-                token: TokenVerifier::Plain(TOKEN.as_bytes().to_vec()),
+                token: TokenVerifier::from_secret(TOKEN.as_bytes()),
                 adapters: vec![adapter("run", AdapterType::Mock, 2, 1, rev), tun],
                 runtime: NodeRuntimeConfig::default(),
             },
@@ -319,6 +321,17 @@ pub fn world_config(rev: u32) -> EdgeConfig {
         queue: QueueLimits {
             max_waiting: 6,
             wait_timeout: Duration::from_millis(1500),
+        },
+        // Conflict timers scaled like the others: impostors fight over node ids for a
+        // few seconds, and a held-off node must be back soon after its rival dies.
+        admission: crate::edge_config::Admission {
+            conflict: crate::guard::ConflictLimits {
+                supersedes: 3,
+                window: Duration::from_millis(2000),
+                hold_down: Duration::from_millis(3000),
+                retry_after: Duration::from_millis(500),
+            },
+            ..crate::edge_config::Admission::default()
         },
     }
 }
@@ -663,6 +676,17 @@ impl World {
                         lost.len()
                     )
                 });
+            }
+            EdgeEvent::NodeConflict { node_id, .. } => {
+                self.stats.conflicts += 1;
+                check!(
+                    self,
+                    self.procs
+                        .iter()
+                        .any(|p| p.impostor && *p.node_id == *node_id),
+                    "node {node_id} in conflict without an impostor"
+                );
+                self.log(|| format!("node {node_id} in conflict"));
             }
             other => self.log(|| format!("edge event {other:?}")),
         }
@@ -1137,7 +1161,9 @@ impl World {
                     last_to_edge: now,
                 },
             );
-            let _ = self.edge.handle_connection_opened(now, conn);
+            let _ = self
+                .edge
+                .handle_connection_opened(now, conn, crate::edge::Peer::default());
             self.drain_edge();
             let id = self.procs[i].node_id.clone();
             self.log(|| format!("{id} (proc {i}) connected on conn {}", conn.0));

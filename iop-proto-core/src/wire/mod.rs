@@ -25,7 +25,10 @@ pub use codec::{
     encode_with_limit, encoded_frame_len,
 };
 pub use generated::*;
-pub use validate::{OLLAMA_API_ENDPOINTS, Validate, ValidationError};
+pub use validate::{
+    MAX_NODE_ID_BYTES, MAX_REGISTER_ENTRIES, MAX_TOKEN_BYTES, OLLAMA_API_ENDPOINTS, Validate,
+    ValidationError,
+};
 
 /// The variant carried by an [`Envelope`].
 pub use generated::envelope::Body;

@@ -99,7 +99,25 @@ pub enum ValidationError {
         /// The repeated instance name.
         name: String,
     },
+    /// A field of an unauthenticated message is larger than any legitimate value.
+    #[error("{message}.{field} is longer than {limit}")]
+    TooLong {
+        /// Message name.
+        message: &'static str,
+        /// Field name.
+        field: &'static str,
+        /// The largest accepted size (bytes, or entries for a list or map).
+        limit: usize,
+    },
 }
+
+/// Longest `RegisterRequest.node_id`, in bytes.
+pub const MAX_NODE_ID_BYTES: usize = 256;
+/// Longest `RegisterRequest.token`, in bytes.
+pub const MAX_TOKEN_BYTES: usize = 4096;
+/// Most `RegisterRequest.labels` and `adapter_types` entries; each key and value is at
+/// most [`MAX_NODE_ID_BYTES`].
+pub const MAX_REGISTER_ENTRIES: usize = 64;
 
 /// Contract validation of a decoded message.
 pub trait Validate {
@@ -174,8 +192,44 @@ impl Validate for Body {
 }
 
 impl Validate for RegisterRequest {
+    /// Besides a node id, bounds every field: the message arrives before the peer is
+    /// authenticated.
     fn validate(&self) -> Result<(), ValidationError> {
-        non_empty(&self.node_id, "RegisterRequest", "node_id")
+        const M: &str = "RegisterRequest";
+        let too_long = |field, limit| {
+            Err(ValidationError::TooLong {
+                message: M,
+                field,
+                limit,
+            })
+        };
+        non_empty(&self.node_id, M, "node_id")?;
+        if self.node_id.len() > MAX_NODE_ID_BYTES {
+            return too_long("node_id", MAX_NODE_ID_BYTES);
+        }
+        if self.token.len() > MAX_TOKEN_BYTES {
+            return too_long("token", MAX_TOKEN_BYTES);
+        }
+        if self.version.len() > MAX_NODE_ID_BYTES {
+            return too_long("version", MAX_NODE_ID_BYTES);
+        }
+        if self.labels.len() > MAX_REGISTER_ENTRIES
+            || self
+                .labels
+                .iter()
+                .any(|(k, v)| k.len() > MAX_NODE_ID_BYTES || v.len() > MAX_NODE_ID_BYTES)
+        {
+            return too_long("labels", MAX_REGISTER_ENTRIES);
+        }
+        if self.adapter_types.len() > MAX_REGISTER_ENTRIES
+            || self
+                .adapter_types
+                .iter()
+                .any(|t| t.len() > MAX_NODE_ID_BYTES)
+        {
+            return too_long("adapter_types", MAX_REGISTER_ENTRIES);
+        }
+        Ok(())
     }
 }
 

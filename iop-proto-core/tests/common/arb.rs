@@ -127,16 +127,18 @@ pub fn body() -> impl Strategy<Value = Body> {
             text(),
             text(),
             option::of(config_payload()),
+            any::<u32>(),
             any::<u32>()
         )
             .prop_map(
-                |(accepted, reason, node_id, config, heartbeat_interval_ms)| {
+                |(accepted, reason, node_id, config, heartbeat_interval_ms, retry_after_ms)| {
                     Body::RegisterResponse(RegisterResponse {
                         accepted,
                         reason,
                         node_id,
                         config,
                         heartbeat_interval_ms,
+                        retry_after_ms,
                     })
                 }
             ),

@@ -22,7 +22,7 @@ pub fn adapter(name: &str, kind: AdapterType, capacity: u32, long: u32) -> Adapt
 
 pub fn node(adapters: Vec<AdapterConfig>) -> NodeSpec {
     NodeSpec {
-        token: TokenVerifier::Plain(TOKEN.as_bytes().to_vec()),
+        token: TokenVerifier::from_secret(TOKEN.as_bytes()),
         adapters,
         runtime: NodeRuntimeConfig::default(),
     }
@@ -103,10 +103,15 @@ impl Harness {
     }
 
     pub fn open(&mut self) -> ConnId {
+        self.open_from(Peer::default())
+    }
+
+    /// Opens a connection whose transport reported `peer`.
+    pub fn open_from(&mut self, peer: Peer) -> ConnId {
         let conn = ConnId(self.next_conn);
         self.next_conn += 1;
         self.edge
-            .handle_connection_opened(self.now, conn)
+            .handle_connection_opened(self.now, conn, peer)
             .expect("new conn");
         conn
     }

@@ -88,7 +88,7 @@ async fn main() {
         r#"
 [[nodes]]
 id = "n1"
-token = "load"
+token = "load-test-token-0123"
 [[nodes.adapters]]
 name = "oa"
 type = "openai_compat"
@@ -114,7 +114,7 @@ providers = [{{ node = "n1", adapter = "mock", target = "m" }}]
         provider.url()
     );
     let cluster = Cluster::start("[queue]\nmax_waiting = 4096\n", &body);
-    let _node = cluster.node("n1", "load");
+    let _node = cluster.node("n1", "load-test-token-0123");
     cluster.wait_ready("n1").await;
     let ask = |model: &str| json!({"model": model, "messages": [{"role": "user", "content": "Say something."}]});
 

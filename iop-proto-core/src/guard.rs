@@ -1,0 +1,383 @@
+//! Registration abuse guards, plain accounting driven by timestamps:
+//!
+//! - [`AuthThrottle`]: per-source failed-registration counts and an exponential back-off.
+//!   A source that fails more than [`ThrottleLimits::free_failures`] times without a quiet
+//!   [`ThrottleLimits::window`] is blocked, for twice as long with each further failure up
+//!   to [`ThrottleLimits::max_block`]. While blocked, its registrations are refused without
+//!   looking at the credentials, so guessing gains nothing. It also decides which failures
+//!   are worth a log line (the 1st, 2nd, 4th, 8th… of a source), so an attack writes a
+//!   handful of lines instead of one per attempt.
+//! - [`FlapGuard`]: one node id that two live connections keep taking from each other.
+//!   [`ConflictLimits::supersedes`] supersedes within [`ConflictLimits::window`] make it a
+//!   *conflict*: the current owner keeps the node and newcomers are held off for
+//!   [`ConflictLimits::hold_down`], renewed by every refused newcomer, so the conflict
+//!   stays visible for as long as both nodes run.
+//!
+//! Both are bounded: the throttle tracks at most [`ThrottleLimits::max_sources`] sources
+//! (forgetting quiet ones first, then the oldest), and a flap guard keeps at most
+//! `supersedes` timestamps.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::IpAddr;
+use std::time::Duration;
+
+use crate::time::Timestamp;
+
+/// Where registrations come from, as the throttle counts them: an IPv4 address, or the
+/// /64 prefix of an IPv6 address (one host usually owns a whole /64).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Source {
+    /// An IPv4 address (or an IPv4-mapped IPv6 one).
+    V4([u8; 4]),
+    /// The first 64 bits of an IPv6 address.
+    V6Prefix([u8; 8]),
+    /// The transport gave no address; all such connections share one budget.
+    Unknown,
+}
+
+impl Source {
+    /// The source of a connection from `addr`.
+    #[must_use]
+    pub fn of(addr: Option<IpAddr>) -> Self {
+        match addr {
+            None => Source::Unknown,
+            Some(IpAddr::V4(v4)) => Source::V4(v4.octets()),
+            Some(IpAddr::V6(v6)) => match v6.to_ipv4_mapped() {
+                Some(v4) => Source::V4(v4.octets()),
+                None => {
+                    let mut prefix = [0u8; 8];
+                    prefix.copy_from_slice(&v6.octets()[..8]);
+                    Source::V6Prefix(prefix)
+                }
+            },
+        }
+    }
+}
+
+/// Limits of the failed-registration back-off.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ThrottleLimits {
+    /// Failures a source may make before it is blocked.
+    pub free_failures: u32,
+    /// Quiet time after which a source's failures are forgotten.
+    pub window: Duration,
+    /// The first block; each further failure doubles it.
+    pub base_block: Duration,
+    /// The longest block.
+    pub max_block: Duration,
+    /// Sources tracked at once.
+    pub max_sources: usize,
+}
+
+impl Default for ThrottleLimits {
+    fn default() -> Self {
+        ThrottleLimits {
+            free_failures: 5,
+            window: Duration::from_secs(60),
+            base_block: Duration::from_secs(1),
+            max_block: Duration::from_secs(60),
+            max_sources: 4096,
+        }
+    }
+}
+
+/// What a recorded failure means.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FailureRecord {
+    /// Failures of this source since it was last quiet for a whole window.
+    pub failures: u32,
+    /// The block this failure started or extended, if any.
+    pub blocked_for: Option<Duration>,
+    /// Whether this failure is worth a log line.
+    pub log: bool,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Entry {
+    failures: u32,
+    last_failure: Timestamp,
+    blocked_until: Timestamp,
+}
+
+/// Per-source failed-registration back-off. See the [module documentation](self).
+#[derive(Debug)]
+pub struct AuthThrottle {
+    limits: ThrottleLimits,
+    entries: HashMap<Source, Entry>,
+}
+
+impl AuthThrottle {
+    /// A throttle with `limits`.
+    #[must_use]
+    pub fn new(limits: ThrottleLimits) -> Self {
+        AuthThrottle {
+            limits,
+            entries: HashMap::new(),
+        }
+    }
+
+    /// Replaces the limits (on reload); what was counted stays.
+    pub fn set_limits(&mut self, limits: ThrottleLimits) {
+        self.limits = limits;
+    }
+
+    /// Sources currently tracked.
+    #[must_use]
+    pub fn tracked(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// How long `source` stays blocked from `now`, if it is.
+    #[must_use]
+    pub fn blocked(&self, now: Timestamp, source: Source) -> Option<Duration> {
+        let entry = self.entries.get(&source)?;
+        (entry.blocked_until > now).then(|| entry.blocked_until.saturating_duration_since(now))
+    }
+
+    /// Counts a failed registration (also one refused while blocked) of `source`.
+    pub fn record_failure(&mut self, now: Timestamp, source: Source) -> FailureRecord {
+        if !self.entries.contains_key(&source) {
+            self.make_room(now);
+        }
+        let limits = self.limits;
+        let entry = self.entries.entry(source).or_insert(Entry {
+            failures: 0,
+            last_failure: now,
+            blocked_until: Timestamp::ZERO,
+        });
+        if entry.blocked_until <= now && now >= entry.last_failure + limits.window {
+            entry.failures = 0;
+        }
+        entry.failures = entry.failures.saturating_add(1);
+        entry.last_failure = now;
+        let over = entry.failures.saturating_sub(limits.free_failures);
+        let blocked_for = (over > 0).then(|| {
+            let block = limits
+                .base_block
+                .saturating_mul(1u32 << (over - 1).min(30))
+                .min(limits.max_block);
+            entry.blocked_until = entry.blocked_until.max(now + block);
+            block
+        });
+        FailureRecord {
+            failures: entry.failures,
+            blocked_for,
+            log: entry.failures.is_power_of_two() || over == 1,
+        }
+    }
+
+    /// A registration from `source` succeeded: its failures are forgotten.
+    pub fn record_success(&mut self, source: Source) {
+        self.entries.remove(&source);
+    }
+
+    /// Keeps the table below its bound: forget sources that are neither blocked nor
+    /// recently failing, and if none is, the one that failed longest ago.
+    fn make_room(&mut self, now: Timestamp) {
+        if self.entries.len() < self.limits.max_sources.max(1) {
+            return;
+        }
+        let window = self.limits.window;
+        self.entries
+            .retain(|_, e| e.blocked_until > now || now < e.last_failure + window);
+        if self.entries.len() >= self.limits.max_sources.max(1)
+            && let Some(oldest) = self
+                .entries
+                .iter()
+                .min_by_key(|(_, e)| e.last_failure)
+                .map(|(source, _)| *source)
+        {
+            self.entries.remove(&oldest);
+        }
+    }
+}
+
+/// Limits of node-id flap detection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConflictLimits {
+    /// Supersedes within `window` that make a conflict.
+    pub supersedes: u32,
+    /// See `supersedes`.
+    pub window: Duration,
+    /// How long newcomers are held off after the conflict is detected or a newcomer was
+    /// last refused.
+    pub hold_down: Duration,
+    /// When a refused newcomer is told to come back: shorter than `hold_down`, so one
+    /// that keeps coming back keeps the conflict visible instead of winning when the
+    /// hold-down ends, and one whose rival died gets in soon after.
+    pub retry_after: Duration,
+}
+
+impl Default for ConflictLimits {
+    fn default() -> Self {
+        ConflictLimits {
+            supersedes: 3,
+            window: Duration::from_secs(30),
+            hold_down: Duration::from_secs(60),
+            retry_after: Duration::from_secs(5),
+        }
+    }
+}
+
+/// What to do with an authenticated register for a node that already has an owner.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Contest {
+    /// The newcomer takes the node (the usual reconnect of a restarted node).
+    Supersede,
+    /// The newcomer takes the node, and that makes the node id a conflict from now on.
+    SupersedeAndHold,
+    /// The node id is in conflict: the newcomer is refused and should retry after
+    /// `retry_after`.
+    HoldOff {
+        /// When the newcomer may try again.
+        retry_after: Duration,
+        /// Whether this refusal is worth a log line (the 1st, 2nd, 4th… of a conflict).
+        log: bool,
+    },
+}
+
+/// Flap detection for one node id. See the [module documentation](self).
+#[derive(Clone, Debug, Default)]
+pub struct FlapGuard {
+    recent: VecDeque<Timestamp>,
+    hold_until: Option<Timestamp>,
+    refused: u32,
+}
+
+impl FlapGuard {
+    /// Whether the node id is in conflict at `now`.
+    #[must_use]
+    pub fn in_conflict(&self, now: Timestamp) -> bool {
+        self.hold_until.is_some_and(|until| until > now)
+    }
+
+    /// Decides an authenticated register that would supersede the current owner.
+    pub fn contest(&mut self, now: Timestamp, limits: ConflictLimits) -> Contest {
+        if self.in_conflict(now) {
+            self.hold_until = Some(now + limits.hold_down);
+            self.refused = self.refused.saturating_add(1);
+            return Contest::HoldOff {
+                retry_after: limits.retry_after.min(limits.hold_down),
+                log: self.refused.is_power_of_two(),
+            };
+        }
+        self.hold_until = None;
+        while self
+            .recent
+            .front()
+            .is_some_and(|&at| now >= at + limits.window)
+        {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(now);
+        let threshold = usize::try_from(limits.supersedes.max(1)).unwrap_or(usize::MAX);
+        if self.recent.len() >= threshold {
+            self.recent.clear();
+            self.refused = 0;
+            self.hold_until = Some(now + limits.hold_down);
+            Contest::SupersedeAndHold
+        } else {
+            Contest::Supersede
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(ms: u64) -> Timestamp {
+        Timestamp::from_millis(ms)
+    }
+
+    const A: Source = Source::V4([10, 0, 0, 1]);
+
+    #[test]
+    fn five_failures_are_free_then_blocks_double_up_to_the_cap() {
+        let mut t = AuthThrottle::new(ThrottleLimits::default());
+        for i in 1..=5 {
+            let r = t.record_failure(at(i), A);
+            assert_eq!(r.blocked_for, None, "failure {i}");
+            assert_eq!(t.blocked(at(i), A), None);
+        }
+        let blocks: Vec<u64> = (6..=14)
+            .map(|i| {
+                t.record_failure(at(i), A)
+                    .blocked_for
+                    .expect("blocked")
+                    .as_secs()
+            })
+            .collect();
+        assert_eq!(blocks, [1, 2, 4, 8, 16, 32, 60, 60, 60]);
+        assert!(t.blocked(at(15), A).is_some());
+        assert_eq!(t.blocked(at(15), Source::V4([10, 0, 0, 2])), None);
+    }
+
+    #[test]
+    fn a_quiet_window_forgives_and_a_success_forgets() {
+        let mut t = AuthThrottle::new(ThrottleLimits::default());
+        for i in 0..5 {
+            t.record_failure(at(i), A);
+        }
+        assert_eq!(t.record_failure(at(60_010), A).failures, 1);
+        for i in 0..10 {
+            t.record_failure(at(70_000 + i), A);
+        }
+        assert!(t.blocked(at(70_010), A).is_some());
+        t.record_success(A);
+        assert_eq!(t.blocked(at(70_010), A), None);
+        assert_eq!(t.record_failure(at(70_011), A).failures, 1);
+    }
+
+    #[test]
+    fn log_lines_grow_logarithmically_with_the_failures() {
+        let mut t = AuthThrottle::new(ThrottleLimits::default());
+        let logged = (0..200).filter(|&i| t.record_failure(at(i), A).log).count();
+        // 1, 2, 4, 6 (the block starts), 8, 16, 32, 64, 128.
+        assert_eq!(logged, 9);
+    }
+
+    #[test]
+    fn the_table_stays_bounded() {
+        let limits = ThrottleLimits {
+            max_sources: 16,
+            ..ThrottleLimits::default()
+        };
+        let mut t = AuthThrottle::new(limits);
+        for i in 0..1000u32 {
+            t.record_failure(at(u64::from(i)), Source::V4(i.to_be_bytes()));
+            assert!(t.tracked() <= 16);
+        }
+    }
+
+    #[test]
+    fn ipv6_hosts_count_by_prefix() {
+        let a: IpAddr = "2001:db8:1:2::1".parse().expect("v6");
+        let b: IpAddr = "2001:db8:1:2:ffff::9".parse().expect("v6");
+        let c: IpAddr = "2001:db8:1:3::1".parse().expect("v6");
+        let mapped: IpAddr = "::ffff:10.0.0.1".parse().expect("mapped");
+        assert_eq!(Source::of(Some(a)), Source::of(Some(b)));
+        assert_ne!(Source::of(Some(a)), Source::of(Some(c)));
+        assert_eq!(Source::of(Some(mapped)), A);
+    }
+
+    #[test]
+    fn three_supersedes_in_the_window_make_a_conflict_that_refused_newcomers_renew() {
+        let limits = ConflictLimits::default();
+        let mut g = FlapGuard::default();
+        assert_eq!(g.contest(at(0), limits), Contest::Supersede);
+        assert_eq!(g.contest(at(40_000), limits), Contest::Supersede);
+        assert_eq!(g.contest(at(41_000), limits), Contest::Supersede);
+        assert_eq!(g.contest(at(42_000), limits), Contest::SupersedeAndHold);
+        assert!(g.in_conflict(at(42_001)));
+        let Contest::HoldOff { retry_after, log } = g.contest(at(90_000), limits) else {
+            panic!("held off");
+        };
+        assert!(retry_after < limits.hold_down);
+        assert!(log, "the first refusal is logged");
+        // The refused newcomer renewed the hold: still a conflict past the first hold-down.
+        assert!(g.in_conflict(at(120_000)));
+        assert!(!g.in_conflict(at(150_000)));
+        assert_eq!(g.contest(at(150_000), limits), Contest::Supersede);
+    }
+}

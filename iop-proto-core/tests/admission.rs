@@ -1,0 +1,294 @@
+//! Scenario and property tests of node admission in the Edge machine: one uniform
+//! rejection, per-source back-off, client-certificate identity, node-id conflicts,
+//! superseded connections told why, and revoked tokens.
+
+mod common;
+
+use std::net::IpAddr;
+
+use common::edge::*;
+use iop_proto_core::wire::*;
+use iop_proto_core::*;
+use proptest::prelude::*;
+
+fn from(addr: &str) -> Peer {
+    Peer {
+        addr: Some(addr.parse().expect("ip")),
+        ..Peer::default()
+    }
+}
+
+/// The register answer sent to `conn`.
+fn register_answer(tx: &[Transmit], conn: ConnId) -> RegisterResponse {
+    frames_to(tx, conn)
+        .into_iter()
+        .find_map(|b| match b {
+            Body::RegisterResponse(r) => Some(r),
+            _ => None,
+        })
+        .expect("a RegisterResponse")
+}
+
+fn rejections(events: &[EdgeEvent]) -> Vec<(RejectReason, bool)> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            EdgeEvent::RegisterRejected { reason, log, .. } => Some((*reason, *log)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Attempts one register of `node` with `token` from `peer`; returns the answer.
+fn attempt(h: &mut Harness, peer: Peer, node: &str, token: &str) -> RegisterResponse {
+    let conn = h.open_from(peer);
+    h.register_with(conn, node, token);
+    let tx = h.transmits();
+    register_answer(&tx, conn)
+}
+
+#[test]
+fn a_source_that_keeps_failing_backs_off_without_its_credentials_being_checked() {
+    let mut h = Harness::new();
+    let attacker = "203.0.113.7";
+    for i in 0..6 {
+        let answer = attempt(&mut h, from(attacker), "n1", "guess");
+        assert!(!answer.accepted);
+        assert_eq!(answer.reason, AUTH_FAILED, "attempt {i}");
+    }
+    // Blocked now: even the right token is refused, with the same reason and a retry hint.
+    let answer = attempt(&mut h, from(attacker), "n1", TOKEN);
+    assert!(
+        !answer.accepted,
+        "credentials are not checked while backing off"
+    );
+    assert_eq!(answer.reason, AUTH_FAILED);
+    assert!(
+        answer.retry_after_ms > 0,
+        "a throttled peer may come back later"
+    );
+    let events = h.events();
+    assert_eq!(
+        rejections(&events).last(),
+        Some(&(RejectReason::Throttled, false))
+    );
+    // Another address is not affected.
+    assert!(attempt(&mut h, from("198.51.100.1"), "n1", TOKEN).accepted);
+    // After the back-off the right token gets in, and the slate is clean.
+    h.at(u64::from(answer.retry_after_ms) + 1);
+    assert!(attempt(&mut h, from(attacker), "n2", TOKEN).accepted);
+    let again = attempt(&mut h, from(attacker), "n1", "guess");
+    assert_eq!(
+        again.retry_after_ms, 0,
+        "failures were forgotten after a success"
+    );
+}
+
+#[test]
+fn two_hundred_guesses_write_a_handful_of_log_lines() {
+    let mut h = Harness::new();
+    for _ in 0..200 {
+        let answer = attempt(&mut h, from("203.0.113.9"), "n1", "guess");
+        assert_eq!(answer.reason, AUTH_FAILED);
+    }
+    let events = h.events();
+    let rejected = rejections(&events);
+    assert_eq!(rejected.len(), 200, "every refusal is counted");
+    let logged = rejected.iter().filter(|(_, log)| *log).count();
+    assert!(logged <= 10, "{logged} log lines for 200 guesses");
+}
+
+#[test]
+fn with_mutual_tls_a_certificate_only_registers_the_node_it_names() {
+    let mut cfg = config();
+    cfg.admission.require_client_identity = true;
+    let mut h = Harness::with(cfg);
+    let cert_for = |names: &[&str]| Peer {
+        addr: Some("10.1.1.1".parse().expect("ip")),
+        tls: Some("TLSv1.3"),
+        identities: names.iter().map(|n| (*n).to_owned()).collect(),
+    };
+    let answer = attempt(&mut h, cert_for(&["n1"]), "n2", TOKEN);
+    assert!(
+        !answer.accepted,
+        "node A's certificate cannot register node B"
+    );
+    assert_eq!(answer.reason, AUTH_FAILED);
+    assert_eq!(
+        rejections(&h.events()),
+        vec![(RejectReason::IdentityMismatch, true)]
+    );
+    assert!(!attempt(&mut h, Peer::default(), "n1", TOKEN).accepted);
+    let conn = h.open_from(cert_for(&["n1"]));
+    h.register(conn, "n1");
+    h.ready(conn, "n1");
+    let status = &h.edge.nodes()[0];
+    assert_eq!(status.state, NodeState::Ready);
+    assert_eq!(status.tls, Some("TLSv1.3"));
+    assert!(status.client_certificate);
+}
+
+#[test]
+fn two_nodes_sharing_an_id_become_a_conflict_instead_of_flapping() {
+    let mut cfg = config();
+    // Heartbeats far apart: the test node never answers one.
+    cfg.timing.heartbeat_interval = std::time::Duration::from_secs(100);
+    cfg.timing.heartbeat_timeout = std::time::Duration::from_secs(300);
+    let mut h = Harness::with(cfg);
+    let mut owner = h.connect("n1");
+    // Two processes with one id: each reconnect takes the node from the other.
+    let mut supersedes = 0;
+    let conflict = loop {
+        h.at(h.now.as_millis() + 1000);
+        let conn = h.open();
+        h.register(conn, "n1");
+        h.ready(conn, "n1");
+        let (tx, events) = h.drain();
+        // The connection taken over is told why before it is closed.
+        assert!(
+            frames_to(&tx, owner).iter().any(|b| matches!(b,
+                Body::NodeReadyResponse(r) if !r.ready && r.reason.contains("superseded"))),
+            "{tx:?}"
+        );
+        assert!(closed(&tx).contains(&(owner, CloseReason::Superseded)));
+        supersedes += 1;
+        owner = conn;
+        if let Some(e) = events
+            .iter()
+            .find(|e| matches!(e, EdgeEvent::NodeConflict { .. }))
+        {
+            break e.clone();
+        }
+        assert!(supersedes < 10, "no conflict after {supersedes} supersedes");
+    };
+    assert_eq!(supersedes, 3);
+    assert!(matches!(conflict, EdgeEvent::NodeConflict { ref node_id, .. } if &**node_id == "n1"));
+    assert!(h.edge.nodes()[0].conflict);
+    // The next newcomer is held off, told why and when to come back; the owner stays.
+    for _ in 0..5 {
+        h.at(h.now.as_millis() + 20_000);
+        let answer = attempt(&mut h, Peer::default(), "n1", TOKEN);
+        assert!(!answer.accepted);
+        assert!(answer.reason.contains("conflict"), "{}", answer.reason);
+        assert!(answer.retry_after_ms > 0);
+        let events = h.events();
+        assert!(matches!(
+            rejections(&events).as_slice(),
+            [(RejectReason::Conflict, _)]
+        ));
+        assert!(
+            !events
+                .iter()
+                .any(|e| matches!(e, EdgeEvent::NodeConflict { .. }))
+        );
+        assert_eq!(h.edge.owner_of_node("n1"), Some(owner));
+        assert!(
+            h.edge.nodes()[0].conflict,
+            "still a conflict while both run"
+        );
+    }
+    // The duplicate stopped: the conflict clears after the hold-down.
+    h.at(h.now.as_millis() + 61_000);
+    assert!(!h.edge.nodes()[0].conflict);
+    assert_eq!(h.edge.nodes()[0].state, NodeState::Ready);
+}
+
+#[test]
+fn a_changed_token_revokes_the_connection_that_used_the_old_one() {
+    let mut h = Harness::new();
+    let conn = h.connect("n1");
+    let mut cfg = h.edge.config().clone();
+    cfg.nodes.get_mut("n1").expect("n1").token = TokenVerifier::from_secret(b"rotated-token");
+    let diff = h.edge.handle_config(h.now, cfg).expect("valid");
+    assert_eq!(diff.changed_tokens, vec!["n1".to_owned()]);
+    let (tx, events) = h.drain();
+    assert!(closed(&tx).contains(&(conn, CloseReason::CredentialsChanged)));
+    assert!(matches!(
+        events.as_slice(),
+        [EdgeEvent::NodeDisconnected {
+            reason: CloseReason::CredentialsChanged,
+            ..
+        }]
+    ));
+    assert!(!attempt(&mut h, Peer::default(), "n1", TOKEN).accepted);
+    assert!(attempt(&mut h, Peer::default(), "n1", "rotated-token").accepted);
+}
+
+#[test]
+fn oversized_register_fields_close_the_connection() {
+    let mut h = Harness::new();
+    let conn = h.open();
+    h.register_with(conn, &"n".repeat(MAX_NODE_ID_BYTES + 1), TOKEN);
+    let (tx, _) = h.drain();
+    assert!(matches!(
+        closed(&tx).as_slice(),
+        [(_, CloseReason::ProtocolViolation(_))]
+    ));
+}
+
+#[derive(Clone, Debug)]
+struct Try {
+    source: u8,
+    node: u8,
+    right_token: bool,
+    advance_ms: u32,
+}
+
+fn tries() -> impl Strategy<Value = Vec<Try>> {
+    proptest::collection::vec(
+        (0u8..4, 0u8..3, any::<bool>(), 0u32..20_000).prop_map(
+            |(source, node, right_token, advance_ms)| Try {
+                source,
+                node,
+                right_token,
+                advance_ms,
+            },
+        ),
+        1..120,
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Whatever the mix of sources, ids, tokens and timing: every failed registration
+    /// gets the one reason on the wire; a blocked source never gets in; a source that is
+    /// not blocked always gets in with the right credentials (or is held off by a node-id
+    /// conflict); the machine's back-off and log decisions are those of the throttle.
+    #[test]
+    fn admission_is_uniform_and_never_lets_a_blocked_source_in(tries in tries()) {
+        let mut h = Harness::new();
+        let mut throttle = AuthThrottle::new(ThrottleLimits::default());
+        for t in tries {
+            h.at(h.now.as_millis() + u64::from(t.advance_ms));
+            let addr: IpAddr = format!("10.0.0.{}", t.source).parse().expect("ip");
+            let source = Source::of(Some(addr));
+            let node = ["n1", "n2", "nx"][usize::from(t.node)];
+            let token = if t.right_token { TOKEN } else { "guess" };
+            let blocked = throttle.blocked(h.now, source).is_some();
+            let answer = attempt(&mut h, Peer { addr: Some(addr), ..Peer::default() }, node, token);
+            let events = h.events();
+            let conflict = answer.reason.contains("conflict");
+            if blocked {
+                prop_assert!(!answer.accepted, "a blocked source got in");
+                prop_assert!(answer.retry_after_ms > 0);
+            } else if t.right_token && node != "nx" {
+                prop_assert!(answer.accepted || conflict, "{:?}", answer);
+            } else {
+                prop_assert!(!answer.accepted);
+            }
+            if answer.accepted {
+                throttle.record_success(source);
+            } else if !conflict {
+                prop_assert_eq!(&answer.reason, AUTH_FAILED);
+                let expected = throttle.record_failure(h.now, source);
+                let seen = events.iter().find_map(|e| match e {
+                    EdgeEvent::RegisterRejected { failures, blocked_for, log, .. } =>
+                        Some((*failures, *blocked_for, *log)),
+                    _ => None,
+                });
+                prop_assert_eq!(seen, Some((expected.failures, expected.blocked_for, expected.log)));
+            }
+        }
+    }
+}

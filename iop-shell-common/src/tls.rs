@@ -1,0 +1,234 @@
+//! TLS material both shells read: PEM certificates and keys with errors that name the
+//! config key and the problem, SHA-256 certificate fingerprints, the names a certificate
+//! vouches for, and server configurations (rustls with the `ring` provider; no
+//! cryptography here is our own).
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use rustls::crypto::CryptoProvider;
+use rustls::server::WebPkiClientVerifier;
+use rustls::{RootCertStore, ServerConfig};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+
+use crate::config::{ConfigError, invalid};
+
+/// The one crypto provider both shells use.
+#[must_use]
+pub fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// The certificates of a PEM file, in order (leaf first for a chain).
+pub fn read_certs(key: &str, path: &Path) -> Result<Vec<CertificateDer<'static>>, ConfigError> {
+    let certs = CertificateDer::pem_file_iter(path)
+        .map_err(|err| {
+            invalid(
+                key,
+                format!("cannot read {}: {}", path.display(), pem(&err)),
+            )
+        })?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|err| invalid(key, format!("{}: {}", path.display(), pem(&err))))?;
+    if certs.is_empty() {
+        return Err(invalid(
+            key,
+            format!("{}: no PEM certificate in it", path.display()),
+        ));
+    }
+    Ok(certs)
+}
+
+/// The private key of a PEM file (PKCS#8, PKCS#1 or SEC1).
+pub fn read_key(key: &str, path: &Path) -> Result<PrivateKeyDer<'static>, ConfigError> {
+    PrivateKeyDer::from_pem_file(path).map_err(|err| {
+        invalid(
+            key,
+            format!(
+                "cannot read a private key from {}: {}",
+                path.display(),
+                pem(&err)
+            ),
+        )
+    })
+}
+
+fn pem(err: &rustls_pki_types::pem::Error) -> String {
+    match err {
+        rustls_pki_types::pem::Error::Io(io) => io.to_string(),
+        rustls_pki_types::pem::Error::NoItemsFound => "no PEM item of the expected kind".into(),
+        other => format!("{other:?}"),
+    }
+}
+
+/// The SHA-256 fingerprint of a DER certificate, as `openssl x509 -fingerprint -sha256`
+/// prints it: upper-case hex pairs joined by colons.
+#[must_use]
+pub fn fingerprint(der: &[u8]) -> String {
+    iop_proto_core::token::sha256(der)
+        .iter()
+        .map(|b| format!("{b:02X}"))
+        .collect::<Vec<_>>()
+        .join(":")
+}
+
+/// Parses a fingerprint written as 64 hex digits, with or without colons or a
+/// `sha256:` prefix, in either case.
+#[must_use]
+pub fn parse_fingerprint(text: &str) -> Option<[u8; 32]> {
+    let text = text.trim();
+    let text = text
+        .strip_prefix("sha256:")
+        .or_else(|| text.strip_prefix("SHA256:"))
+        .unwrap_or(text);
+    let hex: Vec<u8> = text.bytes().filter(|&b| b != b':').collect();
+    if hex.len() != 64 {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, pair) in hex.chunks_exact(2).enumerate() {
+        let hi = char::from(pair[0]).to_digit(16)?;
+        let lo = char::from(pair[1]).to_digit(16)?;
+        out[i] = u8::try_from(hi * 16 + lo).ok()?;
+    }
+    Some(out)
+}
+
+/// The names a certificate vouches for: its subject common names and its DNS subject
+/// alternative names, in that order, without duplicates. Empty if it cannot be parsed.
+#[must_use]
+pub fn names(der: &[u8]) -> Vec<String> {
+    use x509_parser::extensions::GeneralName;
+    let Ok((_, cert)) = x509_parser::parse_x509_certificate(der) else {
+        return Vec::new();
+    };
+    let mut out: Vec<String> = cert
+        .subject()
+        .iter_common_name()
+        .filter_map(|cn| cn.as_str().ok().map(str::to_owned))
+        .collect();
+    if let Ok(Some(san)) = cert.subject_alternative_name() {
+        for name in &san.value.general_names {
+            if let GeneralName::DNSName(dns) = name
+                && !out.iter().any(|n| n == dns)
+            {
+                out.push((*dns).to_owned());
+            }
+        }
+    }
+    out
+}
+
+/// Refuses a certificate that is expired or not yet valid at `now`.
+pub fn check_validity(key: &str, der: &[u8], now: SystemTime) -> Result<(), ConfigError> {
+    let (_, cert) = x509_parser::parse_x509_certificate(der)
+        .map_err(|err| invalid(key, format!("not a valid X.509 certificate: {err}")))?;
+    let now = now
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
+    let validity = cert.validity();
+    if now > validity.not_after.timestamp() {
+        return Err(invalid(
+            key,
+            format!("the certificate expired on {}", validity.not_after),
+        ));
+    }
+    if now < validity.not_before.timestamp() {
+        return Err(invalid(
+            key,
+            format!(
+                "the certificate is not valid before {}",
+                validity.not_before
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// A TLS version as people write it (`TLSv1.3`).
+#[must_use]
+pub fn version_name(version: rustls::ProtocolVersion) -> Option<&'static str> {
+    match version {
+        rustls::ProtocolVersion::TLSv1_3 => Some("TLSv1.3"),
+        rustls::ProtocolVersion::TLSv1_2 => Some("TLSv1.2"),
+        _ => None,
+    }
+}
+
+/// Where a listener's TLS material lives.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServerFiles {
+    /// The certificate chain (PEM, leaf first).
+    pub cert_file: std::path::PathBuf,
+    /// Its private key (PEM).
+    pub key_file: std::path::PathBuf,
+    /// When set, clients must present a certificate issued by one of these CAs (PEM).
+    pub client_ca_file: Option<std::path::PathBuf>,
+}
+
+/// A server configuration for `files`, offering `alpn` (in preference order). `key` is
+/// the config section named in errors (e.g. `listen.nodes_tls`). Fails, naming the key,
+/// when a file is missing or unreadable, the key does not match the certificate, or the
+/// certificate is expired or not yet valid.
+pub fn server_config(
+    key: &str,
+    files: &ServerFiles,
+    alpn: &[&[u8]],
+) -> Result<Arc<ServerConfig>, ConfigError> {
+    let cert_key = format!("{key}.cert_file");
+    let certs = read_certs(&cert_key, &files.cert_file)?;
+    check_validity(&cert_key, &certs[0], SystemTime::now())?;
+    let private = read_key(&format!("{key}.key_file"), &files.key_file)?;
+    let builder = ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|err| invalid(key, err.to_string()))?;
+    let builder = match &files.client_ca_file {
+        None => builder.with_no_client_auth(),
+        Some(path) => {
+            let ca_key = format!("{key}.client_ca_file");
+            let mut roots = RootCertStore::empty();
+            for cert in read_certs(&ca_key, path)? {
+                roots
+                    .add(cert)
+                    .map_err(|err| invalid(&ca_key, format!("{}: {err}", path.display())))?;
+            }
+            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
+                .build()
+                .map_err(|err| invalid(&ca_key, err.to_string()))?;
+            builder.with_client_cert_verifier(verifier)
+        }
+    };
+    let mut config = builder.with_single_cert(certs, private).map_err(|err| {
+        invalid(
+            format!("{key}.key_file"),
+            format!(
+                "{} does not fit {}: {err}",
+                files.key_file.display(),
+                files.cert_file.display()
+            ),
+        )
+    })?;
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok(Arc::new(config))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fingerprints_read_back_in_every_spelling() {
+        let printed = fingerprint(b"certificate bytes");
+        assert_eq!(printed.len(), 32 * 3 - 1);
+        let digest = parse_fingerprint(&printed).expect("colon form");
+        assert_eq!(parse_fingerprint(&printed.to_lowercase()), Some(digest));
+        assert_eq!(
+            parse_fingerprint(&format!("sha256:{}", printed.replace(':', ""))),
+            Some(digest)
+        );
+        assert_eq!(parse_fingerprint("AB:CD"), None);
+        assert_eq!(parse_fingerprint(&"zz".repeat(32)), None);
+    }
+}
