@@ -474,7 +474,7 @@ impl Task {
                     } else {
                         warn!(
                             conn = conn.0,
-                            peer,
+                            %peer,
                             node_id,
                             reason = reason.as_str(),
                             failures,

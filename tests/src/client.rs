@@ -19,7 +19,7 @@ use crate::{Proc, TempDir, free_port, wait_until};
 pub struct Http {
     client: Client<HttpConnector, Full<Bytes>>,
     base: String,
-    key: Option<String>,
+    authorization: Option<String>,
 }
 
 /// A response read to the end.
@@ -29,6 +29,8 @@ pub struct Whole {
     pub status: u16,
     /// Content type.
     pub content_type: String,
+    /// Every header (lower-case names).
+    pub headers: Vec<(String, String)>,
     /// Body.
     pub body: Bytes,
 }
@@ -50,14 +52,20 @@ impl Http {
         Http {
             client: Client::builder(TokioExecutor::new()).build(HttpConnector::new()),
             base: format!("http://127.0.0.1:{port}"),
-            key: None,
+            authorization: None,
         }
     }
 
     /// The same client sending `Authorization: Bearer key`.
     #[must_use]
-    pub fn with_key(mut self, key: &str) -> Self {
-        self.key = Some(key.to_owned());
+    pub fn with_key(self, key: &str) -> Self {
+        self.with_authorization(&format!("Bearer {key}"))
+    }
+
+    /// The same client sending `Authorization: value` as given.
+    #[must_use]
+    pub fn with_authorization(mut self, value: &str) -> Self {
+        self.authorization = Some(value.to_owned());
         self
     }
 
@@ -66,8 +74,8 @@ impl Http {
             .method(method)
             .uri(format!("{}{path}", self.base))
             .header("content-type", "application/json");
-        if let Some(key) = &self.key {
-            builder = builder.header("authorization", format!("Bearer {key}"));
+        if let Some(value) = &self.authorization {
+            builder = builder.header("authorization", value.as_str());
         }
         let request = builder.body(Full::new(body)).expect("request");
         tokio::time::timeout(Duration::from_secs(30), self.client.request(request))
@@ -84,6 +92,11 @@ impl Http {
             .and_then(|v| v.to_str().ok())
             .unwrap_or("")
             .to_owned();
+        let headers = response
+            .headers()
+            .iter()
+            .map(|(k, v)| (k.as_str().to_owned(), v.to_str().unwrap_or("").to_owned()))
+            .collect();
         let body = tokio::time::timeout(Duration::from_secs(30), response.into_body().collect())
             .await
             .expect("body within 30 s")
@@ -92,6 +105,7 @@ impl Http {
         Whole {
             status,
             content_type,
+            headers,
             body,
         }
     }
@@ -190,6 +204,9 @@ pub struct Cluster {
     pub edge_config: std::path::PathBuf,
     /// SHA-256 fingerprint of the Edge's node-link certificate (`None`: plaintext link).
     pub fingerprint: Option<String>,
+    /// The admin key status helpers send, when the cluster has admin keys.
+    pub admin_key: Option<String>,
+    link: Link,
     body: String,
     extra_head: String,
 }
@@ -201,6 +218,9 @@ pub enum Link {
     Tls,
     /// `listen.nodes_plaintext = true`; nodes set `edge_tls.plaintext = true`.
     Plaintext,
+    /// [`Link::Tls`], and node client certificates issued by `nodes-ca.pem` are required
+    /// ([`Cluster::node_cert`] issues them).
+    MutualTls,
 }
 
 /// Runs `iop-edge gen-cert` into `dir` and returns the printed fingerprint.
@@ -254,16 +274,12 @@ impl Cluster {
         head: &str,
         body: &str,
     ) -> String {
-        let link = match link {
-            Link::Tls => {
-                "[listen.nodes_tls]\ncert_file = \"edge-cert.pem\"\nkey_file = \"edge-cert-key.pem\"\n"
-            }
-            Link::Plaintext => "",
-        };
-        let plaintext = if link.is_empty() {
-            "nodes_plaintext = true\n"
-        } else {
-            ""
+        let tls =
+            "[listen.nodes_tls]\ncert_file = \"edge-cert.pem\"\nkey_file = \"edge-cert-key.pem\"\n";
+        let (plaintext, link) = match link {
+            Link::Tls => ("", tls.to_owned()),
+            Link::MutualTls => ("", format!("{tls}client_ca_file = \"nodes-ca.pem\"\n")),
+            Link::Plaintext => ("nodes_plaintext = true\n", String::new()),
         };
         format!(
             "[listen]\nhttp = \"127.0.0.1:{http_port}\"\nnodes = \"127.0.0.1:{node_port}\"\n{plaintext}{link}\n\
@@ -282,8 +298,11 @@ impl Cluster {
     /// [`Cluster::start`] with a chosen node link.
     pub fn start_with(link: Link, head: &str, body: &str) -> Self {
         let dir = TempDir::new("cluster");
-        let fingerprint = (link == Link::Tls)
+        let fingerprint = (link != Link::Plaintext)
             .then(|| gen_cert(&dir, "edge-cert", &["localhost", "127.0.0.1"], &[]));
+        if link == Link::MutualTls {
+            gen_cert(&dir, "nodes-ca", &["iop-test-ca"], &["--ca"]);
+        }
         let (http_port, node_port) = (free_port(), free_port());
         let text = Self::edge_toml_with(link, http_port, node_port, head, body);
         let edge_config = dir.write("edge.toml", &text);
@@ -296,6 +315,8 @@ impl Cluster {
             edge,
             edge_config,
             fingerprint,
+            admin_key: None,
+            link,
             body: body.to_owned(),
             extra_head: head.to_owned(),
         };
@@ -332,13 +353,13 @@ impl Cluster {
     /// Rewrites the edge config with a new body (and the same head and link).
     pub fn rewrite(&mut self, body: &str) {
         self.body = body.to_owned();
-        let link = if self.fingerprint.is_some() {
-            Link::Tls
-        } else {
-            Link::Plaintext
-        };
-        let text =
-            Self::edge_toml_with(link, self.http_port, self.node_port, &self.extra_head, body);
+        let text = Self::edge_toml_with(
+            self.link,
+            self.http_port,
+            self.node_port,
+            &self.extra_head,
+            body,
+        );
         std::fs::write(&self.edge_config, text).expect("rewrite config");
     }
 
@@ -379,10 +400,40 @@ impl Cluster {
         Proc::start("iop-node", &["--config", &path], &self.dir, &name, &[])
     }
 
+    /// Issues a node client certificate for `name` from the cluster's `nodes-ca.pem`
+    /// ([`Link::MutualTls`]); returns the `[edge_tls]` lines that use it.
+    #[must_use]
+    pub fn node_cert(&self, name: &str) -> String {
+        let stem = format!("node-{name}-cert");
+        let ca = self.dir.path().join("nodes-ca.pem");
+        let ca_key = self.dir.path().join("nodes-ca-key.pem");
+        gen_cert(
+            &self.dir,
+            &stem,
+            &[name],
+            &[
+                "--ca-cert",
+                &ca.to_string_lossy(),
+                "--ca-key",
+                &ca_key.to_string_lossy(),
+            ],
+        );
+        format!("[edge_tls]\ncert_file = \"{stem}.pem\"\nkey_file = \"{stem}-key.pem\"\n")
+    }
+
     /// A client for the public API.
     #[must_use]
     pub fn http(&self) -> Http {
         Http::new(self.http_port)
+    }
+
+    /// A client for the operator routes: with the admin key when the cluster has one.
+    #[must_use]
+    pub fn admin(&self) -> Http {
+        match &self.admin_key {
+            Some(key) => self.http().with_key(key),
+            None => self.http(),
+        }
     }
 
     /// Waits until `node_id` is ready.
@@ -392,7 +443,7 @@ impl Cluster {
 
     /// Waits until `node_id`'s connected flag equals `connected`.
     pub async fn wait_node(&self, node_id: &str, connected: bool) {
-        let http = self.http();
+        let http = self.admin();
         let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
         while tokio::time::Instant::now() < deadline {
             let status = http.status().await;
@@ -414,7 +465,7 @@ impl Cluster {
 
     /// The provider snapshot of `node_id/provider`.
     pub async fn provider(&self, node_id: &str, provider: &str) -> Value {
-        let status = self.http().status().await;
+        let status = self.admin().status().await;
         status["providers"]
             .as_array()
             .into_iter()

@@ -142,8 +142,29 @@ impl Body for ChannelBody {
 
 type Res = Response<http_body_util::Either<http_body_util::Full<Bytes>, ChannelBody>>;
 
+/// Headers an upstream (OpenAI, a LiteLLM proxy) adds that say how it is run: every
+/// fake response carries them, and none may reach a caller through the Edge.
+pub const LEAKY_HEADERS: [(&str, &str); 6] = [
+    ("openai-organization", "org-fake-leak"),
+    ("openai-project", "proj_fake_leak"),
+    ("openai-processing-ms", "12"),
+    ("x-litellm-model-api-base", "http://internal-gpu-17:8000"),
+    ("x-ratelimit-remaining-tokens", "149984"),
+    ("set-cookie", "__cf_bm=fake-leak; path=/"),
+];
+
+/// Headers an upstream adds that a caller may see.
+pub const KEPT_HEADERS: [(&str, &str); 1] = [("x-request-id", "req-fake-upstream")];
+
+fn upstream_headers(mut builder: http::response::Builder) -> http::response::Builder {
+    for (name, value) in LEAKY_HEADERS.iter().chain(&KEPT_HEADERS) {
+        builder = builder.header(*name, *value);
+    }
+    builder
+}
+
 fn whole(status: u16, content_type: &str, body: impl Into<Bytes>) -> Res {
-    Response::builder()
+    upstream_headers(Response::builder())
         .status(status)
         .header("content-type", content_type)
         .body(http_body_util::Either::Left(http_body_util::Full::new(
@@ -166,7 +187,7 @@ fn streamed(state: Arc<State>, content_type: &str, chunks: Vec<Bytes>, delay: Du
         // Dropping the sender ends the body.
         state.completed.fetch_add(1, Ordering::SeqCst);
     });
-    Response::builder()
+    upstream_headers(Response::builder())
         .status(200)
         .header("content-type", content_type)
         .body(http_body_util::Either::Right(ChannelBody(rx)))

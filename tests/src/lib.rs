@@ -176,6 +176,79 @@ impl Drop for Proc {
     }
 }
 
+/// A TCP relay on a free loopback port that forwards to `127.0.0.1:target` and records
+/// every byte in both directions: what an attacker on the path between a Node and the
+/// Edge would see.
+#[derive(Debug, Clone)]
+pub struct Relay {
+    /// Where it listens.
+    pub port: u16,
+    seen: std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
+}
+
+impl Relay {
+    /// Starts relaying (runs on the current tokio runtime).
+    pub async fn start(target: u16) -> Relay {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind relay");
+        let port = listener.local_addr().expect("addr").port();
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let recorded = seen.clone();
+        tokio::spawn(async move {
+            while let Ok((inbound, _)) = listener.accept().await {
+                let Ok(outbound) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await
+                else {
+                    continue;
+                };
+                let (ir, iw) = inbound.into_split();
+                let (or, ow) = outbound.into_split();
+                for (mut from, mut to, seen) in [
+                    (
+                        Box::new(ir) as Box<dyn tokio::io::AsyncRead + Unpin + Send>,
+                        Box::new(ow) as Box<dyn tokio::io::AsyncWrite + Unpin + Send>,
+                        recorded.clone(),
+                    ),
+                    (Box::new(or), Box::new(iw), recorded.clone()),
+                ] {
+                    tokio::spawn(async move {
+                        let mut buf = vec![0u8; 16 << 10];
+                        loop {
+                            match from.read(&mut buf).await {
+                                Ok(0) | Err(_) => break,
+                                Ok(n) => {
+                                    if let Ok(mut seen) = seen.lock() {
+                                        seen.extend_from_slice(&buf[..n]);
+                                    }
+                                    if to.write_all(&buf[..n]).await.is_err() {
+                                        break;
+                                    }
+                                }
+                            }
+                        }
+                        let _ = to.shutdown().await;
+                    });
+                }
+            }
+        });
+        Relay { port, seen }
+    }
+
+    /// Every byte relayed so far, both directions interleaved.
+    #[must_use]
+    pub fn seen(&self) -> Vec<u8> {
+        self.seen.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+
+    /// Whether `needle` crossed the relay in clear.
+    #[must_use]
+    pub fn saw(&self, needle: &str) -> bool {
+        let seen = self.seen();
+        seen.windows(needle.len()).any(|w| w == needle.as_bytes())
+    }
+}
+
 /// Polls `check` every 20 ms until it returns true or `timeout` passes.
 pub fn wait_until(timeout: Duration, mut check: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + timeout;
