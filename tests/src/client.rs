@@ -49,8 +49,11 @@ impl Http {
     /// A client for `http://127.0.0.1:port`.
     #[must_use]
     pub fn new(port: u16) -> Self {
+        // Small writes (SSE chunks) must not wait for Nagle's algorithm.
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
         Http {
-            client: Client::builder(TokioExecutor::new()).build(HttpConnector::new()),
+            client: Client::builder(TokioExecutor::new()).build(connector),
             base: format!("http://127.0.0.1:{port}"),
             authorization: None,
         }

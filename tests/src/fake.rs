@@ -178,7 +178,10 @@ fn streamed(state: Arc<State>, content_type: &str, chunks: Vec<Bytes>, delay: Du
     let (tx, rx) = mpsc::channel(1);
     tokio::spawn(async move {
         for chunk in chunks {
-            tokio::time::sleep(delay).await;
+            // A zero sleep still waits for the next timer tick (about 1 ms).
+            if !delay.is_zero() {
+                tokio::time::sleep(delay).await;
+            }
             if tx.send(chunk).await.is_err() {
                 state.aborted.fetch_add(1, Ordering::SeqCst);
                 return;
@@ -267,6 +270,7 @@ async fn start_with(
             let Ok((stream, _)) = listener.accept().await else {
                 return;
             };
+            let _ = stream.set_nodelay(true);
             let state = server_state.clone();
             let acceptor = acceptor.clone();
             tokio::spawn(async move {

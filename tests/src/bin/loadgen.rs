@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use iop_blackbox::client::{Cluster, Http};
+use iop_blackbox::client::{Cluster, Http, Link};
 use iop_blackbox::fake::{self, Behaviour, Flavor};
 use serde_json::json;
 
@@ -70,21 +70,61 @@ async fn load(
     }
 }
 
-#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
-async fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let seconds: u64 = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(10);
-    let concurrency: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(16);
-    let provider = fake::start(
-        Flavor::OpenAi,
-        Behaviour {
-            words: 16,
-            delay: Duration::ZERO,
-            ..Behaviour::default()
-        },
-    )
-    .await;
-    let body = format!(
+/// CPU time (user + system) a process has used so far.
+fn cpu(pid: u32) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name (which may hold spaces) start after the last ')'.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().collect())
+        .unwrap_or_default();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    // utime and stime are fields 14 and 15 of stat, 11 and 12 after the name.
+    Duration::from_millis((ticks(11) + ticks(12)) * 10)
+}
+
+/// Streams `seconds` of SSE completions at `concurrency`; returns chunks per second.
+async fn stream_load(http: Http, model: &str, seconds: u64, concurrency: usize) -> (f64, usize) {
+    use http_body_util::BodyExt;
+    let body = json!({"model": model, "stream": true, "messages": [{"role": "user", "content": "Stream."}]});
+    let deadline = Instant::now() + Duration::from_secs(seconds);
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..concurrency {
+        let (http, body) = (http.clone(), body.clone());
+        tasks.push(tokio::spawn(async move {
+            let (mut chunks, mut errors) = (0usize, 0usize);
+            while Instant::now() < deadline {
+                let mut response = http.post_stream("/v1/chat/completions", &body).await;
+                if response.status() != 200 {
+                    errors += 1;
+                    continue;
+                }
+                while let Some(Ok(frame)) = response.body_mut().frame().await {
+                    if let Ok(data) = frame.into_data() {
+                        chunks += data.windows(6).filter(|w| w == b"data: ").count();
+                    }
+                }
+            }
+            (chunks, errors)
+        }));
+    }
+    let (mut chunks, mut errors) = (0, 0);
+    for task in tasks {
+        let (c, e) = task.await.expect("stream task");
+        chunks += c;
+        errors += e;
+    }
+    (chunks as f64 / started.elapsed().as_secs_f64(), errors)
+}
+
+fn cluster_body(provider_url: &str) -> String {
+    format!(
         r#"
 [[nodes]]
 id = "n1"
@@ -92,7 +132,7 @@ token = "load-test-token-0123"
 [[nodes.adapters]]
 name = "oa"
 type = "openai_compat"
-base_url = "{}"
+base_url = "{provider_url}"
 capacity = 256
 targets = ["fake"]
 [[nodes.adapters]]
@@ -110,14 +150,25 @@ providers = [{{ node = "n1", adapter = "oa", target = "fake" }}]
 [[models]]
 name = "mock"
 providers = [{{ node = "n1", adapter = "mock", target = "m" }}]
-"#,
-        provider.url()
-    );
-    let cluster = Cluster::start("[queue]\nmax_waiting = 4096\n", &body);
-    let _node = cluster.node("n1", "load-test-token-0123");
-    cluster.wait_ready("n1").await;
-    let ask = |model: &str| json!({"model": model, "messages": [{"role": "user", "content": "Say something."}]});
+"#
+    )
+}
 
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let seconds: u64 = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(10);
+    let concurrency: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(16);
+    let provider = fake::start(
+        Flavor::OpenAi,
+        Behaviour {
+            words: 16,
+            delay: Duration::ZERO,
+            ..Behaviour::default()
+        },
+    )
+    .await;
+    let ask = |model: &str| json!({"model": model, "messages": [{"role": "user", "content": "Say something."}]});
     let direct = load(
         Http::new(provider.addr.port()),
         "/v1/chat/completions",
@@ -126,37 +177,83 @@ providers = [{{ node = "n1", adapter = "mock", target = "m" }}]
         concurrency,
     )
     .await;
-    let tunnel = load(
-        cluster.http(),
-        "/v1/chat/completions",
-        ask("tunnel"),
-        seconds,
-        concurrency,
-    )
-    .await;
-    let run = load(
-        cluster.http(),
-        "/v1/chat/completions",
-        ask("mock"),
+    let (direct_chunks, _) = stream_load(
+        Http::new(provider.addr.port()),
+        "fake",
         seconds,
         concurrency,
     )
     .await;
 
-    println!("| path | requests/s | ratio to direct | p50 | p99 | errors |");
-    println!("|---|---:|---:|---:|---:|---:|");
-    for (name, f) in [
-        ("client → provider (direct, reference)", &direct),
-        ("client → edge → node → provider (tunnel)", &tunnel),
-        ("client → edge → node mock (normalized run)", &run),
-    ] {
+    println!(
+        "| path | node link | requests/s | ratio to direct | p50 | p99 | Edge + Node CPU per request | errors |"
+    );
+    println!("|---|---|---:|---:|---:|---:|---:|---:|");
+    println!(
+        "| client → provider (direct, reference) | – | {:.0} | 1.00× | {:.2} ms | {:.2} ms | – | {} |",
+        direct.rps,
+        direct.p50.as_secs_f64() * 1e3,
+        direct.p99.as_secs_f64() * 1e3,
+        direct.errors
+    );
+    let mut streams = Vec::new();
+    for link in [Link::Tls, Link::Plaintext] {
+        let label = match link {
+            Link::Plaintext => "plaintext",
+            _ => "TLS",
+        };
+        let cluster = Cluster::start_with(
+            link,
+            "[queue]\nmax_waiting = 4096\n",
+            &cluster_body(&provider.url()),
+        );
+        let node = cluster.node("n1", "load-test-token-0123");
+        cluster.wait_ready("n1").await;
+        for (name, model) in [
+            ("client → edge → node → provider (tunnel)", "tunnel"),
+            ("client → edge → node mock (normalized run)", "mock"),
+        ] {
+            let before = cpu(cluster.edge.pid()) + cpu(node.pid());
+            let f = load(
+                cluster.http(),
+                "/v1/chat/completions",
+                ask(model),
+                seconds,
+                concurrency,
+            )
+            .await;
+            let used = cpu(cluster.edge.pid()) + cpu(node.pid()) - before;
+            let requests = f.rps * seconds as f64;
+            println!(
+                "| {name} | {label} | {:.0} | {:.2}× | {:.2} ms | {:.2} ms | {:.0} µs | {} |",
+                f.rps,
+                f.rps / direct.rps,
+                f.p50.as_secs_f64() * 1e3,
+                f.p99.as_secs_f64() * 1e3,
+                used.as_secs_f64() * 1e6 / requests.max(1.0),
+                f.errors
+            );
+        }
+        let before = cpu(cluster.edge.pid()) + cpu(node.pid());
+        let (chunks, errors) = stream_load(cluster.http(), "tunnel", seconds, concurrency).await;
+        let used = cpu(cluster.edge.pid()) + cpu(node.pid()) - before;
+        streams.push((
+            label,
+            chunks,
+            used.as_secs_f64() * 1e6 / (chunks * seconds as f64).max(1.0),
+            errors,
+        ));
+    }
+    println!();
+    println!(
+        "| SSE stream (tunnel, 16 words + role, finish, usage, [DONE]) | node link | chunks/s | ratio to direct | Edge + Node CPU per chunk | errors |"
+    );
+    println!("|---|---|---:|---:|---:|---:|");
+    println!("| client → provider (direct, reference) | – | {direct_chunks:.0} | 1.00× | – | 0 |");
+    for (label, chunks, per_chunk, errors) in streams {
         println!(
-            "| {name} | {:.0} | {:.2}× | {:.2} ms | {:.2} ms | {} |",
-            f.rps,
-            f.rps / direct.rps,
-            f.p50.as_secs_f64() * 1e3,
-            f.p99.as_secs_f64() * 1e3,
-            f.errors
+            "| client → edge → node → provider | {label} | {chunks:.0} | {:.2}× | {per_chunk:.1} µs | {errors} |",
+            chunks / direct_chunks
         );
     }
 }

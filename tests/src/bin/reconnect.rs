@@ -1,0 +1,271 @@
+//! Handshake harness: how long 1,000 nodes take to register and become ready, on a cold
+//! start and again after the Edge restarts, over TLS and over plaintext, beside the time
+//! the same number of bare TCP connects takes, in one run.
+//!
+//! Run: `cargo build --release --bins && cargo run --release -p iop-blackbox --bin reconnect -- [nodes]`
+//!
+//! The nodes are light in-process clients speaking the real wire protocol (register,
+//! ready, heartbeat answers) so that one machine can hold a thousand of them; on a lost
+//! connection each retries every 100 ms, as a node with `interval_sec = 0.1` would.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::BytesMut;
+use iop_blackbox::client::{Link, gen_cert};
+use iop_blackbox::{Proc, TempDir, free_port, wait_until};
+use iop_proto_core::wire::{
+    self, Body, Envelope, FrameDecoder, HeartbeatAck, NodeReadyRequest, RegisterRequest,
+};
+use rustls_pki_types::pem::PemObject;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const TOKEN: &str = "reconnect-token-0123";
+
+fn edge_toml(link: Link, nodes: usize, http: u16, port: u16) -> String {
+    let mut text = format!(
+        "[listen]\nhttp = \"127.0.0.1:{http}\"\nnodes = \"127.0.0.1:{port}\"\n{}\n\
+         [heartbeat]\ninterval_ms = 5000\ntimeout_ms = 30000\n\n[timeouts]\nregister_ms = 30000\n\n",
+        match link {
+            Link::Plaintext => "nodes_plaintext = true\n".to_owned(),
+            _ => "[listen.nodes_tls]\ncert_file = \"edge-cert.pem\"\nkey_file = \"edge-cert-key.pem\"\n"
+                .to_owned(),
+        }
+    );
+    for i in 0..nodes {
+        text.push_str(&format!("[[nodes]]\nid = \"n{i}\"\ntoken = \"{TOKEN}\"\n"));
+    }
+    text
+}
+
+async fn send<S: AsyncWrite + Unpin>(stream: &mut S, body: Body) -> std::io::Result<()> {
+    let mut out = BytesMut::new();
+    wire::encode(&Envelope::new(body), &mut out).map_err(std::io::Error::other)?;
+    stream.write_all(&out).await
+}
+
+/// Registers as `node`, reports ready, then answers heartbeats until the connection ends.
+async fn session<S: AsyncRead + AsyncWrite + Unpin>(
+    mut stream: S,
+    node: &str,
+    ready: &AtomicUsize,
+) -> std::io::Result<()> {
+    send(
+        &mut stream,
+        Body::RegisterRequest(RegisterRequest {
+            node_id: node.into(),
+            token: TOKEN.into(),
+            ..RegisterRequest::default()
+        }),
+    )
+    .await?;
+    let mut decoder = FrameDecoder::new();
+    let mut buf = vec![0u8; 8192];
+    loop {
+        let n = stream.read(&mut buf).await?;
+        if n == 0 {
+            return Ok(());
+        }
+        decoder.push_bytes(bytes::Bytes::copy_from_slice(&buf[..n]));
+        while let Some(envelope) = decoder.next_envelope().map_err(std::io::Error::other)? {
+            match envelope.body {
+                Some(Body::RegisterResponse(r)) if r.accepted => {
+                    send(
+                        &mut stream,
+                        Body::NodeReadyRequest(NodeReadyRequest {
+                            node_id: node.into(),
+                        }),
+                    )
+                    .await?;
+                }
+                Some(Body::NodeReadyResponse(r)) if r.ready => {
+                    ready.fetch_add(1, Ordering::SeqCst);
+                }
+                Some(Body::Heartbeat(ping)) => {
+                    send(
+                        &mut stream,
+                        Body::HeartbeatAck(HeartbeatAck {
+                            nonce: ping.nonce,
+                            echo_sent_at_ms: ping.sent_at_ms,
+                        }),
+                    )
+                    .await?;
+                }
+                Some(Body::RegisterResponse(_) | Body::NodeReadyResponse(_)) => return Ok(()),
+                _ => {}
+            }
+        }
+    }
+}
+
+/// One simulated node: connect, run a session, and retry every 100 ms until `stop`.
+async fn node(
+    i: usize,
+    port: u16,
+    tls: Option<tokio_rustls::TlsConnector>,
+    ready: Arc<AtomicUsize>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) {
+    let name = format!("n{i}");
+    while !stop.load(Ordering::SeqCst) {
+        if let Ok(tcp) = TcpStream::connect(("127.0.0.1", port)).await {
+            let _ = tcp.set_nodelay(true);
+            match &tls {
+                None => {
+                    let _ = session(tcp, &name, &ready).await;
+                }
+                Some(connector) => {
+                    let server = rustls_pki_types::ServerName::try_from("localhost").expect("name");
+                    if let Ok(stream) = connector.connect(server, tcp).await {
+                        let _ = session(stream, &name, &ready).await;
+                    }
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn cpu(pid: u32) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().collect())
+        .unwrap_or_default();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    Duration::from_millis((ticks(11) + ticks(12)) * 10)
+}
+
+async fn until(ready: &AtomicUsize, target: usize, limit: Duration) -> Option<Duration> {
+    let started = Instant::now();
+    while started.elapsed() < limit {
+        if ready.load(Ordering::SeqCst) >= target {
+            return Some(started.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    None
+}
+
+/// Bare TCP connects of `n` clients to a listener that accepts and holds them.
+async fn raw_connects(n: usize) -> Duration {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((s, _)) = listener.accept().await {
+            held.push(s);
+        }
+    });
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..n)
+        .map(|_| tokio::spawn(async move { TcpStream::connect(("127.0.0.1", port)).await }))
+        .collect();
+    let mut held = Vec::new();
+    for t in tasks {
+        held.push(t.await.expect("task").expect("connect"));
+    }
+    started.elapsed()
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let nodes: usize = std::env::args()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1000);
+    let raw = raw_connects(nodes).await;
+    println!(
+        "| node link | {nodes} nodes ready, cold start | ready again after an Edge restart | Edge CPU per registration | bare TCP connects (reference) |"
+    );
+    println!("|---|---:|---:|---:|---:|");
+    for link in [Link::Tls, Link::Plaintext] {
+        let dir = TempDir::new("reconnect");
+        let (http, port) = (free_port(), free_port());
+        let connector = (link == Link::Tls).then(|| {
+            gen_cert(&dir, "edge-cert", &["localhost"], &[]);
+            let mut roots = rustls::RootCertStore::empty();
+            for cert in
+                rustls_pki_types::CertificateDer::pem_file_iter(dir.path().join("edge-cert.pem"))
+                    .expect("pem")
+            {
+                roots.add(cert.expect("cert")).expect("root");
+            }
+            let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+                rustls::crypto::ring::default_provider(),
+            ))
+            .with_safe_default_protocol_versions()
+            .expect("versions")
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+            tokio_rustls::TlsConnector::from(Arc::new(config))
+        });
+        let config = dir.write("edge.toml", &edge_toml(link, nodes, http, port));
+        let config = config.to_string_lossy().into_owned();
+        let start = |name: &str| {
+            let edge = Proc::start(
+                "iop-edge",
+                &["--config", &config],
+                &dir,
+                name,
+                &[("RUST_LOG", "warn")],
+            );
+            assert!(wait_until(Duration::from_secs(10), || {
+                std::net::TcpStream::connect(("127.0.0.1", http)).is_ok()
+            }));
+            edge
+        };
+        let mut edge = start("edge");
+        let ready = Arc::new(AtomicUsize::new(0));
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let cpu_before = cpu(edge.pid());
+        for i in 0..nodes {
+            tokio::spawn(node(
+                i,
+                port,
+                connector.clone(),
+                ready.clone(),
+                stop.clone(),
+            ));
+        }
+        let cold = until(&ready, nodes, Duration::from_secs(60)).await;
+        let cold_cpu = cpu(edge.pid()) - cpu_before;
+        edge.signal("KILL");
+        let _ = edge.wait_exit(Duration::from_secs(5));
+        let edge = start("edge-restarted");
+        ready.store(0, Ordering::SeqCst);
+        let again = until(&ready, nodes, Duration::from_secs(60)).await;
+        let restart_cpu = cpu(edge.pid());
+        stop.store(true, Ordering::SeqCst);
+        let show = |d: Option<Duration>| {
+            d.map_or_else(
+                || "did not finish in 60 s".to_owned(),
+                |d| format!("{:.2} s", d.as_secs_f64()),
+            )
+        };
+        println!(
+            "| {} | {} | {} | {:.0} µs (cold) / {:.0} µs (restart) | {:.2} s |",
+            if link == Link::Tls {
+                "TLS 1.3"
+            } else {
+                "plaintext"
+            },
+            show(cold),
+            show(again),
+            cold_cpu.as_secs_f64() * 1e6 / nodes as f64,
+            restart_cpu.as_secs_f64() * 1e6 / nodes as f64,
+            raw.as_secs_f64()
+        );
+        drop(edge);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
