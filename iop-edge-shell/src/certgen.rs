@@ -169,6 +169,29 @@ mod tests {
     }
 
     #[test]
+    fn an_expired_certificate_is_a_keyed_config_error() {
+        let d = dir("expired");
+        let key = KeyPair::generate().expect("key");
+        let mut params = CertificateParams::new(vec!["localhost".to_owned()]).expect("params");
+        params.not_before = rcgen::date_time_ymd(2020, 1, 1);
+        params.not_after = rcgen::date_time_ymd(2021, 1, 1);
+        let cert = params.self_signed(&key).expect("cert");
+        write(&d.join("cert.pem"), cert.pem().as_bytes(), 0o644).expect("cert");
+        write(&d.join("key.pem"), key.serialize_pem().as_bytes(), 0o600).expect("key");
+        let files = iop_shell_common::tls::ServerFiles {
+            cert_file: d.join("cert.pem"),
+            key_file: d.join("key.pem"),
+            client_ca_file: None,
+        };
+        let err = iop_shell_common::tls::server_config("listen.nodes_tls", &files, &[])
+            .expect_err("expired")
+            .to_string();
+        assert!(err.starts_with("listen.nodes_tls.cert_file: "), "{err}");
+        assert!(err.contains("expired"), "{err}");
+        let _ = std::fs::remove_dir_all(d);
+    }
+
+    #[test]
     fn a_ca_issues_node_certificates_that_name_the_node() {
         let d = dir("ca");
         let ca = Request {

@@ -98,6 +98,13 @@ def main():
     node = (ROOT / "examples" / "node.toml").read_text().replace("127.0.0.1:7100", f"127.0.0.1:{node_port}")
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="iop-sdk-"))
+    # The example configs name tls/edge-cert.pem beside them, as the quickstart makes it.
+    (tmp / "tls").mkdir()
+    subprocess.run(
+        [BIN / "iop-edge", "gen-cert", "--name", "localhost", "--name", "127.0.0.1",
+         "--cert", tmp / "tls" / "edge-cert.pem", "--key", tmp / "tls" / "edge-key.pem"],
+        check=True, stdout=subprocess.DEVNULL,
+    )
     (tmp / "edge.toml").write_text(edge)
     (tmp / "node.toml").write_text(node)
     logs = [open(tmp / "edge.log", "w"), open(tmp / "node.log", "w")]
@@ -118,7 +125,14 @@ def main():
             except OSError:
                 pass
             if time.time() > deadline:
-                sys.exit("the system did not become ready")
+                for log in logs:
+                    log.flush()
+                sys.exit(
+                    "the system did not become ready\n--- edge.log\n"
+                    + (tmp / "edge.log").read_text()[-2000:]
+                    + "\n--- node.log\n"
+                    + (tmp / "node.log").read_text()[-2000:]
+                )
             time.sleep(0.1)
 
         base = f"http://127.0.0.1:{http_port}/v1"
