@@ -124,6 +124,15 @@ struct RawLimits {
     max_concurrent_requests: Option<usize>,
     header_read_timeout_sec: Option<u64>,
     max_header_bytes: Option<usize>,
+    body_read_timeout_sec: Option<u64>,
+    idle_timeout_sec: Option<u64>,
+    max_connections: Option<usize>,
+    max_streams_per_connection: Option<u32>,
+    max_inflight_bytes: Option<usize>,
+    max_frame_bytes: Option<usize>,
+    pending_frame_bytes: Option<usize>,
+    max_pending_connections: Option<usize>,
+    max_pending_per_address: Option<usize>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -210,6 +219,18 @@ pub struct HttpSettings {
     pub header_read_timeout: Duration,
     /// Largest accepted request head.
     pub max_header_bytes: usize,
+    /// Time to receive a whole request body; a slower one gets 408.
+    pub body_read_timeout: Duration,
+    /// A connection with no request in progress for this long is closed; also bounds an
+    /// HTTP/2 connection that never completes its handshake.
+    pub idle_timeout: Duration,
+    /// Open connections on the public listener; more wait in the kernel's backlog.
+    pub max_connections: usize,
+    /// Concurrent HTTP/2 streams per connection.
+    pub max_streams_per_connection: u32,
+    /// Request bodies and buffered response bytes held at once; beyond it new requests
+    /// get 503 `overloaded`.
+    pub max_inflight_bytes: usize,
     /// Upper bound of one request, queueing included (then 504 and a cancel).
     pub response_timeout: Duration,
 }
@@ -320,6 +341,15 @@ impl Config {
                 max_block: positive_secs("admission.max_backoff_sec", a.max_backoff_sec, 60)?,
                 max_sources: 4096,
             },
+            pending: iop_proto_core::PendingLimits {
+                max_total: raw.limits.max_pending_connections.unwrap_or(1024),
+                max_per_source: raw.limits.max_pending_per_address.unwrap_or(64),
+            },
+            pending_frame_len: raw.limits.pending_frame_bytes.unwrap_or(64 << 10),
+            max_frame_len: raw
+                .limits
+                .max_frame_bytes
+                .unwrap_or(iop_proto_core::wire::DEFAULT_MAX_FRAME_LEN),
             conflict: ConflictLimits {
                 supersedes: a.conflict_supersedes.unwrap_or(3).max(2),
                 window: positive_secs("admission.conflict_window_sec", a.conflict_window_sec, 30)?,
@@ -441,6 +471,16 @@ impl Config {
         core.validate()
             .map_err(|err| invalid("config", err.to_string()))?;
         let limits = raw.limits;
+        if let (Some(budget), body) = (
+            limits.max_inflight_bytes,
+            limits.max_body_bytes.unwrap_or(8 << 20),
+        ) && budget < body
+        {
+            return Err(invalid(
+                "limits.max_inflight_bytes",
+                "must be at least limits.max_body_bytes, or no request fits",
+            ));
+        }
         let api_keys = keys("auth.api_keys", raw.auth.api_keys)?;
         let admin_keys = keys("auth.admin_keys", raw.auth.admin_keys)?;
         if let Some(i) = admin_keys.iter().position(|k| api_keys.contains(k)) {
@@ -460,6 +500,15 @@ impl Config {
                 limits.header_read_timeout_sec.unwrap_or(30).max(1),
             ),
             max_header_bytes: limits.max_header_bytes.unwrap_or(64 << 10).max(4096),
+            body_read_timeout: positive_secs(
+                "limits.body_read_timeout_sec",
+                limits.body_read_timeout_sec,
+                30,
+            )?,
+            idle_timeout: positive_secs("limits.idle_timeout_sec", limits.idle_timeout_sec, 60)?,
+            max_connections: limits.max_connections.unwrap_or(8192).max(1),
+            max_streams_per_connection: limits.max_streams_per_connection.unwrap_or(128).max(1),
+            max_inflight_bytes: limits.max_inflight_bytes.unwrap_or(256 << 20),
             response_timeout: Duration::from_secs(raw.timeouts.response_sec.unwrap_or(600).max(1)),
         };
         Ok(Config { core, http, tls })

@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -19,10 +19,11 @@ use iop_proto_core::{
 };
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
+use crate::memory::RequestMemory;
 use crate::metrics::Metrics;
+use crate::nodes::{ConnHandle, MAX_QUEUED_PER_CONNECTION};
 use crate::openai::rewrite_model;
 use iop_shell_common::clock::Clock;
 
@@ -85,13 +86,30 @@ pub enum ReqEvent {
 /// Bytes a request may have waiting for a slow client before it is cancelled.
 pub const MAX_BUFFERED_PER_REQUEST: usize = 16 << 20;
 
-/// A request's event channel and its buffered-bytes counter.
+/// A request's event channel and the memory it holds; dropping it returns that memory
+/// to the budget.
 #[derive(Debug)]
 pub struct Events {
     /// Events in order.
     pub rx: mpsc::UnboundedReceiver<ReqEvent>,
-    /// Bytes queued in `rx` (the handler subtracts what it takes).
-    pub buffered: Arc<AtomicUsize>,
+    /// Body and buffered response bytes (the handler reports what it takes).
+    pub memory: Arc<RequestMemory>,
+}
+
+impl Drop for Events {
+    fn drop(&mut self) {
+        self.memory.close();
+    }
+}
+
+/// The size a buffered event counts for.
+#[must_use]
+pub fn event_size(event: &ReqEvent) -> usize {
+    match event {
+        ReqEvent::Run(e) => e.delta.len() + 64,
+        ReqEvent::Frame(f) => f.body.len() + 64,
+        _ => 0,
+    }
 }
 
 /// Status for `/v1/status` and `/metrics`.
@@ -114,12 +132,19 @@ pub enum CoreMsg {
     ConnOpened {
         /// Its id.
         conn: ConnId,
-        /// What the transport knows of the peer (address, TLS, client certificate).
+        /// What the transport knows of the peer so far (its address).
         peer: iop_proto_core::Peer,
-        /// Where its frames are written.
-        writer: mpsc::UnboundedSender<Bytes>,
-        /// Cancels its reader.
-        closer: CancellationToken,
+        /// Its writer, frame limit and closer.
+        handle: ConnHandle,
+    },
+    /// A node connection completed its TLS handshake.
+    Secured {
+        /// Connection.
+        conn: ConnId,
+        /// The negotiated version.
+        tls: &'static str,
+        /// Names of its verified client certificate, if any.
+        identities: Vec<String>,
     },
     /// A decoded envelope from a node connection.
     Frame {
@@ -143,8 +168,8 @@ pub enum CoreMsg {
         work: Work,
         /// Where its events go.
         events: mpsc::UnboundedSender<ReqEvent>,
-        /// Shared buffered-bytes counter.
-        buffered: Arc<AtomicUsize>,
+        /// The memory it holds.
+        memory: Arc<RequestMemory>,
         /// The id, or why it was refused.
         reply: oneshot::Sender<Result<RequestId, SubmitError>>,
     },
@@ -178,14 +203,9 @@ pub enum CoreMsg {
     },
 }
 
-struct Conn {
-    writer: mpsc::UnboundedSender<Bytes>,
-    closer: CancellationToken,
-}
-
 struct Entry {
     events: mpsc::UnboundedSender<ReqEvent>,
-    buffered: Arc<AtomicUsize>,
+    memory: Arc<RequestMemory>,
     work: Option<Work>,
     model: String,
     submitted: Instant,
@@ -201,7 +221,7 @@ struct Task {
     core: EdgeCore,
     clock: Clock,
     metrics: Arc<Metrics>,
-    conns: HashMap<ConnId, Conn>,
+    conns: HashMap<ConnId, ConnHandle>,
     requests: HashMap<RequestId, Entry>,
 }
 
@@ -240,15 +260,20 @@ impl Task {
     fn handle(&mut self, message: CoreMsg) {
         let now = self.clock.now();
         match message {
-            CoreMsg::ConnOpened {
-                conn,
-                peer,
-                writer,
-                closer,
-            } => {
-                if self.core.handle_connection_opened(now, conn, peer).is_ok() {
-                    self.conns.insert(conn, Conn { writer, closer });
+            CoreMsg::ConnOpened { conn, peer, handle } => {
+                self.conns.insert(conn, handle);
+                if self.core.handle_connection_opened(now, conn, peer).is_err() {
+                    self.conns.remove(&conn);
                 }
+            }
+            CoreMsg::Secured {
+                conn,
+                tls,
+                identities,
+            } => {
+                let _ = self
+                    .core
+                    .handle_connection_secured(now, conn, tls, identities);
             }
             CoreMsg::Frame { conn, envelope } => {
                 let _ = self.core.handle_envelope(now, conn, envelope);
@@ -262,7 +287,7 @@ impl Task {
                 prompt_tokens,
                 work,
                 events,
-                buffered,
+                memory,
                 reply,
             } => {
                 let result = self.core.handle_submit(
@@ -278,7 +303,7 @@ impl Task {
                         request,
                         Entry {
                             events,
-                            buffered,
+                            memory,
                             work: Some(work),
                             model,
                             submitted: Instant::now(),
@@ -348,6 +373,16 @@ impl Task {
                             }
                         }
                     }
+                    Transmit::FrameLimit {
+                        conn,
+                        max_frame_len,
+                    } => {
+                        // Before the frames that follow are flushed: the node cannot use
+                        // the new limit before it reads them.
+                        if let Some(c) = self.conns.get(&conn) {
+                            c.frame_limit.store(max_frame_len, Ordering::Relaxed);
+                        }
+                    }
                     Transmit::Close { conn, reason } => {
                         self.flush(conn, batches.remove(&conn));
                         if matches!(reason, CloseReason::RegisterRejected(_)) {
@@ -384,16 +419,26 @@ impl Task {
         if let Some(c) = self.conns.get(&conn) {
             Metrics::add(&self.metrics.frames_out, frames);
             Metrics::add(&self.metrics.bytes_out, buf.len() as u64);
+            let queued = c.queued.fetch_add(buf.len(), Ordering::Relaxed) + buf.len();
             let _ = c.writer.send(buf.freeze());
+            if queued > MAX_QUEUED_PER_CONNECTION {
+                // A node that does not read what it is sent is dropped, not buffered for.
+                warn!(
+                    conn = conn.0,
+                    queued, "closing node connection: it does not read"
+                );
+                c.closer.cancel();
+            }
         }
     }
 
-    fn forward(&mut self, request: RequestId, event: ReqEvent, size: usize) {
+    fn forward(&mut self, request: RequestId, event: ReqEvent) {
         let Some(entry) = self.requests.get(&request) else {
             return;
         };
-        let buffered = entry.buffered.fetch_add(size, Ordering::Relaxed) + size;
-        if entry.events.send(event).is_err() || buffered > MAX_BUFFERED_PER_REQUEST {
+        let buffered = entry.memory.buffer(event_size(&event));
+        let sent = buffered.is_some() && entry.events.send(event).is_ok();
+        if !sent || buffered.is_some_and(|b| b > MAX_BUFFERED_PER_REQUEST) {
             // The caller is gone or not reading: stop the work upstream.
             let now = self.clock.now();
             self.core
@@ -406,12 +451,10 @@ impl Task {
         match event {
             EdgeEvent::Granted(grant) => self.dispatch(&grant),
             EdgeEvent::RunEvent { request, event } => {
-                let size = event.delta.len() + 64;
-                self.forward(request, ReqEvent::Run(event), size);
+                self.forward(request, ReqEvent::Run(event));
             }
             EdgeEvent::TunnelFrame { request, frame } => {
-                let size = frame.body.len() + 64;
-                self.forward(request, ReqEvent::Frame(frame), size);
+                self.forward(request, ReqEvent::Frame(frame));
             }
             EdgeEvent::RequestEnded { request, outcome } => {
                 if let Some(entry) = self.requests.remove(&request) {

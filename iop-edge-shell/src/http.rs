@@ -26,6 +26,7 @@ use tracing::{debug, warn};
 
 use crate::config::HttpSettings;
 use crate::core_task::{CoreMsg, Endpoint, Events, ReqEvent, Snapshot, Work};
+use crate::memory::RequestMemory;
 use crate::metrics::Metrics;
 use crate::openai;
 
@@ -63,6 +64,8 @@ pub struct State {
     pub metrics: Arc<Metrics>,
     /// Bounds concurrent requests.
     pub permits: Arc<Semaphore>,
+    /// Bounds the bytes requests hold.
+    pub budget: Arc<crate::memory::Budget>,
 }
 
 impl State {
@@ -95,7 +98,10 @@ fn now_secs() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// Serves HTTP (and HTTPS when `tls` holds an acceptor) until `shutdown`.
+/// Serves HTTP (and HTTPS when `tls` holds an acceptor) until `shutdown`. At most
+/// `max_connections` are open at once (more wait in the kernel's backlog); accept errors
+/// (such as running out of file descriptors) back off and are logged a few times per
+/// interval, with a count of the rest.
 pub async fn serve(
     listener: TcpListener,
     state: Arc<State>,
@@ -103,7 +109,12 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) {
     let accept_errors = iop_shell_common::logging::LogLimiter::new(Duration::from_secs(10), 3);
+    let connections = Arc::new(Semaphore::new(state.settings().max_connections));
+    let mut backoff = Duration::from_millis(10);
     loop {
+        let Ok(slot) = connections.clone().acquire_owned().await else {
+            return;
+        };
         let (stream, peer) = tokio::select! {
             () = shutdown.cancelled() => return,
             accepted = listener.accept() => match accepted {
@@ -112,17 +123,20 @@ pub async fn serve(
                     if let Some(suppressed) = accept_errors.allow() {
                         warn!(%err, suppressed, "http listener: accept failed");
                     }
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
                     continue;
                 }
             },
         };
+        backoff = Duration::from_millis(10);
         let _ = stream.set_nodelay(true);
         let state = state.clone();
         let acceptor = tls
             .read()
             .map_or(None, |tls| tls.clone().map(tokio_rustls::TlsAcceptor::from));
         tokio::spawn(async move {
+            let _slot = slot;
             let settings = state.settings();
             match acceptor {
                 None => serve_connection(stream, peer, state, &settings).await,
@@ -143,6 +157,51 @@ pub async fn serve(
     }
 }
 
+/// What a connection's watchdog knows: requests in progress (their responses included)
+/// and when the last one ended.
+#[derive(Debug)]
+struct Activity {
+    active: AtomicUsize,
+    served: AtomicUsize,
+    last_end: std::sync::Mutex<Instant>,
+}
+
+/// Counts a request as in progress until its response body is done or dropped.
+#[derive(Debug)]
+struct Active(Arc<Activity>);
+
+impl Active {
+    fn start(activity: &Arc<Activity>) -> Self {
+        activity.active.fetch_add(1, Ordering::AcqRel);
+        activity.served.fetch_add(1, Ordering::AcqRel);
+        Active(activity.clone())
+    }
+}
+
+impl Drop for Active {
+    fn drop(&mut self) {
+        if let Ok(mut last) = self.0.last_end.lock() {
+            *last = Instant::now();
+        }
+        self.0.active.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A response body that keeps its request counted as active.
+struct Tracked {
+    body: ResBody,
+    _active: Active,
+}
+
+impl Body for Tracked {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Chunk>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+}
+
 async fn serve_connection<S>(
     stream: S,
     peer: std::net::SocketAddr,
@@ -151,9 +210,22 @@ async fn serve_connection<S>(
 ) where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
 {
+    let activity = Arc::new(Activity {
+        active: AtomicUsize::new(0),
+        served: AtomicUsize::new(0),
+        last_end: std::sync::Mutex::new(Instant::now()),
+    });
+    let tracked = activity.clone();
     let service = service_fn(move |req| {
         let state = state.clone();
-        async move { Ok::<_, Infallible>(route(req, state, peer).await) }
+        let active = Active::start(&tracked);
+        async move {
+            let response = route(req, state, peer).await;
+            Ok::<_, Infallible>(response.map(|body| Tracked {
+                body,
+                _active: active,
+            }))
+        }
     });
     let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
     builder
@@ -164,12 +236,47 @@ async fn serve_connection<S>(
     builder
         .http2()
         .timer(TokioTimer::new())
-        .max_header_list_size(u32::try_from(settings.max_header_bytes).unwrap_or(u32::MAX));
-    if let Err(err) = builder
-        .serve_connection(TokioIo::new(stream), service)
-        .await
-    {
-        debug!(%err, "http connection ended with an error");
+        .max_header_list_size(u32::try_from(settings.max_header_bytes).unwrap_or(u32::MAX))
+        .max_concurrent_streams(settings.max_streams_per_connection)
+        .keep_alive_interval(Some(Duration::from_secs(20)))
+        .keep_alive_timeout(Duration::from_secs(20));
+    let connection = builder.serve_connection(TokioIo::new(stream), service);
+    tokio::pin!(connection);
+    // The watchdog: a connection that has not sent a first request within the header
+    // timeout (an HTTP/2 preface and nothing more), or that sits idle past the idle
+    // timeout, is closed. Requests in progress keep it open.
+    loop {
+        let limit = if activity.served.load(Ordering::Acquire) == 0 {
+            settings.header_read_timeout
+        } else {
+            settings.idle_timeout
+        };
+        let since = activity
+            .last_end
+            .lock()
+            .map_or_else(|_| Instant::now(), |t| *t);
+        tokio::select! {
+            result = connection.as_mut() => {
+                if let Err(err) = result {
+                    debug!(%peer, %err, "http connection ended with an error");
+                }
+                return;
+            }
+            () = tokio::time::sleep_until(since + limit) => {
+                let idle = activity.active.load(Ordering::Acquire) == 0;
+                let unchanged = activity.last_end.lock().is_ok_and(|t| *t == since);
+                if idle && unchanged {
+                    debug!(%peer, "closing an idle http connection");
+                    return;
+                }
+                if !idle {
+                    // Busy: look again after another period.
+                    if let Ok(mut last) = activity.last_end.lock() {
+                        *last = Instant::now();
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -580,6 +687,213 @@ impl Finish {
     }
 }
 
+/// What the Edge reads of an inference request body: only the fields it decides on, as
+/// borrowed raw JSON (no document tree is built: a body of 300,000 tiny messages costs a
+/// scan, not 300,000 maps). Unknown fields are skipped.
+#[derive(serde::Deserialize)]
+struct Head<'a> {
+    #[serde(borrow)]
+    model: Option<&'a serde_json::value::RawValue>,
+    #[serde(borrow)]
+    stream: Option<&'a serde_json::value::RawValue>,
+    #[serde(borrow)]
+    stream_options: Option<&'a serde_json::value::RawValue>,
+    #[serde(borrow)]
+    messages: Option<&'a serde_json::value::RawValue>,
+    #[serde(borrow)]
+    prompt: Option<&'a serde_json::value::RawValue>,
+    #[serde(borrow)]
+    input: Option<&'a serde_json::value::RawValue>,
+    #[serde(borrow)]
+    tools: Option<&'a serde_json::value::RawValue>,
+}
+
+/// The facts of a request body the Edge acts on.
+#[derive(Debug)]
+struct Asked {
+    model: String,
+    stream: bool,
+    include_usage: bool,
+    wants_tools: bool,
+}
+
+/// An OpenAI error answer, rendered only when it is sent.
+#[derive(Debug)]
+struct Refusal {
+    status: StatusCode,
+    message: String,
+    kind: &'static str,
+    code: Option<&'static str>,
+}
+
+impl Refusal {
+    fn new(
+        status: StatusCode,
+        message: impl Into<String>,
+        kind: &'static str,
+        code: Option<&'static str>,
+    ) -> Self {
+        Refusal {
+            status,
+            message: message.into(),
+            kind,
+            code,
+        }
+    }
+
+    fn response(&self) -> Response<ResBody> {
+        error(self.status, &self.message, self.kind, self.code)
+    }
+}
+
+fn bad_request(message: impl Into<String>, code: Option<&'static str>) -> Refusal {
+    Refusal::new(
+        StatusCode::BAD_REQUEST,
+        message,
+        "invalid_request_error",
+        code,
+    )
+}
+
+/// Number of elements of a JSON array, without materialising them (`IgnoredAny` is
+/// zero-sized, so the vector never allocates); `None` if `raw` is not an array.
+fn array_len(raw: &serde_json::value::RawValue) -> Option<usize> {
+    serde_json::from_str::<Vec<serde::de::IgnoredAny>>(raw.get())
+        .ok()
+        .map(|v| v.len())
+}
+
+/// A present, non-null field.
+fn given(v: Option<&serde_json::value::RawValue>) -> Option<&serde_json::value::RawValue> {
+    v.filter(|v| v.get() != "null")
+}
+
+/// Reads what the Edge needs from `raw`, or the 400 to answer.
+fn inspect(raw: &[u8], endpoint: Endpoint) -> Result<Asked, Refusal> {
+    let head: Head<'_> = match serde_json::from_slice(raw) {
+        Ok(head) => head,
+        Err(err) if err.is_data() && raw.trim_ascii_start().first() != Some(&b'{') => {
+            return Err(bad_request("the request body must be a JSON object", None));
+        }
+        Err(err) => return Err(bad_request(format!("invalid JSON: {err}"), None)),
+    };
+    let model = given(head.model)
+        .and_then(|m| serde_json::from_str::<String>(m.get()).ok())
+        .ok_or_else(|| bad_request("you must provide a model parameter", Some("missing_model")))?;
+    let present = match endpoint {
+        Endpoint::Chat => (
+            "messages",
+            given(head.messages)
+                .and_then(array_len)
+                .is_some_and(|n| n > 0),
+        ),
+        Endpoint::Completions => ("prompt", given(head.prompt).is_some()),
+        Endpoint::Embeddings => ("input", given(head.input).is_some()),
+    };
+    if !present.1 {
+        return Err(bad_request(
+            format!("missing or invalid required parameter: {}", present.0),
+            Some("invalid_value"),
+        ));
+    }
+    let stream = match given(head.stream) {
+        None => false,
+        Some(v) => serde_json::from_str::<bool>(v.get())
+            .map_err(|_| bad_request("stream must be a boolean", Some("invalid_value")))?,
+    };
+    #[derive(serde::Deserialize)]
+    struct StreamOptions {
+        include_usage: Option<bool>,
+    }
+    let include_usage = given(head.stream_options)
+        .and_then(|v| serde_json::from_str::<StreamOptions>(v.get()).ok())
+        .and_then(|o| o.include_usage)
+        == Some(true);
+    let wants_tools = given(head.tools).and_then(array_len).is_some_and(|n| n > 0);
+    Ok(Asked {
+        model,
+        stream,
+        include_usage,
+        wants_tools,
+    })
+}
+
+/// Reads a request body within the size limit, the memory budget and the body deadline,
+/// into one buffer (sized from `content-length` when given, so it is never copied again).
+async fn read_body(
+    body: Incoming,
+    content_length: Option<u64>,
+    settings: &HttpSettings,
+    memory: &RequestMemory,
+) -> Result<Bytes, Refusal> {
+    let max = settings.max_body_bytes;
+    let too_large = || {
+        Refusal::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("request body exceeds {max} bytes"),
+            "invalid_request_error",
+            Some("body_too_large"),
+        )
+    };
+    let overloaded = || {
+        Refusal::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the edge is holding as many request bytes as it may; retry shortly",
+            "server_error",
+            Some("overloaded"),
+        )
+    };
+    let declared = match content_length {
+        Some(n) if n > max as u64 => return Err(too_large()),
+        Some(n) => usize::try_from(n).unwrap_or(max),
+        None => 0,
+    };
+    if !memory.reserve_body(declared) {
+        return Err(overloaded());
+    }
+    let mut reserved = declared;
+    let mut buf = bytes::BytesMut::with_capacity(declared);
+    let deadline = Instant::now() + settings.body_read_timeout;
+    let mut body = body;
+    loop {
+        let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+            Err(_) => {
+                return Err(Refusal::new(
+                    StatusCode::REQUEST_TIMEOUT,
+                    format!(
+                        "the request body did not arrive within {} s",
+                        settings.body_read_timeout.as_secs()
+                    ),
+                    "invalid_request_error",
+                    Some("body_timeout"),
+                ));
+            }
+            Ok(None) => break,
+            Ok(Some(Err(_))) => {
+                return Err(bad_request("could not read the request body", None));
+            }
+            Ok(Some(Ok(frame))) => frame,
+        };
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        let len = buf.len() + data.len();
+        if len > max {
+            return Err(too_large());
+        }
+        if len > reserved {
+            // More than declared (or nothing was): reserve as it comes, in steps.
+            let step = (len - reserved).max(64 << 10).min(max - reserved);
+            if !memory.reserve_body(step) {
+                return Err(overloaded());
+            }
+            reserved += step;
+        }
+        buf.extend_from_slice(&data);
+    }
+    Ok(buf.freeze())
+}
+
 async fn inference(
     req: Request<Incoming>,
     state: Arc<State>,
@@ -587,14 +901,6 @@ async fn inference(
 ) -> Response<ResBody> {
     let started = Instant::now();
     let settings = state.settings();
-    let Ok(permit) = state.permits.clone().try_acquire_owned() else {
-        return error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "too many concurrent requests",
-            "server_error",
-            Some("overloaded"),
-        );
-    };
     let headers: Vec<Header> = req
         .headers()
         .iter()
@@ -604,94 +910,43 @@ async fn inference(
             value: Bytes::copy_from_slice(value.as_bytes()),
         })
         .collect();
-    let raw = match Limited::new(req.into_body(), settings.max_body_bytes)
-        .collect()
-        .await
-    {
-        Ok(collected) => collected.to_bytes(),
-        Err(err) if err.is::<http_body_util::LengthLimitError>() => {
-            return error(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                &format!("request body exceeds {} bytes", settings.max_body_bytes),
-                "invalid_request_error",
-                Some("body_too_large"),
-            );
-        }
-        Err(_) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "could not read the request body",
-                "invalid_request_error",
-                None,
-            );
-        }
-    };
-    let body: Value = match serde_json::from_slice(&raw) {
-        Ok(Value::Object(map)) => Value::Object(map),
-        Ok(_) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "the request body must be a JSON object",
-                "invalid_request_error",
-                None,
-            );
-        }
-        Err(err) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                &format!("invalid JSON: {err}"),
-                "invalid_request_error",
-                None,
-            );
-        }
-    };
-    let Some(model) = body.get("model").and_then(Value::as_str).map(str::to_owned) else {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "you must provide a model parameter",
-            "invalid_request_error",
-            Some("missing_model"),
-        );
-    };
-    let required = match endpoint {
-        Endpoint::Chat => (
-            "messages",
-            body.get("messages").is_some_and(Value::is_array),
-        ),
-        Endpoint::Completions => ("prompt", body.get("prompt").is_some()),
-        Endpoint::Embeddings => ("input", body.get("input").is_some()),
-    };
-    if !required.1 {
-        return error(
-            StatusCode::BAD_REQUEST,
-            &format!("missing or invalid required parameter: {}", required.0),
-            "invalid_request_error",
-            Some("invalid_value"),
-        );
-    }
-    let stream = match body.get("stream") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "stream must be a boolean",
-                "invalid_request_error",
-                Some("invalid_value"),
-            );
-        }
-    };
-    let include_usage = body
-        .pointer("/stream_options/include_usage")
-        .and_then(Value::as_bool)
-        == Some(true);
-    let wants_tools = body
-        .get("tools")
-        .and_then(Value::as_array)
-        .is_some_and(|t| !t.is_empty());
-
+    let content_length = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let memory = RequestMemory::new(state.budget.clone());
+    // From here the body and everything buffered for the caller count against the budget
+    // until the handler is done.
     let (tx, rx) = mpsc::unbounded_channel();
-    let buffered = Arc::new(AtomicUsize::new(0));
+    let mut events = Events {
+        rx,
+        memory: memory.clone(),
+    };
+    let raw = match read_body(req.into_body(), content_length, &settings, &memory).await {
+        Ok(raw) => raw,
+        Err(refusal) => return refusal.response(),
+    };
+    // The concurrency permit is taken only once the body is in: slow senders cannot hold
+    // the permits every other caller needs.
+    let Ok(permit) = state.permits.clone().try_acquire_owned() else {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too many concurrent requests",
+            "server_error",
+            Some("overloaded"),
+        );
+    };
+    let Asked {
+        model,
+        stream,
+        include_usage,
+        wants_tools,
+    } = match inspect(&raw, endpoint) {
+        Ok(asked) => asked,
+        Err(refusal) => return refusal.response(),
+    };
+
     let (reply, answer) = oneshot::channel();
     let work = Work {
         endpoint,
@@ -705,7 +960,7 @@ async fn inference(
         prompt_tokens: (raw.len() as u64).div_ceil(4),
         work,
         events: tx,
-        buffered: buffered.clone(),
+        memory,
         reply,
     };
     if state.core.send(submit).await.is_err() {
@@ -774,7 +1029,6 @@ async fn inference(
         reason: "caller disconnected",
     };
     let deadline = started + settings.response_timeout;
-    let mut events = Events { rx, buffered };
     let ctx = Ctx {
         model,
         run_id: iop_proto_core::edge::run_id_of(request),
@@ -802,12 +1056,7 @@ struct Ctx {
 async fn next_event(events: &mut Events, deadline: Instant) -> Option<ReqEvent> {
     match tokio::time::timeout_at(deadline, events.rx.recv()).await {
         Ok(Some(event)) => {
-            let size = match &event {
-                ReqEvent::Run(e) => e.delta.len() + 64,
-                ReqEvent::Frame(f) => f.body.len() + 64,
-                _ => 0,
-            };
-            events.buffered.fetch_sub(size, Ordering::Relaxed);
+            events.memory.consumed(crate::core_task::event_size(&event));
             Some(event)
         }
         _ => None,
@@ -925,7 +1174,7 @@ fn dummy_events() -> Events {
     let (_tx, rx) = mpsc::unbounded_channel();
     Events {
         rx,
-        buffered: Arc::new(AtomicUsize::new(0)),
+        memory: RequestMemory::new(Arc::new(crate::memory::Budget::new(0))),
     }
 }
 

@@ -5,11 +5,13 @@
 //! - [`core_task`]: the one task that owns the core and routes its outputs.
 //! - [`nodes`]: the node listener (a reader and a writer task per connection).
 //! - [`http`]: the OpenAI-compatible HTTP surface, status, metrics and health.
+//! - [`memory`]: the budget of request bodies and buffered response bytes.
 
 pub mod certgen;
 pub mod config;
 pub mod core_task;
 pub mod http;
+pub mod memory;
 pub mod metrics;
 pub mod nodes;
 pub mod openai;
@@ -51,12 +53,16 @@ pub async fn run(
         "edge listening"
     );
     warn_about_exposure(&config);
+    let pending_frame_len = Arc::new(std::sync::atomic::AtomicUsize::new(
+        config.core.admission.pending_frame_len,
+    ));
     let node_tls: nodes::TlsSlot = Arc::new(RwLock::new(config.tls.nodes.clone()));
     let http_tls: nodes::TlsSlot = Arc::new(RwLock::new(config.tls.http.clone()));
     let state = Arc::new(http::State {
         core: core_tx.clone(),
         permits: Arc::new(Semaphore::new(config.http.max_concurrent_requests)),
         settings: RwLock::new(Arc::new(config.http.clone())),
+        budget: Arc::new(memory::Budget::new(config.http.max_inflight_bytes)),
         metrics: metrics.clone(),
     });
     let core_task = tokio::spawn(core_task::run(core, core_rx, clock, metrics.clone()));
@@ -67,6 +73,7 @@ pub async fn run(
             metrics: metrics.clone(),
             tls: node_tls.clone(),
             handshake_timeout: config.core.timing.register_timeout,
+            pending_frame_len: pending_frame_len.clone(),
             shutdown: shutdown.clone(),
         },
     ));
@@ -81,6 +88,7 @@ pub async fn run(
             config_path,
             state.clone(),
             [node_tls, http_tls],
+            pending_frame_len,
             shutdown.clone(),
         ));
     }
@@ -127,6 +135,7 @@ async fn reload_on_sighup(
     path: PathBuf,
     state: Arc<http::State>,
     [node_tls, http_tls]: [nodes::TlsSlot; 2],
+    pending_frame_len: Arc<std::sync::atomic::AtomicUsize>,
     shutdown: CancellationToken,
 ) {
     use tokio::signal::unix::{SignalKind, signal};
@@ -146,6 +155,7 @@ async fn reload_on_sighup(
                 continue;
             }
         };
+        let pending_frame = config.core.admission.pending_frame_len;
         let (reply, answer) = oneshot::channel();
         if state
             .core
@@ -160,6 +170,7 @@ async fn reload_on_sighup(
         }
         match answer.await {
             Ok(Ok(diff)) => {
+                pending_frame_len.store(pending_frame, std::sync::atomic::Ordering::Relaxed);
                 // New connections use the reloaded certificates; a listener keeps its
                 // kind (TLS or plaintext) until a restart.
                 for (tls, next) in [
@@ -172,6 +183,7 @@ async fn reload_on_sighup(
                         *current = Some(next.clone());
                     }
                 }
+                state.budget.set_max(config.http.max_inflight_bytes);
                 if let Ok(mut settings) = state.settings.write() {
                     let mut next = config.http.clone();
                     // Listeners stay where they are bound.

@@ -4,6 +4,7 @@
 //! its own; everyone else keeps being served.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -36,6 +37,9 @@ pub struct Listener {
     pub tls: TlsSlot,
     /// How long a peer has for its TLS handshake.
     pub handshake_timeout: Duration,
+    /// The frame limit a connection starts with, until the core raises it (replaced on
+    /// reload).
+    pub pending_frame_len: Arc<AtomicUsize>,
     /// Stops everything.
     pub shutdown: CancellationToken,
 }
@@ -62,38 +66,14 @@ pub async fn serve(listener: TcpListener, shared: Listener) {
                     .map_or(None, |tls| tls.clone().map(TlsAcceptor::from));
                 let shared = shared.clone();
                 let handshake_errors = handshake_errors.clone();
-                tokio::spawn(async move {
-                    match tls {
-                        None => {
-                            let peer = Peer {
-                                addr: Some(peer.ip()),
-                                ..Peer::default()
-                            };
-                            connection(stream, conn, peer, shared).await;
-                        }
-                        Some(acceptor) => {
-                            let handshake = tokio::select! {
-                                () = shared.shutdown.cancelled() => return,
-                                done = tokio::time::timeout(
-                                    shared.handshake_timeout,
-                                    acceptor.accept(stream),
-                                ) => done,
-                            };
-                            match handshake {
-                                Ok(Ok(stream)) => {
-                                    let peer = tls_peer(peer, stream.get_ref().1);
-                                    connection(stream, conn, peer, shared).await;
-                                }
-                                Ok(Err(err)) => {
-                                    handshake_failed(&shared, &handshake_errors, peer, &err)
-                                }
-                                Err(_) => {
-                                    handshake_failed(&shared, &handshake_errors, peer, &"timed out")
-                                }
-                            }
-                        }
-                    }
-                });
+                tokio::spawn(connection(
+                    stream,
+                    peer,
+                    conn,
+                    tls,
+                    shared,
+                    handshake_errors,
+                ));
             }
             Err(err) => {
                 if let Some(suppressed) = accept_errors.allow() {
@@ -102,21 +82,6 @@ pub async fn serve(listener: TcpListener, shared: Listener) {
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }
-    }
-}
-
-fn tls_peer(addr: SocketAddr, session: &rustls::ServerConnection) -> Peer {
-    let identities = session
-        .peer_certificates()
-        .and_then(|chain| chain.first())
-        .map(|leaf| iop_shell_common::tls::names(leaf))
-        .unwrap_or_default();
-    Peer {
-        addr: Some(addr.ip()),
-        tls: session
-            .protocol_version()
-            .and_then(iop_shell_common::tls::version_name),
-        identities,
     }
 }
 
@@ -134,7 +99,11 @@ fn handshake_failed(
     }
 }
 
-async fn write_loop<W: AsyncWrite + Unpin>(mut writer: W, mut rx: mpsc::UnboundedReceiver<Bytes>) {
+async fn write_loop<W: AsyncWrite + Unpin>(
+    mut writer: W,
+    mut rx: mpsc::UnboundedReceiver<Bytes>,
+    queued: Arc<AtomicUsize>,
+) {
     let mut batch = BytesMut::new();
     while let Some(first) = rx.recv().await {
         batch.extend_from_slice(&first);
@@ -147,13 +116,134 @@ async fn write_loop<W: AsyncWrite + Unpin>(mut writer: W, mut rx: mpsc::Unbounde
         if writer.write_all(&batch).await.is_err() || writer.flush().await.is_err() {
             return;
         }
+        queued.fetch_sub(batch.len(), Ordering::Relaxed);
         batch.clear();
     }
     let _ = writer.shutdown().await;
 }
 
-async fn connection<S>(stream: S, conn: ConnId, peer: Peer, shared: Listener)
-where
+/// What the core task keeps of a node connection.
+#[derive(Debug)]
+pub struct ConnHandle {
+    /// Where its frames are written.
+    pub writer: mpsc::UnboundedSender<Bytes>,
+    /// Bytes handed to the writer and not yet written.
+    pub queued: Arc<AtomicUsize>,
+    /// The largest frame its reader accepts (raised by the core after register).
+    pub frame_limit: Arc<AtomicUsize>,
+    /// Stops its reader and handshake.
+    pub closer: CancellationToken,
+}
+
+/// Bytes queued for one node that does not read them, after which it is dropped.
+pub const MAX_QUEUED_PER_CONNECTION: usize = 64 << 20;
+
+async fn connection(
+    stream: tokio::net::TcpStream,
+    addr: SocketAddr,
+    conn: ConnId,
+    tls: Option<TlsAcceptor>,
+    shared: Listener,
+    handshake_errors: Arc<LogLimiter>,
+) {
+    // The core hears of the connection at once, so the caps on unregistered connections
+    // and the register deadline cover the TLS handshake too.
+    let (wtx, wrx) = mpsc::unbounded_channel();
+    let closer = CancellationToken::new();
+    let queued = Arc::new(AtomicUsize::new(0));
+    let frame_limit = Arc::new(AtomicUsize::new(
+        shared.pending_frame_len.load(Ordering::Relaxed),
+    ));
+    let handle = ConnHandle {
+        writer: wtx,
+        queued: queued.clone(),
+        frame_limit: frame_limit.clone(),
+        closer: closer.clone(),
+    };
+    let peer = Peer {
+        addr: Some(addr.ip()),
+        ..Peer::default()
+    };
+    if shared
+        .core
+        .send(CoreMsg::ConnOpened { conn, peer, handle })
+        .await
+        .is_err()
+    {
+        return;
+    }
+    match tls {
+        None => {
+            run_link(
+                stream,
+                conn,
+                true,
+                wrx,
+                queued,
+                frame_limit,
+                closer,
+                &shared,
+            )
+            .await
+        }
+        Some(acceptor) => {
+            let handshake = tokio::select! {
+                () = closer.cancelled() => None,
+                () = shared.shutdown.cancelled() => None,
+                done = tokio::time::timeout(shared.handshake_timeout, acceptor.accept(stream)) => Some(done),
+            };
+            match handshake {
+                None => {}
+                Some(Ok(Ok(stream))) => {
+                    let session = stream.get_ref().1;
+                    let identities = session
+                        .peer_certificates()
+                        .and_then(|chain| chain.first())
+                        .map(|leaf| iop_shell_common::tls::names(leaf))
+                        .unwrap_or_default();
+                    let version = session
+                        .protocol_version()
+                        .and_then(iop_shell_common::tls::version_name)
+                        .unwrap_or("TLS");
+                    let secured = CoreMsg::Secured {
+                        conn,
+                        tls: version,
+                        identities,
+                    };
+                    if shared.core.send(secured).await.is_ok() {
+                        run_link(
+                            stream,
+                            conn,
+                            false,
+                            wrx,
+                            queued,
+                            frame_limit,
+                            closer,
+                            &shared,
+                        )
+                        .await;
+                    }
+                }
+                Some(Ok(Err(err))) => handshake_failed(&shared, &handshake_errors, addr, &err),
+                Some(Err(_)) => handshake_failed(&shared, &handshake_errors, addr, &"timed out"),
+            }
+        }
+    }
+    let _ = shared.core.send(CoreMsg::ConnClosed { conn }).await;
+}
+
+/// Reads frames into the core and writes what the core sends, until either side ends.
+#[allow(clippy::too_many_arguments)]
+async fn run_link<S>(
+    stream: S,
+    conn: ConnId,
+    plaintext: bool,
+    wrx: mpsc::UnboundedReceiver<Bytes>,
+    queued: Arc<AtomicUsize>,
+    frame_limit: Arc<AtomicUsize>,
+    closer: CancellationToken,
+    shared: &Listener,
+) where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
     let Listener {
@@ -162,28 +252,13 @@ where
         shutdown,
         ..
     } = shared;
-    let plaintext = peer.tls.is_none();
     let (mut reader, writer) = tokio::io::split(stream);
-    let (wtx, wrx) = mpsc::unbounded_channel();
-    let closer = CancellationToken::new();
-    tokio::spawn(write_loop(writer, wrx));
-    if core
-        .send(CoreMsg::ConnOpened {
-            conn,
-            peer,
-            writer: wtx,
-            closer: closer.clone(),
-        })
-        .await
-        .is_err()
-    {
-        return;
-    }
-    let mut decoder = FrameDecoder::new();
-    let mut buf = BytesMut::with_capacity(64 << 10);
+    tokio::spawn(write_loop(writer, wrx, queued));
+    let mut decoder = FrameDecoder::with_max_frame_len(frame_limit.load(Ordering::Relaxed));
+    let mut buf = BytesMut::with_capacity(16 << 10);
     let mut first = true;
     'read: loop {
-        buf.reserve(64 << 10);
+        buf.reserve(16 << 10);
         let read = tokio::select! {
             () = closer.cancelled() => break,
             () = shutdown.cancelled() => break,
@@ -211,6 +286,8 @@ where
                 Metrics::add(&metrics.bytes_in, n as u64);
                 decoder.push_bytes(buf.split().freeze());
                 loop {
+                    // The core raises the limit once the node has registered.
+                    decoder.set_max_frame_len(frame_limit.load(Ordering::Relaxed));
                     match decoder.next_envelope() {
                         Ok(Some(envelope)) => {
                             Metrics::add(&metrics.frames_in, 1);
@@ -232,5 +309,4 @@ where
             }
         }
     }
-    let _ = core.send(CoreMsg::ConnClosed { conn }).await;
 }

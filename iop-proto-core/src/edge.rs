@@ -31,7 +31,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::edge_config::{EdgeConfig, EdgeConfigError, category_of};
-use crate::guard::{AuthThrottle, Contest, FlapGuard, Source};
+use crate::guard::{AuthThrottle, Contest, FlapGuard, PendingConnections, Source};
 use crate::idhash::IdMap;
 use crate::lease::{Generation, Lease, Ledger, Release, RequestId, ResourceId};
 use crate::queue::{Candidate, Ticket, WaitQueue, Waiter};
@@ -122,6 +122,8 @@ pub enum CloseReason {
     /// The node's token changed in the configuration: the connection that registered
     /// with the old one is revoked.
     CredentialsChanged,
+    /// Too many connections have not registered yet (in all, or from this source).
+    TooManyPending,
     /// The peer closed the connection (reported by the shell).
     PeerClosed,
 }
@@ -135,6 +137,16 @@ pub enum Transmit {
         conn: ConnId,
         /// The message.
         envelope: Envelope,
+    },
+    /// From now on accept frames of up to `max_frame_len` bytes on the connection.
+    /// Connections start at [`Admission::pending_frame_len`](crate::edge_config::Admission)
+    /// (the shell's decoder begins there); the limit rises to the full one just before the
+    /// frame that accepts the register, so it is in force before the node can use it.
+    FrameLimit {
+        /// The connection.
+        conn: ConnId,
+        /// The new limit.
+        max_frame_len: usize,
     },
     /// Flush what was written, then close the connection.
     Close {
@@ -333,6 +345,20 @@ pub enum EdgeEvent {
         /// How long newcomers are held off.
         hold_down: Duration,
     },
+    /// A new connection was closed at once: too many connections have not registered
+    /// yet, in all or from its source. `log` is set for the 1st, 2nd, 4th, 8th… refusal.
+    ConnectionRefused {
+        /// Connection.
+        conn: ConnId,
+        /// The peer's address, when known.
+        addr: Option<IpAddr>,
+        /// Connections pending in all.
+        pending: usize,
+        /// Refusals so far.
+        refused: u64,
+        /// Whether to log it.
+        log: bool,
+    },
     /// A peer broke the protocol (for logs and metrics; the machine already acted).
     PeerViolation {
         /// Connection.
@@ -490,6 +516,8 @@ enum Phase {
 struct Conn {
     phase: Phase,
     peer: Peer,
+    /// Counted in [`PendingConnections`] (until it registers, is refused or closes).
+    pending: bool,
     /// Register, then ready, must arrive before this.
     handshake_deadline: Timestamp,
     last_rx: Timestamp,
@@ -639,6 +667,9 @@ pub struct EdgeCore {
     conns: IdMap<ConnId, Conn>,
     ledger: Ledger,
     throttle: AuthThrottle,
+    pending: PendingConnections,
+    /// Connections refused for the pending caps (logged at powers of two).
+    refused_pending: u64,
     resources: Vec<ResourceMeta>,
     models: HashMap<Arc<str>, Model>,
     queue: WaitQueue,
@@ -682,6 +713,8 @@ impl EdgeCore {
             conns: IdMap::default(),
             ledger: Ledger::new(),
             throttle: AuthThrottle::new(config.admission.throttle),
+            pending: PendingConnections::default(),
+            refused_pending: 0,
             resources: Vec::new(),
             models: HashMap::new(),
             queue: WaitQueue::new(),
@@ -882,8 +915,13 @@ impl EdgeCore {
         self.now = self.now.max(now);
     }
 
-    /// A node connection was accepted by the transport (after its TLS handshake, when
-    /// there is one); `peer` says what the transport knows about the other end.
+    /// A node connection was accepted by the transport, before any TLS handshake; `peer`
+    /// says what the transport knows about the other end so far (its address). The
+    /// register timeout runs from here, and the connection counts against the caps on
+    /// connections that have not registered yet: over them it is closed at once
+    /// ([`CloseReason::TooManyPending`]). Its frames are limited to
+    /// [`Admission::pending_frame_len`](crate::edge_config::Admission) until a register
+    /// is accepted ([`Transmit::FrameLimit`]).
     pub fn handle_connection_opened(
         &mut self,
         now: Timestamp,
@@ -894,10 +932,13 @@ impl EdgeCore {
         if self.conns.contains_key(&conn) {
             return Err(UsageError::DuplicateConnection(conn));
         }
+        let source = Source::of(peer.addr);
+        let admitted = self.pending.admit(source, self.config.admission.pending);
         self.conns.insert(
             conn,
             Conn {
                 phase: Phase::Unregistered,
+                pending: admitted,
                 peer,
                 handshake_deadline: self.now + self.config.timing.register_timeout,
                 last_rx: self.now,
@@ -912,6 +953,38 @@ impl EdgeCore {
             self.now + timing.heartbeat_timeout,
             TimerKey::Liveness(conn),
         ));
+        if !admitted {
+            self.refused_pending += 1;
+            let addr = self.conns.get(&conn).and_then(|c| c.peer.addr);
+            self.events.push_back(EdgeEvent::ConnectionRefused {
+                conn,
+                addr,
+                pending: self.pending.total(),
+                refused: self.refused_pending,
+                log: self.refused_pending.is_power_of_two(),
+            });
+            self.close(conn, CloseReason::TooManyPending);
+        }
+        Ok(())
+    }
+
+    /// The connection's TLS handshake completed: `tls` is the negotiated version and
+    /// `identities` the names of the client certificate, if one was presented and
+    /// verified (see [`Peer`]).
+    pub fn handle_connection_secured(
+        &mut self,
+        now: Timestamp,
+        conn: ConnId,
+        tls: &'static str,
+        identities: Vec<String>,
+    ) -> Result<(), UsageError> {
+        self.advance(now);
+        let c = self
+            .conns
+            .get_mut(&conn)
+            .ok_or(UsageError::UnknownConnection(conn))?;
+        c.peer.tls = Some(tls);
+        c.peer.identities = identities;
         Ok(())
     }
 
@@ -927,6 +1000,9 @@ impl EdgeCore {
             .conns
             .remove(&conn)
             .ok_or(UsageError::UnknownConnection(conn))?;
+        if c.pending {
+            self.pending.release(Source::of(c.peer.addr));
+        }
         if let Phase::Owner { node, generation } = c.phase {
             self.fence_owner(node, generation, CloseReason::PeerClosed);
         }
@@ -1337,6 +1413,16 @@ impl EdgeCore {
             c.phase = Phase::Stale;
             self.transmits.push_back(Transmit::Close { conn, reason });
         }
+        self.settle_pending(conn);
+    }
+
+    /// The connection no longer counts as pending (it registered, or is being closed).
+    fn settle_pending(&mut self, conn: ConnId) {
+        if let Some(c) = self.conns.get_mut(&conn)
+            && std::mem::take(&mut c.pending)
+        {
+            self.pending.release(Source::of(c.peer.addr));
+        }
     }
 
     fn node_of(&self, conn: ConnId) -> Option<Arc<str>> {
@@ -1454,6 +1540,12 @@ impl EdgeCore {
             };
             c.handshake_deadline = self.now + timing.register_timeout;
         }
+        self.settle_pending(conn);
+        // The full frame limit, in force before the node learns it may send large frames.
+        self.transmits.push_back(Transmit::FrameLimit {
+            conn,
+            max_frame_len: self.config.admission.max_frame_len,
+        });
         let payload = self.nodes[i]
             .spec
             .as_ref()

@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use crate::guard::{ConflictLimits, ThrottleLimits};
+use crate::guard::{ConflictLimits, PendingLimits, ThrottleLimits};
 use crate::token::TokenVerifier;
 use crate::wire::{
     AdapterConfig, AdapterType, NodeConfigPayload, NodeRuntimeConfig, Validate, ValidationError,
@@ -109,7 +109,7 @@ impl Default for QueueLimits {
 }
 
 /// How the Edge admits node connections, beyond each node's token.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Admission {
     /// Every node must come over mutual TLS with a client certificate that names its
     /// node id (see [`Peer::identities`](crate::edge::Peer::identities)); a valid
@@ -119,6 +119,27 @@ pub struct Admission {
     pub throttle: ThrottleLimits,
     /// When two live connections fighting over one node id become a conflict.
     pub conflict: ConflictLimits,
+    /// Caps on connections that have not registered yet.
+    pub pending: PendingLimits,
+    /// Largest frame a connection may send before its register is accepted: a
+    /// `RegisterRequest` needs a few hundred bytes, so unauthenticated peers cannot make
+    /// the Edge buffer megabytes each.
+    pub pending_frame_len: usize,
+    /// Largest frame of a registered connection.
+    pub max_frame_len: usize,
+}
+
+impl Default for Admission {
+    fn default() -> Self {
+        Admission {
+            require_client_identity: false,
+            throttle: ThrottleLimits::default(),
+            conflict: ConflictLimits::default(),
+            pending: PendingLimits::default(),
+            pending_frame_len: 64 * 1024,
+            max_frame_len: crate::wire::DEFAULT_MAX_FRAME_LEN,
+        }
+    }
 }
 
 /// The Edge's whole configured set.
@@ -248,6 +269,21 @@ impl EdgeConfig {
             return Err(EdgeConfigError::Timing {
                 key: "register_timeout",
                 problem: "must be positive",
+            });
+        }
+        let admission = &self.admission;
+        if admission.pending_frame_len < 4096
+            || admission.pending_frame_len > admission.max_frame_len
+        {
+            return Err(EdgeConfigError::Timing {
+                key: "limits.pending_frame_bytes",
+                problem: "must be at least 4096 and at most limits.max_frame_bytes",
+            });
+        }
+        if admission.pending.max_total == 0 || admission.pending.max_per_source == 0 {
+            return Err(EdgeConfigError::Timing {
+                key: "limits.max_pending_connections",
+                problem: "must be positive, in all and per address",
             });
         }
         if self.queue.wait_timeout.is_zero() {

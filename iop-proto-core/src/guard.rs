@@ -13,9 +13,14 @@
 //!   [`ConflictLimits::hold_down`], renewed by every refused newcomer, so the conflict
 //!   stays visible for as long as both nodes run.
 //!
-//! Both are bounded: the throttle tracks at most [`ThrottleLimits::max_sources`] sources
-//! (forgetting quiet ones first, then the oldest), and a flap guard keeps at most
-//! `supersedes` timestamps.
+//! - [`PendingConnections`]: connections that have not registered yet (still in their
+//!   TLS handshake or before their `RegisterRequest`) are capped, in all and per source,
+//!   so unauthenticated peers cannot hold an unbounded number of sockets and buffers.
+//!
+//! All are bounded: the throttle tracks at most [`ThrottleLimits::max_sources`] sources
+//! (forgetting quiet ones first, then the oldest), a flap guard keeps at most
+//! `supersedes` timestamps, and the pending table has one entry per source with a
+//! pending connection.
 
 use std::collections::{HashMap, VecDeque};
 use std::net::IpAddr;
@@ -282,6 +287,61 @@ impl FlapGuard {
     }
 }
 
+/// Caps on connections that have not registered yet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PendingLimits {
+    /// Pending connections in all.
+    pub max_total: usize,
+    /// Pending connections from one source.
+    pub max_per_source: usize,
+}
+
+impl Default for PendingLimits {
+    fn default() -> Self {
+        PendingLimits {
+            max_total: 1024,
+            max_per_source: 64,
+        }
+    }
+}
+
+/// Counts connections that have not registered yet, in all and per source.
+#[derive(Debug, Default)]
+pub struct PendingConnections {
+    total: usize,
+    by_source: HashMap<Source, usize>,
+}
+
+impl PendingConnections {
+    /// Counts a new connection from `source` if the limits allow it.
+    pub fn admit(&mut self, source: Source, limits: PendingLimits) -> bool {
+        let from_source = self.by_source.get(&source).copied().unwrap_or(0);
+        if self.total >= limits.max_total || from_source >= limits.max_per_source {
+            return false;
+        }
+        self.total += 1;
+        *self.by_source.entry(source).or_default() += 1;
+        true
+    }
+
+    /// A counted connection from `source` registered, was refused or closed.
+    pub fn release(&mut self, source: Source) {
+        if let Some(n) = self.by_source.get_mut(&source) {
+            *n -= 1;
+            self.total -= 1;
+            if *n == 0 {
+                self.by_source.remove(&source);
+            }
+        }
+    }
+
+    /// Pending connections in all.
+    #[must_use]
+    pub fn total(&self) -> usize {
+        self.total
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -348,6 +408,26 @@ mod tests {
             t.record_failure(at(u64::from(i)), Source::V4(i.to_be_bytes()));
             assert!(t.tracked() <= 16);
         }
+    }
+
+    #[test]
+    fn pending_connections_are_capped_in_all_and_per_source() {
+        let limits = PendingLimits {
+            max_total: 3,
+            max_per_source: 2,
+        };
+        let b = Source::V4([10, 0, 0, 2]);
+        let mut p = PendingConnections::default();
+        assert!(p.admit(A, limits) && p.admit(A, limits));
+        assert!(!p.admit(A, limits), "per source");
+        assert!(p.admit(b, limits));
+        assert!(!p.admit(Source::Unknown, limits), "in all");
+        p.release(A);
+        assert!(p.admit(A, limits));
+        for _ in 0..5 {
+            p.release(b);
+        }
+        assert_eq!(p.total(), 2, "releasing more than admitted changes nothing");
     }
 
     #[test]

@@ -73,7 +73,10 @@ pub use edge_config::{
     NodeSpec, QueueLimits,
 };
 pub use gate::{CapacityGate, GateError};
-pub use guard::{AuthThrottle, ConflictLimits, Contest, FlapGuard, Source, ThrottleLimits};
+pub use guard::{
+    AuthThrottle, ConflictLimits, Contest, FlapGuard, PendingConnections, PendingLimits, Source,
+    ThrottleLimits,
+};
 pub use lease::{Generation, Lease, Ledger, Release, RequestId, ResourceId};
 pub use queue::{Candidate, Ticket, WaitQueue, Waiter};
 pub use reconnect::{

@@ -226,6 +226,70 @@ fn oversized_register_fields_close_the_connection() {
     ));
 }
 
+#[test]
+fn unregistered_connections_are_capped_per_source_and_in_all() {
+    let mut cfg = config();
+    cfg.admission.pending = PendingLimits {
+        max_total: 4,
+        max_per_source: 2,
+    };
+    let mut h = Harness::with(cfg);
+    let a = [h.open_from(from("10.0.0.1")), h.open_from(from("10.0.0.1"))];
+    assert!(h.transmits().is_empty());
+    let third = h.open_from(from("10.0.0.1"));
+    let (tx, events) = h.drain();
+    assert_eq!(closed(&tx), vec![(third, CloseReason::TooManyPending)]);
+    assert!(matches!(
+        events.as_slice(),
+        [EdgeEvent::ConnectionRefused { log: true, .. }]
+    ));
+    // Other sources still get in, up to the total.
+    let b = [h.open_from(from("10.0.0.2")), h.open_from(from("10.0.0.3"))];
+    let over = h.open_from(from("10.0.0.4"));
+    assert_eq!(
+        closed(&h.transmits()),
+        vec![(over, CloseReason::TooManyPending)]
+    );
+    // A registered connection no longer counts: room for one more.
+    h.register(a[0], "n1");
+    h.transmits();
+    let next = h.open_from(from("10.0.0.1"));
+    assert!(closed(&h.transmits()).is_empty(), "{next:?} admitted");
+    // Closing frees room too, refused and closed ones never count twice.
+    for conn in [b[0], b[1], third, over] {
+        h.edge.handle_connection_closed(h.now, conn).expect("open");
+    }
+    let more: Vec<ConnId> = (0..2)
+        .map(|i| h.open_from(from(&format!("10.0.1.{i}"))))
+        .collect();
+    assert!(closed(&h.transmits()).is_empty(), "{more:?} admitted");
+}
+
+#[test]
+fn the_full_frame_limit_comes_just_before_an_accepted_register_answer() {
+    let mut h = Harness::new();
+    let refused = h.open();
+    h.register_with(refused, "n1", "wrong");
+    let tx = h.transmits();
+    assert!(
+        !tx.iter().any(|t| matches!(t, Transmit::FrameLimit { .. })),
+        "a refused peer keeps the small limit"
+    );
+    let conn = h.open();
+    h.register(conn, "n1");
+    let tx = h.transmits();
+    let limit = tx
+        .iter()
+        .position(|t| matches!(t, Transmit::FrameLimit { conn: c, max_frame_len } if *c == conn && *max_frame_len == DEFAULT_MAX_FRAME_LEN))
+        .expect("limit raised");
+    let answer = tx
+        .iter()
+        .position(|t| matches!(t, Transmit::Frame { envelope, .. } if matches!(envelope.body, Some(Body::RegisterResponse(_)))))
+        .expect("answered");
+    assert!(limit < answer, "{tx:?}");
+    assert!(h.edge.config().admission.pending_frame_len < DEFAULT_MAX_FRAME_LEN);
+}
+
 #[derive(Clone, Debug)]
 struct Try {
     source: u8,

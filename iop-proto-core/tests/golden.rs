@@ -69,6 +69,16 @@ impl Pair {
                             self.now, conn.0
                         );
                     }
+                    Transmit::FrameLimit {
+                        conn,
+                        max_frame_len,
+                    } => {
+                        let _ = writeln!(
+                            self.out,
+                            "{} -- edge accepts frames up to {max_frame_len} bytes on connection {}",
+                            self.now, conn.0
+                        );
+                    }
                 }
             }
             while let Some(event) = self.node.poll_event() {

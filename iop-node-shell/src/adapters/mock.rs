@@ -99,7 +99,6 @@ impl Mock {
         if !sink.run(RunOutput::Start).await {
             return;
         }
-        let input: serde_json::Value = serde_json::from_slice(&request.input).unwrap_or_default();
         let prompt_tokens = (request.input.len() as u64).div_ceil(4);
         if self.fail == Fail::Always {
             let _ = sink
@@ -111,9 +110,8 @@ impl Mock {
                 .await;
             return;
         }
-        let wants_tools = input
-            .get("tools")
-            .is_some_and(|t| t.as_array().is_some_and(|a| !a.is_empty()));
+        let wants_tools = super::json::Object::parse(&request.input)
+            .is_ok_and(|input| super::json::non_empty_array(input.get("tools")));
         if let (Some(name), true) = (&self.tool_call, wants_tools) {
             let calls = serde_json::json!([{
                 "id": format!("call_{}", request.run_id),

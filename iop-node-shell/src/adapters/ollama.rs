@@ -13,6 +13,7 @@ use tokio::time::{Instant, timeout_at};
 use tokio_util::sync::CancellationToken;
 
 use super::http::{self, HttpClient, base_url};
+use super::json;
 use super::sse::Lines;
 use super::{Sink, error};
 
@@ -24,30 +25,42 @@ pub struct Ollama {
     default_timeout: Duration,
 }
 
-/// Converts an OpenAI chat request into an Ollama `/api/chat` request.
-#[must_use]
-pub fn to_ollama(input: &Value, target: &str) -> Value {
-    let mut messages = input.get("messages").cloned().unwrap_or_else(|| json!([]));
-    // OpenAI carries tool-call arguments as a JSON string, Ollama as an object.
-    if let Some(list) = messages.as_array_mut() {
-        for message in list {
-            if let Some(calls) = message.get_mut("tool_calls").and_then(Value::as_array_mut) {
-                for call in calls {
-                    if let Some(args) = call.pointer_mut("/function/arguments")
-                        && let Some(text) = args.as_str()
-                    {
-                        *args = serde_json::from_str(text).unwrap_or_else(|_| json!({}));
-                    }
+/// Converts an OpenAI chat request into an Ollama `/api/chat` request body. Messages are
+/// copied byte for byte except those carrying `tool_calls` (OpenAI writes a call's
+/// arguments as a JSON string, Ollama as an object): no tree of the whole input is built.
+pub fn to_ollama(input: &[u8], target: &str) -> Result<Vec<u8>, String> {
+    use std::borrow::Cow;
+    let object = json::Object::parse(input)?;
+    let messages = match object.get("messages") {
+        None => Vec::new(),
+        Some(raw) => json::elements(raw).ok_or("messages is not an array")?,
+    };
+    let messages = json::array(messages.into_iter().map(|message| {
+        if !message.get().contains("\"tool_calls\"") {
+            return Cow::Borrowed(message.get());
+        }
+        let mut message: Value = serde_json::from_str(message.get()).unwrap_or(Value::Null);
+        if let Some(calls) = message.get_mut("tool_calls").and_then(Value::as_array_mut) {
+            for call in calls {
+                if let Some(args) = call.pointer_mut("/function/arguments")
+                    && let Some(text) = args.as_str()
+                {
+                    *args = serde_json::from_str(text).unwrap_or_else(|_| json!({}));
                 }
             }
         }
-    }
-    let mut body = json!({ "model": target, "messages": messages, "stream": true });
-    if let Some(tools) = input
-        .get("tools")
-        .filter(|t| t.as_array().is_some_and(|a| !a.is_empty()))
+        Cow::Owned(message.to_string())
+    }));
+    let model = Value::from(target).to_string();
+    let mut set: Vec<(&str, &str)> = vec![
+        ("model", &model),
+        ("messages", &messages),
+        ("stream", "true"),
+    ];
+    if let Some(tools) = object.get("tools")
+        && json::non_empty_array(Some(tools))
     {
-        body["tools"] = tools.clone();
+        set.push(("tools", tools.get()));
     }
     let mut options = Map::new();
     for (from, to) in [
@@ -57,14 +70,19 @@ pub fn to_ollama(input: &Value, target: &str) -> Value {
         ("seed", "seed"),
         ("stop", "stop"),
     ] {
-        if let Some(value) = input.get(from) {
-            options.insert(to.to_owned(), value.clone());
+        if let Some(value) = object
+            .get(from)
+            .and_then(|v| serde_json::from_str(v.get()).ok())
+        {
+            options.insert(to.to_owned(), value);
         }
     }
-    if !options.is_empty() {
-        body["options"] = Value::Object(options);
+    let options = Value::Object(options).to_string();
+    if options != "{}" {
+        set.push(("options", &options));
     }
-    body
+    // Only the members Ollama understands: start from an empty object.
+    Ok(json::Object::default().write(&set))
 }
 
 /// Converts Ollama tool calls into OpenAI `tool_calls`.
@@ -123,17 +141,10 @@ impl Ollama {
 
     async fn run_inner(&self, request: &RunRequest, sink: &Sink) -> RunOutput {
         let deadline = Instant::now() + self.default_timeout;
-        let input: Value = match serde_json::from_slice(&request.input) {
-            Ok(value @ Value::Object(_)) => value,
-            _ => {
-                return RunOutput::Error(error(
-                    "bad_request",
-                    "run input is not a JSON object",
-                    false,
-                ));
-            }
+        let body = match to_ollama(&request.input, &request.target) {
+            Ok(body) => body,
+            Err(err) => return RunOutput::Error(error("bad_request", err, false)),
         };
-        let body = to_ollama(&input, &request.target);
         let headers = [Header {
             name: "content-type".into(),
             value: Bytes::from_static(b"application/json"),
@@ -143,7 +154,7 @@ impl Ollama {
             &format!("{}/api/chat", self.base),
             &headers,
             "",
-            Bytes::from(body.to_string()),
+            Bytes::from(body),
         ) {
             Ok(r) => r,
             Err(err) => return RunOutput::Error(error("bad_request", err, false)),
@@ -296,7 +307,10 @@ mod tests {
             "tools": [{"type": "function", "function": {"name": "f"}}],
             "max_tokens": 5
         });
-        let out = to_ollama(&input, "llama3");
+        let out: Value = serde_json::from_slice(
+            &to_ollama(input.to_string().as_bytes(), "llama3").expect("converts"),
+        )
+        .expect("JSON");
         assert_eq!(out["model"], "llama3");
         assert_eq!(out["stream"], true);
         assert_eq!(out["options"]["num_predict"], 5);
@@ -305,6 +319,8 @@ mod tests {
             1
         );
         assert!(out["tools"].is_array());
+        assert!(out.get("max_tokens").is_none(), "only Ollama's members");
+        assert!(to_ollama(b"[]", "llama3").is_err());
     }
 
     #[test]

@@ -17,6 +17,7 @@ use tokio::time::{Instant, timeout_at};
 use tokio_util::sync::CancellationToken;
 
 use super::http::{self, HttpClient, base_url, wire_headers};
+use super::json;
 use super::sse::{Lines, UsageWatcher, sse_data, usage_of};
 use super::{Sink, error};
 
@@ -238,23 +239,20 @@ impl OpenAi {
         cancel: &CancellationToken,
     ) -> Result<RunOutput, CallError> {
         let deadline = self.deadline(0);
-        let mut body: Value = match serde_json::from_slice(&request.input) {
-            Ok(Value::Object(map)) => Value::Object(map),
-            _ => {
-                return Ok(RunOutput::Error(error(
-                    "bad_request",
-                    "run input is not a JSON object",
-                    false,
-                )));
-            }
+        // The caller's body, copied member by member with these replaced: no tree of it
+        // is built.
+        let input = match json::Object::parse(&request.input) {
+            Ok(input) => input,
+            Err(err) => return Ok(RunOutput::Error(error("bad_request", err, false))),
         };
-        body["model"] = json!(request.target);
-        body["stream"] = json!(true);
-        body["stream_options"] = json!({ "include_usage": true });
-        let had_tools = body
-            .get("tools")
-            .and_then(Value::as_array)
-            .is_some_and(|t| !t.is_empty());
+        let model = Value::from(request.target.as_str()).to_string();
+        let set = [
+            ("model", model.as_str()),
+            ("stream", "true"),
+            ("stream_options", r#"{"include_usage":true}"#),
+        ];
+        let mut body = Bytes::from(input.write(&set));
+        let had_tools = json::non_empty_array(input.get("tools"));
         let url = format!("{}/v1/chat/completions", self.base);
         let headers = [Header {
             name: "content-type".into(),
@@ -262,14 +260,8 @@ impl OpenAi {
         }];
         let mut fallback = false;
         let response = loop {
-            let upstream = http::request(
-                "POST",
-                &url,
-                &headers,
-                &self.api_key,
-                Bytes::from(body.to_string()),
-            )
-            .map_err(CallError::Unreachable)?;
+            let upstream = http::request("POST", &url, &headers, &self.api_key, body.clone())
+                .map_err(CallError::Unreachable)?;
             let mut response = send(&self.client, upstream, deadline, cancel).await?;
             let status = response.status();
             if status.is_success() {
@@ -282,7 +274,7 @@ impl OpenAi {
                 && text.to_ascii_lowercase().contains("tool")
             {
                 fallback = true;
-                body = text_tool_fallback(body);
+                body = Bytes::from(text_tool_fallback(&input, &set));
                 continue;
             }
             return Ok(RunOutput::Error(error(
@@ -381,32 +373,50 @@ impl ToolCalls {
 }
 
 /// The request without `tools`/`tool_choice`, with a text tool-call instruction merged into
-/// the leading system message (some backends reject a system message elsewhere).
+/// the leading system message (some backends reject a system message elsewhere), and the
+/// members of `set` replaced. Only the first message is rewritten; the rest are copied.
 #[must_use]
-pub fn text_tool_fallback(mut body: Value) -> Value {
-    let tools = body.get("tools").cloned().unwrap_or(Value::Null);
-    if let Some(map) = body.as_object_mut() {
-        map.remove("tools");
-        map.remove("tool_choice");
-    }
+pub fn text_tool_fallback(input: &json::Object<'_>, set: &[(&str, &str)]) -> Vec<u8> {
+    use std::borrow::Cow;
+    let tools = input.get("tools").map_or("null", |t| t.get());
     let instruction = format!(
         "You can call these tools: {tools}\nTo call tools, answer with only this JSON and no other text: \
          {{\"tool_calls\": [{{\"name\": \"<tool name>\", \"arguments\": {{...}}}}]}}"
     );
-    if let Some(messages) = body.get_mut("messages").and_then(Value::as_array_mut) {
-        match messages.first_mut() {
-            Some(first) if first.get("role").and_then(Value::as_str) == Some("system") => {
-                let content = first
-                    .get("content")
-                    .and_then(Value::as_str)
-                    .unwrap_or("")
-                    .to_owned();
-                first["content"] = json!(format!("{content}\n\n{instruction}"));
-            }
-            _ => messages.insert(0, json!({ "role": "system", "content": instruction })),
+    let messages = input
+        .get("messages")
+        .and_then(json::elements)
+        .unwrap_or_default();
+    let first: Option<Value> = messages
+        .first()
+        .and_then(|m| serde_json::from_str(m.get()).ok())
+        .filter(|m: &Value| m.get("role").and_then(Value::as_str) == Some("system"));
+    let lead = match first {
+        Some(mut system) => {
+            let content = system
+                .get("content")
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .to_owned();
+            system["content"] = json!(format!("{content}\n\n{instruction}"));
+            (system, 1)
         }
+        None => (json!({ "role": "system", "content": instruction }), 0),
+    };
+    let messages = json::array(
+        std::iter::once(Cow::Owned(lead.0.to_string()))
+            .chain(messages[lead.1..].iter().map(|m| Cow::Borrowed(m.get()))),
+    );
+    let mut all: Vec<(&str, &str)> = set.to_vec();
+    all.push(("messages", &messages));
+    let mut input_without_tools = input.write(&all);
+    // Dropping members needs a second pass over the (small) top level.
+    if let Ok(mut object) = json::Object::parse(&input_without_tools) {
+        object.remove("tools");
+        object.remove("tool_choice");
+        input_without_tools = object.write(&[]);
     }
-    body
+    input_without_tools
 }
 
 #[cfg(test)]
@@ -415,22 +425,28 @@ mod tests {
 
     #[test]
     fn fallback_merges_into_the_leading_system_message() {
+        let fallback = |body: Value| -> Value {
+            let text = body.to_string();
+            let input = json::Object::parse(text.as_bytes()).expect("object");
+            serde_json::from_slice(&text_tool_fallback(&input, &[("stream", "true")]))
+                .expect("JSON")
+        };
         let body = json!({
             "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
             "tools": [{"type": "function", "function": {"name": "lookup"}}],
             "tool_choice": "auto"
         });
-        let out = text_tool_fallback(body);
+        let out = fallback(body);
+        assert_eq!(out["stream"], true);
         assert!(out.get("tools").is_none() && out.get("tool_choice").is_none());
         let messages = out["messages"].as_array().expect("messages");
         assert_eq!(messages.len(), 2);
         let system = messages[0]["content"].as_str().expect("text");
         assert!(system.starts_with("Be brief.") && system.contains("lookup"));
 
-        let out = text_tool_fallback(
-            json!({"messages": [{"role": "user", "content": "hi"}], "tools": []}),
-        );
+        let out = fallback(json!({"messages": [{"role": "user", "content": "hi"}], "tools": []}));
         assert_eq!(out["messages"][0]["role"], "system");
+        assert_eq!(out["messages"][1]["content"], "hi");
     }
 
     #[test]

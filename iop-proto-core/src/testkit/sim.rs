@@ -473,6 +473,14 @@ impl World {
                 progressed = true;
                 match transmit {
                     Transmit::Frame { conn, envelope } => self.send_to_node(conn, &envelope),
+                    Transmit::FrameLimit {
+                        conn,
+                        max_frame_len,
+                    } => {
+                        if let Some(link) = self.links.get_mut(&conn.0) {
+                            link.edge_decoder.set_max_frame_len(max_frame_len);
+                        }
+                    }
                     Transmit::Close { conn, reason } => {
                         self.log(|| format!("edge closes conn {} ({reason:?})", conn.0));
                         if let Some(link) = self.links.get_mut(&conn.0) {
@@ -1152,7 +1160,10 @@ impl World {
                     to_node: VecDeque::new(),
                     to_edge: VecDeque::new(),
                     node_decoder: FrameDecoder::new(),
-                    edge_decoder: FrameDecoder::new(),
+                    // The Edge shell starts every connection at the pre-register limit.
+                    edge_decoder: FrameDecoder::with_max_frame_len(
+                        self.edge.config().admission.pending_frame_len,
+                    ),
                     held_until: Timestamp::ZERO,
                     edge_closed: false,
                     node_closed: false,

@@ -173,6 +173,12 @@ impl FrameDecoder {
         self.max_frame_len
     }
 
+    /// Changes the limit; it applies to every frame not yet returned (the Edge raises it
+    /// once a connection has registered).
+    pub fn set_max_frame_len(&mut self, max_frame_len: usize) {
+        self.max_frame_len = max_frame_len;
+    }
+
     /// Appends received bytes (copied). Ignored once the decoder has failed.
     pub fn push(&mut self, data: &[u8]) {
         if self.failed.is_some() || data.is_empty() {
