@@ -372,6 +372,13 @@ impl Task {
                                 warn!(conn = conn.0, %err, kind = envelope.kind(), "frame cannot be encoded")
                             }
                         }
+                        drop(envelope);
+                        // Hand large batches over at once: several big run inputs must not
+                        // pile up in one buffer.
+                        if buf.len() >= 1 << 20 {
+                            let batch = batches.remove(&conn);
+                            self.flush(conn, batch);
+                        }
                     }
                     Transmit::FrameLimit {
                         conn,

@@ -74,6 +74,10 @@ pub async fn run(
             tls: node_tls.clone(),
             handshake_timeout: config.core.timing.register_timeout,
             pending_frame_len: pending_frame_len.clone(),
+            decode_errors: Arc::new(iop_shell_common::logging::LogLimiter::new(
+                std::time::Duration::from_secs(10),
+                5,
+            )),
             shutdown: shutdown.clone(),
         },
     ));

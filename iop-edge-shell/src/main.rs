@@ -9,6 +9,11 @@ use iop_shell_common::logging::{self, LogFormat};
 use iop_shell_common::process;
 use tokio_util::sync::CancellationToken;
 
+/// jemalloc, whose background thread returns freed memory to the system within seconds;
+/// glibc's malloc kept tens of MiB after a burst of large request bodies (BENCHMARKS.md).
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 /// IOP Edge: serves the OpenAI-compatible HTTP API and dispatches work to Nodes.
 #[derive(Debug, Parser)]
 #[command(name = "iop-edge", version, about)]

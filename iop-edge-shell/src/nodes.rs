@@ -40,6 +40,8 @@ pub struct Listener {
     /// The frame limit a connection starts with, until the core raises it (replaced on
     /// reload).
     pub pending_frame_len: Arc<AtomicUsize>,
+    /// Bounds the log lines about undecodable input.
+    pub decode_errors: Arc<LogLimiter>,
     /// Stops everything.
     pub shutdown: CancellationToken,
 }
@@ -104,20 +106,41 @@ async fn write_loop<W: AsyncWrite + Unpin>(
     mut rx: mpsc::UnboundedReceiver<Bytes>,
     queued: Arc<AtomicUsize>,
 ) {
+    // Small buffers are coalesced into one write; a large one (a run input, a tunnel body)
+    // is written as it is rather than copied once more.
+    const COALESCE: usize = 64 << 10;
     let mut batch = BytesMut::new();
-    while let Some(first) = rx.recv().await {
-        batch.extend_from_slice(&first);
-        while batch.len() < (1 << 20) {
-            match rx.try_recv() {
-                Ok(more) => batch.extend_from_slice(&more),
-                Err(_) => break,
+    let mut next = rx.recv().await;
+    while let Some(first) = next.take() {
+        let written = if first.len() >= COALESCE {
+            if writer.write_all(&first).await.is_err() {
+                return;
             }
-        }
-        if writer.write_all(&batch).await.is_err() || writer.flush().await.is_err() {
+            first.len()
+        } else {
+            batch.extend_from_slice(&first);
+            while batch.len() < (1 << 20) {
+                match rx.try_recv() {
+                    Ok(more) if more.len() >= COALESCE => {
+                        next = Some(more);
+                        break;
+                    }
+                    Ok(more) => batch.extend_from_slice(&more),
+                    Err(_) => break,
+                }
+            }
+            if writer.write_all(&batch).await.is_err() {
+                return;
+            }
+            std::mem::take(&mut batch).len()
+        };
+        if writer.flush().await.is_err() {
             return;
         }
-        queued.fetch_sub(batch.len(), Ordering::Relaxed);
-        batch.clear();
+        queued.fetch_sub(written, Ordering::Relaxed);
+        if next.is_none() {
+            next = rx.recv().await;
+        }
     }
     let _ = writer.shutdown().await;
 }
@@ -297,7 +320,10 @@ async fn run_link<S>(
                         }
                         Ok(None) => break,
                         Err(err) => {
-                            warn!(conn = conn.0, %err, "closing node connection: undecodable input");
+                            // Unauthenticated peers can repeat this at will: rate-limited.
+                            if let Some(suppressed) = shared.decode_errors.allow() {
+                                warn!(conn = conn.0, %err, suppressed, "closing node connection: undecodable input");
+                            }
                             break 'read;
                         }
                     }
