@@ -23,7 +23,7 @@ use tracing::{debug, error, info, warn};
 
 use crate::memory::RequestMemory;
 use crate::metrics::Metrics;
-use crate::nodes::{ConnHandle, MAX_QUEUED_PER_CONNECTION};
+use crate::nodes::{ConnHandle, MAX_QUEUED_PER_CONNECTION, STALLED_AFTER};
 use crate::openai::rewrite_model;
 use iop_shell_common::clock::Clock;
 
@@ -392,8 +392,15 @@ impl Task {
                     }
                     Transmit::Close { conn, reason } => {
                         self.flush(conn, batches.remove(&conn));
-                        if matches!(reason, CloseReason::RegisterRejected(_)) {
-                            // Logged, rate-limited, by the RegisterRejected event.
+                        if matches!(
+                            reason,
+                            CloseReason::RegisterRejected(_)
+                                | CloseReason::TooManyPending
+                                | CloseReason::HandshakeTimeout
+                        ) {
+                            // Unauthenticated peers can cause these at will: the core's
+                            // RegisterRejected and ConnectionRefused events are logged,
+                            // rate-limited, instead.
                             debug!(conn = conn.0, reason = ?reason, "closing node connection");
                         } else {
                             info!(conn = conn.0, reason = ?reason, "closing node connection");
@@ -428,8 +435,8 @@ impl Task {
             Metrics::add(&self.metrics.bytes_out, buf.len() as u64);
             let queued = c.queued.fetch_add(buf.len(), Ordering::Relaxed) + buf.len();
             let _ = c.writer.send(buf.freeze());
-            if queued > MAX_QUEUED_PER_CONNECTION {
-                // A node that does not read what it is sent is dropped, not buffered for.
+            if queued > MAX_QUEUED_PER_CONNECTION && c.stalled(STALLED_AFTER) {
+                // A node that stopped reading what it is sent is dropped, not buffered for.
                 warn!(
                     conn = conn.0,
                     queued, "closing node connection: it does not read"
@@ -532,6 +539,26 @@ impl Task {
                             "node registration refused (logged at 1, 2, 4, 8... failures per address)"
                         );
                     }
+                }
+            }
+            EdgeEvent::ConnectionRefused {
+                conn,
+                addr,
+                pending,
+                refused,
+                log,
+            } => {
+                self.metrics.rejected("too_many_pending");
+                if log {
+                    let peer = addr.map_or_else(|| "-".to_owned(), |a| a.to_string());
+                    warn!(
+                        conn = conn.0,
+                        %peer,
+                        pending,
+                        refused,
+                        "node connection refused: too many connections have not registered yet \
+                         (logged at 1, 2, 4, 8... refusals)"
+                    );
                 }
             }
             EdgeEvent::NodeConflict {

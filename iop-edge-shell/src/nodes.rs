@@ -101,11 +101,14 @@ fn handshake_failed(
     }
 }
 
-async fn write_loop<W: AsyncWrite + Unpin>(
-    mut writer: W,
-    mut rx: mpsc::UnboundedReceiver<Bytes>,
-    queued: Arc<AtomicUsize>,
-) {
+/// What the writer takes frames from, and what it reports to.
+type Writes = (
+    mpsc::UnboundedReceiver<Bytes>,
+    Arc<AtomicUsize>,
+    Arc<std::sync::Mutex<tokio::time::Instant>>,
+);
+
+async fn write_loop<W: AsyncWrite + Unpin>(mut writer: W, (mut rx, queued, progress): Writes) {
     // Small buffers are coalesced into one write; a large one (a run input, a tunnel body)
     // is written as it is rather than copied once more.
     const COALESCE: usize = 64 << 10;
@@ -138,6 +141,9 @@ async fn write_loop<W: AsyncWrite + Unpin>(
             return;
         }
         queued.fetch_sub(written, Ordering::Relaxed);
+        if let Ok(mut last) = progress.lock() {
+            *last = tokio::time::Instant::now();
+        }
         if next.is_none() {
             next = rx.recv().await;
         }
@@ -156,10 +162,27 @@ pub struct ConnHandle {
     pub frame_limit: Arc<AtomicUsize>,
     /// Stops its reader and handshake.
     pub closer: CancellationToken,
+    /// When the writer last finished a write (or the connection opened).
+    pub progress: Arc<std::sync::Mutex<tokio::time::Instant>>,
 }
 
-/// Bytes queued for one node that does not read them, after which it is dropped.
+impl ConnHandle {
+    /// Whether the writer has made no progress for `after`.
+    #[must_use]
+    pub fn stalled(&self, after: Duration) -> bool {
+        self.progress
+            .lock()
+            .is_ok_and(|last| last.elapsed() >= after)
+    }
+}
+
+/// Bytes queued for one node above which a writer that makes no progress for
+/// [`STALLED_AFTER`] is dropped: the node stopped reading. (A burst of large run inputs
+/// to a node that reads is fine; request bodies are bounded by the memory budget.)
 pub const MAX_QUEUED_PER_CONNECTION: usize = 64 << 20;
+
+/// See [`MAX_QUEUED_PER_CONNECTION`].
+pub const STALLED_AFTER: Duration = Duration::from_secs(10);
 
 async fn connection(
     stream: tokio::net::TcpStream,
@@ -174,6 +197,7 @@ async fn connection(
     let (wtx, wrx) = mpsc::unbounded_channel();
     let closer = CancellationToken::new();
     let queued = Arc::new(AtomicUsize::new(0));
+    let progress = Arc::new(std::sync::Mutex::new(tokio::time::Instant::now()));
     let frame_limit = Arc::new(AtomicUsize::new(
         shared.pending_frame_len.load(Ordering::Relaxed),
     ));
@@ -182,6 +206,7 @@ async fn connection(
         queued: queued.clone(),
         frame_limit: frame_limit.clone(),
         closer: closer.clone(),
+        progress: progress.clone(),
     };
     let peer = Peer {
         addr: Some(addr.ip()),
@@ -201,8 +226,7 @@ async fn connection(
                 stream,
                 conn,
                 true,
-                wrx,
-                queued,
+                (wrx, queued, progress),
                 frame_limit,
                 closer,
                 &shared,
@@ -238,8 +262,7 @@ async fn connection(
                             stream,
                             conn,
                             false,
-                            wrx,
-                            queued,
+                            (wrx, queued, progress),
                             frame_limit,
                             closer,
                             &shared,
@@ -261,8 +284,7 @@ async fn run_link<S>(
     stream: S,
     conn: ConnId,
     plaintext: bool,
-    wrx: mpsc::UnboundedReceiver<Bytes>,
-    queued: Arc<AtomicUsize>,
+    writes: Writes,
     frame_limit: Arc<AtomicUsize>,
     closer: CancellationToken,
     shared: &Listener,
@@ -276,7 +298,7 @@ async fn run_link<S>(
         ..
     } = shared;
     let (mut reader, writer) = tokio::io::split(stream);
-    tokio::spawn(write_loop(writer, wrx, queued));
+    tokio::spawn(write_loop(writer, writes));
     let mut decoder = FrameDecoder::with_max_frame_len(frame_limit.load(Ordering::Relaxed));
     let mut buf = BytesMut::with_capacity(16 << 10);
     let mut first = true;

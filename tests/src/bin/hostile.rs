@@ -545,7 +545,7 @@ async fn main() {
     )
     .await;
     let head = format!(
-        "[auth]\napi_keys = [\"{KEY}\"]\n\n[limits]\nbody_read_timeout_sec = {}\nheader_read_timeout_sec = {}\nmax_connections = 4096\n\n[queue]\nmax_waiting = 4096\n",
+        "[auth]\napi_keys = [\"{KEY}\"]\n\n[limits]\nbody_read_timeout_sec = {}\nheader_read_timeout_sec = {}\nmax_connections = 4096\nmax_concurrent_requests = 4096\n\n[queue]\nmax_waiting = 4096\n",
         scale.slow_deadline_s, scale.h2_timeout_s
     );
     let mut cluster = Cluster::start(&head, &body(&provider.url()));
