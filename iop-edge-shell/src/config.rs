@@ -129,6 +129,7 @@ struct RawLimits {
     max_connections: Option<usize>,
     max_streams_per_connection: Option<u32>,
     max_inflight_bytes: Option<usize>,
+    sse_keepalive_ms: Option<u64>,
     max_frame_bytes: Option<usize>,
     pending_frame_bytes: Option<usize>,
     max_pending_connections: Option<usize>,
@@ -231,6 +232,10 @@ pub struct HttpSettings {
     /// Request bodies and buffered response bytes held at once; beyond it new requests
     /// get 503 `overloaded`.
     pub max_inflight_bytes: usize,
+    /// An SSE stream with nothing to send for this long gets a comment line: it keeps
+    /// intermediaries from timing it out, and a caller that left is noticed within about
+    /// twice this, even while the provider is silent.
+    pub sse_keepalive: Duration,
     /// Upper bound of one request, queueing included (then 504 and a cancel).
     pub response_timeout: Duration,
 }
@@ -509,6 +514,7 @@ impl Config {
             max_connections: limits.max_connections.unwrap_or(8192).max(1),
             max_streams_per_connection: limits.max_streams_per_connection.unwrap_or(128).max(1),
             max_inflight_bytes: limits.max_inflight_bytes.unwrap_or(256 << 20),
+            sse_keepalive: positive_ms("limits.sse_keepalive_ms", limits.sse_keepalive_ms, 2000)?,
             response_timeout: Duration::from_secs(raw.timeouts.response_sec.unwrap_or(600).max(1)),
         };
         Ok(Config { core, http, tls })

@@ -502,8 +502,25 @@ impl Task {
             } => {
                 info!(node_id = %node_id, status = ?status, message, revision, "config refresh answered")
             }
-            EdgeEvent::RefreshTimedOut { node_id, revision } => {
-                warn!(node_id = %node_id, revision, "config refresh not answered in time");
+            EdgeEvent::RefreshTimedOut {
+                node_id,
+                revision,
+                retrying,
+            } => {
+                warn!(node_id = %node_id, revision, retrying, "config refresh not answered in time");
+            }
+            EdgeEvent::NodeDraining {
+                node_id,
+                reason,
+                in_flight,
+            } => {
+                error!(
+                    node_id = %node_id,
+                    reason,
+                    in_flight,
+                    "node cannot take its configuration: no new work; it is closed to register \
+                     again once its work is done"
+                );
             }
             EdgeEvent::CommandAnswered { response, .. } => {
                 if let Some(reply) = self.commands.remove(&response.request_id) {

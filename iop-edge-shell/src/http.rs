@@ -309,6 +309,19 @@ async fn route(
     if let Some(denied) = authorize(&req, peer, &state.settings(), access(&path)) {
         return denied;
     }
+    if let Some(allow) = allowed_method(&path)
+        && req.method().as_str() != allow
+    {
+        let mut r = error(
+            StatusCode::METHOD_NOT_ALLOWED,
+            &format!("{path} answers {allow} only"),
+            "invalid_request_error",
+            Some("method_not_allowed"),
+        );
+        r.headers_mut()
+            .insert(header::ALLOW, HeaderValue::from_static(allow));
+        return r;
+    }
     match (req.method().clone(), path.as_str()) {
         (Method::GET, "/healthz") => {
             let mut r = Response::new(ResBody::Full(Some(Bytes::from_static(b"ok\n"))));
@@ -339,6 +352,27 @@ async fn route(
             "invalid_request_error",
             Some("unknown_url"),
         ),
+    }
+}
+
+/// The one method a known route answers (`None` for paths that are no route).
+fn allowed_method(path: &str) -> Option<&'static str> {
+    match path {
+        "/healthz" | "/metrics" | "/v1/models" | "/v1/status" => Some("GET"),
+        "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings" => Some("POST"),
+        _ => {
+            let (_, what) = path.strip_prefix("/v1/nodes/")?.split_once('/')?;
+            match what {
+                "capabilities" | "transport" => Some("GET"),
+                _ => {
+                    let (_, api) = what.strip_prefix("ollama/")?.split_once('/')?;
+                    iop_proto_core::wire::OLLAMA_API_ENDPOINTS
+                        .iter()
+                        .find(|(_, p)| p.strip_prefix('/') == Some(api))
+                        .map(|(method, _)| *method)
+                }
+            }
+        }
     }
 }
 
@@ -471,6 +505,8 @@ async fn status(state: &State) -> Response<ResBody> {
             // whether the connection holding it is ready.
             let state = if n.conflict {
                 "conflict".to_owned()
+            } else if n.draining {
+                "draining".to_owned()
             } else {
                 format!("{:?}", n.state).to_lowercase()
             };
@@ -479,6 +515,7 @@ async fn status(state: &State) -> Response<ResBody> {
                 "state": state,
                 "connected": n.state == NodeState::Ready,
                 "conflict": n.conflict,
+                "draining": n.draining,
                 "tls": n.tls.is_some(),
                 "tls_version": n.tls,
                 "client_certificate": n.client_certificate,
@@ -607,6 +644,14 @@ async fn node_command(req: Request<Incoming>, state: &State) -> Response<ResBody
             &err.to_string(),
             "invalid_request_error",
             Some("command_not_admitted"),
+        ),
+        Ok(Err(CommandError::NotOllama { node, adapter })) => error(
+            StatusCode::BAD_REQUEST,
+            &format!(
+                "node {node:?} has no Ollama adapter {adapter:?}: the pass-through serves Ollama adapters only"
+            ),
+            "invalid_request_error",
+            Some("not_ollama_adapter"),
         ),
         Ok(Err(CommandError::UnknownNode(node))) => error(
             StatusCode::NOT_FOUND,
@@ -1030,6 +1075,7 @@ async fn inference(
     };
     let deadline = started + settings.response_timeout;
     let ctx = Ctx {
+        keepalive: settings.sse_keepalive,
         model,
         run_id: iop_proto_core::edge::run_id_of(request),
         stream,
@@ -1045,6 +1091,8 @@ async fn inference(
 }
 
 struct Ctx {
+    /// Interval of SSE comments on an idle stream.
+    keepalive: Duration,
     model: String,
     run_id: String,
     stream: bool,
@@ -1052,6 +1100,46 @@ struct Ctx {
     wants_tools: bool,
     deadline: Instant,
 }
+
+/// What a streaming response waits for next.
+enum Next {
+    /// An event of the request.
+    Event(Box<ReqEvent>),
+    /// Nothing for one keep-alive interval: time to send an SSE comment.
+    Idle,
+    /// The response deadline passed.
+    TimedOut,
+    /// The caller is gone (hyper dropped the response body).
+    Gone,
+}
+
+/// The next event of a streamed response, `Idle` after `keepalive` without one, or
+/// `Gone` as soon as the caller's connection has dropped the body. Writing a comment on
+/// an idle stream is how a caller that left is noticed while the provider is silent: the
+/// write fails, hyper drops the body, and the run is cancelled.
+async fn next_streamed(
+    events: &mut Events,
+    deadline: Instant,
+    keepalive: Duration,
+    tx: &mpsc::Sender<Chunk>,
+) -> Next {
+    let idle = (Instant::now() + keepalive).min(deadline);
+    tokio::select! {
+        () = tx.closed() => Next::Gone,
+        event = tokio::time::timeout_at(idle, events.rx.recv()) => match event {
+            Ok(Some(event)) => {
+                events.memory.consumed(crate::core_task::event_size(&event));
+                Next::Event(Box::new(event))
+            }
+            Ok(None) => Next::TimedOut,
+            Err(_) if Instant::now() >= deadline => Next::TimedOut,
+            Err(_) => Next::Idle,
+        },
+    }
+}
+
+/// The SSE comment sent on idle streams (ignored by every SSE client).
+const SSE_KEEPALIVE: &[u8] = b": keep-alive\n\n";
 
 async fn next_event(events: &mut Events, deadline: Instant) -> Option<ReqEvent> {
     match tokio::time::timeout_at(deadline, events.rx.recv()).await {
@@ -1246,11 +1334,34 @@ async fn tunnel_response(
     let model = ctx.model.clone();
     let started = finish.started;
     let code = status.as_u16();
+    let keepalive = ctx.keepalive;
     tokio::spawn(async move {
         let _permit = permit;
         let mut ok = true;
+        // A comment may only go between SSE events, never inside one the provider has
+        // half sent.
+        let mut at_boundary = true;
         loop {
-            let event = next_event(&mut events, deadline).await;
+            let event = match next_streamed(&mut events, deadline, keepalive, &tx).await {
+                Next::Gone => return, // the guard cancels upstream
+                Next::Idle => {
+                    if sse && at_boundary {
+                        let comment = Ok(Frame::data(Bytes::from_static(SSE_KEEPALIVE)));
+                        if tx.send(comment).await.is_err() {
+                            return;
+                        }
+                    }
+                    continue;
+                }
+                Next::TimedOut => None,
+                Next::Event(event) => Some(*event),
+            };
+            if let Some(ReqEvent::Frame(frame)) = &event
+                && frame.kind == TunnelFrameKind::Body as i32
+                && !frame.body.is_empty()
+            {
+                at_boundary = frame.body.ends_with(b"\n\n") || frame.body.ends_with(b"\r\n\r\n");
+            }
             let chunk: Option<Chunk> = match event {
                 None => {
                     guard.reason = "response timeout";
@@ -1411,6 +1522,7 @@ fn run_stream(
     let model = ctx.model.clone();
     let run_id = ctx.run_id.clone();
     let deadline = ctx.deadline;
+    let keepalive = ctx.keepalive;
     let include_usage = ctx.include_usage;
     // With tools offered, text may turn out to be a fallback tool call: hold it back
     // until the run completes and says.
@@ -1426,7 +1538,22 @@ fn run_stream(
         let send = |value: Value| Ok(Frame::data(openai::sse(&value)));
         loop {
             let mut out: Vec<Chunk> = Vec::new();
-            match next_event(&mut events, deadline).await {
+            let next = match next_streamed(&mut events, deadline, keepalive, &tx).await {
+                Next::Gone => return, // the guard cancels upstream
+                Next::Idle => {
+                    if tx
+                        .send(Ok(Frame::data(Bytes::from_static(SSE_KEEPALIVE))))
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                    continue;
+                }
+                Next::TimedOut => None,
+                Next::Event(event) => Some(*event),
+            };
+            match next {
                 None => {
                     guard.reason = "response timeout";
                     ok = false;

@@ -44,7 +44,7 @@ use crate::wire::{
     HeartbeatAck, NodeCommandResponse, NodeConfigRefreshRequest, NodeConfigRefreshResponse,
     NodeReadyRequest, NodeReadyResponse, ProviderHealth, ProviderSnapshot, ProviderStatus,
     ProviderTunnelFrame, ProviderTunnelRequest, RefreshStatus, RegisterRequest, RegisterResponse,
-    RunEvent, RunEventType, RunRequest, Validate,
+    RunEvent, RunEventType, RunRequest, TunnelFrameKind, Validate,
 };
 
 /// Opaque identifier of a node connection, chosen by the shell.
@@ -124,6 +124,10 @@ pub enum CloseReason {
     CredentialsChanged,
     /// Too many connections have not registered yet (in all, or from this source).
     TooManyPending,
+    /// The node could not apply its configuration (a refresh answered `FAILED` or
+    /// `RESTART_REQUIRED`, or went unanswered three times): once its work drained, it is
+    /// closed so that it registers again and takes the configuration afresh.
+    RefreshFailed(String),
     /// The peer closed the connection (reported by the shell).
     PeerClosed,
 }
@@ -305,6 +309,18 @@ pub enum EdgeEvent {
         node_id: Arc<str>,
         /// Revision that was pushed.
         revision: u64,
+        /// Whether the refresh is sent again (else the node is drained).
+        retrying: bool,
+    },
+    /// A node could not take its configuration: it gets no new work and is closed once
+    /// its last lease returns, so that it registers again with the configuration.
+    NodeDraining {
+        /// Node id.
+        node_id: Arc<str>,
+        /// Why.
+        reason: String,
+        /// Leases still held on it.
+        in_flight: u32,
     },
     /// A node answered a command, or the command failed (node lost, timed out: then
     /// `ok` is false and `error` says why).
@@ -415,6 +431,15 @@ pub enum CommandError {
     /// The node is not ready.
     #[error("node {0:?} is not ready")]
     NotReady(String),
+    /// An `OLLAMA_API` command for an adapter the node does not have, or that is not an
+    /// Ollama adapter (decided from the Edge's configuration, before anything is sent).
+    #[error("node {node:?} has no Ollama adapter {adapter:?}")]
+    NotOllama {
+        /// Node id.
+        node: String,
+        /// Adapter named.
+        adapter: String,
+    },
 }
 
 /// Refusal of a dispatch.
@@ -490,6 +515,9 @@ pub struct NodeStatus {
     pub tls: Option<&'static str>,
     /// Whether the owning connection presented a verified client certificate.
     pub client_certificate: bool,
+    /// The node failed to take its configuration and gets no new work until it has
+    /// registered again (see [`CloseReason::RefreshFailed`]).
+    pub draining: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -547,6 +575,11 @@ struct NodeEntry {
     resources: Vec<(Arc<str>, ResourceId)>,
     /// Supersedes of this node id, to notice two nodes fighting over it.
     flap: FlapGuard,
+    /// Unanswered pushes of the current revision.
+    refresh_tries: u32,
+    /// The node could not take its configuration: it gets no new work and its
+    /// connection is closed once its last lease returns (it then registers afresh).
+    draining: bool,
 }
 
 #[derive(Debug)]
@@ -609,6 +642,20 @@ impl StreamItem {
         match self {
             StreamItem::Run(event) => &event.run_id,
             StreamItem::Frame(frame) => &frame.run_id,
+        }
+    }
+
+    /// Whether it ends its stream, whatever else is wrong with it.
+    fn is_terminal(&self) -> bool {
+        match self {
+            StreamItem::Run(event) => matches!(
+                RunEventType::try_from(event.r#type),
+                Ok(RunEventType::Complete | RunEventType::Error | RunEventType::Cancelled)
+            ),
+            StreamItem::Frame(frame) => matches!(
+                TunnelFrameKind::try_from(frame.kind),
+                Ok(TunnelFrameKind::End | TunnelFrameKind::Error)
+            ),
         }
     }
 
@@ -697,6 +744,9 @@ pub fn run_id_of(request: RequestId) -> String {
 fn request_of(run_id: &str) -> Option<RequestId> {
     run_id.strip_prefix("run-")?.parse().ok().map(RequestId)
 }
+
+/// Pushes of one revision a node may leave unanswered before it is drained.
+pub const MAX_REFRESH_TRIES: u32 = 3;
 
 fn millis(d: Duration) -> u32 {
     u32::try_from(d.as_millis()).unwrap_or(u32::MAX)
@@ -829,6 +879,7 @@ impl EdgeCore {
                     conflict: n.flap.in_conflict(self.now),
                     tls: peer.and_then(|p| p.tls),
                     client_certificate: peer.is_some_and(|p| !p.identities.is_empty()),
+                    draining: n.draining,
                 }
             })
             .collect();
@@ -1031,7 +1082,27 @@ impl EdgeCore {
         }
         c.last_rx = self.now;
         if let Err(err) = envelope.validate() {
-            self.violation(conn, format!("invalid {}: {err}", envelope.kind()));
+            // A message about one run that is wrong (an unknown event type or frame kind,
+            // as a newer node may send) fails that run, not the connection; a refresh
+            // answer with an unknown status counts as failed. Anything else breaks the
+            // connection's own grammar.
+            #[cfg(feature = "testkit")]
+            if self.faults.close_on_unknown_kind {
+                self.violation(conn, format!("invalid {}: {err}", envelope.kind()));
+                return Ok(());
+            }
+            match envelope.body {
+                Some(Body::RunEvent(event)) => {
+                    self.bad_stream_item(conn, phase, &event.run_id, err.to_string());
+                }
+                Some(Body::ProviderTunnelFrame(frame)) => {
+                    self.bad_stream_item(conn, phase, &frame.run_id, err.to_string());
+                }
+                Some(Body::NodeConfigRefreshResponse(resp)) if !resp.request_id.is_empty() => {
+                    self.on_refresh_response(conn, phase, resp);
+                }
+                _ => self.violation(conn, format!("invalid {}: {err}", envelope.kind())),
+            }
             return Ok(());
         }
         let Some(body) = envelope.body else {
@@ -1264,6 +1335,19 @@ impl EdgeCore {
             .get(node_id)
             .filter(|&&i| self.nodes[i].spec.is_some())
             .ok_or_else(|| CommandError::UnknownNode(node_id.to_owned()))?;
+        if request.r#type == crate::wire::NodeCommandType::OllamaApi as i32 {
+            let ollama = self.nodes[i]
+                .spec
+                .as_ref()
+                .and_then(|spec| spec.adapter(&request.adapter))
+                .is_some_and(|a| a.r#type == AdapterType::Ollama as i32);
+            if !ollama {
+                return Err(CommandError::NotOllama {
+                    node: node_id.to_owned(),
+                    adapter: request.adapter.clone(),
+                });
+            }
+        }
         let owner = self.nodes[i]
             .owner
             .filter(|o| o.ready)
@@ -1311,6 +1395,7 @@ impl EdgeCore {
         for node_id in &diff.changed_payloads {
             if let Some(&i) = self.node_index.get(node_id.as_str()) {
                 self.nodes[i].revision += 1;
+                self.nodes[i].refresh_tries = 0;
             }
         }
         self.install(config);
@@ -1346,6 +1431,8 @@ impl EdgeCore {
                         last_refresh: None,
                         resources: Vec::new(),
                         flap: FlapGuard::default(),
+                        refresh_tries: 0,
+                        draining: false,
                     });
                     self.node_index.insert(id, self.nodes.len() - 1);
                     self.nodes.len() - 1
@@ -1717,6 +1804,8 @@ impl EdgeCore {
         };
         self.nodes[i].owner = None;
         self.nodes[i].refresh = None;
+        self.nodes[i].refresh_tries = 0;
+        self.nodes[i].draining = false;
         let node_id = self.nodes[i].id.clone();
         let pending: Vec<u64> = self
             .commands
@@ -1910,6 +1999,8 @@ impl EdgeCore {
         }
         if self.ledger.release(lease) == Release::Released {
             self.pump(lease.resource);
+            let node = self.resources[lease.resource.index()].node;
+            self.close_if_drained(node);
         }
     }
 
@@ -1964,7 +2055,16 @@ impl EdgeCore {
             }
         };
         let Some(observed) = observe(&mut stream, &item) else {
-            // A broken stream: nothing it sends is trusted any more.
+            // A broken stream: nothing it sends is trusted any more, except that it ended:
+            // the node has stopped the run, so its lease returns now, not at the grace.
+            #[cfg(feature = "testkit")]
+            let hold = self.faults.hold_cancelled_lease;
+            #[cfg(not(feature = "testkit"))]
+            let hold = false;
+            if item.is_terminal() && !hold {
+                self.release(lease);
+                return;
+            }
             self.requests.insert(
                 request,
                 ReqState::Cancelling {
@@ -2009,6 +2109,22 @@ impl EdgeCore {
                 };
                 self.requests.insert(request, state);
             }
+            Observed::Violation(detail) if item.is_terminal() => {
+                // Out of order, but the node has ended the run: fail it if the caller still
+                // waits, and settle the lease now; there is nothing left to cancel.
+                self.events.push_back(EdgeEvent::PeerViolation {
+                    conn,
+                    node_id: self.node_of(conn),
+                    detail: format!("{}: {detail}", run_id_of(request)),
+                });
+                self.release(lease);
+                if !cancelling {
+                    self.events.push_back(EdgeEvent::RequestEnded {
+                        request,
+                        outcome: Outcome::Failed(RequestError::Violation(detail)),
+                    });
+                }
+            }
             Observed::Violation(detail) => {
                 self.stream_violation(request, lease, conn, cancelling, detail);
             }
@@ -2030,6 +2146,34 @@ impl EdgeCore {
             self.now + self.config.timing.cancel_grace,
             TimerKey::CancelGrace(request),
         ));
+    }
+
+    /// A run event or tunnel frame that breaks the message contract (e.g. an unknown
+    /// type): the run it names fails as for any stream violation; one that names no run
+    /// of this connection is reported and dropped. The connection stays.
+    fn bad_stream_item(&mut self, conn: ConnId, phase: Phase, run_id: &str, detail: String) {
+        let Some(request) = self.stream_of(conn, phase, run_id) else {
+            if self.ready_owner(conn, phase).is_some() {
+                self.events.push_back(EdgeEvent::PeerViolation {
+                    conn,
+                    node_id: self.node_of(conn),
+                    detail: format!("dropped a message for no run of this connection: {detail}"),
+                });
+            }
+            return;
+        };
+        match self.requests.remove(&request) {
+            Some(ReqState::Running { lease, conn, .. }) => {
+                self.stream_violation(request, lease, conn, false, detail);
+            }
+            Some(ReqState::Cancelling { lease, conn, .. }) => {
+                self.stream_violation(request, lease, conn, true, detail);
+            }
+            Some(other) => {
+                self.requests.insert(request, other);
+            }
+            None => {}
+        }
     }
 
     /// A run's stream broke the contract: that run alone fails, is cancelled on the node,
@@ -2151,21 +2295,80 @@ impl EdgeCore {
             return;
         }
         self.nodes[i].refresh = None;
-        let status = RefreshStatus::try_from(resp.status).unwrap_or_default();
+        // An unknown status (a newer node) is not an applied configuration.
+        let (status, message) = match RefreshStatus::try_from(resp.status) {
+            Ok(status) if status != RefreshStatus::Unspecified => (status, resp.message),
+            _ => (
+                RefreshStatus::Failed,
+                format!("unknown refresh status {}: {}", resp.status, resp.message),
+            ),
+        };
         self.nodes[i].last_refresh = Some(status);
-        if status == RefreshStatus::Applied {
-            self.nodes[i].applied_revision = revision;
-            self.sync_resources(i, generation);
-        }
         self.events.push_back(EdgeEvent::RefreshAnswered {
             node_id: self.nodes[i].id.clone(),
             status,
-            message: resp.message,
+            message: message.clone(),
             revision: resp.revision,
         });
+        if status != RefreshStatus::Applied {
+            self.drain_node(i, format!("config refresh answered {status:?}: {message}"));
+            return;
+        }
+        self.nodes[i].refresh_tries = 0;
+        self.nodes[i].applied_revision = revision;
+        self.sync_resources(i, generation);
         // The configuration may have moved on while this refresh was in flight.
-        if status == RefreshStatus::Applied && self.nodes[i].revision != revision {
+        if self.nodes[i].revision != revision {
             self.push_refresh(i);
+        }
+    }
+
+    /// Node `i` cannot take its configuration: no new work goes to it, and its connection
+    /// closes once its last lease returns, so that it registers again and receives the
+    /// configuration in its `RegisterResponse` (or fails to become ready, visibly).
+    fn drain_node(&mut self, i: usize, reason: String) {
+        let Some(owner) = self.nodes[i].owner else {
+            return;
+        };
+        if std::mem::replace(&mut self.nodes[i].draining, true) {
+            return;
+        }
+        for (_, r) in self.nodes[i].resources.clone() {
+            if self.ledger.usage(r).generation == Some(owner.generation) {
+                self.ledger.set_capacity(r, 0, 0);
+            }
+        }
+        self.events.push_back(EdgeEvent::NodeDraining {
+            node_id: self.nodes[i].id.clone(),
+            reason,
+            in_flight: self.in_flight_on(i),
+        });
+        self.close_if_drained(i);
+    }
+
+    /// Leases held on node `i`'s current generation.
+    fn in_flight_on(&self, i: usize) -> u32 {
+        let Some(owner) = self.nodes[i].owner else {
+            return 0;
+        };
+        self.nodes[i]
+            .resources
+            .iter()
+            .map(|(_, r)| self.ledger.usage(*r))
+            .filter(|u| u.generation == Some(owner.generation))
+            .map(|u| u.in_flight)
+            .sum()
+    }
+
+    fn close_if_drained(&mut self, i: usize) {
+        if !self.nodes[i].draining || self.in_flight_on(i) > 0 {
+            return;
+        }
+        if let Some(owner) = self.nodes[i].owner {
+            let reason =
+                CloseReason::RefreshFailed("the node could not take its configuration".into());
+            self.close(owner.conn, reason.clone());
+            self.fence_owner(i, owner.generation, reason);
         }
     }
 
@@ -2228,10 +2431,21 @@ impl EdgeCore {
                     && pending == seq
                 {
                     self.nodes[i].refresh = None;
+                    self.nodes[i].refresh_tries += 1;
+                    let retrying = self.nodes[i].refresh_tries < MAX_REFRESH_TRIES;
                     self.events.push_back(EdgeEvent::RefreshTimedOut {
                         node_id: self.nodes[i].id.clone(),
                         revision,
+                        retrying,
                     });
+                    if retrying {
+                        self.push_refresh(i);
+                    } else {
+                        self.drain_node(
+                            i,
+                            format!("config refresh unanswered {MAX_REFRESH_TRIES} times"),
+                        );
+                    }
                 }
             }
             TimerKey::Command(seq) => self.fail_command(seq, "the node did not answer in time"),

@@ -41,7 +41,8 @@ fn every_seed_keeps_every_invariant() {
     }
     let started = Instant::now();
     let mut simulated = std::time::Duration::ZERO;
-    let (mut requests, mut completed, mut frames, mut unsupported, mut conflicts) = (0, 0, 0, 0, 0);
+    let (mut requests, mut completed, mut frames, mut unsupported, mut conflicts, mut garbled) =
+        (0, 0, 0, 0, 0, 0);
     for seed in 0..seeds() {
         let ops = sim::generate(seed, OPS_PER_SEED);
         match sim::run(seed, &ops, SimOptions::default()) {
@@ -52,6 +53,7 @@ fn every_seed_keeps_every_invariant() {
                 frames += stats.frames;
                 unsupported += stats.unsupported;
                 conflicts += stats.conflicts;
+                garbled += stats.garbled;
             }
             Err(failure) => panic!("{failure}"),
         }
@@ -60,7 +62,7 @@ fn every_seed_keeps_every_invariant() {
     println!(
         "simulated {:.0} s in {:.1} s real ({:.0}x), {requests} requests ({completed} completed, \
          {unsupported} left without a tunnel by a reload), {frames} frames, {conflicts} node-id \
-         conflicts",
+         conflicts, {garbled} unknown message kinds",
         simulated.as_secs_f64(),
         real.as_secs_f64(),
         simulated.as_secs_f64() / real.as_secs_f64()
@@ -99,6 +101,20 @@ fn planted_bugs_are_caught_within_the_default_seeds() {
             "tunnel-only request granted to a run-served provider",
             Faults {
                 ignore_tunnel_only: true,
+                ..Faults::default()
+            },
+        ),
+        (
+            "cancelled run's lease held past its terminal",
+            Faults {
+                hold_cancelled_lease: true,
+                ..Faults::default()
+            },
+        ),
+        (
+            "connection closed for one run's unknown message",
+            Faults {
+                close_on_unknown_kind: true,
                 ..Faults::default()
             },
         ),

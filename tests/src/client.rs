@@ -113,6 +113,11 @@ impl Http {
         }
     }
 
+    /// Any method without a body, read to the end.
+    pub async fn call(&self, method: &str, path: &str) -> Whole {
+        Self::read(self.send(method, path, Bytes::new()).await).await
+    }
+
     /// GET, read to the end.
     pub async fn get(&self, path: &str) -> Whole {
         Self::read(self.send("GET", path, Bytes::new()).await).await

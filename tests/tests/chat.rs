@@ -648,11 +648,10 @@ async fn node_commands_report_capabilities_transport_and_read_only_ollama() {
     assert_eq!(pull.json()["error"]["code"], "command_not_admitted");
     assert!(!ol.state.requests().iter().any(|r| r.path == "/api/pull"));
     assert_eq!(http.get("/v1/nodes/nope/capabilities").await.status, 404);
-    assert_eq!(
-        http.get("/v1/nodes/n1/ollama/oa/api/tags").await.status,
-        502,
-        "not an ollama adapter"
-    );
+    // Not an Ollama adapter: refused by the Edge from its own configuration.
+    let not_ollama = http.get("/v1/nodes/n1/ollama/oa/api/tags").await;
+    assert_eq!(not_ollama.status, 400);
+    assert_eq!(not_ollama.json()["error"]["code"], "not_ollama_adapter");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

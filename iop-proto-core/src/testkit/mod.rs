@@ -17,4 +17,8 @@ pub struct Faults {
     pub leak_lease: bool,
     /// Grant a tunnel-only waiter to a provider that stopped tunnelling.
     pub ignore_tunnel_only: bool,
+    /// Keep a cancelled run's lease until the grace even when the node ended the run.
+    pub hold_cancelled_lease: bool,
+    /// Close the whole connection for a message about one run of an unknown kind.
+    pub close_on_unknown_kind: bool,
 }

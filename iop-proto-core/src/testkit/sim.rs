@@ -34,8 +34,9 @@ use crate::time::Timestamp;
 use crate::token::TokenVerifier;
 use crate::tunnel::TunnelReceiver;
 use crate::wire::{
-    self, AdapterConfig, AdapterType, Envelope, ErrorDetail, FrameDecoder, NodeCommandResponse,
-    NodeRuntimeConfig, ProviderTunnelRequest, RunRequest, Usage,
+    self, AdapterConfig, AdapterType, Body, Envelope, ErrorDetail, FrameDecoder,
+    NodeCommandResponse, NodeRuntimeConfig, ProviderTunnelFrame, ProviderTunnelRequest, RunEvent,
+    RunRequest, Usage,
 };
 
 /// How a simulated provider behaves.
@@ -49,6 +50,9 @@ pub enum Mode {
     Fail,
     /// Never answers until cancelled.
     Hang,
+    /// Starts, sends one delta, then says nothing more until cancelled (a reasoning model
+    /// thinking, a long prefill).
+    Silent,
 }
 
 /// One step of a simulation. Generated from a seed by [`generate`], or by proptest.
@@ -112,6 +116,12 @@ pub enum Op {
     },
     /// The Edge reloads a changed configuration (refresh pushed to ready nodes).
     Refresh,
+    /// The node sends, for one of its runs, a message this Edge does not know (an event
+    /// type or frame kind a newer node might use): that run fails, the connection stays.
+    Garble {
+        /// Node.
+        node: u8,
+    },
     /// The node's provider changes behaviour.
     Provider {
         /// Node.
@@ -134,7 +144,10 @@ pub fn generate(seed: u64, len: usize) -> Vec<Op> {
     let ms = |rng: &mut Rng, lo: u64, hi: u64| u16::try_from(rng.range(lo, hi)).unwrap_or(u16::MAX);
     (0..len)
         .map(|_| match rng.below(100) {
-            0..=29 => Op::Advance(ms(&mut rng, 1, 600)),
+            0..=27 => Op::Advance(ms(&mut rng, 1, 600)),
+            28..=29 => Op::Garble {
+                node: node(&mut rng),
+            },
             30..=59 => Op::Submit {
                 model: u8::try_from(rng.below(MODELS as u64)).unwrap_or(0),
                 long: rng.chance(25),
@@ -169,9 +182,10 @@ pub fn generate(seed: u64, len: usize) -> Vec<Op> {
             _ => Op::Provider {
                 node: node(&mut rng),
                 mode: match rng.below(10) {
-                    0..=4 => Mode::Normal,
-                    5..=6 => Mode::Slow,
-                    7..=8 => Mode::Fail,
+                    0..=3 => Mode::Normal,
+                    4..=5 => Mode::Slow,
+                    6..=7 => Mode::Fail,
+                    8 => Mode::Silent,
                     _ => Mode::Hang,
                 },
             },
@@ -198,6 +212,8 @@ pub struct Stats {
     pub frames: u64,
     /// Node ids that became a conflict (impostors fighting the real node).
     pub conflicts: u64,
+    /// Messages of unknown kinds the nodes sent (each fails one run, never a connection).
+    pub garbled: u64,
 }
 
 /// A violated invariant, with what is needed to replay it.
@@ -877,6 +893,13 @@ impl World {
         );
         work.step += 1;
         work.next_at = now + delay;
+        // A silent provider goes quiet after its first delta, until cancelled.
+        if mode == Mode::Silent && step >= 1 && !cancelled {
+            work.next_at = Timestamp::MAX;
+            if step > 1 {
+                return;
+            }
+        }
         let last = cancelled || fail && step >= 1 || step > total;
         let Some(session) = self.procs[i].session.as_mut() else {
             return;
@@ -1066,8 +1089,37 @@ impl World {
                     for envelope in envelopes {
                         let kind = envelope.kind();
                         self.log(|| format!("conn {} node->edge {kind}", conn.0));
+                        let about_a_run = match &envelope.body {
+                            Some(Body::RunEvent(e)) => Some((e.run_id.clone(), terminal_event(e))),
+                            Some(Body::ProviderTunnelFrame(f)) => {
+                                Some((f.run_id.clone(), terminal_frame(f)))
+                            }
+                            _ => None,
+                        };
+                        let ready_before = self.edge.owner_of(conn).is_some_and(|o| o.2);
                         let _ = self.edge.handle_envelope(now, conn, envelope);
                         self.drain_edge();
+                        if let Some((run_id, terminal)) = about_a_run {
+                            check!(
+                                self,
+                                !ready_before || self.edge.owner_of(conn).is_some(),
+                                "a message about {run_id} closed its node's connection"
+                            );
+                            let request = run_id
+                                .strip_prefix("run-")
+                                .and_then(|n| n.parse().ok())
+                                .map(crate::lease::RequestId);
+                            check!(
+                                self,
+                                !terminal
+                                    || request.is_none_or(|r| self
+                                        .edge
+                                        .ledger()
+                                        .lease_of(r)
+                                        .is_none()),
+                                "{run_id} still holds its lease after its terminal"
+                            );
+                        }
                     }
                 }
                 None if link.node_closed => {
@@ -1359,6 +1411,36 @@ impl World {
                 );
                 self.drain_edge();
             }
+            Op::Garble { node: n } => {
+                let i = node(n);
+                let target = self.procs[i].conn.and_then(|conn| {
+                    self.procs[i]
+                        .work
+                        .iter()
+                        .find(|(_, w)| !w.cancelled)
+                        .map(|(run_id, w)| (conn, run_id.clone(), w.tunnel))
+                });
+                if let Some((conn, run_id, tunnel)) = target {
+                    self.log(|| format!("n{} sends an unknown message kind for {run_id}", node(n)));
+                    let body = if tunnel {
+                        Body::ProviderTunnelFrame(ProviderTunnelFrame {
+                            run_id,
+                            sequence: 1_000,
+                            kind: 42,
+                            ..ProviderTunnelFrame::default()
+                        })
+                    } else {
+                        Body::RunEvent(RunEvent {
+                            run_id,
+                            sequence: 1_000,
+                            r#type: 99,
+                            ..RunEvent::default()
+                        })
+                    };
+                    self.stats.garbled += 1;
+                    self.send_to_edge(conn, &Envelope::new(body));
+                }
+            }
             Op::Provider { node: n, mode } => {
                 let i = node(n);
                 self.procs[i].mode = mode;
@@ -1519,6 +1601,22 @@ impl World {
             "nodes not ready after healing: {not_ready:?}"
         );
     }
+}
+
+fn terminal_event(event: &RunEvent) -> bool {
+    matches!(
+        crate::wire::RunEventType::try_from(event.r#type),
+        Ok(crate::wire::RunEventType::Complete
+            | crate::wire::RunEventType::Error
+            | crate::wire::RunEventType::Cancelled)
+    )
+}
+
+fn terminal_frame(frame: &ProviderTunnelFrame) -> bool {
+    matches!(
+        crate::wire::TunnelFrameKind::try_from(frame.kind),
+        Ok(crate::wire::TunnelFrameKind::End | crate::wire::TunnelFrameKind::Error)
+    )
 }
 
 /// Runs `ops` in a world seeded with `seed`.
