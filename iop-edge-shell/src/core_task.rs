@@ -244,7 +244,7 @@ pub async fn run(
         task.drain();
         let deadline = task.core.poll_timeout().map_or_else(
             || clock.instant(iop_proto_core::Timestamp::MAX),
-            |t| clock.instant(t),
+            |wake| clock.instant(wake.at),
         );
         tokio::select! {
             message = inbox.recv() => match message {

@@ -170,7 +170,7 @@ where
 
         let deadline = session.poll_timeout().map_or_else(
             || ctx.clock.instant(iop_proto_core::Timestamp::MAX),
-            |t| ctx.clock.instant(t),
+            |wake| ctx.clock.instant(wake.at),
         );
         let drain_deadline =
             draining.unwrap_or_else(|| ctx.clock.instant(iop_proto_core::Timestamp::MAX));

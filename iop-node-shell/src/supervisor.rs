@@ -116,7 +116,7 @@ pub async fn run(config: NodeConfig, ctx: Context, shutdown: CancellationToken) 
                 }
             }
         }
-        let Some(at) = supervisor.poll_timeout() else {
+        let Some(at) = supervisor.poll_timeout().map(|wake| wake.at) else {
             continue;
         };
         tokio::select! {

@@ -56,6 +56,7 @@ pub mod reconnect;
 pub mod run;
 pub mod session;
 pub mod time;
+pub mod timer;
 pub mod token;
 pub mod tunnel;
 pub mod wire;

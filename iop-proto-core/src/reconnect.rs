@@ -314,9 +314,12 @@ impl Supervisor {
 
     /// When the next dial is due.
     #[must_use]
-    pub fn poll_timeout(&self) -> Option<Timestamp> {
+    pub fn poll_timeout(&self) -> Option<crate::timer::Wake> {
         match self.state {
-            SupervisorState::Waiting { until } => Some(until),
+            SupervisorState::Waiting { until } => Some(crate::timer::Wake {
+                at: until,
+                reason: "redial",
+            }),
             _ => None,
         }
     }
@@ -527,7 +530,10 @@ mod tests {
         assert_eq!(drain(&mut s), vec![Action::Dial { attempt: 1 }]);
         s.handle_failure(Timestamp::ZERO, Failure::Refused)
             .expect("dialing");
-        assert_eq!(s.poll_timeout(), Some(Timestamp::from_millis(2000)));
+        assert_eq!(
+            s.poll_timeout().map(|w| w.at),
+            Some(Timestamp::from_millis(2000))
+        );
         s.handle_timeout(Timestamp::from_millis(1999));
         assert!(drain(&mut s).is_empty(), "not before the interval");
         s.handle_timeout(Timestamp::from_millis(2000));
@@ -634,12 +640,15 @@ mod tests {
         };
         s.handle_failure(Timestamp::ZERO, deferred(7000))
             .expect("dialing");
-        assert_eq!(s.poll_timeout(), Some(Timestamp::from_millis(7000)));
+        assert_eq!(
+            s.poll_timeout().map(|w| w.at),
+            Some(Timestamp::from_millis(7000))
+        );
         s.handle_timeout(Timestamp::from_millis(7000));
         s.handle_failure(Timestamp::from_millis(7000), deferred(10))
             .expect("dialing");
         assert_eq!(
-            s.poll_timeout(),
+            s.poll_timeout().map(|w| w.at),
             Some(Timestamp::from_millis(8000)),
             "never sooner than the policy's interval"
         );
@@ -671,7 +680,7 @@ mod tests {
             let mut out = Vec::new();
             for _ in 0..8 {
                 s.handle_failure(now, Failure::Refused).expect("dialing");
-                let until = s.poll_timeout().expect("waiting");
+                let until = s.poll_timeout().expect("waiting").at;
                 out.push(until.saturating_duration_since(now).as_millis() as u64);
                 now = until;
                 s.handle_timeout(now);

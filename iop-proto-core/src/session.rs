@@ -20,6 +20,7 @@
 //!
 //! [`Supervisor`]: crate::reconnect::Supervisor
 
+use crate::timer::{TimerTable, Wake};
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
@@ -396,15 +397,32 @@ struct Work {
 /// Remembered ids of finished runs (so a late cancel is a no-op, not an error).
 const FINISHED_MEMORY: usize = 4096;
 
+/// The session's timers (liveness is derived from the last receive instead).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+enum SessionTimer {
+    /// Register, configure and ready must be done by this.
+    Handshake,
+    /// Send a heartbeat.
+    Ping,
+}
+
+impl crate::timer::TimerKey for SessionTimer {
+    fn reason(&self) -> &'static str {
+        match self {
+            SessionTimer::Handshake => "handshake",
+            SessionTimer::Ping => "ping",
+        }
+    }
+}
+
 /// The Node session machine. See the [module documentation](self).
 #[derive(Debug)]
 pub struct NodeSession {
     config: SessionConfig,
     state: SessionState,
     now: Timestamp,
-    handshake_deadline: Timestamp,
+    timers: TimerTable<SessionTimer>,
     heartbeat_interval: Duration,
-    next_ping: Timestamp,
     last_rx: Timestamp,
     next_nonce: u64,
     last_rtt: Option<Duration>,
@@ -431,9 +449,8 @@ impl NodeSession {
             config,
             state: SessionState::Connecting,
             now: Timestamp::ZERO,
-            handshake_deadline: Timestamp::MAX,
+            timers: TimerTable::new(),
             heartbeat_interval: interval,
-            next_ping: Timestamp::MAX,
             last_rx: Timestamp::ZERO,
             next_nonce: 1,
             last_rtt: None,
@@ -510,20 +527,17 @@ impl NodeSession {
         self.events.pop_front()
     }
 
-    /// When [`handle_timeout`](Self::handle_timeout) must next be called.
+    /// When [`handle_timeout`](Self::handle_timeout) must next be called, and why.
     #[must_use]
-    pub fn poll_timeout(&self) -> Option<Timestamp> {
+    pub fn poll_timeout(&self) -> Option<Wake> {
         if matches!(self.state, SessionState::Connecting | SessionState::Closed) {
             return None;
         }
-        let mut next = self.next_ping.min(self.liveness_deadline());
-        if matches!(
-            self.state,
-            SessionState::Registering | SessionState::Configuring
-        ) {
-            next = next.min(self.handshake_deadline);
-        }
-        Some(next)
+        let liveness = Wake {
+            at: self.liveness_deadline(),
+            reason: "liveness",
+        };
+        crate::timer::earliest(self.timers.next(), Some(liveness))
     }
 
     fn liveness_deadline(&self) -> Timestamp {
@@ -556,8 +570,12 @@ impl NodeSession {
         }
         self.state = SessionState::Registering;
         self.last_rx = self.now;
-        self.handshake_deadline = self.now + self.config.handshake_timeout;
-        self.next_ping = self.now + self.heartbeat_interval;
+        self.timers.set(
+            SessionTimer::Handshake,
+            self.now + self.config.handshake_timeout,
+        );
+        self.timers
+            .set(SessionTimer::Ping, self.now + self.heartbeat_interval);
         self.send(Body::RegisterRequest(RegisterRequest {
             node_id: self.config.node_id.clone(),
             token: self.config.token.clone(),
@@ -679,22 +697,28 @@ impl NodeSession {
             self.close(SessionEnd::HeartbeatTimeout);
             return;
         }
-        if matches!(
-            self.state,
-            SessionState::Registering | SessionState::Configuring
-        ) && self.handshake_deadline <= self.now
-        {
-            self.close(SessionEnd::HandshakeTimeout);
-            return;
-        }
-        if self.next_ping <= self.now {
-            let nonce = self.next_nonce;
-            self.next_nonce += 1;
-            self.send(Body::Heartbeat(Heartbeat {
-                nonce,
-                sent_at_ms: self.now.as_millis(),
-            }));
-            self.next_ping = self.now + self.heartbeat_interval;
+        while let Some(timer) = self.timers.pop_expired(self.now) {
+            match timer {
+                SessionTimer::Handshake => {
+                    if matches!(
+                        self.state,
+                        SessionState::Registering | SessionState::Configuring
+                    ) {
+                        self.close(SessionEnd::HandshakeTimeout);
+                        return;
+                    }
+                }
+                SessionTimer::Ping => {
+                    let nonce = self.next_nonce;
+                    self.next_nonce += 1;
+                    self.send(Body::Heartbeat(Heartbeat {
+                        nonce,
+                        sent_at_ms: self.now.as_millis(),
+                    }));
+                    self.timers
+                        .set(SessionTimer::Ping, self.now + self.heartbeat_interval);
+                }
+            }
         }
     }
 
@@ -731,7 +755,8 @@ impl NodeSession {
                 if resp.heartbeat_interval_ms > 0 {
                     self.heartbeat_interval =
                         Duration::from_millis(u64::from(resp.heartbeat_interval_ms));
-                    self.next_ping = self.now + self.heartbeat_interval;
+                    self.timers
+                        .set(SessionTimer::Ping, self.now + self.heartbeat_interval);
                 }
                 self.state = SessionState::Configuring;
                 self.pending_apply = Some(payload.clone());
@@ -750,6 +775,7 @@ impl NodeSession {
             {
                 if resp.ready {
                     self.state = SessionState::Ready;
+                    self.timers.stop(SessionTimer::Handshake);
                     self.events.push_back(SessionEvent::Ready);
                 } else {
                     self.close(SessionEnd::ReadyRefused(resp.reason));

@@ -196,7 +196,7 @@ proptest! {
             } else {
                 s.handle_failure(now, Failure::Refused).expect("dialing");
             }
-            if let Some(at) = s.poll_timeout() {
+            if let Some(at) = s.poll_timeout().map(|w| w.at) {
                 prop_assert_eq!(at.saturating_duration_since(now).as_millis() as u64, interval_ms);
                 now = at;
                 s.handle_timeout(now);

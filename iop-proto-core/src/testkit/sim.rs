@@ -973,7 +973,7 @@ impl World {
 
     fn next_due(&self) -> Timestamp {
         let mut next = Timestamp::MAX;
-        if let Some(t) = self.edge.poll_timeout() {
+        if let Some(t) = self.edge.poll_timeout().map(|w| w.at) {
             next = next.min(t);
         }
         for link in self.links.values() {
@@ -1011,10 +1011,15 @@ impl World {
             if let Some(t) = p.dial_at {
                 next = next.min(t);
             }
-            if let Some(t) = p.supervisor.poll_timeout() {
+            if let Some(t) = p.supervisor.poll_timeout().map(|w| w.at) {
                 next = next.min(t);
             }
-            if let Some(t) = p.session.as_ref().and_then(NodeSession::poll_timeout) {
+            if let Some(t) = p
+                .session
+                .as_ref()
+                .and_then(NodeSession::poll_timeout)
+                .map(|w| w.at)
+            {
                 next = next.min(t);
             }
             for w in p.work.values() {
@@ -1031,7 +1036,7 @@ impl World {
     fn step(&mut self) {
         self.stats.steps += 1;
         let now = self.now;
-        if self.edge.poll_timeout().is_some_and(|t| t <= now) {
+        if self.edge.poll_timeout().is_some_and(|w| w.at <= now) {
             self.edge.handle_timeout(now);
             self.drain_edge();
         }
@@ -1245,13 +1250,13 @@ impl World {
         if self.procs[i]
             .supervisor
             .poll_timeout()
-            .is_some_and(|t| t <= now)
+            .is_some_and(|w| w.at <= now)
         {
             self.procs[i].supervisor.handle_timeout(now);
             self.drain_node(i);
         }
         if let Some(s) = self.procs[i].session.as_mut()
-            && s.poll_timeout().is_some_and(|t| t <= now)
+            && s.poll_timeout().is_some_and(|w| w.at <= now)
         {
             s.handle_timeout(now);
             self.drain_node(i);

@@ -1,0 +1,477 @@
+//! The Edge machine's public types: connections and peers, what it transmits, the
+//! events it reports, requests, outcomes and errors.
+
+use super::*;
+
+/// Opaque identifier of a node connection, chosen by the shell.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ConnId(pub u64);
+
+/// What the transport knows about a node connection's peer, given when it opens.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Peer {
+    /// The remote address. Failed registrations are throttled per source address;
+    /// `None` when the transport has none (all such connections share one budget).
+    pub addr: Option<IpAddr>,
+    /// The negotiated TLS version (e.g. `"TLSv1.3"`); `None` on a plaintext connection.
+    pub tls: Option<&'static str>,
+    /// Names the peer's verified client certificate vouches for (its subject common name
+    /// and DNS subject alternative names); empty without a client certificate. With
+    /// [`Admission::require_client_identity`](crate::edge_config::Admission) a node may
+    /// only register under one of these names.
+    pub identities: Vec<String>,
+}
+
+/// The one rejection reason a failed registration gets on the wire, whatever failed
+/// (unknown node id, wrong token, certificate for another node, back-off), so a peer
+/// cannot tell node ids from tokens. The Edge's own logs get the real [`RejectReason`].
+pub const AUTH_FAILED: &str = "authentication failed";
+
+/// Why a registration was refused (for the Edge's logs and metrics only).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RejectReason {
+    /// No configured node has the claimed id.
+    UnknownNode,
+    /// The token is not the node's.
+    BadToken,
+    /// Mutual TLS is required and the client certificate does not name the node id.
+    IdentityMismatch,
+    /// The source failed too often and is backing off; credentials were not checked.
+    Throttled,
+    /// Authenticated, but the node id is in conflict and held by another connection.
+    Conflict,
+}
+
+impl RejectReason {
+    /// A stable name for logs and metric labels.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RejectReason::UnknownNode => "unknown_node",
+            RejectReason::BadToken => "bad_token",
+            RejectReason::IdentityMismatch => "identity_mismatch",
+            RejectReason::Throttled => "throttled",
+            RejectReason::Conflict => "conflict",
+        }
+    }
+}
+
+/// Why the Edge closes a connection.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CloseReason {
+    /// Unknown node id or bad token.
+    RegisterRejected(String),
+    /// No register, or no ready, within the register timeout.
+    HandshakeTimeout,
+    /// A ready from a connection that is not the node's current owner.
+    ReadyRefused,
+    /// A newer connection registered for the same node id.
+    Superseded,
+    /// Nothing received within the heartbeat timeout.
+    HeartbeatTimeout,
+    /// The peer broke the protocol.
+    ProtocolViolation(String),
+    /// The node was removed from the configuration.
+    NodeRemoved,
+    /// The node's token changed in the configuration: the connection that registered
+    /// with the old one is revoked.
+    CredentialsChanged,
+    /// Too many connections have not registered yet (in all, or from this source).
+    TooManyPending,
+    /// The node could not apply its configuration (a refresh answered `FAILED` or
+    /// `RESTART_REQUIRED`, or went unanswered three times): once its work drained, it is
+    /// closed so that it registers again and takes the configuration afresh.
+    RefreshFailed(String),
+    /// The peer closed the connection (reported by the shell).
+    PeerClosed,
+}
+
+/// An output to hand to the transport, in order.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Transmit {
+    /// Write this envelope on the connection.
+    Frame {
+        /// Target connection.
+        conn: ConnId,
+        /// The message.
+        envelope: Envelope,
+    },
+    /// From now on accept frames of up to `max_frame_len` bytes on the connection.
+    /// Connections start at [`Admission::pending_frame_len`](crate::edge_config::Admission)
+    /// (the shell's decoder begins there); the limit rises to the full one just before the
+    /// frame that accepts the register, so it is in force before the node can use it.
+    FrameLimit {
+        /// The connection.
+        conn: ConnId,
+        /// The new limit.
+        max_frame_len: usize,
+    },
+    /// Flush what was written, then close the connection.
+    Close {
+        /// Connection to close.
+        conn: ConnId,
+        /// Why.
+        reason: CloseReason,
+    },
+}
+
+/// Which message a granted request must be dispatched as. Decided by the provider's
+/// adapter type, never by the caller.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DispatchShape {
+    /// Raw HTTP tunnel (`openai_compat`, `vllm`).
+    Tunnel,
+    /// Normalized run (`ollama`, `mock`).
+    Run,
+}
+
+impl DispatchShape {
+    /// The shape an adapter instance is served with: its `dispatch` option (`run` or
+    /// `tunnel`) when set, else its type's default.
+    #[must_use]
+    pub fn for_adapter(adapter: &AdapterConfig) -> Self {
+        match adapter.options.get("dispatch").map(String::as_str) {
+            Some("run") => DispatchShape::Run,
+            Some("tunnel") => DispatchShape::Tunnel,
+            _ => Self::of(AdapterType::try_from(adapter.r#type).unwrap_or_default()),
+        }
+    }
+
+    /// The shape an adapter type is served with by default.
+    #[must_use]
+    pub fn of(kind: AdapterType) -> Self {
+        match kind {
+            AdapterType::OpenaiCompat | AdapterType::Vllm => DispatchShape::Tunnel,
+            AdapterType::Ollama | AdapterType::Mock | AdapterType::Unspecified => {
+                DispatchShape::Run
+            }
+        }
+    }
+}
+
+/// A lease granted to a request: where and how to dispatch it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Grant {
+    /// The request.
+    pub request: RequestId,
+    /// The lease it holds.
+    pub lease: Lease,
+    /// Public model name requested.
+    pub model: Arc<str>,
+    /// Node chosen.
+    pub node_id: Arc<str>,
+    /// Adapter instance chosen.
+    pub provider_id: Arc<str>,
+    /// Provider-side target to put in the request.
+    pub target: Arc<str>,
+    /// Message to dispatch.
+    pub shape: DispatchShape,
+}
+
+/// Why a request failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RequestError {
+    /// The node serving it disconnected or was fenced.
+    NodeLost {
+        /// The node.
+        node_id: Arc<str>,
+    },
+    /// The node's stream for it broke the contract.
+    Violation(String),
+    /// The provider or node reported an error (`ERROR` event or frame).
+    Provider(ErrorDetail),
+    /// The request needs a tunnel-served provider (embeddings, completions) and none of
+    /// its model's candidates is one any more: a configuration refresh changed their
+    /// adapters while it waited.
+    Unsupported(String),
+}
+
+/// How a request ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// `COMPLETE` or `END`.
+    Completed,
+    /// Failed.
+    Failed(RequestError),
+    /// Cancelled by the caller, or `CANCELLED` from the node.
+    Cancelled,
+    /// No capacity within the queue wait timeout.
+    Expired,
+}
+
+/// Something the shell should know about.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub enum EdgeEvent {
+    /// A node completed its ready handshake (exactly once per generation).
+    NodeConnected {
+        /// Node id.
+        node_id: Arc<str>,
+        /// Its connection generation.
+        generation: Generation,
+    },
+    /// A ready node's generation was fenced.
+    NodeDisconnected {
+        /// Node id.
+        node_id: Arc<str>,
+        /// The fenced generation.
+        generation: Generation,
+        /// Why.
+        reason: CloseReason,
+        /// Requests that were running on it; each also gets `RequestEnded(NodeLost)`.
+        lost: Vec<RequestId>,
+    },
+    /// A request holds a lease and must now be dispatched with
+    /// [`EdgeCore::handle_dispatch`].
+    Granted(Grant),
+    /// A valid, in-order event of a dispatched run.
+    RunEvent {
+        /// The request.
+        request: RequestId,
+        /// The event.
+        event: RunEvent,
+    },
+    /// A valid, in-order frame of a dispatched tunnel.
+    TunnelFrame {
+        /// The request.
+        request: RequestId,
+        /// The frame.
+        frame: ProviderTunnelFrame,
+    },
+    /// A request ended; emitted exactly once per accepted request.
+    RequestEnded {
+        /// The request.
+        request: RequestId,
+        /// How.
+        outcome: Outcome,
+    },
+    /// A node answered a config refresh.
+    RefreshAnswered {
+        /// Node id.
+        node_id: Arc<str>,
+        /// Outcome.
+        status: RefreshStatus,
+        /// Details from the node.
+        message: String,
+        /// Revision in force on the node.
+        revision: u64,
+    },
+    /// A node did not answer a config refresh in time.
+    RefreshTimedOut {
+        /// Node id.
+        node_id: Arc<str>,
+        /// Revision that was pushed.
+        revision: u64,
+        /// Whether the refresh is sent again (else the node is drained).
+        retrying: bool,
+    },
+    /// A node could not take its configuration: it gets no new work and is closed once
+    /// its last lease returns, so that it registers again with the configuration.
+    NodeDraining {
+        /// Node id.
+        node_id: Arc<str>,
+        /// Why.
+        reason: String,
+        /// Leases still held on it.
+        in_flight: u32,
+    },
+    /// A node answered a command, or the command failed (node lost, timed out: then
+    /// `ok` is false and `error` says why).
+    CommandAnswered {
+        /// Node id.
+        node_id: Arc<str>,
+        /// The answer.
+        response: NodeCommandResponse,
+    },
+    /// A registration was refused (the peer got [`AUTH_FAILED`], or a conflict reason).
+    /// Emitted for every refusal, for metrics; `log` says whether it is worth a log line
+    /// (the 1st, 2nd, 4th, 8th… failure of a source, the start of its back-off, every
+    /// conflict refusal), so an attack cannot flood the log.
+    RegisterRejected {
+        /// Connection.
+        conn: ConnId,
+        /// The peer's address, when known.
+        addr: Option<IpAddr>,
+        /// The node id claimed (at most 64 characters of it).
+        node_id: String,
+        /// Why.
+        reason: RejectReason,
+        /// Failures of this source since it was last quiet.
+        failures: u32,
+        /// The back-off this failure started or extended.
+        blocked_for: Option<Duration>,
+        /// Whether to log it.
+        log: bool,
+    },
+    /// Two live connections took a node id from each other too often: the node id is now
+    /// in conflict (emitted once per conflict; log it loudly). The current owner keeps
+    /// the node, newcomers are refused for `hold_down` after the last one tried.
+    NodeConflict {
+        /// Node id.
+        node_id: Arc<str>,
+        /// Supersedes seen within the detection window.
+        supersedes: u32,
+        /// How long newcomers are held off.
+        hold_down: Duration,
+    },
+    /// A new connection was closed at once: too many connections have not registered
+    /// yet, in all or from its source. `log` is set for the 1st, 2nd, 4th, 8th… refusal.
+    ConnectionRefused {
+        /// Connection.
+        conn: ConnId,
+        /// The peer's address, when known.
+        addr: Option<IpAddr>,
+        /// Connections pending in all.
+        pending: usize,
+        /// Refusals so far.
+        refused: u64,
+        /// Whether to log it.
+        log: bool,
+    },
+    /// A peer broke the protocol (for logs and metrics; the machine already acted).
+    PeerViolation {
+        /// Connection.
+        conn: ConnId,
+        /// Node, when known.
+        node_id: Option<Arc<str>>,
+        /// What happened.
+        detail: String,
+    },
+}
+
+/// Refusal of a new request.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SubmitError {
+    /// No model group of that name.
+    #[error("model {0:?} does not exist")]
+    UnknownModel(String),
+    /// The model group has no candidate that could ever serve this request.
+    #[error("model {0:?} has no provider that can serve this request")]
+    NoCandidates(String),
+    /// Too many requests already wait for the model group.
+    #[error("queue for model {model:?} is full ({max_waiting} waiting)")]
+    QueueFull {
+        /// Model name.
+        model: String,
+        /// The limit.
+        max_waiting: usize,
+    },
+}
+
+/// Misuse of the machine by its driver.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum UsageError {
+    /// `handle_connection_opened` for a connection already open.
+    #[error("connection {0:?} is already open")]
+    DuplicateConnection(ConnId),
+    /// An input for a connection that is not open.
+    #[error("connection {0:?} is not open")]
+    UnknownConnection(ConnId),
+}
+
+/// Refusal of a node command.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CommandError {
+    /// The command breaks the contract (checked before any node or provider lookup).
+    #[error("{0}")]
+    Invalid(crate::wire::ValidationError),
+    /// No configured node of that id.
+    #[error("node {0:?} does not exist")]
+    UnknownNode(String),
+    /// The node is not ready.
+    #[error("node {0:?} is not ready")]
+    NotReady(String),
+    /// An `OLLAMA_API` command for an adapter the node does not have, or that is not an
+    /// Ollama adapter (decided from the Edge's configuration, before anything is sent).
+    #[error("node {node:?} has no Ollama adapter {adapter:?}")]
+    NotOllama {
+        /// Node id.
+        node: String,
+        /// Adapter named.
+        adapter: String,
+    },
+}
+
+/// Refusal of a dispatch.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DispatchError {
+    /// The request is not granted (never was, already dispatched, or already ended).
+    #[error("request {0} is not waiting for dispatch")]
+    NotGranted(RequestId),
+    /// The message does not match the grant's shape.
+    #[error("request {request} must be dispatched as {expected:?}")]
+    WrongShape {
+        /// The request.
+        request: RequestId,
+        /// The shape the grant requires.
+        expected: DispatchShape,
+    },
+}
+
+/// The message a granted request is dispatched with. `run_id`, `adapter` and `target`
+/// are filled in by the machine.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Dispatch {
+    /// A normalized run.
+    Run(RunRequest),
+    /// A raw provider tunnel.
+    Tunnel(ProviderTunnelRequest),
+}
+
+/// A new request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Submit<'a> {
+    /// Public model name.
+    pub model: &'a str,
+    /// Estimated prompt tokens, compared with the model's long-context threshold.
+    pub prompt_tokens: u64,
+    /// Only tunnel-served providers can answer (embeddings and completions are raw
+    /// OpenAI endpoints a normalized run cannot render); chat sets it false, so no
+    /// candidate is excluded for its type.
+    pub tunnel_only: bool,
+}
+
+/// Readiness of a configured node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NodeState {
+    /// No connection owns it.
+    Offline,
+    /// Registered, ready handshake not complete.
+    Pending,
+    /// Dispatch-ready.
+    Ready,
+}
+
+/// A configured node as the Edge sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeStatus {
+    /// Node id.
+    pub node_id: Arc<str>,
+    /// Readiness.
+    pub state: NodeState,
+    /// Generation of the owning connection.
+    pub generation: Option<Generation>,
+    /// Configuration revision on the Edge.
+    pub revision: u64,
+    /// Revision the node last confirmed (registered with, or refreshed to).
+    pub applied_revision: u64,
+    /// Status of the last config refresh answered.
+    pub last_refresh: Option<RefreshStatus>,
+    /// Two live connections keep taking this node id from each other: the current owner
+    /// keeps it and newcomers are held off (see [`crate::guard::FlapGuard`]).
+    pub conflict: bool,
+    /// TLS version of the owning connection; `None` when plaintext or offline.
+    pub tls: Option<&'static str>,
+    /// Whether the owning connection presented a verified client certificate.
+    pub client_certificate: bool,
+    /// The node failed to take its configuration and gets no new work until it has
+    /// registered again (see [`CloseReason::RefreshFailed`]).
+    pub draining: bool,
+}
