@@ -14,8 +14,8 @@ use iop_proto_core::wire::{
     RunRequest,
 };
 use iop_proto_core::{
-    CloseReason, ConfigDiff, ConnId, Dispatch, DispatchShape, EdgeConfig, EdgeCore, EdgeEvent,
-    Grant, NodeStatus, Outcome, RequestId, SubmitError, Transmit,
+    CloseReason, ConfigDiff, ConnId, Dispatch, DispatchShape, EdgeConfig, EdgeCore, EdgeError,
+    EdgeEvent, Grant, NodeStatus, Outcome, RequestId, SubmitError, Transmit, UsageError,
 };
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
@@ -26,6 +26,7 @@ use crate::metrics::Metrics;
 use crate::nodes::{ConnHandle, MAX_QUEUED_PER_CONNECTION, STALLED_AFTER};
 use crate::openai::rewrite_model;
 use iop_shell_common::clock::Clock;
+use iop_shell_common::misuse;
 
 /// The OpenAI endpoint a request came to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -262,7 +263,8 @@ impl Task {
         match message {
             CoreMsg::ConnOpened { conn, peer, handle } => {
                 self.conns.insert(conn, handle);
-                if self.core.handle_connection_opened(now, conn, peer).is_err() {
+                let opened = self.core.handle_connection_opened(now, conn, peer);
+                if misuse("connection opened", opened).is_none() {
                     self.conns.remove(&conn);
                 }
             }
@@ -271,15 +273,19 @@ impl Task {
                 tls,
                 identities,
             } => {
-                let _ = self
+                let secured = self
                     .core
                     .handle_connection_secured(now, conn, tls, identities);
+                misuse("connection secured", secured);
             }
             CoreMsg::Frame { conn, envelope } => {
-                let _ = self.core.handle_envelope(now, conn, envelope);
+                misuse("envelope", self.core.handle_envelope(now, conn, envelope));
             }
             CoreMsg::ConnClosed { conn } => {
-                let _ = self.core.handle_connection_closed(now, conn);
+                misuse(
+                    "connection closed",
+                    self.core.handle_connection_closed(now, conn),
+                );
                 self.conns.remove(&conn);
             }
             CoreMsg::Submit {
@@ -298,6 +304,15 @@ impl Task {
                         tunnel_only: work.endpoint != Endpoint::Chat,
                     },
                 );
+                let result = match result {
+                    Ok(request) => Ok(request),
+                    Err(EdgeError::Submit(refusal)) => Err(refusal),
+                    Err(other) => {
+                        // Dropping the reply answers the caller 503.
+                        misuse::<(), _>("submit", Err(other));
+                        return;
+                    }
+                };
                 if let Ok(request) = result {
                     self.requests.insert(
                         request,
@@ -313,8 +328,13 @@ impl Task {
                 let _ = reply.send(result);
             }
             CoreMsg::Cancel { request, reason } => {
-                if self.core.handle_cancel(now, request, reason) {
-                    debug!(request = %request, reason, "request cancelled");
+                match self.core.handle_cancel(now, request, reason) {
+                    Ok(()) => debug!(request = %request, reason, "request cancelled"),
+                    // The caller left just as its request ended: nothing to cancel.
+                    Err(EdgeError::Usage(UsageError::Ended(_))) => {}
+                    Err(other) => {
+                        misuse::<(), _>("cancel", Err(other));
+                    }
                 }
             }
             CoreMsg::Reload { config, reply } => {
@@ -329,11 +349,14 @@ impl Task {
                 request,
                 reply,
             } => match self.core.handle_command(now, &node_id, request) {
-                Ok(request_id) => {
-                    self.commands.insert(request_id, reply);
+                Ok(id) => {
+                    self.commands.insert(id.to_string(), reply);
                 }
-                Err(err) => {
-                    let _ = reply.send(Err(err));
+                Err(EdgeError::Command(refusal)) => {
+                    let _ = reply.send(Err(refusal));
+                }
+                Err(other) => {
+                    misuse::<(), _>("command", Err(other));
                 }
             },
             CoreMsg::Snapshot { reply } => {
@@ -455,13 +478,19 @@ impl Task {
         if !sent || buffered.is_some_and(|b| b > MAX_BUFFERED_PER_REQUEST) {
             // The caller is gone or not reading: stop the work upstream.
             let now = self.clock.now();
-            self.core
+            let cancelled = self
+                .core
                 .handle_cancel(now, request, "caller gone or not reading");
+            if !matches!(
+                cancelled,
+                Ok(()) | Err(EdgeError::Usage(UsageError::Ended(_)))
+            ) {
+                misuse("cancel", cancelled);
+            }
         }
     }
 
     fn on_event(&mut self, event: EdgeEvent) {
-        let now = self.clock.now();
         match event {
             EdgeEvent::Granted(grant) => self.dispatch(&grant),
             EdgeEvent::RunEvent { request, event } => {
@@ -516,7 +545,7 @@ impl Task {
             } => {
                 error!(
                     node_id = %node_id,
-                    reason,
+                    %reason,
                     in_flight,
                     "node cannot take its configuration: no new work; it is closed to register \
                      again once its work is done"
@@ -596,26 +625,30 @@ impl Task {
             EdgeEvent::PeerViolation {
                 conn,
                 node_id,
-                detail,
+                violation,
             } => {
+                self.metrics.violation(violation.label());
                 warn!(
                     conn = conn.0,
                     node_id = node_id.as_deref().unwrap_or("-"),
-                    detail,
+                    kind = violation.label(),
+                    %violation,
                     "node broke the protocol"
                 );
             }
-            _ => {}
         }
-        let _ = now;
     }
 
     /// Builds the message for a granted request and hands it to the machine.
     fn dispatch(&mut self, grant: &Grant) {
         let now = self.clock.now();
         let Some(entry) = self.requests.get_mut(&grant.request) else {
-            self.core
-                .handle_cancel(now, grant.request, "request vanished");
+            // Granted, so open: the core must take the cancel.
+            misuse(
+                "cancel",
+                self.core
+                    .handle_cancel(now, grant.request, "request vanished"),
+            );
             return;
         };
         self.metrics.queue_wait(entry.submitted.elapsed());
@@ -650,8 +683,9 @@ impl Task {
             shape: grant.shape,
             node_id: grant.node_id.clone(),
         });
-        if let Err(err) = self.core.handle_dispatch(now, grant.request, dispatch) {
-            warn!(request = %grant.request, %err, "dispatch refused");
-        }
+        misuse(
+            "dispatch",
+            self.core.handle_dispatch(now, grant.request, dispatch),
+        );
     }
 }

@@ -1178,9 +1178,9 @@ fn failure(outcome: &Outcome) -> Response<ResBody> {
                 Some(&detail.code),
             )
         }
-        Outcome::Failed(RequestError::Unsupported(why)) => error(
+        Outcome::Failed(RequestError::Unsupported { model }) => error(
             StatusCode::BAD_REQUEST,
-            why,
+            &format!("no provider of model `{model}` serves this endpoint any more"),
             "invalid_request_error",
             Some("unsupported_endpoint"),
         ),

@@ -63,6 +63,7 @@ struct Inner {
     ttfb: BTreeMap<String, Histogram>,
     queue_wait: Histogram,
     rejected: BTreeMap<&'static str, u64>,
+    violations: BTreeMap<&'static str, u64>,
 }
 
 /// Process-wide metrics.
@@ -133,6 +134,13 @@ impl Metrics {
         }
     }
 
+    /// A protocol violation by a node, by kind.
+    pub fn violation(&self, kind: &'static str) {
+        if let Ok(mut inner) = self.inner.lock() {
+            *inner.violations.entry(kind).or_default() += 1;
+        }
+    }
+
     /// Time a request waited for a lease.
     pub fn queue_wait(&self, wait: Duration) {
         if let Ok(mut inner) = self.inner.lock() {
@@ -181,6 +189,10 @@ impl Metrics {
                 out,
                 "iop_node_registrations_refused_total{{reason=\"{reason}\"}} {n}"
             );
+        }
+        out.push_str("# HELP iop_node_violations_total Protocol violations by nodes, by kind.\n# TYPE iop_node_violations_total counter\n");
+        for (kind, n) in &inner.violations {
+            let _ = writeln!(out, "iop_node_violations_total{{kind=\"{kind}\"}} {n}");
         }
         drop(inner);
         out.push_str("# HELP iop_queue_depth Requests waiting, by public model.\n# TYPE iop_queue_depth gauge\n");

@@ -57,6 +57,7 @@ pub mod run;
 pub mod session;
 pub mod time;
 pub mod timer;
+pub use timer::Wake;
 pub mod token;
 pub mod tunnel;
 pub mod wire;
@@ -65,9 +66,10 @@ pub mod wire;
 pub mod testkit;
 
 pub use edge::{
-    AUTH_FAILED, CloseReason, CommandError, ConnId, Dispatch, DispatchError, DispatchShape,
-    EdgeCore, EdgeEvent, Grant, NodeState, NodeStatus, Outcome, Peer, RejectReason, RequestError,
-    Submit, SubmitError, Transmit, UsageError,
+    AUTH_FAILED, CloseReason, CommandError, CommandId, ConnId, ConnViolation, Dispatch,
+    DispatchShape, EdgeCore, EdgeError, EdgeEvent, Grant, NodeState, NodeStatus, Outcome, Peer,
+    RefreshFailure, RejectReason, RequestError, RunId, StreamViolation, Submit, SubmitError,
+    Transmit, UsageError, Violation,
 };
 pub use edge_config::{
     Admission, CandidateSpec, ConfigDiff, EdgeConfig, EdgeConfigError, EdgeTiming, ModelSpec,

@@ -429,10 +429,10 @@ fn dispatch_shape_follows_the_adapter_type() {
     assert_eq!(
         h.edge
             .handle_dispatch(h.now, g.request, Dispatch::Run(RunRequest::default())),
-        Err(DispatchError::WrongShape {
+        Err(EdgeError::Usage(UsageError::WrongShape {
             request: g.request,
             expected: DispatchShape::Tunnel
-        })
+        }))
     );
     let run_id = h.dispatch(&g);
     let tx = h.transmits();
@@ -490,7 +490,7 @@ fn cancel_sends_cancel_run_and_releases_the_lease_exactly_once() {
     let g = grants(&h.events()).remove(0);
     let run = h.dispatch(&g);
     h.transmits();
-    assert!(h.edge.handle_cancel(h.now, r, "caller left"));
+    assert!(h.edge.handle_cancel(h.now, r, "caller left").is_ok());
     let (tx, events) = h.drain();
     assert_eq!(ended(&events), vec![(r, Outcome::Cancelled)]);
     assert!(matches!(
@@ -502,7 +502,10 @@ fn cancel_sends_cancel_run_and_releases_the_lease_exactly_once() {
         1,
         "held until the node confirms"
     );
-    assert!(!h.edge.handle_cancel(h.now, r, "again"));
+    assert_eq!(
+        h.edge.handle_cancel(h.now, r, "again"),
+        Err(EdgeError::Usage(UsageError::Ended(r)))
+    );
     h.run_event(conn, &run, RunEventType::Start, 0);
     h.run_event(conn, &run, RunEventType::Cancelled, 1);
     assert!(h.events().is_empty(), "the caller already got its end");
@@ -518,7 +521,7 @@ fn cancel_grace_releases_when_the_node_never_confirms() {
     let r = h.submit("solo", 1).expect("ok");
     let g = grants(&h.events()).remove(0);
     h.dispatch(&g);
-    h.edge.handle_cancel(h.now, r, "caller left");
+    h.edge.handle_cancel(h.now, r, "caller left").expect("open");
     h.at(4999);
     assert_eq!(h.usage("n1", "a").in_flight, 1);
     h.at(5000);
@@ -529,7 +532,7 @@ fn cancel_grace_releases_when_the_node_never_confirms() {
 fn cancelling_a_waiter_leaves_the_queue() {
     let mut h = Harness::new();
     let r = h.submit("solo", 1).expect("queued");
-    assert!(h.edge.handle_cancel(h.now, r, "gone"));
+    assert!(h.edge.handle_cancel(h.now, r, "gone").is_ok());
     assert!(h.edge.queue().is_empty());
     assert_eq!(ended(&h.events()), vec![(r, Outcome::Cancelled)]);
 }
@@ -664,7 +667,7 @@ fn commands_are_validated_first_then_sent_to_ready_nodes_and_answered() {
     // An inadmissible type is refused before the node is even looked up.
     assert!(matches!(
         h.edge.handle_command(h.now, "no-such-node", cmd(5)),
-        Err(CommandError::Invalid(_))
+        Err(EdgeError::Command(CommandError::Invalid(_)))
     ));
     assert_eq!(
         h.edge.handle_command(
@@ -672,17 +675,20 @@ fn commands_are_validated_first_then_sent_to_ready_nodes_and_answered() {
             "no-such-node",
             cmd(NodeCommandType::Capabilities as i32)
         ),
-        Err(CommandError::UnknownNode("no-such-node".into()))
+        Err(EdgeError::Command(CommandError::UnknownNode(
+            "no-such-node".into()
+        )))
     );
     assert_eq!(
         h.edge
             .handle_command(h.now, "n2", cmd(NodeCommandType::Capabilities as i32)),
-        Err(CommandError::NotReady("n2".into()))
+        Err(EdgeError::Command(CommandError::NotReady("n2".into())))
     );
     let id = h
         .edge
         .handle_command(h.now, "n1", cmd(NodeCommandType::TransportStatus as i32))
-        .expect("sent");
+        .expect("sent")
+        .to_string();
     let tx = h.transmits();
     assert!(
         matches!(frames_to(&tx, conn).as_slice(), [Body::NodeCommandRequest(r)] if r.request_id == id)
@@ -704,7 +710,8 @@ fn commands_are_validated_first_then_sent_to_ready_nodes_and_answered() {
     let id = h
         .edge
         .handle_command(h.now, "n1", cmd(NodeCommandType::Capabilities as i32))
-        .expect("sent");
+        .expect("sent")
+        .to_string();
     h.edge.handle_connection_closed(h.now, conn).expect("open");
     let events = h.events();
     assert!(events.iter().any(|e| matches!(e, EdgeEvent::CommandAnswered { response, .. } if !response.ok && response.request_id == id)));
@@ -764,7 +771,7 @@ fn a_waiting_tunnel_request_skips_a_provider_that_stopped_tunnelling() {
     h.edge.handle_config(h.now, cfg).expect("valid");
     h.drain();
     // n2/b frees: neither waiter may take it. Both keep waiting for n3/c, in order.
-    assert!(h.edge.handle_cancel(h.now, on_b, "caller left"));
+    assert!(h.edge.handle_cancel(h.now, on_b, "caller left").is_ok());
     let events = h.events();
     assert!(grants(&events).is_empty(), "{events:?}");
     assert!(
@@ -779,7 +786,7 @@ fn a_waiting_tunnel_request_skips_a_provider_that_stopped_tunnelling() {
     h.submit("t", 1).expect("granted on n2/b");
     assert_eq!(&*grants(&h.events())[0].node_id, "n2");
     // n3/c frees: the older waiter gets it.
-    assert!(h.edge.handle_cancel(h.now, on_c, "caller left"));
+    assert!(h.edge.handle_cancel(h.now, on_c, "caller left").is_ok());
     let granted = grants(&h.events());
     assert_eq!(granted.len(), 1);
     assert_eq!((granted[0].request, &*granted[0].node_id), (first, "n3"));
@@ -789,14 +796,14 @@ fn a_waiting_tunnel_request_skips_a_provider_that_stopped_tunnelling() {
     cfg.nodes.get_mut("n3").expect("n3").adapters[0].r#type = AdapterType::Mock as i32;
     h.edge.handle_config(h.now, cfg).expect("valid");
     h.drain();
-    assert!(h.edge.handle_cancel(h.now, first, "caller left"));
+    assert!(h.edge.handle_cancel(h.now, first, "caller left").is_ok());
     let events = h.events();
     assert!(
         events.iter().any(|e| matches!(
             e,
             EdgeEvent::RequestEnded {
                 request,
-                outcome: Outcome::Failed(RequestError::Unsupported(_)),
+                outcome: Outcome::Failed(RequestError::Unsupported { .. }),
             } if *request == second
         )),
         "{events:?}"

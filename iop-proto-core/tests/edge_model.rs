@@ -322,7 +322,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                     .copied()
                     .collect();
                 if let Some(&r) = open.get(i % open.len().max(1)) {
-                    prop_assert!(h.edge.handle_cancel(h.now, r, "test"));
+                    prop_assert!(h.edge.handle_cancel(h.now, r, "test").is_ok());
                 }
             }
         }

@@ -12,3 +12,24 @@ pub mod config;
 pub mod logging;
 pub mod process;
 pub mod tls;
+
+/// A state machine refused an input the shell gave it: that is a bug in the shell, not
+/// something a peer can cause. It is logged at ERROR with the input and the machine's
+/// reason, and stops debug builds (tests) at once; release builds carry on without the
+/// input. Expected refusals (a cancel racing the end of its request, a request the
+/// caller got wrong) are matched by the caller instead.
+#[track_caller]
+pub fn misuse<T, E: std::fmt::Display>(input: &'static str, result: Result<T, E>) -> Option<T> {
+    match result {
+        Ok(value) => Some(value),
+        Err(err) => {
+            tracing::error!(
+                input,
+                error = %err,
+                "a state machine refused an input: this is a bug in the shell"
+            );
+            debug_assert!(false, "{input} refused: {err}");
+            None
+        }
+    }
+}

@@ -136,7 +136,7 @@ impl EdgeCore {
             revision: resp.revision,
         });
         if status != RefreshStatus::Applied {
-            self.drain_node(i, format!("config refresh answered {status:?}: {message}"));
+            self.drain_node(i, RefreshFailure::Answered { status, message });
             return;
         }
         self.registry.nodes[i].refresh_tries = 0;
@@ -151,13 +151,14 @@ impl EdgeCore {
     /// Node `i` cannot take its configuration: no new work goes to it, and its connection
     /// closes once its last lease returns, so that it registers again and receives the
     /// configuration in its `RegisterResponse` (or fails to become ready, visibly).
-    pub(super) fn drain_node(&mut self, i: usize, reason: String) {
+    pub(super) fn drain_node(&mut self, i: usize, reason: RefreshFailure) {
         let Some(owner) = self.registry.nodes[i].owner else {
             return;
         };
-        if std::mem::replace(&mut self.registry.nodes[i].draining, true) {
+        if self.registry.nodes[i].draining.is_some() {
             return;
         }
+        self.registry.nodes[i].draining = Some(reason.clone());
         for (_, r) in self.registry.nodes[i].resources.clone() {
             if self.pool.ledger.usage(r).generation == Some(owner.generation) {
                 self.pool.ledger.set_capacity(r, 0, 0);
@@ -186,12 +187,14 @@ impl EdgeCore {
     }
 
     pub(super) fn close_if_drained(&mut self, i: usize) {
-        if !self.registry.nodes[i].draining || self.in_flight_on(i) > 0 {
+        let Some(failure) = self.registry.nodes[i].draining.clone() else {
+            return;
+        };
+        if self.in_flight_on(i) > 0 {
             return;
         }
         if let Some(owner) = self.registry.nodes[i].owner {
-            let reason =
-                CloseReason::RefreshFailed("the node could not take its configuration".into());
+            let reason = CloseReason::RefreshFailed(failure);
             self.close(owner.conn, reason.clone());
             self.fence_owner(i, owner.generation, reason);
         }

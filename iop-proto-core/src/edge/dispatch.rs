@@ -210,10 +210,9 @@ impl EdgeCore {
             self.requests.remove(&request);
             self.out.events.push_back(EdgeEvent::RequestEnded {
                 request,
-                outcome: Outcome::Failed(RequestError::Unsupported(format!(
-                    "no provider of model `{}` serves this endpoint any more",
-                    waiter.model
-                ))),
+                outcome: Outcome::Failed(RequestError::Unsupported {
+                    model: waiter.model.clone(),
+                }),
             });
             return;
         }

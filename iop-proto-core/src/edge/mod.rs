@@ -35,17 +35,17 @@ use crate::guard::{AuthThrottle, Contest, FlapGuard, PendingConnections, Source}
 use crate::idhash::IdMap;
 use crate::lease::{Generation, Lease, Ledger, Release, RequestId, ResourceId};
 use crate::queue::{Candidate, Ticket, WaitQueue, Waiter};
-use crate::run::{RunStep, RunTracker};
+use crate::run::{RunStep, RunTracker, RunViolation};
 use crate::time::Timestamp;
 use crate::timer::{TimerTable, Wake};
 use crate::token::TokenVerifier;
-use crate::tunnel::{TunnelReceiver, TunnelStep};
+use crate::tunnel::{TunnelReceiver, TunnelStep, TunnelViolation};
 use crate::wire::{
     AdapterConfig, AdapterType, Body, CancelKind, CancelRequest, Envelope, ErrorDetail, Heartbeat,
     HeartbeatAck, NodeCommandResponse, NodeConfigRefreshRequest, NodeConfigRefreshResponse,
     NodeReadyRequest, NodeReadyResponse, ProviderHealth, ProviderSnapshot, ProviderStatus,
     ProviderTunnelFrame, ProviderTunnelRequest, RefreshStatus, RegisterRequest, RegisterResponse,
-    RunEvent, RunEventType, RunRequest, TunnelFrameKind, Validate,
+    RunEvent, RunEventType, RunRequest, TunnelFrameKind, Validate, ValidationError,
 };
 
 mod control;
@@ -94,14 +94,10 @@ struct Outbox {
     events: VecDeque<EdgeEvent>,
 }
 
-/// The run id on the wire for a request.
+/// The run id on the wire for a request (see [`RunId`]).
 #[must_use]
 pub fn run_id_of(request: RequestId) -> String {
-    format!("run-{}", request.0)
-}
-
-fn request_of(run_id: &str) -> Option<RequestId> {
-    run_id.strip_prefix("run-")?.parse().ok().map(RequestId)
+    RunId(request).to_string()
 }
 
 /// Pushes of one revision a node may leave unanswered before it is drained.
@@ -244,10 +240,10 @@ impl EdgeCore {
         now: Timestamp,
         conn: ConnId,
         peer: Peer,
-    ) -> Result<(), UsageError> {
+    ) -> Result<(), EdgeError> {
         self.advance(now);
         if self.registry.conns.contains_key(&conn) {
-            return Err(UsageError::DuplicateConnection(conn));
+            return Err(UsageError::DuplicateConnection(conn).into());
         }
         let source = Source::of(peer.addr);
         let admitted = self
@@ -296,7 +292,7 @@ impl EdgeCore {
         conn: ConnId,
         tls: &'static str,
         identities: Vec<String>,
-    ) -> Result<(), UsageError> {
+    ) -> Result<(), EdgeError> {
         self.advance(now);
         let c = self
             .registry
@@ -314,7 +310,7 @@ impl EdgeCore {
         &mut self,
         now: Timestamp,
         conn: ConnId,
-    ) -> Result<(), UsageError> {
+    ) -> Result<(), EdgeError> {
         self.advance(now);
         let c = self
             .registry
@@ -343,7 +339,7 @@ impl EdgeCore {
         now: Timestamp,
         conn: ConnId,
         envelope: Envelope,
-    ) -> Result<(), UsageError> {
+    ) -> Result<(), EdgeError> {
         self.advance(now);
         let c = self
             .registry
@@ -366,20 +362,20 @@ impl EdgeCore {
             // connection's own grammar.
             #[cfg(feature = "testkit")]
             if self.faults.close_on_unknown_kind {
-                self.violation(conn, format!("invalid {}: {err}", envelope.kind()));
+                self.violation(conn, ConnViolation::Invalid(err));
                 return Ok(());
             }
             match envelope.body {
                 Some(Body::RunEvent(event)) => {
-                    self.bad_stream_item(conn, phase, &event.run_id, err.to_string());
+                    self.bad_stream_item(conn, phase, &event.run_id, err);
                 }
                 Some(Body::ProviderTunnelFrame(frame)) => {
-                    self.bad_stream_item(conn, phase, &frame.run_id, err.to_string());
+                    self.bad_stream_item(conn, phase, &frame.run_id, err);
                 }
                 Some(Body::NodeConfigRefreshResponse(resp)) if !resp.request_id.is_empty() => {
                     self.on_refresh_response(conn, phase, resp);
                 }
-                _ => self.violation(conn, format!("invalid {}: {err}", envelope.kind())),
+                _ => self.violation(conn, ConnViolation::Invalid(err)),
             }
             return Ok(());
         }
@@ -403,10 +399,7 @@ impl EdgeCore {
             }
             Body::NodeConfigRefreshResponse(resp) => self.on_refresh_response(conn, phase, resp),
             Body::NodeCommandResponse(resp) => self.on_command_response(conn, phase, resp),
-            other => self.violation(
-                conn,
-                format!("{} is not a node-to-edge message", other.kind()),
-            ),
+            other => self.violation(conn, ConnViolation::WrongDirection(other.kind())),
         }
         Ok(())
     }
@@ -432,7 +425,7 @@ impl EdgeCore {
         &mut self,
         now: Timestamp,
         submit: Submit<'_>,
-    ) -> Result<RequestId, SubmitError> {
+    ) -> Result<RequestId, EdgeError> {
         self.advance(now);
         let model = self
             .pool
@@ -443,7 +436,7 @@ impl EdgeCore {
             .long_threshold
             .is_some_and(|t| submit.prompt_tokens >= t);
         if long && !model.long_possible {
-            return Err(SubmitError::NoCandidates(submit.model.to_owned()));
+            return Err(SubmitError::NoCandidates(submit.model.to_owned()).into());
         }
         let candidates: Arc<[Candidate]> = if submit.tunnel_only {
             model
@@ -456,7 +449,7 @@ impl EdgeCore {
             model.candidates.clone()
         };
         if candidates.is_empty() {
-            return Err(SubmitError::NoCandidates(submit.model.to_owned()));
+            return Err(SubmitError::NoCandidates(submit.model.to_owned()).into());
         }
         let request = RequestId(self.next_request);
         let model_name: Arc<str> = self
@@ -472,10 +465,10 @@ impl EdgeCore {
         }
         let max_waiting = self.config.queue.max_waiting;
         if self.pool.queue.waiting_for(&model_name) >= max_waiting {
-            return Err(SubmitError::QueueFull {
+            return Err(EdgeError::Submit(SubmitError::QueueFull {
                 model: submit.model.to_owned(),
                 max_waiting,
-            });
+            }));
         }
         self.next_request += 1;
         let ticket = self.pool.queue.push(Waiter {
@@ -502,7 +495,7 @@ impl EdgeCore {
         now: Timestamp,
         request: RequestId,
         dispatch: Dispatch,
-    ) -> Result<String, DispatchError> {
+    ) -> Result<RunId, EdgeError> {
         self.advance(now);
         let Some(ReqState::Granted {
             lease,
@@ -511,10 +504,11 @@ impl EdgeCore {
             target,
         }) = self.requests.get(&request)
         else {
-            return Err(DispatchError::NotGranted(request));
+            return Err(UsageError::NotGranted(request).into());
         };
         let (lease, conn, shape, target) = (*lease, *conn, *shape, target.to_string());
-        let run_id = run_id_of(request);
+        let run = RunId(request);
+        let run_id = run.to_string();
         let provider_id = self.pool.resources[lease.resource.index()]
             .provider_id
             .to_string();
@@ -535,7 +529,9 @@ impl EdgeCore {
                     Stream::Tunnel(TunnelReceiver::new()),
                 )
             }
-            (_, expected) => return Err(DispatchError::WrongShape { request, expected }),
+            (_, expected) => {
+                return Err(UsageError::WrongShape { request, expected }.into());
+            }
         };
         self.send(conn, body);
         self.requests.insert(
@@ -546,18 +542,23 @@ impl EdgeCore {
                 stream,
             },
         );
-        Ok(run_id)
+        Ok(run)
     }
 
     /// The caller gave up on `request` (disconnect, response timeout, write failure).
     /// A waiting request leaves the queue; a granted one returns its lease; a running one
     /// is cancelled on its node with `CancelRequest(CANCEL_RUN)` and keeps its lease until
-    /// the node confirms or the cancel grace passes. Returns false when the request had
-    /// already ended.
-    pub fn handle_cancel(&mut self, now: Timestamp, request: RequestId, reason: &str) -> bool {
+    /// the node confirms or the cancel grace passes. A request that already ended is
+    /// [`UsageError::Ended`]: a race the driver may ignore.
+    pub fn handle_cancel(
+        &mut self,
+        now: Timestamp,
+        request: RequestId,
+        reason: &str,
+    ) -> Result<(), EdgeError> {
         self.advance(now);
         let Some(state) = self.requests.remove(&request) else {
-            return false;
+            return Err(UsageError::Ended(request).into());
         };
         match state {
             ReqState::Waiting { ticket, .. } => {
@@ -581,14 +582,14 @@ impl EdgeCore {
             }
             ReqState::Cancelling { .. } => {
                 self.requests.insert(request, state);
-                return false;
+                return Err(UsageError::Ended(request).into());
             }
         }
         self.out.events.push_back(EdgeEvent::RequestEnded {
             request,
             outcome: Outcome::Cancelled,
         });
-        true
+        Ok(())
     }
 
     /// Sends a query command (`CAPABILITIES`, `TRANSPORT_STATUS`, `OLLAMA_API`) to a ready
@@ -601,10 +602,11 @@ impl EdgeCore {
         now: Timestamp,
         node_id: &str,
         mut request: crate::wire::NodeCommandRequest,
-    ) -> Result<String, CommandError> {
+    ) -> Result<CommandId, EdgeError> {
         self.advance(now);
         let seq = self.control.next_refresh;
-        request.request_id = format!("cmd-{seq}");
+        let id = CommandId(seq);
+        request.request_id = id.to_string();
         request.validate().map_err(CommandError::Invalid)?;
         let i = *self
             .registry
@@ -619,10 +621,10 @@ impl EdgeCore {
                 .and_then(|spec| spec.adapter(&request.adapter))
                 .is_some_and(|a| a.r#type == AdapterType::Ollama as i32);
             if !ollama {
-                return Err(CommandError::NotOllama {
+                return Err(EdgeError::Command(CommandError::NotOllama {
                     node: node_id.to_owned(),
                     adapter: request.adapter.clone(),
-                });
+                }));
             }
         }
         let owner = self.registry.nodes[i]
@@ -630,16 +632,15 @@ impl EdgeCore {
             .filter(|o| o.ready)
             .ok_or_else(|| CommandError::NotReady(node_id.to_owned()))?;
         self.control.next_refresh += 1;
-        let request_id = request.request_id.clone();
         self.control
             .commands
-            .insert(seq, (i, owner.generation, request_id.clone()));
+            .insert(seq, (i, owner.generation, request.request_id.clone()));
         self.send(owner.conn, Body::NodeCommandRequest(request));
         self.timers.set(
             TimerKey::Command(seq),
             self.now + self.config.timing.refresh_timeout,
         );
-        Ok(request_id)
+        Ok(id)
     }
 
     /// Replaces the configuration. Removed nodes are fenced and closed; ready nodes whose
@@ -649,7 +650,7 @@ impl EdgeCore {
         &mut self,
         now: Timestamp,
         config: EdgeConfig,
-    ) -> Result<crate::edge_config::ConfigDiff, EdgeConfigError> {
+    ) -> Result<crate::edge_config::ConfigDiff, EdgeError> {
         self.advance(now);
         config.validate()?;
         let diff = self.config.diff(&config);

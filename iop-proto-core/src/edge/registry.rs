@@ -79,7 +79,7 @@ pub(super) struct NodeEntry {
     pub(super) refresh_tries: u32,
     /// The node could not take its configuration: it gets no new work and its
     /// connection is closed once its last lease returns (it then registers afresh).
-    pub(super) draining: bool,
+    pub(super) draining: Option<RefreshFailure>,
 }
 
 impl EdgeCore {
@@ -110,7 +110,7 @@ impl EdgeCore {
                     conflict: n.flap.in_conflict(self.now),
                     tls: peer.and_then(|p| p.tls),
                     client_certificate: peer.is_some_and(|p| !p.identities.is_empty()),
-                    draining: n.draining,
+                    draining: n.draining.is_some(),
                 }
             })
             .collect();
@@ -139,7 +139,7 @@ impl EdgeCore {
                         resources: Vec::new(),
                         flap: FlapGuard::default(),
                         refresh_tries: 0,
-                        draining: false,
+                        draining: None,
                     });
                     self.registry
                         .node_index
@@ -235,22 +235,22 @@ impl EdgeCore {
     }
 
     /// The peer broke the protocol at connection level: close it (fencing it if it owns).
-    pub(super) fn violation(&mut self, conn: ConnId, detail: String) {
+    pub(super) fn violation(&mut self, conn: ConnId, violation: ConnViolation) {
         self.out.events.push_back(EdgeEvent::PeerViolation {
             conn,
             node_id: self.node_of(conn),
-            detail: detail.clone(),
+            violation: Violation::Connection(violation.clone()),
         });
         let phase = self.registry.conns.get(&conn).map(|c| c.phase);
-        self.close(conn, CloseReason::ProtocolViolation(detail.clone()));
+        self.close(conn, CloseReason::ProtocolViolation(violation.clone()));
         if let Some(Phase::Owner { node, generation }) = phase {
-            self.fence_owner(node, generation, CloseReason::ProtocolViolation(detail));
+            self.fence_owner(node, generation, CloseReason::ProtocolViolation(violation));
         }
     }
 
     pub(super) fn on_register(&mut self, conn: ConnId, phase: Phase, req: RegisterRequest) {
         if phase != Phase::Unregistered {
-            self.violation(conn, "second RegisterRequest on one connection".into());
+            self.violation(conn, ConnViolation::SecondRegister);
             return;
         }
         let Some(addr) = self.registry.conns.get(&conn).map(|c| c.peer.addr) else {
@@ -271,7 +271,7 @@ impl EdgeCore {
                     RejectReason::Throttled => self.registry.throttle.blocked(self.now, source),
                     _ => None,
                 };
-                self.reject_register(conn, &req.node_id, AUTH_FAILED.to_owned(), retry_after);
+                self.reject_register(conn, &req.node_id, reason, AUTH_FAILED, retry_after);
                 self.out.events.push_back(EdgeEvent::RegisterRejected {
                     conn,
                     addr,
@@ -296,7 +296,13 @@ impl EdgeCore {
                          (two nodes share this id?)",
                         &*self.registry.nodes[i].id
                     );
-                    self.reject_register(conn, &req.node_id, reason, Some(retry_after));
+                    self.reject_register(
+                        conn,
+                        &req.node_id,
+                        RejectReason::Conflict,
+                        &reason,
+                        Some(retry_after),
+                    );
                     self.out.events.push_back(EdgeEvent::RegisterRejected {
                         conn,
                         addr,
@@ -412,14 +418,15 @@ impl EdgeCore {
         &mut self,
         conn: ConnId,
         node_id: &str,
-        reason: String,
+        why: RejectReason,
+        reason: &str,
         retry_after: Option<Duration>,
     ) {
         self.send(
             conn,
             Body::RegisterResponse(RegisterResponse {
                 accepted: false,
-                reason: reason.clone(),
+                reason: reason.to_owned(),
                 node_id: node_id
                     .chars()
                     .take(crate::wire::MAX_NODE_ID_BYTES)
@@ -428,7 +435,7 @@ impl EdgeCore {
                 ..RegisterResponse::default()
             }),
         );
-        self.close(conn, CloseReason::RegisterRejected(reason));
+        self.close(conn, CloseReason::RegisterRejected(why));
     }
 
     pub(super) fn refuse_ready(&mut self, conn: ConnId, reason: &str, close: bool) {
@@ -459,7 +466,7 @@ impl EdgeCore {
         };
         if *self.registry.nodes[i].id != *req.node_id {
             self.refuse_ready(conn, "node_id does not match the registered node", false);
-            self.violation(conn, "ready for another node id".into());
+            self.violation(conn, ConnViolation::ReadyForAnotherNode);
             return;
         }
         self.send(
@@ -531,7 +538,7 @@ impl EdgeCore {
         self.registry.nodes[i].refresh = None;
         self.timers.stop(TimerKey::Refresh(i));
         self.registry.nodes[i].refresh_tries = 0;
-        self.registry.nodes[i].draining = false;
+        self.registry.nodes[i].draining = None;
         let node_id = self.registry.nodes[i].id.clone();
         let pending: Vec<u64> = self
             .control

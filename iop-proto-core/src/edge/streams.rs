@@ -78,7 +78,7 @@ impl StreamItem {
 pub(super) enum Observed {
     Progress,
     Terminal(Outcome),
-    Violation(String),
+    Violation(StreamViolation),
 }
 
 /// Checks `item` against `stream`'s contract; `None` for a stream already broken.
@@ -95,19 +95,17 @@ pub(super) fn observe(stream: &mut Stream, item: &StreamItem) -> Option<Observed
             }
             Ok(RunStep::Terminal(_)) => Observed::Terminal(provider_error(&event.error)),
             Ok(_) => Observed::Progress,
-            Err(violation) => Observed::Violation(violation.to_string()),
+            Err(violation) => Observed::Violation(StreamViolation::Run(violation)),
         },
         (Stream::Tunnel(receiver), StreamItem::Frame(frame)) => match receiver.observe(frame) {
             Ok(TunnelStep::End) => Observed::Terminal(Outcome::Completed),
             Ok(TunnelStep::Error) => Observed::Terminal(provider_error(&frame.error)),
             Ok(_) => Observed::Progress,
-            Err(violation) => Observed::Violation(violation.to_string()),
+            Err(violation) => Observed::Violation(StreamViolation::Tunnel(violation)),
         },
-        (Stream::Run(_), StreamItem::Frame(_)) => {
-            Observed::Violation("tunnel frame for a run".into())
-        }
+        (Stream::Run(_), StreamItem::Frame(_)) => Observed::Violation(StreamViolation::FrameForRun),
         (Stream::Tunnel(_), StreamItem::Run(_)) => {
-            Observed::Violation("RunEvent for a tunnel".into())
+            Observed::Violation(StreamViolation::EventForTunnel)
         }
     })
 }
@@ -122,17 +120,17 @@ impl EdgeCore {
         run_id: &str,
     ) -> Option<RequestId> {
         let Phase::Owner { node, .. } = phase else {
-            self.violation(conn, "stream frame before register".into());
+            self.violation(conn, ConnViolation::StreamBeforeRegister);
             return None;
         };
         if !self.registry.nodes[node]
             .owner
             .is_some_and(|o| o.conn == conn && o.ready)
         {
-            self.violation(conn, "stream frame before ready".into());
+            self.violation(conn, ConnViolation::StreamBeforeReady);
             return None;
         }
-        let request = request_of(run_id)?;
+        let request = RunId::parse(run_id)?.0;
         match self.requests.get(&request)? {
             ReqState::Running { conn: c, .. } | ReqState::Cancelling { conn: c, .. }
                 if *c == conn =>
@@ -230,7 +228,10 @@ impl EdgeCore {
                 self.out.events.push_back(EdgeEvent::PeerViolation {
                     conn,
                     node_id: self.node_of(conn),
-                    detail: format!("{}: {detail}", run_id_of(request)),
+                    violation: Violation::Stream {
+                        run: RunId(request),
+                        violation: detail.clone(),
+                    },
                 });
                 self.release(lease);
                 if !cancelling {
@@ -271,18 +272,19 @@ impl EdgeCore {
         conn: ConnId,
         phase: Phase,
         run_id: &str,
-        detail: String,
+        error: ValidationError,
     ) {
         let Some(request) = self.stream_of(conn, phase, run_id) else {
             if self.ready_owner(conn, phase).is_some() {
                 self.out.events.push_back(EdgeEvent::PeerViolation {
                     conn,
                     node_id: self.node_of(conn),
-                    detail: format!("dropped a message for no run of this connection: {detail}"),
+                    violation: Violation::Stray(error),
                 });
             }
             return;
         };
+        let detail = StreamViolation::Invalid(error);
         match self.requests.remove(&request) {
             Some(ReqState::Running { lease, conn, .. }) => {
                 self.stream_violation(request, lease, conn, false, detail);
@@ -305,12 +307,15 @@ impl EdgeCore {
         lease: Lease,
         conn: ConnId,
         cancelling: bool,
-        detail: String,
+        detail: StreamViolation,
     ) {
         self.out.events.push_back(EdgeEvent::PeerViolation {
             conn,
             node_id: self.node_of(conn),
-            detail: format!("{}: {detail}", run_id_of(request)),
+            violation: Violation::Stream {
+                run: RunId(request),
+                violation: detail.clone(),
+            },
         });
         if !cancelling {
             self.out.events.push_back(EdgeEvent::RequestEnded {

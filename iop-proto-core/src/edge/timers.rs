@@ -100,10 +100,7 @@ impl EdgeCore {
                     if retrying {
                         self.push_refresh(i);
                     } else {
-                        self.drain_node(
-                            i,
-                            format!("config refresh unanswered {MAX_REFRESH_TRIES} times"),
-                        );
+                        self.drain_node(i, RefreshFailure::Unanswered(MAX_REFRESH_TRIES));
                     }
                 }
             }

@@ -61,8 +61,9 @@ impl RejectReason {
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum CloseReason {
-    /// Unknown node id or bad token.
-    RegisterRejected(String),
+    /// The register was refused (the peer was told [`AUTH_FAILED`] or why it is held
+    /// off).
+    RegisterRejected(RejectReason),
     /// No register, or no ready, within the register timeout.
     HandshakeTimeout,
     /// A ready from a connection that is not the node's current owner.
@@ -71,8 +72,8 @@ pub enum CloseReason {
     Superseded,
     /// Nothing received within the heartbeat timeout.
     HeartbeatTimeout,
-    /// The peer broke the protocol.
-    ProtocolViolation(String),
+    /// The peer broke the connection's own grammar.
+    ProtocolViolation(ConnViolation),
     /// The node was removed from the configuration.
     NodeRemoved,
     /// The node's token changed in the configuration: the connection that registered
@@ -83,7 +84,7 @@ pub enum CloseReason {
     /// The node could not apply its configuration (a refresh answered `FAILED` or
     /// `RESTART_REQUIRED`, or went unanswered three times): once its work drained, it is
     /// closed so that it registers again and takes the configuration afresh.
-    RefreshFailed(String),
+    RefreshFailed(RefreshFailure),
     /// The peer closed the connection (reported by the shell).
     PeerClosed,
 }
@@ -180,13 +181,16 @@ pub enum RequestError {
         node_id: Arc<str>,
     },
     /// The node's stream for it broke the contract.
-    Violation(String),
+    Violation(StreamViolation),
     /// The provider or node reported an error (`ERROR` event or frame).
     Provider(ErrorDetail),
     /// The request needs a tunnel-served provider (embeddings, completions) and none of
     /// its model's candidates is one any more: a configuration refresh changed their
     /// adapters while it waited.
-    Unsupported(String),
+    Unsupported {
+        /// The model group.
+        model: Arc<str>,
+    },
 }
 
 /// How a request ended.
@@ -202,9 +206,9 @@ pub enum Outcome {
     Expired,
 }
 
-/// Something the shell should know about.
+/// Something the shell should know about. Deliberately exhaustive: a new event is a
+/// compile error in every shell until it decides what to do with it.
 #[derive(Clone, Debug, PartialEq)]
-#[non_exhaustive]
 pub enum EdgeEvent {
     /// A node completed its ready handshake (exactly once per generation).
     NodeConnected {
@@ -274,7 +278,7 @@ pub enum EdgeEvent {
         /// Node id.
         node_id: Arc<str>,
         /// Why.
-        reason: String,
+        reason: RefreshFailure,
         /// Leases still held on it.
         in_flight: u32,
     },
@@ -338,8 +342,189 @@ pub enum EdgeEvent {
         /// Node, when known.
         node_id: Option<Arc<str>>,
         /// What happened.
-        detail: String,
+        violation: Violation,
     },
+}
+
+/// How a node broke the protocol; [`Violation::label`] names it for metrics.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Violation {
+    /// The connection's own grammar: the connection is closed.
+    #[error("{0}")]
+    Connection(ConnViolation),
+    /// One run's stream: that run fails and is cancelled on the node.
+    #[error("{run}: {violation}")]
+    Stream {
+        /// The run.
+        run: RunId,
+        /// What it broke.
+        violation: StreamViolation,
+    },
+    /// A run event or tunnel frame that names no run of the connection: dropped.
+    #[error("a message for no run of this connection: {0}")]
+    Stray(ValidationError),
+}
+
+impl Violation {
+    /// A stable name for metric labels and logs.
+    #[must_use]
+    pub fn label(&self) -> &'static str {
+        match self {
+            Violation::Connection(v) => v.label(),
+            Violation::Stream { violation, .. } => violation.label(),
+            Violation::Stray(_) => "stray_message",
+        }
+    }
+}
+
+/// How a node broke its connection's grammar (the connection is closed).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConnViolation {
+    /// A message that breaks the message contract (not about one run).
+    #[error("invalid message: {0}")]
+    Invalid(ValidationError),
+    /// A second `RegisterRequest` on one connection.
+    #[error("second RegisterRequest on one connection")]
+    SecondRegister,
+    /// A run event or tunnel frame before the register was accepted.
+    #[error("stream message before register")]
+    StreamBeforeRegister,
+    /// A run event or tunnel frame before the ready handshake completed.
+    #[error("stream message before ready")]
+    StreamBeforeReady,
+    /// A `NodeReadyRequest` naming another node id than the registered one.
+    #[error("ready for another node id")]
+    ReadyForAnotherNode,
+    /// A message only the Edge sends.
+    #[error("{0} is not a node-to-edge message")]
+    WrongDirection(&'static str),
+}
+
+impl ConnViolation {
+    /// A stable name for metric labels and logs.
+    #[must_use]
+    pub fn label(&self) -> &'static str {
+        match self {
+            ConnViolation::Invalid(_) => "invalid_message",
+            ConnViolation::SecondRegister => "second_register",
+            ConnViolation::StreamBeforeRegister => "stream_before_register",
+            ConnViolation::StreamBeforeReady => "stream_before_ready",
+            ConnViolation::ReadyForAnotherNode => "ready_for_another_node",
+            ConnViolation::WrongDirection(_) => "wrong_direction",
+        }
+    }
+}
+
+/// How a node broke one run's stream (that run fails; the connection stays).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum StreamViolation {
+    /// Out of the run event order.
+    #[error(transparent)]
+    Run(RunViolation),
+    /// Out of the tunnel frame order.
+    #[error(transparent)]
+    Tunnel(TunnelViolation),
+    /// A tunnel frame for a normalized run.
+    #[error("tunnel frame for a run")]
+    FrameForRun,
+    /// A run event for a tunnel.
+    #[error("run event for a tunnel")]
+    EventForTunnel,
+    /// A message that breaks the message contract (e.g. an unknown type).
+    #[error("invalid message: {0}")]
+    Invalid(ValidationError),
+}
+
+impl StreamViolation {
+    /// A stable name for metric labels and logs.
+    #[must_use]
+    pub fn label(&self) -> &'static str {
+        match self {
+            StreamViolation::Run(_) => "run_order",
+            StreamViolation::Tunnel(_) => "tunnel_order",
+            StreamViolation::FrameForRun => "frame_for_run",
+            StreamViolation::EventForTunnel => "event_for_tunnel",
+            StreamViolation::Invalid(_) => "invalid_stream_message",
+        }
+    }
+}
+
+/// Why a node could not take its configuration.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RefreshFailure {
+    /// It answered a refresh with this status (an unknown status counts as `FAILED`).
+    #[error("config refresh answered {status:?}: {message}")]
+    Answered {
+        /// The status.
+        status: RefreshStatus,
+        /// The node's message.
+        message: String,
+    },
+    /// It left the refresh unanswered this many times.
+    #[error("config refresh unanswered {0} times")]
+    Unanswered(u32),
+}
+
+/// The id of a dispatched request on the wire (`run-<n>`), in `RunRequest.run_id`,
+/// `ProviderTunnelRequest.run_id` and every event or frame of its stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RunId(pub RequestId);
+
+impl RunId {
+    /// The request a wire run id names, if it is one of this Edge's.
+    #[must_use]
+    pub fn parse(text: &str) -> Option<RunId> {
+        text.strip_prefix("run-")?
+            .parse()
+            .ok()
+            .map(|n| RunId(RequestId(n)))
+    }
+}
+
+impl std::fmt::Display for RunId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "run-{}", self.0.0)
+    }
+}
+
+/// The id of a node command on the wire (`cmd-<n>`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct CommandId(pub u64);
+
+impl CommandId {
+    /// The command a wire request id names, if it is one of this Edge's.
+    #[must_use]
+    pub fn parse(text: &str) -> Option<CommandId> {
+        text.strip_prefix("cmd-")?.parse().ok().map(CommandId)
+    }
+}
+
+impl std::fmt::Display for CommandId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "cmd-{}", self.0)
+    }
+}
+
+/// Every refusal of an input of [`EdgeCore`]: its one error type.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum EdgeError {
+    /// The driver misused the machine (a bug in the shell).
+    #[error(transparent)]
+    Usage(#[from] UsageError),
+    /// A request cannot be accepted (the caller's request is at fault, or the queue).
+    #[error(transparent)]
+    Submit(#[from] SubmitError),
+    /// A command cannot be sent.
+    #[error(transparent)]
+    Command(#[from] CommandError),
+    /// A configuration cannot run.
+    #[error(transparent)]
+    Config(#[from] EdgeConfigError),
 }
 
 /// Refusal of a new request.
@@ -372,6 +557,21 @@ pub enum UsageError {
     /// An input for a connection that is not open.
     #[error("connection {0:?} is not open")]
     UnknownConnection(ConnId),
+    /// A dispatch for a request that is not granted (never was, already dispatched, or
+    /// already ended).
+    #[error("request {0} is not waiting for dispatch")]
+    NotGranted(RequestId),
+    /// A dispatch whose message does not match the grant's shape.
+    #[error("request {request} must be dispatched as {expected:?}")]
+    WrongShape {
+        /// The request.
+        request: RequestId,
+        /// The shape the grant requires.
+        expected: DispatchShape,
+    },
+    /// A cancel for a request that already ended (a race the driver may ignore).
+    #[error("request {0} already ended")]
+    Ended(RequestId),
 }
 
 /// Refusal of a node command.
@@ -395,23 +595,6 @@ pub enum CommandError {
         node: String,
         /// Adapter named.
         adapter: String,
-    },
-}
-
-/// Refusal of a dispatch.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum DispatchError {
-    /// The request is not granted (never was, already dispatched, or already ended).
-    #[error("request {0} is not waiting for dispatch")]
-    NotGranted(RequestId),
-    /// The message does not match the grant's shape.
-    #[error("request {request} must be dispatched as {expected:?}")]
-    WrongShape {
-        /// The request.
-        request: RequestId,
-        /// The shape the grant requires.
-        expected: DispatchShape,
     },
 }
 

@@ -262,7 +262,7 @@ pub fn edge_core(data: &[u8]) {
             }
             _ => {
                 if let Some(&r) = requests.get(usize::from(input.byte())) {
-                    edge.handle_cancel(t, r, "fuzz");
+                    let _ = edge.handle_cancel(t, r, "fuzz");
                 }
             }
         }

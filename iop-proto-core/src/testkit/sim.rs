@@ -670,7 +670,9 @@ impl World {
                 self.log(|| format!("{request} ended: {outcome:?}"));
                 match outcome {
                     Outcome::Completed => self.stats.completed += 1,
-                    Outcome::Failed(RequestError::Unsupported(_)) => self.stats.unsupported += 1,
+                    Outcome::Failed(RequestError::Unsupported { .. }) => {
+                        self.stats.unsupported += 1
+                    }
                     _ => {}
                 }
                 match self.clients.get_mut(&request) {
@@ -1057,7 +1059,12 @@ impl World {
             self.client_timers.pop_first();
             if self.clients.get(&request).is_some_and(|c| !c.ended) {
                 self.log(|| format!("client gives up on {request}"));
-                self.edge.handle_cancel(now, request, "client gave up");
+                let cancelled = self.edge.handle_cancel(now, request, "client gave up");
+                check!(
+                    self,
+                    cancelled.is_ok(),
+                    "cancel of open {request} refused: {cancelled:?}"
+                );
                 self.drain_edge();
             }
         }

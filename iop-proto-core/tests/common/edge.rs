@@ -168,26 +168,26 @@ impl Harness {
     }
 
     pub fn submit(&mut self, model: &str, prompt_tokens: u64) -> Result<RequestId, SubmitError> {
-        self.edge.handle_submit(
+        refused(self.edge.handle_submit(
             self.now,
             Submit {
                 model,
                 prompt_tokens,
                 tunnel_only: false,
             },
-        )
+        ))
     }
 
     /// A request only a tunnel-served provider can answer (embeddings, completions).
     pub fn submit_tunnel(&mut self, model: &str) -> Result<RequestId, SubmitError> {
-        self.edge.handle_submit(
+        refused(self.edge.handle_submit(
             self.now,
             Submit {
                 model,
                 prompt_tokens: 1,
                 tunnel_only: true,
             },
-        )
+        ))
     }
 
     pub fn usage(&self, node: &str, provider: &str) -> lease::Usage {
@@ -209,6 +209,7 @@ impl Harness {
         self.edge
             .handle_dispatch(self.now, grant.request, dispatch)
             .expect("granted")
+            .to_string()
     }
 
     pub fn run_event(&mut self, conn: ConnId, run_id: &str, kind: RunEventType, sequence: u64) {
@@ -222,6 +223,14 @@ impl Harness {
             }),
         );
     }
+}
+
+/// A submit's refusal; any other error is a misuse the test did not mean.
+fn refused(result: Result<RequestId, EdgeError>) -> Result<RequestId, SubmitError> {
+    result.map_err(|err| match err {
+        EdgeError::Submit(refusal) => refusal,
+        other => panic!("misuse: {other}"),
+    })
 }
 
 pub fn grants(events: &[EdgeEvent]) -> Vec<Grant> {
