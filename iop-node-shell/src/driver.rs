@@ -12,7 +12,8 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use iop_proto_core::wire::{self, FrameDecoder};
 use iop_proto_core::{
-    Failure, NodeSession, RunOutput, SessionConfig, SessionEnd, SessionEvent, TunnelOutput,
+    Failure, NodeSession, NodeTransmit, RunOutput, SessionConfig, SessionEnd, SessionEvent,
+    Supervisor, TunnelOutput,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
@@ -22,20 +23,12 @@ use tracing::{debug, info, warn};
 use crate::adapters::{AdapterHost, HttpClient, Output, Sink};
 use crate::stats::TransportStats;
 use iop_shell_common::clock::Clock;
+use iop_shell_common::misuse;
 
 /// Queued output bytes above which adapter output waits.
 const HIGH_WATER: usize = 4 << 20;
 /// Largest single read.
 const READ_CHUNK: usize = 64 << 10;
-
-/// What the connection's end means for the supervisor.
-#[derive(Debug)]
-pub struct Outcome {
-    /// Why it ended.
-    pub end: SessionEnd,
-    /// Whether it reached ready (the supervisor then resets its attempt count).
-    pub was_ready: bool,
-}
 
 /// Everything a connection needs from the process.
 #[derive(Clone, Debug)]
@@ -48,8 +41,6 @@ pub struct Context {
     pub http: HttpClient,
     /// Default provider request timeout.
     pub request_timeout: Duration,
-    /// How long a local shutdown waits for cancelled work to end in order.
-    pub shutdown_grace: Duration,
     /// When the process started (for `TRANSPORT_STATUS`).
     pub started: tokio::time::Instant,
 }
@@ -78,25 +69,17 @@ async fn write_loop<W: AsyncWrite + Unpin>(
     writer.shutdown().await
 }
 
-fn io_failure(err: &std::io::Error) -> Failure {
-    use std::io::ErrorKind;
-    match err.kind() {
-        ErrorKind::ConnectionRefused => Failure::Refused,
-        ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted | ErrorKind::BrokenPipe => {
-            Failure::Reset
-        }
-        ErrorKind::TimedOut => Failure::TimedOut,
-        _ => Failure::Unreachable(err.to_string()),
-    }
-}
-
-/// Runs one session over `stream` until it closes.
+/// Runs one session over `stream` until it closes and returns why. The session tells
+/// `supervisor` when it is ready (which resets the reconnect attempts). A local shutdown
+/// is handed to the session, which cancels the work in flight and closes once that work
+/// has ended in order or its grace has passed.
 pub async fn run<S>(
     stream: S,
     config: SessionConfig,
     ctx: &Context,
+    supervisor: &mut Supervisor,
     shutdown: &CancellationToken,
-) -> Outcome
+) -> SessionEnd
 where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
@@ -111,22 +94,31 @@ where
     let mut decoder = FrameDecoder::new();
     let mut host = AdapterHost::new(ctx.http.clone(), ctx.request_timeout);
     let mut tasks: HashMap<String, CancellationToken> = HashMap::new();
-    let mut was_ready = false;
-    let mut draining: Option<tokio::time::Instant> = None;
+    // Whether the shutdown was handed to the session (so the select stops waiting on it).
+    let mut stop_sent = false;
     let mut read_buf = BytesMut::with_capacity(READ_CHUNK);
-    let _ = session.handle_connected(ctx.clock.now());
+    misuse("connected", session.handle_connected(ctx.clock.now()));
 
     loop {
         // Drain every output of the machine before waiting again.
+        let mut closed = None;
         loop {
             let mut out = BytesMut::new();
             let mut frames = 0u64;
-            while let Some(envelope) = session.poll_transmit() {
-                if let Err(err) = wire::encode(&envelope, &mut out) {
-                    warn!(node_id, %err, kind = envelope.kind(), "dropping a frame that cannot be encoded");
-                    continue;
+            while let Some(transmit) = session.poll_transmit() {
+                match transmit {
+                    NodeTransmit::Frame(envelope) => {
+                        if let Err(err) = wire::encode(&envelope, &mut out) {
+                            warn!(node_id, %err, kind = envelope.kind(), "dropping a frame that cannot be encoded");
+                            continue;
+                        }
+                        frames += 1;
+                    }
+                    NodeTransmit::Close { end, abandoned } => {
+                        info!(node_id, end = %end, abandoned = abandoned.len(), "session closed");
+                        closed = Some(end);
+                    }
                 }
-                frames += 1;
             }
             if !out.is_empty() {
                 TransportStats::add(&ctx.stats.frames_out, frames);
@@ -143,8 +135,8 @@ where
                 &mut tasks,
                 &out_tx,
                 ctx,
+                supervisor,
                 &node_id,
-                &mut was_ready,
             );
         }
         if let Some(rtt) = session.last_rtt() {
@@ -152,8 +144,8 @@ where
                 .last_rtt_ms
                 .store(rtt.as_millis() as u64, Ordering::Relaxed);
         }
-        if let Some(end) = session.end() {
-            let end = end.clone();
+        if let Some(end) = closed {
+            // Abandoned work, and anything else still running, stops upstream now.
             for token in tasks.values() {
                 token.cancel();
             }
@@ -161,56 +153,49 @@ where
             // Let queued frames (terminal events, the last ack) reach the Edge.
             let _ = tokio::time::timeout(Duration::from_secs(2), &mut writer_task).await;
             writer_task.abort();
-            return Outcome { end, was_ready };
-        }
-        if draining.is_some() && session.in_flight() == 0 {
-            session.handle_shutdown(ctx.clock.now());
-            continue;
+            return end;
         }
 
         let deadline = session.poll_timeout().map_or_else(
             || ctx.clock.instant(iop_proto_core::Timestamp::MAX),
             |wake| ctx.clock.instant(wake.at),
         );
-        let drain_deadline =
-            draining.unwrap_or_else(|| ctx.clock.instant(iop_proto_core::Timestamp::MAX));
         let accept_output = pending.load(Ordering::Relaxed) < HIGH_WATER;
         read_buf.reserve(READ_CHUNK);
         tokio::select! {
-            () = shutdown.cancelled(), if draining.is_none() => {
+            () = shutdown.cancelled(), if !stop_sent => {
+                stop_sent = true;
                 info!(node_id, in_flight = session.in_flight(), "shutting down: cancelling in-flight work");
-                for token in tasks.values() {
-                    token.cancel();
-                }
-                draining = Some(tokio::time::Instant::now() + ctx.shutdown_grace);
-            }
-            () = tokio::time::sleep_until(drain_deadline), if draining.is_some() => {
-                warn!(node_id, in_flight = session.in_flight(), "shutdown grace over; closing with work in flight");
-                session.handle_shutdown(ctx.clock.now());
+                misuse("shutdown", session.handle_shutdown(ctx.clock.now()));
             }
             read = reader.read_buf(&mut read_buf) => {
                 let now = ctx.clock.now();
                 match read {
-                    Ok(0) => session.handle_connection_lost(now, Failure::EdgeClosed("edge closed the connection".into())),
+                    Ok(0) => {
+                        let failure = Failure::EdgeClosed("edge closed the connection".into());
+                        misuse("connection lost", session.handle_connection_lost(now, failure));
+                    }
                     Ok(n) => {
                         TransportStats::add(&ctx.stats.bytes_in, n as u64);
                         decoder.push_bytes(read_buf.split().freeze());
-                        loop {
+                        // Once the session has ended, the rest of the buffer is moot.
+                        while session.end().is_none() {
                             match decoder.next_envelope() {
                                 Ok(Some(envelope)) => {
                                     TransportStats::add(&ctx.stats.frames_in, 1);
-                                    session.handle_envelope(now, envelope);
+                                    misuse("envelope", session.handle_envelope(now, envelope));
                                 }
                                 Ok(None) => break,
                                 Err(err) => {
-                                    warn!(node_id, %err, "undecodable frame from the edge");
-                                    session.handle_connection_lost(now, Failure::EdgeClosed(format!("malformed frame: {err}")));
-                                    break;
+                                    misuse("undecodable", session.handle_undecodable(now, err));
                                 }
                             }
                         }
                     }
-                    Err(err) => session.handle_connection_lost(now, io_failure(&err)),
+                    Err(err) => {
+                        let failure = Failure::from_io(err.kind(), &err);
+                        misuse("connection lost", session.handle_connection_lost(now, failure));
+                    }
                 }
             }
             Some(output) = out_rx.recv(), if accept_output => {
@@ -219,10 +204,10 @@ where
             () = tokio::time::sleep_until(deadline) => session.handle_timeout(ctx.clock.now()),
             written = &mut writer_task => {
                 let failure = match written {
-                    Ok(Err(err)) => io_failure(&err),
+                    Ok(Err(err)) => Failure::from_io(err.kind(), &err),
                     _ => Failure::Reset,
                 };
-                session.handle_connection_lost(ctx.clock.now(), failure);
+                misuse("connection lost", session.handle_connection_lost(ctx.clock.now(), failure));
                 // The writer is gone: make the final wait above return at once.
                 writer_task = tokio::spawn(async { Ok(()) });
             }
@@ -259,11 +244,11 @@ fn apply_output(
             result
         }
         Output::Finished { run_id } => {
-            tasks.remove(&run_id);
-            if session.handle_work_returned(now, &run_id) {
+            // A task still listed never sent its terminal output.
+            if tasks.remove(&run_id).is_some() {
                 warn!(node_id, run_id, "adapter returned without a terminal event");
             }
-            Ok(())
+            session.handle_work_returned(now, &run_id)
         }
         Output::Command(response) => session.handle_command_response(now, response),
     };
@@ -280,8 +265,8 @@ fn handle_event(
     tasks: &mut HashMap<String, CancellationToken>,
     out_tx: &mpsc::Sender<Output>,
     ctx: &Context,
+    supervisor: &mut Supervisor,
     node_id: &str,
-    was_ready: &mut bool,
 ) {
     let now = ctx.clock.now();
     match event {
@@ -296,10 +281,10 @@ fn handle_event(
                 ),
                 Err(err) => warn!(node_id, %err, "config from the edge cannot be applied"),
             }
-            let _ = session.handle_config_applied(now, result);
+            misuse("config applied", session.handle_config_applied(now, result));
         }
         SessionEvent::Ready => {
-            *was_ready = true;
+            misuse("ready", supervisor.handle_ready(now));
             info!(node_id, "ready: the edge may dispatch work");
         }
         SessionEvent::StartRun { request } => {
@@ -374,21 +359,17 @@ fn handle_event(
                     warn!(node_id, request_id, %err, "config refresh failed; previous adapters stay")
                 }
             }
-            let _ = session.handle_refresh_applied(now, &request_id, result);
+            misuse(
+                "refresh applied",
+                session.handle_refresh_applied(now, &request_id, result),
+            );
         }
         SessionEvent::WorkRefused { run_id, reason } => {
-            warn!(node_id, run_id, reason, "work refused")
+            warn!(node_id, run_id, reason = %reason, "work refused")
         }
-        SessionEvent::PeerViolation { detail } => warn!(node_id, detail, "edge broke the protocol"),
-        SessionEvent::Closed { end, abandoned } => {
-            for run_id in &abandoned {
-                if let Some(token) = tasks.get(run_id) {
-                    token.cancel();
-                }
-            }
-            info!(node_id, end = ?end, abandoned = abandoned.len(), "session closed");
+        SessionEvent::PeerViolation { violation } => {
+            warn!(node_id, violation = %violation, "edge broke the protocol")
         }
-        _ => {}
     }
 }
 

@@ -98,7 +98,7 @@ impl EdgeLink {
         let dial = async {
             let stream = TcpStream::connect(addr)
                 .await
-                .map_err(|err| dial_failure(&err))?;
+                .map_err(|err| Failure::from_io(err.kind(), &err))?;
             let _ = stream.set_nodelay(true);
             match self {
                 EdgeLink::Plain => Ok(Connection::Plain(stream)),
@@ -130,18 +130,6 @@ impl Connection {
                 .protocol_version()
                 .and_then(iop_shell_common::tls::version_name),
         }
-    }
-}
-
-/// How a failed dial counts for the reconnect policy.
-#[must_use]
-pub fn dial_failure(err: &std::io::Error) -> Failure {
-    use std::io::ErrorKind;
-    match err.kind() {
-        ErrorKind::ConnectionRefused => Failure::Refused,
-        ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted => Failure::Reset,
-        ErrorKind::TimedOut => Failure::TimedOut,
-        _ => Failure::Unreachable(err.to_string()),
     }
 }
 

@@ -4,7 +4,8 @@
 
 use std::sync::Arc;
 
-use iop_proto_core::{Action, ExitReason, SessionConfig, Supervisor};
+use iop_proto_core::{ExitReason, SessionConfig, Supervisor, SupervisorEvent};
+use iop_shell_common::misuse;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
@@ -20,6 +21,7 @@ pub fn session_config(config: &NodeConfig) -> SessionConfig {
     session.version = env!("CARGO_PKG_VERSION").to_owned();
     session.labels = config.labels.clone();
     session.handshake_timeout = config.handshake_timeout;
+    session.shutdown_grace = config.shutdown_grace;
     session
 }
 
@@ -45,11 +47,11 @@ pub async fn run(config: NodeConfig, ctx: Context, shutdown: CancellationToken) 
         None => Supervisor::new(config.policy),
     };
     let clock = ctx.clock;
-    let _ = supervisor.handle_start(clock.now());
+    misuse("start", supervisor.handle_start(clock.now()));
     loop {
-        while let Some(action) = supervisor.poll_action() {
+        while let Some(action) = supervisor.poll_event() {
             match action {
-                Action::Exit(reason) => {
+                SupervisorEvent::Exit(reason) => {
                     match &reason {
                         ExitReason::Shutdown => info!("local shutdown"),
                         ExitReason::Exhausted { attempts, last } => {
@@ -61,7 +63,7 @@ pub async fn run(config: NodeConfig, ctx: Context, shutdown: CancellationToken) 
                     }
                     return reason;
                 }
-                Action::Dial { attempt } => {
+                SupervisorEvent::Dial { attempt } => {
                     info!(
                         attempt,
                         edge = config.edge_addr,
@@ -83,34 +85,36 @@ pub async fn run(config: NodeConfig, ctx: Context, shutdown: CancellationToken) 
                                 tls = stream.tls_version().unwrap_or("none"),
                                 "connected to the edge"
                             );
-                            let _ = supervisor.handle_connected(clock.now());
+                            misuse("connected", supervisor.handle_connected(clock.now()));
                             if TransportStats::get(&ctx.stats.connections) > 0 {
                                 TransportStats::add(&ctx.stats.reconnects, 1);
                             }
                             TransportStats::add(&ctx.stats.connections, 1);
                             let session = session_config(&config);
-                            let outcome = match stream {
+                            let end = match stream {
                                 Connection::Plain(tcp) => {
-                                    driver::run(tcp, session, &ctx, &shutdown).await
+                                    driver::run(tcp, session, &ctx, &mut supervisor, &shutdown)
+                                        .await
                                 }
                                 Connection::Tls(tls) => {
-                                    driver::run(*tls, session, &ctx, &shutdown).await
+                                    driver::run(*tls, session, &ctx, &mut supervisor, &shutdown)
+                                        .await
                                 }
                             };
-                            if outcome.was_ready {
-                                let _ = supervisor.handle_ready(clock.now());
-                            }
-                            match outcome.end.failure() {
+                            match end.failure() {
                                 None => supervisor.handle_shutdown(clock.now()),
                                 Some(failure) => {
                                     warn!(failure = %failure, "session ended");
-                                    let _ = supervisor.handle_failure(clock.now(), failure);
+                                    misuse(
+                                        "failure",
+                                        supervisor.handle_failure(clock.now(), failure),
+                                    );
                                 }
                             }
                         }
                         Err(failure) => {
                             warn!(attempt, failure = %failure, "dial failed");
-                            let _ = supervisor.handle_failure(clock.now(), failure);
+                            misuse("failure", supervisor.handle_failure(clock.now(), failure));
                         }
                     }
                 }
@@ -133,7 +137,6 @@ pub fn context(config: &NodeConfig) -> Result<Context, String> {
         stats: Arc::new(TransportStats::default()),
         http: crate::adapters::http::client(config.ca_file.as_deref())?,
         request_timeout: config.request_timeout,
-        shutdown_grace: config.shutdown_grace,
         started: tokio::time::Instant::now(),
     })
 }

@@ -83,13 +83,13 @@ pub use guard::{
 pub use lease::{Generation, Lease, Ledger, Release, RequestId, ResourceId};
 pub use queue::{Candidate, Ticket, WaitQueue, Waiter};
 pub use reconnect::{
-    Action, Backoff, ExitReason, Failure, MaxAttempts, ReconnectConfigError, ReconnectPolicy,
-    Supervisor, SupervisorError, SupervisorState,
+    Backoff, ExitReason, Failure, MaxAttempts, ReconnectConfigError, ReconnectPolicy, Supervisor,
+    SupervisorError, SupervisorEvent, SupervisorState,
 };
 pub use run::{RunEmitter, RunStep, RunTracker, RunViolation};
 pub use session::{
-    AdapterDiff, CancelError, NodeSession, RunOutput, SessionConfig, SessionEnd, SessionError,
-    SessionEvent, SessionState, TunnelOutput, diff_adapters,
+    AdapterDiff, CancelError, EdgeViolation, NodeSession, NodeTransmit, RunOutput, SessionConfig,
+    SessionEnd, SessionError, SessionEvent, SessionState, TunnelOutput, WorkRefusal, diff_adapters,
 };
 pub use time::Timestamp;
 pub use token::{SecretError, TokenVerifier};

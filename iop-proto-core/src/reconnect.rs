@@ -149,6 +149,23 @@ pub enum Failure {
 }
 
 impl Failure {
+    /// How a transport error counts, by its kind: the one classification every shell
+    /// uses for dials, reads and writes. Refused, reset (also a broken pipe or an aborted
+    /// connection) and timed out are told apart; anything else is `Unreachable` with the
+    /// transport's description.
+    #[must_use]
+    pub fn from_io(kind: std::io::ErrorKind, detail: impl std::fmt::Display) -> Self {
+        use std::io::ErrorKind;
+        match kind {
+            ErrorKind::ConnectionRefused => Failure::Refused,
+            ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted | ErrorKind::BrokenPipe => {
+                Failure::Reset
+            }
+            ErrorKind::TimedOut => Failure::TimedOut,
+            _ => Failure::Unreachable(detail.to_string()),
+        }
+    }
+
     /// Fatal failures end the process instead of retrying.
     #[must_use]
     pub fn is_fatal(&self) -> bool {
@@ -211,7 +228,7 @@ impl ExitReason {
 
 /// What the supervisor asks the shell to do.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Action {
+pub enum SupervisorEvent {
     /// Dial the Edge; `attempt` counts from 1 since the start or the last ready.
     Dial {
         /// Attempt number.
@@ -265,7 +282,7 @@ pub struct Supervisor {
     rng: u64,
     attempts: u32,
     state: SupervisorState,
-    actions: VecDeque<Action>,
+    actions: VecDeque<SupervisorEvent>,
     now: Timestamp,
 }
 
@@ -306,9 +323,9 @@ impl Supervisor {
         self.attempts
     }
 
-    /// The next action for the shell.
+    /// The next thing for the shell to do.
     #[must_use]
-    pub fn poll_action(&mut self) -> Option<Action> {
+    pub fn poll_event(&mut self) -> Option<SupervisorEvent> {
         self.actions.pop_front()
     }
 
@@ -339,14 +356,14 @@ impl Supervisor {
     fn dial(&mut self) {
         self.attempts = self.attempts.saturating_add(1);
         self.state = SupervisorState::Dialing;
-        self.actions.push_back(Action::Dial {
+        self.actions.push_back(SupervisorEvent::Dial {
             attempt: self.attempts,
         });
     }
 
     fn exit(&mut self, reason: ExitReason) {
         self.state = SupervisorState::Exited;
-        self.actions.push_back(Action::Exit(reason));
+        self.actions.push_back(SupervisorEvent::Exit(reason));
     }
 
     /// Starts: the initial dial happens at once.
@@ -519,15 +536,15 @@ mod tests {
         ReconnectPolicy::from_config(Some(max), Some(interval)).expect("valid")
     }
 
-    fn drain(s: &mut Supervisor) -> Vec<Action> {
-        std::iter::from_fn(|| s.poll_action()).collect()
+    fn drain(s: &mut Supervisor) -> Vec<SupervisorEvent> {
+        std::iter::from_fn(|| s.poll_event()).collect()
     }
 
     #[test]
     fn finite_policy_makes_exactly_max_attempts_then_exits_1() {
         let mut s = Supervisor::new(policy(3, 2.0));
         s.handle_start(Timestamp::ZERO).expect("idle");
-        assert_eq!(drain(&mut s), vec![Action::Dial { attempt: 1 }]);
+        assert_eq!(drain(&mut s), vec![SupervisorEvent::Dial { attempt: 1 }]);
         s.handle_failure(Timestamp::ZERO, Failure::Refused)
             .expect("dialing");
         assert_eq!(
@@ -537,15 +554,15 @@ mod tests {
         s.handle_timeout(Timestamp::from_millis(1999));
         assert!(drain(&mut s).is_empty(), "not before the interval");
         s.handle_timeout(Timestamp::from_millis(2000));
-        assert_eq!(drain(&mut s), vec![Action::Dial { attempt: 2 }]);
+        assert_eq!(drain(&mut s), vec![SupervisorEvent::Dial { attempt: 2 }]);
         s.handle_failure(Timestamp::from_millis(2000), Failure::Reset)
             .expect("dialing");
         s.handle_timeout(Timestamp::from_millis(4000));
-        assert_eq!(drain(&mut s), vec![Action::Dial { attempt: 3 }]);
+        assert_eq!(drain(&mut s), vec![SupervisorEvent::Dial { attempt: 3 }]);
         s.handle_failure(Timestamp::from_millis(4000), Failure::TimedOut)
             .expect("dialing");
         let actions = drain(&mut s);
-        let [Action::Exit(reason)] = actions.as_slice() else {
+        let [SupervisorEvent::Exit(reason)] = actions.as_slice() else {
             panic!("{actions:?}");
         };
         assert_eq!(
@@ -573,7 +590,7 @@ mod tests {
                 .expect("connected");
             assert_eq!(
                 drain(&mut s),
-                vec![Action::Exit(ExitReason::Fatal(failure))]
+                vec![SupervisorEvent::Exit(ExitReason::Fatal(failure))]
             );
             assert_eq!(s.state(), SupervisorState::Exited);
         }
@@ -599,16 +616,19 @@ mod tests {
         )
         .expect("connected");
         s.handle_timeout(Timestamp::from_millis(6000));
-        assert_eq!(drain(&mut s), vec![Action::Dial { attempt: 1 }]);
+        assert_eq!(drain(&mut s), vec![SupervisorEvent::Dial { attempt: 1 }]);
         s.handle_failure(Timestamp::from_millis(6000), Failure::Refused)
             .expect("dialing");
         s.handle_timeout(Timestamp::from_millis(7000));
-        assert_eq!(drain(&mut s), vec![Action::Dial { attempt: 2 }]);
+        assert_eq!(drain(&mut s), vec![SupervisorEvent::Dial { attempt: 2 }]);
         s.handle_failure(Timestamp::from_millis(7000), Failure::Refused)
             .expect("dialing");
         assert!(matches!(
             drain(&mut s).as_slice(),
-            [Action::Exit(ExitReason::Exhausted { attempts: 2, .. })]
+            [SupervisorEvent::Exit(ExitReason::Exhausted {
+                attempts: 2,
+                ..
+            })]
         ));
     }
 
@@ -626,7 +646,10 @@ mod tests {
         assert_eq!(s.attempts(), 1001);
         s.handle_shutdown(Timestamp::from_millis(now));
         let actions = drain(&mut s);
-        assert_eq!(actions.last(), Some(&Action::Exit(ExitReason::Shutdown)));
+        assert_eq!(
+            actions.last(),
+            Some(&SupervisorEvent::Exit(ExitReason::Shutdown))
+        );
         assert_eq!(ExitReason::Shutdown.exit_code(), 0);
     }
 

@@ -31,6 +31,8 @@ fn payload(revision: u64, adapters: Vec<AdapterConfig>) -> NodeConfigPayload {
 struct H {
     s: NodeSession,
     now: u64,
+    /// Events drained along with transmits, not yet looked at.
+    pending_events: Vec<SessionEvent>,
 }
 
 impl H {
@@ -39,28 +41,48 @@ impl H {
     }
 
     fn new() -> Self {
+        Self::with(|_| {})
+    }
+
+    fn with(tweak: impl FnOnce(&mut SessionConfig)) -> Self {
         let mut cfg = SessionConfig::new("n1", "secret");
         cfg.handshake_timeout = Duration::from_millis(5000);
         cfg.chunk_size = 4;
+        tweak(&mut cfg);
         H {
             s: NodeSession::new(cfg),
             now: 0,
+            pending_events: Vec::new(),
         }
     }
 
     fn rx(&mut self, body: Body) {
         let t = self.t();
-        self.s.handle_envelope(t, Envelope::new(body));
+        // A closed session refuses input; tests check `end()` for that.
+        let _ = self.s.handle_envelope(t, Envelope::new(body));
     }
 
+    /// The frames sent so far (a close is checked with [`H::closed`]).
     fn tx(&mut self) -> Vec<Body> {
-        std::iter::from_fn(|| self.s.poll_transmit())
-            .filter_map(|e| e.body)
+        self.drain()
+            .into_iter()
+            .filter_map(|t| match t {
+                NodeTransmit::Frame(e) => e.body,
+                NodeTransmit::Close { .. } => None,
+            })
             .collect()
     }
 
+    fn drain(&mut self) -> Vec<NodeTransmit> {
+        let (transmits, events) = iop_proto_core::testkit::harness::drain_node(&mut self.s);
+        self.pending_events.extend(events);
+        transmits
+    }
+
     fn events(&mut self) -> Vec<SessionEvent> {
-        std::iter::from_fn(|| self.s.poll_event()).collect()
+        let mut events: Vec<SessionEvent> = self.pending_events.drain(..).collect();
+        events.extend(std::iter::from_fn(|| self.s.poll_event()));
+        events
     }
 
     fn at(&mut self, ms: u64) {
@@ -82,7 +104,11 @@ impl H {
 
     /// Connected, registered with a mock adapter "a" (capacity 2, long 1), ready.
     fn ready() -> Self {
-        let mut h = H::new();
+        Self::ready_with(|_| {})
+    }
+
+    fn ready_with(tweak: impl FnOnce(&mut SessionConfig)) -> Self {
+        let mut h = H::with(tweak);
         h.s.handle_connected(h.t()).expect("connecting");
         h.accept(vec![adapter("a", AdapterType::Mock, 2, 1)]);
         h.s.handle_config_applied(h.t(), Ok(()))
@@ -647,14 +673,16 @@ fn losing_the_connection_abandons_in_flight_work_explicitly() {
     h.run("r1", "a", false);
     h.events();
     let t = h.t();
-    h.s.handle_connection_lost(t, Failure::Reset);
+    h.s.handle_connection_lost(t, Failure::Reset)
+        .expect("a live session");
     assert_eq!(
-        h.events(),
-        vec![SessionEvent::Closed {
+        h.drain(),
+        vec![NodeTransmit::Close {
             end: SessionEnd::ConnectionLost(Failure::Reset),
             abandoned: vec!["r1".into()]
         }]
     );
+    assert!(h.events().is_empty());
     assert!(h.s.handle_run_output(t, "r1", RunOutput::Start).is_err());
 }
 
@@ -673,14 +701,17 @@ fn work_whose_adapter_returned_without_a_terminal_ends_with_an_error() {
     h.tunnel("t1", "a");
     h.events();
     let t = h.t();
-    assert!(h.s.handle_work_returned(t, "r1"));
-    assert!(h.s.handle_work_returned(t, "t1"));
-    assert!(!h.s.handle_work_returned(t, "r1"), "already ended");
+    h.s.handle_work_returned(t, "r1").expect("in flight");
+    h.s.handle_work_returned(t, "t1").expect("in flight");
+    h.s.handle_work_returned(t, "r1")
+        .expect("already ended: nothing to do");
     let mut run = RunTracker::new();
     let mut tunnel = TunnelReceiver::new();
+    let mut terminals = 0;
     for body in h.tx() {
         match body {
             Body::RunEvent(e) => {
+                terminals += usize::from(e.r#type() == RunEventType::Error);
                 run.observe(&e).expect("valid run");
             }
             Body::ProviderTunnelFrame(f) => {
@@ -690,9 +721,115 @@ fn work_whose_adapter_returned_without_a_terminal_ends_with_an_error() {
         }
     }
     assert!(run.is_ended() && tunnel.is_ended());
+    assert_eq!(terminals, 1, "the second return sent nothing");
     assert_eq!(
         h.s.gate("a").map(CapacityGate::in_flight),
         Some(0),
         "capacity returned"
+    );
+}
+
+#[test]
+fn shutdown_cancels_work_refuses_new_work_and_closes_once_the_last_run_ended() {
+    let mut h = H::ready();
+    h.run("r1", "a", false);
+    h.events();
+    h.tx();
+    let t = h.t();
+    h.s.handle_shutdown(t).expect("a live session");
+    assert_eq!(
+        h.events(),
+        vec![SessionEvent::CancelRun {
+            run_id: "r1".into()
+        }]
+    );
+    assert_eq!(h.s.state(), SessionState::Ready, "still draining");
+    h.run("r2", "a", false);
+    assert!(matches!(
+        h.events().as_slice(),
+        [SessionEvent::WorkRefused { run_id, reason: WorkRefusal::ShuttingDown }] if run_id == "r2"
+    ));
+    h.s.handle_run_output(t, "r1", RunOutput::Start)
+        .expect("in flight");
+    h.s.handle_run_output(t, "r1", RunOutput::Cancelled)
+        .expect("in flight");
+    let out = h.drain();
+    // r2's refusal, r1's terminal, and only then the close: nothing is cut short.
+    let last = out.last().expect("something sent");
+    assert_eq!(
+        *last,
+        NodeTransmit::Close {
+            end: SessionEnd::LocalShutdown,
+            abandoned: vec![]
+        }
+    );
+    let cancelled = out.iter().any(|t| {
+        matches!(t, NodeTransmit::Frame(e) if matches!(&e.body,
+            Some(Body::RunEvent(r)) if r.run_id == "r1" && r.r#type() == RunEventType::Cancelled))
+    });
+    assert!(cancelled, "the terminal went out before the close: {out:?}");
+}
+
+#[test]
+fn shutdown_gives_up_on_work_that_outlives_the_grace() {
+    let grace = Duration::from_millis(700);
+    let mut h = H::ready_with(|cfg| cfg.shutdown_grace = grace);
+    h.run("r1", "a", false);
+    h.events();
+    h.tx();
+    let t = h.t();
+    h.s.handle_shutdown(t).expect("a live session");
+    h.s.handle_shutdown(t)
+        .expect("a second call changes nothing");
+    h.at((t + grace).as_millis() - 1);
+    assert_eq!(h.s.state(), SessionState::Ready, "still draining");
+    h.at((t + grace).as_millis());
+    assert_eq!(
+        h.drain().last(),
+        Some(&NodeTransmit::Close {
+            end: SessionEnd::LocalShutdown,
+            abandoned: vec!["r1".into()]
+        })
+    );
+}
+
+#[test]
+fn shutdown_without_work_closes_at_once() {
+    let mut h = H::ready();
+    let t = h.t();
+    h.s.handle_shutdown(t).expect("a live session");
+    assert_eq!(
+        h.drain(),
+        vec![NodeTransmit::Close {
+            end: SessionEnd::LocalShutdown,
+            abandoned: vec![]
+        }]
+    );
+}
+
+#[test]
+fn undecodable_bytes_from_the_edge_end_the_session_as_a_violation() {
+    let mut h = H::ready();
+    let t = h.t();
+    let error = DecodeError::FrameTooLarge {
+        len: 1 << 40,
+        max: 1 << 20,
+    };
+    h.s.handle_undecodable(t, error.clone())
+        .expect("a live session");
+    assert!(matches!(
+        h.events().as_slice(),
+        [SessionEvent::PeerViolation { violation: EdgeViolation::Undecodable(e) }] if *e == error
+    ));
+    assert!(matches!(
+        h.drain().as_slice(),
+        [NodeTransmit::Close {
+            end: SessionEnd::ProtocolViolation(EdgeViolation::Undecodable(_)),
+            ..
+        }]
+    ));
+    assert!(
+        h.s.handle_undecodable(t, error).is_err(),
+        "a closed session takes no input"
     );
 }

@@ -178,13 +178,13 @@ proptest! {
         let mut dials = 0i64;
         let mut exit = None;
         for connects in outcomes.iter().cycle().take(200) {
-            while let Some(action) = s.poll_action() {
+            while let Some(action) = s.poll_event() {
                 match action {
-                    Action::Dial { attempt } => {
+                    SupervisorEvent::Dial { attempt } => {
                         dials += 1;
                         prop_assert_eq!(i64::from(attempt), dials);
                     }
-                    Action::Exit(reason) => exit = Some(reason),
+                    SupervisorEvent::Exit(reason) => exit = Some(reason),
                 }
             }
             if exit.is_some() {

@@ -337,7 +337,7 @@ pub fn node_session(data: &[u8]) {
                     }],
                     runtime: None,
                 };
-                session.handle_envelope(
+                let _ = session.handle_envelope(
                     t,
                     Envelope::new(Body::RegisterResponse(RegisterResponse {
                         accepted: input.byte() % 8 != 0,
@@ -360,7 +360,7 @@ pub fn node_session(data: &[u8]) {
             }
             2 | 3 => {
                 if let Some(envelope) = structured_envelope(&mut input) {
-                    session.handle_envelope(t, envelope);
+                    let _ = session.handle_envelope(t, envelope);
                 }
             }
             4 => {
@@ -401,8 +401,11 @@ pub fn node_session(data: &[u8]) {
             }
         }
         while session.poll_event().is_some() {}
-        while let Some(envelope) = session.poll_transmit() {
-            if let Some(Body::RunEvent(event)) = envelope.body {
+        while let Some(transmit) = session.poll_transmit() {
+            if let crate::session::NodeTransmit::Frame(Envelope {
+                body: Some(Body::RunEvent(event)),
+            }) = transmit
+            {
                 let tracker = trackers.entry(event.run_id.clone()).or_default();
                 assert!(
                     tracker.observe(&event).is_ok(),

@@ -2,6 +2,7 @@
 //! Compiled only with the `testkit` feature; it adds no dependencies.
 
 pub mod fuzz;
+pub mod harness;
 pub mod rng;
 pub mod sim;
 

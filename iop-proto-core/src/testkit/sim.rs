@@ -25,9 +25,11 @@ use crate::edge::{
 };
 use crate::edge_config::{CandidateSpec, EdgeConfig, EdgeTiming, ModelSpec, NodeSpec, QueueLimits};
 use crate::lease::RequestId;
-use crate::reconnect::{Action, Failure, ReconnectPolicy, Supervisor};
+use crate::reconnect::{Failure, ReconnectPolicy, Supervisor, SupervisorEvent};
 use crate::run::RunTracker;
-use crate::session::{NodeSession, RunOutput, SessionConfig, SessionEvent, TunnelOutput};
+use crate::session::{
+    NodeSession, NodeTransmit, RunOutput, SessionConfig, SessionEnd, SessionEvent, TunnelOutput,
+};
 use crate::testkit::Faults;
 use crate::testkit::rng::Rng;
 use crate::time::Timestamp;
@@ -724,36 +726,43 @@ impl World {
         loop {
             let mut progressed = false;
             let conn = self.procs[i].conn;
-            let mut frames = Vec::new();
+            let mut transmits = Vec::new();
             let mut events = Vec::new();
             if let Some(session) = self.procs[i].session.as_mut() {
-                while let Some(envelope) = session.poll_transmit() {
-                    frames.push(envelope);
+                while let Some(transmit) = session.poll_transmit() {
+                    transmits.push(transmit);
                 }
                 while let Some(event) = session.poll_event() {
                     events.push(event);
                 }
             }
-            for envelope in frames {
+            for transmit in transmits {
                 progressed = true;
-                if let Some(conn) = conn {
-                    self.send_to_edge(conn, &envelope);
+                match transmit {
+                    NodeTransmit::Frame(envelope) => {
+                        if let Some(conn) = conn {
+                            self.send_to_edge(conn, &envelope);
+                        }
+                    }
+                    NodeTransmit::Close { end, abandoned } => {
+                        self.session_closed(i, end, &abandoned)
+                    }
                 }
             }
             for event in events {
                 progressed = true;
                 self.on_session_event(i, event);
             }
-            while let Some(action) = self.procs[i].supervisor.poll_action() {
+            while let Some(event) = self.procs[i].supervisor.poll_event() {
                 progressed = true;
-                match action {
-                    Action::Dial { attempt } => {
+                match event {
+                    SupervisorEvent::Dial { attempt } => {
                         let at = self.now + self.latency();
                         let id = self.procs[i].node_id.clone();
                         self.log(|| format!("{id} (proc {i}) dials, attempt {attempt}"));
                         self.procs[i].dial_at = Some(at);
                     }
-                    Action::Exit(reason) => {
+                    SupervisorEvent::Exit(reason) => {
                         check!(self, false, "node process {i} exited: {reason:?}");
                         self.procs[i].alive = false;
                     }
@@ -792,6 +801,7 @@ impl World {
     }
 
     fn on_session_event(&mut self, i: usize, event: SessionEvent) {
+        let event_text = format!("{event:?}");
         let now = self.now;
         match event {
             SessionEvent::ApplyConfig { .. } => {
@@ -828,32 +838,39 @@ impl World {
                     let _ = s.handle_refresh_applied(now, &request_id, Ok(()));
                 }
             }
-            SessionEvent::Closed { end, abandoned } => {
-                let id = self.procs[i].node_id.clone();
-                self.log(|| {
-                    format!(
-                        "{id} (proc {i}) session closed: {end:?}, {} abandoned",
-                        abandoned.len()
-                    )
-                });
-                self.procs[i].work.clear();
-                self.procs[i].session = None;
-                if let Some(conn) = self.procs[i].conn.take()
-                    && let Some(link) = self.links.get_mut(&conn.0)
-                {
-                    link.node_closed = true;
-                    link.to_node.clear();
-                }
-                let _ = match end.failure() {
-                    Some(failure) => self.procs[i].supervisor.handle_failure(now, failure),
-                    None => {
-                        self.procs[i].supervisor.handle_shutdown(now);
-                        Ok(())
-                    }
-                };
+            SessionEvent::CancelRejected { .. }
+            | SessionEvent::WorkRefused { .. }
+            | SessionEvent::PeerViolation { .. } => {
+                self.log(|| format!("node {i} event {event_text}"));
             }
-            _ => {}
         }
+    }
+
+    /// The node's session ended: its connection closes and the supervisor decides.
+    fn session_closed(&mut self, i: usize, end: SessionEnd, abandoned: &[String]) {
+        let now = self.now;
+        let id = self.procs[i].node_id.clone();
+        self.log(|| {
+            format!(
+                "{id} (proc {i}) session closed: {end:?}, {} abandoned",
+                abandoned.len()
+            )
+        });
+        self.procs[i].work.clear();
+        self.procs[i].session = None;
+        if let Some(conn) = self.procs[i].conn.take()
+            && let Some(link) = self.links.get_mut(&conn.0)
+        {
+            link.node_closed = true;
+            link.to_node.clear();
+        }
+        let _ = match end.failure() {
+            Some(failure) => self.procs[i].supervisor.handle_failure(now, failure),
+            None => {
+                self.procs[i].supervisor.handle_shutdown(now);
+                Ok(())
+            }
+        };
     }
 
     fn start_work(&mut self, i: usize, run_id: String, tunnel: bool) {
@@ -1165,7 +1182,12 @@ impl World {
                         if self.procs[i].conn == Some(conn)
                             && let Some(s) = self.procs[i].session.as_mut()
                         {
-                            s.handle_envelope(now, envelope);
+                            let taken = s.handle_envelope(now, envelope);
+                            check!(
+                                self,
+                                taken.is_ok(),
+                                "a live session refused an envelope: {taken:?}"
+                            );
                         }
                         self.drain_node(i);
                     }
@@ -1175,10 +1197,11 @@ impl World {
                     if self.procs[i].conn == Some(conn)
                         && let Some(s) = self.procs[i].session.as_mut()
                     {
-                        s.handle_connection_lost(
+                        let lost = s.handle_connection_lost(
                             now,
                             Failure::EdgeClosed("closed by the edge".into()),
                         );
+                        check!(self, lost.is_ok(), "connection lost refused: {lost:?}");
                     }
                     if let Some(link) = self.links.get_mut(&conn.0) {
                         link.node_closed = true;
@@ -1397,7 +1420,8 @@ impl World {
                     if self.procs[i].runnable(now)
                         && let Some(s) = self.procs[i].session.as_mut()
                     {
-                        s.handle_connection_lost(now, Failure::Reset);
+                        let lost = s.handle_connection_lost(now, Failure::Reset);
+                        check!(self, lost.is_ok(), "connection lost refused: {lost:?}");
                         self.drain_node(i);
                     }
                 }

@@ -164,7 +164,7 @@ impl Harness {
     }
 
     pub fn drain(&mut self) -> (Vec<Transmit>, Vec<EdgeEvent>) {
-        (self.transmits(), self.events())
+        iop_proto_core::testkit::harness::drain_edge(&mut self.edge)
     }
 
     pub fn submit(&mut self, model: &str, prompt_tokens: u64) -> Result<RequestId, SubmitError> {

@@ -1,0 +1,668 @@
+//! The Node session machine: one connection to the Edge, from register to close.
+//!
+//! `Connecting → Registering → Configuring → Ready → Closed`.
+//! - On an accepted `RegisterResponse` it asks the shell to apply the config and start
+//!   adapters ([`SessionEvent::ApplyConfig`]) and sends `NodeReadyRequest` only once the
+//!   shell reports they started ([`NodeSession::handle_config_applied`]).
+//! - A rejected register ends the session with a fatal credential failure; `ready=false`
+//!   ends it with a retryable one. Either way control returns to the [`Supervisor`].
+//! - It answers heartbeats, sends its own, and treats Edge silence beyond the heartbeat
+//!   timeout as a lost connection.
+//! - Work (`RunRequest`, `ProviderTunnelRequest`) passes the adapter's [`CapacityGate`];
+//!   the shell reports progress with [`NodeSession::handle_run_output`] and
+//!   [`NodeSession::handle_tunnel_output`], which number, chunk and check every event
+//!   and frame, so the Edge always receives a valid contract sequence.
+//! - A cancel affects only the named run; unknown run ids get a typed error; a cancel
+//!   after the terminal is a no-op.
+//! - A config refresh is validated and diffed per adapter: `FAILED` keeps the old config,
+//!   `RESTART_REQUIRED` names what cannot change live, `APPLIED` starts, stops or resizes
+//!   adapters. Runs on a removed adapter finish or are cancelled explicitly.
+//!
+//! [`Supervisor`]: crate::reconnect::Supervisor
+
+use crate::timer::{TimerTable, Wake};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use crate::gate::{CapacityGate, GateError};
+use crate::reconnect::Failure;
+use crate::run::{RunEmitter, RunTracker, RunViolation};
+use crate::time::Timestamp;
+use crate::tunnel::{DEFAULT_CHUNK_SIZE, TunnelEmitter};
+use crate::wire::{
+    AdapterConfig, AdapterType, Body, CancelRequest, Envelope, ErrorDetail, Header, Heartbeat,
+    HeartbeatAck, NodeCommandRequest, NodeCommandResponse, NodeConfigPayload,
+    NodeConfigRefreshRequest, NodeConfigRefreshResponse, NodeReadyRequest, ProviderTunnelFrame,
+    ProviderTunnelRequest, RefreshStatus, RegisterRequest, RunEventType, RunRequest, Usage,
+    Validate,
+};
+
+mod config;
+mod types;
+mod work;
+
+pub use config::{AdapterDiff, diff_adapters};
+pub use types::*;
+
+use work::{Work, WorkKind};
+
+/// The session's timers (liveness is derived from the last receive instead).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+enum SessionTimer {
+    /// Register, configure and ready must be done by this.
+    Handshake,
+    /// Send a heartbeat.
+    Ping,
+    /// A shutdown stops waiting for cancelled work at this time.
+    Drain,
+}
+
+impl crate::timer::TimerKey for SessionTimer {
+    fn reason(&self) -> &'static str {
+        match self {
+            SessionTimer::Handshake => "handshake",
+            SessionTimer::Ping => "ping",
+            SessionTimer::Drain => "shutdown grace",
+        }
+    }
+}
+
+/// The Node session machine. See the [module documentation](self).
+#[derive(Debug)]
+pub struct NodeSession {
+    config: SessionConfig,
+    state: SessionState,
+    now: Timestamp,
+    timers: TimerTable<SessionTimer>,
+    heartbeat_interval: Duration,
+    last_rx: Timestamp,
+    next_nonce: u64,
+    last_rtt: Option<Duration>,
+    applied: Option<NodeConfigPayload>,
+    pending_apply: Option<NodeConfigPayload>,
+    ready_sent: bool,
+    pending_refresh: Option<(String, NodeConfigPayload)>,
+    pending_commands: HashSet<String>,
+    gates: HashMap<String, CapacityGate>,
+    work: HashMap<String, Work>,
+    finished: VecDeque<String>,
+    finished_set: HashSet<String>,
+    transmits: VecDeque<NodeTransmit>,
+    /// A local shutdown waits for cancelled work until this.
+    draining: Option<Timestamp>,
+    events: VecDeque<SessionEvent>,
+    end: Option<SessionEnd>,
+}
+
+impl NodeSession {
+    /// A session in `Connecting`.
+    #[must_use]
+    pub fn new(config: SessionConfig) -> Self {
+        let interval = config.heartbeat_interval;
+        NodeSession {
+            config,
+            state: SessionState::Connecting,
+            now: Timestamp::ZERO,
+            timers: TimerTable::new(),
+            heartbeat_interval: interval,
+            last_rx: Timestamp::ZERO,
+            next_nonce: 1,
+            last_rtt: None,
+            applied: None,
+            pending_apply: None,
+            ready_sent: false,
+            pending_refresh: None,
+            pending_commands: HashSet::new(),
+            gates: HashMap::new(),
+            work: HashMap::new(),
+            finished: VecDeque::new(),
+            finished_set: HashSet::new(),
+            transmits: VecDeque::new(),
+            draining: None,
+            events: VecDeque::new(),
+            end: None,
+        }
+    }
+
+    /// Current state.
+    #[must_use]
+    pub fn state(&self) -> SessionState {
+        self.state
+    }
+
+    /// Why the session ended, once closed.
+    #[must_use]
+    pub fn end(&self) -> Option<&SessionEnd> {
+        self.end.as_ref()
+    }
+
+    /// The config in force (after the shell applied it).
+    #[must_use]
+    pub fn applied_config(&self) -> Option<&NodeConfigPayload> {
+        self.applied.as_ref()
+    }
+
+    /// The heartbeat interval in force.
+    #[must_use]
+    pub fn heartbeat_interval(&self) -> Duration {
+        self.heartbeat_interval
+    }
+
+    /// Round-trip time of the last answered heartbeat.
+    #[must_use]
+    pub fn last_rtt(&self) -> Option<Duration> {
+        self.last_rtt
+    }
+
+    /// The capacity gate of an adapter instance.
+    #[must_use]
+    pub fn gate(&self, adapter: &str) -> Option<&CapacityGate> {
+        self.gates.get(adapter)
+    }
+
+    /// Runs and tunnels in flight.
+    #[must_use]
+    pub fn in_flight(&self) -> usize {
+        self.work.len()
+    }
+
+    /// The next envelope to write.
+    #[must_use]
+    pub fn poll_transmit(&mut self) -> Option<NodeTransmit> {
+        self.transmits.pop_front()
+    }
+
+    /// The next event for the shell.
+    #[must_use]
+    pub fn poll_event(&mut self) -> Option<SessionEvent> {
+        self.events.pop_front()
+    }
+
+    /// When [`handle_timeout`](Self::handle_timeout) must next be called, and why.
+    #[must_use]
+    pub fn poll_timeout(&self) -> Option<Wake> {
+        if matches!(self.state, SessionState::Connecting | SessionState::Closed) {
+            return None;
+        }
+        let liveness = Wake {
+            at: self.liveness_deadline(),
+            reason: "liveness",
+        };
+        crate::timer::earliest(self.timers.next(), Some(liveness))
+    }
+
+    fn liveness_deadline(&self) -> Timestamp {
+        self.last_rx + self.heartbeat_interval * self.config.heartbeat_timeout_intervals.max(1)
+    }
+
+    fn advance(&mut self, now: Timestamp) {
+        debug_assert!(now >= self.now, "time went backwards");
+        self.now = self.now.max(now);
+    }
+
+    fn wrong_state(&self, input: &'static str) -> SessionError {
+        SessionError::WrongState {
+            input,
+            state: self.state,
+        }
+    }
+
+    fn send(&mut self, body: Body) {
+        self.transmits
+            .push_back(NodeTransmit::Frame(Envelope::new(body)));
+    }
+
+    /// The transport connected: register.
+    pub fn handle_connected(&mut self, now: Timestamp) -> Result<(), SessionError> {
+        self.advance(now);
+        if self.state != SessionState::Connecting {
+            return Err(self.wrong_state("connected"));
+        }
+        self.state = SessionState::Registering;
+        self.last_rx = self.now;
+        self.timers.set(
+            SessionTimer::Handshake,
+            self.now + self.config.handshake_timeout,
+        );
+        self.timers
+            .set(SessionTimer::Ping, self.now + self.heartbeat_interval);
+        self.send(Body::RegisterRequest(RegisterRequest {
+            node_id: self.config.node_id.clone(),
+            token: self.config.token.clone(),
+            version: self.config.version.clone(),
+            adapter_types: self.config.adapter_types.clone(),
+            labels: self.config.labels.clone(),
+        }));
+        Ok(())
+    }
+
+    /// The shell applied the register config and started its adapters (`Ok`), or could
+    /// not (`Err` ends the session).
+    pub fn handle_config_applied(
+        &mut self,
+        now: Timestamp,
+        result: Result<(), String>,
+    ) -> Result<(), SessionError> {
+        self.advance(now);
+        if self.state != SessionState::Configuring || self.pending_apply.is_none() {
+            return Err(self.wrong_state("config applied"));
+        }
+        let Some(payload) = self.pending_apply.take() else {
+            return Err(self.wrong_state("config applied"));
+        };
+        match result {
+            Ok(()) => {
+                self.install_gates(
+                    &payload,
+                    &diff_adapters(&NodeConfigPayload::default(), &payload),
+                );
+                self.applied = Some(payload);
+                self.ready_sent = true;
+                self.send(Body::NodeReadyRequest(NodeReadyRequest {
+                    node_id: self.config.node_id.clone(),
+                }));
+            }
+            Err(why) => self.close(SessionEnd::InvalidConfig(why)),
+        }
+        Ok(())
+    }
+
+    /// The shell applied a refresh (`Ok`: answer `APPLIED`) or could not (`Err`: answer
+    /// `FAILED`; the shell keeps the old adapters running).
+    pub fn handle_refresh_applied(
+        &mut self,
+        now: Timestamp,
+        request_id: &str,
+        result: Result<(), String>,
+    ) -> Result<(), SessionError> {
+        self.advance(now);
+        let pending = self
+            .pending_refresh
+            .take_if(|(id, _)| id == request_id)
+            .ok_or_else(|| SessionError::NotPending(request_id.to_owned()))?;
+        let (request_id, payload) = pending;
+        if self.state != SessionState::Ready {
+            return Ok(());
+        }
+        let response = match result {
+            Ok(()) => {
+                let old = self.applied.clone().unwrap_or_default();
+                self.install_gates(&payload, &diff_adapters(&old, &payload));
+                let revision = payload.revision;
+                self.applied = Some(payload);
+                NodeConfigRefreshResponse {
+                    request_id,
+                    status: RefreshStatus::Applied as i32,
+                    message: String::new(),
+                    revision,
+                }
+            }
+            Err(why) => NodeConfigRefreshResponse {
+                request_id,
+                status: RefreshStatus::Failed as i32,
+                message: format!("could not apply: {why}"),
+                revision: self.applied_revision(),
+            },
+        };
+        self.send(Body::NodeConfigRefreshResponse(response));
+        Ok(())
+    }
+
+    /// The shell's answer to a [`SessionEvent::Command`].
+    pub fn handle_command_response(
+        &mut self,
+        now: Timestamp,
+        response: NodeCommandResponse,
+    ) -> Result<(), SessionError> {
+        self.advance(now);
+        if !self.pending_commands.remove(&response.request_id) {
+            return Err(SessionError::NotPending(response.request_id));
+        }
+        if self.state == SessionState::Ready {
+            self.send(Body::NodeCommandResponse(response));
+        }
+        Ok(())
+    }
+
+    /// The transport failed or the Edge closed the connection.
+    pub fn handle_connection_lost(
+        &mut self,
+        now: Timestamp,
+        failure: Failure,
+    ) -> Result<(), SessionError> {
+        self.advance(now);
+        if matches!(self.state, SessionState::Connecting | SessionState::Closed) {
+            return Err(self.wrong_state("connection lost"));
+        }
+        self.close(SessionEnd::ConnectionLost(failure));
+        Ok(())
+    }
+
+    /// The bytes from the Edge are not frames of this protocol: the session ends with a
+    /// protocol violation (retried like any lost connection, and logged as the Edge's
+    /// fault rather than the network's).
+    pub fn handle_undecodable(
+        &mut self,
+        now: Timestamp,
+        error: crate::wire::DecodeError,
+    ) -> Result<(), SessionError> {
+        self.advance(now);
+        if matches!(self.state, SessionState::Connecting | SessionState::Closed) {
+            return Err(self.wrong_state("undecodable input"));
+        }
+        let violation = EdgeViolation::Undecodable(error);
+        self.events.push_back(SessionEvent::PeerViolation {
+            violation: violation.clone(),
+        });
+        self.close(SessionEnd::ProtocolViolation(violation));
+        Ok(())
+    }
+
+    /// Local shutdown. Work in flight is cancelled ([`SessionEvent::CancelRun`] for each
+    /// run) and new work is refused; the session closes once the last run has ended in
+    /// order, or when [`SessionConfig::shutdown_grace`] passes, whichever is first.
+    /// Without work in flight it closes at once. A second call changes nothing.
+    pub fn handle_shutdown(&mut self, now: Timestamp) -> Result<(), SessionError> {
+        self.advance(now);
+        if self.state == SessionState::Closed || self.draining.is_some() {
+            return Ok(());
+        }
+        if self.work.is_empty() {
+            self.close(SessionEnd::LocalShutdown);
+            return Ok(());
+        }
+        self.draining = Some(self.now + self.config.shutdown_grace);
+        self.timers
+            .set(SessionTimer::Drain, self.now + self.config.shutdown_grace);
+        let mut runs: Vec<String> = self.work.keys().cloned().collect();
+        runs.sort();
+        for run_id in runs {
+            if let Some(work) = self.work.get_mut(&run_id) {
+                work.cancel_requested = true;
+            }
+            self.events.push_back(SessionEvent::CancelRun { run_id });
+        }
+        Ok(())
+    }
+
+    /// Sends due heartbeats and detects silence and handshake timeouts. A spurious call
+    /// does nothing.
+    pub fn handle_timeout(&mut self, now: Timestamp) {
+        self.advance(now);
+        if matches!(self.state, SessionState::Connecting | SessionState::Closed) {
+            return;
+        }
+        if self.liveness_deadline() <= self.now {
+            self.close(SessionEnd::HeartbeatTimeout);
+            return;
+        }
+        while let Some(timer) = self.timers.pop_expired(self.now) {
+            match timer {
+                SessionTimer::Handshake => {
+                    if matches!(
+                        self.state,
+                        SessionState::Registering | SessionState::Configuring
+                    ) {
+                        self.close(SessionEnd::HandshakeTimeout);
+                        return;
+                    }
+                }
+                SessionTimer::Drain => {
+                    self.close(SessionEnd::LocalShutdown);
+                    return;
+                }
+                SessionTimer::Ping => {
+                    let nonce = self.next_nonce;
+                    self.next_nonce += 1;
+                    self.send(Body::Heartbeat(Heartbeat {
+                        nonce,
+                        sent_at_ms: self.now.as_millis(),
+                    }));
+                    self.timers
+                        .set(SessionTimer::Ping, self.now + self.heartbeat_interval);
+                }
+            }
+        }
+    }
+
+    /// An envelope decoded from the Edge.
+    pub fn handle_envelope(
+        &mut self,
+        now: Timestamp,
+        envelope: Envelope,
+    ) -> Result<(), SessionError> {
+        self.advance(now);
+        if matches!(self.state, SessionState::Connecting | SessionState::Closed) {
+            return Err(self.wrong_state("envelope"));
+        }
+        self.last_rx = self.now;
+        if let Some(body) = envelope.body {
+            self.on_message(body);
+        }
+        Ok(())
+    }
+
+    fn on_message(&mut self, body: Body) {
+        match body {
+            Body::RegisterResponse(resp) if self.state == SessionState::Registering => {
+                if !resp.accepted {
+                    let end = match resp.retry_after_ms {
+                        0 => SessionEnd::Rejected(resp.reason),
+                        ms => SessionEnd::Deferred {
+                            reason: resp.reason,
+                            retry_after: Duration::from_millis(u64::from(ms)),
+                        },
+                    };
+                    self.close(end);
+                    return;
+                }
+                let payload = match resp.validate() {
+                    Ok(()) => resp.config.unwrap_or_default(),
+                    Err(err) => {
+                        self.close(SessionEnd::InvalidConfig(err.to_string()));
+                        return;
+                    }
+                };
+                if resp.heartbeat_interval_ms > 0 {
+                    self.heartbeat_interval =
+                        Duration::from_millis(u64::from(resp.heartbeat_interval_ms));
+                    self.timers
+                        .set(SessionTimer::Ping, self.now + self.heartbeat_interval);
+                }
+                self.state = SessionState::Configuring;
+                self.pending_apply = Some(payload.clone());
+                self.events.push_back(SessionEvent::ApplyConfig { payload });
+            }
+            // Unasked, ready=false tells a connection the Edge is dropping why (e.g. a
+            // newer connection took the node id over).
+            Body::NodeReadyResponse(resp)
+                if !resp.ready
+                    && matches!(self.state, SessionState::Configuring | SessionState::Ready) =>
+            {
+                self.close(SessionEnd::ReadyRefused(resp.reason));
+            }
+            Body::NodeReadyResponse(resp)
+                if self.state == SessionState::Configuring && self.ready_sent =>
+            {
+                if resp.ready {
+                    self.state = SessionState::Ready;
+                    self.timers.stop(SessionTimer::Handshake);
+                    self.events.push_back(SessionEvent::Ready);
+                } else {
+                    self.close(SessionEnd::ReadyRefused(resp.reason));
+                }
+            }
+            Body::Heartbeat(ping) => self.send(Body::HeartbeatAck(HeartbeatAck {
+                nonce: ping.nonce,
+                echo_sent_at_ms: ping.sent_at_ms,
+            })),
+            Body::HeartbeatAck(ack) => {
+                if ack.echo_sent_at_ms <= self.now.as_millis() {
+                    self.last_rtt = Some(
+                        self.now
+                            .saturating_duration_since(Timestamp::from_millis(ack.echo_sent_at_ms)),
+                    );
+                }
+            }
+            Body::RunRequest(req) if self.state == SessionState::Ready => self.on_run_request(req),
+            Body::ProviderTunnelRequest(req) if self.state == SessionState::Ready => {
+                self.on_tunnel_request(req);
+            }
+            Body::CancelRequest(req) if self.state == SessionState::Ready => self.on_cancel(&req),
+            Body::NodeCommandRequest(req) if self.state == SessionState::Ready => {
+                self.on_command(req)
+            }
+            Body::NodeConfigRefreshRequest(req) if self.state == SessionState::Ready => {
+                self.on_refresh(req);
+            }
+            other => {
+                let violation = EdgeViolation::Unexpected {
+                    message: other.kind(),
+                    state: self.state,
+                };
+                self.events.push_back(SessionEvent::PeerViolation {
+                    violation: violation.clone(),
+                });
+                self.close(SessionEnd::ProtocolViolation(violation));
+            }
+        }
+    }
+
+    /// Progress of a run, from the adapter. Numbered, checked and sent.
+    pub fn handle_run_output(
+        &mut self,
+        now: Timestamp,
+        run_id: &str,
+        output: RunOutput,
+    ) -> Result<(), SessionError> {
+        self.advance(now);
+        let work = self.work_in_flight(run_id, "run output")?;
+        let WorkKind::Run(emitter, tracker) = &mut work.kind else {
+            return Err(SessionError::WrongKind(run_id.to_owned()));
+        };
+        let kind = match &output {
+            RunOutput::Start => RunEventType::Start,
+            RunOutput::Delta(_) => RunEventType::Delta,
+            RunOutput::Complete { .. } => RunEventType::Complete,
+            RunOutput::Error(_) => RunEventType::Error,
+            RunOutput::Cancelled => RunEventType::Cancelled,
+        };
+        // Check against a copy first so a refused output consumes nothing.
+        let mut probe_emitter = emitter.clone();
+        let mut probe_tracker = tracker.clone();
+        let Some(mut event) = probe_emitter.next(kind) else {
+            return Err(SessionError::UnknownRun(run_id.to_owned()));
+        };
+        probe_tracker
+            .observe(&event)
+            .map_err(|violation| SessionError::InvalidRunOutput {
+                run_id: run_id.to_owned(),
+                violation,
+            })?;
+        *emitter = probe_emitter;
+        *tracker = probe_tracker;
+        match output {
+            RunOutput::Delta(text) => event.delta = text,
+            RunOutput::Complete { usage, metadata } => {
+                event.usage = usage;
+                event.metadata = metadata;
+            }
+            RunOutput::Error(error) => event.error = Some(error),
+            RunOutput::Start | RunOutput::Cancelled => {}
+        }
+        let ended = tracker.is_ended();
+        self.send(Body::RunEvent(event));
+        if ended {
+            self.finish(run_id);
+        }
+        Ok(())
+    }
+
+    /// Progress of a tunnel, from the adapter. Numbered, chunked, checked and sent.
+    pub fn handle_tunnel_output(
+        &mut self,
+        now: Timestamp,
+        run_id: &str,
+        output: TunnelOutput,
+    ) -> Result<(), SessionError> {
+        self.advance(now);
+        let work = self.work_in_flight(run_id, "tunnel output")?;
+        let WorkKind::Tunnel(emitter) = &mut work.kind else {
+            return Err(SessionError::WrongKind(run_id.to_owned()));
+        };
+        let frames: Vec<ProviderTunnelFrame> = match output {
+            TunnelOutput::Status { status, headers } => {
+                emitter.status(status, headers).into_iter().collect()
+            }
+            TunnelOutput::Body(data) if data.is_empty() => return Ok(()),
+            TunnelOutput::Body(data) => emitter.body(data),
+            TunnelOutput::Trailers(headers) => emitter.headers(headers).into_iter().collect(),
+            TunnelOutput::Usage(usage) => emitter.usage(usage).into_iter().collect(),
+            TunnelOutput::End => emitter.end().into_iter().collect(),
+            TunnelOutput::Error(error) => emitter.error(error).into_iter().collect(),
+        };
+        if frames.is_empty() {
+            return Err(SessionError::InvalidTunnelOutput(run_id.to_owned()));
+        }
+        let ended = emitter.is_ended();
+        for frame in frames {
+            self.send(Body::ProviderTunnelFrame(frame));
+        }
+        if ended {
+            self.finish(run_id);
+        }
+        Ok(())
+    }
+
+    /// The adapter task for `run_id` returned. Work it left without a terminal ends here
+    /// with an `adapter_error` terminal, so its capacity is never stranded and the Edge
+    /// still receives a complete sequence. Work that already ended needs nothing.
+    pub fn handle_work_returned(
+        &mut self,
+        now: Timestamp,
+        run_id: &str,
+    ) -> Result<(), SessionError> {
+        let tunnel = match self.work.get(run_id).map(|w| &w.kind) {
+            // Ended properly: nothing to do.
+            None => return Ok(()),
+            Some(WorkKind::Tunnel(_)) => true,
+            Some(WorkKind::Run(..)) => false,
+        };
+        let detail = ErrorDetail {
+            code: "adapter_error".into(),
+            message: "adapter ended without a terminal event".into(),
+            retryable: true,
+        };
+        if tunnel {
+            self.handle_tunnel_output(now, run_id, TunnelOutput::Error(detail))
+        } else {
+            // A run that never started must start before it can end; one that started
+            // refuses the second START, which is fine.
+            if self
+                .handle_run_output(now, run_id, RunOutput::Start)
+                .is_err()
+            {
+                debug_assert!(self.work.contains_key(run_id));
+            }
+            self.handle_run_output(now, run_id, RunOutput::Error(detail))
+        }
+    }
+
+    fn close(&mut self, end: SessionEnd) {
+        if self.state == SessionState::Closed {
+            return;
+        }
+        self.state = SessionState::Closed;
+        let mut abandoned: Vec<String> = self.work.drain().map(|(id, _)| id).collect();
+        abandoned.sort();
+        self.pending_refresh = None;
+        self.pending_commands.clear();
+        self.draining = None;
+        self.timers = TimerTable::new();
+        self.end = Some(end.clone());
+        self.transmits
+            .push_back(NodeTransmit::Close { end, abandoned });
+    }
+}

@@ -1,0 +1,350 @@
+//! The node session's public types: its configuration, states, events, errors and the
+//! adapter output it accepts.
+
+use super::*;
+
+/// What a node presents to the Edge and how patient it is.
+#[derive(Clone)]
+pub struct SessionConfig {
+    /// Node identity.
+    pub node_id: String,
+    /// Credential; never printed.
+    pub token: String,
+    /// Software version reported at register.
+    pub version: String,
+    /// Adapter types this binary can run.
+    pub adapter_types: Vec<String>,
+    /// Informational labels.
+    pub labels: BTreeMap<String, String>,
+    /// Register, configure and ready must complete within this time.
+    pub handshake_timeout: Duration,
+    /// Heartbeat interval until the Edge says otherwise.
+    pub heartbeat_interval: Duration,
+    /// Edge silence longer than this many heartbeat intervals loses the connection.
+    pub heartbeat_timeout_intervals: u32,
+    /// Largest `BODY` frame payload.
+    pub chunk_size: usize,
+    /// How long a local shutdown waits for cancelled work to end in order before the
+    /// session closes anyway.
+    pub shutdown_grace: Duration,
+}
+
+impl std::fmt::Debug for SessionConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SessionConfig")
+            .field("node_id", &self.node_id)
+            .field("token", &"<redacted>")
+            .field("version", &self.version)
+            .field("adapter_types", &self.adapter_types)
+            .field("handshake_timeout", &self.handshake_timeout)
+            .field("heartbeat_interval", &self.heartbeat_interval)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SessionConfig {
+    /// Defaults: 10 s handshake, 5 s heartbeats, 3 missed intervals, 64 KiB chunks.
+    #[must_use]
+    pub fn new(node_id: impl Into<String>, token: impl Into<String>) -> Self {
+        SessionConfig {
+            node_id: node_id.into(),
+            token: token.into(),
+            version: String::new(),
+            adapter_types: ["openai_compat", "vllm", "ollama", "mock"]
+                .map(String::from)
+                .to_vec(),
+            labels: BTreeMap::new(),
+            handshake_timeout: Duration::from_secs(10),
+            heartbeat_interval: Duration::from_secs(5),
+            heartbeat_timeout_intervals: 3,
+            chunk_size: DEFAULT_CHUNK_SIZE,
+            shutdown_grace: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Where the session is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SessionState {
+    /// Waiting for the transport to connect.
+    Connecting,
+    /// `RegisterRequest` sent.
+    Registering,
+    /// Accepted; applying config, then awaiting the ready answer.
+    Configuring,
+    /// Dispatch-ready.
+    Ready,
+    /// Over; see [`SessionEnd`].
+    Closed,
+}
+
+/// Why a session ended.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SessionEnd {
+    /// The Edge rejected the register (bad token or unknown node): fatal.
+    #[error("the edge rejected the node: {0}")]
+    Rejected(String),
+    /// The Edge refused the register for now (`retry_after_ms` set): retried later.
+    #[error("the edge deferred the node: {reason} (retry after {} ms)", retry_after.as_millis())]
+    Deferred {
+        /// The Edge's reason.
+        reason: String,
+        /// The earliest retry.
+        retry_after: Duration,
+    },
+    /// The Edge answered `ready=false`.
+    #[error("the edge refused readiness: {0}")]
+    ReadyRefused(String),
+    /// The Edge sent a config this node cannot apply.
+    #[error("the config from the edge cannot be applied: {0}")]
+    InvalidConfig(String),
+    /// Nothing from the Edge within the heartbeat timeout.
+    #[error("nothing from the edge within the heartbeat timeout")]
+    HeartbeatTimeout,
+    /// The handshake did not complete in time.
+    #[error("the handshake did not complete in time")]
+    HandshakeTimeout,
+    /// The transport failed or the Edge closed the connection.
+    #[error("{0}")]
+    ConnectionLost(Failure),
+    /// The Edge broke the protocol.
+    #[error("the edge broke the protocol: {0}")]
+    ProtocolViolation(EdgeViolation),
+    /// Local shutdown.
+    #[error("local shutdown")]
+    LocalShutdown,
+}
+
+impl SessionEnd {
+    /// How the supervisor should treat this end (`None` for local shutdown).
+    #[must_use]
+    pub fn failure(&self) -> Option<Failure> {
+        match self {
+            SessionEnd::Rejected(why) => Some(Failure::CredentialRejected(why.clone())),
+            SessionEnd::Deferred {
+                reason,
+                retry_after,
+            } => Some(Failure::Deferred {
+                reason: reason.clone(),
+                retry_after: *retry_after,
+            }),
+            SessionEnd::ReadyRefused(why) | SessionEnd::InvalidConfig(why) => {
+                Some(Failure::EdgeClosed(why.clone()))
+            }
+            SessionEnd::ProtocolViolation(violation) => {
+                Some(Failure::EdgeClosed(violation.to_string()))
+            }
+            SessionEnd::HeartbeatTimeout | SessionEnd::HandshakeTimeout => Some(Failure::TimedOut),
+            SessionEnd::ConnectionLost(failure) => Some(failure.clone()),
+            SessionEnd::LocalShutdown => None,
+        }
+    }
+}
+
+/// How the Edge broke the protocol, as the node saw it.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum EdgeViolation {
+    /// A message that has no place in the session's state.
+    #[error("unexpected {message} while {state:?}")]
+    Unexpected {
+        /// The message.
+        message: &'static str,
+        /// The state it arrived in.
+        state: SessionState,
+    },
+    /// Bytes that are not a frame of this protocol.
+    #[error("undecodable input: {0}")]
+    Undecodable(crate::wire::DecodeError),
+    /// Work the node cannot answer without corrupting a live run (its run id is in
+    /// flight, or empty).
+    #[error("{0}")]
+    Work(WorkRefusal),
+}
+
+/// Why new work was refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum WorkRefusal {
+    /// The request breaks the message contract.
+    #[error("invalid request: {0}")]
+    Invalid(crate::wire::ValidationError),
+    /// A run with this id is already in flight.
+    #[error("run id {0:?} is already in flight")]
+    Duplicate(String),
+    /// No adapter of that name runs on this node.
+    #[error("no adapter named {0:?} on this node")]
+    UnknownAdapter(String),
+    /// The adapter's capacity gate refused it.
+    #[error(transparent)]
+    Gate(#[from] GateError),
+    /// The node is shutting down.
+    #[error("the node is shutting down")]
+    ShuttingDown,
+}
+
+/// An output to hand to the transport, in order.
+#[derive(Clone, Debug, PartialEq)]
+pub enum NodeTransmit {
+    /// Write this envelope.
+    Frame(Envelope),
+    /// Flush what was written, then close the connection: the session ended. The shell
+    /// cancels the upstream requests of the abandoned runs.
+    Close {
+        /// Why.
+        end: SessionEnd,
+        /// Runs in flight when it ended.
+        abandoned: Vec<String>,
+    },
+}
+
+/// Something the shell must act on. Deliberately exhaustive: a new event is a compile
+/// error in every shell until it decides what to do with it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum SessionEvent {
+    /// Apply this config and start its adapters, then call
+    /// [`NodeSession::handle_config_applied`].
+    ApplyConfig {
+        /// The config from `RegisterResponse`.
+        payload: NodeConfigPayload,
+    },
+    /// The Edge confirmed readiness; work may arrive.
+    Ready,
+    /// Execute a normalized run (its capacity unit is taken).
+    StartRun {
+        /// The request.
+        request: RunRequest,
+    },
+    /// Open a provider tunnel (its capacity unit is taken).
+    StartTunnel {
+        /// The request.
+        request: ProviderTunnelRequest,
+    },
+    /// Abort this run's upstream request; it still ends with a terminal output.
+    CancelRun {
+        /// The run.
+        run_id: String,
+    },
+    /// A cancel named no run this session knows.
+    CancelRejected {
+        /// The run id named.
+        run_id: String,
+        /// Why.
+        error: CancelError,
+    },
+    /// Answer this command with [`NodeSession::handle_command_response`].
+    Command {
+        /// The validated request.
+        request: NodeCommandRequest,
+    },
+    /// Apply this refresh, then call [`NodeSession::handle_refresh_applied`].
+    RefreshConfig {
+        /// Edge request id.
+        request_id: String,
+        /// The new config.
+        payload: NodeConfigPayload,
+        /// What changes.
+        diff: AdapterDiff,
+    },
+    /// Work was refused at once (unknown adapter or capacity); the Edge was told.
+    WorkRefused {
+        /// The run.
+        run_id: String,
+        /// Why.
+        reason: WorkRefusal,
+    },
+    /// The Edge sent something that breaks the protocol (for logs).
+    PeerViolation {
+        /// What.
+        violation: EdgeViolation,
+    },
+}
+
+/// Why a cancel was refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CancelError {
+    /// The cancel request itself is invalid (empty run id, unknown kind).
+    #[error("invalid cancel request: {0}")]
+    Invalid(String),
+    /// No run with that id is known to this session.
+    #[error("no run with this id is known")]
+    UnknownRun,
+}
+
+/// Misuse of the session by its driver.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SessionError {
+    /// The input does not fit the session's state.
+    #[error("{input} is invalid while {state:?}")]
+    WrongState {
+        /// The input.
+        input: &'static str,
+        /// The session state.
+        state: SessionState,
+    },
+    /// Output for a run that is not in flight (never started, or already ended).
+    #[error("run {0:?} is not in flight")]
+    UnknownRun(String),
+    /// Output that would break the run's contract sequence; nothing was sent.
+    #[error("run {run_id:?}: {violation}")]
+    InvalidRunOutput {
+        /// The run.
+        run_id: String,
+        /// What it would break.
+        violation: RunViolation,
+    },
+    /// Tunnel output out of order (e.g. body before status, anything after the end).
+    #[error("tunnel {0:?}: output out of contract order")]
+    InvalidTunnelOutput(String),
+    /// Output of the wrong kind (run output for a tunnel or the reverse).
+    #[error("{0:?} is a different kind of work")]
+    WrongKind(String),
+    /// An answer to a refresh or command that is not pending.
+    #[error("no pending request {0:?}")]
+    NotPending(String),
+}
+
+/// Progress of a normalized run, reported by the shell.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RunOutput {
+    /// The run started.
+    Start,
+    /// Generated text.
+    Delta(String),
+    /// Finished; usage and metadata (`openai_tool_calls`, `openai_text_tool_fallback`).
+    Complete {
+        /// Token usage.
+        usage: Option<Usage>,
+        /// Metadata for the Edge.
+        metadata: BTreeMap<String, String>,
+    },
+    /// Failed.
+    Error(ErrorDetail),
+    /// Cancelled.
+    Cancelled,
+}
+
+/// Progress of a provider tunnel, reported by the shell.
+#[derive(Clone, Debug, PartialEq)]
+pub enum TunnelOutput {
+    /// Status line and headers.
+    Status {
+        /// HTTP status.
+        status: u32,
+        /// Response headers.
+        headers: Vec<Header>,
+    },
+    /// Body bytes as they arrived (split into chunks by the session).
+    Body(Bytes),
+    /// Trailers.
+    Trailers(Vec<Header>),
+    /// Usage observed in the response.
+    Usage(Usage),
+    /// The body is complete.
+    End,
+    /// The request failed or was cancelled.
+    Error(ErrorDetail),
+}

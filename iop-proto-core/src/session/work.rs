@@ -1,0 +1,203 @@
+//! Work in flight: admitting runs and tunnels through the capacity gates, cancels,
+//! commands, and remembering finished runs.
+
+use super::*;
+
+#[derive(Debug)]
+pub(super) enum WorkKind {
+    Run(RunEmitter, RunTracker),
+    Tunnel(TunnelEmitter),
+}
+
+#[derive(Debug)]
+pub(super) struct Work {
+    pub(super) adapter: String,
+    pub(super) long: bool,
+    pub(super) kind: WorkKind,
+    pub(super) cancel_requested: bool,
+}
+
+/// Remembered ids of finished runs (so a late cancel is a no-op, not an error).
+pub(super) const FINISHED_MEMORY: usize = 4096;
+
+impl NodeSession {
+    /// The work `run_id` while the session is open and the work has not ended.
+    pub(super) fn work_in_flight(
+        &mut self,
+        run_id: &str,
+        input: &'static str,
+    ) -> Result<&mut Work, SessionError> {
+        if self.state == SessionState::Closed {
+            return Err(self.wrong_state(input));
+        }
+        self.work
+            .get_mut(run_id)
+            .ok_or_else(|| SessionError::UnknownRun(run_id.to_owned()))
+    }
+
+    pub(super) fn finish(&mut self, run_id: &str) {
+        let Some(work) = self.work.remove(run_id) else {
+            return;
+        };
+        if let Some(gate) = self.gates.get_mut(&work.adapter) {
+            gate.release(work.long);
+        }
+        if self.finished.len() >= FINISHED_MEMORY
+            && let Some(old) = self.finished.pop_front()
+        {
+            self.finished_set.remove(&old);
+        }
+        self.finished.push_back(run_id.to_owned());
+        self.finished_set.insert(run_id.to_owned());
+        // A shutdown waits for the last cancelled run to end in order.
+        if self.draining.is_some() && self.work.is_empty() {
+            self.close(SessionEnd::LocalShutdown);
+        }
+    }
+
+    /// Takes a capacity unit for new work, or explains the refusal.
+    pub(super) fn admit(
+        &mut self,
+        run_id: &str,
+        adapter: &str,
+        long: bool,
+    ) -> Result<(), WorkRefusal> {
+        if self.work.contains_key(run_id) {
+            return Err(WorkRefusal::Duplicate(run_id.to_owned()));
+        }
+        if self.draining.is_some() {
+            return Err(WorkRefusal::ShuttingDown);
+        }
+        let gate = self
+            .gates
+            .get_mut(adapter)
+            .ok_or_else(|| WorkRefusal::UnknownAdapter(adapter.to_owned()))?;
+        Ok(gate.try_acquire(long)?)
+    }
+
+    pub(super) fn on_run_request(&mut self, request: RunRequest) {
+        let run_id = request.run_id.clone();
+        let admitted = request
+            .validate()
+            .map_err(WorkRefusal::Invalid)
+            .and_then(|()| self.admit(&run_id, &request.adapter, request.long_context));
+        match admitted {
+            Ok(()) => {
+                self.work.insert(
+                    run_id,
+                    Work {
+                        adapter: request.adapter.clone(),
+                        long: request.long_context,
+                        kind: WorkKind::Run(
+                            RunEmitter::new(request.run_id.clone()),
+                            RunTracker::new(),
+                        ),
+                        cancel_requested: false,
+                    },
+                );
+                self.events.push_back(SessionEvent::StartRun { request });
+            }
+            Err(reason) if self.work.contains_key(&run_id) || run_id.is_empty() => {
+                // Answering would corrupt the live run's stream (or has no run to name).
+                self.events.push_back(SessionEvent::PeerViolation {
+                    violation: EdgeViolation::Work(reason),
+                });
+            }
+            Err(reason) => {
+                let mut emitter = RunEmitter::new(run_id.clone());
+                if let Some(start) = emitter.next(RunEventType::Start) {
+                    self.send(Body::RunEvent(start));
+                }
+                if let Some(mut error) = emitter.next(RunEventType::Error) {
+                    error.error = Some(ErrorDetail {
+                        code: "refused".into(),
+                        message: reason.to_string(),
+                        retryable: true,
+                    });
+                    self.send(Body::RunEvent(error));
+                }
+                self.events
+                    .push_back(SessionEvent::WorkRefused { run_id, reason });
+            }
+        }
+    }
+
+    pub(super) fn on_tunnel_request(&mut self, request: ProviderTunnelRequest) {
+        let run_id = request.run_id.clone();
+        let admitted = request
+            .validate()
+            .map_err(WorkRefusal::Invalid)
+            .and_then(|()| self.admit(&run_id, &request.adapter, request.long_context));
+        match admitted {
+            Ok(()) => {
+                self.work.insert(
+                    run_id.clone(),
+                    Work {
+                        adapter: request.adapter.clone(),
+                        long: request.long_context,
+                        kind: WorkKind::Tunnel(TunnelEmitter::new(run_id, self.config.chunk_size)),
+                        cancel_requested: false,
+                    },
+                );
+                self.events.push_back(SessionEvent::StartTunnel { request });
+            }
+            Err(reason) if self.work.contains_key(&run_id) || run_id.is_empty() => {
+                self.events.push_back(SessionEvent::PeerViolation {
+                    violation: EdgeViolation::Work(reason),
+                });
+            }
+            Err(reason) => {
+                let mut emitter = TunnelEmitter::new(run_id.clone(), self.config.chunk_size);
+                if let Some(frame) = emitter.error(ErrorDetail {
+                    code: "refused".into(),
+                    message: reason.to_string(),
+                    retryable: true,
+                }) {
+                    self.send(Body::ProviderTunnelFrame(frame));
+                }
+                self.events
+                    .push_back(SessionEvent::WorkRefused { run_id, reason });
+            }
+        }
+    }
+
+    pub(super) fn on_cancel(&mut self, request: &CancelRequest) {
+        if let Err(err) = request.validate() {
+            self.events.push_back(SessionEvent::CancelRejected {
+                run_id: request.run_id.clone(),
+                error: CancelError::Invalid(err.to_string()),
+            });
+            return;
+        }
+        // Both kinds cancel exactly the named run: the node keeps no session state.
+        match self.work.get_mut(&request.run_id) {
+            Some(work) if !work.cancel_requested => {
+                work.cancel_requested = true;
+                self.events.push_back(SessionEvent::CancelRun {
+                    run_id: request.run_id.clone(),
+                });
+            }
+            Some(_) => {}
+            None if self.finished_set.contains(&request.run_id) => {}
+            None => self.events.push_back(SessionEvent::CancelRejected {
+                run_id: request.run_id.clone(),
+                error: CancelError::UnknownRun,
+            }),
+        }
+    }
+
+    pub(super) fn on_command(&mut self, request: NodeCommandRequest) {
+        match request.validate() {
+            Ok(()) => {
+                self.pending_commands.insert(request.request_id.clone());
+                self.events.push_back(SessionEvent::Command { request });
+            }
+            Err(err) => self.send(Body::NodeCommandResponse(NodeCommandResponse {
+                request_id: request.request_id,
+                ok: false,
+                error: err.to_string(),
+                payload: Bytes::new(),
+            })),
+        }
+    }
+}

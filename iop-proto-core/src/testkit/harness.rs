@@ -1,0 +1,388 @@
+//! The one test harness (quinn's `Pair`, str0m's netem): the drain loop every test uses,
+//! a Sans-IO [`Wire`] that carries frames through the real codec with a delay, and a
+//! [`Pair`] of one Edge and one node session that steps both to quiescence.
+//!
+//! The scenario tests drain a single machine with [`drain_edge`] / [`drain_node`], the
+//! golden transcript runs a [`Pair`], and the simulator builds its links from [`Wire`]s.
+
+use std::collections::VecDeque;
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+
+use crate::edge::{ConnId, Dispatch, EdgeCore, EdgeEvent, Grant, Peer, Transmit};
+use crate::session::{NodeSession, NodeTransmit, RunOutput, SessionEvent};
+use crate::testkit::rng::Rng;
+use crate::time::Timestamp;
+use crate::wire::{self, Body, DecodeError, Envelope, FrameDecoder};
+
+/// Everything the Edge machine has to hand out, in the order a shell drains it:
+/// transmits, then events.
+pub fn drain_edge(edge: &mut EdgeCore) -> (Vec<Transmit>, Vec<EdgeEvent>) {
+    let transmits = std::iter::from_fn(|| edge.poll_transmit()).collect();
+    let events = std::iter::from_fn(|| edge.poll_event()).collect();
+    (transmits, events)
+}
+
+/// Everything a node session has to hand out: transmits, then events.
+pub fn drain_node(node: &mut NodeSession) -> (Vec<NodeTransmit>, Vec<SessionEvent>) {
+    let transmits = std::iter::from_fn(|| node.poll_transmit()).collect();
+    let events = std::iter::from_fn(|| node.poll_event()).collect();
+    (transmits, events)
+}
+
+/// How long a frame takes on a [`Wire`]: a delay drawn from `min..=max` by a seeded
+/// generator (str0m's netem, without loss: the link is TCP, it delays and stalls but
+/// neither drops nor reorders).
+#[derive(Debug, Clone)]
+pub struct Netem {
+    min: Duration,
+    max: Duration,
+    rng: Rng,
+}
+
+impl Netem {
+    /// No delay at all.
+    #[must_use]
+    pub fn instant() -> Self {
+        Self::jitter(Duration::ZERO, Duration::ZERO, 0)
+    }
+
+    /// A delay between `min` and `max`, drawn from `seed`.
+    #[must_use]
+    pub fn jitter(min: Duration, max: Duration, seed: u64) -> Self {
+        Netem {
+            min,
+            max: max.max(min),
+            rng: Rng::new(seed),
+        }
+    }
+
+    /// The delay of the next frame.
+    pub fn delay(&mut self) -> Duration {
+        let (lo, hi) = (self.min.as_millis() as u64, self.max.as_millis() as u64);
+        Duration::from_millis(self.rng.range(lo, hi))
+    }
+}
+
+/// One direction of a connection: encoded frames in flight with their arrival times,
+/// decoded on arrival by the real codec. Frames arrive in the order they were sent, as
+/// on a TCP stream, whatever their delays.
+#[derive(Debug)]
+pub struct Wire {
+    in_flight: VecDeque<(Timestamp, Bytes)>,
+    decoder: FrameDecoder,
+    last_arrival: Timestamp,
+}
+
+impl Wire {
+    /// An empty wire whose receiver accepts frames up to `max_frame_len`.
+    #[must_use]
+    pub fn new(max_frame_len: usize) -> Self {
+        Wire {
+            in_flight: VecDeque::new(),
+            decoder: FrameDecoder::with_max_frame_len(max_frame_len),
+            last_arrival: Timestamp::ZERO,
+        }
+    }
+
+    /// Encodes `envelope` and puts it on the wire to arrive at `at` (or after the frame
+    /// sent before it). False if it cannot be encoded.
+    pub fn send(&mut self, envelope: &Envelope, at: Timestamp) -> bool {
+        let mut out = BytesMut::new();
+        if wire::encode(envelope, &mut out).is_err() {
+            return false;
+        }
+        self.last_arrival = self.last_arrival.max(at);
+        self.in_flight.push_back((self.last_arrival, out.freeze()));
+        true
+    }
+
+    /// When the next frame arrives.
+    #[must_use]
+    pub fn next_arrival(&self) -> Option<Timestamp> {
+        self.in_flight.front().map(|(at, _)| *at)
+    }
+
+    /// Whether nothing is in flight.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.in_flight.is_empty()
+    }
+
+    /// Drops what is in flight (the sending side died).
+    pub fn clear(&mut self) {
+        self.in_flight.clear();
+    }
+
+    /// The receiver's frame limit changes (as the Edge's after a register).
+    pub fn set_max_frame_len(&mut self, max_frame_len: usize) {
+        self.decoder.set_max_frame_len(max_frame_len);
+    }
+
+    /// Frames that have arrived by `now`, decoded; an error if the codec failed.
+    pub fn receive(&mut self, now: Timestamp) -> Result<Vec<Envelope>, DecodeError> {
+        let mut out = Vec::new();
+        while let Some(&(at, _)) = self.in_flight.front() {
+            if at > now {
+                break;
+            }
+            if let Some((_, bytes)) = self.in_flight.pop_front() {
+                self.decoder.push_bytes(bytes);
+            }
+            while let Some(envelope) = self.decoder.next_envelope()? {
+                out.push(envelope);
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Debug output of a message for transcripts (prost's is deterministic: maps are
+/// `BTreeMap`s).
+#[must_use]
+pub fn describe(body: &Body) -> String {
+    format!("{body:?}")
+}
+
+/// One Edge and one node session over one connection, each direction a [`Wire`] with
+/// its [`Netem`]. [`Pair::step`] drains both machines, moves what arrived and answers
+/// the node shell's routine events (apply a config, end a cancelled run) until nothing
+/// moves; [`Pair::drive_until`] also lets time pass to each next deadline. Every frame,
+/// close and event goes into [`Pair::transcript`].
+#[derive(Debug)]
+pub struct Pair {
+    /// The Edge.
+    pub edge: EdgeCore,
+    /// The node.
+    pub node: NodeSession,
+    /// The connection between them.
+    pub conn: ConnId,
+    /// The shared clock.
+    pub now: Timestamp,
+    /// What happened, one line per frame, close and event.
+    pub transcript: String,
+    /// How a granted request is dispatched (the Edge shell's part).
+    pub dispatch: fn(&Grant) -> Dispatch,
+    to_edge: Wire,
+    to_node: Wire,
+    netem: Netem,
+}
+
+impl Pair {
+    /// A pair with nothing connected yet.
+    #[must_use]
+    pub fn new(
+        edge: EdgeCore,
+        node: NodeSession,
+        netem: Netem,
+        dispatch: fn(&Grant) -> Dispatch,
+    ) -> Self {
+        let pending = edge.config().admission.pending_frame_len;
+        Pair {
+            edge,
+            node,
+            conn: ConnId(0),
+            now: Timestamp::ZERO,
+            transcript: String::new(),
+            dispatch,
+            to_edge: Wire::new(pending),
+            to_node: Wire::new(wire::DEFAULT_MAX_FRAME_LEN),
+            netem,
+        }
+    }
+
+    /// Opens connection `conn` with a fresh session (the node redials).
+    pub fn connect(&mut self, conn: ConnId, node: NodeSession) {
+        self.conn = conn;
+        self.node = node;
+        let pending = self.edge.config().admission.pending_frame_len;
+        self.to_edge = Wire::new(pending);
+        self.to_node = Wire::new(wire::DEFAULT_MAX_FRAME_LEN);
+        self.edge
+            .handle_connection_opened(self.now, conn, Peer::default())
+            .expect("a new connection");
+        self.node.handle_connected(self.now).expect("a new session");
+        self.log(format_args!("-- connection {} opened", conn.0));
+    }
+
+    /// The connection drops under both.
+    pub fn disconnect(&mut self) {
+        let conn = self.conn.0;
+        self.log(format_args!("-- connection {conn} lost"));
+        self.to_edge.clear();
+        self.to_node.clear();
+        self.edge
+            .handle_connection_closed(self.now, self.conn)
+            .expect("open");
+        self.node
+            .handle_connection_lost(self.now, crate::reconnect::Failure::Reset)
+            .expect("a live session");
+    }
+
+    /// Sets the clock (never backwards).
+    pub fn at(&mut self, ms: u64) {
+        self.now = self.now.max(Timestamp::from_millis(ms));
+    }
+
+    fn log(&mut self, line: std::fmt::Arguments<'_>) {
+        let _ = writeln!(self.transcript, "{} {line}", self.now);
+    }
+
+    /// Runs both machines at the current time until nothing moves. Returns whether
+    /// anything did.
+    pub fn step(&mut self) -> bool {
+        let mut any = false;
+        loop {
+            let mut moved = false;
+            while let Some(transmit) = self.node.poll_transmit() {
+                moved = true;
+                self.node_transmit(transmit);
+            }
+            for envelope in self.to_edge.receive(self.now).expect("the codec decodes") {
+                moved = true;
+                self.edge
+                    .handle_envelope(self.now, self.conn, envelope)
+                    .expect("open");
+            }
+            while let Some(transmit) = self.edge.poll_transmit() {
+                moved = true;
+                self.edge_transmit(transmit);
+            }
+            for envelope in self.to_node.receive(self.now).expect("the codec decodes") {
+                moved = true;
+                // A closed session takes nothing more; the shell stops reading.
+                let _ = self.node.handle_envelope(self.now, envelope);
+            }
+            while let Some(event) = self.node.poll_event() {
+                moved = true;
+                self.log(format_args!("node event {}", short_node(&event)));
+                self.answer_node(event);
+            }
+            while let Some(event) = self.edge.poll_event() {
+                moved = true;
+                self.log(format_args!("edge event {}", short_edge(&event)));
+                if let EdgeEvent::Granted(grant) = event {
+                    let dispatch = (self.dispatch)(&grant);
+                    self.edge
+                        .handle_dispatch(self.now, grant.request, dispatch)
+                        .expect("granted");
+                }
+            }
+            if !moved {
+                return any;
+            }
+            any = true;
+        }
+    }
+
+    fn node_transmit(&mut self, transmit: NodeTransmit) {
+        match transmit {
+            NodeTransmit::Frame(envelope) => {
+                let body = envelope.body.as_ref().map(describe).unwrap_or_default();
+                self.log(format_args!("node -> edge {body}"));
+                let at = self.now + self.netem.delay();
+                self.to_edge.send(&envelope, at);
+            }
+            NodeTransmit::Close { end, .. } => {
+                self.log(format_args!("-- node closes the session ({end:?})"));
+            }
+        }
+    }
+
+    fn edge_transmit(&mut self, transmit: Transmit) {
+        match transmit {
+            Transmit::Frame { envelope, .. } => {
+                let body = envelope.body.as_ref().map(describe).unwrap_or_default();
+                self.log(format_args!("edge -> node {body}"));
+                let at = self.now + self.netem.delay();
+                self.to_node.send(&envelope, at);
+            }
+            Transmit::Close { conn, reason } => {
+                self.log(format_args!(
+                    "-- edge closes connection {} ({reason:?})",
+                    conn.0
+                ));
+            }
+            Transmit::FrameLimit {
+                conn,
+                max_frame_len,
+            } => {
+                self.log(format_args!(
+                    "-- edge accepts frames up to {max_frame_len} bytes on connection {}",
+                    conn.0
+                ));
+                self.to_edge.set_max_frame_len(max_frame_len);
+            }
+        }
+    }
+
+    /// The node shell's routine answers.
+    fn answer_node(&mut self, event: SessionEvent) {
+        match event {
+            SessionEvent::ApplyConfig { .. } => {
+                self.node
+                    .handle_config_applied(self.now, Ok(()))
+                    .expect("configuring");
+            }
+            SessionEvent::CancelRun { run_id } => {
+                // The run may already have ended; then there is nothing to cancel.
+                let _ = self
+                    .node
+                    .handle_run_output(self.now, &run_id, RunOutput::Cancelled);
+            }
+            _ => {}
+        }
+    }
+
+    /// The next moment something is due: a machine's timer or a frame's arrival.
+    #[must_use]
+    pub fn next_due(&self) -> Option<Timestamp> {
+        [
+            self.edge.poll_timeout().map(|w| w.at),
+            self.node.poll_timeout().map(|w| w.at),
+            self.to_edge.next_arrival(),
+            self.to_node.next_arrival(),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+    }
+
+    /// Steps, then lets time pass to each next deadline and steps again, until `until`.
+    pub fn drive_until(&mut self, until: Timestamp) {
+        self.step();
+        while let Some(next) = self.next_due().filter(|&t| t <= until) {
+            self.now = self.now.max(next);
+            self.edge.handle_timeout(self.now);
+            self.node.handle_timeout(self.now);
+            self.step();
+        }
+        self.now = self.now.max(until);
+    }
+}
+
+fn short_node(event: &SessionEvent) -> String {
+    match event {
+        SessionEvent::ApplyConfig { payload } => format!(
+            "ApplyConfig(revision {}, {} adapters)",
+            payload.revision,
+            payload.adapters.len()
+        ),
+        SessionEvent::StartRun { request } => {
+            format!("StartRun({} on {})", request.run_id, request.adapter)
+        }
+        other => format!("{other:?}"),
+    }
+}
+
+fn short_edge(event: &EdgeEvent) -> String {
+    match event {
+        EdgeEvent::Granted(g) => format!(
+            "Granted({} on {}/{} generation {}, {:?})",
+            g.request, g.node_id, g.provider_id, g.lease.generation.0, g.shape
+        ),
+        other => format!("{other:?}"),
+    }
+}
