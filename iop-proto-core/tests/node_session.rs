@@ -4,21 +4,9 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use bytes::Bytes;
+use iop_proto_core::testkit::adapter;
 use iop_proto_core::wire::*;
 use iop_proto_core::*;
-
-fn adapter(name: &str, kind: AdapterType, capacity: u32, long: u32) -> AdapterConfig {
-    AdapterConfig {
-        name: name.into(),
-        r#type: kind as i32,
-        base_url: "http://127.0.0.1:9".into(),
-        capacity,
-        long_capacity: long,
-        targets: vec!["t".into()],
-        enabled: true,
-        ..Default::default()
-    }
-}
 
 fn payload(revision: u64, adapters: Vec<AdapterConfig>) -> NodeConfigPayload {
     NodeConfigPayload {

@@ -76,89 +76,89 @@ impl NodeSession {
     }
 
     pub(super) fn on_run_request(&mut self, request: RunRequest) {
-        let run_id = request.run_id.clone();
-        let admitted = request
-            .validate()
-            .map_err(WorkRefusal::Invalid)
-            .and_then(|()| self.admit(&run_id, &request.adapter, request.long_context));
-        match admitted {
+        let checked = request.validate().map_err(WorkRefusal::Invalid);
+        let (run_id, adapter, long) = (
+            request.run_id.clone(),
+            request.adapter.clone(),
+            request.long_context,
+        );
+        let kind = WorkKind::Run(RunEmitter::new(run_id.clone()), RunTracker::new());
+        self.on_work(checked, run_id, adapter, long, kind, || {
+            SessionEvent::StartRun { request }
+        });
+    }
+
+    pub(super) fn on_tunnel_request(&mut self, request: ProviderTunnelRequest) {
+        let checked = request.validate().map_err(WorkRefusal::Invalid);
+        let (run_id, adapter, long) = (
+            request.run_id.clone(),
+            request.adapter.clone(),
+            request.long_context,
+        );
+        let kind = WorkKind::Tunnel(TunnelEmitter::new(run_id.clone(), self.config.chunk_size));
+        self.on_work(checked, run_id, adapter, long, kind, || {
+            SessionEvent::StartTunnel { request }
+        });
+    }
+
+    /// Admits new work of either kind, or refuses it: at once on the wire, ending its
+    /// sequence with a retryable `refused` error, unless answering would corrupt a live
+    /// run's stream (a duplicate or empty run id), which is a violation instead.
+    fn on_work(
+        &mut self,
+        checked: Result<(), WorkRefusal>,
+        run_id: String,
+        adapter: String,
+        long: bool,
+        kind: WorkKind,
+        start: impl FnOnce() -> SessionEvent,
+    ) {
+        let admitted = checked.and_then(|()| self.admit(&run_id, &adapter, long));
+        let reason = match admitted {
             Ok(()) => {
                 self.work.insert(
                     run_id,
                     Work {
-                        adapter: request.adapter.clone(),
-                        long: request.long_context,
-                        kind: WorkKind::Run(
-                            RunEmitter::new(request.run_id.clone()),
-                            RunTracker::new(),
-                        ),
+                        adapter,
+                        long,
+                        kind,
                         cancel_requested: false,
                     },
                 );
-                self.events.push_back(SessionEvent::StartRun { request });
+                self.events.push_back(start());
+                return;
             }
-            Err(reason) if self.work.contains_key(&run_id) || run_id.is_empty() => {
-                // Answering would corrupt the live run's stream (or has no run to name).
-                self.events.push_back(SessionEvent::PeerViolation {
-                    violation: EdgeViolation::Work(reason),
-                });
-            }
-            Err(reason) => {
-                let mut emitter = RunEmitter::new(run_id.clone());
+            Err(reason) => reason,
+        };
+        if self.work.contains_key(&run_id) || run_id.is_empty() {
+            self.events.push_back(SessionEvent::PeerViolation {
+                violation: EdgeViolation::Work(reason),
+            });
+            return;
+        }
+        let detail = ErrorDetail {
+            code: "refused".into(),
+            message: reason.to_string(),
+            retryable: true,
+        };
+        match kind {
+            WorkKind::Run(mut emitter, _) => {
                 if let Some(start) = emitter.next(RunEventType::Start) {
                     self.send(Body::RunEvent(start));
                 }
                 if let Some(mut error) = emitter.next(RunEventType::Error) {
-                    error.error = Some(ErrorDetail {
-                        code: "refused".into(),
-                        message: reason.to_string(),
-                        retryable: true,
-                    });
+                    error.error = Some(detail);
                     self.send(Body::RunEvent(error));
                 }
-                self.events
-                    .push_back(SessionEvent::WorkRefused { run_id, reason });
             }
-        }
-    }
-
-    pub(super) fn on_tunnel_request(&mut self, request: ProviderTunnelRequest) {
-        let run_id = request.run_id.clone();
-        let admitted = request
-            .validate()
-            .map_err(WorkRefusal::Invalid)
-            .and_then(|()| self.admit(&run_id, &request.adapter, request.long_context));
-        match admitted {
-            Ok(()) => {
-                self.work.insert(
-                    run_id.clone(),
-                    Work {
-                        adapter: request.adapter.clone(),
-                        long: request.long_context,
-                        kind: WorkKind::Tunnel(TunnelEmitter::new(run_id, self.config.chunk_size)),
-                        cancel_requested: false,
-                    },
-                );
-                self.events.push_back(SessionEvent::StartTunnel { request });
-            }
-            Err(reason) if self.work.contains_key(&run_id) || run_id.is_empty() => {
-                self.events.push_back(SessionEvent::PeerViolation {
-                    violation: EdgeViolation::Work(reason),
-                });
-            }
-            Err(reason) => {
-                let mut emitter = TunnelEmitter::new(run_id.clone(), self.config.chunk_size);
-                if let Some(frame) = emitter.error(ErrorDetail {
-                    code: "refused".into(),
-                    message: reason.to_string(),
-                    retryable: true,
-                }) {
+            WorkKind::Tunnel(mut emitter) => {
+                if let Some(frame) = emitter.error(detail) {
                     self.send(Body::ProviderTunnelFrame(frame));
                 }
-                self.events
-                    .push_back(SessionEvent::WorkRefused { run_id, reason });
             }
         }
+        self.events
+            .push_back(SessionEvent::WorkRefused { run_id, reason });
     }
 
     pub(super) fn on_cancel(&mut self, request: &CancelRequest) {

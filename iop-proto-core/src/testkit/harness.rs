@@ -124,18 +124,28 @@ impl Wire {
     /// Frames that have arrived by `now`, decoded; an error if the codec failed.
     pub fn receive(&mut self, now: Timestamp) -> Result<Vec<Envelope>, DecodeError> {
         let mut out = Vec::new();
-        while let Some(&(at, _)) = self.in_flight.front() {
-            if at > now {
-                break;
-            }
-            if let Some((_, bytes)) = self.in_flight.pop_front() {
-                self.decoder.push_bytes(bytes);
-            }
-            while let Some(envelope) = self.decoder.next_envelope()? {
-                out.push(envelope);
-            }
+        while let Some(envelopes) = self.receive_one(now) {
+            out.extend(envelopes?);
         }
         Ok(out)
+    }
+
+    /// The next frame if it has arrived by `now`, decoded (so a receiver can react to
+    /// each frame before the next, as a shell reading a socket does).
+    pub fn receive_one(&mut self, now: Timestamp) -> Option<Result<Vec<Envelope>, DecodeError>> {
+        if self.next_arrival()? > now {
+            return None;
+        }
+        let (_, bytes) = self.in_flight.pop_front()?;
+        self.decoder.push_bytes(bytes);
+        let mut out = Vec::new();
+        loop {
+            match self.decoder.next_envelope() {
+                Ok(Some(envelope)) => out.push(envelope),
+                Ok(None) => return Some(Ok(out)),
+                Err(err) => return Some(Err(err)),
+            }
+        }
     }
 }
 

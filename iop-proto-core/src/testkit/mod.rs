@@ -6,6 +6,24 @@ pub mod harness;
 pub mod rng;
 pub mod sim;
 
+use crate::wire::{AdapterConfig, AdapterType};
+
+/// The adapter every test uses: `kind` named `name`, serving target `"t"` with
+/// `capacity` units of which `long` may be long-context, at a base URL nothing listens on.
+#[must_use]
+pub fn adapter(name: &str, kind: AdapterType, capacity: u32, long: u32) -> AdapterConfig {
+    AdapterConfig {
+        name: name.into(),
+        r#type: kind as i32,
+        base_url: "http://127.0.0.1:9".into(),
+        capacity,
+        long_capacity: long,
+        targets: vec!["t".into()],
+        enabled: true,
+        ..AdapterConfig::default()
+    }
+}
+
 /// Bugs that can be planted in the machines, to prove the simulator catches them.
 /// All off by default; only the `testkit` feature compiles the switches in.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -17,7 +17,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 
 use crate::edge::{
     CloseReason, ConnId, Dispatch, DispatchShape, EdgeCore, EdgeEvent, NodeState, Outcome,
@@ -31,14 +31,14 @@ use crate::session::{
     NodeSession, NodeTransmit, RunOutput, SessionConfig, SessionEnd, SessionEvent, TunnelOutput,
 };
 use crate::testkit::Faults;
+use crate::testkit::harness::Wire;
 use crate::testkit::rng::Rng;
 use crate::time::Timestamp;
 use crate::token::TokenVerifier;
 use crate::tunnel::TunnelReceiver;
 use crate::wire::{
-    self, AdapterConfig, AdapterType, Body, Envelope, ErrorDetail, FrameDecoder,
-    NodeCommandResponse, NodeRuntimeConfig, ProviderTunnelFrame, ProviderTunnelRequest, RunEvent,
-    RunRequest, Usage,
+    self, AdapterConfig, AdapterType, Body, Envelope, ErrorDetail, NodeCommandResponse,
+    NodeRuntimeConfig, ProviderTunnelFrame, ProviderTunnelRequest, RunEvent, RunRequest, Usage,
 };
 
 /// How a simulated provider behaves.
@@ -264,15 +264,9 @@ fn timing() -> EdgeTiming {
 
 fn adapter(name: &str, kind: AdapterType, capacity: u32, long: u32, rev: u32) -> AdapterConfig {
     AdapterConfig {
-        name: name.into(),
-        r#type: kind as i32,
         base_url: "http://provider.sim".into(),
-        capacity,
-        long_capacity: long,
-        targets: vec!["t".into()],
-        enabled: true,
         options: [("rev".to_owned(), rev.to_string())].into_iter().collect(),
-        ..AdapterConfig::default()
+        ..crate::testkit::adapter(name, kind, capacity, long)
     }
 }
 
@@ -409,10 +403,8 @@ impl NodeProc {
 #[derive(Debug)]
 struct Link {
     node: usize,
-    to_node: VecDeque<(Timestamp, Bytes)>,
-    to_edge: VecDeque<(Timestamp, Bytes)>,
-    node_decoder: FrameDecoder,
-    edge_decoder: FrameDecoder,
+    to_node: Wire,
+    to_edge: Wire,
     held_until: Timestamp,
     /// The Edge closed its side: the node sees EOF once `to_node` drains.
     edge_closed: bool,
@@ -420,8 +412,6 @@ struct Link {
     node_closed: bool,
     /// The Edge has been told the connection closed.
     edge_done: bool,
-    last_to_node: Timestamp,
-    last_to_edge: Timestamp,
 }
 
 #[derive(Debug)]
@@ -496,7 +486,7 @@ impl World {
                         max_frame_len,
                     } => {
                         if let Some(link) = self.links.get_mut(&conn.0) {
-                            link.edge_decoder.set_max_frame_len(max_frame_len);
+                            link.to_edge.set_max_frame_len(max_frame_len);
                         }
                     }
                     Transmit::Close { conn, reason } => {
@@ -559,14 +549,9 @@ impl World {
         if link.edge_closed {
             return;
         }
-        let mut out = BytesMut::new();
-        if wire::encode(envelope, &mut out).is_err() {
-            return;
+        if link.to_node.send(envelope, now + latency) {
+            self.stats.frames += 1;
         }
-        let at = link.last_to_node.max(now + latency);
-        link.last_to_node = at;
-        link.to_node.push_back((at, out.freeze()));
-        self.stats.frames += 1;
     }
 
     fn on_edge_event(&mut self, event: EdgeEvent) {
@@ -783,14 +768,9 @@ impl World {
         if link.node_closed {
             return;
         }
-        let mut out = BytesMut::new();
-        if wire::encode(envelope, &mut out).is_err() {
-            return;
+        if link.to_edge.send(envelope, now + latency) {
+            self.stats.frames += 1;
         }
-        let at = link.last_to_edge.max(now + latency);
-        link.last_to_edge = at;
-        link.to_edge.push_back((at, out.freeze()));
-        self.stats.frames += 1;
     }
 
     fn provider_delay(&mut self, mode: Mode) -> Duration {
@@ -999,14 +979,14 @@ impl World {
             let node_runnable =
                 self.procs[link.node].runnable(self.now) || !self.procs[link.node].alive;
             if !link.edge_done {
-                if let Some(&(at, _)) = link.to_edge.front() {
+                if let Some(at) = link.to_edge.next_arrival() {
                     next = next.min(at.max(link.held_until));
                 } else if link.node_closed {
                     next = next.min(self.now.max(link.held_until));
                 }
             }
             if node_runnable && !link.node_closed {
-                if let Some(&(at, _)) = link.to_node.front() {
+                if let Some(at) = link.to_node.next_arrival() {
                     next = next.min(at.max(link.held_until));
                 } else if link.edge_closed {
                     next = next.min(self.now.max(link.held_until));
@@ -1098,23 +1078,14 @@ impl World {
             if link.held_until > now || link.edge_done {
                 break;
             }
-            match link.to_edge.front() {
-                Some(&(at, _)) if at <= now => {
-                    let (_, bytes) = link.to_edge.pop_front().expect("front");
-                    link.edge_decoder.push_bytes(bytes);
-                    let mut envelopes = Vec::new();
-                    let mut broken = false;
-                    loop {
-                        match link.edge_decoder.next_envelope() {
-                            Ok(Some(e)) => envelopes.push(e),
-                            Ok(None) => break,
-                            Err(_) => {
-                                broken = true;
-                                break;
-                            }
-                        }
-                    }
-                    check!(self, !broken, "the codec failed on frames it encoded");
+            match link.to_edge.receive_one(now) {
+                Some(decoded) => {
+                    check!(
+                        self,
+                        decoded.is_ok(),
+                        "the codec failed on frames it encoded: {decoded:?}"
+                    );
+                    let envelopes = decoded.unwrap_or_default();
                     for envelope in envelopes {
                         let kind = envelope.kind();
                         self.log(|| format!("conn {} node->edge {kind}", conn.0));
@@ -1151,7 +1122,7 @@ impl World {
                         }
                     }
                 }
-                None if link.node_closed => {
+                None if link.node_closed && link.to_edge.is_empty() => {
                     self.log(|| format!("edge sees conn {} closed", conn.0));
                     self.edge_closed(conn, &CloseReason::PeerClosed);
                     break;
@@ -1168,14 +1139,9 @@ impl World {
             if link.held_until > now || link.node_closed || !self.procs[i].runnable(now) {
                 break;
             }
-            match link.to_node.front() {
-                Some(&(at, _)) if at <= now => {
-                    let (_, bytes) = link.to_node.pop_front().expect("front");
-                    link.node_decoder.push_bytes(bytes);
-                    let mut envelopes = Vec::new();
-                    while let Ok(Some(e)) = link.node_decoder.next_envelope() {
-                        envelopes.push(e);
-                    }
+            match link.to_node.receive_one(now) {
+                Some(decoded) => {
+                    let envelopes = decoded.unwrap_or_default();
                     for envelope in envelopes {
                         let kind = envelope.kind();
                         self.log(|| format!("conn {} edge->node {kind}", conn.0));
@@ -1192,7 +1158,7 @@ impl World {
                         self.drain_node(i);
                     }
                 }
-                None if link.edge_closed => {
+                None if link.edge_closed && link.to_node.is_empty() => {
                     self.log(|| format!("node sees conn {} closed", conn.0));
                     if self.procs[i].conn == Some(conn)
                         && let Some(s) = self.procs[i].session.as_mut()
@@ -1244,19 +1210,13 @@ impl World {
                 conn.0,
                 Link {
                     node: i,
-                    to_node: VecDeque::new(),
-                    to_edge: VecDeque::new(),
-                    node_decoder: FrameDecoder::new(),
+                    to_node: Wire::new(wire::DEFAULT_MAX_FRAME_LEN),
                     // The Edge shell starts every connection at the pre-register limit.
-                    edge_decoder: FrameDecoder::with_max_frame_len(
-                        self.edge.config().admission.pending_frame_len,
-                    ),
+                    to_edge: Wire::new(self.edge.config().admission.pending_frame_len),
                     held_until: Timestamp::ZERO,
                     edge_closed: false,
                     node_closed: false,
                     edge_done: false,
-                    last_to_node: now,
-                    last_to_edge: now,
                 },
             );
             let _ = self

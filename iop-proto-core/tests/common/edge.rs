@@ -5,20 +5,9 @@ use std::time::Duration;
 use iop_proto_core::wire::*;
 use iop_proto_core::*;
 
-pub const TOKEN: &str = "tok";
+pub use iop_proto_core::testkit::adapter;
 
-pub fn adapter(name: &str, kind: AdapterType, capacity: u32, long: u32) -> AdapterConfig {
-    AdapterConfig {
-        name: name.into(),
-        r#type: kind as i32,
-        base_url: "http://127.0.0.1:9".into(),
-        capacity,
-        long_capacity: long,
-        targets: vec!["t".into()],
-        enabled: true,
-        ..Default::default()
-    }
-}
+pub const TOKEN: &str = "tok";
 
 pub fn node(adapters: Vec<AdapterConfig>) -> NodeSpec {
     NodeSpec {
