@@ -24,32 +24,10 @@ use tracing::{debug, error, info, warn};
 use crate::memory::RequestMemory;
 use crate::metrics::Metrics;
 use crate::nodes::{ConnHandle, MAX_QUEUED_PER_CONNECTION, STALLED_AFTER};
-use crate::openai::rewrite_model;
+pub use iop_proto_core::openai::Endpoint;
+use iop_proto_core::openai::rewrite_model;
 use iop_shell_common::clock::Clock;
 use iop_shell_common::misuse;
-
-/// The OpenAI endpoint a request came to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Endpoint {
-    /// `/v1/chat/completions`.
-    Chat,
-    /// `/v1/completions`.
-    Completions,
-    /// `/v1/embeddings`.
-    Embeddings,
-}
-
-impl Endpoint {
-    /// The path forwarded to OpenAI-compatible providers.
-    #[must_use]
-    pub fn path(self) -> &'static str {
-        match self {
-            Endpoint::Chat => "/v1/chat/completions",
-            Endpoint::Completions => "/v1/completions",
-            Endpoint::Embeddings => "/v1/embeddings",
-        }
-    }
-}
 
 /// What an HTTP request asks for, kept until it is granted.
 #[derive(Clone, Debug)]

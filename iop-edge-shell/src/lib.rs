@@ -14,7 +14,6 @@ pub mod http;
 pub mod memory;
 pub mod metrics;
 pub mod nodes;
-pub mod openai;
 
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};

@@ -51,6 +51,7 @@ pub mod gate;
 pub mod guard;
 mod idhash;
 pub mod lease;
+pub mod openai;
 pub mod queue;
 pub mod reconnect;
 pub mod run;

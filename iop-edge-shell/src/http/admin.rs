@@ -1,0 +1,191 @@
+//! The operator and catalogue routes: `/v1/models`, `/v1/status` and the node command
+//! pass-through.
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use iop_proto_core::NodeState;
+use iop_proto_core::openai::{ApiError, ErrorType};
+use serde_json::{Value, json};
+use tokio::sync::oneshot;
+
+use super::{ResBody, State, api_error, error, json_response};
+use crate::core_task::{CoreMsg, Snapshot};
+
+pub(super) async fn snapshot(state: &State) -> Option<Snapshot> {
+    let (reply, rx) = oneshot::channel();
+    state.core.send(CoreMsg::Snapshot { reply }).await.ok()?;
+    rx.await.ok()
+}
+
+pub(super) async fn models(state: &State) -> Response<ResBody> {
+    let Some(snapshot) = snapshot(state).await else {
+        return api_error(&ApiError::shutting_down());
+    };
+    let data: Vec<Value> = snapshot
+        .queue_by_model
+        .iter()
+        .map(|(name, _)| json!({ "id": name, "object": "model", "created": 0, "owned_by": "iop" }))
+        .collect();
+    json_response(
+        StatusCode::OK,
+        Bytes::from(json!({ "object": "list", "data": data }).to_string()),
+    )
+}
+
+/// `LocalInference` → `local_inference`: the wire enum names, as configuration spells them.
+fn enum_name<E: std::fmt::Debug, X>(value: Result<E, X>) -> String {
+    let Ok(value) = value else {
+        return "unknown".to_owned();
+    };
+    let mut out = String::new();
+    for (i, c) in format!("{value:?}").chars().enumerate() {
+        if c.is_uppercase() && i > 0 {
+            out.push('_');
+        }
+        out.push(c.to_ascii_lowercase());
+    }
+    out
+}
+
+pub(super) async fn status(state: &State) -> Response<ResBody> {
+    use iop_proto_core::wire::{ProviderCategory, ProviderHealth, ProviderStatus};
+    let Some(snapshot) = snapshot(state).await else {
+        return api_error(&ApiError::shutting_down());
+    };
+    let nodes: Vec<Value> = snapshot
+        .nodes
+        .iter()
+        .map(|n| {
+            // A node id in conflict says so in its state; `connected` still tells
+            // whether the connection holding it is ready.
+            let state = if n.conflict {
+                "conflict".to_owned()
+            } else if n.draining {
+                "draining".to_owned()
+            } else {
+                format!("{:?}", n.state).to_lowercase()
+            };
+            json!({
+                "node_id": &*n.node_id,
+                "state": state,
+                "connected": n.state == NodeState::Ready,
+                "conflict": n.conflict,
+                "draining": n.draining,
+                "tls": n.tls.is_some(),
+                "tls_version": n.tls,
+                "client_certificate": n.client_certificate,
+                "generation": n.generation.map(|g| g.0),
+                "config_revision": n.revision,
+                "applied_revision": n.applied_revision,
+                "last_refresh": n.last_refresh.map(|s| format!("{s:?}").to_lowercase()),
+            })
+        })
+        .collect();
+    let providers: Vec<Value> = snapshot
+        .providers
+        .iter()
+        .map(|p| {
+            json!({
+                "node_id": p.node_id,
+                "provider_id": p.provider_id,
+                "category": enum_name(ProviderCategory::try_from(p.category)),
+                "status": enum_name(ProviderStatus::try_from(p.status)),
+                "health": enum_name(ProviderHealth::try_from(p.health)),
+                "capacity": p.capacity,
+                "long_capacity": p.long_capacity,
+                "in_flight": p.in_flight,
+                "long_in_flight": p.long_in_flight,
+                "queued": p.queued,
+                "long_queued": p.long_queued,
+                "targets": p.targets,
+            })
+        })
+        .collect();
+    let queue: serde_json::Map<String, Value> = snapshot
+        .queue_by_model
+        .iter()
+        .map(|(m, n)| (m.clone(), json!(n)))
+        .collect();
+    let body = json!({
+        "nodes": nodes,
+        "providers": providers,
+        "queue": queue,
+        "open_requests": snapshot.open_requests,
+    });
+    json_response(StatusCode::OK, Bytes::from(body.to_string()))
+}
+
+/// `/v1/nodes/{node}/capabilities`, `/v1/nodes/{node}/transport` and the read-only
+/// `/v1/nodes/{node}/ollama/{adapter}/api/...` pass-through: node commands.
+pub(super) async fn node_command(req: Request<Incoming>, state: &State) -> Response<ResBody> {
+    use iop_proto_core::wire::{NodeCommandRequest, NodeCommandType};
+    let method = req.method().as_str().to_owned();
+    let path = req.uri().path().to_owned();
+    let rest = path.trim_start_matches("/v1/nodes/");
+    let (node_id, what) = rest.split_once('/').unwrap_or((rest, ""));
+    let mut request = NodeCommandRequest {
+        method,
+        ..NodeCommandRequest::default()
+    };
+    match what {
+        "capabilities" => request.r#type = NodeCommandType::Capabilities as i32,
+        "transport" => request.r#type = NodeCommandType::TransportStatus as i32,
+        other => match other
+            .strip_prefix("ollama/")
+            .and_then(|r| r.split_once('/'))
+        {
+            Some((adapter, api)) => {
+                request.r#type = NodeCommandType::OllamaApi as i32;
+                request.adapter = adapter.to_owned();
+                request.path = format!("/{api}");
+            }
+            None => {
+                return error(
+                    StatusCode::NOT_FOUND,
+                    &format!("no route for {path}"),
+                    ErrorType::InvalidRequest,
+                    Some("unknown_url"),
+                );
+            }
+        },
+    }
+    let limit = state.settings().max_body_bytes;
+    request.body = match Limited::new(req.into_body(), limit).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(_) => {
+            return error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "request body too large",
+                ErrorType::InvalidRequest,
+                None,
+            );
+        }
+    };
+    let (reply, answer) = oneshot::channel();
+    let sent = state
+        .core
+        .send(CoreMsg::Command {
+            node_id: node_id.to_owned(),
+            request,
+            reply,
+        })
+        .await;
+    if sent.is_err() {
+        return api_error(&ApiError::shutting_down());
+    }
+    match answer.await {
+        Ok(Ok(response)) if response.ok => {
+            let payload = if response.payload.is_empty() {
+                Bytes::from_static(b"{}")
+            } else {
+                response.payload
+            };
+            json_response(StatusCode::OK, payload)
+        }
+        Ok(Ok(response)) => api_error(&ApiError::command_failed(&response.error)),
+        Ok(Err(refused)) => api_error(&ApiError::from_command(&refused)),
+        Err(_) => api_error(&ApiError::shutting_down()),
+    }
+}

@@ -1,0 +1,463 @@
+//! The public HTTP surface: OpenAI-compatible routes, status, metrics and health, over
+//! HTTP/1.1 and h2c (and both over TLS). Handlers talk to the core task only through
+//! messages; what a response says is decided in `iop_proto_core::openai`.
+
+mod admin;
+mod inference;
+
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
+use std::task::{Context, Poll};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http::{HeaderValue, Method, Request, Response, StatusCode, header};
+use http_body::{Body, Frame};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use iop_proto_core::openai::{ApiError, Endpoint, ErrorType};
+use tokio::net::TcpListener;
+use tokio::sync::{Semaphore, mpsc};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use crate::config::HttpSettings;
+use crate::core_task::CoreMsg;
+use crate::metrics::Metrics;
+
+type Chunk = Result<Frame<Bytes>, std::io::Error>;
+
+/// A response body: either complete, or fed by a task through a channel.
+#[derive(Debug)]
+pub enum ResBody {
+    /// Whole body.
+    Full(Option<Bytes>),
+    /// Streamed body.
+    Stream(mpsc::Receiver<Chunk>),
+}
+
+impl Body for ResBody {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Chunk>> {
+        match &mut *self {
+            ResBody::Full(data) => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+            ResBody::Stream(rx) => rx.poll_recv(cx),
+        }
+    }
+}
+
+/// Shared state of the HTTP surface.
+#[derive(Debug)]
+pub struct State {
+    /// The core task.
+    pub core: mpsc::Sender<CoreMsg>,
+    /// Settings; replaced on reload.
+    pub settings: RwLock<Arc<HttpSettings>>,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+    /// Bounds concurrent requests.
+    pub permits: Arc<Semaphore>,
+    /// Bounds the bytes requests hold.
+    pub budget: Arc<crate::memory::Budget>,
+}
+
+impl State {
+    fn settings(&self) -> Arc<HttpSettings> {
+        self.settings
+            .read()
+            .map(|s| s.clone())
+            .unwrap_or_else(|p| p.into_inner().clone())
+    }
+}
+
+fn json_response(status: StatusCode, body: Bytes) -> Response<ResBody> {
+    let mut response = Response::new(ResBody::Full(Some(body)));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+/// An OpenAI error response.
+fn api_error(error: &ApiError) -> Response<ResBody> {
+    let status = StatusCode::from_u16(error.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    json_response(status, error.body())
+}
+
+/// An OpenAI error response of a route.
+fn error(
+    status: StatusCode,
+    message: &str,
+    kind: ErrorType,
+    code: Option<&str>,
+) -> Response<ResBody> {
+    api_error(&ApiError::new(status.as_u16(), kind, message, code))
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Serves HTTP (and HTTPS when `tls` holds an acceptor) until `shutdown`. At most
+/// `max_connections` are open at once (more wait in the kernel's backlog); accept errors
+/// (such as running out of file descriptors) back off and are logged a few times per
+/// interval, with a count of the rest.
+pub async fn serve(
+    listener: TcpListener,
+    state: Arc<State>,
+    tls: crate::nodes::TlsSlot,
+    shutdown: CancellationToken,
+) {
+    let accept_errors = iop_shell_common::logging::LogLimiter::new(Duration::from_secs(10), 3);
+    let connections = Arc::new(Semaphore::new(state.settings().max_connections));
+    let mut backoff = Duration::from_millis(10);
+    loop {
+        let Ok(slot) = connections.clone().acquire_owned().await else {
+            return;
+        };
+        let (stream, peer) = tokio::select! {
+            () = shutdown.cancelled() => return,
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(err) => {
+                    if let Some(suppressed) = accept_errors.allow() {
+                        warn!(%err, suppressed, "http listener: accept failed");
+                    }
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                    continue;
+                }
+            },
+        };
+        backoff = Duration::from_millis(10);
+        let _ = stream.set_nodelay(true);
+        let state = state.clone();
+        let acceptor = tls
+            .read()
+            .map_or(None, |tls| tls.clone().map(tokio_rustls::TlsAcceptor::from));
+        tokio::spawn(async move {
+            let _slot = slot;
+            let settings = state.settings();
+            match acceptor {
+                None => serve_connection(stream, peer, state, &settings).await,
+                Some(acceptor) => {
+                    match tokio::time::timeout(
+                        settings.header_read_timeout,
+                        acceptor.accept(stream),
+                    )
+                    .await
+                    {
+                        Ok(Ok(stream)) => serve_connection(stream, peer, state, &settings).await,
+                        Ok(Err(err)) => debug!(%peer, %err, "https handshake failed"),
+                        Err(_) => debug!(%peer, "https handshake timed out"),
+                    }
+                }
+            }
+        });
+    }
+}
+
+/// What a connection's watchdog knows: requests in progress (their responses included)
+/// and when the last one ended.
+#[derive(Debug)]
+struct Activity {
+    active: AtomicUsize,
+    served: AtomicUsize,
+    last_end: std::sync::Mutex<Instant>,
+}
+
+/// Counts a request as in progress until its response body is done or dropped.
+#[derive(Debug)]
+struct Active(Arc<Activity>);
+
+impl Active {
+    fn start(activity: &Arc<Activity>) -> Self {
+        activity.active.fetch_add(1, Ordering::AcqRel);
+        activity.served.fetch_add(1, Ordering::AcqRel);
+        Active(activity.clone())
+    }
+}
+
+impl Drop for Active {
+    fn drop(&mut self) {
+        if let Ok(mut last) = self.0.last_end.lock() {
+            *last = Instant::now();
+        }
+        self.0.active.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A response body that keeps its request counted as active.
+struct Tracked {
+    body: ResBody,
+    _active: Active,
+}
+
+impl Body for Tracked {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Chunk>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+}
+
+async fn serve_connection<S>(
+    stream: S,
+    peer: std::net::SocketAddr,
+    state: Arc<State>,
+    settings: &HttpSettings,
+) where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+{
+    let activity = Arc::new(Activity {
+        active: AtomicUsize::new(0),
+        served: AtomicUsize::new(0),
+        last_end: std::sync::Mutex::new(Instant::now()),
+    });
+    let tracked = activity.clone();
+    let service = service_fn(move |req| {
+        let state = state.clone();
+        let active = Active::start(&tracked);
+        async move {
+            let response = route(req, state, peer).await;
+            Ok::<_, Infallible>(response.map(|body| Tracked {
+                body,
+                _active: active,
+            }))
+        }
+    });
+    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(settings.header_read_timeout)
+        .max_buf_size(settings.max_header_bytes);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_header_list_size(u32::try_from(settings.max_header_bytes).unwrap_or(u32::MAX))
+        .max_concurrent_streams(settings.max_streams_per_connection)
+        .keep_alive_interval(Some(Duration::from_secs(20)))
+        .keep_alive_timeout(Duration::from_secs(20));
+    let connection = builder.serve_connection(TokioIo::new(stream), service);
+    tokio::pin!(connection);
+    // The watchdog: a connection that has not sent a first request within the header
+    // timeout (an HTTP/2 preface and nothing more), or that sits idle past the idle
+    // timeout, is closed. Requests in progress keep it open.
+    loop {
+        let limit = if activity.served.load(Ordering::Acquire) == 0 {
+            settings.header_read_timeout
+        } else {
+            settings.idle_timeout
+        };
+        let since = activity
+            .last_end
+            .lock()
+            .map_or_else(|_| Instant::now(), |t| *t);
+        tokio::select! {
+            result = connection.as_mut() => {
+                if let Err(err) = result {
+                    debug!(%peer, %err, "http connection ended with an error");
+                }
+                return;
+            }
+            () = tokio::time::sleep_until(since + limit) => {
+                let idle = activity.active.load(Ordering::Acquire) == 0;
+                let unchanged = activity.last_end.lock().is_ok_and(|t| *t == since);
+                if idle && unchanged {
+                    debug!(%peer, "closing an idle http connection");
+                    return;
+                }
+                if !idle {
+                    // Busy: look again after another period.
+                    if let Ok(mut last) = activity.last_end.lock() {
+                        *last = Instant::now();
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Who may call a route.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Access {
+    /// `/healthz`.
+    Open,
+    /// Inference and `/v1/models`: a client key (or an admin key).
+    Client,
+    /// Status, metrics, node commands: an admin key.
+    Admin,
+}
+
+fn access(path: &str) -> Access {
+    match path {
+        "/healthz" => Access::Open,
+        "/metrics" | "/v1/status" => Access::Admin,
+        p if p.starts_with("/v1/nodes/") => Access::Admin,
+        _ => Access::Client,
+    }
+}
+
+async fn route(
+    req: Request<Incoming>,
+    state: Arc<State>,
+    peer: std::net::SocketAddr,
+) -> Response<ResBody> {
+    let path = req.uri().path().to_owned();
+    if let Some(denied) = authorize(&req, peer, &state.settings(), access(&path)) {
+        return denied;
+    }
+    if let Some(allow) = allowed_method(&path)
+        && req.method().as_str() != allow
+    {
+        let mut r = error(
+            StatusCode::METHOD_NOT_ALLOWED,
+            &format!("{path} answers {allow} only"),
+            ErrorType::InvalidRequest,
+            Some("method_not_allowed"),
+        );
+        r.headers_mut()
+            .insert(header::ALLOW, HeaderValue::from_static(allow));
+        return r;
+    }
+    match (req.method().clone(), path.as_str()) {
+        (Method::GET, "/healthz") => {
+            let mut r = Response::new(ResBody::Full(Some(Bytes::from_static(b"ok\n"))));
+            r.headers_mut()
+                .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+            r
+        }
+        (Method::GET, "/metrics") => {
+            let snapshot = admin::snapshot(&state).await.unwrap_or_default();
+            let mut r = Response::new(ResBody::Full(Some(Bytes::from(
+                state.metrics.render(&snapshot),
+            ))));
+            r.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("text/plain; version=0.0.4"),
+            );
+            r
+        }
+        (Method::GET, "/v1/models") => admin::models(&state).await,
+        (Method::GET, "/v1/status") => admin::status(&state).await,
+        (Method::POST, "/v1/chat/completions") => {
+            inference::inference(req, state, Endpoint::Chat).await
+        }
+        (Method::POST, "/v1/completions") => {
+            inference::inference(req, state, Endpoint::Completions).await
+        }
+        (Method::POST, "/v1/embeddings") => {
+            inference::inference(req, state, Endpoint::Embeddings).await
+        }
+        (_, path) if path.starts_with("/v1/nodes/") => admin::node_command(req, &state).await,
+        _ => error(
+            StatusCode::NOT_FOUND,
+            &format!("no route for {path}"),
+            ErrorType::InvalidRequest,
+            Some("unknown_url"),
+        ),
+    }
+}
+
+/// The one method a known route answers (`None` for paths that are no route).
+fn allowed_method(path: &str) -> Option<&'static str> {
+    match path {
+        "/healthz" | "/metrics" | "/v1/models" | "/v1/status" => Some("GET"),
+        "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings" => Some("POST"),
+        _ => {
+            let (_, what) = path.strip_prefix("/v1/nodes/")?.split_once('/')?;
+            match what {
+                "capabilities" | "transport" => Some("GET"),
+                _ => {
+                    let (_, api) = what.strip_prefix("ollama/")?.split_once('/')?;
+                    iop_proto_core::wire::OLLAMA_API_ENDPOINTS
+                        .iter()
+                        .find(|(_, p)| p.strip_prefix('/') == Some(api))
+                        .map(|(method, _)| *method)
+                }
+            }
+        }
+    }
+}
+
+/// The token of an `Authorization: Bearer <token>` header; the scheme is
+/// case-insensitive (RFC 9110 section 11.1).
+fn bearer(req: &Request<Incoming>) -> Option<&str> {
+    let value = req.headers().get(header::AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, token) = value.trim().split_once([' ', '\t'])?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| token.trim())
+        .filter(|t| !t.is_empty())
+}
+
+/// `None` when the caller may use a route of `access`; else the 401 or 403 to answer.
+fn authorize(
+    req: &Request<Incoming>,
+    peer: std::net::SocketAddr,
+    settings: &HttpSettings,
+    access: Access,
+) -> Option<Response<ResBody>> {
+    use iop_proto_core::TokenVerifier;
+    let presented = bearer(req).map(str::as_bytes);
+    let is =
+        |keys: &[TokenVerifier]| presented.is_some_and(|p| TokenVerifier::find(keys, p).is_some());
+    let unauthorized = || {
+        let mut r = error(
+            StatusCode::UNAUTHORIZED,
+            "Incorrect API key provided.",
+            ErrorType::InvalidRequest,
+            Some("invalid_api_key"),
+        );
+        r.headers_mut()
+            .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        r
+    };
+    let forbidden = |message: &str| {
+        error(
+            StatusCode::FORBIDDEN,
+            message,
+            ErrorType::InvalidRequest,
+            Some("permission_denied"),
+        )
+    };
+    match access {
+        Access::Open => None,
+        Access::Client => {
+            if settings.api_keys.is_empty() || is(&settings.api_keys) || is(&settings.admin_keys) {
+                None
+            } else {
+                Some(unauthorized())
+            }
+        }
+        Access::Admin if settings.admin_keys.is_empty() => (!peer.ip().is_loopback()).then(|| {
+            forbidden(
+                "This route is for operators: configure [auth] admin_keys to reach it from \
+                 another host.",
+            )
+        }),
+        Access::Admin => {
+            if is(&settings.admin_keys) {
+                None
+            } else if is(&settings.api_keys) {
+                Some(forbidden(
+                    "This route needs an admin key, not a client key.",
+                ))
+            } else {
+                Some(unauthorized())
+            }
+        }
+    }
+}

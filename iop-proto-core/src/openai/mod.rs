@@ -1,0 +1,311 @@
+//! The OpenAI HTTP surface of the Edge, with no IO: what a request body asks for
+//! ([`inspect`]), the token estimate the long-context decision rests on
+//! ([`estimate_tokens`]), the one mapping from how a request ended to the HTTP error a
+//! caller sees ([`ApiError`]), and [`Responder`], which turns one request's events into
+//! the bytes of its response: a whole JSON completion, an SSE stream of chunks, or a raw
+//! provider tunnel passed through.
+//!
+//! A shell reads the request body, calls [`inspect`], submits to the
+//! [`EdgeCore`](crate::EdgeCore), then feeds every event of the request into a
+//! [`Responder`] and writes each [`Out`] it hands back, in order:
+//!
+//! ```
+//! use iop_proto_core::openai::{Endpoint, Out, ResponseOptions, Responder, inspect};
+//! use iop_proto_core::wire::{RunEvent, RunEventType};
+//! use iop_proto_core::{DispatchShape, Outcome};
+//!
+//! let body = br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
+//! let asked = inspect(body, Endpoint::Chat).map_err(|e| e.message)?;
+//! let mut responder = Responder::new(ResponseOptions::new(&asked, "run-1", 1_700_000_000));
+//! responder.handle_dispatched(DispatchShape::Run);
+//! for (sequence, kind, delta) in [(0, RunEventType::Start, ""), (1, RunEventType::Delta, "Hello"), (2, RunEventType::Complete, "")] {
+//!     responder.handle_run_event(RunEvent {
+//!         run_id: "run-1".into(),
+//!         sequence,
+//!         r#type: kind as i32,
+//!         delta: delta.into(),
+//!         ..RunEvent::default()
+//!     });
+//! }
+//! let Some(Out::Whole { status, body }) = responder.poll_output() else { unreachable!() };
+//! assert_eq!(status, 200);
+//! assert!(std::str::from_utf8(&body)?.contains(r#""content":"Hello""#));
+//! assert!(responder.is_done() && !responder.needs_cancel());
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+mod render;
+mod request;
+
+pub use render::{Out, Responder, ResponseOptions, SSE_DONE, SSE_KEEPALIVE, parse_text_tool_calls};
+pub use request::{RequestFacts, estimate_tokens, inspect, rewrite_model};
+
+use bytes::Bytes;
+use serde_json::json;
+
+use crate::edge::{CommandError, Outcome, RequestError, SubmitError};
+use crate::wire::ErrorDetail;
+
+/// The inference routes of the OpenAI surface.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Endpoint {
+    /// `POST /v1/chat/completions`: served by runs or tunnels.
+    Chat,
+    /// `POST /v1/completions`: served by tunnels only.
+    Completions,
+    /// `POST /v1/embeddings`: served by tunnels only.
+    Embeddings,
+}
+
+impl Endpoint {
+    /// The route's path, which is also the path forwarded to OpenAI-compatible providers.
+    #[must_use]
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "/v1/chat/completions",
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::Embeddings => "/v1/embeddings",
+        }
+    }
+
+    /// The body field that carries the input, required non-empty.
+    #[must_use]
+    pub fn input_field(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "messages",
+            Endpoint::Completions => "prompt",
+            Endpoint::Embeddings => "input",
+        }
+    }
+}
+
+/// The `type` of an OpenAI error object: what the official SDKs branch on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorType {
+    /// The caller's request is at fault (4xx).
+    InvalidRequest,
+    /// Too many requests for now (429).
+    RateLimit,
+    /// The service or a provider behind it failed (5xx).
+    Server,
+}
+
+impl ErrorType {
+    /// The wire string.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorType::InvalidRequest => "invalid_request_error",
+            ErrorType::RateLimit => "rate_limit_error",
+            ErrorType::Server => "server_error",
+        }
+    }
+}
+
+/// An error answer in OpenAI's shape: the HTTP status and the `error` object
+/// (`message`, `type`, `code`). Every way a request can fail maps to one of these here,
+/// so a caller sees the same status and code for the same cause on every route.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ApiError {
+    /// HTTP status.
+    pub status: u16,
+    /// `error.type`.
+    pub kind: ErrorType,
+    /// `error.message`: for a person, may name the model or the provider's words.
+    pub message: String,
+    /// `error.code`: stable, for programs (`None` serializes as `null`).
+    pub code: Option<String>,
+}
+
+impl ApiError {
+    /// An error of any shape.
+    #[must_use]
+    pub fn new(
+        status: u16,
+        kind: ErrorType,
+        message: impl Into<String>,
+        code: Option<&str>,
+    ) -> Self {
+        ApiError {
+            status,
+            kind,
+            message: message.into(),
+            code: code.map(str::to_owned),
+        }
+    }
+
+    /// A 400 about the request body.
+    #[must_use]
+    pub fn bad_request(message: impl Into<String>, code: Option<&str>) -> Self {
+        Self::new(400, ErrorType::InvalidRequest, message, code)
+    }
+
+    /// The response deadline passed (504 `timeout`).
+    #[must_use]
+    pub fn timeout() -> Self {
+        Self::new(
+            504,
+            ErrorType::Server,
+            "the request timed out",
+            Some("timeout"),
+        )
+    }
+
+    /// The Edge is stopping and takes no more work (503).
+    #[must_use]
+    pub fn shutting_down() -> Self {
+        Self::new(503, ErrorType::Server, "edge is shutting down", None)
+    }
+
+    /// A provider's error before anything was sent: 504 when the provider timed out,
+    /// 502 otherwise, with the provider's code.
+    #[must_use]
+    pub fn provider(detail: &ErrorDetail) -> Self {
+        let status = if detail.code == "timeout" { 504 } else { 502 };
+        let code = (!detail.code.is_empty()).then_some(detail.code.as_str());
+        Self::new(
+            status,
+            ErrorType::Server,
+            format!("provider error: {}", detail.message),
+            code,
+        )
+    }
+
+    /// How a request that ended before its response started is answered.
+    #[must_use]
+    pub fn from_outcome(outcome: &Outcome) -> Self {
+        match outcome {
+            Outcome::Expired => Self::new(
+                503,
+                ErrorType::Server,
+                "no provider capacity became free within the queue wait timeout",
+                Some("capacity_timeout"),
+            ),
+            Outcome::Failed(RequestError::NodeLost { .. }) => Self::new(
+                503,
+                ErrorType::Server,
+                "the node serving this request was lost",
+                Some("node_lost"),
+            ),
+            Outcome::Failed(RequestError::Provider(detail)) => Self::provider(detail),
+            Outcome::Failed(RequestError::Unsupported { model }) => Self::bad_request(
+                format!("no provider of model `{model}` serves this endpoint any more"),
+                Some("unsupported_endpoint"),
+            ),
+            Outcome::Failed(RequestError::Violation(why)) => Self::new(
+                502,
+                ErrorType::Server,
+                format!("node protocol violation: {why}"),
+                Some("protocol_violation"),
+            ),
+            Outcome::Cancelled => Self::new(
+                503,
+                ErrorType::Server,
+                "request cancelled",
+                Some("cancelled"),
+            ),
+            // A completion with nothing rendered: the node ended without a response.
+            Outcome::Completed => {
+                Self::new(502, ErrorType::Server, "request ended unexpectedly", None)
+            }
+        }
+    }
+
+    /// How a request the Edge machine refused at submit is answered.
+    #[must_use]
+    pub fn from_submit(refused: &SubmitError, endpoint: Endpoint) -> Self {
+        match refused {
+            SubmitError::UnknownModel(model) => Self::new(
+                404,
+                ErrorType::InvalidRequest,
+                format!("The model `{model}` does not exist or you do not have access to it."),
+                Some("model_not_found"),
+            ),
+            SubmitError::QueueFull { .. } => Self::new(
+                429,
+                ErrorType::RateLimit,
+                refused.to_string(),
+                Some("queue_full"),
+            ),
+            SubmitError::NoCandidates(model) if endpoint != Endpoint::Chat => Self::bad_request(
+                format!("no provider of model `{model}` serves {}", endpoint.path()),
+                Some("unsupported_endpoint"),
+            ),
+            SubmitError::NoCandidates(_) => Self::new(
+                503,
+                ErrorType::Server,
+                refused.to_string(),
+                Some("no_provider"),
+            ),
+        }
+    }
+
+    /// How a node command the Edge machine refused is answered.
+    #[must_use]
+    pub fn from_command(refused: &CommandError) -> Self {
+        match refused {
+            CommandError::Invalid(err) => {
+                Self::bad_request(err.to_string(), Some("command_not_admitted"))
+            }
+            CommandError::NotOllama { node, adapter } => Self::bad_request(
+                format!(
+                    "node {node:?} has no Ollama adapter {adapter:?}: the pass-through serves \
+                     Ollama adapters only"
+                ),
+                Some("not_ollama_adapter"),
+            ),
+            CommandError::UnknownNode(node) => Self::new(
+                404,
+                ErrorType::InvalidRequest,
+                format!("node {node:?} does not exist"),
+                Some("unknown_node"),
+            ),
+            CommandError::NotReady(_) => Self::new(
+                503,
+                ErrorType::Server,
+                refused.to_string(),
+                Some("node_not_ready"),
+            ),
+        }
+    }
+
+    /// A node answered a command with a failure (502 `command_failed`).
+    #[must_use]
+    pub fn command_failed(message: &str) -> Self {
+        Self::new(502, ErrorType::Server, message, Some("command_failed"))
+    }
+
+    /// The JSON body: `{"error": {"message", "type", "param": null, "code"}}`.
+    #[must_use]
+    pub fn body(&self) -> Bytes {
+        Bytes::from(
+            json!({ "error": {
+                "message": self.message,
+                "type": self.kind.as_str(),
+                "param": null,
+                "code": self.code,
+            } })
+            .to_string(),
+        )
+    }
+
+    /// The same object as one SSE `data:` event, for a stream that already sent its
+    /// status (the official SDKs raise on it).
+    #[must_use]
+    pub fn sse_event(&self) -> Bytes {
+        let body = self.body();
+        let mut out = Vec::with_capacity(body.len() + 8);
+        out.extend_from_slice(b"data: ");
+        out.extend_from_slice(&body);
+        out.extend_from_slice(b"\n\n");
+        Bytes::from(out)
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}", self.status, self.message)
+    }
+}
+
+impl std::error::Error for ApiError {}
