@@ -20,6 +20,113 @@
 //!   capacity) and [`reconnect`] (the reconnect policy and its [`Supervisor`]).
 //! - [`token`]: constant-time credential checks (node tokens, API keys), and [`guard`]:
 //!   the per-source back-off of failed registrations and node-id conflict detection.
+//! - [`openai`]: the OpenAI surface: request inspection, the token estimate, the one
+//!   error mapping, and the [`openai::Responder`] that renders a request's events.
+//! - [`timer`]: the keyed timer table every machine keeps its deadlines in.
+//!
+//! ## The machine contract
+//! Every machine ([`EdgeCore`], [`NodeSession`], [`Supervisor`], and the per-response
+//! [`openai::Responder`]) is driven the same way:
+//! - **inputs** are `handle_*(now, …)` calls. Each returns `Result<_, the machine's
+//!   error>`; an `Err` means the driver misused the machine (an input that does not fit
+//!   its state) and is a bug to log, never a peer's fault to ignore. What a peer does
+//!   wrong is not an error of the call: it becomes a typed violation in an event or a
+//!   close.
+//! - **outputs** are drained after every input, transmits first: `poll_transmit` until
+//!   `None` (bytes for the socket, in order, including the close), then `poll_event`
+//!   until `None`. Acting on an event may feed the machine again, so drain until both
+//!   are empty.
+//! - **time** is a [`Timestamp`] passed in. `poll_timeout` returns the next [`Wake`] (its
+//!   instant and why); call `handle_timeout(now)` once it has passed. A spurious call
+//!   does nothing.
+//! - events and errors are exhaustive enums: a new event is a compile error in every
+//!   driver until it decides what to do with it.
+//!
+//! ## Example: an Edge and a Node driven against each other
+//! The whole handshake and one run, in memory. A real driver puts `wire::encode` and a
+//! [`wire::FrameDecoder`] between the two (see `examples/blocking.rs`, which does this
+//! over `std::net` sockets with no async runtime); here envelopes are handed across.
+//! ```
+//! use iop_proto_core::wire::{AdapterConfig, AdapterType, NodeRuntimeConfig, RunRequest};
+//! use iop_proto_core::*;
+//!
+//! let token = "a-node-token-of-some-length";
+//! let mut config = EdgeConfig::default();
+//! config.nodes.insert("n1".into(), NodeSpec {
+//!     token: TokenVerifier::from_secret(token.as_bytes()),
+//!     adapters: vec![AdapterConfig {
+//!         name: "mock".into(), r#type: AdapterType::Mock as i32, base_url: "mock://".into(),
+//!         capacity: 1, targets: vec!["t".into()], enabled: true, ..Default::default()
+//!     }],
+//!     runtime: NodeRuntimeConfig::default(),
+//! });
+//! config.models.insert("demo".into(), ModelSpec {
+//!     candidates: vec![CandidateSpec { node_id: "n1".into(), provider_id: "mock".into(), target: "t".into() }],
+//!     long_context_threshold: None,
+//! });
+//! let mut edge = EdgeCore::new(config)?;
+//! let mut node = NodeSession::new(SessionConfig::new("n1", token));
+//! let (conn, now) = (ConnId(1), Timestamp::ZERO);
+//! edge.handle_connection_opened(now, conn, Peer::default())?;
+//! node.handle_connected(now)?;
+//!
+//! let mut answer = String::new();
+//! let mut submitted = false;
+//! loop {
+//!     let mut moved = false;
+//!     // The node's transmits go to the Edge...
+//!     while let Some(transmit) = node.poll_transmit() {
+//!         moved = true;
+//!         if let NodeTransmit::Frame(envelope) = transmit {
+//!             edge.handle_envelope(now, conn, envelope)?;
+//!         }
+//!     }
+//!     // ...the Edge's to the node...
+//!     while let Some(transmit) = edge.poll_transmit() {
+//!         moved = true;
+//!         if let Transmit::Frame { envelope, .. } = transmit {
+//!             node.handle_envelope(now, envelope)?;
+//!         }
+//!     }
+//!     // ...then each side acts on its events, which may queue more transmits.
+//!     while let Some(event) = node.poll_event() {
+//!         moved = true;
+//!         match event {
+//!             SessionEvent::ApplyConfig { .. } => node.handle_config_applied(now, Ok(()))?,
+//!             SessionEvent::StartRun { request } => {
+//!                 // The provider's answer, as an adapter would report it.
+//!                 node.handle_run_output(now, &request.run_id, RunOutput::Start)?;
+//!                 node.handle_run_output(now, &request.run_id, RunOutput::Delta("Hi!".into()))?;
+//!                 let done = RunOutput::Complete { usage: None, metadata: Default::default() };
+//!                 node.handle_run_output(now, &request.run_id, done)?;
+//!             }
+//!             _ => {}
+//!         }
+//!     }
+//!     while let Some(event) = edge.poll_event() {
+//!         moved = true;
+//!         match event {
+//!             EdgeEvent::NodeConnected { .. } if !submitted => {
+//!                 submitted = true;
+//!                 let submit = Submit { model: "demo", prompt_tokens: 3, tunnel_only: false };
+//!                 edge.handle_submit(now, submit)?;
+//!             }
+//!             EdgeEvent::Granted(grant) => {
+//!                 edge.handle_dispatch(now, grant.request, Dispatch::Run(RunRequest::default()))?;
+//!             }
+//!             EdgeEvent::RunEvent { event, .. } => answer.push_str(&event.delta),
+//!             EdgeEvent::RequestEnded { outcome, .. } => assert_eq!(outcome, Outcome::Completed),
+//!             _ => {}
+//!         }
+//!     }
+//!     if !moved {
+//!         break;
+//!     }
+//! }
+//! assert_eq!(answer, "Hi!");
+//! assert_eq!(node.state(), SessionState::Ready);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 //!
 //! ## Example: framing a message and reading it back
 //! ```
