@@ -132,6 +132,11 @@ pub enum CoreMsg {
         /// Envelope.
         envelope: Envelope,
     },
+    /// Bytes of a frame not yet whole arrived on a node connection.
+    BytesReceived {
+        /// Connection.
+        conn: ConnId,
+    },
     /// A node connection closed.
     ConnClosed {
         /// Connection.
@@ -258,6 +263,9 @@ impl Task {
             }
             CoreMsg::Frame { conn, envelope } => {
                 misuse("envelope", self.core.handle_envelope(now, conn, envelope));
+            }
+            CoreMsg::BytesReceived { conn } => {
+                misuse("bytes received", self.core.handle_bytes_received(now, conn));
             }
             CoreMsg::ConnClosed { conn } => {
                 misuse(

@@ -184,6 +184,9 @@ pub const MAX_QUEUED_PER_CONNECTION: usize = 64 << 20;
 /// See [`MAX_QUEUED_PER_CONNECTION`].
 pub const STALLED_AFTER: Duration = Duration::from_secs(10);
 
+/// How often a connection receiving a large frame tells the core it is alive.
+const PROGRESS_EVERY: Duration = Duration::from_secs(1);
+
 async fn connection(
     stream: tokio::net::TcpStream,
     addr: SocketAddr,
@@ -302,6 +305,7 @@ async fn run_link<S>(
     let mut decoder = FrameDecoder::with_max_frame_len(frame_limit.load(Ordering::Relaxed));
     let mut buf = BytesMut::with_capacity(16 << 10);
     let mut first = true;
+    let mut progress_said = tokio::time::Instant::now();
     'read: loop {
         buf.reserve(16 << 10);
         let read = tokio::select! {
@@ -330,11 +334,13 @@ async fn run_link<S>(
                 first = false;
                 Metrics::add(&metrics.bytes_in, n as u64);
                 decoder.push_bytes(buf.split().freeze());
+                let mut decoded = false;
                 loop {
                     // The core raises the limit once the node has registered.
                     decoder.set_max_frame_len(frame_limit.load(Ordering::Relaxed));
                     match decoder.next_envelope() {
                         Ok(Some(envelope)) => {
+                            decoded = true;
                             Metrics::add(&metrics.frames_in, 1);
                             if core.send(CoreMsg::Frame { conn, envelope }).await.is_err() {
                                 break 'read;
@@ -348,6 +354,14 @@ async fn run_link<S>(
                             }
                             break 'read;
                         }
+                    }
+                }
+                // Part of a large frame: the node is alive. Said at most once a second,
+                // so a 16 MiB frame in 16 KiB reads is not a thousand messages.
+                if !decoded && progress_said.elapsed() >= PROGRESS_EVERY {
+                    progress_said = tokio::time::Instant::now();
+                    if core.send(CoreMsg::BytesReceived { conn }).await.is_err() {
+                        break;
                     }
                 }
             }

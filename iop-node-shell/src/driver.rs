@@ -177,6 +177,7 @@ where
                     }
                     Ok(n) => {
                         TransportStats::add(&ctx.stats.bytes_in, n as u64);
+                        misuse("bytes received", session.handle_bytes_received(now));
                         decoder.push_bytes(read_buf.split().freeze());
                         // Once the session has ended, the rest of the buffer is moot.
                         while session.end().is_none() {

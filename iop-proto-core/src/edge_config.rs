@@ -167,7 +167,7 @@ pub enum EdgeConfigError {
     /// An adapter of a node breaks the wire contract.
     #[error("nodes.{node}.adapters: {source}")]
     Adapter {
-        /// Node id.
+        /// The node whose adapter is invalid.
         node: String,
         /// The adapter rule broken.
         #[source]
@@ -179,7 +179,7 @@ pub enum EdgeConfigError {
     /// A candidate naming a node that is not configured.
     #[error("models.{model}: candidate node {node:?} is not configured")]
     UnknownNode {
-        /// Model name.
+        /// The model group naming it.
         model: String,
         /// Node id named.
         node: String,
@@ -187,9 +187,9 @@ pub enum EdgeConfigError {
     /// A candidate naming an adapter its node does not have.
     #[error("models.{model}: node {node:?} has no adapter {provider:?}")]
     UnknownProvider {
-        /// Model name.
+        /// The model group naming it.
         model: String,
-        /// Node id.
+        /// The node named.
         node: String,
         /// Adapter instance named.
         provider: String,
@@ -197,11 +197,11 @@ pub enum EdgeConfigError {
     /// A candidate whose target the adapter does not list.
     #[error("models.{model}: adapter {node}/{provider} does not serve target {target:?}")]
     TargetNotServed {
-        /// Model name.
+        /// The model group naming it.
         model: String,
-        /// Node id.
+        /// The node named.
         node: String,
-        /// Adapter instance.
+        /// The adapter named.
         provider: String,
         /// Target named.
         target: String,
@@ -209,11 +209,11 @@ pub enum EdgeConfigError {
     /// The same provider listed twice in one model group.
     #[error("models.{model}: provider {node}/{provider} is listed twice")]
     DuplicateCandidate {
-        /// Model name.
+        /// The model group naming it.
         model: String,
-        /// Node id.
+        /// The node named.
         node: String,
-        /// Adapter instance.
+        /// The adapter named.
         provider: String,
     },
     /// A timer that cannot work.
@@ -398,23 +398,7 @@ pub fn category_of(kind: AdapterType) -> crate::wire::ProviderCategory {
 pub(crate) mod tests {
     use super::*;
 
-    pub(crate) fn adapter(
-        name: &str,
-        kind: AdapterType,
-        capacity: u32,
-        long: u32,
-    ) -> AdapterConfig {
-        AdapterConfig {
-            name: name.into(),
-            r#type: kind as i32,
-            base_url: "http://127.0.0.1:9".into(),
-            capacity,
-            long_capacity: long,
-            targets: vec!["t".into()],
-            enabled: true,
-            ..Default::default()
-        }
-    }
+    pub(crate) use crate::testkit::adapter;
 
     pub(crate) fn node(adapters: Vec<AdapterConfig>) -> NodeSpec {
         NodeSpec {

@@ -42,7 +42,7 @@ pub struct Candidate {
 /// A waiting request.
 #[derive(Clone, Debug)]
 pub struct Waiter {
-    /// The request.
+    /// The waiting request.
     pub request: RequestId,
     /// The public model name it asked for.
     pub model: Arc<str>,

@@ -129,6 +129,11 @@ pub enum Failure {
     Unreachable(String),
     /// The Edge closed the connection or refused readiness.
     EdgeClosed(String),
+    /// What came back is not this protocol or breaks it (a malformed frame, a message out
+    /// of place, an invalid config). Retried like a lost connection, in case the Edge is
+    /// mid-upgrade or the address briefly points elsewhere, but reported as the Edge's
+    /// fault rather than the network's.
+    Protocol(String),
     /// The Edge's certificate did not check out (wrong fingerprint, unknown CA, wrong
     /// name, expired) or the TLS handshake failed: the node sent nothing and retries, in
     /// case the Edge is being re-keyed or a network path is being tampered with.
@@ -184,6 +189,7 @@ impl std::fmt::Display for Failure {
             Failure::TimedOut => f.write_str("timed out"),
             Failure::Unreachable(why) => write!(f, "edge unreachable: {why}"),
             Failure::EdgeClosed(why) => write!(f, "edge closed the session: {why}"),
+            Failure::Protocol(why) => write!(f, "the edge broke the protocol: {why}"),
             Failure::Tls(why) => write!(f, "tls: {why}"),
             Failure::Deferred {
                 reason,
@@ -245,7 +251,7 @@ pub enum SupervisorError {
     /// An input that makes no sense in the current state (e.g. `handle_ready` while idle).
     #[error("supervisor input {input} is invalid while {state:?}")]
     InvalidInput {
-        /// The input.
+        /// The `handle_*` input refused.
         input: &'static str,
         /// The state it arrived in.
         state: SupervisorState,
@@ -269,7 +275,7 @@ pub enum SupervisorState {
         /// When to dial again.
         until: Timestamp,
     },
-    /// Finished.
+    /// Exited: no more inputs change anything.
     Exited,
 }
 
@@ -311,7 +317,7 @@ impl Supervisor {
         supervisor
     }
 
-    /// Current state.
+    /// Where the supervisor is: dialing, connected, ready, waiting to redial or exited.
     #[must_use]
     pub fn state(&self) -> SupervisorState {
         self.state

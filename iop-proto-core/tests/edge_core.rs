@@ -811,3 +811,43 @@ fn a_waiting_tunnel_request_skips_a_provider_that_stopped_tunnelling() {
     assert!(grants(&events).is_empty());
     assert!(h.edge.queue().is_empty());
 }
+
+#[test]
+fn a_large_frame_in_transit_keeps_the_node_alive_but_not_a_handshake() {
+    let mut h = Harness::new();
+    let conn = h.connect("n1");
+    // Bytes every second for ten seconds and no whole frame: past the 3 s timeout.
+    for ms in (1000..=10_000).step_by(1000) {
+        h.now = iop_proto_core::Timestamp::from_millis(ms);
+        h.edge
+            .handle_bytes_received(h.now, conn)
+            .expect("an open connection");
+        h.at(ms + 500);
+        assert_eq!(
+            h.edge.nodes()[0].state,
+            NodeState::Ready,
+            "alive at {ms} ms"
+        );
+    }
+    h.at(13_600);
+    let (tx, _) = h.drain();
+    assert!(closed(&tx).contains(&(conn, CloseReason::HeartbeatTimeout)));
+
+    // A connection that never registers is closed at its handshake deadline however
+    // many bytes it sends.
+    let pending = h.open();
+    let opened = h.now;
+    let mut closed_at = None;
+    for step in 1..=200 {
+        let at = opened.as_millis() + step * 100;
+        h.now = iop_proto_core::Timestamp::from_millis(at);
+        let _ = h.edge.handle_bytes_received(h.now, pending);
+        h.at(at);
+        if closed(&h.transmits()).contains(&(pending, CloseReason::HandshakeTimeout)) {
+            closed_at = Some(at - opened.as_millis());
+            break;
+        }
+    }
+    let closed_after = closed_at.expect("closed by the handshake deadline");
+    assert!(closed_after <= 10_000, "closed after {closed_after} ms");
+}

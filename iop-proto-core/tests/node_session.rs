@@ -241,7 +241,25 @@ fn adapters_that_fail_to_start_end_the_session() {
             .iter()
             .all(|b| !matches!(b, Body::NodeReadyRequest(_)))
     );
-    assert!(matches!(h.s.end(), Some(SessionEnd::InvalidConfig(_))));
+    assert_eq!(
+        h.s.end(),
+        Some(&SessionEnd::ConfigNotApplied("port in use".into()))
+    );
+}
+
+#[test]
+fn a_config_that_breaks_the_contract_ends_the_session_as_invalid() {
+    let mut h = H::new();
+    h.s.handle_connected(h.t()).expect("connecting");
+    h.accept(vec![
+        adapter("a", AdapterType::Mock, 1, 0),
+        adapter("a", AdapterType::Mock, 1, 0),
+    ]);
+    assert!(h.events().is_empty(), "nothing to apply");
+    assert!(matches!(
+        h.s.end(),
+        Some(SessionEnd::InvalidConfig(ValidationError::DuplicateAdapter { name })) if name == "a"
+    ));
 }
 
 #[test]
@@ -818,6 +836,26 @@ fn undecodable_bytes_from_the_edge_end_the_session_as_a_violation() {
     ));
     assert!(
         h.s.handle_undecodable(t, error).is_err(),
+        "a closed session takes no input"
+    );
+}
+
+#[test]
+fn a_large_frame_in_transit_keeps_the_edge_alive() {
+    let mut h = H::ready();
+    // Heartbeats every second, lost after three: bytes of one big frame arrive every
+    // second for ten, and no frame completes.
+    for ms in (1000..=10_000).step_by(1000) {
+        h.now = ms;
+        let t = h.t();
+        h.s.handle_bytes_received(t).expect("a live session");
+        h.at(ms + 500);
+        assert_eq!(h.s.state(), SessionState::Ready, "alive at {ms} ms");
+    }
+    h.at(13_000);
+    assert_eq!(h.s.end(), Some(&SessionEnd::HeartbeatTimeout));
+    assert!(
+        h.s.handle_bytes_received(h.t()).is_err(),
         "a closed session takes no input"
     );
 }

@@ -65,10 +65,11 @@ use timers::TimerKey;
 /// The Edge protocol machine. See the [module documentation](self).
 ///
 /// Its state lives in sub-states that own their data (quinn-proto's `connection/`
-/// shape): the node [`Registry`](registry) (connections, ownership, admission), the
-/// provider [`Pool`](dispatch) (leases, model groups, the wait queue), the requests and
-/// their streams, the [`Control`](control) traffic (commands, refreshes), one keyed
-/// timer table and one [`Outbox`] of transmits and events. Transitions that cross them
+/// shape): the node `Registry` (connections, ownership, admission; `edge/registry.rs`),
+/// the provider `Pool` (leases, model groups, the wait queue; `edge/dispatch.rs`), the
+/// requests and their streams (`edge/streams.rs`), the `Control` traffic (commands,
+/// refreshes; `edge/control.rs`), one keyed timer table and one `Outbox` of transmits and
+/// events. Transitions that cross them
 /// (a register fencing an older owner, a lost node failing its requests) are methods of
 /// `EdgeCore` in the module of the state they start from.
 #[derive(Debug)]
@@ -294,11 +295,7 @@ impl EdgeCore {
         identities: Vec<String>,
     ) -> Result<(), EdgeError> {
         self.advance(now);
-        let c = self
-            .registry
-            .conns
-            .get_mut(&conn)
-            .ok_or(UsageError::UnknownConnection(conn))?;
+        let c = self.registry.conn_mut(conn)?;
         c.peer.tls = Some(tls);
         c.peer.identities = identities;
         Ok(())
@@ -333,6 +330,19 @@ impl EdgeCore {
         Ok(())
     }
 
+    /// Bytes arrived on `conn` without completing a frame. Liveness counts them (a large
+    /// frame on a slow link may take longer than the heartbeat timeout to arrive whole);
+    /// the handshake deadline of a connection that has not registered does not move.
+    /// A shell may call this at most every so often; a decoded envelope counts anyway.
+    pub fn handle_bytes_received(&mut self, now: Timestamp, conn: ConnId) -> Result<(), EdgeError> {
+        self.advance(now);
+        let c = self.registry.conn_mut(conn)?;
+        if c.phase != Phase::Stale {
+            c.last_rx = self.now;
+        }
+        Ok(())
+    }
+
     /// An envelope decoded from a connection.
     pub fn handle_envelope(
         &mut self,
@@ -341,11 +351,7 @@ impl EdgeCore {
         envelope: Envelope,
     ) -> Result<(), EdgeError> {
         self.advance(now);
-        let c = self
-            .registry
-            .conns
-            .get_mut(&conn)
-            .ok_or(UsageError::UnknownConnection(conn))?;
+        let c = self.registry.conn_mut(conn)?;
         let phase = c.phase;
         if phase == Phase::Stale {
             // Rejected or superseded: answer a ready with a refusal, ignore the rest.

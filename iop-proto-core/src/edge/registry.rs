@@ -18,6 +18,13 @@ pub(super) struct Registry {
 }
 
 impl Registry {
+    /// The open connection `conn`, or the driver's misuse.
+    pub(super) fn conn_mut(&mut self, conn: ConnId) -> Result<&mut Conn, UsageError> {
+        self.conns
+            .get_mut(&conn)
+            .ok_or(UsageError::UnknownConnection(conn))
+    }
+
     pub(super) fn new(throttle: crate::guard::ThrottleLimits) -> Self {
         Registry {
             nodes: Vec::new(),

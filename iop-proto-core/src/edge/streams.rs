@@ -225,14 +225,7 @@ impl EdgeCore {
             Observed::Violation(detail) if item.is_terminal() => {
                 // Out of order, but the node has ended the run: fail it if the caller still
                 // waits, and settle the lease now; there is nothing left to cancel.
-                self.out.events.push_back(EdgeEvent::PeerViolation {
-                    conn,
-                    node_id: self.node_of(conn),
-                    violation: Violation::Stream {
-                        run: RunId(request),
-                        violation: detail.clone(),
-                    },
-                });
+                self.report_stream_violation(conn, request, &detail);
                 self.release(lease);
                 if !cancelling {
                     self.out.events.push_back(EdgeEvent::RequestEnded {
@@ -309,14 +302,7 @@ impl EdgeCore {
         cancelling: bool,
         detail: StreamViolation,
     ) {
-        self.out.events.push_back(EdgeEvent::PeerViolation {
-            conn,
-            node_id: self.node_of(conn),
-            violation: Violation::Stream {
-                run: RunId(request),
-                violation: detail.clone(),
-            },
-        });
+        self.report_stream_violation(conn, request, &detail);
         if !cancelling {
             self.out.events.push_back(EdgeEvent::RequestEnded {
                 request,
@@ -334,5 +320,24 @@ impl EdgeCore {
                 stream: Stream::Broken,
             },
         );
+    }
+}
+
+impl EdgeCore {
+    /// Tells the shell (logs, metrics) that a node broke one run's stream contract.
+    fn report_stream_violation(
+        &mut self,
+        conn: ConnId,
+        request: RequestId,
+        detail: &StreamViolation,
+    ) {
+        self.out.events.push_back(EdgeEvent::PeerViolation {
+            conn,
+            node_id: self.node_of(conn),
+            violation: Violation::Stream {
+                run: RunId(request),
+                violation: detail.clone(),
+            },
+        });
     }
 }

@@ -96,7 +96,7 @@ pub enum Transmit {
     Frame {
         /// Target connection.
         conn: ConnId,
-        /// The message.
+        /// The envelope; encode it after every earlier frame of the connection.
         envelope: Envelope,
     },
     /// From now on accept frames of up to `max_frame_len` bytes on the connection.
@@ -113,7 +113,7 @@ pub enum Transmit {
     Close {
         /// Connection to close.
         conn: ConnId,
-        /// Why.
+        /// Why, for the log (the peer is not told).
         reason: CloseReason,
     },
 }
@@ -155,7 +155,7 @@ impl DispatchShape {
 /// A lease granted to a request: where and how to dispatch it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Grant {
-    /// The request.
+    /// The request: dispatch it with [`EdgeCore::handle_dispatch`](crate::EdgeCore::handle_dispatch).
     pub request: RequestId,
     /// The lease it holds.
     pub lease: Lease,
@@ -198,7 +198,7 @@ pub enum RequestError {
 pub enum Outcome {
     /// `COMPLETE` or `END`.
     Completed,
-    /// Failed.
+    /// Failed; [`openai::ApiError::from_outcome`](crate::openai::ApiError::from_outcome) says what the caller is told.
     Failed(RequestError),
     /// Cancelled by the caller, or `CANCELLED` from the node.
     Cancelled,
@@ -212,18 +212,18 @@ pub enum Outcome {
 pub enum EdgeEvent {
     /// A node completed its ready handshake (exactly once per generation).
     NodeConnected {
-        /// Node id.
+        /// The node now ready: requests may be granted to its providers.
         node_id: Arc<str>,
         /// Its connection generation.
         generation: Generation,
     },
     /// A ready node's generation was fenced.
     NodeDisconnected {
-        /// Node id.
+        /// The node; requests it was serving are in `lost` and have ended.
         node_id: Arc<str>,
         /// The fenced generation.
         generation: Generation,
-        /// Why.
+        /// Why its generation ended.
         reason: CloseReason,
         /// Requests that were running on it; each also gets `RequestEnded(NodeLost)`.
         lost: Vec<RequestId>,
@@ -233,30 +233,30 @@ pub enum EdgeEvent {
     Granted(Grant),
     /// A valid, in-order event of a dispatched run.
     RunEvent {
-        /// The request.
+        /// The request the event belongs to (its run id on the wire is [`RunId`]).
         request: RequestId,
         /// The event.
         event: RunEvent,
     },
     /// A valid, in-order frame of a dispatched tunnel.
     TunnelFrame {
-        /// The request.
+        /// The request the frame belongs to (its run id on the wire is [`RunId`]).
         request: RequestId,
         /// The frame.
         frame: ProviderTunnelFrame,
     },
     /// A request ended; emitted exactly once per accepted request.
     RequestEnded {
-        /// The request.
+        /// The request: nothing more arrives for it and its lease is back.
         request: RequestId,
-        /// How.
+        /// How it ended, which decides what its caller is answered.
         outcome: Outcome,
     },
     /// A node answered a config refresh.
     RefreshAnswered {
-        /// Node id.
+        /// The node that answered.
         node_id: Arc<str>,
-        /// Outcome.
+        /// Applied, failed (the node keeps its previous adapters) or needs a restart.
         status: RefreshStatus,
         /// Details from the node.
         message: String,
@@ -265,7 +265,7 @@ pub enum EdgeEvent {
     },
     /// A node did not answer a config refresh in time.
     RefreshTimedOut {
-        /// Node id.
+        /// The node that did not answer.
         node_id: Arc<str>,
         /// Revision that was pushed.
         revision: u64,
@@ -275,9 +275,9 @@ pub enum EdgeEvent {
     /// A node could not take its configuration: it gets no new work and is closed once
     /// its last lease returns, so that it registers again with the configuration.
     NodeDraining {
-        /// Node id.
+        /// The node being drained.
         node_id: Arc<str>,
-        /// Why.
+        /// Why it could not take its configuration (a failed apply or refreshes unanswered).
         reason: RefreshFailure,
         /// Leases still held on it.
         in_flight: u32,
@@ -285,7 +285,7 @@ pub enum EdgeEvent {
     /// A node answered a command, or the command failed (node lost, timed out: then
     /// `ok` is false and `error` says why).
     CommandAnswered {
-        /// Node id.
+        /// The node the command was sent to.
         node_id: Arc<str>,
         /// The answer.
         response: NodeCommandResponse,
@@ -295,13 +295,13 @@ pub enum EdgeEvent {
     /// (the 1st, 2nd, 4th, 8th… failure of a source, the start of its back-off, every
     /// conflict refusal), so an attack cannot flood the log.
     RegisterRejected {
-        /// Connection.
+        /// The connection, closed after the refusal was sent.
         conn: ConnId,
         /// The peer's address, when known.
         addr: Option<IpAddr>,
         /// The node id claimed (at most 64 characters of it).
         node_id: String,
-        /// Why.
+        /// Why: bad credentials (the peer only saw [`AUTH_FAILED`]) or a node-id conflict.
         reason: RejectReason,
         /// Failures of this source since it was last quiet.
         failures: u32,
@@ -314,7 +314,7 @@ pub enum EdgeEvent {
     /// in conflict (emitted once per conflict; log it loudly). The current owner keeps
     /// the node, newcomers are refused for `hold_down` after the last one tried.
     NodeConflict {
-        /// Node id.
+        /// The node id in conflict.
         node_id: Arc<str>,
         /// Supersedes seen within the detection window.
         supersedes: u32,
@@ -324,7 +324,7 @@ pub enum EdgeEvent {
     /// A new connection was closed at once: too many connections have not registered
     /// yet, in all or from its source. `log` is set for the 1st, 2nd, 4th, 8th… refusal.
     ConnectionRefused {
-        /// Connection.
+        /// The connection, already closed.
         conn: ConnId,
         /// The peer's address, when known.
         addr: Option<IpAddr>,
@@ -337,7 +337,7 @@ pub enum EdgeEvent {
     },
     /// A peer broke the protocol (for logs and metrics; the machine already acted).
     PeerViolation {
-        /// Connection.
+        /// The connection the violation arrived on.
         conn: ConnId,
         /// Node, when known.
         node_id: Option<Arc<str>>,
@@ -356,7 +356,7 @@ pub enum Violation {
     /// One run's stream: that run fails and is cancelled on the node.
     #[error("{run}: {violation}")]
     Stream {
-        /// The run.
+        /// The run whose stream broke the contract.
         run: RunId,
         /// What it broke.
         violation: StreamViolation,
@@ -540,7 +540,7 @@ pub enum SubmitError {
     /// Too many requests already wait for the model group.
     #[error("queue for model {model:?} is full ({max_waiting} waiting)")]
     QueueFull {
-        /// Model name.
+        /// The model group.
         model: String,
         /// The limit.
         max_waiting: usize,
@@ -564,7 +564,7 @@ pub enum UsageError {
     /// A dispatch whose message does not match the grant's shape.
     #[error("request {request} must be dispatched as {expected:?}")]
     WrongShape {
-        /// The request.
+        /// The request named in the dispatch.
         request: RequestId,
         /// The shape the grant requires.
         expected: DispatchShape,
@@ -591,7 +591,7 @@ pub enum CommandError {
     /// Ollama adapter (decided from the Edge's configuration, before anything is sent).
     #[error("node {node:?} has no Ollama adapter {adapter:?}")]
     NotOllama {
-        /// Node id.
+        /// The node named in the command.
         node: String,
         /// Adapter named.
         adapter: String,
@@ -635,9 +635,9 @@ pub enum NodeState {
 /// A configured node as the Edge sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NodeStatus {
-    /// Node id.
+    /// The node id, as configured.
     pub node_id: Arc<str>,
-    /// Readiness.
+    /// Whether a connection holds it and whether it is ready for work.
     pub state: NodeState,
     /// Generation of the owning connection.
     pub generation: Option<Generation>,

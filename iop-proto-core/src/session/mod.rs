@@ -126,7 +126,7 @@ impl NodeSession {
         }
     }
 
-    /// Current state.
+    /// Where the session is in register → configure → ready, or closed.
     #[must_use]
     pub fn state(&self) -> SessionState {
         self.state
@@ -264,7 +264,7 @@ impl NodeSession {
                     node_id: self.config.node_id.clone(),
                 }));
             }
-            Err(why) => self.close(SessionEnd::InvalidConfig(why)),
+            Err(why) => self.close(SessionEnd::ConfigNotApplied(why)),
         }
         Ok(())
     }
@@ -427,6 +427,19 @@ impl NodeSession {
         }
     }
 
+    /// Bytes arrived from the Edge, whether or not they completed a frame. Liveness
+    /// counts them: a large frame (a 16 MiB request on a slow link) can take longer than
+    /// the heartbeat timeout to arrive whole, and the heartbeats queued behind it cannot
+    /// overtake it, yet the Edge is plainly alive.
+    pub fn handle_bytes_received(&mut self, now: Timestamp) -> Result<(), SessionError> {
+        self.advance(now);
+        if matches!(self.state, SessionState::Connecting | SessionState::Closed) {
+            return Err(self.wrong_state("bytes received"));
+        }
+        self.last_rx = self.now;
+        Ok(())
+    }
+
     /// An envelope decoded from the Edge.
     pub fn handle_envelope(
         &mut self,
@@ -461,7 +474,7 @@ impl NodeSession {
                 let payload = match resp.validate() {
                     Ok(()) => resp.config.unwrap_or_default(),
                     Err(err) => {
-                        self.close(SessionEnd::InvalidConfig(err.to_string()));
+                        self.close(SessionEnd::InvalidConfig(err));
                         return;
                     }
                 };

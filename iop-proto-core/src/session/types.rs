@@ -96,9 +96,13 @@ pub enum SessionEnd {
     /// The Edge answered `ready=false`.
     #[error("the edge refused readiness: {0}")]
     ReadyRefused(String),
-    /// The Edge sent a config this node cannot apply.
-    #[error("the config from the edge cannot be applied: {0}")]
-    InvalidConfig(String),
+    /// The Edge sent a config that breaks the contract.
+    #[error("the config from the edge is invalid: {0}")]
+    InvalidConfig(crate::wire::ValidationError),
+    /// The config is valid but the node could not start its adapters (the shell's
+    /// reason).
+    #[error("the config from the edge cannot be applied here: {0}")]
+    ConfigNotApplied(String),
     /// Nothing from the Edge within the heartbeat timeout.
     #[error("nothing from the edge within the heartbeat timeout")]
     HeartbeatTimeout,
@@ -129,11 +133,12 @@ impl SessionEnd {
                 reason: reason.clone(),
                 retry_after: *retry_after,
             }),
-            SessionEnd::ReadyRefused(why) | SessionEnd::InvalidConfig(why) => {
+            SessionEnd::ReadyRefused(why) | SessionEnd::ConfigNotApplied(why) => {
                 Some(Failure::EdgeClosed(why.clone()))
             }
+            SessionEnd::InvalidConfig(err) => Some(Failure::Protocol(err.to_string())),
             SessionEnd::ProtocolViolation(violation) => {
-                Some(Failure::EdgeClosed(violation.to_string()))
+                Some(Failure::Protocol(violation.to_string()))
             }
             SessionEnd::HeartbeatTimeout | SessionEnd::HandshakeTimeout => Some(Failure::TimedOut),
             SessionEnd::ConnectionLost(failure) => Some(failure.clone()),
@@ -149,7 +154,7 @@ pub enum EdgeViolation {
     /// A message that has no place in the session's state.
     #[error("unexpected {message} while {state:?}")]
     Unexpected {
-        /// The message.
+        /// The message name.
         message: &'static str,
         /// The state it arrived in.
         state: SessionState,
@@ -192,7 +197,7 @@ pub enum NodeTransmit {
     /// Flush what was written, then close the connection: the session ended. The shell
     /// cancels the upstream requests of the abandoned runs.
     Close {
-        /// Why.
+        /// Why the session ended; [`SessionEnd::failure`] says how the supervisor counts it.
         end: SessionEnd,
         /// Runs in flight when it ended.
         abandoned: Vec<String>,
@@ -213,24 +218,24 @@ pub enum SessionEvent {
     Ready,
     /// Execute a normalized run (its capacity unit is taken).
     StartRun {
-        /// The request.
+        /// The run to execute on `request.adapter`; report its output with [`NodeSession::handle_run_output`].
         request: RunRequest,
     },
     /// Open a provider tunnel (its capacity unit is taken).
     StartTunnel {
-        /// The request.
+        /// The tunnel to open on `request.adapter`; report its output with [`NodeSession::handle_tunnel_output`].
         request: ProviderTunnelRequest,
     },
     /// Abort this run's upstream request; it still ends with a terminal output.
     CancelRun {
-        /// The run.
+        /// The run to abort; it still ends with a terminal output.
         run_id: String,
     },
     /// A cancel named no run this session knows.
     CancelRejected {
         /// The run id named.
         run_id: String,
-        /// Why.
+        /// Why the cancel was ignored.
         error: CancelError,
     },
     /// Answer this command with [`NodeSession::handle_command_response`].
@@ -249,14 +254,14 @@ pub enum SessionEvent {
     },
     /// Work was refused at once (unknown adapter or capacity); the Edge was told.
     WorkRefused {
-        /// The run.
+        /// The run refused; the Edge already has its terminal error.
         run_id: String,
-        /// Why.
+        /// Why it was refused.
         reason: WorkRefusal,
     },
     /// The Edge sent something that breaks the protocol (for logs).
     PeerViolation {
-        /// What.
+        /// What the Edge did wrong.
         violation: EdgeViolation,
     },
 }
@@ -267,7 +272,7 @@ pub enum SessionEvent {
 pub enum CancelError {
     /// The cancel request itself is invalid (empty run id, unknown kind).
     #[error("invalid cancel request: {0}")]
-    Invalid(String),
+    Invalid(crate::wire::ValidationError),
     /// No run with that id is known to this session.
     #[error("no run with this id is known")]
     UnknownRun,
@@ -280,7 +285,7 @@ pub enum SessionError {
     /// The input does not fit the session's state.
     #[error("{input} is invalid while {state:?}")]
     WrongState {
-        /// The input.
+        /// The `handle_*` input refused.
         input: &'static str,
         /// The session state.
         state: SessionState,
@@ -291,7 +296,7 @@ pub enum SessionError {
     /// Output that would break the run's contract sequence; nothing was sent.
     #[error("run {run_id:?}: {violation}")]
     InvalidRunOutput {
-        /// The run.
+        /// The run whose output was refused.
         run_id: String,
         /// What it would break.
         violation: RunViolation,
@@ -321,7 +326,7 @@ pub enum RunOutput {
         /// Metadata for the Edge.
         metadata: BTreeMap<String, String>,
     },
-    /// Failed.
+    /// Failed: the terminal `ERROR` event with this detail.
     Error(ErrorDetail),
     /// Cancelled.
     Cancelled,

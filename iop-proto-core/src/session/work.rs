@@ -165,7 +165,7 @@ impl NodeSession {
         if let Err(err) = request.validate() {
             self.events.push_back(SessionEvent::CancelRejected {
                 run_id: request.run_id.clone(),
-                error: CancelError::Invalid(err.to_string()),
+                error: CancelError::Invalid(err),
             });
             return;
         }

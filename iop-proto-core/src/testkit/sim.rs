@@ -12,6 +12,12 @@
 //! with the same node id, Edge config refresh, provider modes (slow, failing, hanging),
 //! and bursts above capacity. Global invariants are checked after every step; the first
 //! violation stops the run with the seed and the last steps of the trace.
+//!
+//! This file is longer than the crate's ~800-line norm on purpose: it is one world whose
+//! every step interleaves all the machines, and its invariants (`check_invariants`) sit
+//! next to the moves that could break them (`deliver`, `step_node`, `apply`). Split
+//! apart, a reader would chase one scenario across files; it is test code and ships in
+//! no build without the `testkit` feature.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt::Write as _;

@@ -149,6 +149,9 @@ impl Default for FrameDecoder {
     }
 }
 
+/// Frames above this size do not leave the copy buffer sharing their allocation.
+const RETAIN_LIMIT: usize = 64 << 10;
+
 impl FrameDecoder {
     /// A decoder with the default 16 MiB frame limit.
     #[must_use]
@@ -289,7 +292,14 @@ impl FrameDecoder {
         }
         let frame = if self.chunk.is_empty() {
             self.buf.advance(HEADER_LEN);
-            self.buf.split_to(len).freeze()
+            let frame = self.buf.split_to(len).freeze();
+            if len > RETAIN_LIMIT {
+                // The copy buffer shares the frame's allocation; holding on to it (even
+                // empty) would pin up to twice the largest frame for the connection's
+                // life. Start a fresh one with whatever followed the frame.
+                self.buf = BytesMut::from(&self.buf[..]);
+            }
+            frame
         } else {
             self.chunk.advance(HEADER_LEN);
             self.chunk.split_to(len)
@@ -312,6 +322,36 @@ fn decode_envelope(frame: Bytes) -> Result<Envelope, DecodeError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_large_frame_assembled_from_pieces_does_not_stay_pinned_by_the_decoder() {
+        let body = Bytes::from(vec![7u8; 1 << 20]);
+        let envelope = Envelope::new(Body::ProviderTunnelFrame(ProviderTunnelFrame {
+            run_id: "run-1".into(),
+            sequence: 1,
+            kind: TunnelFrameKind::Body as i32,
+            body: body.clone(),
+            ..ProviderTunnelFrame::default()
+        }));
+        let mut wire = framed(&[envelope.clone(), heartbeat(1)]);
+        let tail = wire.split_off(wire.len() / 2);
+        let mut decoder = FrameDecoder::new();
+        decoder.push(&wire);
+        decoder.push(&tail[..tail.len() - 3]);
+        let Some(Body::ProviderTunnelFrame(frame)) =
+            decoder.next_envelope().expect("valid").and_then(|e| e.body)
+        else {
+            panic!("the body frame");
+        };
+        assert_eq!(frame.body, body);
+        assert!(
+            frame.body.is_unique(),
+            "the decoder still references the large frame's allocation"
+        );
+        decoder.push(&tail[tail.len() - 3..]);
+        assert_eq!(decoder.next_envelope().expect("valid"), Some(heartbeat(1)));
+        assert!(decoder.buffer_capacity() < RETAIN_LIMIT);
+    }
     use crate::wire::{Body, Heartbeat, ProviderTunnelFrame, TunnelFrameKind};
 
     fn heartbeat(nonce: u64) -> Envelope {

@@ -28,25 +28,25 @@ pub enum ValidationError {
     /// A required string field is empty.
     #[error("{message}.{field} must not be empty")]
     EmptyField {
-        /// Message name.
+        /// The message, as the schema names it (`RunEvent`).
         message: &'static str,
-        /// Field name.
+        /// The field, as the schema spells it (`run_id`).
         field: &'static str,
     },
     /// A required sub-message is absent.
     #[error("{message}.{field} is missing")]
     MissingField {
-        /// Message name.
+        /// The message, as the schema names it (`RunEvent`).
         message: &'static str,
-        /// Field name.
+        /// The field, as the schema spells it (`run_id`).
         field: &'static str,
     },
     /// An enum field holds a number this schema does not define.
     #[error("{message}.{field} holds unknown enum value {value}")]
     UnknownEnumValue {
-        /// Message name.
+        /// The message, as the schema names it (`RunEvent`).
         message: &'static str,
-        /// Field name.
+        /// The field, as the schema spells it (`run_id`).
         field: &'static str,
         /// The value received.
         value: i32,
@@ -54,9 +54,9 @@ pub enum ValidationError {
     /// An enum field that must be set is `*_UNSPECIFIED`.
     #[error("{message}.{field} is unspecified")]
     UnspecifiedEnum {
-        /// Message name.
+        /// The message, as the schema names it (`RunEvent`).
         message: &'static str,
-        /// Field name.
+        /// The field, as the schema spells it (`run_id`).
         field: &'static str,
     },
     /// A node command outside `CAPABILITIES`, `TRANSPORT_STATUS`, `OLLAMA_API`.
@@ -80,7 +80,7 @@ pub enum ValidationError {
     /// An HTTP path that is not absolute.
     #[error("{message}.path must start with '/', got {path:?}")]
     RelativePath {
-        /// Message name.
+        /// The message, as the schema names it (`RunEvent`).
         message: &'static str,
         /// The path received.
         path: String,
@@ -102,9 +102,9 @@ pub enum ValidationError {
     /// A field of an unauthenticated message is larger than any legitimate value.
     #[error("{message}.{field} is longer than {limit}")]
     TooLong {
-        /// Message name.
+        /// The message, as the schema names it (`RunEvent`).
         message: &'static str,
-        /// Field name.
+        /// The field, as the schema spells it (`run_id`).
         field: &'static str,
         /// The largest accepted size (bytes, or entries for a list or map).
         limit: usize,
