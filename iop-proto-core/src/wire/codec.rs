@@ -149,8 +149,9 @@ impl Default for FrameDecoder {
     }
 }
 
-/// Frames above this size do not leave the copy buffer sharing their allocation.
-const RETAIN_LIMIT: usize = 64 << 10;
+/// Frames above this size do not leave the copy buffer sharing their allocation (below
+/// it, reusing the buffer is worth pinning up to twice this much per connection).
+const RETAIN_LIMIT: usize = 1 << 20;
 
 impl FrameDecoder {
     /// A decoder with the default 16 MiB frame limit.
