@@ -62,6 +62,9 @@ pub enum ReqEvent {
     Ended(Outcome),
 }
 
+/// Inbox messages handled per wake beyond the first, before the machine is drained.
+const INBOX_BATCH: usize = 256;
+
 /// Bytes a request may have waiting for a slow client before it is cancelled.
 pub const MAX_BUFFERED_PER_REQUEST: usize = 16 << 20;
 
@@ -125,12 +128,12 @@ pub enum CoreMsg {
         /// Names of its verified client certificate, if any.
         identities: Vec<String>,
     },
-    /// A decoded envelope from a node connection.
-    Frame {
+    /// The envelopes decoded from one read of a node connection, in order.
+    Frames {
         /// Connection.
         conn: ConnId,
-        /// Envelope.
-        envelope: Envelope,
+        /// Envelopes.
+        envelopes: Vec<Envelope>,
     },
     /// Bytes of a frame not yet whole arrived on a node connection.
     BytesReceived {
@@ -224,18 +227,45 @@ pub async fn run(
         conns: HashMap::new(),
         requests: HashMap::new(),
     };
+    // One timer, moved only when the machine's next deadline moves.
+    let timer = tokio::time::sleep_until(clock.instant(iop_proto_core::Timestamp::MAX));
+    tokio::pin!(timer);
     loop {
         task.drain();
         let deadline = task.core.poll_timeout().map_or_else(
             || clock.instant(iop_proto_core::Timestamp::MAX),
             |wake| clock.instant(wake.at),
         );
+        if timer.deadline() != deadline {
+            timer.as_mut().reset(deadline);
+        }
         tokio::select! {
             message = inbox.recv() => match message {
                 None => return,
-                Some(message) => task.handle(message),
+                Some(message) => {
+                    task.handle(message);
+                    // Whatever else is queued is handled before one drain, so frames
+                    // for the same connection go out in one write.
+                    for _ in 0..INBOX_BATCH {
+                        match inbox.try_recv() {
+                            Ok(message) => task.handle(message),
+                            Err(_) => break,
+                        }
+                    }
+                }
             },
-            () = tokio::time::sleep_until(deadline) => task.core.handle_timeout(clock.now()),
+            () = &mut timer => {
+                // Input already queued arrived before the deadline (a heartbeat ack, the
+                // bytes of a large frame): when the task was starved of CPU, the timer
+                // must not win the race and call a live node silent.
+                for _ in 0..INBOX_BATCH {
+                    match inbox.try_recv() {
+                        Ok(message) => task.handle(message),
+                        Err(_) => break,
+                    }
+                }
+                task.core.handle_timeout(clock.now());
+            }
         }
     }
 }
@@ -261,8 +291,10 @@ impl Task {
                     .handle_connection_secured(now, conn, tls, identities);
                 misuse("connection secured", secured);
             }
-            CoreMsg::Frame { conn, envelope } => {
-                misuse("envelope", self.core.handle_envelope(now, conn, envelope));
+            CoreMsg::Frames { conn, envelopes } => {
+                for envelope in envelopes {
+                    misuse("envelope", self.core.handle_envelope(now, conn, envelope));
+                }
             }
             CoreMsg::BytesReceived { conn } => {
                 misuse("bytes received", self.core.handle_bytes_received(now, conn));

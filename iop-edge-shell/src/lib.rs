@@ -39,8 +39,8 @@ pub async fn run(
     let core = iop_proto_core::EdgeCore::new(config.core.clone())
         .map_err(|err| std::io::Error::other(err.to_string()))?;
     let (core_tx, core_rx) = mpsc::channel(4096);
-    let node_listener = bind("listen.nodes", config.http.nodes_addr).await?;
-    let http_listener = bind("listen.http", config.http.http_addr).await?;
+    let node_listener = bind("listen.nodes", config.http.nodes_addr)?;
+    let http_listener = bind("listen.http", config.http.http_addr)?;
     info!(
         http = %http_listener.local_addr()?,
         https = config.tls.http.is_some(),
@@ -102,11 +102,25 @@ pub async fn run(
     Ok(())
 }
 
+/// Connections the kernel queues before accept. A restarted Edge meets its whole fleet
+/// at once; with a short backlog the overflow waits out a 1 s SYN retransmit. (Linux caps
+/// it at `net.core.somaxconn`, 4096 by default.)
+const LISTEN_BACKLOG: u32 = 4096;
+
 /// Binds `addr`, naming the listener in the error (two listeners can fail the same way).
-async fn bind(key: &str, addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
-    TcpListener::bind(addr)
-        .await
-        .map_err(|err| std::io::Error::new(err.kind(), format!("{key} = \"{addr}\": {err}")))
+fn bind(key: &str, addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
+    let listen = || {
+        let socket = if addr.is_ipv4() {
+            tokio::net::TcpSocket::new_v4()?
+        } else {
+            tokio::net::TcpSocket::new_v6()?
+        };
+        // As std's bind does: a restarted Edge must not wait out TIME_WAIT.
+        socket.set_reuseaddr(true)?;
+        socket.bind(addr)?;
+        socket.listen(LISTEN_BACKLOG)
+    };
+    listen().map_err(|err| std::io::Error::new(err.kind(), format!("{key} = \"{addr}\": {err}")))
 }
 
 /// Says loudly what an operator exposes without protection.

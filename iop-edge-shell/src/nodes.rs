@@ -334,27 +334,38 @@ async fn run_link<S>(
                 first = false;
                 Metrics::add(&metrics.bytes_in, n as u64);
                 decoder.push_bytes(buf.split().freeze());
-                let mut decoded = false;
+                let mut envelopes = Vec::new();
+                let mut broken = false;
                 loop {
                     // The core raises the limit once the node has registered.
                     decoder.set_max_frame_len(frame_limit.load(Ordering::Relaxed));
                     match decoder.next_envelope() {
-                        Ok(Some(envelope)) => {
-                            decoded = true;
-                            Metrics::add(&metrics.frames_in, 1);
-                            if core.send(CoreMsg::Frame { conn, envelope }).await.is_err() {
-                                break 'read;
-                            }
-                        }
+                        Ok(Some(envelope)) => envelopes.push(envelope),
                         Ok(None) => break,
                         Err(err) => {
                             // Unauthenticated peers can repeat this at will: rate-limited.
                             if let Some(suppressed) = shared.decode_errors.allow() {
                                 warn!(conn = conn.0, %err, suppressed, "closing node connection: undecodable input");
                             }
-                            break 'read;
+                            broken = true;
+                            break;
                         }
                     }
+                }
+                let decoded = !envelopes.is_empty();
+                if decoded {
+                    // Everything one read completed goes to the core as one message.
+                    Metrics::add(&metrics.frames_in, envelopes.len() as u64);
+                    if core
+                        .send(CoreMsg::Frames { conn, envelopes })
+                        .await
+                        .is_err()
+                    {
+                        break 'read;
+                    }
+                }
+                if broken {
+                    break 'read;
                 }
                 // Part of a large frame: the node is alive. Said at most once a second,
                 // so a 16 MiB frame in 16 KiB reads is not a thousand messages.

@@ -20,6 +20,23 @@ pub const MIN_TOKEN_CHARS: usize = 16;
 /// `token_file`.
 pub const TOKEN_ENV: &str = "IOP_NODE_TOKEN";
 
+/// Default `reconnect.jitter`: each wait is drawn from 80-100% of `interval_sec`.
+pub const DEFAULT_JITTER: f64 = 0.2;
+
+/// A jitter seed for this process: Nodes that share one configuration file (or were
+/// started in the same instant) must not draw the same waits. The std hasher's keys are
+/// random per process; the pid and the clock make two processes differ even where they
+/// are not. Not a secret, only a spread.
+fn process_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u32(std::process::id());
+    if let Ok(since) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
+        hasher.write_u128(since.as_nanos());
+    }
+    hasher.finish()
+}
+
 /// A secret that never prints.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Secret(String);
@@ -112,6 +129,8 @@ pub enum LinkConfig {
 struct RawReconnect {
     max_attempts: Option<i64>,
     interval_sec: Option<f64>,
+    jitter: Option<f64>,
+    seed: Option<u64>,
     backoff: Option<RawBackoff>,
 }
 
@@ -122,8 +141,7 @@ struct RawBackoff {
     max_ms: u64,
     #[serde(default)]
     jitter: f64,
-    #[serde(default)]
-    seed: u64,
+    seed: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -150,6 +168,11 @@ pub struct NodeConfig {
     pub labels: BTreeMap<String, String>,
     /// Reconnect policy (initial dial and every reconnect).
     pub policy: ReconnectPolicy,
+    /// Fraction of the fixed interval removed at random from each wait (default
+    /// [`DEFAULT_JITTER`]), so a fleet that lost the same Edge does not redial at once.
+    pub jitter: f64,
+    /// Seed of the jitter: configured, or drawn per process.
+    pub seed: u64,
     /// Optional exponential backoff instead of the fixed interval.
     pub backoff: Option<Backoff>,
     /// Dial timeout.
@@ -236,6 +259,14 @@ impl NodeConfig {
         let policy =
             ReconnectPolicy::from_config(raw.reconnect.max_attempts, raw.reconnect.interval_sec)
                 .map_err(|err| invalid("reconnect", err.to_string()))?;
+        let jitter = raw.reconnect.jitter.unwrap_or(DEFAULT_JITTER);
+        if !(0.0..=1.0).contains(&jitter) {
+            return Err(invalid(
+                "reconnect.jitter",
+                format!("must be a fraction between 0 and 1, got {jitter}"),
+            ));
+        }
+        let seed = raw.reconnect.seed.unwrap_or_else(process_seed);
         let backoff = match raw.reconnect.backoff {
             None => None,
             Some(b) => {
@@ -249,7 +280,7 @@ impl NodeConfig {
                     base: Duration::from_millis(b.base_ms),
                     max: Duration::from_millis(b.max_ms),
                     jitter: b.jitter,
-                    seed: b.seed,
+                    seed: b.seed.unwrap_or(seed),
                 })
             }
         };
@@ -260,6 +291,8 @@ impl NodeConfig {
             token: Secret(token),
             labels: raw.labels,
             policy,
+            jitter,
+            seed,
             backoff,
             connect_timeout: seconds("timeouts.connect_sec", raw.timeouts.connect_sec, 5.0)?,
             handshake_timeout: seconds("timeouts.handshake_sec", raw.timeouts.handshake_sec, 10.0)?,
@@ -382,6 +415,7 @@ mod tests {
         )
         .expect("valid");
         assert_eq!(cfg.policy, ReconnectPolicy::default());
+        assert_eq!(cfg.jitter, DEFAULT_JITTER);
         assert_eq!(cfg.connect_timeout, Duration::from_secs(5));
         assert!(
             !format!("{cfg:?}").contains("0123456789abcdef"),
@@ -397,6 +431,18 @@ mod tests {
             ),
             "TLS with the web roots unless told otherwise"
         );
+    }
+
+    #[test]
+    fn jitter_seeds_differ_per_process_unless_configured() {
+        let text = "node_id = \"n1\"\nedge_addr = \"a:1\"\ntoken = \"t-0123456789abcdef\"\n";
+        let (a, b) = (parse(text).expect("valid"), parse(text).expect("valid"));
+        assert_ne!(
+            a.seed, b.seed,
+            "two nodes with one file must not redial in step"
+        );
+        let pinned = parse(&format!("{text}[reconnect]\njitter = 0\nseed = 7\n")).expect("valid");
+        assert_eq!((pinned.jitter, pinned.seed), (0.0, 7));
     }
 
     #[test]
@@ -418,6 +464,10 @@ mod tests {
             (
                 "node_id = \"n\"\nedge_addr = \"a:1\"\ntoken = \"t-0123456789abcdef\"\n[reconnect]\nmax_attempts = 0\ninterval_sec = 0",
                 "reconnect",
+            ),
+            (
+                "node_id = \"n\"\nedge_addr = \"a:1\"\ntoken = \"t-0123456789abcdef\"\n[reconnect]\njitter = 1.5",
+                "reconnect.jitter",
             ),
             (
                 "node_id = \"n\"\nedge_addr = \"a:1\"\ntoken = \"t-0123456789abcdef\"\n[timeouts]\nconnect_sec = -2",

@@ -29,6 +29,8 @@ use iop_shell_common::misuse;
 const HIGH_WATER: usize = 4 << 20;
 /// Largest single read.
 const READ_CHUNK: usize = 64 << 10;
+/// Adapter outputs taken per wake beyond the first.
+const OUTPUT_BATCH: usize = 256;
 
 /// Everything a connection needs from the process.
 #[derive(Clone, Debug)]
@@ -98,6 +100,10 @@ where
     let mut stop_sent = false;
     let mut read_buf = BytesMut::with_capacity(READ_CHUNK);
     misuse("connected", session.handle_connected(ctx.clock.now()));
+    let timer = tokio::time::sleep_until(ctx.clock.instant(iop_proto_core::Timestamp::MAX));
+    tokio::pin!(timer);
+    let stopping = shutdown.cancelled();
+    tokio::pin!(stopping);
 
     loop {
         // Drain every output of the machine before waiting again.
@@ -160,49 +166,49 @@ where
             || ctx.clock.instant(iop_proto_core::Timestamp::MAX),
             |wake| ctx.clock.instant(wake.at),
         );
+        // One timer for the connection, moved only when the deadline does.
+        if timer.deadline() != deadline {
+            timer.as_mut().reset(deadline);
+        }
         let accept_output = pending.load(Ordering::Relaxed) < HIGH_WATER;
         read_buf.reserve(READ_CHUNK);
         tokio::select! {
-            () = shutdown.cancelled(), if !stop_sent => {
+            () = &mut stopping, if !stop_sent => {
                 stop_sent = true;
                 info!(node_id, in_flight = session.in_flight(), "shutting down: cancelling in-flight work");
                 misuse("shutdown", session.handle_shutdown(ctx.clock.now()));
             }
             read = reader.read_buf(&mut read_buf) => {
-                let now = ctx.clock.now();
-                match read {
-                    Ok(0) => {
-                        let failure = Failure::EdgeClosed("edge closed the connection".into());
-                        misuse("connection lost", session.handle_connection_lost(now, failure));
-                    }
-                    Ok(n) => {
-                        TransportStats::add(&ctx.stats.bytes_in, n as u64);
-                        misuse("bytes received", session.handle_bytes_received(now));
-                        decoder.push_bytes(read_buf.split().freeze());
-                        // Once the session has ended, the rest of the buffer is moot.
-                        while session.end().is_none() {
-                            match decoder.next_envelope() {
-                                Ok(Some(envelope)) => {
-                                    TransportStats::add(&ctx.stats.frames_in, 1);
-                                    misuse("envelope", session.handle_envelope(now, envelope));
-                                }
-                                Ok(None) => break,
-                                Err(err) => {
-                                    misuse("undecodable", session.handle_undecodable(now, err));
-                                }
-                            }
-                        }
-                    }
-                    Err(err) => {
-                        let failure = Failure::from_io(err.kind(), &err);
-                        misuse("connection lost", session.handle_connection_lost(now, failure));
-                    }
-                }
+                on_read(read, &mut read_buf, &mut decoder, &mut session, ctx);
             }
             Some(output) = out_rx.recv(), if accept_output => {
                 apply_output(output, &mut session, &mut tasks, ctx, &node_id);
+                // Take what else the adapters have queued in the same wake: its frames
+                // then go out in one write.
+                for _ in 0..OUTPUT_BATCH {
+                    if pending.load(Ordering::Relaxed) >= HIGH_WATER {
+                        break;
+                    }
+                    let Ok(output) = out_rx.try_recv() else {
+                        break;
+                    };
+                    apply_output(output, &mut session, &mut tasks, ctx, &node_id);
+                }
             }
-            () = tokio::time::sleep_until(deadline) => session.handle_timeout(ctx.clock.now()),
+            () = &mut timer => {
+                // Bytes already in the socket arrived before the deadline: a node whose
+                // threads were busy must not call a live Edge silent because the timer
+                // won the race against input that was waiting.
+                let early = {
+                    let mut read = std::pin::pin!(reader.read_buf(&mut read_buf));
+                    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+                    read.as_mut().poll(&mut cx)
+                };
+                if let std::task::Poll::Ready(read) = early {
+                    on_read(read, &mut read_buf, &mut decoder, &mut session, ctx);
+                }
+                session.handle_timeout(ctx.clock.now());
+            }
             written = &mut writer_task => {
                 let failure = match written {
                     Ok(Err(err)) => Failure::from_io(err.kind(), &err),
@@ -212,6 +218,51 @@ where
                 // The writer is gone: make the final wait above return at once.
                 writer_task = tokio::spawn(async { Ok(()) });
             }
+        }
+    }
+}
+
+/// One completed read: liveness, then every whole frame into the session.
+fn on_read(
+    read: std::io::Result<usize>,
+    read_buf: &mut BytesMut,
+    decoder: &mut FrameDecoder,
+    session: &mut NodeSession,
+    ctx: &Context,
+) {
+    let now = ctx.clock.now();
+    match read {
+        Ok(0) => {
+            let failure = Failure::EdgeClosed("edge closed the connection".into());
+            misuse(
+                "connection lost",
+                session.handle_connection_lost(now, failure),
+            );
+        }
+        Ok(n) => {
+            TransportStats::add(&ctx.stats.bytes_in, n as u64);
+            misuse("bytes received", session.handle_bytes_received(now));
+            decoder.push_bytes(read_buf.split().freeze());
+            // Once the session has ended, the rest of the buffer is moot.
+            while session.end().is_none() {
+                match decoder.next_envelope() {
+                    Ok(Some(envelope)) => {
+                        TransportStats::add(&ctx.stats.frames_in, 1);
+                        misuse("envelope", session.handle_envelope(now, envelope));
+                    }
+                    Ok(None) => break,
+                    Err(err) => {
+                        misuse("undecodable", session.handle_undecodable(now, err));
+                    }
+                }
+            }
+        }
+        Err(err) => {
+            let failure = Failure::from_io(err.kind(), &err);
+            misuse(
+                "connection lost",
+                session.handle_connection_lost(now, failure),
+            );
         }
     }
 }
@@ -232,7 +283,7 @@ fn apply_output(
             );
             let result = session.handle_run_output(now, &run_id, output);
             if terminal {
-                tasks.remove(&run_id);
+                tasks.remove(&*run_id);
             }
             result
         }
@@ -240,7 +291,7 @@ fn apply_output(
             let terminal = matches!(output, TunnelOutput::End | TunnelOutput::Error(_));
             let result = session.handle_tunnel_output(now, &run_id, output);
             if terminal {
-                tasks.remove(&run_id);
+                tasks.remove(&*run_id);
             }
             result
         }

@@ -44,7 +44,7 @@ pub async fn run(config: NodeConfig, ctx: Context, shutdown: CancellationToken) 
     }
     let mut supervisor = match config.backoff {
         Some(backoff) => Supervisor::with_backoff(config.policy, backoff),
-        None => Supervisor::new(config.policy),
+        None => Supervisor::with_jitter(config.policy, config.jitter, config.seed),
     };
     let clock = ctx.clock;
     misuse("start", supervisor.handle_start(clock.now()));

@@ -285,6 +285,8 @@ pub enum SupervisorState {
 pub struct Supervisor {
     policy: ReconnectPolicy,
     backoff: Option<Backoff>,
+    /// Fraction of the fixed interval removed at random (see [`Supervisor::with_jitter`]).
+    jitter: f64,
     rng: u64,
     attempts: u32,
     state: SupervisorState,
@@ -299,12 +301,34 @@ impl Supervisor {
         Supervisor {
             policy,
             backoff: None,
+            jitter: 0.0,
             rng: 0,
             attempts: 0,
             state: SupervisorState::Idle,
             actions: VecDeque::new(),
             now: Timestamp::ZERO,
         }
+    }
+
+    /// A supervisor with the contract's fixed interval spread by jitter: each wait is drawn
+    /// uniformly from `[(1 - jitter) * interval, interval]` (`jitter` is clamped to
+    /// `0..=1`) by a generator seeded with `seed`, so a run replays.
+    ///
+    /// Without it every Node that lost the same Edge at the same instant redials in the
+    /// same millisecond, every interval, until the Edge is back: a restarted Edge meets
+    /// its whole fleet in one connect burst that overflows the listen backlog. Give each
+    /// Node a different seed (the node shell draws one per process unless configured).
+    /// The wait never exceeds the configured interval.
+    #[must_use]
+    pub fn with_jitter(policy: ReconnectPolicy, jitter: f64, seed: u64) -> Self {
+        let mut supervisor = Supervisor::new(policy);
+        supervisor.jitter = if jitter.is_finite() {
+            jitter.clamp(0.0, 1.0)
+        } else {
+            0.0
+        };
+        supervisor.rng = seed;
+        supervisor
     }
 
     /// A supervisor using exponential backoff with jitter instead of the fixed interval
@@ -459,22 +483,32 @@ impl Supervisor {
     }
 
     fn delay(&mut self) -> Duration {
-        let Some(backoff) = self.backoff else {
-            return self.policy.interval;
+        let (full, jitter) = match self.backoff {
+            None => (self.policy.interval, self.jitter),
+            Some(backoff) => {
+                let exponent = self.attempts.saturating_sub(1).min(30);
+                let full = backoff
+                    .base
+                    .saturating_mul(1u32 << exponent)
+                    .min(backoff.max);
+                (full, backoff.jitter.clamp(0.0, 1.0))
+            }
         };
-        let exponent = self.attempts.saturating_sub(1).min(30);
-        let full = backoff
-            .base
-            .saturating_mul(1u32 << exponent)
-            .min(backoff.max);
-        // SplitMix64: a tiny, well-distributed generator; enough for jitter.
+        if jitter == 0.0 {
+            return full;
+        }
+        full.mul_f64(1.0 - jitter * self.next_unit())
+    }
+
+    /// A uniform draw from `[0, 1)`: SplitMix64, a tiny, well-distributed generator;
+    /// enough for jitter.
+    fn next_unit(&mut self) -> f64 {
         self.rng = self.rng.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.rng;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         z ^= z >> 31;
-        let unit = (z >> 11) as f64 / (1u64 << 53) as f64;
-        full.mul_f64(1.0 - backoff.jitter.clamp(0.0, 1.0) * unit)
+        (z >> 11) as f64 / (1u64 << 53) as f64
     }
 }
 
@@ -692,6 +726,35 @@ mod tests {
         assert!(s.handle_failure(Timestamp::ZERO, Failure::Refused).is_err());
         s.handle_start(Timestamp::ZERO).expect("idle");
         assert!(s.handle_start(Timestamp::ZERO).is_err());
+    }
+
+    #[test]
+    fn jitter_spreads_a_fleet_below_the_interval_and_replays_from_its_seed() {
+        // A fleet that lost the same Edge at the same instant: where does each redial?
+        let first_redial = |jitter: f64, seed: u64| {
+            let mut s = Supervisor::with_jitter(policy(0, 1.0), jitter, seed);
+            s.handle_start(Timestamp::ZERO).expect("idle");
+            s.handle_connected(Timestamp::ZERO).expect("dialing");
+            s.handle_ready(Timestamp::ZERO).expect("connected");
+            s.handle_failure(Timestamp::ZERO, Failure::Reset)
+                .expect("ready");
+            s.poll_timeout().expect("waiting").at.as_millis()
+        };
+        let fleet: Vec<u64> = (0..1000).map(|seed| first_redial(0.5, seed)).collect();
+        assert!(
+            fleet.iter().all(|ms| (500..=1000).contains(ms)),
+            "{fleet:?}"
+        );
+        // Spread over the window: no 10 ms slot holds more than 5% of the fleet.
+        let mut slots = [0u32; 51];
+        for ms in &fleet {
+            slots[((ms - 500) / 10) as usize] += 1;
+        }
+        assert!(slots.iter().all(|n| *n <= 50), "{slots:?}");
+        assert_eq!(first_redial(0.5, 9), first_redial(0.5, 9), "a seed replays");
+        assert_eq!(first_redial(0.0, 9), 1000, "no jitter: the exact interval");
+        assert_eq!(first_redial(f64::NAN, 9), 1000, "nonsense jitter is none");
+        assert!(first_redial(7.0, 9) <= 1000, "clamped to the interval");
     }
 
     #[test]

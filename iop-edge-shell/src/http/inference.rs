@@ -4,7 +4,9 @@
 //! module only moves bytes, runs the deadline and keep-alive timers, and notices a caller
 //! that left.
 
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -18,10 +20,10 @@ use iop_proto_core::openai::{
 };
 use iop_proto_core::wire::Header;
 use tokio::sync::{mpsc, oneshot};
-use tokio::time::Instant;
+use tokio::time::{Instant, Sleep};
 use tracing::error;
 
-use super::{Chunk, ResBody, State, api_error, json_response, now_secs};
+use super::{ResBody, State, api_error, json_response, now_secs};
 use crate::config::HttpSettings;
 use crate::core_task::{CoreMsg, Events, ReqEvent, Work};
 use crate::memory::RequestMemory;
@@ -257,132 +259,210 @@ pub(super) async fn inference(
         armed: true,
         reason: "caller disconnected",
     };
-    let timers = Timers {
-        deadline: started + settings.response_timeout,
-        keepalive: settings.sse_keepalive,
-    };
     let run_id = iop_proto_core::edge::run_id_of(request);
     let responder = Responder::new(ResponseOptions::new(&asked, &run_id, now_secs()));
-    respond(events, responder, guard, timers, finish, permit).await
+    respond(
+        events,
+        responder,
+        guard,
+        started + settings.response_timeout,
+        settings.sse_keepalive,
+        finish,
+        permit,
+    )
+    .await
 }
 
-/// The response deadline and the keep-alive interval of a request.
-#[derive(Clone, Copy)]
-struct Timers {
+/// A request's response in progress: its events, the core's [`Responder`], and the two
+/// timers (the response deadline; keep-alive comments on an idle stream). It is first
+/// polled by the handler until the response head, then becomes the response body, which
+/// hyper polls directly: no task and no channel between the request's events and the
+/// socket. Dropping it (the caller left) cancels the request through its guard.
+pub(crate) struct Live {
+    events: Events,
+    responder: Responder,
+    guard: CancelGuard,
+    finish: Finish,
+    deadline: Pin<Box<Sleep>>,
+    /// Fires at the latest `keepalive` after the last activity; moved lazily (an event
+    /// only records its time, so a busy stream never touches the timer).
+    idle: Pin<Box<Sleep>>,
+    last_activity: Instant,
+    keepalive: Duration,
+    recorded: bool,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl std::fmt::Debug for Live {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Live")
+            .field("responder", &self.responder)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Live {
+    /// The next piece of the response: `Ready(None)` once it is complete.
+    fn poll_out(&mut self, cx: &mut Context<'_>) -> Poll<Option<Out>> {
+        loop {
+            if let Some(out) = self.responder.poll_output() {
+                return Poll::Ready(Some(out));
+            }
+            if self.responder.is_done() {
+                self.settle();
+                return Poll::Ready(None);
+            }
+            match self.events.rx.poll_recv(cx) {
+                Poll::Ready(Some(event)) => {
+                    self.events
+                        .memory
+                        .consumed(crate::core_task::event_size(&event));
+                    self.last_activity = Instant::now();
+                    self.feed(event);
+                    continue;
+                }
+                Poll::Ready(None) => {
+                    // The core task is gone: nothing more will come.
+                    self.guard.reason = "response timeout";
+                    self.responder.handle_timeout();
+                    continue;
+                }
+                Poll::Pending => {}
+            }
+            if self.deadline.as_mut().poll(cx).is_ready() {
+                self.guard.reason = "response timeout";
+                self.responder.handle_timeout();
+                continue;
+            }
+            if self.idle.as_mut().poll(cx).is_ready() {
+                let due = self.last_activity + self.keepalive;
+                let now = Instant::now();
+                if due <= now {
+                    self.responder.handle_idle();
+                    self.last_activity = now;
+                    self.idle.as_mut().reset(now + self.keepalive);
+                } else {
+                    self.idle.as_mut().reset(due);
+                }
+                continue;
+            }
+            return Poll::Pending;
+        }
+    }
+
+    fn feed(&mut self, event: ReqEvent) {
+        match event {
+            ReqEvent::Dispatched { shape, .. } => self.responder.handle_dispatched(shape),
+            ReqEvent::Run(event) => {
+                self.finish.first_byte();
+                self.responder.handle_run_event(event);
+            }
+            ReqEvent::Frame(frame) => {
+                self.finish.first_byte();
+                self.responder.handle_tunnel_frame(frame);
+            }
+            ReqEvent::Ended(outcome) => self.responder.handle_end(&outcome),
+        }
+    }
+
+    /// The response is complete: no cancel once the core ended the request, and the
+    /// request's figures recorded (once).
+    fn settle(&mut self) {
+        if !self.responder.needs_cancel() {
+            self.guard.disarm();
+        }
+        if !std::mem::replace(&mut self.recorded, true) {
+            self.finish.done(self.responder.status().unwrap_or(599));
+        }
+    }
+}
+
+impl http_body::Body for Live {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
+        let this = self.get_mut();
+        loop {
+            return match this.poll_out(cx) {
+                Poll::Pending => Poll::Pending,
+                Poll::Ready(None) => Poll::Ready(None),
+                Poll::Ready(Some(Out::Data(bytes))) => Poll::Ready(Some(Ok(Frame::data(bytes)))),
+                Poll::Ready(Some(Out::Abort(message))) => {
+                    this.settle();
+                    Poll::Ready(Some(Err(std::io::Error::other(message))))
+                }
+                Poll::Ready(Some(other)) => {
+                    error!(output = ?other, "a second response head");
+                    debug_assert!(false, "a second response head");
+                    continue;
+                }
+            };
+        }
+    }
+}
+
+/// Polls `live` until the response head: a whole response is returned as it is; a head
+/// becomes a response whose body is `live` itself.
+async fn respond(
+    events: Events,
+    responder: Responder,
+    guard: CancelGuard,
     deadline: Instant,
     keepalive: Duration,
-}
-
-/// What a response waits for next.
-enum Next {
-    /// An event of the request.
-    Event(Box<ReqEvent>),
-    /// Nothing for one keep-alive interval.
-    Idle,
-    /// The response deadline passed.
-    TimedOut,
-    /// The caller is gone (hyper dropped the response body).
-    Gone,
-}
-
-/// Hands an event of the request to the responder.
-fn feed(responder: &mut Responder, event: ReqEvent, finish: &mut Finish) {
-    match event {
-        ReqEvent::Dispatched { shape, .. } => responder.handle_dispatched(shape),
-        ReqEvent::Run(event) => {
-            finish.first_byte();
-            responder.handle_run_event(event);
-        }
-        ReqEvent::Frame(frame) => {
-            finish.first_byte();
-            responder.handle_tunnel_frame(frame);
-        }
-        ReqEvent::Ended(outcome) => responder.handle_end(&outcome),
-    }
-}
-
-/// The next event, `Idle` after `keepalive` without one, `TimedOut` at the deadline, or
-/// `Gone` as soon as the caller's connection has dropped the body (`tx` closed). Before
-/// the response head there is no body: pass `None`, and a caller that leaves drops this
-/// whole future instead.
-async fn next(events: &mut Events, timers: Timers, tx: Option<&mpsc::Sender<Chunk>>) -> Next {
-    let idle = (Instant::now() + timers.keepalive).min(timers.deadline);
-    let gone = async {
-        match tx {
-            Some(tx) => tx.closed().await,
-            None => std::future::pending().await,
-        }
-    };
-    tokio::select! {
-        () = gone => Next::Gone,
-        event = tokio::time::timeout_at(idle, events.rx.recv()) => match event {
-            Ok(Some(event)) => {
-                events.memory.consumed(crate::core_task::event_size(&event));
-                Next::Event(Box::new(event))
-            }
-            Ok(None) => Next::TimedOut,
-            Err(_) if Instant::now() >= timers.deadline => Next::TimedOut,
-            Err(_) => Next::Idle,
-        },
-    }
-}
-
-/// Drives the responder until its first output: a whole response is returned as it is;
-/// a head starts a task that streams the body while the head goes back to hyper.
-async fn respond(
-    mut events: Events,
-    mut responder: Responder,
-    mut guard: CancelGuard,
-    timers: Timers,
-    mut finish: Finish,
+    finish: Finish,
     permit: tokio::sync::OwnedSemaphorePermit,
 ) -> Response<ResBody> {
+    let mut live = Box::new(Live {
+        events,
+        responder,
+        guard,
+        finish,
+        deadline: Box::pin(tokio::time::sleep_until(deadline)),
+        idle: Box::pin(tokio::time::sleep_until(Instant::now() + keepalive)),
+        last_activity: Instant::now(),
+        keepalive,
+        recorded: false,
+        _permit: permit,
+    });
     loop {
-        match responder.poll_output() {
+        match std::future::poll_fn(|cx| live.poll_out(cx)).await {
             Some(Out::Whole { status, body }) => {
-                settle(&mut guard, &responder);
-                finish.done(status);
+                live.settle();
                 let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
                 return json_response(status, body);
             }
             Some(Out::Head { status, headers }) => {
-                let (tx, rx) = mpsc::channel::<Chunk>(16);
-                let response = match head(status, &headers, rx) {
-                    Ok(response) => response,
+                return match head(status, &headers) {
+                    Ok(mut response) => {
+                        *response.body_mut() = ResBody::Live(live);
+                        response
+                    }
                     Err(refusal) => {
-                        finish.done(refusal.status);
-                        return api_error(&refusal);
+                        live.finish.done(refusal.status);
+                        live.recorded = true;
+                        api_error(&refusal)
                     }
                 };
-                tokio::spawn(stream_body(
-                    events, responder, guard, timers, finish, tx, permit,
-                ));
-                return response;
             }
             Some(other) => {
                 // The responder emits a head before any body piece.
                 error!(output = ?other, "body output before the response head");
                 debug_assert!(false, "body output before the response head");
             }
-            None => {}
-        }
-        match next(&mut events, timers, None).await {
-            Next::Event(event) => feed(&mut responder, *event, &mut finish),
-            Next::Idle => responder.handle_idle(),
-            Next::TimedOut | Next::Gone => {
-                guard.reason = "response timeout";
-                responder.handle_timeout();
+            None => {
+                error!("a response ended without a head");
+                return api_error(&ApiError::timeout());
             }
         }
     }
 }
 
 /// A response head; a provider header hyper cannot carry is a 502.
-fn head(
-    status: u16,
-    headers: &[Header],
-    rx: mpsc::Receiver<Chunk>,
-) -> Result<Response<ResBody>, ApiError> {
+fn head(status: u16, headers: &[Header]) -> Result<Response<ResBody>, ApiError> {
     let invalid = || {
         ApiError::new(
             502,
@@ -391,7 +471,7 @@ fn head(
             None,
         )
     };
-    let mut response = Response::new(ResBody::Stream(rx));
+    let mut response = Response::new(ResBody::Full(None));
     *response.status_mut() = StatusCode::from_u16(status).map_err(|_| invalid())?;
     for h in headers {
         let name = HeaderName::from_bytes(h.name.as_bytes()).map_err(|_| invalid())?;
@@ -399,54 +479,4 @@ fn head(
         response.headers_mut().append(name, value);
     }
     Ok(response)
-}
-
-/// Writes the body of a streamed response until the responder is done or the caller
-/// leaves (then the guard cancels the request).
-async fn stream_body(
-    mut events: Events,
-    mut responder: Responder,
-    mut guard: CancelGuard,
-    timers: Timers,
-    mut finish: Finish,
-    tx: mpsc::Sender<Chunk>,
-    _permit: tokio::sync::OwnedSemaphorePermit,
-) {
-    loop {
-        while let Some(out) = responder.poll_output() {
-            let chunk = match out {
-                Out::Data(bytes) => Ok(Frame::data(bytes)),
-                Out::Abort(message) => Err(std::io::Error::other(message)),
-                other => {
-                    error!(output = ?other, "a second response head");
-                    debug_assert!(false, "a second response head");
-                    continue;
-                }
-            };
-            if tx.send(chunk).await.is_err() {
-                return; // the caller is gone: the guard cancels upstream
-            }
-        }
-        if responder.is_done() {
-            break;
-        }
-        match next(&mut events, timers, Some(&tx)).await {
-            Next::Gone => return,
-            Next::Event(event) => feed(&mut responder, *event, &mut finish),
-            Next::Idle => responder.handle_idle(),
-            Next::TimedOut => {
-                guard.reason = "response timeout";
-                responder.handle_timeout();
-            }
-        }
-    }
-    settle(&mut guard, &responder);
-    finish.done(responder.status().unwrap_or(599));
-}
-
-/// A response that is done needs no cancel once the core has ended its request.
-fn settle(guard: &mut CancelGuard, responder: &Responder) {
-    if !responder.needs_cancel() {
-        guard.disarm();
-    }
 }

@@ -3,7 +3,7 @@
 //! messages; what a response says is decided in `iop_proto_core::openai`.
 
 mod admin;
-mod inference;
+pub(crate) mod inference;
 
 use std::convert::Infallible;
 use std::pin::Pin;
@@ -33,11 +33,11 @@ type Chunk = Result<Frame<Bytes>, std::io::Error>;
 
 /// A response body: either complete, or fed by a task through a channel.
 #[derive(Debug)]
-pub enum ResBody {
+pub(crate) enum ResBody {
     /// Whole body.
     Full(Option<Bytes>),
-    /// Streamed body.
-    Stream(mpsc::Receiver<Chunk>),
+    /// A streamed response, rendered from its request's events as hyper polls it.
+    Live(Box<inference::Live>),
 }
 
 impl Body for ResBody {
@@ -47,7 +47,7 @@ impl Body for ResBody {
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Chunk>> {
         match &mut *self {
             ResBody::Full(data) => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
-            ResBody::Stream(rx) => rx.poll_recv(cx),
+            ResBody::Live(live) => Pin::new(live.as_mut()).poll_frame(cx),
         }
     }
 }

@@ -31,14 +31,14 @@ pub enum Output {
     /// A run's progress.
     Run {
         /// The run.
-        run_id: String,
+        run_id: Arc<str>,
         /// What happened.
         output: RunOutput,
     },
     /// A tunnel's progress.
     Tunnel {
         /// The tunnel.
-        run_id: String,
+        run_id: Arc<str>,
         /// What happened.
         output: TunnelOutput,
     },
@@ -54,7 +54,7 @@ pub enum Output {
 /// Where an adapter task reports progress.
 #[derive(Clone, Debug)]
 pub struct Sink {
-    run_id: String,
+    run_id: Arc<str>,
     tx: mpsc::Sender<Output>,
 }
 
@@ -62,7 +62,10 @@ impl Sink {
     /// A sink for `run_id`.
     #[must_use]
     pub fn new(run_id: String, tx: mpsc::Sender<Output>) -> Self {
-        Sink { run_id, tx }
+        Sink {
+            run_id: run_id.into(),
+            tx,
+        }
     }
 
     /// Reports run progress; false once the connection is gone.

@@ -209,7 +209,8 @@ impl Ollama {
                     Err(_) => continue,
                 },
             };
-            for line in lines.push(&data) {
+            lines.push(data);
+            while let Some(line) = lines.next_line() {
                 if line.is_empty() {
                     continue;
                 }

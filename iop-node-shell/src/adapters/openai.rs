@@ -13,7 +13,7 @@ use hyper::body::Incoming;
 use iop_proto_core::wire::{AdapterConfig, Header, ProviderTunnelRequest, RunRequest, Usage};
 use iop_proto_core::{RunOutput, TunnelOutput};
 use serde_json::{Value, json};
-use tokio::time::{Instant, timeout_at};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::http::{self, HttpClient, base_url, wire_headers};
@@ -48,49 +48,71 @@ impl CallError {
     }
 }
 
-async fn send(
-    client: &HttpClient,
-    request: hyper::Request<http_body_util::Full<Bytes>>,
-    deadline: Instant,
-    cancel: &CancellationToken,
-) -> Result<hyper::Response<Incoming>, CallError> {
-    tokio::select! {
-        () = cancel.cancelled() => Err(CallError::Cancelled),
-        result = timeout_at(deadline, client.request(request)) => match result {
-            Err(_) => Err(CallError::TimedOut),
-            Ok(Err(err)) => Err(CallError::Unreachable(format!("request failed: {err}"))),
-            Ok(Ok(response)) => Ok(response),
-        },
+/// The deadline and cancellation of one provider call, armed once for every await of
+/// it (a timer per body frame cost a timer-wheel update per chunk).
+pub(crate) struct Watch {
+    sleep: std::pin::Pin<Box<tokio::time::Sleep>>,
+    cancelled: std::pin::Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>,
+}
+
+impl Watch {
+    pub(crate) fn new(deadline: Instant, cancel: &CancellationToken) -> Self {
+        Watch {
+            sleep: Box::pin(tokio::time::sleep_until(deadline)),
+            cancelled: Box::pin(cancel.clone().cancelled_owned()),
+        }
+    }
+
+    /// `work`, unless the call is cancelled or its deadline passes first.
+    async fn run<F: std::future::Future>(&mut self, work: F) -> Result<F::Output, CallError> {
+        tokio::select! {
+            biased;
+            () = &mut self.cancelled => Err(CallError::Cancelled),
+            () = &mut self.sleep => Err(CallError::TimedOut),
+            out = work => Ok(out),
+        }
     }
 }
 
-/// The next body frame, honouring cancellation and the deadline.
+impl std::fmt::Debug for Watch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Watch")
+            .field("deadline", &self.sleep.deadline())
+            .finish()
+    }
+}
+
+/// Sends `request` under `watch`.
+async fn send(
+    client: &HttpClient,
+    request: hyper::Request<http_body_util::Full<Bytes>>,
+    watch: &mut Watch,
+) -> Result<hyper::Response<Incoming>, CallError> {
+    watch
+        .run(client.request(request))
+        .await?
+        .map_err(|err| CallError::Unreachable(format!("request failed: {err}")))
+}
+
+/// The next body frame under `watch`.
 async fn next_frame(
     body: &mut Incoming,
-    deadline: Instant,
-    cancel: &CancellationToken,
+    watch: &mut Watch,
 ) -> Result<Option<hyper::body::Frame<Bytes>>, CallError> {
-    tokio::select! {
-        () = cancel.cancelled() => Err(CallError::Cancelled),
-        frame = timeout_at(deadline, body.frame()) => match frame {
-            Err(_) => Err(CallError::TimedOut),
-            Ok(None) => Ok(None),
-            Ok(Some(Err(err))) => Err(CallError::Unreachable(format!("response body failed: {err}"))),
-            Ok(Some(Ok(frame))) => Ok(Some(frame)),
-        },
+    match watch.run(body.frame()).await? {
+        None => Ok(None),
+        Some(Err(err)) => Err(CallError::Unreachable(format!(
+            "response body failed: {err}"
+        ))),
+        Some(Ok(frame)) => Ok(Some(frame)),
     }
 }
 
 /// Reads at most `limit` bytes of a body, for error messages.
-async fn excerpt(
-    body: &mut Incoming,
-    limit: usize,
-    deadline: Instant,
-    cancel: &CancellationToken,
-) -> String {
+async fn excerpt(body: &mut Incoming, limit: usize, watch: &mut Watch) -> String {
     let mut out = Vec::new();
     while out.len() < limit {
-        match next_frame(body, deadline, cancel).await {
+        match next_frame(body, watch).await {
             Ok(Some(frame)) => {
                 if let Ok(data) = frame.into_data() {
                     out.extend_from_slice(&data);
@@ -167,7 +189,7 @@ impl OpenAi {
         sink: &Sink,
         cancel: &CancellationToken,
     ) -> Result<(), CallError> {
-        let deadline = self.deadline(request.timeout_sec);
+        let mut watch = Watch::new(self.deadline(request.timeout_sec), cancel);
         let url = format!("{}{}", self.base, request.path);
         let upstream = http::request(
             &request.method,
@@ -177,7 +199,7 @@ impl OpenAi {
             request.body,
         )
         .map_err(CallError::Unreachable)?;
-        let response = send(&self.client, upstream, deadline, cancel).await?;
+        let response = send(&self.client, upstream, &mut watch).await?;
         let content_type = response
             .headers()
             .get(hyper::header::CONTENT_TYPE)
@@ -196,7 +218,7 @@ impl OpenAi {
         }
         let mut watcher = UsageWatcher::new(&content_type);
         let mut body = response.into_body();
-        while let Some(frame) = next_frame(&mut body, deadline, cancel).await? {
+        while let Some(frame) = next_frame(&mut body, &mut watch).await? {
             match frame.into_data() {
                 Ok(data) => {
                     watcher.push(&data);
@@ -238,7 +260,7 @@ impl OpenAi {
         sink: &Sink,
         cancel: &CancellationToken,
     ) -> Result<RunOutput, CallError> {
-        let deadline = self.deadline(0);
+        let mut watch = Watch::new(self.deadline(0), cancel);
         // The caller's body, copied member by member with these replaced: no tree of it
         // is built.
         let input = match json::Object::parse(&request.input) {
@@ -262,12 +284,12 @@ impl OpenAi {
         let response = loop {
             let upstream = http::request("POST", &url, &headers, &self.api_key, body.clone())
                 .map_err(CallError::Unreachable)?;
-            let mut response = send(&self.client, upstream, deadline, cancel).await?;
+            let mut response = send(&self.client, upstream, &mut watch).await?;
             let status = response.status();
             if status.is_success() {
                 break response;
             }
-            let text = excerpt(response.body_mut(), 4096, deadline, cancel).await;
+            let text = excerpt(response.body_mut(), 4096, &mut watch).await;
             if status.is_client_error()
                 && had_tools
                 && !fallback
@@ -287,11 +309,12 @@ impl OpenAi {
         let mut calls = ToolCalls::default();
         let mut usage: Option<Usage> = None;
         let mut body = response.into_body();
-        'stream: while let Some(frame) = next_frame(&mut body, deadline, cancel).await? {
+        'stream: while let Some(frame) = next_frame(&mut body, &mut watch).await? {
             let Ok(data) = frame.into_data() else {
                 continue;
             };
-            for line in lines.push(&data) {
+            lines.push(data);
+            while let Some(line) = lines.next_line() {
                 let Some(payload) = sse_data(&line) else {
                     continue;
                 };

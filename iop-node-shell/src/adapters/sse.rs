@@ -7,38 +7,64 @@ use iop_proto_core::wire::Usage;
 /// forwarded byte for byte on a tunnel, only not inspected).
 const MAX_LINE: usize = 1 << 20;
 
-/// Splits a byte stream into lines (`\n`, with an optional `\r` removed).
+/// Splits a byte stream into lines (`\n`, with an optional `\r` removed). A line that
+/// arrives whole inside one pushed buffer is a zero-copy slice of it; only a line split
+/// across buffers is copied, once.
 #[derive(Debug, Default)]
 pub struct Lines {
-    buf: BytesMut,
+    /// Input not yet split.
+    pending: Bytes,
+    /// The start of a line whose end has not arrived.
+    partial: BytesMut,
     overflow: bool,
 }
 
 impl Lines {
-    /// Feeds bytes; returns the complete lines they finish.
-    pub fn push(&mut self, data: &[u8]) -> Vec<Bytes> {
-        let mut lines = Vec::new();
-        for &b in data {
-            if b == b'\n' {
-                let mut line = self.buf.split().freeze();
-                if line.last() == Some(&b'\r') {
-                    line.truncate(line.len() - 1);
+    /// Feeds bytes; take the lines they finish with [`Lines::next_line`] before the next
+    /// push.
+    pub fn push(&mut self, data: Bytes) {
+        debug_assert!(self.pending.is_empty(), "lines left unread");
+        self.pending = data;
+    }
+
+    /// The next complete line, or `None` when the input pushed so far is used up.
+    pub fn next_line(&mut self) -> Option<Bytes> {
+        loop {
+            let Some(end) = memchr::memchr(b'\n', &self.pending) else {
+                let rest = std::mem::take(&mut self.pending);
+                if self.partial.len() + rest.len() <= MAX_LINE {
+                    self.partial.extend_from_slice(&rest);
+                } else {
+                    self.overflow = true;
+                    self.partial.clear();
                 }
-                if !std::mem::take(&mut self.overflow) {
-                    lines.push(line);
+                return None;
+            };
+            let mut line = self.pending.split_to(end + 1);
+            line.truncate(end);
+            if !self.partial.is_empty() || self.overflow {
+                let overflow = std::mem::take(&mut self.overflow)
+                    || self.partial.len() + line.len() > MAX_LINE;
+                if overflow {
+                    self.partial.clear();
+                    continue;
                 }
-            } else if self.buf.len() < MAX_LINE {
-                self.buf.extend_from_slice(&[b]);
-            } else {
-                self.overflow = true;
+                self.partial.extend_from_slice(&line);
+                line = self.partial.split().freeze();
             }
+            if line.last() == Some(&b'\r') {
+                line.truncate(line.len() - 1);
+            }
+            return Some(line);
         }
-        lines
     }
 
     /// The unterminated last line, at the end of the stream.
     pub fn finish(&mut self) -> Option<Bytes> {
-        (!self.buf.is_empty() && !self.overflow).then(|| self.buf.split().freeze())
+        let rest = std::mem::take(&mut self.pending);
+        self.partial.extend_from_slice(&rest);
+        (!self.partial.is_empty() && !self.overflow && self.partial.len() <= MAX_LINE)
+            .then(|| self.partial.split().freeze())
     }
 }
 
@@ -74,6 +100,31 @@ pub fn usage_of(value: &serde_json::Value) -> Option<Usage> {
     })
 }
 
+/// The `usage` member of a JSON object, read without building a tree of the rest.
+#[must_use]
+pub fn usage_in(json: &[u8]) -> Option<Usage> {
+    #[derive(serde::Deserialize)]
+    struct Counts {
+        prompt_tokens: Option<u64>,
+        completion_tokens: Option<u64>,
+        total_tokens: Option<u64>,
+    }
+    #[derive(serde::Deserialize)]
+    struct WithUsage {
+        usage: Option<Counts>,
+    }
+    let counts = serde_json::from_slice::<WithUsage>(json).ok()?.usage?;
+    let (prompt, completion) = (
+        counts.prompt_tokens.unwrap_or(0),
+        counts.completion_tokens.unwrap_or(0),
+    );
+    Some(Usage {
+        prompt_tokens: prompt,
+        completion_tokens: completion,
+        total_tokens: counts.total_tokens.unwrap_or(prompt + completion),
+    })
+}
+
 /// Watches a tunnel's response body for usage: the last SSE chunk carrying `usage`, or a
 /// JSON body's `usage` (bodies up to 8 MiB are inspected).
 #[derive(Debug)]
@@ -101,9 +152,10 @@ impl UsageWatcher {
     }
 
     /// Observes a body chunk.
-    pub fn push(&mut self, data: &[u8]) {
+    pub fn push(&mut self, data: &Bytes) {
         if self.sse {
-            for line in self.lines.push(data) {
+            self.lines.push(data.clone());
+            while let Some(line) = self.lines.next_line() {
                 self.observe_line(&line);
             }
         } else if !self.json_overflow {
@@ -116,10 +168,11 @@ impl UsageWatcher {
         }
     }
 
+    /// Only a line that mentions `"usage"` is parsed, and only into the usage figures.
     fn observe_line(&mut self, line: &[u8]) {
         if let Some(data) = sse_data(line)
-            && let Ok(value) = serde_json::from_slice::<serde_json::Value>(data)
-            && let Some(usage) = usage_of(&value)
+            && memchr::memmem::find(data, b"\"usage\"").is_some()
+            && let Some(usage) = usage_in(data)
         {
             self.usage = Some(usage);
         }
@@ -136,10 +189,7 @@ impl UsageWatcher {
         if self.json_overflow {
             return None;
         }
-        serde_json::from_slice::<serde_json::Value>(&self.json)
-            .ok()
-            .as_ref()
-            .and_then(usage_of)
+        usage_in(&self.json)
     }
 }
 
@@ -152,8 +202,11 @@ mod tests {
         let text = b"data: a\r\n\ndata: b\nlast";
         for cut in 0..text.len() {
             let mut lines = Lines::default();
-            let mut got = lines.push(&text[..cut]);
-            got.extend(lines.push(&text[cut..]));
+            let mut got = Vec::new();
+            for piece in [&text[..cut], &text[cut..]] {
+                lines.push(Bytes::copy_from_slice(piece));
+                got.extend(std::iter::from_fn(|| lines.next_line()));
+            }
             got.extend(lines.finish());
             let got: Vec<&[u8]> = got.iter().map(|b| &b[..]).collect();
             assert_eq!(got, vec![&b"data: a"[..], b"", b"data: b", b"last"]);
@@ -163,11 +216,29 @@ mod tests {
     #[test]
     fn usage_is_found_in_sse_and_json() {
         let mut sse = UsageWatcher::new("text/event-stream");
-        sse.push(b"data: {\"choices\":[]}\n\ndata: {\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":4}}\n\ndata: [DONE]\n\n");
+        sse.push(&Bytes::from_static(b"data: {\"choices\":[]}\n\ndata: {\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":4}}\n\ndata: [DONE]\n\n"));
         assert_eq!(sse.finish().map(|u| u.total_tokens), Some(7));
         let mut json = UsageWatcher::new("application/json");
-        json.push(b"{\"usage\":{\"prompt_tokens\":1,");
-        json.push(b"\"completion_tokens\":2,\"total_tokens\":3}}");
+        json.push(&Bytes::from_static(b"{\"usage\":{\"prompt_tokens\":1,"));
+        json.push(&Bytes::from_static(
+            b"\"completion_tokens\":2,\"total_tokens\":3}}",
+        ));
         assert_eq!(json.finish().map(|u| u.completion_tokens), Some(2));
+        // A usage of null, a usage only mentioned in a string, a line too long to keep.
+        let mut odd = UsageWatcher::new("text/event-stream");
+        odd.push(&Bytes::from_static(
+            b"data: {\"usage\":null}\n\ndata: {\"note\":\"\\\"usage\\\"\"}\n\n",
+        ));
+        assert_eq!(odd.finish(), None);
+    }
+
+    #[test]
+    fn an_overlong_line_is_dropped_and_the_next_one_kept() {
+        let mut lines = Lines::default();
+        lines.push(Bytes::from(vec![b'x'; MAX_LINE + 10]));
+        assert_eq!(lines.next_line(), None);
+        lines.push(Bytes::from_static(b"yy\nnext\n"));
+        assert_eq!(lines.next_line().as_deref(), Some(&b"next"[..]));
+        assert_eq!(lines.next_line(), None);
     }
 }

@@ -381,9 +381,11 @@ struct NodeProc {
 }
 
 impl NodeProc {
-    fn new(node_id: String, now: Timestamp, impostor: bool) -> Self {
+    /// A node process that starts now; `seed` drives its reconnect jitter (the node
+    /// shell's default spread, so the simulated fleet redials as a real one does).
+    fn new(node_id: String, now: Timestamp, impostor: bool, seed: u64) -> Self {
         let policy = ReconnectPolicy::from_config(Some(0), Some(0.1)).unwrap_or_default();
-        let mut supervisor = Supervisor::new(policy);
+        let mut supervisor = Supervisor::with_jitter(policy, 0.5, seed);
         let _ = supervisor.handle_start(now);
         NodeProc {
             node_id,
@@ -1202,7 +1204,8 @@ impl World {
             self.procs[i].restart_at = None;
             let id = self.procs[i].node_id.clone();
             self.log(|| format!("{id} (proc {i}) restarts"));
-            self.procs[i] = NodeProc::new(id, now, false);
+            let seed = self.rng.next_u64();
+            self.procs[i] = NodeProc::new(id, now, false, seed);
             self.drain_node(i);
         }
         if !self.procs[i].runnable(now) {
@@ -1394,7 +1397,8 @@ impl World {
             }
             Op::Impostor { node: n, for_ms } => {
                 let id = format!("n{}", node(n));
-                let mut imp = NodeProc::new(id.clone(), now, true);
+                let seed = self.rng.next_u64();
+                let mut imp = NodeProc::new(id.clone(), now, true, seed);
                 imp.kill_at = Some(now + Duration::from_millis(u64::from(for_ms)));
                 self.procs.push(imp);
                 let i = self.procs.len() - 1;
@@ -1625,13 +1629,14 @@ fn terminal_frame(frame: &ProviderTunnelFrame) -> bool {
 pub fn run(seed: u64, ops: &[Op], options: SimOptions) -> Result<Stats, SimFailure> {
     let mut edge = EdgeCore::new(world_config(0)).expect("the simulated config is valid");
     edge.set_faults(options.faults);
+    let mut seeds = Rng::new(seed ^ 0x6A09_E667_F3BC_C909);
     let mut world = World {
         now: Timestamp::ZERO,
         rng: Rng::new(seed),
         edge,
         rev: 0,
         procs: (0..NODES)
-            .map(|n| NodeProc::new(format!("n{n}"), Timestamp::ZERO, false))
+            .map(|n| NodeProc::new(format!("n{n}"), Timestamp::ZERO, false, seeds.next_u64()))
             .collect(),
         links: BTreeMap::new(),
         next_conn: 1,

@@ -583,6 +583,7 @@ async fn main() {
             "----- edge log (tail) -----\n{}",
             tail(&cluster.edge.log(), 40)
         );
+        eprintln!("----- node log (tail) -----\n{}", tail(&node.log(), 40));
         // exit() runs no destructors: stop the binaries first, or they outlive us.
         drop(node);
         drop(cluster);

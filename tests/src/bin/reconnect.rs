@@ -5,8 +5,10 @@
 //! Run: `cargo build --release --bins && cargo run --release -p iop-blackbox --bin reconnect -- [nodes]`
 //!
 //! The nodes are light in-process clients speaking the real wire protocol (register,
-//! ready, heartbeat answers) so that one machine can hold a thousand of them; on a lost
-//! connection each retries every 100 ms, as a node with `interval_sec = 0.1` would.
+//! ready, heartbeat answers) so that one machine can hold a thousand of them. Each redials
+//! through the core's reconnect `Supervisor`, as `iop-node` does, with `interval_sec =
+//! 0.1`, once without jitter and once with the node's default; the Edge's memory per idle
+//! connected node is its RSS growth from no nodes to all of them ready.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -18,6 +20,7 @@ use iop_blackbox::{Proc, TempDir, free_port, wait_until};
 use iop_proto_core::wire::{
     self, Body, Envelope, FrameDecoder, HeartbeatAck, NodeReadyRequest, RegisterRequest,
 };
+use iop_proto_core::{Failure, ReconnectPolicy, Supervisor, SupervisorEvent, Timestamp};
 use rustls_pki_types::pem::PemObject;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -100,32 +103,71 @@ async fn session<S: AsyncRead + AsyncWrite + Unpin>(
     }
 }
 
-/// One simulated node: connect, run a session, and retry every 100 ms until `stop`.
+/// One simulated node: dial, run a session, and redial when the core's supervisor says
+/// (fixed 100 ms interval, `jitter` of it removed at random), until `stop`.
 async fn node(
     i: usize,
     port: u16,
     tls: Option<tokio_rustls::TlsConnector>,
+    jitter: f64,
     ready: Arc<AtomicUsize>,
     stop: Arc<std::sync::atomic::AtomicBool>,
 ) {
     let name = format!("n{i}");
+    let policy = ReconnectPolicy::from_config(Some(0), Some(0.1)).expect("a valid policy");
+    let mut supervisor = Supervisor::with_jitter(policy, jitter, i as u64 ^ 0x5EED);
+    let origin = Instant::now();
+    let now = || Timestamp::from_millis(origin.elapsed().as_millis() as u64);
+    supervisor.handle_start(now()).expect("idle");
     while !stop.load(Ordering::SeqCst) {
-        if let Ok(tcp) = TcpStream::connect(("127.0.0.1", port)).await {
-            let _ = tcp.set_nodelay(true);
-            match &tls {
-                None => {
-                    let _ = session(tcp, &name, &ready).await;
-                }
-                Some(connector) => {
-                    let server = rustls_pki_types::ServerName::try_from("localhost").expect("name");
-                    if let Ok(stream) = connector.connect(server, tcp).await {
-                        let _ = session(stream, &name, &ready).await;
-                    }
+        let mut dial = false;
+        while let Some(event) = supervisor.poll_event() {
+            match event {
+                SupervisorEvent::Dial { .. } => dial = true,
+                _ => return,
+            }
+        }
+        if !dial {
+            let Some(wake) = supervisor.poll_timeout() else {
+                return;
+            };
+            tokio::time::sleep_until((origin + Duration::from_millis(wake.at.as_millis())).into())
+                .await;
+            supervisor.handle_timeout(now());
+            continue;
+        }
+        let Ok(tcp) = TcpStream::connect(("127.0.0.1", port)).await else {
+            supervisor
+                .handle_failure(now(), Failure::Refused)
+                .expect("dialing");
+            continue;
+        };
+        supervisor.handle_connected(now()).expect("dialing");
+        let _ = tcp.set_nodelay(true);
+        match &tls {
+            None => {
+                let _ = session(tcp, &name, &ready).await;
+            }
+            Some(connector) => {
+                let server = rustls_pki_types::ServerName::try_from("localhost").expect("name");
+                if let Ok(stream) = connector.connect(server, tcp).await {
+                    let _ = session(stream, &name, &ready).await;
                 }
             }
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        supervisor
+            .handle_failure(now(), Failure::Reset)
+            .expect("connected");
     }
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
 }
 
 fn cpu(pid: u32) -> Duration {
@@ -185,10 +227,16 @@ async fn main() {
         .unwrap_or(1000);
     let raw = raw_connects(nodes).await;
     println!(
-        "| node link | {nodes} nodes ready, cold start | ready again after an Edge restart | Edge CPU per registration | bare TCP connects (reference) |"
+        "| node link | node jitter | {nodes} nodes ready, cold start | ready again after an Edge restart | Edge CPU per registration | Edge memory per idle node | bare TCP connects (reference) |"
     );
-    println!("|---|---:|---:|---:|---:|");
-    for link in [Link::Tls, Link::Plaintext] {
+    println!("|---|---:|---:|---:|---:|---:|---:|");
+    let runs = [
+        (Link::Tls, 0.0),
+        (Link::Tls, 0.2),
+        (Link::Plaintext, 0.0),
+        (Link::Plaintext, 0.2),
+    ];
+    for (link, jitter) in runs {
         let dir = TempDir::new("reconnect");
         let (http, port) = (free_port(), free_port());
         let connector = (link == Link::Tls).then(|| {
@@ -225,6 +273,9 @@ async fn main() {
             edge
         };
         let mut edge = start("edge");
+        // Let the fresh process settle before taking its idle footprint.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let idle_rss = rss_kib(edge.pid());
         let ready = Arc::new(AtomicUsize::new(0));
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let cpu_before = cpu(edge.pid());
@@ -233,12 +284,16 @@ async fn main() {
                 i,
                 port,
                 connector.clone(),
+                jitter,
                 ready.clone(),
                 stop.clone(),
             ));
         }
         let cold = until(&ready, nodes, Duration::from_secs(60)).await;
         let cold_cpu = cpu(edge.pid()) - cpu_before;
+        // Idle connected nodes: the handshake's transient buffers are gone after a pause.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let per_node = rss_kib(edge.pid()).saturating_sub(idle_rss) as f64 / nodes as f64;
         edge.signal("KILL");
         let _ = edge.wait_exit(Duration::from_secs(5));
         let edge = start("edge-restarted");
@@ -253,7 +308,7 @@ async fn main() {
             )
         };
         println!(
-            "| {} | {} | {} | {:.0} µs (cold) / {:.0} µs (restart) | {:.2} s |",
+            "| {} | {jitter} | {} | {} | {:.0} µs (cold) / {:.0} µs (restart) | {per_node:.1} KiB | {:.2} s |",
             if link == Link::Tls {
                 "TLS 1.3"
             } else {

@@ -1,0 +1,880 @@
+//! The data path beside a reverse proxy, in one run: the same requests straight to a fast
+//! fake provider, through two chained nginx hops (client → nginx → nginx → provider, the
+//! fair peer of client → Edge → Node → provider), and through IOP, interleaved round by
+//! round so that machine noise hits every path alike. Loopback only, bounded in time.
+//!
+//! ```text
+//! cargo build --release --bins
+//! cargo run --release -p iop-blackbox --bin bench -- [seconds per run] [rounds]
+//! ```
+//!
+//! It needs `nginx` and `wrk` on the PATH and installs them with apt-get when it can
+//! (`IOP_BENCH_NO_INSTALL=1` forbids that). The provider runs in its own process (this
+//! binary, `bench provider <port>`); load comes from `wrk` (small requests, unpaced
+//! streams) and from this binary (2,000 paced streams, whose chunks carry the provider's
+//! send time). Proxy CPU is user + system time of every process of the proxy (both nginx
+//! instances with their workers; the Edge and the Node) over the run, from `/proc`.
+
+use std::convert::Infallible;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::process::{Child, Command, Stdio};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use hyper::body::{Body, Frame, Incoming};
+use hyper::service::service_fn;
+use hyper::{Request, Response};
+use hyper_util::rt::TokioIo;
+use iop_blackbox::client::{Cluster, Link};
+use iop_blackbox::{Proc, TempDir, free_port};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// Words in every completion.
+const WORDS: usize = 16;
+/// SSE events in a streamed completion: role, words, finish, usage, `[DONE]`.
+const SSE_EVENTS: usize = WORDS + 4;
+/// Paced streams open at once.
+const PACED_STREAMS: usize = 2_000;
+/// Chunks per paced stream, and the pause between them.
+const PACED_CHUNKS: usize = 100;
+const PACE_MS: u64 = 20;
+
+const SMALL: &str = r#"{"model":"fake","messages":[{"role":"user","content":"Say something."}]}"#;
+const STREAM: &str =
+    r#"{"model":"fake","stream":true,"messages":[{"role":"user","content":"Say something."}]}"#;
+
+// ----- the fake provider -----
+
+fn now_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
+}
+
+/// The number after `key` in `body`, if any.
+fn number_after(body: &[u8], key: &[u8]) -> Option<u64> {
+    let at = find(body, key)? + key.len();
+    let digits: Vec<u8> = body[at..]
+        .iter()
+        .copied()
+        .take_while(u8::is_ascii_digit)
+        .collect();
+    std::str::from_utf8(&digits).ok()?.parse().ok()
+}
+
+/// A provider response body: whole, or SSE events yielded one frame at a time (paced
+/// ones stamped with their send time in `"t_us"`).
+enum ProviderBody {
+    Whole(Option<Bytes>),
+    Sse {
+        next: usize,
+        total: usize,
+        pace: Option<Duration>,
+        sleep: Option<Pin<Box<tokio::time::Sleep>>>,
+        /// Unpaced: whether this event already yielded once, so hyper flushes each
+        /// event on its own as a provider generating tokens does.
+        yielded: bool,
+    },
+}
+
+fn sse_event(i: usize, total: usize) -> Bytes {
+    let stamp = now_us();
+    let text = if i + 1 == total {
+        "data: [DONE]\n\n".to_owned()
+    } else if i == 0 {
+        format!(
+            "data: {{\"id\":\"chatcmpl-b\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"fake\",\"t_us\":{stamp},\"choices\":[{{\"index\":0,\"delta\":{{\"role\":\"assistant\",\"content\":\"\"}},\"finish_reason\":null}}]}}\n\n"
+        )
+    } else if i + 3 == total {
+        format!(
+            "data: {{\"id\":\"chatcmpl-b\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"fake\",\"t_us\":{stamp},\"choices\":[{{\"index\":0,\"delta\":{{}},\"finish_reason\":\"stop\"}}]}}\n\n"
+        )
+    } else if i + 2 == total {
+        format!(
+            "data: {{\"id\":\"chatcmpl-b\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"fake\",\"t_us\":{stamp},\"choices\":[],\"usage\":{{\"prompt_tokens\":5,\"completion_tokens\":{WORDS},\"total_tokens\":{}}}}}\n\n",
+            WORDS + 5
+        )
+    } else {
+        format!(
+            "data: {{\"id\":\"chatcmpl-b\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"fake\",\"t_us\":{stamp},\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"word{i} \"}},\"finish_reason\":null}}]}}\n\n"
+        )
+    };
+    Bytes::from(text)
+}
+
+impl Body for ProviderBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        match &mut *self {
+            ProviderBody::Whole(data) => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+            ProviderBody::Sse {
+                next,
+                total,
+                pace,
+                sleep,
+                yielded,
+            } => {
+                if *next >= *total {
+                    return Poll::Ready(None);
+                }
+                if let Some(pace) = pace {
+                    let timer = sleep.get_or_insert_with(|| Box::pin(tokio::time::sleep(*pace)));
+                    if timer.as_mut().poll(cx).is_pending() {
+                        return Poll::Pending;
+                    }
+                    *sleep = None;
+                } else if *next > 0 && !*yielded {
+                    *yielded = true;
+                    cx.waker().wake_by_ref();
+                    return Poll::Pending;
+                }
+                *yielded = false;
+                let event = sse_event(*next, *total);
+                *next += 1;
+                Poll::Ready(Some(Ok(Frame::data(event))))
+            }
+        }
+    }
+}
+
+async fn provide(req: Request<Incoming>) -> Result<Response<ProviderBody>, Infallible> {
+    let body = req
+        .into_body()
+        .collect()
+        .await
+        .map(http_body_util::Collected::to_bytes)
+        .unwrap_or_default();
+    if find(&body, b"\"stream\":true").is_none() {
+        let words: Vec<String> = (0..WORDS).map(|i| format!("word{i}")).collect();
+        let json = format!(
+            "{{\"id\":\"chatcmpl-b\",\"object\":\"chat.completion\",\"created\":1,\"model\":\"fake\",\"choices\":[{{\"index\":0,\"message\":{{\"role\":\"assistant\",\"content\":\"{}\"}},\"finish_reason\":\"stop\"}}],\"usage\":{{\"prompt_tokens\":5,\"completion_tokens\":{WORDS},\"total_tokens\":{}}}}}",
+            words.join(" "),
+            WORDS + 5
+        );
+        let mut response = Response::new(ProviderBody::Whole(Some(Bytes::from(json))));
+        response.headers_mut().insert(
+            "content-type",
+            http::HeaderValue::from_static("application/json"),
+        );
+        return Ok(response);
+    }
+    let pace = number_after(&body, b"\"pace_ms\":").map(Duration::from_millis);
+    let total = match pace {
+        Some(_) => PACED_CHUNKS,
+        None => SSE_EVENTS,
+    };
+    let mut response = Response::new(ProviderBody::Sse {
+        next: 0,
+        total,
+        pace,
+        sleep: None,
+        yielded: false,
+    });
+    response.headers_mut().insert(
+        "content-type",
+        http::HeaderValue::from_static("text/event-stream"),
+    );
+    Ok(response)
+}
+
+fn run_provider(port: u16) {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async move {
+        let listener = TcpListener::bind(("127.0.0.1", port))
+            .await
+            .expect("provider bind");
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            let _ = stream.set_nodelay(true);
+            tokio::spawn(async move {
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service_fn(provide))
+                    .await;
+            });
+        }
+    });
+}
+
+// ----- processes and measurement -----
+
+/// User + system CPU of `pid` and of its children (nginx workers), so far.
+fn cpu(pid: u32) -> Duration {
+    let mut total = cpu_of(pid);
+    if let Ok(entries) = std::fs::read_dir("/proc") {
+        for entry in entries.flatten() {
+            let Some(child) = entry
+                .file_name()
+                .to_str()
+                .and_then(|n| n.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            if parent(child) == Some(pid) {
+                total += cpu_of(child);
+            }
+        }
+    }
+    total
+}
+
+fn stat_fields(pid: u32) -> Vec<String> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    stat.rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().map(str::to_owned).collect())
+        .unwrap_or_default()
+}
+
+fn parent(pid: u32) -> Option<u32> {
+    stat_fields(pid).get(1)?.parse().ok()
+}
+
+fn cpu_of(pid: u32) -> Duration {
+    let fields = stat_fields(pid);
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    Duration::from_millis((ticks(11) + ticks(12)) * 10)
+}
+
+/// Resident memory of `pid` and its children, in KiB.
+fn rss_kib(pid: u32) -> u64 {
+    let own = |pid: u32| {
+        std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .unwrap_or_default()
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let mut total = own(pid);
+    if let Ok(entries) = std::fs::read_dir("/proc") {
+        for entry in entries.flatten() {
+            if let Some(child) = entry
+                .file_name()
+                .to_str()
+                .and_then(|n| n.parse::<u32>().ok())
+                && parent(child) == Some(pid)
+            {
+                total += own(child);
+            }
+        }
+    }
+    total
+}
+
+/// A path under test: where its clients connect, and the processes that make it up.
+struct Path3 {
+    name: &'static str,
+    port: u16,
+    pids: Vec<u32>,
+}
+
+impl Path3 {
+    fn cpu(&self) -> Duration {
+        self.pids.iter().map(|p| cpu(*p)).sum()
+    }
+
+    fn rss(&self) -> Vec<u64> {
+        self.pids.iter().map(|p| rss_kib(*p)).collect()
+    }
+}
+
+fn ensure_tools() {
+    let missing: Vec<&str> = ["nginx", "wrk"]
+        .into_iter()
+        .filter(|tool| which(tool).is_none())
+        .collect();
+    if missing.is_empty() {
+        return;
+    }
+    if std::env::var_os("IOP_BENCH_NO_INSTALL").is_some() {
+        panic!("missing {missing:?}: install nginx and wrk");
+    }
+    eprintln!("bench: installing {missing:?} with apt-get");
+    let _ = Command::new("apt-get").arg("update").status();
+    let status = Command::new("apt-get")
+        .args([
+            "install",
+            "-y",
+            "--no-install-recommends",
+            "nginx-light",
+            "wrk",
+        ])
+        .status()
+        .expect("apt-get runs");
+    assert!(status.success(), "apt-get install nginx-light wrk failed");
+    // The package starts a system nginx on port 80; this harness runs its own.
+    let _ = Command::new("nginx").args(["-s", "stop"]).status();
+}
+
+fn which(tool: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/sbin")])
+        .map(|dir| dir.join(tool))
+        .find(|p| p.exists())
+}
+
+/// One nginx instance listening on `port` and proxying everything to `upstream`.
+fn start_nginx(dir: &TempDir, name: &str, port: u16, upstream: u16) -> Child {
+    let root = dir.path().join(name);
+    std::fs::create_dir_all(&root).expect("nginx dir");
+    let r = root.display();
+    let conf = format!(
+        r#"worker_processes auto;
+daemon off;
+pid {r}/nginx.pid;
+error_log {r}/error.log warn;
+worker_rlimit_nofile 20000;
+events {{ worker_connections 10000; }}
+http {{
+  access_log off;
+  client_body_temp_path {r}/body;
+  proxy_temp_path {r}/proxy;
+  fastcgi_temp_path {r}/fastcgi;
+  uwsgi_temp_path {r}/uwsgi;
+  scgi_temp_path {r}/scgi;
+  keepalive_requests 1000000;
+  upstream next {{ server 127.0.0.1:{upstream}; keepalive 512; keepalive_requests 1000000; }}
+  server {{
+    listen 127.0.0.1:{port} backlog=4096;
+    client_max_body_size 16m;
+    location / {{
+      proxy_pass http://next;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+      proxy_request_buffering off;
+    }}
+  }}
+}}
+"#
+    );
+    let file = root.join("nginx.conf");
+    std::fs::write(&file, conf).expect("nginx.conf");
+    Command::new(which("nginx").expect("nginx"))
+        .arg("-p")
+        .arg(&root)
+        .arg("-c")
+        .arg(&file)
+        .arg("-e")
+        .arg(root.join("error.log"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("nginx starts")
+}
+
+fn wait_port(port: u16) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("nothing listens on {port}");
+}
+
+// ----- wrk -----
+
+#[derive(Clone, Copy, Default)]
+struct Run {
+    rps: f64,
+    p50_us: f64,
+    p99_us: f64,
+    errors: u64,
+    cpu_us: f64,
+}
+
+fn duration_us(text: &str) -> Option<f64> {
+    let text = text.trim();
+    let (number, unit) = text.split_at(text.find(|c: char| c.is_ascii_alphabetic())?);
+    let value: f64 = number.parse().ok()?;
+    Some(match unit {
+        "us" => value,
+        "ms" => value * 1e3,
+        "s" => value * 1e6,
+        _ => return None,
+    })
+}
+
+fn wrk(dir: &TempDir, path: &Path3, body: &str, connections: usize, seconds: u64) -> Run {
+    let script = dir.path().join("post.lua");
+    std::fs::write(
+        &script,
+        format!(
+            "wrk.method = \"POST\"\nwrk.body = '{body}'\nwrk.headers[\"Content-Type\"] = \"application/json\"\n"
+        ),
+    )
+    .expect("lua");
+    let before = path.cpu();
+    let output = Command::new(which("wrk").expect("wrk"))
+        .args([
+            "-t1".to_owned(),
+            format!("-c{connections}"),
+            format!("-d{seconds}s"),
+            "--latency".to_owned(),
+            "-s".to_owned(),
+            script.display().to_string(),
+            format!("http://127.0.0.1:{}/v1/chat/completions", path.port),
+        ])
+        .output()
+        .expect("wrk runs");
+    let used = path.cpu().saturating_sub(before);
+    let text = String::from_utf8_lossy(&output.stdout);
+    let mut run = Run::default();
+    let mut requests = 0.0;
+    for line in text.lines() {
+        let line = line.trim();
+        if let Some(v) = line.strip_prefix("Requests/sec:") {
+            run.rps = v.trim().parse().unwrap_or(0.0);
+        } else if let Some(v) = line.strip_prefix("50%") {
+            run.p50_us = duration_us(v).unwrap_or(0.0);
+        } else if let Some(v) = line.strip_prefix("99%") {
+            run.p99_us = duration_us(v).unwrap_or(0.0);
+        } else if let Some(v) = line.strip_prefix("Non-2xx or 3xx responses:") {
+            run.errors += v.trim().parse::<u64>().unwrap_or(0);
+        } else if let Some(v) = line.strip_prefix("Socket errors:") {
+            run.errors += v
+                .split(',')
+                .filter_map(|p| p.split_whitespace().last()?.parse::<u64>().ok())
+                .sum::<u64>();
+        } else if line.contains("requests in") {
+            requests = line
+                .split_whitespace()
+                .next()
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(0.0);
+        }
+    }
+    run.cpu_us = used.as_secs_f64() * 1e6 / f64::max(requests, 1.0);
+    run
+}
+
+// ----- paced streams -----
+
+#[derive(Clone, Default)]
+struct Paced {
+    p50_us: f64,
+    p99_us: f64,
+    errors: usize,
+    /// KiB per stream above idle, per process of the path.
+    per_stream_kib: Vec<f64>,
+    /// Whether every process was back within 2x of its idle RSS within 10 s.
+    settled: bool,
+    settle_s: f64,
+}
+
+/// One paced stream over a raw connection: the latency of every chunk, from the
+/// provider's stamp to its arrival here.
+async fn paced_stream(port: u16, body: Bytes) -> Result<Vec<u64>, String> {
+    let mut stream = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .map_err(|e| e.to_string())?;
+    let _ = stream.set_nodelay(true);
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    stream
+        .write_all(head.as_bytes())
+        .await
+        .map_err(|e| e.to_string())?;
+    stream.write_all(&body).await.map_err(|e| e.to_string())?;
+    let mut buf: Vec<u8> = Vec::with_capacity(16 << 10);
+    let mut scanned = 0;
+    let mut latencies = Vec::with_capacity(PACED_CHUNKS);
+    let mut chunk = [0u8; 16 << 10];
+    let mut status_checked = false;
+    loop {
+        let n = stream.read(&mut chunk).await.map_err(|e| e.to_string())?;
+        if n == 0 {
+            break;
+        }
+        let arrived = now_us();
+        buf.extend_from_slice(&chunk[..n]);
+        if !status_checked && buf.len() >= 12 {
+            if !buf.starts_with(b"HTTP/1.1 200") {
+                return Err(String::from_utf8_lossy(&buf[..buf.len().min(200)]).into_owned());
+            }
+            status_checked = true;
+        }
+        while let Some(at) = find(&buf[scanned..], b"\"t_us\":") {
+            let start = scanned + at + 7;
+            let end = start
+                + buf[start..]
+                    .iter()
+                    .take_while(|b| b.is_ascii_digit())
+                    .count();
+            if end == buf.len() {
+                break; // the number may continue in the next read
+            }
+            let sent: u64 = std::str::from_utf8(&buf[start..end])
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(arrived);
+            latencies.push(arrived.saturating_sub(sent));
+            scanned = end;
+        }
+        if find(&buf[scanned..], b"[DONE]").is_some() {
+            break;
+        }
+        // Keep the buffer small: what was scanned is not needed again.
+        if scanned > 8 << 10 {
+            buf.drain(..scanned);
+            scanned = 0;
+        }
+    }
+    if latencies.len() + 1 < PACED_CHUNKS {
+        return Err(format!(
+            "{} of {} chunks",
+            latencies.len(),
+            PACED_CHUNKS - 1
+        ));
+    }
+    Ok(latencies)
+}
+
+async fn paced(path: &Path3) -> Paced {
+    let body = Bytes::from(format!(
+        r#"{{"model":"fake","stream":true,"pace_ms":{PACE_MS},"messages":[{{"role":"user","content":"Say something slowly."}}]}}"#
+    ));
+    let idle = path.rss();
+    let peaks = std::sync::Arc::new(std::sync::Mutex::new(idle.clone()));
+    let sampling = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let sampler = {
+        let (peaks, sampling, pids) = (peaks.clone(), sampling.clone(), path.pids.clone());
+        std::thread::spawn(move || {
+            while sampling.load(std::sync::atomic::Ordering::Relaxed) {
+                let now: Vec<u64> = pids.iter().map(|p| rss_kib(*p)).collect();
+                if let Ok(mut peaks) = peaks.lock() {
+                    for (peak, now) in peaks.iter_mut().zip(now) {
+                        *peak = (*peak).max(now);
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        })
+    };
+    let mut tasks = Vec::with_capacity(PACED_STREAMS);
+    for i in 0..PACED_STREAMS {
+        let body = body.clone();
+        let port = path.port;
+        tasks.push(tokio::spawn(async move {
+            // Spread the opens over one second, as arrivals would be.
+            tokio::time::sleep(Duration::from_micros(
+                (i as u64 * 1_000_000) / PACED_STREAMS as u64,
+            ))
+            .await;
+            paced_stream(port, body).await
+        }));
+    }
+    let mut all = Vec::new();
+    let mut errors = 0;
+    let mut first_error = None;
+    for task in tasks {
+        match task.await {
+            Ok(Ok(latencies)) => all.extend(latencies),
+            Ok(Err(e)) => {
+                errors += 1;
+                first_error.get_or_insert(e);
+            }
+            Err(_) => errors += 1,
+        }
+    }
+    if let Some(e) = first_error {
+        eprintln!("bench: {}: paced stream error: {e}", path.name);
+    }
+    sampling.store(false, std::sync::atomic::Ordering::Relaxed);
+    let _ = sampler.join();
+    let peaks = peaks.lock().map(|p| p.clone()).unwrap_or_default();
+    all.sort_unstable();
+    let pick = |q: f64| {
+        all.get(((all.len() as f64 * q) as usize).min(all.len().saturating_sub(1)))
+            .copied()
+            .unwrap_or(0) as f64
+    };
+    let started = Instant::now();
+    let within = || {
+        path.rss()
+            .iter()
+            .zip(&idle)
+            .all(|(now, idle)| *now <= 2 * *idle)
+    };
+    while !within() && started.elapsed() < Duration::from_secs(10) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Paced {
+        p50_us: pick(0.5),
+        p99_us: pick(0.99),
+        errors,
+        per_stream_kib: peaks
+            .iter()
+            .zip(&idle)
+            .map(|(peak, idle)| peak.saturating_sub(*idle) as f64 / PACED_STREAMS as f64)
+            .collect(),
+        settled: within(),
+        settle_s: started.elapsed().as_secs_f64(),
+    }
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// The median of each figure over the rounds.
+fn med(runs: &[Run]) -> Run {
+    Run {
+        rps: median(runs.iter().map(|r| r.rps).collect()),
+        p50_us: median(runs.iter().map(|r| r.p50_us).collect()),
+        p99_us: median(runs.iter().map(|r| r.p99_us).collect()),
+        errors: runs.iter().map(|r| r.errors).sum(),
+        cpu_us: median(runs.iter().map(|r| r.cpu_us).collect()),
+    }
+}
+
+fn iop_body(provider: u16) -> String {
+    format!(
+        r#"
+[[nodes]]
+id = "n1"
+token = "bench-node-token-0123456789"
+[[nodes.adapters]]
+name = "oa"
+type = "openai_compat"
+base_url = "http://127.0.0.1:{provider}"
+capacity = 4096
+targets = ["fake"]
+
+[[models]]
+name = "fake"
+providers = [{{ node = "n1", adapter = "oa", target = "fake" }}]
+"#
+    )
+}
+
+#[allow(clippy::too_many_lines)]
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("provider") {
+        let port = args
+            .get(2)
+            .and_then(|p| p.parse().ok())
+            .expect("bench provider <port>");
+        run_provider(port);
+        return;
+    }
+    let seconds: u64 = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(5);
+    let rounds: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(3);
+    ensure_tools();
+    let dir = TempDir::new("bench");
+
+    let provider_port = free_port();
+    let mut provider = Command::new(std::env::current_exe().expect("self"))
+        .args(["provider", &provider_port.to_string()])
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("provider starts");
+    wait_port(provider_port);
+
+    let (hop1, hop2) = (free_port(), free_port());
+    let mut nginx2 = start_nginx(&dir, "hop2", hop2, provider_port);
+    let mut nginx1 = start_nginx(&dir, "hop1", hop1, hop2);
+    wait_port(hop2);
+    wait_port(hop1);
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let head = "[limits]\nmax_connections = 8192\nmax_concurrent_requests = 8192\n\n[queue]\nmax_waiting = 8192\n";
+    let cluster = Cluster::start_with(Link::Plaintext, head, &iop_body(provider_port));
+    let node: Proc = cluster.node("n1", "bench-node-token-0123456789");
+    runtime.block_on(cluster.wait_ready("n1"));
+
+    if std::env::var_os("IOP_BENCH_SERVE").is_some() {
+        // For profiling: keep everything up and say where it is.
+        println!(
+            "provider {provider_port} nginx {hop1} iop {} edge pid {} node pid {}",
+            cluster.http_port,
+            cluster.edge.pid(),
+            node.pid()
+        );
+        let mut line = String::new();
+        let _ = std::io::stdin().read_line(&mut line);
+    }
+    let paths = [
+        Path3 {
+            name: "direct",
+            port: provider_port,
+            pids: vec![],
+        },
+        Path3 {
+            name: "nginx, 2 hops",
+            port: hop1,
+            pids: vec![nginx1.id(), nginx2.id()],
+        },
+        Path3 {
+            name: "IOP (plaintext link)",
+            port: cluster.http_port,
+            pids: vec![cluster.edge.pid(), node.pid()],
+        },
+    ];
+    // Warm every path up.
+    for path in &paths {
+        wrk(&dir, path, SMALL, 4, 1);
+    }
+
+    let mut single = vec![Vec::new(); paths.len()];
+    let mut many = vec![Vec::new(); paths.len()];
+    let mut sse = vec![Vec::new(); paths.len()];
+    for round in 0..rounds {
+        eprintln!("bench: round {} of {rounds}", round + 1);
+        for (i, path) in paths.iter().enumerate() {
+            single[i].push(wrk(&dir, path, SMALL, 1, seconds));
+            many[i].push(wrk(&dir, path, SMALL, 16, seconds));
+            sse[i].push(wrk(&dir, path, STREAM, 16, seconds));
+        }
+    }
+    eprintln!("bench: {PACED_STREAMS} paced streams per path");
+    let paced_runs: Vec<Paced> = paths.iter().map(|p| runtime.block_on(paced(p))).collect();
+
+    let single: Vec<Run> = single.iter().map(|r| med(r)).collect();
+    let many: Vec<Run> = many.iter().map(|r| med(r)).collect();
+    let sse: Vec<Run> = sse.iter().map(|r| med(r)).collect();
+
+    let date = String::from_utf8_lossy(
+        &Command::new("date")
+            .arg("-u")
+            .arg("+%Y-%m-%d %H:%M UTC")
+            .output()
+            .map(|o| o.stdout)
+            .unwrap_or_default(),
+    )
+    .trim()
+    .to_owned();
+    println!(
+        "Measured {date}; medians of {rounds} interleaved rounds of {seconds} s per figure; load from wrk 4.x (1 thread); {PACED_STREAMS} paced streams of {PACED_CHUNKS} chunks every {PACE_MS} ms.\n"
+    );
+    println!("| | direct | nginx, 2 hops | IOP (plaintext link) |");
+    println!("|---|---:|---:|---:|");
+    let added = |run: &Run, base: &Run| {
+        format!(
+            "+{:.0} / +{:.0} µs",
+            run.p50_us - base.p50_us,
+            run.p99_us - base.p99_us
+        )
+    };
+    println!(
+        "| small request, c=1, p50 / p99 (added) | {:.0} / {:.0} µs | {} | {} |",
+        single[0].p50_us,
+        single[0].p99_us,
+        added(&single[1], &single[0]),
+        added(&single[2], &single[0])
+    );
+    println!(
+        "| small requests, c=16, req/s (ratio to direct) | {:.0} (1.00) | {:.0} ({:.2}) | {:.0} ({:.2}) |",
+        many[0].rps,
+        many[1].rps,
+        many[1].rps / many[0].rps,
+        many[2].rps,
+        many[2].rps / many[0].rps
+    );
+    println!(
+        "| proxy CPU per small request (c=16) | – | {:.1} µs | {:.1} µs ({:.2}× nginx) |",
+        many[1].cpu_us,
+        many[2].cpu_us,
+        many[2].cpu_us / many[1].cpu_us
+    );
+    let chunks = |run: &Run| run.rps * SSE_EVENTS as f64;
+    println!(
+        "| unpaced SSE, c=16, chunks/s (ratio to direct) | {:.0} (1.00) | {:.0} ({:.2}) | {:.0} ({:.2}) |",
+        chunks(&sse[0]),
+        chunks(&sse[1]),
+        chunks(&sse[1]) / chunks(&sse[0]),
+        chunks(&sse[2]),
+        chunks(&sse[2]) / chunks(&sse[0])
+    );
+    println!(
+        "| proxy CPU per SSE chunk | – | {:.2} µs | {:.2} µs ({:.2}× nginx) |",
+        sse[1].cpu_us / SSE_EVENTS as f64,
+        sse[2].cpu_us / SSE_EVENTS as f64,
+        sse[2].cpu_us / sse[1].cpu_us
+    );
+    let base = &paced_runs[0];
+    println!(
+        "| {PACED_STREAMS} streams, {PACE_MS} ms pacing, chunk latency p50 / p99 (added) | {:.0} / {:.0} µs | +{:.1} / +{:.1} ms | +{:.1} / +{:.1} ms |",
+        base.p50_us,
+        base.p99_us,
+        (paced_runs[1].p50_us - base.p50_us) / 1e3,
+        (paced_runs[1].p99_us - base.p99_us) / 1e3,
+        (paced_runs[2].p50_us - base.p50_us) / 1e3,
+        (paced_runs[2].p99_us - base.p99_us) / 1e3
+    );
+    let per_stream = |p: &Paced| {
+        p.per_stream_kib
+            .iter()
+            .map(|k| format!("{k:.1}"))
+            .collect::<Vec<_>>()
+            .join(" + ")
+    };
+    println!(
+        "| memory per paced stream, KiB (per process) | – | {} | {} |",
+        per_stream(&paced_runs[1]),
+        per_stream(&paced_runs[2])
+    );
+    println!(
+        "| RSS back within 2× of idle after the streams | – | {} ({:.1} s) | {} ({:.1} s) |",
+        if paced_runs[1].settled { "yes" } else { "no" },
+        paced_runs[1].settle_s,
+        if paced_runs[2].settled { "yes" } else { "no" },
+        paced_runs[2].settle_s
+    );
+    let errors: Vec<String> = (0..paths.len())
+        .map(|i| {
+            (single[i].errors + many[i].errors + sse[i].errors + paced_runs[i].errors as u64)
+                .to_string()
+        })
+        .collect();
+    println!(
+        "| errors (all runs) | {} | {} | {} |",
+        errors[0], errors[1], errors[2]
+    );
+
+    for nginx in [&mut nginx1, &mut nginx2] {
+        // TERM lets the master stop its workers; KILL would orphan them.
+        let _ = Command::new("kill")
+            .args(["-TERM", &nginx.id().to_string()])
+            .status();
+        let _ = nginx.wait();
+    }
+    let _ = provider.kill();
+    let _ = provider.wait();
+    drop(node);
+    drop(cluster);
+}
