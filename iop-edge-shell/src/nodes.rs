@@ -101,6 +101,22 @@ fn handshake_failed(
     }
 }
 
+/// Smallest and largest read buffer of a node connection.
+const READ_MIN: usize = 1 << 10;
+const READ_MAX: usize = 64 << 10;
+
+/// The next read's buffer: doubled when a read filled the last one, halved when it used
+/// under a quarter, within `READ_MIN..=READ_MAX`.
+fn next_read_size(want: usize, read: usize) -> usize {
+    if read >= want {
+        (want * 2).min(READ_MAX)
+    } else if read < want / 4 {
+        (want / 2).max(READ_MIN)
+    } else {
+        want
+    }
+}
+
 /// What the writer takes frames from, and what it reports to.
 type Writes = (
     mpsc::UnboundedReceiver<Bytes>,
@@ -236,7 +252,9 @@ async fn connection(
             )
             .await
         }
-        Some(acceptor) => {
+        // Boxed: a TLS session is several KiB, and a plaintext connection's task should
+        // not carry room for one for its whole life.
+        Some(acceptor) => Box::pin(async {
             let handshake = tokio::select! {
                 () = closer.cancelled() => None,
                 () = shared.shutdown.cancelled() => None,
@@ -276,7 +294,8 @@ async fn connection(
                 Some(Ok(Err(err))) => handshake_failed(&shared, &handshake_errors, addr, &err),
                 Some(Err(_)) => handshake_failed(&shared, &handshake_errors, addr, &"timed out"),
             }
-        }
+        })
+        .await,
     }
     let _ = shared.core.send(CoreMsg::ConnClosed { conn }).await;
 }
@@ -303,11 +322,14 @@ async fn run_link<S>(
     let (mut reader, writer) = tokio::io::split(stream);
     tokio::spawn(write_loop(writer, writes));
     let mut decoder = FrameDecoder::with_max_frame_len(frame_limit.load(Ordering::Relaxed));
-    let mut buf = BytesMut::with_capacity(16 << 10);
+    // The read buffer follows the traffic: an idle node (heartbeats only) holds 1 KiB
+    // rather than a 16 KiB buffer nothing fills, a streaming one grows to 64 KiB reads.
+    let mut want = READ_MIN;
+    let mut buf = BytesMut::new();
     let mut first = true;
     let mut progress_said = tokio::time::Instant::now();
     'read: loop {
-        buf.reserve(16 << 10);
+        buf.reserve(want);
         let read = tokio::select! {
             () = closer.cancelled() => break,
             () = shutdown.cancelled() => break,
@@ -332,6 +354,7 @@ async fn run_link<S>(
                     break;
                 }
                 first = false;
+                want = next_read_size(want, n);
                 Metrics::add(&metrics.bytes_in, n as u64);
                 decoder.push_bytes(buf.split().freeze());
                 let mut envelopes = Vec::new();
@@ -381,5 +404,26 @@ async fn run_link<S>(
                 break;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_read_buffer_follows_the_traffic() {
+        // Heartbeats keep it small; a stream grows it to the cap; quiet shrinks it back.
+        assert_eq!(next_read_size(READ_MIN, 40), READ_MIN);
+        let mut want = READ_MIN;
+        for _ in 0..10 {
+            want = next_read_size(want, want);
+        }
+        assert_eq!(want, READ_MAX);
+        assert_eq!(next_read_size(READ_MAX, READ_MAX / 2), READ_MAX, "steady");
+        for _ in 0..10 {
+            want = next_read_size(want, 40);
+        }
+        assert_eq!(want, READ_MIN);
     }
 }

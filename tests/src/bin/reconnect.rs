@@ -196,11 +196,14 @@ async fn until(ready: &AtomicUsize, target: usize, limit: Duration) -> Option<Du
     None
 }
 
-/// Bare TCP connects of `n` clients to a listener that accepts and holds them.
+/// Bare TCP connects of `n` clients to a listener that accepts and holds them (the same
+/// listen backlog as the Edge's, so the reference pays no SYN retransmits the Edge avoids).
 async fn raw_connects(n: usize) -> Duration {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket
+        .bind("127.0.0.1:0".parse().expect("addr"))
         .expect("bind");
+    let listener = socket.listen(4096).expect("listen");
     let port = listener.local_addr().expect("addr").port();
     tokio::spawn(async move {
         let mut held = Vec::new();
