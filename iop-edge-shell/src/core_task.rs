@@ -42,7 +42,14 @@ pub struct Work {
     pub headers: Vec<Header>,
     /// Upper bound the node applies to the provider call.
     pub timeout: Duration,
+    /// The caller's `x-request-id` (or the one the Edge gave it): sent to the node in
+    /// the request's metadata so both sides' logs name the same request.
+    pub request_id: Arc<str>,
 }
+
+/// The metadata key that carries a request's id to the node (observation only: the node
+/// logs it and never interprets it).
+pub const REQUEST_ID_KEY: &str = "request_id";
 
 /// What happens to a request, as its handler sees it.
 #[derive(Debug)]
@@ -53,6 +60,8 @@ pub enum ReqEvent {
         shape: DispatchShape,
         /// Node chosen.
         node_id: Arc<str>,
+        /// Adapter instance chosen on it.
+        provider_id: Arc<str>,
     },
     /// A run event.
     Run(RunEvent),
@@ -679,9 +688,12 @@ impl Task {
         let dispatch = match grant.shape {
             DispatchShape::Run => Dispatch::Run(RunRequest {
                 input: work.raw,
-                metadata: [("model".to_owned(), grant.model.to_string())]
-                    .into_iter()
-                    .collect(),
+                metadata: [
+                    ("model".to_owned(), grant.model.to_string()),
+                    (REQUEST_ID_KEY.to_owned(), work.request_id.to_string()),
+                ]
+                .into_iter()
+                .collect(),
                 ..RunRequest::default()
             }),
             DispatchShape::Tunnel => {
@@ -693,6 +705,9 @@ impl Task {
                     body,
                     stream: work.stream,
                     timeout_sec: u32::try_from(work.timeout.as_secs()).unwrap_or(u32::MAX),
+                    metadata: [(REQUEST_ID_KEY.to_owned(), work.request_id.to_string())]
+                        .into_iter()
+                        .collect(),
                     ..ProviderTunnelRequest::default()
                 })
             }
@@ -700,6 +715,7 @@ impl Task {
         let _ = entry.events.send(ReqEvent::Dispatched {
             shape: grant.shape,
             node_id: grant.node_id.clone(),
+            provider_id: grant.provider_id.clone(),
         });
         misuse(
             "dispatch",

@@ -64,6 +64,8 @@ struct Inner {
     queue_wait: Histogram,
     rejected: BTreeMap<&'static str, u64>,
     violations: BTreeMap<&'static str, u64>,
+    /// Tokens providers reported, by (public model, node, provider, kind).
+    tokens: BTreeMap<(String, String, String, &'static str), u64>,
 }
 
 /// Process-wide metrics.
@@ -113,6 +115,19 @@ impl Metrics {
                 .entry(model.to_owned())
                 .or_default()
                 .observe(latency);
+        }
+    }
+
+    /// Token usage a provider reported for one request (known models only: the labels
+    /// come from configuration, never from caller input).
+    pub fn tokens(&self, model: &str, node: &str, provider: &str, prompt: u64, completion: u64) {
+        if let Ok(mut inner) = self.inner.lock() {
+            for (kind, n) in [("prompt", prompt), ("completion", completion)] {
+                *inner
+                    .tokens
+                    .entry((model.to_owned(), node.to_owned(), provider.to_owned(), kind))
+                    .or_default() += n;
+            }
         }
     }
 
@@ -177,6 +192,16 @@ impl Metrics {
                 &mut out,
                 "iop_http_time_to_first_byte_seconds",
                 &format!("model=\"{}\"", escape(model)),
+            );
+        }
+        out.push_str("# HELP iop_tokens_total Tokens providers reported using, by public model, node, provider and kind (prompt, completion).\n# TYPE iop_tokens_total counter\n");
+        for ((model, node, provider, kind), n) in &inner.tokens {
+            let _ = writeln!(
+                out,
+                "iop_tokens_total{{model=\"{}\",node=\"{}\",provider=\"{}\",kind=\"{kind}\"}} {n}",
+                escape(model),
+                escape(node),
+                escape(provider)
             );
         }
         out.push_str("# HELP iop_queue_wait_seconds Time requests waited for provider capacity.\n# TYPE iop_queue_wait_seconds histogram\n");

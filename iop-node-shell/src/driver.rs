@@ -18,7 +18,7 @@ use iop_proto_core::{
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{Instrument, debug, info, warn};
 
 use crate::adapters::{AdapterHost, HttpClient, Output, Sink};
 use crate::stats::TransportStats;
@@ -267,6 +267,16 @@ fn on_read(
     }
 }
 
+/// The Edge's request id from a request's metadata (`-` from an Edge that sends none).
+/// Observation only: it names the request in logs and nothing else.
+fn request_id_of(metadata: &std::collections::BTreeMap<String, String>) -> String {
+    metadata
+        .get("request_id")
+        .filter(|id| id.len() <= 128)
+        .cloned()
+        .unwrap_or_else(|| "-".to_owned())
+}
+
 fn apply_output(
     output: Output,
     session: &mut NodeSession,
@@ -340,12 +350,16 @@ fn handle_event(
             info!(node_id, "ready: the edge may dispatch work");
         }
         SessionEvent::StartRun { request } => {
-            debug!(
+            let request_id = request_id_of(&request.metadata);
+            info!(
                 node_id,
                 run_id = request.run_id,
+                request_id,
                 adapter = request.adapter,
                 "run started"
             );
+            // Whatever the adapter logs names the request as the Edge's log does.
+            let span = tracing::info_span!("run", run_id = request.run_id, request_id);
             let (run_id, adapter) = (request.run_id.clone(), request.adapter.clone());
             spawn_work(
                 host,
@@ -353,19 +367,25 @@ fn handle_event(
                 out_tx,
                 run_id,
                 &adapter,
-                |adapter, sink, token| async move {
-                    adapter.run(request, sink, token).await;
+                |adapter, sink, token| {
+                    async move {
+                        adapter.run(request, sink, token).await;
+                    }
+                    .instrument(span)
                 },
             );
         }
         SessionEvent::StartTunnel { request } => {
-            debug!(
+            let request_id = request_id_of(&request.metadata);
+            info!(
                 node_id,
                 run_id = request.run_id,
+                request_id,
                 adapter = request.adapter,
                 path = request.path,
                 "tunnel opened"
             );
+            let span = tracing::info_span!("tunnel", run_id = request.run_id, request_id);
             let (run_id, adapter) = (request.run_id.clone(), request.adapter.clone());
             spawn_work(
                 host,
@@ -373,8 +393,11 @@ fn handle_event(
                 out_tx,
                 run_id,
                 &adapter,
-                |adapter, sink, token| async move {
-                    adapter.tunnel(request, sink, token).await;
+                |adapter, sink, token| {
+                    async move {
+                        adapter.tunnel(request, sink, token).await;
+                    }
+                    .instrument(span)
                 },
             );
         }

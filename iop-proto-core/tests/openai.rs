@@ -928,3 +928,70 @@ fn text_tool_calls_are_restored_only_from_a_call_shape() {
     assert!(parse_text_tool_calls("{\"tool_calls\": []}", "r1").is_none());
     assert!(parse_text_tool_calls("{\"tool_calls\": [{\"arguments\": {}}]}", "r1").is_none());
 }
+
+#[test]
+fn the_usage_a_provider_reports_is_observed_for_logs_and_metrics() {
+    // A run: usage on the terminal event, whole or streamed, asked for or not.
+    for stream in [false, true] {
+        let mut r = Responder::new(options(stream, false, false));
+        assert!(r.usage().is_none());
+        run(
+            &mut r,
+            vec![
+                In::Dispatched(DispatchShape::Run),
+                In::Start,
+                In::Complete {
+                    usage: true,
+                    metadata: &[],
+                },
+            ],
+        );
+        let usage = r.usage().expect("observed");
+        assert_eq!((usage.prompt_tokens, usage.completion_tokens), (5, 2));
+    }
+    // A tunnel: a USAGE frame is observed and never reaches the body.
+    let mut r = Responder::new(options(true, false, false));
+    let mut out = run(
+        &mut r,
+        vec![
+            In::Dispatched(DispatchShape::Tunnel),
+            In::Status(200, &[("content-type", "text/event-stream")]),
+            In::Body("data: {}\n\n"),
+        ],
+    );
+    r.handle_tunnel_frame(ProviderTunnelFrame {
+        run_id: "run-7".into(),
+        kind: TunnelFrameKind::Usage as i32,
+        usage: Some(Usage {
+            prompt_tokens: 11,
+            completion_tokens: 3,
+            total_tokens: 14,
+        }),
+        ..ProviderTunnelFrame::default()
+    });
+    out.extend(std::iter::from_fn(|| r.poll_output()));
+    assert_eq!(r.usage().map(|u| u.total_tokens), Some(14));
+    let body: Vec<u8> = out
+        .iter()
+        .filter_map(|o| match o {
+            Out::Data(b) => Some(b.to_vec()),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert_eq!(body, b"data: {}\n\n", "usage stays out of the body");
+    // No report, no usage.
+    let mut r = Responder::new(options(false, false, false));
+    run(
+        &mut r,
+        vec![
+            In::Dispatched(DispatchShape::Run),
+            In::Start,
+            In::Complete {
+                usage: false,
+                metadata: &[],
+            },
+        ],
+    );
+    assert!(r.usage().is_none());
+}

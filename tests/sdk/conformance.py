@@ -188,6 +188,16 @@ def main():
             ids = sorted(m.id for m in client.models.list())
             assert ids == ["embed", "mock-chat"], ids
 
+        def retrieve_model():
+            m = client.models.retrieve("mock-chat")
+            assert m.id == "mock-chat" and m.object == "model", m
+            try:
+                client.models.retrieve("no-such-model")
+            except openai.NotFoundError as err:
+                assert err.status_code == 404
+                return
+            raise AssertionError("no NotFoundError from models.retrieve")
+
         def unknown_model():
             try:
                 client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
@@ -212,6 +222,7 @@ def main():
             ("chat.completions.create(tools=..., stream=True)", chat_tools_stream),
             ("embeddings.create", embeddings),
             ("models.list", models),
+            ("models.retrieve", retrieve_model),
             ("NotFoundError for an unknown model", unknown_model),
             ("AuthenticationError for a bad API key", bad_key),
         ]:

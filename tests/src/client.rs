@@ -20,6 +20,7 @@ pub struct Http {
     client: Client<HttpConnector, Full<Bytes>>,
     base: String,
     authorization: Option<String>,
+    extra: Vec<(String, String)>,
 }
 
 /// A response read to the end.
@@ -56,6 +57,7 @@ impl Http {
             client: Client::builder(TokioExecutor::new()).build(connector),
             base: format!("http://127.0.0.1:{port}"),
             authorization: None,
+            extra: Vec::new(),
         }
     }
 
@@ -63,6 +65,13 @@ impl Http {
     #[must_use]
     pub fn with_key(self, key: &str) -> Self {
         self.with_authorization(&format!("Bearer {key}"))
+    }
+
+    /// The same client sending one more header on every request.
+    #[must_use]
+    pub fn with_header(mut self, name: &str, value: &str) -> Self {
+        self.extra.push((name.to_owned(), value.to_owned()));
+        self
     }
 
     /// The same client sending `Authorization: value` as given.
@@ -79,6 +88,9 @@ impl Http {
             .header("content-type", "application/json");
         if let Some(value) = &self.authorization {
             builder = builder.header("authorization", value.as_str());
+        }
+        for (name, value) in &self.extra {
+            builder = builder.header(name.as_str(), value.as_str());
         }
         let request = builder.body(Full::new(body)).expect("request");
         tokio::time::timeout(Duration::from_secs(30), self.client.request(request))

@@ -222,6 +222,18 @@ async fn chat_completions_through_both_shapes_and_embeddings_through_the_tunnel(
             "vllm-chat"
         ]
     );
+    // One model, as the SDK's models.retrieve asks for it; an unknown one is OpenAI's 404.
+    let one = http.get("/v1/models/mock-chat").await;
+    assert_eq!(one.status, 200);
+    assert_eq!(one.json()["id"], "mock-chat");
+    assert_eq!(one.json()["object"], "model");
+    let missing = http.get("/v1/models/no-such-model").await;
+    assert_eq!(missing.status, 404);
+    assert_eq!(missing.json()["error"]["code"], "model_not_found");
+    assert_eq!(
+        http.call("DELETE", "/v1/models/mock-chat").await.status,
+        405
+    );
     // vLLM is an OpenAI-compatible tunnel too.
     let r = http
         .post("/v1/chat/completions", &chat("vllm-chat", false))

@@ -19,6 +19,10 @@ pub(super) async fn snapshot(state: &State) -> Option<Snapshot> {
     rx.await.ok()
 }
 
+fn model_object(name: &str) -> Value {
+    json!({ "id": name, "object": "model", "created": 0, "owned_by": "iop" })
+}
+
 pub(super) async fn models(state: &State) -> Response<ResBody> {
     let Some(snapshot) = snapshot(state).await else {
         return api_error(&ApiError::shutting_down());
@@ -26,12 +30,54 @@ pub(super) async fn models(state: &State) -> Response<ResBody> {
     let data: Vec<Value> = snapshot
         .queue_by_model
         .iter()
-        .map(|(name, _)| json!({ "id": name, "object": "model", "created": 0, "owned_by": "iop" }))
+        .map(|(name, _)| model_object(name))
         .collect();
     json_response(
         StatusCode::OK,
         Bytes::from(json!({ "object": "list", "data": data }).to_string()),
     )
+}
+
+/// `GET /v1/models/{id}`: the model object, or OpenAI's 404 `model_not_found`. The id is
+/// the rest of the path, percent-decoded (model names such as `llama3.1:8b` or
+/// `org/model` reach it whole).
+pub(super) async fn model(state: &State, id: &str) -> Response<ResBody> {
+    let Some(snapshot) = snapshot(state).await else {
+        return api_error(&ApiError::shutting_down());
+    };
+    let id = percent_decode(id);
+    if snapshot.queue_by_model.iter().any(|(name, _)| *name == id) {
+        return json_response(StatusCode::OK, Bytes::from(model_object(&id).to_string()));
+    }
+    error(
+        StatusCode::NOT_FOUND,
+        &format!("The model `{id}` does not exist or you do not have access to it."),
+        ErrorType::InvalidRequest,
+        Some("model_not_found"),
+    )
+}
+
+/// `%XX` escapes decoded; anything malformed is kept as it is.
+fn percent_decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        if bytes[i] == b'%'
+            && let (Some(hi), Some(lo)) = (
+                bytes.get(i + 1).copied().and_then(hex),
+                bytes.get(i + 2).copied().and_then(hex),
+            )
+        {
+            out.push((hi * 16 + lo) as u8);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// `LocalInference` → `local_inference`: the wire enum names, as configuration spells them.

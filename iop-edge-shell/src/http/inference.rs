@@ -18,12 +18,12 @@ use iop_proto_core::RequestId;
 use iop_proto_core::openai::{
     ApiError, Endpoint, ErrorType, Out, Responder, ResponseOptions, inspect,
 };
-use iop_proto_core::wire::Header;
+use iop_proto_core::wire::{Header, Usage};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::{Instant, Sleep};
-use tracing::error;
+use tracing::{error, info};
 
-use super::{ResBody, State, api_error, json_response, now_secs};
+use super::{Caller, ResBody, State, api_error, json_response, now_secs};
 use crate::config::HttpSettings;
 use crate::core_task::{CoreMsg, Events, ReqEvent, Work};
 use crate::memory::RequestMemory;
@@ -66,25 +66,109 @@ impl Drop for CancelGuard {
     }
 }
 
+/// What a request's log line and metrics record, gathered while it runs.
 struct Finish {
     metrics: Arc<Metrics>,
     model: String,
     started: Instant,
-    first_byte: bool,
+    first_byte: Option<Duration>,
+    request_id: Arc<str>,
+    caller: Caller,
+    endpoint: Endpoint,
+    /// Node and adapter it was dispatched to, and when.
+    dispatched: Option<(Arc<str>, Arc<str>, Duration)>,
 }
 
 impl Finish {
+    fn dispatched(&mut self, node: Arc<str>, provider: Arc<str>) {
+        self.dispatched = Some((node, provider, self.started.elapsed()));
+    }
+
     fn first_byte(&mut self) {
-        if !self.first_byte {
-            self.first_byte = true;
-            self.metrics.first_byte(&self.model, self.started.elapsed());
+        if self.first_byte.is_none() {
+            let ttfb = self.started.elapsed();
+            self.first_byte = Some(ttfb);
+            self.metrics.first_byte(&self.model, ttfb);
         }
     }
 
-    fn done(&self, status: u16) {
-        self.metrics
-            .request(&self.model, status, self.started.elapsed());
+    /// Records the request's figures and writes its one log line.
+    fn done(&self, status: u16, usage: Option<&Usage>) {
+        let duration = self.started.elapsed();
+        self.metrics.request(&self.model, status, duration);
+        let (node, provider, queued) = match &self.dispatched {
+            Some((node, provider, at)) => (&**node, &**provider, Some(*at)),
+            None => ("-", "-", None),
+        };
+        if let Some(u) = usage {
+            self.metrics.tokens(
+                &self.model,
+                node,
+                provider,
+                u.prompt_tokens,
+                u.completion_tokens,
+            );
+        }
+        // Milliseconds to the microsecond; -1 for a step the request never reached.
+        let ms = |d: Option<Duration>| d.map_or(-1.0, |d| d.as_micros() as f64 / 1e3);
+        info!(
+            target: "iop::request",
+            request_id = &*self.request_id,
+            caller = %self.caller,
+            endpoint = self.endpoint.path(),
+            model = %self.model,
+            node,
+            provider,
+            status,
+            queue_ms = ms(queued),
+            ttfb_ms = ms(self.first_byte),
+            duration_ms = ms(Some(duration)),
+            prompt_tokens = usage.map(|u| u.prompt_tokens),
+            completion_tokens = usage.map(|u| u.completion_tokens),
+            "request"
+        );
     }
+}
+
+/// The response header that names a request; the caller may choose the value.
+pub(super) const REQUEST_ID_HEADER: &str = "x-request-id";
+
+/// The caller's `x-request-id` when it is a sane token (1-128 characters of
+/// `A-Z a-z 0-9 - _ . : / + = @`, so it is safe in logs and headers); else a fresh id.
+pub(super) fn request_id(headers: &http::HeaderMap) -> Arc<str> {
+    let given = headers
+        .get(REQUEST_ID_HEADER)
+        .map(HeaderValue::as_bytes)
+        .filter(|v| {
+            (1..=128).contains(&v.len())
+                && v.iter()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_.:/+=@".contains(b))
+        });
+    match given {
+        // Checked to be ASCII above.
+        Some(v) => Arc::from(String::from_utf8_lossy(v).as_ref()),
+        None => fresh_request_id(),
+    }
+}
+
+/// `req_` and 24 hex digits: a random per-process prefix and a counter, unique across
+/// restarts and cheap to make. Not a secret.
+fn fresh_request_id() -> Arc<str> {
+    use std::hash::{BuildHasher, Hasher};
+    use std::sync::OnceLock;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static PREFIX: OnceLock<u64> = OnceLock::new();
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let prefix = *PREFIX.get_or_init(|| {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u32(std::process::id());
+        if let Ok(t) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
+            h.write_u128(t.as_nanos());
+        }
+        h.finish()
+    });
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    Arc::from(format!("req_{prefix:016x}{:08x}", n & 0xFFFF_FFFF).as_str())
 }
 
 /// Reads a request body within the size limit, the memory budget and the body deadline,
@@ -166,22 +250,62 @@ async fn read_body(
     Ok(buf.freeze())
 }
 
-/// `POST /v1/chat/completions`, `/v1/completions`, `/v1/embeddings`.
+/// `POST /v1/chat/completions`, `/v1/completions`, `/v1/embeddings`. Every answer, error
+/// or not, names the request in `x-request-id`.
 pub(super) async fn inference(
     req: Request<Incoming>,
     state: Arc<State>,
     endpoint: Endpoint,
+    caller: Caller,
+) -> Response<ResBody> {
+    let id = request_id(req.headers());
+    let mut response = handle(req, state, endpoint, caller, id.clone()).await;
+    if let Ok(value) = HeaderValue::from_str(&id) {
+        response.headers_mut().insert(REQUEST_ID_HEADER, value);
+    }
+    response
+}
+
+async fn handle(
+    req: Request<Incoming>,
+    state: Arc<State>,
+    endpoint: Endpoint,
+    caller: Caller,
+    request_id: Arc<str>,
 ) -> Response<ResBody> {
     let started = Instant::now();
     let settings = state.settings();
+    // Until the body names a model the Edge serves, the metric label says `_unknown`.
+    let mut finish = Finish {
+        metrics: state.metrics.clone(),
+        model: "_unknown".to_owned(),
+        started,
+        first_byte: None,
+        request_id: request_id.clone(),
+        caller,
+        endpoint,
+        dispatched: None,
+    };
+    let refuse = |finish: &Finish, refusal: &ApiError| {
+        finish.done(refusal.status, None);
+        api_error(refusal)
+    };
+    // The provider sees the request under the same id as the caller and both logs.
     let headers: Vec<Header> = req
         .headers()
         .iter()
-        .filter(|(name, _)| iop_proto_core::tunnel::forwards_request_header(name.as_str()))
+        .filter(|(name, _)| {
+            iop_proto_core::tunnel::forwards_request_header(name.as_str())
+                && *name != REQUEST_ID_HEADER
+        })
         .map(|(name, value)| Header {
             name: name.as_str().to_owned(),
             value: Bytes::copy_from_slice(value.as_bytes()),
         })
+        .chain(std::iter::once(Header {
+            name: REQUEST_ID_HEADER.to_owned(),
+            value: Bytes::copy_from_slice(request_id.as_bytes()),
+        }))
         .collect();
     let content_length = req
         .headers()
@@ -198,21 +322,24 @@ pub(super) async fn inference(
     };
     let raw = match read_body(req.into_body(), content_length, &settings, &memory).await {
         Ok(raw) => raw,
-        Err(refusal) => return api_error(&refusal),
+        Err(refusal) => return refuse(&finish, &refusal),
     };
     // The concurrency permit is taken only once the body is in: slow senders cannot hold
     // the permits every other caller needs.
     let Ok(permit) = state.permits.clone().try_acquire_owned() else {
-        return api_error(&ApiError::new(
-            503,
-            ErrorType::Server,
-            "too many concurrent requests",
-            Some("overloaded"),
-        ));
+        return refuse(
+            &finish,
+            &ApiError::new(
+                503,
+                ErrorType::Server,
+                "too many concurrent requests",
+                Some("overloaded"),
+            ),
+        );
     };
     let asked = match inspect(&raw, endpoint) {
         Ok(asked) => asked,
-        Err(refusal) => return api_error(&refusal),
+        Err(refusal) => return refuse(&finish, &refusal),
     };
 
     let (reply, answer) = oneshot::channel();
@@ -222,6 +349,7 @@ pub(super) async fn inference(
         stream: asked.stream,
         headers,
         timeout: settings.response_timeout,
+        request_id,
     };
     let submit = CoreMsg::Submit {
         model: asked.model.clone(),
@@ -232,14 +360,9 @@ pub(super) async fn inference(
         reply,
     };
     if state.core.send(submit).await.is_err() {
-        return api_error(&ApiError::shutting_down());
+        return refuse(&finish, &ApiError::shutting_down());
     }
-    let mut finish = Finish {
-        metrics: state.metrics.clone(),
-        model: asked.model.clone(),
-        started,
-        first_byte: false,
-    };
+    finish.model.clone_from(&asked.model);
     let request = match answer.await {
         Ok(Ok(request)) => request,
         Ok(Err(refused)) => {
@@ -247,11 +370,9 @@ pub(super) async fn inference(
                 // Unknown names are caller input: keep them out of metric labels.
                 finish.model = "_unknown".to_owned();
             }
-            let refusal = ApiError::from_submit(&refused, endpoint);
-            finish.done(refusal.status);
-            return api_error(&refusal);
+            return refuse(&finish, &ApiError::from_submit(&refused, endpoint));
         }
-        Err(_) => return api_error(&ApiError::shutting_down()),
+        Err(_) => return refuse(&finish, &ApiError::shutting_down()),
     };
     let guard = CancelGuard {
         core: state.core.clone(),
@@ -352,7 +473,14 @@ impl Live {
 
     fn feed(&mut self, event: ReqEvent) {
         match event {
-            ReqEvent::Dispatched { shape, .. } => self.responder.handle_dispatched(shape),
+            ReqEvent::Dispatched {
+                shape,
+                node_id,
+                provider_id,
+            } => {
+                self.finish.dispatched(node_id, provider_id);
+                self.responder.handle_dispatched(shape);
+            }
             ReqEvent::Run(event) => {
                 self.finish.first_byte();
                 self.responder.handle_run_event(event);
@@ -372,7 +500,10 @@ impl Live {
             self.guard.disarm();
         }
         if !std::mem::replace(&mut self.recorded, true) {
-            self.finish.done(self.responder.status().unwrap_or(599));
+            self.finish.done(
+                self.responder.status().unwrap_or(599),
+                self.responder.usage(),
+            );
         }
     }
 }
@@ -442,7 +573,7 @@ async fn respond(
                         response
                     }
                     Err(refusal) => {
-                        live.finish.done(refusal.status);
+                        live.finish.done(refusal.status, live.responder.usage());
                         live.recorded = true;
                         api_error(&refusal)
                     }

@@ -316,9 +316,10 @@ async fn route(
     peer: std::net::SocketAddr,
 ) -> Response<ResBody> {
     let path = req.uri().path().to_owned();
-    if let Some(denied) = authorize(&req, peer, &state.settings(), access(&path)) {
-        return denied;
-    }
+    let caller = match authorize(&req, peer, &state.settings(), access(&path)) {
+        Ok(caller) => caller,
+        Err(denied) => return *denied,
+    };
     if let Some(allow) = allowed_method(&path)
         && req.method().as_str() != allow
     {
@@ -351,15 +352,18 @@ async fn route(
             r
         }
         (Method::GET, "/v1/models") => admin::models(&state).await,
+        (Method::GET, path) if path.starts_with("/v1/models/") => {
+            admin::model(&state, &path["/v1/models/".len()..]).await
+        }
         (Method::GET, "/v1/status") => admin::status(&state).await,
         (Method::POST, "/v1/chat/completions") => {
-            inference::inference(req, state, Endpoint::Chat).await
+            inference::inference(req, state, Endpoint::Chat, caller).await
         }
         (Method::POST, "/v1/completions") => {
-            inference::inference(req, state, Endpoint::Completions).await
+            inference::inference(req, state, Endpoint::Completions, caller).await
         }
         (Method::POST, "/v1/embeddings") => {
-            inference::inference(req, state, Endpoint::Embeddings).await
+            inference::inference(req, state, Endpoint::Embeddings, caller).await
         }
         (_, path) if path.starts_with("/v1/nodes/") => admin::node_command(req, &state).await,
         _ => error(
@@ -376,6 +380,7 @@ fn allowed_method(path: &str) -> Option<&'static str> {
     match path {
         "/healthz" | "/metrics" | "/v1/models" | "/v1/status" => Some("GET"),
         "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings" => Some("POST"),
+        p if p.starts_with("/v1/models/") => Some("GET"),
         _ => {
             let (_, what) = path.strip_prefix("/v1/nodes/")?.split_once('/')?;
             match what {
@@ -403,17 +408,31 @@ fn bearer(req: &Request<Incoming>) -> Option<&str> {
         .filter(|t| !t.is_empty())
 }
 
-/// `None` when the caller may use a route of `access`; else the 401 or 403 to answer.
+/// Who is calling, for request logs: which configured key matched (`api_keys[2]`,
+/// `admin_keys[0]`), never the key itself; `anonymous` where no key is required.
+pub(crate) type Caller = String;
+
+/// The caller when it may use a route of `access`; else the 401 or 403 to answer.
 fn authorize(
     req: &Request<Incoming>,
     peer: std::net::SocketAddr,
     settings: &HttpSettings,
     access: Access,
-) -> Option<Response<ResBody>> {
+) -> Result<Caller, Box<Response<ResBody>>> {
     use iop_proto_core::TokenVerifier;
     let presented = bearer(req).map(str::as_bytes);
     let is =
         |keys: &[TokenVerifier]| presented.is_some_and(|p| TokenVerifier::find(keys, p).is_some());
+    let who = || {
+        let index = |keys: &[TokenVerifier]| presented.and_then(|p| TokenVerifier::find(keys, p));
+        if let Some(i) = index(&settings.api_keys) {
+            format!("api_keys[{i}]")
+        } else if let Some(i) = index(&settings.admin_keys) {
+            format!("admin_keys[{i}]")
+        } else {
+            "anonymous".to_owned()
+        }
+    };
     let unauthorized = || {
         let mut r = error(
             StatusCode::UNAUTHORIZED,
@@ -434,29 +453,33 @@ fn authorize(
         )
     };
     match access {
-        Access::Open => None,
+        Access::Open => Ok(who()),
         Access::Client => {
             if settings.api_keys.is_empty() || is(&settings.api_keys) || is(&settings.admin_keys) {
-                None
+                Ok(who())
             } else {
-                Some(unauthorized())
+                Err(Box::new(unauthorized()))
             }
         }
-        Access::Admin if settings.admin_keys.is_empty() => (!peer.ip().is_loopback()).then(|| {
-            forbidden(
-                "This route is for operators: configure [auth] admin_keys to reach it from \
-                 another host.",
-            )
-        }),
+        Access::Admin if settings.admin_keys.is_empty() => {
+            if peer.ip().is_loopback() {
+                Ok(who())
+            } else {
+                Err(Box::new(forbidden(
+                    "This route is for operators: configure [auth] admin_keys to reach it \
+                     from another host.",
+                )))
+            }
+        }
         Access::Admin => {
             if is(&settings.admin_keys) {
-                None
+                Ok(who())
             } else if is(&settings.api_keys) {
-                Some(forbidden(
+                Err(Box::new(forbidden(
                     "This route needs an admin key, not a client key.",
-                ))
+                )))
             } else {
-                Some(unauthorized())
+                Err(Box::new(unauthorized()))
             }
         }
     }

@@ -123,6 +123,8 @@ pub struct Responder {
     status: Option<u16>,
     /// The Edge machine has ended (or is ending) the request on its own.
     settled: bool,
+    /// The last token usage the provider reported (run events or tunnel `USAGE` frames).
+    usage: Option<Usage>,
 }
 
 impl Responder {
@@ -135,7 +137,16 @@ impl Responder {
             out: VecDeque::new(),
             status: None,
             settled: false,
+            usage: None,
         }
+    }
+
+    /// The token usage the provider reported for this request, if it did (the last
+    /// report wins): for request logs and usage metrics. A tunnel's usage is observed
+    /// from its `USAGE` frames and never changes the body.
+    #[must_use]
+    pub fn usage(&self) -> Option<&Usage> {
+        self.usage.as_ref()
     }
 
     /// The next piece of the response to write.
@@ -195,6 +206,9 @@ impl Responder {
     /// A run event of the request, in sequence order (the Edge machine checked it).
     pub fn handle_run_event(&mut self, event: RunEvent) {
         let kind = RunEventType::try_from(event.r#type).ok();
+        if event.usage.is_some() {
+            self.usage.clone_from(&event.usage);
+        }
         match &mut self.phase {
             Phase::Whole { content, usage } => {
                 content.push_str(&event.delta);
@@ -227,6 +241,9 @@ impl Responder {
     /// A tunnel frame of the request, in sequence order (the Edge machine checked it).
     pub fn handle_tunnel_frame(&mut self, frame: ProviderTunnelFrame) {
         let kind = TunnelFrameKind::try_from(frame.kind).ok();
+        if kind == Some(TunnelFrameKind::Usage) && frame.usage.is_some() {
+            self.usage.clone_from(&frame.usage);
+        }
         match (&mut self.phase, kind) {
             (Phase::TunnelHead, Some(TunnelFrameKind::Status)) => {
                 let status = u16::try_from(frame.status_code)

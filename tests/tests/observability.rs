@@ -1,0 +1,194 @@
+//! What an operator reads about each request: the `x-request-id` that names it from the
+//! caller through the Edge and the Node to the provider, the one log line per request,
+//! and the token usage metrics.
+
+use std::time::Duration;
+
+use iop_blackbox::Proc;
+use iop_blackbox::client::Cluster;
+use iop_blackbox::fake::{self, Behaviour, Flavor};
+use iop_blackbox::wait_until;
+use serde_json::json;
+
+fn body(oa: &str) -> String {
+    format!(
+        r#"
+[[nodes]]
+id = "n1"
+token = "tok-1-long-enough-secret"
+[[nodes.adapters]]
+name = "mock"
+type = "mock"
+capacity = 2
+targets = ["m"]
+[[nodes.adapters]]
+name = "oa"
+type = "openai_compat"
+base_url = "{oa}"
+capacity = 2
+targets = ["gpt-x"]
+
+[[models]]
+name = "mock-chat"
+providers = [{{ node = "n1", adapter = "mock", target = "m" }}]
+[[models]]
+name = "tunnel-chat"
+providers = [{{ node = "n1", adapter = "oa", target = "gpt-x" }}]
+"#
+    )
+}
+
+async fn ready(oa: &str) -> (Cluster, Proc) {
+    let cluster = Cluster::start("", &body(oa));
+    let node = cluster.node("n1", "tok-1-long-enough-secret");
+    cluster.wait_ready("n1").await;
+    (cluster, node)
+}
+
+fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    headers
+        .iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.as_str())
+}
+
+fn chat(model: &str) -> serde_json::Value {
+    json!({"model": model, "messages": [{"role": "user", "content": "hello"}]})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_id_names_the_request_from_the_caller_to_the_provider() {
+    let fake = fake::start(Flavor::OpenAi, Behaviour::default()).await;
+    let (cluster, node) = ready(&fake.url()).await;
+
+    // The caller's id comes back, reaches the provider, and is in both processes' logs.
+    let given = "trace-4f1c:abc_123";
+    let http = cluster.http().with_header("x-request-id", given);
+    for model in ["tunnel-chat", "mock-chat"] {
+        let r = http.post("/v1/chat/completions", &chat(model)).await;
+        assert_eq!(r.status, 200, "{model}");
+        assert_eq!(header(&r.headers, "x-request-id"), Some(given), "{model}");
+    }
+    let upstream = fake.state.requests();
+    assert!(
+        upstream
+            .iter()
+            .any(|r| header(&r.headers, "x-request-id") == Some(given)),
+        "the provider saw the id: {upstream:?}"
+    );
+    assert!(
+        wait_until(Duration::from_secs(5), || {
+            let log = cluster.edge.log();
+            log.lines()
+                .filter(|l| l.contains(given) && l.contains("request"))
+                .count()
+                >= 2
+        }),
+        "one edge line per request:\n{}",
+        cluster.edge.log()
+    );
+    let edge_log = cluster.edge.log();
+    let line = edge_log
+        .lines()
+        .find(|l| l.contains(given) && l.contains("mock-chat"))
+        .expect("the mock request's line");
+    for field in [
+        "status=200",
+        "node=\"n1\"",
+        "provider=\"mock\"",
+        "ttfb_ms=",
+        "duration_ms=",
+        "queue_ms=",
+        "caller=anonymous",
+    ] {
+        assert!(
+            line.contains(field) || line.contains(&field.replace('"', "")),
+            "{field} missing from {line}"
+        );
+    }
+    assert!(
+        wait_until(Duration::from_secs(5), || node.log().contains(given)),
+        "the node logs the id:\n{}",
+        node.log()
+    );
+
+    // Without one (or with one unfit for logs) the Edge makes one, different every time.
+    let mut made = Vec::new();
+    for http in [
+        cluster.http(),
+        cluster.http(),
+        cluster
+            .http()
+            .with_header("x-request-id", "has spaces and \"quotes\""),
+    ] {
+        let r = http.post("/v1/chat/completions", &chat("mock-chat")).await;
+        let id = header(&r.headers, "x-request-id")
+            .expect("an id")
+            .to_owned();
+        assert!(id.starts_with("req_") && id.len() == 28, "{id}");
+        made.push(id);
+    }
+    made.sort();
+    made.dedup();
+    assert_eq!(made.len(), 3, "fresh ids are unique");
+
+    // Refusals are named too.
+    let r = cluster
+        .http()
+        .with_header("x-request-id", "refused-1")
+        .post("/v1/chat/completions", &chat("no-such-model"))
+        .await;
+    assert_eq!(r.status, 404);
+    assert_eq!(header(&r.headers, "x-request-id"), Some("refused-1"));
+    assert!(wait_until(Duration::from_secs(5), || {
+        cluster
+            .edge
+            .log()
+            .lines()
+            .any(|l| l.contains("refused-1") && l.contains("status=404"))
+    }));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn token_usage_the_providers_report_is_counted_by_model_and_provider() {
+    let fake = fake::start(Flavor::OpenAi, Behaviour::default()).await;
+    let (cluster, _node) = ready(&fake.url()).await;
+    let http = cluster.http();
+    // A run reports usage on its terminal event; a tunnel's usage is observed from the
+    // provider's body (non-streamed) or its usage chunk (streamed).
+    for _ in 0..2 {
+        let r = http
+            .post("/v1/chat/completions", &chat("tunnel-chat"))
+            .await;
+        assert_eq!(r.status, 200);
+    }
+    let r = http.post("/v1/chat/completions", &chat("mock-chat")).await;
+    assert_eq!(r.status, 200);
+    let reported = r.json()["usage"].clone();
+    assert!(reported["prompt_tokens"].as_u64().is_some(), "{reported}");
+
+    let metrics = cluster.admin().get("/metrics").await;
+    assert_eq!(metrics.status, 200);
+    let text = String::from_utf8_lossy(&metrics.body).into_owned();
+    let value = |labels: &str| -> Option<u64> {
+        text.lines()
+            .find(|l| l.starts_with(&format!("iop_tokens_total{{{labels}}} ")))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+    };
+    // The fake provider reports 7 prompt tokens and 16 completion tokens per call.
+    assert_eq!(
+        value(r#"model="tunnel-chat",node="n1",provider="oa",kind="prompt""#),
+        Some(14),
+        "{text}"
+    );
+    assert_eq!(
+        value(r#"model="tunnel-chat",node="n1",provider="oa",kind="completion""#),
+        Some(2 * Behaviour::default().words as u64),
+        "{text}"
+    );
+    assert_eq!(
+        value(r#"model="mock-chat",node="n1",provider="mock",kind="prompt""#),
+        reported["prompt_tokens"].as_u64(),
+        "{text}"
+    );
+}
