@@ -543,11 +543,23 @@ async fn a_tunnel_response_carries_only_the_allow_listed_provider_headers() {
             );
         }
         for (kept, value) in KEPT_HEADERS {
+            // The provider's own request id stays visible beside the Edge's.
+            let kept = if kept == "x-request-id" {
+                "x-upstream-request-id"
+            } else {
+                kept
+            };
             assert!(
                 headers.iter().any(|(k, v)| k == kept && v == value),
                 "{what} response lost {kept}: {headers:?}"
             );
         }
+        assert!(
+            headers
+                .iter()
+                .any(|(k, v)| k == "x-request-id" && v.starts_with("req_")),
+            "{what} response has the Edge's request id: {headers:?}"
+        );
         assert!(headers.iter().any(|(k, _)| k == "content-type"));
     }
 }

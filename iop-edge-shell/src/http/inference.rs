@@ -133,6 +133,9 @@ impl Finish {
 /// The response header that names a request; the caller may choose the value.
 pub(super) const REQUEST_ID_HEADER: &str = "x-request-id";
 
+/// Where a tunnelled provider's own `x-request-id` goes when it differs from ours.
+pub(super) const UPSTREAM_REQUEST_ID_HEADER: &str = "x-upstream-request-id";
+
 /// The caller's `x-request-id` when it is a sane token (1-128 characters of
 /// `A-Z a-z 0-9 - _ . : / + = @`, so it is safe in logs and headers); else a fresh id.
 pub(super) fn request_id(headers: &http::HeaderMap) -> Arc<str> {
@@ -260,8 +263,16 @@ pub(super) async fn inference(
 ) -> Response<ResBody> {
     let id = request_id(req.headers());
     let mut response = handle(req, state, endpoint, caller, id.clone()).await;
+    let headers = response.headers_mut();
+    // A provider that names the request its own way (OpenAI's `req_…`) keeps its id
+    // visible under another name; the caller's id is the one `x-request-id` carries.
+    if let Some(upstream) = headers.remove(REQUEST_ID_HEADER)
+        && upstream.as_bytes() != id.as_bytes()
+    {
+        headers.insert(UPSTREAM_REQUEST_ID_HEADER, upstream);
+    }
     if let Ok(value) = HeaderValue::from_str(&id) {
-        response.headers_mut().insert(REQUEST_ID_HEADER, value);
+        headers.insert(REQUEST_ID_HEADER, value);
     }
     response
 }
