@@ -21,6 +21,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tracing::{debug, error, info, warn};
 
+use crate::events::EventHub;
 use crate::memory::RequestMemory;
 use crate::metrics::Metrics;
 use crate::nodes::{ConnHandle, MAX_QUEUED_PER_CONNECTION, STALLED_AFTER};
@@ -219,6 +220,7 @@ struct Task {
     metrics: Arc<Metrics>,
     conns: HashMap<ConnId, ConnHandle>,
     requests: HashMap<RequestId, Entry>,
+    events: Arc<EventHub>,
 }
 
 /// Runs the core task until every sender is gone.
@@ -227,6 +229,7 @@ pub async fn run(
     mut inbox: mpsc::Receiver<CoreMsg>,
     clock: Clock,
     metrics: Arc<Metrics>,
+    events: Arc<EventHub>,
 ) {
     let mut task = Task {
         commands: HashMap::new(),
@@ -235,6 +238,7 @@ pub async fn run(
         metrics,
         conns: HashMap::new(),
         requests: HashMap::new(),
+        events,
     };
     // One timer, moved only when the machine's next deadline moves.
     let timer = tokio::time::sleep_until(clock.instant(iop_proto_core::Timestamp::MAX));
@@ -518,7 +522,17 @@ impl Task {
     }
 
     fn on_event(&mut self, event: EdgeEvent) {
+        // What it means to an operator, published before it is acted on (never waits).
+        for lifecycle in self.core.lifecycle(&event) {
+            self.events.publish(&lifecycle);
+        }
         match event {
+            EdgeEvent::NodeRegistered {
+                node_id,
+                generation,
+            } => {
+                debug!(node_id = %node_id, generation = generation.0, "node registered");
+            }
             EdgeEvent::Granted(grant) => self.dispatch(&grant),
             EdgeEvent::RunEvent { request, event } => {
                 self.forward(request, ReqEvent::Run(event));

@@ -10,6 +10,7 @@
 pub mod certgen;
 pub mod config;
 pub mod core_task;
+pub mod events;
 pub mod http;
 pub mod memory;
 pub mod metrics;
@@ -55,6 +56,7 @@ pub async fn run(
     let pending_frame_len = Arc::new(std::sync::atomic::AtomicUsize::new(
         config.core.admission.pending_frame_len,
     ));
+    let events = Arc::new(events::EventHub::default());
     let node_tls: nodes::TlsSlot = Arc::new(RwLock::new(config.tls.nodes.clone()));
     let http_tls: nodes::TlsSlot = Arc::new(RwLock::new(config.tls.http.clone()));
     let state = Arc::new(http::State {
@@ -63,8 +65,15 @@ pub async fn run(
         settings: RwLock::new(Arc::new(config.http.clone())),
         budget: Arc::new(memory::Budget::new(config.http.max_inflight_bytes)),
         metrics: metrics.clone(),
+        events: events.clone(),
     });
-    let core_task = tokio::spawn(core_task::run(core, core_rx, clock, metrics.clone()));
+    let core_task = tokio::spawn(core_task::run(
+        core,
+        core_rx,
+        clock,
+        metrics.clone(),
+        events,
+    ));
     tokio::spawn(nodes::serve(
         node_listener,
         nodes::Listener {

@@ -51,9 +51,10 @@ fn accepted_register_is_pending_only() {
     let config = resp.config.as_ref().expect("config");
     assert_eq!(config.adapters[0].name, "a");
     assert_eq!(resp.heartbeat_interval_ms, 1000);
+    // Registered, and nothing more before ready.
     assert!(
-        events.is_empty(),
-        "no node-connected before ready: {events:?}"
+        matches!(&events[..], [EdgeEvent::NodeRegistered { node_id, .. }] if &**node_id == "n1"),
+        "only node-registered before ready: {events:?}"
     );
     assert_offline_zeros(&snapshot(&h, "a"));
     // Nothing is dispatched to a pending node: the request waits.
@@ -850,4 +851,77 @@ fn a_large_frame_in_transit_keeps_the_node_alive_but_not_a_handshake() {
     }
     let closed_after = closed_at.expect("closed by the handshake deadline");
     assert!(closed_after <= 10_000, "closed after {closed_after} ms");
+}
+
+/// The lifecycle events of everything `h` emitted since the last drain, in order.
+fn lifecycle(h: &mut Harness) -> Vec<Lifecycle> {
+    let events = h.events();
+    events.iter().flat_map(|e| h.edge.lifecycle(e)).collect()
+}
+
+#[test]
+fn a_node_life_reads_as_typed_lifecycle_events_in_order() {
+    let mut h = Harness::new();
+    let conn = h.open();
+    h.register(conn, "n1");
+    assert_eq!(
+        lifecycle(&mut h),
+        vec![Lifecycle::NodeRegistered {
+            node_id: "n1".into(),
+            generation: 1
+        }]
+    );
+    h.ready(conn, "n1");
+    assert_eq!(
+        lifecycle(&mut h),
+        vec![
+            Lifecycle::NodeReady {
+                node_id: "n1".into(),
+                generation: 1
+            },
+            Lifecycle::ProviderHealth {
+                node_id: "n1".into(),
+                provider_id: "a".into(),
+                health: "healthy"
+            },
+        ]
+    );
+    // Request traffic is not lifecycle.
+    let _ = h.submit("solo", 10).expect("queued");
+    assert!(lifecycle(&mut h).is_empty());
+    // Silence past the heartbeat timeout fences the generation, with the reason.
+    h.at(10_000);
+    let events = lifecycle(&mut h);
+    assert_eq!(
+        events.iter().map(Lifecycle::kind).collect::<Vec<_>>(),
+        ["node.fenced", "node.disconnected", "provider.health"]
+    );
+    match &events[0] {
+        Lifecycle::NodeFenced {
+            node_id,
+            generation,
+            reason,
+            lost,
+            ..
+        } => {
+            assert_eq!(
+                (&**node_id, *generation, *reason),
+                ("n1", 1, "heartbeat_timeout")
+            );
+            assert_eq!(*lost, 1, "the granted request was lost with it");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        &events[2],
+        Lifecycle::ProviderHealth {
+            health: "offline",
+            ..
+        }
+    ));
+    // The JSON an operator reads: a `type` tag and the fields.
+    let json = serde_json::to_value(&events[0]).expect("serialisable");
+    assert_eq!(json["type"], "node.fenced");
+    assert_eq!(json["reason"], "heartbeat_timeout");
+    assert_eq!(json["node_id"], "n1");
 }

@@ -150,6 +150,11 @@ impl Http {
         self.send("POST", path, Bytes::from(body.to_string())).await
     }
 
+    /// GET and return the response with its body unread (for event streams).
+    pub async fn get_stream(&self, path: &str) -> http::Response<Incoming> {
+        self.send("GET", path, Bytes::new()).await
+    }
+
     /// `/v1/status` as JSON.
     pub async fn status(&self) -> Value {
         self.get("/v1/status").await.json()

@@ -192,3 +192,117 @@ async fn token_usage_the_providers_report_is_counted_by_model_and_provider() {
         "{text}"
     );
 }
+
+/// An SSE reader that keeps what it has buffered between events.
+struct Events {
+    body: hyper::body::Incoming,
+    buffer: String,
+}
+
+impl Events {
+    /// The next event's JSON payload (`None` at the end of the stream or after `timeout`).
+    async fn next(&mut self, timeout: Duration) -> Option<serde_json::Value> {
+        use http_body_util::BodyExt;
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            while let Some(end) = self.buffer.find("\n\n") {
+                let event: String = self.buffer.drain(..end + 2).collect();
+                if let Some(data) = event.lines().find_map(|l| l.strip_prefix("data: ")) {
+                    return serde_json::from_str(data).ok();
+                }
+            }
+            let frame = tokio::time::timeout_at(deadline, self.body.frame())
+                .await
+                .ok()??
+                .ok()?;
+            if let Ok(data) = frame.into_data() {
+                self.buffer.push_str(&String::from_utf8_lossy(&data));
+            }
+        }
+    }
+
+    /// Events until one of `kind` for `node`, returning all read (it last).
+    async fn until(&mut self, kind: &str, node: &str) -> Vec<serde_json::Value> {
+        let mut seen = Vec::new();
+        while let Some(event) = self.next(Duration::from_secs(15)).await {
+            let hit = event["type"] == kind && event["node_id"] == node;
+            seen.push(event);
+            if hit {
+                return seen;
+            }
+        }
+        panic!("no {kind} for {node}; saw {seen:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lifecycle_events_stream_in_order_with_typed_payloads() {
+    let cluster = Cluster::start(
+        "[auth]\napi_keys = [\"sk-client-events-0001\"]\nadmin_keys = [\"sk-admin-events-0001\"]\n",
+        &body("http://127.0.0.1:9"),
+    );
+    // Operators only: a client key is refused.
+    let denied = cluster
+        .http()
+        .with_key("sk-client-events-0001")
+        .get("/v1/events")
+        .await;
+    assert_eq!(denied.status, 403);
+    let response = cluster
+        .http()
+        .with_key("sk-admin-events-0001")
+        .get_stream("/v1/events")
+        .await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(
+        response.headers()["content-type"].to_str().unwrap_or(""),
+        "text/event-stream"
+    );
+    let mut events = Events {
+        body: response.into_body(),
+        buffer: String::new(),
+    };
+
+    let mut node = cluster.node("n1", "tok-1-long-enough-secret");
+    let seen = events.until("node.ready", "n1").await;
+    let kinds: Vec<&str> = seen.iter().filter_map(|e| e["type"].as_str()).collect();
+    assert_eq!(kinds, ["node.registered", "node.ready"], "{seen:?}");
+    let generation = seen[1]["generation"].as_u64().expect("a generation");
+    assert_eq!(seen[0]["generation"].as_u64(), Some(generation));
+    let seqs: Vec<u64> = seen.iter().filter_map(|e| e["seq"].as_u64()).collect();
+    assert!(seqs.windows(2).all(|w| w[0] < w[1]), "{seqs:?}");
+    assert!(seen.iter().all(|e| e["at_ms"].as_u64().is_some()));
+    // Its providers come up with it.
+    let mut healthy = Vec::new();
+    while healthy.len() < 2 {
+        let e = events.next(Duration::from_secs(5)).await.expect("health");
+        assert_eq!(e["type"], "provider.health", "{e}");
+        assert_eq!(e["health"], "healthy", "{e}");
+        healthy.push(e["provider_id"].as_str().unwrap_or("").to_owned());
+    }
+    healthy.sort();
+    assert_eq!(healthy, ["mock", "oa"]);
+
+    // Killed: fenced (with the reason), disconnected, providers offline.
+    node.signal("KILL");
+    let _ = node.wait_exit(Duration::from_secs(5));
+    let seen = events.until("node.disconnected", "n1").await;
+    let fenced = seen
+        .iter()
+        .find(|e| e["type"] == "node.fenced")
+        .expect("fenced first");
+    assert_eq!(fenced["generation"].as_u64(), Some(generation));
+    assert!(
+        ["peer_closed", "heartbeat_timeout"].contains(&fenced["reason"].as_str().unwrap_or("")),
+        "{fenced}"
+    );
+    let offline = events.next(Duration::from_secs(5)).await.expect("health");
+    assert_eq!(offline["type"], "provider.health");
+    assert_eq!(offline["health"], "offline");
+
+    // Back again: a new generation.
+    let _node = cluster.node("n1", "tok-1-long-enough-secret");
+    let seen = events.until("node.ready", "n1").await;
+    let again = seen.last().and_then(|e| e["generation"].as_u64());
+    assert!(again > Some(generation), "{seen:?}");
+}

@@ -38,6 +38,8 @@ pub(crate) enum ResBody {
     Full(Option<Bytes>),
     /// A streamed response, rendered from its request's events as hyper polls it.
     Live(Box<inference::Live>),
+    /// `GET /v1/events`: SSE bytes from the event hub; ends when the subscriber is dropped.
+    Events(tokio::sync::mpsc::Receiver<Bytes>),
 }
 
 impl Body for ResBody {
@@ -48,6 +50,9 @@ impl Body for ResBody {
         match &mut *self {
             ResBody::Full(data) => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
             ResBody::Live(live) => Pin::new(live.as_mut()).poll_frame(cx),
+            ResBody::Events(rx) => rx
+                .poll_recv(cx)
+                .map(|bytes| bytes.map(|b| Ok(Frame::data(b)))),
         }
     }
 }
@@ -65,6 +70,8 @@ pub struct State {
     pub permits: Arc<Semaphore>,
     /// Bounds the bytes requests hold.
     pub budget: Arc<crate::memory::Budget>,
+    /// Lifecycle events for `GET /v1/events`.
+    pub events: Arc<crate::events::EventHub>,
 }
 
 impl State {
@@ -304,7 +311,7 @@ enum Access {
 fn access(path: &str) -> Access {
     match path {
         "/healthz" => Access::Open,
-        "/metrics" | "/v1/status" => Access::Admin,
+        "/metrics" | "/v1/status" | "/v1/events" => Access::Admin,
         p if p.starts_with("/v1/nodes/") => Access::Admin,
         _ => Access::Client,
     }
@@ -356,6 +363,25 @@ async fn route(
             admin::model(&state, &path["/v1/models/".len()..]).await
         }
         (Method::GET, "/v1/status") => admin::status(&state).await,
+        (Method::GET, "/v1/events") => {
+            let keepalive = state.settings().sse_keepalive.max(Duration::from_secs(1));
+            let Some(events) = state.events.subscribe(keepalive) else {
+                return error(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "too many event subscribers",
+                    ErrorType::Server,
+                    Some("overloaded"),
+                );
+            };
+            let mut r = Response::new(ResBody::Events(events));
+            let headers = r.headers_mut();
+            headers.insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("text/event-stream"),
+            );
+            headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+            r
+        }
         (Method::POST, "/v1/chat/completions") => {
             inference::inference(req, state, Endpoint::Chat, caller).await
         }
@@ -378,7 +404,7 @@ async fn route(
 /// The one method a known route answers (`None` for paths that are no route).
 fn allowed_method(path: &str) -> Option<&'static str> {
     match path {
-        "/healthz" | "/metrics" | "/v1/models" | "/v1/status" => Some("GET"),
+        "/healthz" | "/metrics" | "/v1/models" | "/v1/status" | "/v1/events" => Some("GET"),
         "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings" => Some("POST"),
         p if p.starts_with("/v1/models/") => Some("GET"),
         _ => {

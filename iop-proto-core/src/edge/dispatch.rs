@@ -38,43 +38,56 @@ impl EdgeCore {
         order.sort_by(|&a, &b| self.registry.nodes[a].id.cmp(&self.registry.nodes[b].id));
         let mut out = Vec::new();
         for i in order {
-            let node = &self.registry.nodes[i];
-            let Some(spec) = &node.spec else { continue };
-            let ready = node.owner.is_some_and(|o| o.ready);
-            for adapter in &spec.adapters {
-                let name = adapter.instance_name();
-                let kind = AdapterType::try_from(adapter.r#type).unwrap_or_default();
-                let mut snap = ProviderSnapshot {
-                    node_id: node.id.to_string(),
-                    provider_id: name.to_owned(),
-                    category: category_of(kind) as i32,
-                    status: ProviderStatus::Unavailable as i32,
-                    health: ProviderHealth::Offline as i32,
-                    targets: adapter.targets.clone(),
-                    ..ProviderSnapshot::default()
-                };
-                let resource = self.resource(&node.id, name);
-                let usage = resource
-                    .map(|r| self.pool.ledger.usage(r))
-                    .unwrap_or_default();
-                if !adapter.enabled {
-                    snap.status = ProviderStatus::Disabled as i32;
-                } else if ready && usage.generation.is_some() {
-                    let (queued, long_queued) =
-                        resource.map_or((0, 0), |r| self.pool.queue.queued_at(r));
-                    snap.status = ProviderStatus::Available as i32;
-                    snap.health = ProviderHealth::Healthy as i32;
-                    snap.capacity = usage.capacity;
-                    snap.long_capacity = usage.long_capacity;
-                    snap.in_flight = usage.in_flight;
-                    snap.long_in_flight = usage.long_in_flight;
-                    snap.queued = u32::try_from(queued).unwrap_or(u32::MAX);
-                    snap.long_queued = u32::try_from(long_queued).unwrap_or(u32::MAX);
-                }
-                out.push(snap);
-            }
+            self.push_snapshots(i, &mut out);
         }
         out
+    }
+
+    /// The snapshots of one node's providers (none for an unknown node).
+    pub(super) fn node_snapshots(&self, node_id: &str) -> Vec<ProviderSnapshot> {
+        let mut out = Vec::new();
+        if let Some(&i) = self.registry.node_index.get(node_id) {
+            self.push_snapshots(i, &mut out);
+        }
+        out
+    }
+
+    fn push_snapshots(&self, i: usize, out: &mut Vec<ProviderSnapshot>) {
+        let node = &self.registry.nodes[i];
+        let Some(spec) = &node.spec else { return };
+        let ready = node.owner.is_some_and(|o| o.ready);
+        for adapter in &spec.adapters {
+            let name = adapter.instance_name();
+            let kind = AdapterType::try_from(adapter.r#type).unwrap_or_default();
+            let mut snap = ProviderSnapshot {
+                node_id: node.id.to_string(),
+                provider_id: name.to_owned(),
+                category: category_of(kind) as i32,
+                status: ProviderStatus::Unavailable as i32,
+                health: ProviderHealth::Offline as i32,
+                targets: adapter.targets.clone(),
+                ..ProviderSnapshot::default()
+            };
+            let resource = self.resource(&node.id, name);
+            let usage = resource
+                .map(|r| self.pool.ledger.usage(r))
+                .unwrap_or_default();
+            if !adapter.enabled {
+                snap.status = ProviderStatus::Disabled as i32;
+            } else if ready && usage.generation.is_some() {
+                let (queued, long_queued) =
+                    resource.map_or((0, 0), |r| self.pool.queue.queued_at(r));
+                snap.status = ProviderStatus::Available as i32;
+                snap.health = ProviderHealth::Healthy as i32;
+                snap.capacity = usage.capacity;
+                snap.long_capacity = usage.long_capacity;
+                snap.in_flight = usage.in_flight;
+                snap.long_in_flight = usage.long_in_flight;
+                snap.queued = u32::try_from(queued).unwrap_or(u32::MAX);
+                snap.long_queued = u32::try_from(long_queued).unwrap_or(u32::MAX);
+            }
+            out.push(snap);
+        }
     }
 
     /// Picks the live candidate with the most free capacity; ties go round-robin.

@@ -50,11 +50,13 @@ use crate::wire::{
 
 mod control;
 mod dispatch;
+mod lifecycle;
 mod registry;
 mod streams;
 mod timers;
 mod types;
 
+pub use lifecycle::{Lifecycle, health_word};
 pub use types::*;
 
 use dispatch::{Model, ResourceMeta};

@@ -355,6 +355,10 @@ impl EdgeCore {
             };
         }
         self.settle_pending(conn);
+        self.out.events.push_back(EdgeEvent::NodeRegistered {
+            node_id: self.registry.nodes[i].id.clone(),
+            generation,
+        });
         // The full frame limit, in force before the node learns it may send large frames.
         self.out.transmits.push_back(Transmit::FrameLimit {
             conn,

@@ -210,6 +210,14 @@ pub enum Outcome {
 /// compile error in every shell until it decides what to do with it.
 #[derive(Clone, Debug, PartialEq)]
 pub enum EdgeEvent {
+    /// A connection's register was accepted: it owns the node id under a new generation
+    /// and must now report ready (no work is granted to it before).
+    NodeRegistered {
+        /// The node registered.
+        node_id: Arc<str>,
+        /// The generation the connection holds.
+        generation: Generation,
+    },
     /// A node completed its ready handshake (exactly once per generation).
     NodeConnected {
         /// The node now ready: requests may be granted to its providers.

@@ -1,0 +1,189 @@
+//! `GET /v1/events`: the core's lifecycle events ([`iop_proto_core::Lifecycle`]) fanned
+//! out to operators as Server-Sent Events. Publishing never waits: each subscriber has a
+//! bounded queue, and one that does not keep up is dropped (its stream ends after what
+//! was queued), so no subscriber can slow the core task or hold memory.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use iop_proto_core::Lifecycle;
+use tokio::sync::{broadcast, mpsc};
+use tracing::debug;
+
+/// Events a subscriber may have queued before it counts as too slow and is dropped.
+pub const SUBSCRIBER_QUEUE: usize = 256;
+
+/// Subscribers at once; more are refused (each holds a task and a queue).
+pub const MAX_SUBSCRIBERS: usize = 64;
+
+/// Events held for subscribers whose fan-out task has not taken them yet.
+const BACKLOG: usize = 1024;
+
+/// Where lifecycle events are published, and subscribed to.
+#[derive(Debug)]
+pub struct EventHub {
+    tx: broadcast::Sender<Bytes>,
+    seq: AtomicU64,
+    queue: usize,
+}
+
+impl Default for EventHub {
+    fn default() -> Self {
+        EventHub::new(BACKLOG, SUBSCRIBER_QUEUE)
+    }
+}
+
+impl EventHub {
+    /// A hub holding `backlog` events for its fan-out tasks and `queue` per subscriber.
+    #[must_use]
+    pub fn new(backlog: usize, queue: usize) -> Self {
+        EventHub {
+            tx: broadcast::channel(backlog.max(1)).0,
+            seq: AtomicU64::new(0),
+            queue: queue.max(1),
+        }
+    }
+
+    /// Numbers, timestamps and sends one event to every subscriber (never waits).
+    pub fn publish(&self, event: &Lifecycle) {
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
+        if self.tx.receiver_count() == 0 {
+            return;
+        }
+        let mut value = serde_json::to_value(event).unwrap_or_default();
+        if let Some(object) = value.as_object_mut() {
+            object.insert("seq".into(), seq.into());
+            object.insert("at_ms".into(), unix_ms().into());
+        }
+        let text = format!("id: {seq}\nevent: {}\ndata: {value}\n\n", event.kind());
+        let _ = self.tx.send(Bytes::from(text));
+    }
+
+    /// A new subscriber: the SSE bytes of every event published from now on, keep-alive
+    /// comments every `keepalive` of silence, and an end when it falls behind. `None`
+    /// when [`MAX_SUBSCRIBERS`] are already listening.
+    #[must_use]
+    pub fn subscribe(&self, keepalive: Duration) -> Option<mpsc::Receiver<Bytes>> {
+        if self.tx.receiver_count() >= MAX_SUBSCRIBERS {
+            return None;
+        }
+        let mut rx = self.tx.subscribe();
+        let (out, events) = mpsc::channel(self.queue);
+        tokio::spawn(async move {
+            let _ = out.try_send(Bytes::from_static(b": iop lifecycle events\n\n"));
+            loop {
+                let next = tokio::select! {
+                    next = rx.recv() => next,
+                    () = out.closed() => return,
+                    () = tokio::time::sleep(keepalive) => Ok(Bytes::from_static(b": keep-alive\n\n")),
+                };
+                let bytes = match next {
+                    Ok(bytes) => bytes,
+                    Err(broadcast::error::RecvError::Lagged(missed)) => {
+                        debug!(missed, "events subscriber dropped: it fell behind");
+                        let _ = out.try_send(Bytes::from(format!(
+                            "event: dropped\ndata: {{\"reason\":\"lagged\",\"missed\":{missed}}}\n\n"
+                        )));
+                        return;
+                    }
+                    Err(broadcast::error::RecvError::Closed) => return,
+                };
+                if out.try_send(bytes).is_err() {
+                    // Full: the caller does not read. Dropping the sender ends its
+                    // stream once it has read what is queued.
+                    debug!("events subscriber dropped: its queue is full");
+                    return;
+                }
+            }
+        });
+        Some(events)
+    }
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ready(i: u64) -> Lifecycle {
+        Lifecycle::NodeReady {
+            node_id: format!("n{i}"),
+            generation: i,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_slow_subscriber_is_dropped_and_the_others_get_every_event_in_order() {
+        let hub = EventHub::new(4096, 16);
+        let mut reader = hub.subscribe(Duration::from_secs(60)).expect("room");
+        let mut idle = hub.subscribe(Duration::from_secs(60)).expect("room");
+        // The readers' tasks start; each queues its hello comment.
+        tokio::task::yield_now().await;
+        let reading = tokio::spawn(async move {
+            let mut seen = Vec::new();
+            while let Some(bytes) = reader.recv().await {
+                seen.push(String::from_utf8_lossy(&bytes).into_owned());
+                if seen.len() == 201 {
+                    break;
+                }
+            }
+            seen
+        });
+        for i in 1..=200 {
+            hub.publish(&ready(i));
+            if i % 8 == 0 {
+                tokio::task::yield_now().await;
+            }
+        }
+        let seen = tokio::time::timeout(Duration::from_secs(5), reading)
+            .await
+            .expect("the reader keeps up")
+            .expect("task");
+        let ids: Vec<u64> = seen
+            .iter()
+            .filter_map(|e| e.strip_prefix("id: ")?.split('\n').next()?.parse().ok())
+            .collect();
+        assert_eq!(ids, (1..=200).collect::<Vec<_>>(), "every event, in order");
+        assert!(seen[1].contains("event: node.ready\n"), "{}", seen[1]);
+        assert!(seen[1].contains(r#""type":"node.ready""#), "{}", seen[1]);
+        assert!(seen[1].contains(r#""node_id":"n1""#), "{}", seen[1]);
+        // The one that never read got at most its queue, then its stream ended.
+        let mut got = 0;
+        loop {
+            match tokio::time::timeout(Duration::from_secs(5), idle.recv()).await {
+                Ok(Some(_)) => got += 1,
+                Ok(None) => break,
+                Err(_) => panic!("the stream of a subscriber that fell behind did not end"),
+            }
+        }
+        assert!(
+            got <= 16,
+            "{got} events queued for a subscriber that never read"
+        );
+    }
+
+    #[tokio::test]
+    async fn subscribers_are_capped() {
+        let hub = EventHub::default();
+        let held: Vec<_> = (0..MAX_SUBSCRIBERS)
+            .map(|_| hub.subscribe(Duration::from_secs(60)).expect("room"))
+            .collect();
+        assert!(hub.subscribe(Duration::from_secs(60)).is_none());
+        drop(held);
+    }
+
+    #[test]
+    fn publishing_without_subscribers_costs_nothing_and_never_fails() {
+        let hub = EventHub::default();
+        for i in 0..10_000 {
+            hub.publish(&ready(i));
+        }
+        assert_eq!(hub.seq.load(Ordering::Relaxed), 10_000);
+    }
+}

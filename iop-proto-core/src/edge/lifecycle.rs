@@ -1,0 +1,262 @@
+//! What the fleet's life looks like to an operator: [`EdgeCore::lifecycle`] reads an
+//! [`EdgeEvent`] and says which [`Lifecycle`] events it means (node registered, ready,
+//! fenced with its reason, disconnected, in conflict, draining; config refresh results;
+//! provider health changes). The shell only numbers, timestamps and fans them out
+//! (`GET /v1/events`); nothing in the machine waits for a subscriber.
+
+use serde::Serialize;
+
+use super::{CloseReason, EdgeCore, EdgeEvent};
+use crate::wire::{ProviderHealth, RefreshStatus};
+
+/// A typed fleet lifecycle event. Serialised with a `type` tag (`node.ready`, …) and the
+/// fields named here; ids are the configured names, never addresses or tokens.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(tag = "type")]
+pub enum Lifecycle {
+    /// A connection registered as the node (it is not ready yet).
+    #[serde(rename = "node.registered")]
+    NodeRegistered {
+        /// The node.
+        node_id: String,
+        /// The connection generation it holds.
+        generation: u64,
+    },
+    /// The node completed its ready handshake: its providers take work.
+    #[serde(rename = "node.ready")]
+    NodeReady {
+        /// The node.
+        node_id: String,
+        /// Its generation.
+        generation: u64,
+    },
+    /// The node's generation was fenced: why, and how many requests it was serving.
+    #[serde(rename = "node.fenced")]
+    NodeFenced {
+        /// The node.
+        node_id: String,
+        /// The fenced generation.
+        generation: u64,
+        /// Why, as a stable label (`heartbeat_timeout`, `peer_closed`, `superseded`, …).
+        reason: &'static str,
+        /// The reason in words.
+        detail: String,
+        /// Requests that were running on it (each failed with `node_lost`).
+        lost: usize,
+    },
+    /// The node is no longer connected (follows `node.fenced`).
+    #[serde(rename = "node.disconnected")]
+    NodeDisconnected {
+        /// The node.
+        node_id: String,
+    },
+    /// Two connections keep taking the node id from each other: newcomers are held off.
+    #[serde(rename = "node.conflict")]
+    NodeConflict {
+        /// The node id in conflict.
+        node_id: String,
+        /// Supersedes seen within the detection window.
+        supersedes: u32,
+        /// How long newcomers are held off, in milliseconds.
+        hold_down_ms: u64,
+    },
+    /// The node could not take its configuration: no new work, closed once drained.
+    #[serde(rename = "node.draining")]
+    NodeDraining {
+        /// The node.
+        node_id: String,
+        /// Why, in words.
+        reason: String,
+        /// Leases still held on it.
+        in_flight: u32,
+    },
+    /// A node answered a config refresh, or did not in time.
+    #[serde(rename = "config.refresh")]
+    ConfigRefresh {
+        /// The node.
+        node_id: String,
+        /// `applied`, `failed`, `restart_required` or `timed_out`.
+        result: &'static str,
+        /// Revision in force on the node (or pushed, for `timed_out`).
+        revision: u64,
+        /// The node's message (empty for `timed_out`).
+        message: String,
+    },
+    /// A provider's health changed: `healthy` when its node became ready, `offline` when
+    /// the node was fenced.
+    #[serde(rename = "provider.health")]
+    ProviderHealth {
+        /// The node.
+        node_id: String,
+        /// The adapter instance.
+        provider_id: String,
+        /// The health `/v1/status` now reports for it.
+        health: &'static str,
+    },
+}
+
+impl Lifecycle {
+    /// The `type` tag, for an SSE `event:` line.
+    #[must_use]
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Lifecycle::NodeRegistered { .. } => "node.registered",
+            Lifecycle::NodeReady { .. } => "node.ready",
+            Lifecycle::NodeFenced { .. } => "node.fenced",
+            Lifecycle::NodeDisconnected { .. } => "node.disconnected",
+            Lifecycle::NodeConflict { .. } => "node.conflict",
+            Lifecycle::NodeDraining { .. } => "node.draining",
+            Lifecycle::ConfigRefresh { .. } => "config.refresh",
+            Lifecycle::ProviderHealth { .. } => "provider.health",
+        }
+    }
+}
+
+/// The word `/v1/status` and these events use for a provider health.
+#[must_use]
+pub fn health_word(health: ProviderHealth) -> &'static str {
+    match health {
+        ProviderHealth::Healthy => "healthy",
+        ProviderHealth::Degraded => "degraded",
+        ProviderHealth::Offline => "offline",
+        _ => "unknown",
+    }
+}
+
+impl CloseReason {
+    /// A stable label for logs, metrics and lifecycle events.
+    #[must_use]
+    pub fn label(&self) -> &'static str {
+        match self {
+            CloseReason::RegisterRejected(_) => "register_rejected",
+            CloseReason::HandshakeTimeout => "handshake_timeout",
+            CloseReason::ReadyRefused => "ready_refused",
+            CloseReason::Superseded => "superseded",
+            CloseReason::HeartbeatTimeout => "heartbeat_timeout",
+            CloseReason::ProtocolViolation(_) => "protocol_violation",
+            CloseReason::NodeRemoved => "node_removed",
+            CloseReason::CredentialsChanged => "credentials_changed",
+            CloseReason::TooManyPending => "too_many_pending",
+            CloseReason::RefreshFailed(_) => "refresh_failed",
+            CloseReason::PeerClosed => "peer_closed",
+        }
+    }
+}
+
+fn refresh_word(status: RefreshStatus) -> &'static str {
+    match status {
+        RefreshStatus::Applied => "applied",
+        RefreshStatus::RestartRequired => "restart_required",
+        _ => "failed",
+    }
+}
+
+impl EdgeCore {
+    /// The lifecycle events `event` means, in order (none for request traffic, commands,
+    /// refused registrations and violations, which have their own logs and metrics).
+    /// Pure: call it with each event as it is polled, before the next input.
+    #[must_use]
+    pub fn lifecycle(&self, event: &EdgeEvent) -> Vec<Lifecycle> {
+        match event {
+            EdgeEvent::NodeRegistered {
+                node_id,
+                generation,
+            } => vec![Lifecycle::NodeRegistered {
+                node_id: node_id.to_string(),
+                generation: generation.0,
+            }],
+            EdgeEvent::NodeConnected {
+                node_id,
+                generation,
+            } => {
+                let mut out = vec![Lifecycle::NodeReady {
+                    node_id: node_id.to_string(),
+                    generation: generation.0,
+                }];
+                out.extend(self.provider_health(node_id));
+                out
+            }
+            EdgeEvent::NodeDisconnected {
+                node_id,
+                generation,
+                reason,
+                lost,
+            } => {
+                let mut out = vec![
+                    Lifecycle::NodeFenced {
+                        node_id: node_id.to_string(),
+                        generation: generation.0,
+                        reason: reason.label(),
+                        detail: format!("{reason:?}"),
+                        lost: lost.len(),
+                    },
+                    Lifecycle::NodeDisconnected {
+                        node_id: node_id.to_string(),
+                    },
+                ];
+                out.extend(self.provider_health(node_id));
+                out
+            }
+            EdgeEvent::NodeConflict {
+                node_id,
+                supersedes,
+                hold_down,
+            } => vec![Lifecycle::NodeConflict {
+                node_id: node_id.to_string(),
+                supersedes: *supersedes,
+                hold_down_ms: u64::try_from(hold_down.as_millis()).unwrap_or(u64::MAX),
+            }],
+            EdgeEvent::NodeDraining {
+                node_id,
+                reason,
+                in_flight,
+            } => vec![Lifecycle::NodeDraining {
+                node_id: node_id.to_string(),
+                reason: reason.to_string(),
+                in_flight: *in_flight,
+            }],
+            EdgeEvent::RefreshAnswered {
+                node_id,
+                status,
+                message,
+                revision,
+            } => vec![Lifecycle::ConfigRefresh {
+                node_id: node_id.to_string(),
+                result: refresh_word(*status),
+                revision: *revision,
+                message: message.clone(),
+            }],
+            EdgeEvent::RefreshTimedOut {
+                node_id, revision, ..
+            } => vec![Lifecycle::ConfigRefresh {
+                node_id: node_id.to_string(),
+                result: "timed_out",
+                revision: *revision,
+                message: String::new(),
+            }],
+            EdgeEvent::Granted(_)
+            | EdgeEvent::RunEvent { .. }
+            | EdgeEvent::TunnelFrame { .. }
+            | EdgeEvent::RequestEnded { .. }
+            | EdgeEvent::CommandAnswered { .. }
+            | EdgeEvent::RegisterRejected { .. }
+            | EdgeEvent::ConnectionRefused { .. }
+            | EdgeEvent::PeerViolation { .. } => Vec::new(),
+        }
+    }
+
+    /// The health of each enabled provider of `node_id`, as `/v1/status` reports it now.
+    fn provider_health(&self, node_id: &str) -> Vec<Lifecycle> {
+        self.node_snapshots(node_id)
+            .into_iter()
+            .filter(|s| s.status != crate::wire::ProviderStatus::Disabled as i32)
+            .map(|s| Lifecycle::ProviderHealth {
+                node_id: s.node_id,
+                provider_id: s.provider_id,
+                health: health_word(
+                    ProviderHealth::try_from(s.health).unwrap_or(ProviderHealth::Offline),
+                ),
+            })
+            .collect()
+    }
+}
