@@ -351,6 +351,7 @@ async fn handle(flavor: Flavor, req: Request<Incoming>, state: Arc<State>) -> Re
         .to_owned();
     match (flavor, method.as_str(), path.as_str()) {
         (Flavor::OpenAi, "GET", "/health") => whole(200, "text/plain", ""),
+        (Flavor::OpenAi, "GET", "/v1/models") => whole(200, "application/json", json!({"object": "list", "data": [{"id": "gpt-x", "object": "model"}]}).to_string()),
         (Flavor::OpenAi, "POST", "/v1/chat/completions") => openai_chat(&state, &behaviour, &request, &model, has_tools),
         (Flavor::OpenAi, "POST", "/v1/completions") => whole(
             200,

@@ -632,9 +632,16 @@ async fn node_commands_report_capabilities_transport_and_read_only_ollama() {
         .filter_map(|a| a["name"].as_str())
         .collect();
     assert_eq!(names, vec!["mock", "oa", "oa-run", "ol", "vl"]);
-    // vLLM's health comes from its /health endpoint; plain openai_compat has none.
-    assert_eq!(caps["adapters"][4]["health"], "healthy");
-    assert_eq!(caps["adapters"][1]["health"], "unknown");
+    // Each provider is probed (vLLM's /health, an OpenAI-compatible /v1/models, Ollama's
+    // /api/version) and reported in the words /v1/status uses for the same providers.
+    for i in 0..5 {
+        assert_eq!(caps["adapters"][i]["health"], "healthy", "{caps}");
+    }
+    let status = cluster.admin().status().await;
+    let words = ["healthy", "degraded", "offline"];
+    for p in status["providers"].as_array().expect("providers") {
+        assert!(words.contains(&p["health"].as_str().unwrap_or("")), "{p}");
+    }
     assert_eq!(caps["adapters"][1]["type"], "openai_compat");
     assert_eq!(caps["adapters"][0]["capacity"], 2);
 

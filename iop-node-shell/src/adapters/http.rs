@@ -148,3 +148,17 @@ pub fn wire_headers(headers: &http::HeaderMap) -> Vec<Header> {
         })
         .collect()
 }
+
+/// Probes a provider with one `GET url` (2 s at most) and says how it is, in the words
+/// `/v1/status` uses: `healthy` (a 2xx answer), `degraded` (it answered, but not 2xx)
+/// or `offline` (no answer).
+pub async fn probe(client: &HttpClient, url: &str, api_key: &str) -> &'static str {
+    let Ok(request) = request("GET", url, &[], api_key, Bytes::new()) else {
+        return "offline";
+    };
+    match tokio::time::timeout(std::time::Duration::from_secs(2), client.request(request)).await {
+        Ok(Ok(response)) if response.status().is_success() => "healthy",
+        Ok(Ok(_)) => "degraded",
+        _ => "offline",
+    }
+}

@@ -269,9 +269,12 @@ impl AdapterHost {
             let config = &self.configs[name];
             let kind =
                 AdapterType::try_from(config.r#type).map_or("unknown", AdapterType::config_name);
+            // The words of `/v1/status`: healthy, degraded, offline.
             let health = match self.adapters.get(name).map(|a| &**a) {
                 Some(Adapter::OpenAi(o)) => o.health().await,
-                _ => "healthy",
+                Some(Adapter::Ollama(o)) => o.health().await,
+                Some(Adapter::Mock(_)) => "healthy",
+                None => "offline",
             };
             adapters.push(serde_json::json!({
                 "name": name,

@@ -25,6 +25,13 @@ pub struct Ollama {
     default_timeout: Duration,
 }
 
+impl Ollama {
+    /// The server's health, probed with `/api/version`.
+    pub async fn health(&self) -> &'static str {
+        http::probe(&self.client, &format!("{}/api/version", self.base), "").await
+    }
+}
+
 /// Converts an OpenAI chat request into an Ollama `/api/chat` request body. Messages are
 /// copied byte for byte except those carrying `tool_calls` (OpenAI writes a call's
 /// arguments as a JSON string, Ollama as an object): no tree of the whole input is built.

@@ -142,24 +142,11 @@ impl OpenAi {
         })
     }
 
-    /// `healthy`/`unhealthy` from vLLM's `/health`; `unknown` for plain openai_compat.
+    /// The provider's health, probed: vLLM's `/health`, or for any other
+    /// OpenAI-compatible server its model list (`/v1/models`).
     pub async fn health(&self) -> &'static str {
-        if !self.vllm {
-            return "unknown";
-        }
-        let Ok(request) = http::request(
-            "GET",
-            &format!("{}/health", self.base),
-            &[],
-            &self.api_key,
-            Bytes::new(),
-        ) else {
-            return "unhealthy";
-        };
-        match tokio::time::timeout(Duration::from_secs(2), self.client.request(request)).await {
-            Ok(Ok(response)) if response.status().is_success() => "healthy",
-            _ => "unhealthy",
-        }
+        let path = if self.vllm { "/health" } else { "/v1/models" };
+        http::probe(&self.client, &format!("{}{path}", self.base), &self.api_key).await
     }
 
     fn deadline(&self, timeout_sec: u32) -> Instant {
