@@ -310,7 +310,8 @@ enum Access {
 
 fn access(path: &str) -> Access {
     match path {
-        "/healthz" => Access::Open,
+        // The page holds no data; what it shows it fetches with the admin key.
+        "/healthz" | "/ui" => Access::Open,
         "/metrics" | "/v1/status" | "/v1/events" => Access::Admin,
         p if p.starts_with("/v1/nodes/") => Access::Admin,
         _ => Access::Client,
@@ -363,6 +364,7 @@ async fn route(
             admin::model(&state, &path["/v1/models/".len()..]).await
         }
         (Method::GET, "/v1/status") => admin::status(&state).await,
+        (Method::GET, "/ui") => dashboard(),
         (Method::GET, "/v1/events") => {
             let keepalive = state.settings().sse_keepalive.max(Duration::from_secs(1));
             let Some(events) = state.events.subscribe(keepalive) else {
@@ -401,10 +403,41 @@ async fn route(
     }
 }
 
+/// The dashboard: one page embedded in the binary (no CDN, no build step). It asks for
+/// an admin key, keeps it in the tab's `sessionStorage` and sends it only in
+/// `Authorization` headers to `/v1/status`, `/metrics` and `/v1/events`.
+fn dashboard() -> Response<ResBody> {
+    const PAGE: &str = include_str!("ui.html");
+    let mut r = Response::new(ResBody::Full(Some(Bytes::from_static(PAGE.as_bytes()))));
+    let headers = r.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/html; charset=utf-8"),
+    );
+    headers.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(
+            "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; \
+             connect-src 'self'; img-src 'self' data:; frame-ancestors 'none'; \
+             base-uri 'none'; form-action 'none'",
+        ),
+    );
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    headers.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    headers.insert(
+        header::REFERRER_POLICY,
+        HeaderValue::from_static("no-referrer"),
+    );
+    r
+}
+
 /// The one method a known route answers (`None` for paths that are no route).
 fn allowed_method(path: &str) -> Option<&'static str> {
     match path {
-        "/healthz" | "/metrics" | "/v1/models" | "/v1/status" | "/v1/events" => Some("GET"),
+        "/healthz" | "/metrics" | "/v1/models" | "/v1/status" | "/v1/events" | "/ui" => Some("GET"),
         "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings" => Some("POST"),
         p if p.starts_with("/v1/models/") => Some("GET"),
         _ => {

@@ -1,0 +1,208 @@
+"""The dashboard in a real browser (headless Chromium through chromedriver).
+
+Starts the quickstart system (examples/edge.toml and examples/node.toml on free ports,
+with an admin key and a short heartbeat), opens /ui, and checks what an operator relies
+on: a wrong key shows the login again; the right key shows the node, its providers and a
+live request; the node killed mid-test turns disconnected within the heartbeat timeout
+and the lifecycle feed says it was fenced. Saves target/dashboard.png.
+"""
+
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BIN = ROOT / "target" / "debug"
+ADMIN = "sk-admin-dashboard-0001"
+HEARTBEAT_TIMEOUT_S = 1.5
+passed = 0
+failed = 0
+
+_next_port = 26000 - (os.getpid() * 7919) % 6000
+
+
+def free_port():
+    """A loopback port free when checked, below the kernel's ephemeral range."""
+    global _next_port
+    for _ in range(12000):
+        _next_port = 20000 + (_next_port - 20000 + 1) % 12000
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", _next_port))
+            except OSError:
+                continue
+            return _next_port
+    raise RuntimeError("no free loopback port between 20000 and 32000")
+
+
+def check(name, fn):
+    global passed, failed
+    try:
+        fn()
+        passed += 1
+        print(f"ok   {name}")
+    except Exception as err:  # noqa: BLE001 - report every failure by name
+        failed += 1
+        print(f"FAIL {name}: {type(err).__name__}: {err}")
+
+
+def wait(what, predicate, timeout):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if predicate():
+                return
+        except Exception:  # noqa: BLE001 - the page may be mid-render
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{what} within {timeout} s")
+
+
+def browser():
+    options = webdriver.ChromeOptions()
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--window-size=1400,1000"):
+        options.add_argument(arg)
+    for path in ("/usr/bin/chromium", "/usr/bin/chromium-browser", "/usr/bin/google-chrome"):
+        if os.path.exists(path):
+            options.binary_location = path
+            break
+    driver = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+    return webdriver.Chrome(service=Service(driver), options=options)
+
+
+def main():
+    http_port, node_port = free_port(), free_port()
+    edge = (ROOT / "examples" / "edge.toml").read_text()
+    edge = edge.replace("127.0.0.1:8080", f"127.0.0.1:{http_port}")
+    edge = edge.replace("127.0.0.1:7100", f"127.0.0.1:{node_port}")
+    edge = edge.replace("admin_keys = []", f'admin_keys = ["{ADMIN}"]')
+    edge = edge.replace("interval_ms = 2000\ntimeout_ms = 6000", "interval_ms = 300\ntimeout_ms = 1500")
+    assert "timeout_ms = 1500" in edge, "the example's heartbeat section changed"
+    # Slow tokens, so a request is in flight across a few dashboard refreshes.
+    edge = edge.replace('token_delay_ms = "15"', 'token_delay_ms = "250"')
+    assert 'token_delay_ms = "250"' in edge, "the example's mock options changed"
+    node = (ROOT / "examples" / "node.toml").read_text().replace("127.0.0.1:7100", f"127.0.0.1:{node_port}")
+
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="iop-ui-"))
+    (tmp / "tls").mkdir()
+    subprocess.run(
+        [BIN / "iop-edge", "gen-cert", "--name", "localhost", "--name", "127.0.0.1",
+         "--cert", tmp / "tls" / "edge-cert.pem", "--key", tmp / "tls" / "edge-key.pem"],
+        check=True, stdout=subprocess.DEVNULL,
+    )
+    (tmp / "edge.toml").write_text(edge)
+    (tmp / "node.toml").write_text(node)
+    logs = [open(tmp / "edge.log", "w"), open(tmp / "node.log", "w")]
+    edge_proc = subprocess.Popen([BIN / "iop-edge", "--config", tmp / "edge.toml"], stderr=logs[0])
+    node_proc = subprocess.Popen([BIN / "iop-node", "--config", tmp / "node.toml"], stderr=logs[1])
+    base = f"http://127.0.0.1:{http_port}"
+    driver = None
+    try:
+        def ready():
+            req = urllib.request.Request(f"{base}/v1/status", headers={"authorization": f"Bearer {ADMIN}"})
+            with urllib.request.urlopen(req, timeout=1) as r:
+                return all(n["connected"] for n in json.load(r)["nodes"])
+        wait("the node ready", ready, 30)
+        driver = browser()
+
+        def login(key):
+            driver.get(f"{base}/ui")
+            wait("the login form", lambda: driver.find_element(By.ID, "key").is_displayed(), 10)
+            driver.find_element(By.ID, "key").send_keys(key)
+            driver.find_element(By.ID, "login-button").click()
+
+        def wrong_key():
+            login("sk-not-the-admin-key")
+            wait("the login again, with an error",
+                 lambda: driver.find_element(By.ID, "login").is_displayed()
+                 and "not an admin key" in driver.find_element(By.ID, "login-error").text, 10)
+            assert not driver.find_element(By.ID, "app").is_displayed()
+            assert "sk-not" not in driver.current_url
+
+        def fleet():
+            login(ADMIN)
+            wait("the dashboard", lambda: driver.find_element(By.ID, "app").is_displayed(), 10)
+            assert ADMIN not in driver.current_url, "the key is never in a URL"
+            wait("node-1 ready", lambda: driver.find_element(
+                By.CSS_SELECTOR, 'tr[data-node="node-1"] [data-state="ready"]'), 10)
+            wait("its provider healthy", lambda: "healthy" in driver.find_element(
+                By.CSS_SELECTOR, 'tr[data-provider="node-1/mock"]').text, 10)
+            assert "TLS" in driver.find_element(By.CSS_SELECTOR, 'tr[data-node="node-1"]').text
+
+        def live_request():
+            # A streamed request in flight shows in the provider's in-flight column, and the
+            # request rate moves once it is done.
+            body = json.dumps({"model": "mock-chat", "stream": True,
+                               "messages": [{"role": "user", "content": "Hello"}]}).encode()
+            done = threading.Event()
+
+            def call():
+                req = urllib.request.Request(f"{base}/v1/chat/completions", data=body,
+                                             headers={"content-type": "application/json"})
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    r.read()
+                done.set()
+            threading.Thread(target=call, daemon=True).start()
+            wait("the request in flight", lambda: "1/" in driver.find_element(
+                By.CSS_SELECTOR, 'tr[data-provider="node-1/mock"]').text, 15)
+            wait("the request done", done.is_set, 60)
+            wait("a request rate above zero", lambda: float(driver.find_element(By.ID, "rate").text) > 0, 10)
+
+        def node_killed():
+            node_proc.kill()
+            killed = time.time()
+            wait("node-1 disconnected", lambda: driver.find_element(
+                By.CSS_SELECTOR, 'tr[data-node="node-1"] [data-state="disconnected"]'), HEARTBEAT_TIMEOUT_S + 3)
+            took = time.time() - killed
+            wait("the feed says fenced", lambda: driver.find_elements(
+                By.CSS_SELECTOR, '#feed div[data-type="node.fenced"]'), 5)
+            print(f"     node-1 shown disconnected {took:.1f} s after the kill "
+                  f"(heartbeat timeout {HEARTBEAT_TIMEOUT_S} s)")
+
+        def screenshot():
+            out = ROOT / "target" / "dashboard.png"
+            out.parent.mkdir(exist_ok=True)
+            assert driver.save_screenshot(str(out)), "screenshot"
+            assert out.stat().st_size > 10_000, out.stat().st_size
+
+        for name, fn in [
+            ("a wrong key shows the login again", wrong_key),
+            ("the admin key shows the node and its providers", fleet),
+            ("a live request shows in flight and in the request rate", live_request),
+            ("screenshot saved to target/dashboard.png", screenshot),
+            ("a killed node turns disconnected within the heartbeat timeout", node_killed),
+        ]:
+            check(name, fn)
+    finally:
+        if driver is not None:
+            driver.quit()
+        for p in (node_proc, edge_proc):
+            p.terminate()
+        for p in (node_proc, edge_proc):
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if failed:
+            for log in ("edge.log", "node.log"):
+                print(f"----- {log} -----")
+                print((tmp / log).read_text()[-3000:])
+    print(f"ui: {passed} passed, {failed} failed")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
