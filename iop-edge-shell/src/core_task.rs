@@ -48,10 +48,6 @@ pub struct Work {
     pub request_id: Arc<str>,
 }
 
-/// The metadata key that carries a request's id to the node (observation only: the node
-/// logs it and never interprets it).
-pub const REQUEST_ID_KEY: &str = "request_id";
-
 /// What happens to a request, as its handler sees it.
 #[derive(Debug)]
 pub enum ReqEvent {
@@ -704,7 +700,7 @@ impl Task {
                 input: work.raw,
                 metadata: [
                     ("model".to_owned(), grant.model.to_string()),
-                    (REQUEST_ID_KEY.to_owned(), work.request_id.to_string()),
+                    (wire::REQUEST_ID_KEY.to_owned(), work.request_id.to_string()),
                 ]
                 .into_iter()
                 .collect(),
@@ -719,7 +715,7 @@ impl Task {
                     body,
                     stream: work.stream,
                     timeout_sec: u32::try_from(work.timeout.as_secs()).unwrap_or(u32::MAX),
-                    metadata: [(REQUEST_ID_KEY.to_owned(), work.request_id.to_string())]
+                    metadata: [(wire::REQUEST_ID_KEY.to_owned(), work.request_id.to_string())]
                         .into_iter()
                         .collect(),
                     ..ProviderTunnelRequest::default()

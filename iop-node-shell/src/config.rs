@@ -23,20 +23,6 @@ pub const TOKEN_ENV: &str = "IOP_NODE_TOKEN";
 /// Default `reconnect.jitter`: each wait is drawn from 80-100% of `interval_sec`.
 pub const DEFAULT_JITTER: f64 = 0.2;
 
-/// A jitter seed for this process: Nodes that share one configuration file (or were
-/// started in the same instant) must not draw the same waits. The std hasher's keys are
-/// random per process; the pid and the clock make two processes differ even where they
-/// are not. Not a secret, only a spread.
-fn process_seed() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-    hasher.write_u32(std::process::id());
-    if let Ok(since) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
-        hasher.write_u128(since.as_nanos());
-    }
-    hasher.finish()
-}
-
 /// A secret that never prints.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Secret(String);
@@ -266,7 +252,10 @@ impl NodeConfig {
                 format!("must be a fraction between 0 and 1, got {jitter}"),
             ));
         }
-        let seed = raw.reconnect.seed.unwrap_or_else(process_seed);
+        let seed = raw
+            .reconnect
+            .seed
+            .unwrap_or_else(iop_shell_common::process::nonce);
         let backoff = match raw.reconnect.backoff {
             None => None,
             Some(b) => {

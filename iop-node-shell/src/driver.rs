@@ -267,12 +267,12 @@ fn on_read(
     }
 }
 
-/// The Edge's request id from a request's metadata (`-` from an Edge that sends none).
-/// Observation only: it names the request in logs and nothing else.
+/// The Edge's request id from a request's metadata; `-` when there is none or it is not
+/// one the contract admits (it goes into log lines). Observation only.
 fn request_id_of(metadata: &std::collections::BTreeMap<String, String>) -> String {
     metadata
-        .get("request_id")
-        .filter(|id| id.len() <= 128)
+        .get(iop_proto_core::wire::REQUEST_ID_KEY)
+        .filter(|id| iop_proto_core::wire::is_request_id(id.as_bytes()))
         .cloned()
         .unwrap_or_else(|| "-".to_owned())
 }

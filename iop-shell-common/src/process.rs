@@ -16,6 +16,21 @@ pub fn runtime(program: &str) -> Result<tokio::runtime::Runtime, ExitCode> {
         })
 }
 
+/// 64 bits that differ between processes (and between calls): the std hasher's random
+/// keys, the pid and the clock. Not a secret, only a spread: seeds reconnect jitter so a
+/// fleet does not redial in step, and prefixes request ids so they stay unique across
+/// restarts.
+#[must_use]
+pub fn nonce() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u32(std::process::id());
+    if let Ok(since) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
+        hasher.write_u128(since.as_nanos());
+    }
+    hasher.finish()
+}
+
 /// Reports an invalid configuration (log and stderr) and gives the exit code (1).
 pub fn invalid_config(
     program: &str,

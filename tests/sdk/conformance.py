@@ -9,41 +9,16 @@ an unknown model and a bad API key.
 
 import http.server
 import json
-import os
 import pathlib
-import socket
-import subprocess
 import sys
-import tempfile
 import threading
-import time
-import urllib.request
 
 import openai
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-BIN = ROOT / "target" / "debug"
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "py"))
+from iop_system import Checks, System  # noqa: E402
+
 KEY = "sk-conformance"
-passed = 0
-failed = 0
-
-
-_next_port = 32000 - (os.getpid() * 7919) % 12000
-
-
-def free_port():
-    """A loopback port free when checked, below the kernel's ephemeral range (32768 and
-    up) so no outgoing connection can take it before the binary binds it."""
-    global _next_port
-    for _ in range(12000):
-        _next_port = 20000 + (_next_port - 20000 + 1) % 12000
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", _next_port))
-            except OSError:
-                continue
-            return _next_port
-    raise RuntimeError("no free loopback port between 20000 and 32000")
 
 
 class FakeEmbeddings(http.server.BaseHTTPRequestHandler):
@@ -66,76 +41,27 @@ class FakeEmbeddings(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def check(name, fn):
-    global passed, failed
-    try:
-        fn()
-        passed += 1
-        print(f"ok   {name}")
-    except Exception as err:  # noqa: BLE001 - report every failure by name
-        failed += 1
-        print(f"FAIL {name}: {type(err).__name__}: {err}")
-
-
 def main():
     fake = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeEmbeddings)
     threading.Thread(target=fake.serve_forever, daemon=True).start()
-    http_port, node_port = free_port(), free_port()
+    embed_port = fake.server_address[1]
 
-    edge = (ROOT / "examples" / "edge.toml").read_text()
-    edge = edge.replace("127.0.0.1:8080", f"127.0.0.1:{http_port}")
-    edge = edge.replace("127.0.0.1:7100", f"127.0.0.1:{node_port}")
-    edge = edge.replace("api_keys = []", f'api_keys = ["{KEY}"]')
-    edge = edge.replace(
-        "[[models]]",
-        "[[nodes.adapters]]\n"
-        'name = "embedder"\ntype = "openai_compat"\n'
-        f'base_url = "http://127.0.0.1:{fake.server_address[1]}"\n'
-        'capacity = 2\ntargets = ["fake-embed"]\n\n[[models]]',
-        1,
-    )
-    edge += '\n[[models]]\nname = "embed"\nproviders = [{ node = "node-1", adapter = "embedder", target = "fake-embed" }]\n'
-    node = (ROOT / "examples" / "node.toml").read_text().replace("127.0.0.1:7100", f"127.0.0.1:{node_port}")
+    def configure(edge):
+        edge = edge.replace("api_keys = []", f'api_keys = ["{KEY}"]')
+        edge = edge.replace(
+            "[[models]]",
+            "[[nodes.adapters]]\n"
+            'name = "embedder"\ntype = "openai_compat"\n'
+            f'base_url = "http://127.0.0.1:{embed_port}"\n'
+            'capacity = 2\ntargets = ["fake-embed"]\n\n[[models]]',
+            1,
+        )
+        return edge + '\n[[models]]\nname = "embed"\nproviders = [{ node = "node-1", adapter = "embedder", target = "fake-embed" }]\n'
 
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix="iop-sdk-"))
-    # The example configs name tls/edge-cert.pem beside them, as the quickstart makes it.
-    (tmp / "tls").mkdir()
-    subprocess.run(
-        [BIN / "iop-edge", "gen-cert", "--name", "localhost", "--name", "127.0.0.1",
-         "--cert", tmp / "tls" / "edge-cert.pem", "--key", tmp / "tls" / "edge-key.pem"],
-        check=True, stdout=subprocess.DEVNULL,
-    )
-    (tmp / "edge.toml").write_text(edge)
-    (tmp / "node.toml").write_text(node)
-    logs = [open(tmp / "edge.log", "w"), open(tmp / "node.log", "w")]
-    procs = [
-        subprocess.Popen([BIN / "iop-edge", "--config", tmp / "edge.toml"], stderr=logs[0]),
-        subprocess.Popen([BIN / "iop-node", "--config", tmp / "node.toml"], stderr=logs[1]),
-    ]
+    system = System(configure, ready_key=KEY)
+    checks = Checks()
     try:
-        deadline = time.time() + 30
-        while True:
-            try:
-                req = urllib.request.Request(
-                    f"http://127.0.0.1:{http_port}/v1/status", headers={"authorization": f"Bearer {KEY}"}
-                )
-                with urllib.request.urlopen(req, timeout=1) as r:
-                    if all(n["connected"] for n in json.load(r)["nodes"]):
-                        break
-            except OSError:
-                pass
-            if time.time() > deadline:
-                for log in logs:
-                    log.flush()
-                sys.exit(
-                    "the system did not become ready\n--- edge.log\n"
-                    + (tmp / "edge.log").read_text()[-2000:]
-                    + "\n--- node.log\n"
-                    + (tmp / "node.log").read_text()[-2000:]
-                )
-            time.sleep(0.1)
-
-        base = f"http://127.0.0.1:{http_port}/v1"
+        base = f"{system.base}/v1"
         client = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0)
 
         def chat():
@@ -226,21 +152,13 @@ def main():
             ("NotFoundError for an unknown model", unknown_model),
             ("AuthenticationError for a bad API key", bad_key),
         ]:
-            check(name, fn)
+            checks.run(name, fn)
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        if failed:
-            for log in ("edge.log", "node.log"):
-                print(f"----- {log} -----")
-                print((tmp / log).read_text())
-    print(f"sdk: {passed} passed, {failed} failed")
-    return 1 if failed else 0
+        system.stop()
+        if checks.failed:
+            print(system.log_tails(100_000))
+    print(f"sdk: {checks.passed} passed, {checks.failed} failed")
+    return 1 if checks.failed else 0
 
 
 if __name__ == "__main__":

@@ -500,3 +500,22 @@ impl Cluster {
             .unwrap_or(Value::Null)
     }
 }
+
+/// A TLS client that trusts exactly the certificate(s) in `pem` (an Edge's self-signed
+/// `edge-cert.pem`), as a node pinning it would.
+#[must_use]
+pub fn connector_trusting(pem: &std::path::Path) -> tokio_rustls::TlsConnector {
+    use rustls_pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls_pki_types::CertificateDer::pem_file_iter(pem).expect("pem") {
+        roots.add(cert.expect("cert")).expect("root");
+    }
+    let config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .expect("versions")
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+}

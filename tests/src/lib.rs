@@ -3,6 +3,7 @@
 
 pub mod client;
 pub mod fake;
+pub mod procfs;
 pub mod rogue;
 
 use std::net::TcpListener;

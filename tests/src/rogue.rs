@@ -3,14 +3,12 @@
 //! background task answers the Edge's heartbeats, so a test may take its time between
 //! steps without the Edge fencing the connection.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use iop_proto_core::wire::{
     self, Body, Envelope, FrameDecoder, NodeReadyRequest, RegisterRequest, RegisterResponse,
 };
-use rustls_pki_types::pem::PemObject;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
@@ -27,29 +25,13 @@ pub struct Rogue {
 impl Rogue {
     /// Opens a TLS connection to `cluster`'s node listener, trusting its certificate.
     pub async fn connect(cluster: &Cluster) -> Rogue {
-        let mut roots = rustls::RootCertStore::empty();
-        for cert in rustls_pki_types::CertificateDer::pem_file_iter(
-            cluster.dir.path().join("edge-cert.pem"),
-        )
-        .expect("pem")
-        {
-            roots.add(cert.expect("cert")).expect("root");
-        }
-        let config = rustls::ClientConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .expect("versions")
-        .with_root_certificates(roots)
-        .with_no_client_auth();
+        let connector =
+            crate::client::connector_trusting(&cluster.dir.path().join("edge-cert.pem"));
         let tcp = TcpStream::connect(("127.0.0.1", cluster.node_port))
             .await
             .expect("connect");
         let name = rustls_pki_types::ServerName::try_from("localhost").expect("name");
-        let stream = tokio_rustls::TlsConnector::from(Arc::new(config))
-            .connect(name, tcp)
-            .await
-            .expect("handshake");
+        let stream = connector.connect(name, tcp).await.expect("handshake");
         let (mut reader, mut writer) = tokio::io::split(stream);
         let (outgoing, mut to_write) = mpsc::unbounded_channel::<Body>();
         let (deliver, incoming) = mpsc::unbounded_channel::<Body>();

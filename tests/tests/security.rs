@@ -2,7 +2,6 @@
 //! Edge lets register, who may call which route, how registration abuse is contained, and
 //! which provider headers reach a caller.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::BytesMut;
@@ -10,7 +9,6 @@ use iop_blackbox::client::{Cluster, Link, gen_cert};
 use iop_blackbox::fake::{self, Behaviour, Flavor, KEPT_HEADERS, LEAKY_HEADERS};
 use iop_blackbox::{Proc, Relay, TempDir, binary, wait_until};
 use iop_proto_core::wire::{self, Body, Envelope, FrameDecoder, RegisterRequest};
-use rustls_pki_types::pem::PemObject;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -400,21 +398,8 @@ async fn register_once(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_hundred_guessed_tokens_meet_one_reason_a_back_off_and_a_few_log_lines() {
     let cluster = Cluster::start("", &tunnel_body("http://127.0.0.1:9"));
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in
-        rustls_pki_types::CertificateDer::pem_file_iter(cluster.dir.path().join("edge-cert.pem"))
-            .expect("pem")
-    {
-        roots.add(cert.expect("cert")).expect("root");
-    }
-    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .expect("versions")
-    .with_root_certificates(roots)
-    .with_no_client_auth();
-    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let connector =
+        iop_blackbox::client::connector_trusting(&cluster.dir.path().join("edge-cert.pem"));
     let mut reasons = std::collections::BTreeSet::new();
     let mut deferred = 0;
     for i in 0..200 {

@@ -11,10 +11,7 @@ import json
 import os
 import pathlib
 import shutil
-import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -23,39 +20,11 @@ from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-BIN = ROOT / "target" / "debug"
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "py"))
+from iop_system import ROOT, Checks, System  # noqa: E402
+
 ADMIN = "sk-admin-dashboard-0001"
 HEARTBEAT_TIMEOUT_S = 1.5
-passed = 0
-failed = 0
-
-_next_port = 26000 - (os.getpid() * 7919) % 6000
-
-
-def free_port():
-    """A loopback port free when checked, below the kernel's ephemeral range."""
-    global _next_port
-    for _ in range(12000):
-        _next_port = 20000 + (_next_port - 20000 + 1) % 12000
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", _next_port))
-            except OSError:
-                continue
-            return _next_port
-    raise RuntimeError("no free loopback port between 20000 and 32000")
-
-
-def check(name, fn):
-    global passed, failed
-    try:
-        fn()
-        passed += 1
-        print(f"ok   {name}")
-    except Exception as err:  # noqa: BLE001 - report every failure by name
-        failed += 1
-        print(f"FAIL {name}: {type(err).__name__}: {err}")
 
 
 def wait(what, predicate, timeout):
@@ -83,39 +52,22 @@ def browser():
     return webdriver.Chrome(service=Service(driver), options=options)
 
 
-def main():
-    http_port, node_port = free_port(), free_port()
-    edge = (ROOT / "examples" / "edge.toml").read_text()
-    edge = edge.replace("127.0.0.1:8080", f"127.0.0.1:{http_port}")
-    edge = edge.replace("127.0.0.1:7100", f"127.0.0.1:{node_port}")
+def configure(edge):
     edge = edge.replace("admin_keys = []", f'admin_keys = ["{ADMIN}"]')
     edge = edge.replace("interval_ms = 2000\ntimeout_ms = 6000", "interval_ms = 300\ntimeout_ms = 1500")
     assert "timeout_ms = 1500" in edge, "the example's heartbeat section changed"
     # Slow tokens, so a request is in flight across a few dashboard refreshes.
     edge = edge.replace('token_delay_ms = "15"', 'token_delay_ms = "250"')
     assert 'token_delay_ms = "250"' in edge, "the example's mock options changed"
-    node = (ROOT / "examples" / "node.toml").read_text().replace("127.0.0.1:7100", f"127.0.0.1:{node_port}")
+    return edge
 
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix="iop-ui-"))
-    (tmp / "tls").mkdir()
-    subprocess.run(
-        [BIN / "iop-edge", "gen-cert", "--name", "localhost", "--name", "127.0.0.1",
-         "--cert", tmp / "tls" / "edge-cert.pem", "--key", tmp / "tls" / "edge-key.pem"],
-        check=True, stdout=subprocess.DEVNULL,
-    )
-    (tmp / "edge.toml").write_text(edge)
-    (tmp / "node.toml").write_text(node)
-    logs = [open(tmp / "edge.log", "w"), open(tmp / "node.log", "w")]
-    edge_proc = subprocess.Popen([BIN / "iop-edge", "--config", tmp / "edge.toml"], stderr=logs[0])
-    node_proc = subprocess.Popen([BIN / "iop-node", "--config", tmp / "node.toml"], stderr=logs[1])
-    base = f"http://127.0.0.1:{http_port}"
+
+def main():
+    system = System(configure, ready_key=ADMIN)
+    base = system.base
+    checks = Checks()
     driver = None
     try:
-        def ready():
-            req = urllib.request.Request(f"{base}/v1/status", headers={"authorization": f"Bearer {ADMIN}"})
-            with urllib.request.urlopen(req, timeout=1) as r:
-                return all(n["connected"] for n in json.load(r)["nodes"])
-        wait("the node ready", ready, 30)
         driver = browser()
 
         def login(key):
@@ -162,7 +114,7 @@ def main():
             wait("a request rate above zero", lambda: float(driver.find_element(By.ID, "rate").text) > 0, 10)
 
         def node_killed():
-            node_proc.kill()
+            system.node.kill()
             killed = time.time()
             wait("node-1 disconnected", lambda: driver.find_element(
                 By.CSS_SELECTOR, 'tr[data-node="node-1"] [data-state="disconnected"]'), HEARTBEAT_TIMEOUT_S + 3)
@@ -185,23 +137,15 @@ def main():
             ("screenshot saved to target/dashboard.png", screenshot),
             ("a killed node turns disconnected within the heartbeat timeout", node_killed),
         ]:
-            check(name, fn)
+            checks.run(name, fn)
     finally:
         if driver is not None:
             driver.quit()
-        for p in (node_proc, edge_proc):
-            p.terminate()
-        for p in (node_proc, edge_proc):
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        if failed:
-            for log in ("edge.log", "node.log"):
-                print(f"----- {log} -----")
-                print((tmp / log).read_text()[-3000:])
-    print(f"ui: {passed} passed, {failed} failed")
-    sys.exit(1 if failed else 0)
+        system.stop()
+        if checks.failed:
+            print(system.log_tails())
+    print(f"ui: {checks.passed} passed, {checks.failed} failed")
+    sys.exit(1 if checks.failed else 0)
 
 
 if __name__ == "__main__":

@@ -136,40 +136,27 @@ pub(super) const REQUEST_ID_HEADER: &str = "x-request-id";
 /// Where a tunnelled provider's own `x-request-id` goes when it differs from ours.
 pub(super) const UPSTREAM_REQUEST_ID_HEADER: &str = "x-upstream-request-id";
 
-/// The caller's `x-request-id` when it is a sane token (1-128 characters of
-/// `A-Z a-z 0-9 - _ . : / + = @`, so it is safe in logs and headers); else a fresh id.
+/// The caller's `x-request-id` when the contract admits it
+/// ([`iop_proto_core::wire::is_request_id`]); else a fresh id.
 pub(super) fn request_id(headers: &http::HeaderMap) -> Arc<str> {
-    let given = headers
+    match headers
         .get(REQUEST_ID_HEADER)
-        .map(HeaderValue::as_bytes)
-        .filter(|v| {
-            (1..=128).contains(&v.len())
-                && v.iter()
-                    .all(|b| b.is_ascii_alphanumeric() || b"-_.:/+=@".contains(b))
-        });
-    match given {
-        // Checked to be ASCII above.
-        Some(v) => Arc::from(String::from_utf8_lossy(v).as_ref()),
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| iop_proto_core::wire::is_request_id(v.as_bytes()))
+    {
+        Some(given) => Arc::from(given),
         None => fresh_request_id(),
     }
 }
 
-/// `req_` and 24 hex digits: a random per-process prefix and a counter, unique across
-/// restarts and cheap to make. Not a secret.
+/// `req_` and 24 hex digits: a per-process prefix and a counter, unique across restarts
+/// and cheap to make. Not a secret.
 fn fresh_request_id() -> Arc<str> {
-    use std::hash::{BuildHasher, Hasher};
     use std::sync::OnceLock;
     use std::sync::atomic::{AtomicU64, Ordering};
     static PREFIX: OnceLock<u64> = OnceLock::new();
     static NEXT: AtomicU64 = AtomicU64::new(0);
-    let prefix = *PREFIX.get_or_init(|| {
-        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_u32(std::process::id());
-        if let Ok(t) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
-            h.write_u128(t.as_nanos());
-        }
-        h.finish()
-    });
+    let prefix = *PREFIX.get_or_init(iop_shell_common::process::nonce);
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
     Arc::from(format!("req_{prefix:016x}{:08x}", n & 0xFFFF_FFFF).as_str())
 }

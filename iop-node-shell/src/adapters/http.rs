@@ -11,7 +11,7 @@ use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use iop_proto_core::wire::Header;
+use iop_proto_core::wire::{Header, ProviderHealth};
 
 /// A pooled HTTP/1.1 client for `http://` and `https://` providers (keep-alive
 /// connections are reused across requests).
@@ -149,16 +149,15 @@ pub fn wire_headers(headers: &http::HeaderMap) -> Vec<Header> {
         .collect()
 }
 
-/// Probes a provider with one `GET url` (2 s at most) and says how it is, in the words
-/// `/v1/status` uses: `healthy` (a 2xx answer), `degraded` (it answered, but not 2xx)
-/// or `offline` (no answer).
-pub async fn probe(client: &HttpClient, url: &str, api_key: &str) -> &'static str {
+/// Probes a provider with one `GET url` (2 s at most): healthy on a 2xx answer, degraded
+/// when it answers otherwise, offline when it does not answer.
+pub async fn probe(client: &HttpClient, url: &str, api_key: &str) -> ProviderHealth {
     let Ok(request) = request("GET", url, &[], api_key, Bytes::new()) else {
-        return "offline";
+        return ProviderHealth::Offline;
     };
     match tokio::time::timeout(std::time::Duration::from_secs(2), client.request(request)).await {
-        Ok(Ok(response)) if response.status().is_success() => "healthy",
-        Ok(Ok(_)) => "degraded",
-        _ => "offline",
+        Ok(Ok(response)) if response.status().is_success() => ProviderHealth::Healthy,
+        Ok(Ok(_)) => ProviderHealth::Degraded,
+        _ => ProviderHealth::Offline,
     }
 }

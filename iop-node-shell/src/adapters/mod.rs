@@ -17,7 +17,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use iop_proto_core::wire::{
     AdapterConfig, AdapterType, ErrorDetail, NodeCommandRequest, NodeCommandResponse,
-    NodeCommandType, NodeConfigPayload, ProviderTunnelRequest, RunRequest,
+    NodeCommandType, NodeConfigPayload, ProviderHealth, ProviderTunnelRequest, RunRequest,
 };
 use iop_proto_core::{RunOutput, TunnelOutput};
 use tokio::sync::mpsc;
@@ -264,18 +264,37 @@ impl AdapterHost {
     async fn capabilities(&self) -> Bytes {
         let mut names: Vec<&String> = self.configs.keys().collect();
         names.sort();
+        // Every provider is probed at once: dead ones cost one probe timeout in all, not
+        // one each, so the answer stays inside the Edge's command timeout.
+        let mut probes = tokio::task::JoinSet::new();
+        for name in &names {
+            let (name, adapter) = ((*name).clone(), self.adapters.get(*name).cloned());
+            probes.spawn(async move {
+                let health = match adapter.as_deref() {
+                    Some(Adapter::OpenAi(o)) => o.health().await,
+                    Some(Adapter::Ollama(o)) => o.health().await,
+                    Some(Adapter::Mock(_)) => ProviderHealth::Healthy,
+                    None => ProviderHealth::Offline,
+                };
+                (name, health)
+            });
+        }
+        let mut healths = HashMap::new();
+        while let Some(Ok((name, health))) = probes.join_next().await {
+            healths.insert(name, health);
+        }
         let mut adapters = Vec::new();
         for name in names {
             let config = &self.configs[name];
             let kind =
                 AdapterType::try_from(config.r#type).map_or("unknown", AdapterType::config_name);
-            // The words of `/v1/status`: healthy, degraded, offline.
-            let health = match self.adapters.get(name).map(|a| &**a) {
-                Some(Adapter::OpenAi(o)) => o.health().await,
-                Some(Adapter::Ollama(o)) => o.health().await,
-                Some(Adapter::Mock(_)) => "healthy",
-                None => "offline",
-            };
+            // The words `/v1/status` uses for the same providers.
+            let health = iop_proto_core::edge::health_word(
+                healths
+                    .get(name)
+                    .copied()
+                    .unwrap_or(ProviderHealth::Offline),
+            );
             adapters.push(serde_json::json!({
                 "name": name,
                 "type": kind,

@@ -7,7 +7,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use iop_proto_core::RunOutput;
-use iop_proto_core::wire::{AdapterConfig, Header, RunRequest, Usage};
+use iop_proto_core::wire::{AdapterConfig, Header, ProviderHealth, RunRequest, Usage};
 use serde_json::{Map, Value, json};
 use tokio::time::{Instant, timeout_at};
 use tokio_util::sync::CancellationToken;
@@ -27,7 +27,7 @@ pub struct Ollama {
 
 impl Ollama {
     /// The server's health, probed with `/api/version`.
-    pub async fn health(&self) -> &'static str {
+    pub async fn health(&self) -> ProviderHealth {
         http::probe(&self.client, &format!("{}/api/version", self.base), "").await
     }
 }

@@ -10,7 +10,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use iop_proto_core::wire::{AdapterConfig, Header, ProviderTunnelRequest, RunRequest, Usage};
+use iop_proto_core::wire::{
+    AdapterConfig, Header, ProviderHealth, ProviderTunnelRequest, RunRequest, Usage,
+};
 use iop_proto_core::{RunOutput, TunnelOutput};
 use serde_json::{Value, json};
 use tokio::time::Instant;
@@ -144,7 +146,7 @@ impl OpenAi {
 
     /// The provider's health, probed: vLLM's `/health`, or for any other
     /// OpenAI-compatible server its model list (`/v1/models`).
-    pub async fn health(&self) -> &'static str {
+    pub async fn health(&self) -> ProviderHealth {
         let path = if self.vllm { "/health" } else { "/v1/models" };
         http::probe(&self.client, &format!("{}{path}", self.base), &self.api_key).await
     }

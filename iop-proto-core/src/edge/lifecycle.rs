@@ -6,7 +6,7 @@
 
 use serde::Serialize;
 
-use super::{CloseReason, EdgeCore, EdgeEvent};
+use super::{EdgeCore, EdgeEvent};
 use crate::wire::{ProviderHealth, RefreshStatus};
 
 /// A typed fleet lifecycle event. Serialised with a `type` tag (`node.ready`, …) and the
@@ -120,26 +120,6 @@ pub fn health_word(health: ProviderHealth) -> &'static str {
         ProviderHealth::Degraded => "degraded",
         ProviderHealth::Offline => "offline",
         _ => "unknown",
-    }
-}
-
-impl CloseReason {
-    /// A stable label for logs, metrics and lifecycle events.
-    #[must_use]
-    pub fn label(&self) -> &'static str {
-        match self {
-            CloseReason::RegisterRejected(_) => "register_rejected",
-            CloseReason::HandshakeTimeout => "handshake_timeout",
-            CloseReason::ReadyRefused => "ready_refused",
-            CloseReason::Superseded => "superseded",
-            CloseReason::HeartbeatTimeout => "heartbeat_timeout",
-            CloseReason::ProtocolViolation(_) => "protocol_violation",
-            CloseReason::NodeRemoved => "node_removed",
-            CloseReason::CredentialsChanged => "credentials_changed",
-            CloseReason::TooManyPending => "too_many_pending",
-            CloseReason::RefreshFailed(_) => "refresh_failed",
-            CloseReason::PeerClosed => "peer_closed",
-        }
     }
 }
 
@@ -258,5 +238,58 @@ impl EdgeCore {
                 ),
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kind_is_the_serialised_type_tag() {
+        let text = || String::from("x");
+        let all = [
+            Lifecycle::NodeRegistered {
+                node_id: text(),
+                generation: 1,
+            },
+            Lifecycle::NodeReady {
+                node_id: text(),
+                generation: 1,
+            },
+            Lifecycle::NodeFenced {
+                node_id: text(),
+                generation: 1,
+                reason: "peer_closed",
+                detail: text(),
+                lost: 0,
+            },
+            Lifecycle::NodeDisconnected { node_id: text() },
+            Lifecycle::NodeConflict {
+                node_id: text(),
+                supersedes: 3,
+                hold_down_ms: 1,
+            },
+            Lifecycle::NodeDraining {
+                node_id: text(),
+                reason: text(),
+                in_flight: 0,
+            },
+            Lifecycle::ConfigRefresh {
+                node_id: text(),
+                result: "applied",
+                revision: 1,
+                message: text(),
+            },
+            Lifecycle::ProviderHealth {
+                node_id: text(),
+                provider_id: text(),
+                health: "healthy",
+            },
+        ];
+        for event in all {
+            let json = serde_json::to_value(&event).expect("serialisable");
+            assert_eq!(json["type"], event.kind(), "{event:?}");
+        }
     }
 }

@@ -89,6 +89,26 @@ pub enum CloseReason {
     PeerClosed,
 }
 
+impl CloseReason {
+    /// A stable label for logs, metrics and lifecycle events.
+    #[must_use]
+    pub fn label(&self) -> &'static str {
+        match self {
+            CloseReason::RegisterRejected(_) => "register_rejected",
+            CloseReason::HandshakeTimeout => "handshake_timeout",
+            CloseReason::ReadyRefused => "ready_refused",
+            CloseReason::Superseded => "superseded",
+            CloseReason::HeartbeatTimeout => "heartbeat_timeout",
+            CloseReason::ProtocolViolation(_) => "protocol_violation",
+            CloseReason::NodeRemoved => "node_removed",
+            CloseReason::CredentialsChanged => "credentials_changed",
+            CloseReason::TooManyPending => "too_many_pending",
+            CloseReason::RefreshFailed(_) => "refresh_failed",
+            CloseReason::PeerClosed => "peer_closed",
+        }
+    }
+}
+
 /// An output to hand to the transport, in order.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Transmit {

@@ -26,8 +26,8 @@ pub use codec::{
 };
 pub use generated::*;
 pub use validate::{
-    MAX_NODE_ID_BYTES, MAX_REGISTER_ENTRIES, MAX_TOKEN_BYTES, OLLAMA_API_ENDPOINTS, Validate,
-    ValidationError,
+    MAX_NODE_ID_BYTES, MAX_REGISTER_ENTRIES, MAX_TOKEN_BYTES, OLLAMA_API_ENDPOINTS, REQUEST_ID_KEY,
+    Validate, ValidationError, is_request_id,
 };
 
 /// The variant carried by an [`Envelope`].

@@ -21,6 +21,21 @@ pub const OLLAMA_API_ENDPOINTS: [(&str, &str); 4] = [
     ("POST", "/api/show"),
 ];
 
+/// The `RunRequest`/`ProviderTunnelRequest` metadata key naming the caller's request (its
+/// `x-request-id`). Observation only: both sides log it, nothing acts on it.
+pub const REQUEST_ID_KEY: &str = "request_id";
+
+/// Whether `id` may name a request in logs and headers: 1 to 128 characters of
+/// `A-Z a-z 0-9 - _ . : / + = @` (no spaces, quotes or control characters, so it cannot
+/// forge a log line or a header). Anything else is replaced, not trusted.
+#[must_use]
+pub fn is_request_id(id: &[u8]) -> bool {
+    (1..=128).contains(&id.len())
+        && id
+            .iter()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.:/+=@".contains(b))
+}
+
 /// A contract rule a message breaks.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -433,6 +448,25 @@ impl Validate for NodeConfigRefreshResponse {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn request_ids_fit_for_logs_and_headers() {
+        for good in ["a", "req_0123abcd", "trace-4f1c:abc_123", "org/x+y=z@h.k"] {
+            assert!(is_request_id(good.as_bytes()), "{good}");
+        }
+        let long = "x".repeat(129);
+        for bad in [
+            "",
+            "has space",
+            "quote\"",
+            "line\nbreak",
+            "tab\t",
+            long.as_str(),
+            "é",
+        ] {
+            assert!(!is_request_id(bad.as_bytes()), "{bad:?}");
+        }
+    }
 
     fn mock_adapter(name: &str) -> AdapterConfig {
         AdapterConfig {

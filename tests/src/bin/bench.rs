@@ -29,6 +29,7 @@ use hyper::service::service_fn;
 use hyper::{Request, Response};
 use hyper_util::rt::TokioIo;
 use iop_blackbox::client::{Cluster, Link};
+use iop_blackbox::procfs::{tree_cpu as cpu, tree_rss_kib as rss_kib};
 use iop_blackbox::{Proc, TempDir, free_port};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -215,74 +216,6 @@ fn run_provider(port: u16) {
 }
 
 // ----- processes and measurement -----
-
-/// User + system CPU of `pid` and of its children (nginx workers), so far.
-fn cpu(pid: u32) -> Duration {
-    let mut total = cpu_of(pid);
-    if let Ok(entries) = std::fs::read_dir("/proc") {
-        for entry in entries.flatten() {
-            let Some(child) = entry
-                .file_name()
-                .to_str()
-                .and_then(|n| n.parse::<u32>().ok())
-            else {
-                continue;
-            };
-            if parent(child) == Some(pid) {
-                total += cpu_of(child);
-            }
-        }
-    }
-    total
-}
-
-fn stat_fields(pid: u32) -> Vec<String> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    stat.rsplit_once(')')
-        .map(|(_, rest)| rest.split_whitespace().map(str::to_owned).collect())
-        .unwrap_or_default()
-}
-
-fn parent(pid: u32) -> Option<u32> {
-    stat_fields(pid).get(1)?.parse().ok()
-}
-
-fn cpu_of(pid: u32) -> Duration {
-    let fields = stat_fields(pid);
-    let ticks = |i: usize| {
-        fields
-            .get(i)
-            .and_then(|f| f.parse::<u64>().ok())
-            .unwrap_or(0)
-    };
-    Duration::from_millis((ticks(11) + ticks(12)) * 10)
-}
-
-/// Resident memory of `pid` and its children, in KiB.
-fn rss_kib(pid: u32) -> u64 {
-    let own = |pid: u32| {
-        std::fs::read_to_string(format!("/proc/{pid}/status"))
-            .unwrap_or_default()
-            .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
-            .unwrap_or(0)
-    };
-    let mut total = own(pid);
-    if let Ok(entries) = std::fs::read_dir("/proc") {
-        for entry in entries.flatten() {
-            if let Some(child) = entry
-                .file_name()
-                .to_str()
-                .and_then(|n| n.parse::<u32>().ok())
-                && parent(child) == Some(pid)
-            {
-                total += own(child);
-            }
-        }
-    }
-    total
-}
 
 /// A path under test: where its clients connect, and the processes that make it up.
 struct Path3 {

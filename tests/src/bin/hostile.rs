@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use iop_blackbox::client::{Cluster, Http};
-use rustls_pki_types::pem::PemObject;
+use iop_blackbox::procfs::rss_kib;
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -56,16 +56,6 @@ const LONG: Scale = Scale {
     streams: 2000,
     settle: Duration::from_secs(60),
 };
-
-/// Resident memory of a process, in KiB.
-fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
-}
 
 /// Samples the peak RSS of `pids` every 10 ms until dropped.
 struct Peak {
@@ -160,21 +150,7 @@ providers = [{{ node = "n1", adapter = "paced", target = "p" }}]
 }
 
 fn connector(cluster: &Cluster) -> tokio_rustls::TlsConnector {
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in
-        rustls_pki_types::CertificateDer::pem_file_iter(cluster.dir.path().join("edge-cert.pem"))
-            .expect("pem")
-    {
-        roots.add(cert.expect("cert")).expect("root");
-    }
-    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .expect("versions")
-    .with_root_certificates(roots)
-    .with_no_client_auth();
-    tokio_rustls::TlsConnector::from(Arc::new(config))
+    iop_blackbox::client::connector_trusting(&cluster.dir.path().join("edge-cert.pem"))
 }
 
 async fn chat_ok(http: &Http) -> Option<Duration> {

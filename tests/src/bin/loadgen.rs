@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use iop_blackbox::client::{Cluster, Http, Link};
 use iop_blackbox::fake::{self, Behaviour, Flavor};
+use iop_blackbox::procfs::cpu;
 use serde_json::json;
 
 struct Figures {
@@ -68,24 +69,6 @@ async fn load(
         p99: pick(0.99),
         errors,
     }
-}
-
-/// CPU time (user + system) a process has used so far.
-fn cpu(pid: u32) -> Duration {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // Fields after the command name (which may hold spaces) start after the last ')'.
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .map(|(_, rest)| rest.split_whitespace().collect())
-        .unwrap_or_default();
-    let ticks = |i: usize| {
-        fields
-            .get(i)
-            .and_then(|f| f.parse::<u64>().ok())
-            .unwrap_or(0)
-    };
-    // utime and stime are fields 14 and 15 of stat, 11 and 12 after the name.
-    Duration::from_millis((ticks(11) + ticks(12)) * 10)
 }
 
 /// Streams `seconds` of SSE completions at `concurrency`; returns chunks per second.

@@ -15,13 +15,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
-use iop_blackbox::client::{Link, gen_cert};
+use iop_blackbox::client::{Link, connector_trusting, gen_cert};
+use iop_blackbox::procfs::{cpu, rss_kib};
 use iop_blackbox::{Proc, TempDir, free_port, wait_until};
 use iop_proto_core::wire::{
     self, Body, Envelope, FrameDecoder, HeartbeatAck, NodeReadyRequest, RegisterRequest,
 };
 use iop_proto_core::{Failure, ReconnectPolicy, Supervisor, SupervisorEvent, Timestamp};
-use rustls_pki_types::pem::PemObject;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -161,30 +161,6 @@ async fn node(
     }
 }
 
-fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0)
-}
-
-fn cpu(pid: u32) -> Duration {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .map(|(_, rest)| rest.split_whitespace().collect())
-        .unwrap_or_default();
-    let ticks = |i: usize| {
-        fields
-            .get(i)
-            .and_then(|f| f.parse::<u64>().ok())
-            .unwrap_or(0)
-    };
-    Duration::from_millis((ticks(11) + ticks(12)) * 10)
-}
-
 async fn until(ready: &AtomicUsize, target: usize, limit: Duration) -> Option<Duration> {
     let started = Instant::now();
     while started.elapsed() < limit {
@@ -244,21 +220,7 @@ async fn main() {
         let (http, port) = (free_port(), free_port());
         let connector = (link == Link::Tls).then(|| {
             gen_cert(&dir, "edge-cert", &["localhost"], &[]);
-            let mut roots = rustls::RootCertStore::empty();
-            for cert in
-                rustls_pki_types::CertificateDer::pem_file_iter(dir.path().join("edge-cert.pem"))
-                    .expect("pem")
-            {
-                roots.add(cert.expect("cert")).expect("root");
-            }
-            let config = rustls::ClientConfig::builder_with_provider(Arc::new(
-                rustls::crypto::ring::default_provider(),
-            ))
-            .with_safe_default_protocol_versions()
-            .expect("versions")
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-            tokio_rustls::TlsConnector::from(Arc::new(config))
+            connector_trusting(&dir.path().join("edge-cert.pem"))
         });
         let config = dir.write("edge.toml", &edge_toml(link, nodes, http, port));
         let config = config.to_string_lossy().into_owned();

@@ -1,0 +1,62 @@
+//! What the harnesses read about a process from `/proc`: resident memory and CPU time,
+//! of one process or of it and its children (nginx's workers).
+
+use std::time::Duration;
+
+/// The fields of `/proc/<pid>/stat` after the command name (which may hold spaces);
+/// empty when the process is gone.
+fn stat_fields(pid: u32) -> Vec<String> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    stat.rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().map(str::to_owned).collect())
+        .unwrap_or_default()
+}
+
+/// The processes whose parent is `pid`.
+fn children(pid: u32) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&child| stat_fields(child).get(1).and_then(|p| p.parse().ok()) == Some(pid))
+        .collect()
+}
+
+/// Resident memory of a process, in KiB (0 when it is gone).
+#[must_use]
+pub fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// User + system CPU time a process has used so far.
+#[must_use]
+pub fn cpu(pid: u32) -> Duration {
+    let fields = stat_fields(pid);
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    // utime and stime: fields 14 and 15 of stat, 11 and 12 after the name; 100 ticks/s.
+    Duration::from_millis((ticks(11) + ticks(12)) * 10)
+}
+
+/// [`rss_kib`] of a process and its children.
+#[must_use]
+pub fn tree_rss_kib(pid: u32) -> u64 {
+    rss_kib(pid) + children(pid).into_iter().map(rss_kib).sum::<u64>()
+}
+
+/// [`cpu`] of a process and its children.
+#[must_use]
+pub fn tree_cpu(pid: u32) -> Duration {
+    cpu(pid) + children(pid).into_iter().map(cpu).sum::<Duration>()
+}
