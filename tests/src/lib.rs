@@ -116,7 +116,11 @@ impl Proc {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(file)
-            .env("RUST_LOG", "info");
+            // Tests read INFO lines; a benchmark may ask for less (IOP_TEST_RUST_LOG=warn).
+            .env(
+                "RUST_LOG",
+                std::env::var("IOP_TEST_RUST_LOG").unwrap_or_else(|_| "info".to_owned()),
+            );
         for (k, v) in envs {
             command.env(k, v);
         }

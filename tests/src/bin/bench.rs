@@ -8,6 +8,9 @@
 //! cargo run --release -p iop-blackbox --bin bench -- [seconds per run] [rounds]
 //! ```
 //!
+//! The Edge and the Node log at INFO, one line per request each, as the tests run them;
+//! `IOP_TEST_RUST_LOG=warn` measures them without those lines.
+//!
 //! It needs `nginx` and `wrk` on the PATH and installs them with apt-get when it can
 //! (`IOP_BENCH_NO_INSTALL=1` forbids that). The provider runs in its own process (this
 //! binary, `bench provider <port>`); load comes from `wrk` (small requests, unpaced
