@@ -925,3 +925,75 @@ fn a_node_life_reads_as_typed_lifecycle_events_in_order() {
     assert_eq!(json["reason"], "heartbeat_timeout");
     assert_eq!(json["node_id"], "n1");
 }
+
+/// What an operator sees of a node: the version and labels it registered with, the
+/// round-trip time of the Edge's own heartbeat (an answer to another nonce does not
+/// count, and the peer's echoed clock is not trusted), and how long it has been quiet.
+#[test]
+fn status_reports_version_labels_and_heartbeat_rtt() {
+    let mut h = Harness::new();
+    let conn = h.open();
+    h.send(
+        conn,
+        Body::RegisterRequest(RegisterRequest {
+            node_id: "n1".into(),
+            token: TOKEN.into(),
+            version: "9.9.9".into(),
+            labels: [("zone".to_owned(), "eu-1".to_owned())].into(),
+            ..Default::default()
+        }),
+    );
+    h.ready(conn, "n1");
+    h.drain();
+    let n1 = &h.edge.nodes()[0];
+    assert_eq!(n1.version.as_deref(), Some("9.9.9"));
+    assert_eq!(n1.labels.get("zone").map(String::as_str), Some("eu-1"));
+    assert_eq!(n1.rtt, None, "no heartbeat answered yet");
+
+    // The Edge pings at the heartbeat interval; the node answers 7 ms later.
+    h.at(1000);
+    let (tx, _) = h.drain();
+    let ping = frames_to(&tx, conn)
+        .into_iter()
+        .find_map(|b| match b {
+            Body::Heartbeat(p) => Some(p),
+            _ => None,
+        })
+        .expect("a heartbeat at the interval");
+    h.now = Timestamp::from_millis(1007);
+    h.send(
+        conn,
+        Body::HeartbeatAck(HeartbeatAck {
+            nonce: ping.nonce + 1,
+            echo_sent_at_ms: 0,
+        }),
+    );
+    assert_eq!(
+        h.edge.nodes()[0].rtt,
+        None,
+        "another nonce is not an answer"
+    );
+    h.send(
+        conn,
+        Body::HeartbeatAck(HeartbeatAck {
+            nonce: ping.nonce,
+            echo_sent_at_ms: 0,
+        }),
+    );
+    assert_eq!(
+        h.edge.nodes()[0].rtt,
+        Some(std::time::Duration::from_millis(7))
+    );
+    h.at(1500);
+    assert_eq!(
+        h.edge.nodes()[0].last_seen,
+        Some(std::time::Duration::from_millis(493))
+    );
+
+    // Offline: the last version stays, the link figures go.
+    h.edge.handle_connection_closed(h.now, conn).expect("open");
+    let n1 = &h.edge.nodes()[0];
+    assert_eq!(n1.state, NodeState::Offline);
+    assert_eq!(n1.version.as_deref(), Some("9.9.9"));
+    assert_eq!((n1.rtt, n1.last_seen), (None, None));
+}

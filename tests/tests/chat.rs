@@ -252,6 +252,14 @@ async fn chat_completions_through_both_shapes_and_embeddings_through_the_tunnel(
     }
     let status = status.json();
     assert_eq!(status["nodes"][0]["connected"], true);
+    // The version the node registered with (the node binary's own) and its labels.
+    assert!(
+        status["nodes"][0]["version"]
+            .as_str()
+            .is_some_and(|v| v.split('.').count() == 3),
+        "{status}"
+    );
+    assert!(status["nodes"][0]["labels"].is_object(), "{status}");
     let mock = cluster.provider("n1", "mock").await;
     assert_eq!(
         (

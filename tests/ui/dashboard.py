@@ -4,12 +4,14 @@ Starts the quickstart system (examples/edge.toml and examples/node.toml on free 
 with an admin key and a short heartbeat), opens /ui, and checks what an operator relies
 on: a wrong key shows the login again; the right key shows the node, its providers and a
 live request; the node killed mid-test turns disconnected within the heartbeat timeout
-and the lifecycle feed says it was fenced. Saves target/dashboard.png.
+and the lifecycle feed says it was fenced. Saves target/dashboard.png. Then, with 1,000
+configured nodes, paging, search and sort (target/dashboard-1000.png).
 """
 
 import json
 import os
 import pathlib
+import re
 import shutil
 import sys
 import threading
@@ -62,6 +64,49 @@ def configure(edge):
     return edge
 
 
+FLEET = 999
+
+
+def with_fleet(edge):
+    """The example plus 999 configured nodes that never connect: a 1,000-node table."""
+    extra = "".join(
+        f'\n[[nodes]]\nid = "fleet-{i:04}"\ntoken = "fleet-token-{i:04}-long-enough"\n'
+        for i in range(1, FLEET + 1))
+    return configure(edge) + extra
+
+
+def fleet_of_1000(driver, base):
+    """Paging, search and sort over 1,000 nodes; the one connected node can be found."""
+    # Another port is another origin: its session storage has no key yet.
+    driver.get(f"{base}/ui")
+    wait("the login form", lambda: driver.find_element(By.ID, "key").is_displayed(), 10)
+    driver.find_element(By.ID, "key").send_keys(ADMIN)
+    driver.find_element(By.ID, "login-button").click()
+    wait("the dashboard", lambda: driver.find_element(By.ID, "app").is_displayed(), 10)
+    page = lambda: driver.find_element(By.ID, "page").text  # noqa: E731
+    rows = lambda: driver.find_elements(By.CSS_SELECTOR, "#nodes tbody tr")  # noqa: E731
+    wait("1,000 nodes in 20 pages of 50", lambda: page() == f"1 / 20 ({FLEET + 1})" and len(rows()) == 50, 10)
+    driver.find_element(By.ID, "next").click()
+    wait("page 2", lambda: page().startswith("2 / 20")
+         and rows()[0].get_attribute("data-node") == "fleet-0051", 5)
+    search = driver.find_element(By.ID, "node-search")
+    search.send_keys("fleet-0999")
+    wait("search narrows to one", lambda: page() == "1 / 1 (1)"
+         and rows()[0].get_attribute("data-node") == "fleet-0999", 5)
+    search.clear()
+    search.send_keys("site=local")
+    wait("search by label finds the connected node", lambda: page() == "1 / 1 (1)"
+         and rows()[0].get_attribute("data-node") == "node-1", 5)
+    search.clear()
+    driver.execute_script("document.getElementById('node-search').dispatchEvent(new Event('input'))")
+    state = driver.find_element(By.CSS_SELECTOR, '#nodes th[data-k="state"]')
+    state.click()
+    state.click()  # descending: "ready" before "offline"
+    wait("sorted by state, the ready node first", lambda: rows()[0].get_attribute("data-node") == "node-1", 5)
+    out = ROOT / "target" / "dashboard-1000.png"
+    assert driver.save_screenshot(str(out)), "screenshot"
+
+
 def main():
     system = System(configure, ready_key=ADMIN)
     base = system.base
@@ -92,7 +137,12 @@ def main():
                 By.CSS_SELECTOR, 'tr[data-node="node-1"] [data-state="ready"]'), 10)
             wait("its provider healthy", lambda: "healthy" in driver.find_element(
                 By.CSS_SELECTOR, 'tr[data-provider="node-1/mock"]').text, 10)
-            assert "TLS" in driver.find_element(By.CSS_SELECTOR, 'tr[data-node="node-1"]').text
+            row = lambda: driver.find_element(By.CSS_SELECTOR, 'tr[data-node="node-1"]').text  # noqa: E731
+            assert "TLS" in row()
+            assert "site=local" in row(), row()
+            # The version the node registered with, and the Edge's heartbeat round trip.
+            wait("the node's version and heartbeat RTT", lambda: re.search(r"\d+\.\d+\.\d+", row())
+                 and re.search(r"(<1|\d+) ms", row()), 10)
 
         def live_request():
             # A streamed request in flight shows in the provider's in-flight column, and the
@@ -138,6 +188,10 @@ def main():
             ("a killed node turns disconnected within the heartbeat timeout", node_killed),
         ]:
             checks.run(name, fn)
+        system.stop()
+        system = System(with_fleet, ready_key=ADMIN)
+        checks.run(f"{FLEET + 1} nodes: paged, searchable and sortable",
+                   lambda: fleet_of_1000(driver, system.base))
     finally:
         if driver is not None:
             driver.quit()

@@ -126,6 +126,11 @@ pub(super) async fn status(state: &State) -> Response<ResBody> {
                 "config_revision": n.revision,
                 "applied_revision": n.applied_revision,
                 "last_refresh": n.last_refresh.map(|s| format!("{s:?}").to_lowercase()),
+                "version": n.version,
+                "labels": n.labels,
+                // Millisecond resolution: the core's clock is in milliseconds.
+                "heartbeat_rtt_ms": n.rtt.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+                "last_seen_ms": n.last_seen.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
             })
         })
         .collect();

@@ -25,7 +25,7 @@
 //!   and the connection is closed.
 //! - Every accepted request ends exactly once with [`EdgeEvent::RequestEnded`].
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -260,6 +260,8 @@ impl EdgeCore {
                 pending: admitted,
                 peer,
                 last_rx: self.now,
+                ping: None,
+                rtt: None,
             },
         );
         let timing = self.config.timing;
@@ -400,7 +402,19 @@ impl EdgeCore {
                     echo_sent_at_ms: ping.sent_at_ms,
                 }),
             ),
-            Body::HeartbeatAck(_) => {}
+            Body::HeartbeatAck(ack) => {
+                // Only the answer to the ping in flight counts: the peer's echoed clock is
+                // not trusted, the Edge's own send time is.
+                let now = self.now;
+                if let Some(c) = self.registry.conns.get_mut(&conn) {
+                    if let Some((nonce, sent)) = c.ping {
+                        if nonce == ack.nonce {
+                            c.rtt = Some(now.saturating_duration_since(sent));
+                            c.ping = None;
+                        }
+                    }
+                }
+            }
             Body::RunEvent(event) => self.on_stream(conn, phase, StreamItem::Run(event)),
             Body::ProviderTunnelFrame(frame) => {
                 self.on_stream(conn, phase, StreamItem::Frame(frame));

@@ -56,6 +56,10 @@ pub(super) struct Conn {
     /// Counted in [`PendingConnections`] (until it registers, is refused or closes).
     pub(super) pending: bool,
     pub(super) last_rx: Timestamp,
+    /// The Edge's heartbeat still unanswered: (nonce, sent at).
+    pub(super) ping: Option<(u64, Timestamp)>,
+    /// Round-trip time of the last heartbeat the peer answered.
+    pub(super) rtt: Option<Duration>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -87,6 +91,17 @@ pub(super) struct NodeEntry {
     /// The node could not take its configuration: it gets no new work and its
     /// connection is closed once its last lease returns (it then registers afresh).
     pub(super) draining: Option<RefreshFailure>,
+    /// What the node said about itself in its last accepted register (version,
+    /// labels); kept while it is offline so an operator sees what was last there.
+    pub(super) agent: Option<Box<Agent>>,
+}
+
+/// A node's own description of itself, from its `RegisterRequest` (bounded by
+/// validation: see [`crate::wire::Validate`]).
+#[derive(Debug, Clone, Default)]
+pub(super) struct Agent {
+    pub(super) version: Box<str>,
+    pub(super) labels: Box<[(Box<str>, Box<str>)]>,
 }
 
 impl EdgeCore {
@@ -118,6 +133,25 @@ impl EdgeCore {
                     tls: peer.and_then(|p| p.tls),
                     client_certificate: peer.is_some_and(|p| !p.identities.is_empty()),
                     draining: n.draining.is_some(),
+                    version: n.agent.as_ref().map(|a| a.version.to_string()),
+                    labels: n
+                        .agent
+                        .as_ref()
+                        .map(|a| {
+                            a.labels
+                                .iter()
+                                .map(|(k, v)| (k.to_string(), v.to_string()))
+                                .collect()
+                        })
+                        .unwrap_or_default(),
+                    rtt: n
+                        .owner
+                        .and_then(|o| self.registry.conns.get(&o.conn))
+                        .and_then(|c| c.rtt),
+                    last_seen: n
+                        .owner
+                        .and_then(|o| self.registry.conns.get(&o.conn))
+                        .map(|c| self.now.saturating_duration_since(c.last_rx)),
                 }
             })
             .collect();
@@ -147,6 +181,7 @@ impl EdgeCore {
                         flap: FlapGuard::default(),
                         refresh_tries: 0,
                         draining: None,
+                        agent: None,
                     });
                     self.registry
                         .node_index
@@ -347,6 +382,14 @@ impl EdgeCore {
             ready: false,
             registered_revision: revision,
         });
+        self.registry.nodes[i].agent = Some(Box::new(Agent {
+            version: req.version.as_str().into(),
+            labels: req
+                .labels
+                .iter()
+                .map(|(k, v)| (k.as_str().into(), v.as_str().into()))
+                .collect(),
+        }));
         let timing = self.config.timing;
         if let Some(c) = self.registry.conns.get_mut(&conn) {
             c.phase = Phase::Owner {

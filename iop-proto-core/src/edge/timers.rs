@@ -77,6 +77,9 @@ impl EdgeCore {
                 }
                 let nonce = self.registry.next_nonce;
                 self.registry.next_nonce += 1;
+                if let Some(c) = self.registry.conns.get_mut(&conn) {
+                    c.ping = Some((nonce, self.now));
+                }
                 self.send(
                     conn,
                     Body::Heartbeat(Heartbeat {

@@ -685,4 +685,14 @@ pub struct NodeStatus {
     /// The node failed to take its configuration and gets no new work until it has
     /// registered again (see [`CloseReason::RefreshFailed`]).
     pub draining: bool,
+    /// Software version the node reported in its last accepted register; `None` until
+    /// it has registered once.
+    pub version: Option<String>,
+    /// Labels the node reported in its last accepted register (sorted by key).
+    pub labels: BTreeMap<String, String>,
+    /// Round-trip time of the Edge's last heartbeat the owning connection answered, at
+    /// the resolution of [`Timestamp`] (milliseconds).
+    pub rtt: Option<Duration>,
+    /// Time since the owning connection last sent anything; `None` when offline.
+    pub last_seen: Option<Duration>,
 }

@@ -531,12 +531,18 @@ impl World {
         }
         link.edge_done = true;
         let owner = self.edge.owner_of(conn);
-        let before = self.edge.nodes();
+        // `last_seen` is an age: it moves with the clock, not with the state.
+        let live = |edge: &EdgeCore| {
+            let mut nodes = edge.nodes();
+            nodes.iter_mut().for_each(|n| n.last_seen = None);
+            nodes
+        };
+        let before = live(&self.edge);
         if self.edge.handle_connection_closed(self.now, conn).is_err() {
             return;
         }
         if owner.is_none() {
-            let after = self.edge.nodes();
+            let after = live(&self.edge);
             let quiet = self.edge.poll_event().is_none() && self.edge.poll_transmit().is_none();
             check!(
                 self,
