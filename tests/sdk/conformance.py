@@ -3,8 +3,9 @@
 Starts the quickstart system (examples/edge.toml and examples/node.toml, on free ports,
 with a client API key and an extra OpenAI-compatible provider for embeddings served by a
 tiny local fake), then drives it with the `openai` package: chat completions with and
-without streaming, with tools, embeddings, model listing, and the SDK's error classes for
-an unknown model and a bad API key.
+without streaming, with tools, embeddings, completions and embeddings on the quickstart's
+own `mock-api` model, model listing, and the SDK's error classes for an unknown model and
+a bad API key.
 """
 
 import http.server
@@ -110,9 +111,41 @@ def main():
             r = client.embeddings.create(model="embed", input="hello")
             assert r.data[0].embedding == [0.1, 0.2, 0.3], r
 
+        # The quickstart's own "mock-api": the mock answering as an OpenAI-compatible
+        # server through a tunnel, so completions and embeddings work with no provider.
+        def quickstart_completions():
+            r = client.completions.create(model="mock-api", prompt="Say hello", max_tokens=3)
+            assert r.object == "text_completion" and r.model == "mock-small", r
+            assert r.choices[0].text == "Hello from IOP!", r.choices[0].text
+            assert r.choices[0].finish_reason == "length"
+            assert r.usage.completion_tokens == 3
+            text = "".join(c.choices[0].text for c in client.completions.create(
+                model="mock-api", prompt="Say hello", stream=True) if c.choices)
+            assert text.startswith("Hello from IOP! This answer came through a raw tunnel"), text
+
+        def quickstart_embeddings():
+            # The SDK asks for base64 and decodes it; the same text gets the same vector.
+            r = client.embeddings.create(model="mock-api", input=["hello", "world", "hello"], dimensions=8)
+            vectors = [d.embedding for d in r.data]
+            assert [len(v) for v in vectors] == [8, 8, 8], vectors
+            assert vectors[0] == vectors[2] and vectors[0] != vectors[1]
+            assert abs(sum(x * x for x in vectors[0]) - 1.0) < 1e-3
+            floats = client.embeddings.create(model="mock-api", input="hello", dimensions=8,
+                                              encoding_format="float")
+            assert all(abs(a - b) < 1e-6 for a, b in zip(floats.data[0].embedding, vectors[0]))
+
+        def quickstart_tunnel_chat():
+            stream = client.chat.completions.create(
+                model="mock-api", messages=[{"role": "user", "content": "Hello"}], stream=True,
+                stream_options={"include_usage": True})
+            chunks = list(stream)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            assert text.startswith("Hello from IOP! This answer came through"), text
+            assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
         def models():
             ids = sorted(m.id for m in client.models.list())
-            assert ids == ["embed", "mock-chat"], ids
+            assert ids == ["embed", "mock-api", "mock-chat"], ids
 
         def retrieve_model():
             m = client.models.retrieve("mock-chat")
@@ -147,6 +180,9 @@ def main():
             ("chat.completions.create(tools=...)", chat_tools),
             ("chat.completions.create(tools=..., stream=True)", chat_tools_stream),
             ("embeddings.create", embeddings),
+            ("completions.create on the quickstart's mock-api", quickstart_completions),
+            ("embeddings.create on the quickstart's mock-api (base64 and float)", quickstart_embeddings),
+            ("chat.completions.create(stream=True) through the mock-api tunnel", quickstart_tunnel_chat),
             ("models.list", models),
             ("models.retrieve", retrieve_model),
             ("NotFoundError for an unknown model", unknown_model),

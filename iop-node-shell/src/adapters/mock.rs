@@ -8,7 +8,10 @@
 //! - `token_delay_ms`: delay before each word (default 20);
 //! - `fail`: `never` (default), `always` (fails after START), or `after:N` (after N words);
 //! - `tool_call`: when set and the request offers `tools`, the run completes with one
-//!   call to this function (in `openai_tool_calls`) instead of text.
+//!   call to this function (in `openai_tool_calls`) instead of text;
+//! - `dispatch = "tunnel"` (read by the Edge): the Edge tunnels raw OpenAI requests to
+//!   this adapter instead of runs, and it answers them as an OpenAI-compatible server
+//!   would, embeddings and completions included (see `mock_openai`).
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
@@ -33,10 +36,10 @@ pub enum Fail {
 /// The mock provider's settings.
 #[derive(Clone, Debug)]
 pub struct Mock {
-    words: Vec<String>,
-    tokens: usize,
-    delay: Duration,
-    fail: Fail,
+    pub(super) words: Vec<String>,
+    pub(super) tokens: usize,
+    pub(super) delay: Duration,
+    pub(super) fail: Fail,
     tool_call: Option<String>,
 }
 

@@ -6,6 +6,7 @@
 pub mod http;
 pub mod json;
 pub mod mock;
+pub mod mock_openai;
 pub mod ollama;
 pub mod openai;
 pub mod sse;
@@ -156,7 +157,8 @@ impl Adapter {
     ) {
         match self {
             Adapter::OpenAi(o) => o.tunnel(request, sink, cancel).await,
-            Adapter::Mock(_) | Adapter::Ollama(_) => {
+            Adapter::Mock(m) => m.tunnel(request, sink, cancel).await,
+            Adapter::Ollama(_) => {
                 let _ = sink
                     .tunnel(TunnelOutput::Error(error(
                         "unsupported",

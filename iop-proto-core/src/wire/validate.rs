@@ -396,10 +396,14 @@ impl Validate for AdapterConfig {
         }
         match self.options.get("dispatch").map(String::as_str) {
             None | Some("run") => {}
-            Some("tunnel") if matches!(kind, AdapterType::OpenaiCompat | AdapterType::Vllm) => {}
+            Some("tunnel")
+                if matches!(
+                    kind,
+                    AdapterType::OpenaiCompat | AdapterType::Vllm | AdapterType::Mock
+                ) => {}
             Some("tunnel") => {
                 return Err(invalid(
-                    "option dispatch = \"tunnel\" needs an openai_compat or vllm adapter",
+                    "option dispatch = \"tunnel\" needs an openai_compat, vllm or mock adapter",
                 ));
             }
             Some(_) => return Err(invalid("option dispatch must be \"run\" or \"tunnel\"")),
@@ -637,7 +641,17 @@ mod tests {
     fn dispatch_option_is_checked() {
         let mut adapter = mock_adapter("a");
         adapter.options.insert("dispatch".into(), "tunnel".into());
-        assert!(adapter.validate().is_err(), "a mock cannot be tunnelled");
+        assert_eq!(
+            adapter.validate(),
+            Ok(()),
+            "the mock answers tunnels itself"
+        );
+        let ollama = AdapterConfig {
+            r#type: AdapterType::Ollama as i32,
+            base_url: "http://127.0.0.1:11434".into(),
+            ..adapter.clone()
+        };
+        assert!(ollama.validate().is_err(), "ollama cannot be tunnelled");
         adapter.options.insert("dispatch".into(), "run".into());
         assert_eq!(adapter.validate(), Ok(()));
         adapter.options.insert("dispatch".into(), "sideways".into());

@@ -1,0 +1,579 @@
+//! The mock provider as an OpenAI-compatible server, for a mock adapter set to
+//! `dispatch = "tunnel"`: it answers the tunnel itself, in process, the way an
+//! OpenAI-compatible server would, so the quickstart can try every endpoint with no
+//! provider installed.
+//!
+//! - `POST /v1/chat/completions` and `POST /v1/completions`: the mock's reply, word by
+//!   word (SSE with `stream: true`, usage chunk with `stream_options.include_usage`),
+//!   cut at `max_tokens` (`finish_reason: "length"`);
+//! - `POST /v1/embeddings`: a deterministic unit vector per input (the same text always
+//!   gets the same vector; `dimensions` from the request, default 16), as floats or,
+//!   with `encoding_format: "base64"` (what the OpenAI SDKs ask for), as little-endian
+//!   f32 in base64;
+//! - anything else: 404 in OpenAI's error shape. A body that is not the JSON an endpoint
+//!   needs: 400.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use base64::Engine as _;
+use bytes::Bytes;
+use iop_proto_core::TunnelOutput;
+use iop_proto_core::wire::{Header, ProviderTunnelRequest, Usage};
+use serde::Deserialize;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+use super::mock::{Fail, Mock};
+use super::{Sink, error};
+
+/// Most dimensions an embeddings request may ask for.
+const MAX_DIMENSIONS: usize = 4096;
+/// Most inputs in one embeddings request (OpenAI's own limit).
+const MAX_INPUTS: usize = 2048;
+const DEFAULT_DIMENSIONS: usize = 16;
+
+/// The fields the mock reads from a generation request.
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct Generate<'a> {
+    #[serde(borrow)]
+    model: Option<std::borrow::Cow<'a, str>>,
+    stream: bool,
+    stream_options: Option<StreamOptions>,
+    max_tokens: Option<u64>,
+    max_completion_tokens: Option<u64>,
+    #[serde(borrow)]
+    messages: Option<&'a serde_json::value::RawValue>,
+    #[serde(borrow)]
+    prompt: Option<&'a serde_json::value::RawValue>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct StreamOptions {
+    include_usage: bool,
+}
+
+/// The fields the mock reads from an embeddings request.
+#[derive(Deserialize)]
+struct Embed<'a> {
+    #[serde(borrow, default)]
+    model: Option<std::borrow::Cow<'a, str>>,
+    input: Input,
+    #[serde(default)]
+    dimensions: Option<usize>,
+    #[serde(borrow, default)]
+    encoding_format: Option<std::borrow::Cow<'a, str>>,
+}
+
+/// OpenAI's `input`: a string, strings, token ids, or lists of token ids.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Input {
+    One(String),
+    Many(Vec<String>),
+    Tokens(Vec<u64>),
+    TokenLists(Vec<Vec<u64>>),
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Endpoint {
+    Chat,
+    Text,
+}
+
+impl Mock {
+    /// Answers a tunnel as an OpenAI-compatible server would.
+    pub async fn tunnel(
+        &self,
+        request: ProviderTunnelRequest,
+        sink: Sink,
+        cancel: CancellationToken,
+    ) {
+        let id = format!("mock-{}", request.run_id);
+        let path = request.path.split('?').next().unwrap_or_default();
+        let answer = match (request.method.as_str(), path) {
+            ("POST", "/v1/chat/completions") => {
+                self.generate(Endpoint::Chat, &id, &request.body, &sink, &cancel)
+                    .await
+            }
+            ("POST", "/v1/completions") => {
+                self.generate(Endpoint::Text, &id, &request.body, &sink, &cancel)
+                    .await
+            }
+            ("POST", "/v1/embeddings") => embeddings(&request.body, &sink).await,
+            _ => Err(Refusal::new(
+                404,
+                "not_found",
+                format!("the mock serves no {} {path}", request.method),
+            )),
+        };
+        if let Err(refusal) = answer {
+            let body = json!({"error": {
+                "message": refusal.message,
+                "type": if refusal.status == 404 { "not_found_error" } else { "invalid_request_error" },
+                "code": refusal.code,
+            }});
+            whole(&sink, refusal.status, body.to_string().into(), None).await;
+        }
+    }
+
+    async fn generate(
+        &self,
+        endpoint: Endpoint,
+        id: &str,
+        body: &[u8],
+        sink: &Sink,
+        cancel: &CancellationToken,
+    ) -> Result<(), Refusal> {
+        let req: Generate<'_> = serde_json::from_slice(body)
+            .map_err(|e| Refusal::new(400, "invalid_request", format!("request body: {e}")))?;
+        let input = match endpoint {
+            Endpoint::Chat => req.messages,
+            Endpoint::Text => req.prompt,
+        }
+        .ok_or_else(|| {
+            let field = if endpoint == Endpoint::Chat {
+                "messages"
+            } else {
+                "prompt"
+            };
+            Refusal::new(400, "invalid_request", format!("{field} is required"))
+        })?;
+        if self.fail == Fail::Always {
+            return Err(Refusal::new(
+                500,
+                "mock_failure",
+                "injected failure".to_owned(),
+            ));
+        }
+        let model = req.model.as_deref().unwrap_or("mock").to_owned();
+        let limit = req.max_completion_tokens.or(req.max_tokens);
+        let count = limit.map_or(self.tokens, |n| {
+            self.tokens.min(usize::try_from(n).unwrap_or(usize::MAX))
+        });
+        let finish = if count < self.tokens {
+            "length"
+        } else {
+            "stop"
+        };
+        let prompt_tokens = (input.get().len() as u64).div_ceil(4);
+        let usage = Usage {
+            prompt_tokens,
+            completion_tokens: count as u64,
+            total_tokens: prompt_tokens + count as u64,
+        };
+        let created = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let shape = Shape {
+            endpoint,
+            id,
+            model: &model,
+            created,
+        };
+        if !req.stream {
+            let mut text = String::new();
+            for i in 0..count {
+                if self.fail == Fail::After(i) {
+                    return Err(Refusal::new(
+                        500,
+                        "mock_failure",
+                        format!("injected failure after {i} tokens"),
+                    ));
+                }
+                if !self.pause(cancel).await {
+                    cancelled(sink).await;
+                    return Ok(());
+                }
+                text.push_str(&self.word(i, count));
+            }
+            let body = shape.whole(&text, finish, &usage);
+            whole(sink, 200, body.to_string().into(), Some(usage)).await;
+            return Ok(());
+        }
+        let headers = vec![
+            header("content-type", "text/event-stream"),
+            header("cache-control", "no-cache"),
+        ];
+        if !sink
+            .tunnel(TunnelOutput::Status {
+                status: 200,
+                headers,
+            })
+            .await
+        {
+            return Ok(());
+        }
+        if endpoint == Endpoint::Chat
+            && !event(
+                sink,
+                &shape.chunk(Some(json!({"role": "assistant", "content": ""})), None),
+            )
+            .await
+        {
+            return Ok(());
+        }
+        for i in 0..count {
+            if self.fail == Fail::After(i) {
+                let _ = sink
+                    .tunnel(TunnelOutput::Error(error(
+                        "mock_failure",
+                        format!("injected failure after {i} tokens"),
+                        false,
+                    )))
+                    .await;
+                return Ok(());
+            }
+            if !self.pause(cancel).await {
+                cancelled(sink).await;
+                return Ok(());
+            }
+            let word = self.word(i, count);
+            let piece = match endpoint {
+                Endpoint::Chat => shape.chunk(Some(json!({"content": word})), None),
+                Endpoint::Text => shape.chunk(Some(json!(word)), None),
+            };
+            if !event(sink, &piece).await {
+                return Ok(());
+            }
+        }
+        let last = match endpoint {
+            Endpoint::Chat => shape.chunk(Some(json!({})), Some(finish)),
+            Endpoint::Text => shape.chunk(Some(json!("")), Some(finish)),
+        };
+        if !event(sink, &last).await {
+            return Ok(());
+        }
+        if req.stream_options.is_some_and(|o| o.include_usage) {
+            let mut tail = shape.chunk(None, None);
+            tail["usage"] = usage_json(&usage);
+            if !event(sink, &tail).await {
+                return Ok(());
+            }
+        }
+        if sink
+            .tunnel(TunnelOutput::Body(Bytes::from_static(b"data: [DONE]\n\n")))
+            .await
+            && sink.tunnel(TunnelOutput::Usage(usage)).await
+        {
+            let _ = sink.tunnel(TunnelOutput::End).await;
+        }
+        Ok(())
+    }
+
+    /// Waits the per-token delay; false when the Edge cancelled meanwhile.
+    async fn pause(&self, cancel: &CancellationToken) -> bool {
+        if self.delay.is_zero() {
+            tokio::task::yield_now().await;
+        } else {
+            tokio::select! {
+                () = cancel.cancelled() => {}
+                () = tokio::time::sleep(self.delay) => {}
+            }
+        }
+        !cancel.is_cancelled()
+    }
+
+    fn word(&self, i: usize, count: usize) -> String {
+        let word = &self.words[i % self.words.len()];
+        if i + 1 == count {
+            word.clone()
+        } else {
+            format!("{word} ")
+        }
+    }
+}
+
+/// How responses of one request look: ids, object names and the model echoed back.
+struct Shape<'a> {
+    endpoint: Endpoint,
+    id: &'a str,
+    model: &'a str,
+    created: u64,
+}
+
+impl Shape<'_> {
+    fn whole(&self, text: &str, finish: &str, usage: &Usage) -> serde_json::Value {
+        let (object, choice) = match self.endpoint {
+            Endpoint::Chat => (
+                "chat.completion",
+                json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish}),
+            ),
+            Endpoint::Text => (
+                "text_completion",
+                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish}),
+            ),
+        };
+        json!({
+            "id": self.id, "object": object, "created": self.created, "model": self.model,
+            "choices": [choice], "usage": usage_json(usage),
+        })
+    }
+
+    /// A stream chunk: `delta` (chat) or `text` (completions); no choices when `None`.
+    fn chunk(&self, content: Option<serde_json::Value>, finish: Option<&str>) -> serde_json::Value {
+        let (object, choices) = match (self.endpoint, content) {
+            (_, None) => (self.chunk_object(), json!([])),
+            (Endpoint::Chat, Some(delta)) => (
+                "chat.completion.chunk",
+                json!([{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}]),
+            ),
+            (Endpoint::Text, Some(text)) => (
+                "text_completion",
+                json!([{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}]),
+            ),
+        };
+        json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices})
+    }
+
+    fn chunk_object(&self) -> &'static str {
+        match self.endpoint {
+            Endpoint::Chat => "chat.completion.chunk",
+            Endpoint::Text => "text_completion",
+        }
+    }
+}
+
+async fn embeddings(body: &[u8], sink: &Sink) -> Result<(), Refusal> {
+    let req: Embed<'_> = serde_json::from_slice(body)
+        .map_err(|e| Refusal::new(400, "invalid_request", format!("request body: {e}")))?;
+    let dimensions = req.dimensions.unwrap_or(DEFAULT_DIMENSIONS);
+    if dimensions == 0 || dimensions > MAX_DIMENSIONS {
+        return Err(Refusal::new(
+            400,
+            "invalid_request",
+            format!("dimensions must be 1 to {MAX_DIMENSIONS}"),
+        ));
+    }
+    let base64 = match req.encoding_format.as_deref() {
+        None | Some("float") => false,
+        Some("base64") => true,
+        Some(other) => {
+            return Err(Refusal::new(
+                400,
+                "invalid_request",
+                format!("encoding_format {other:?} is not float or base64"),
+            ));
+        }
+    };
+    // Each input as bytes to hash, and what it counts in prompt tokens.
+    let inputs: Vec<(Vec<u8>, u64)> = match req.input {
+        Input::One(text) => vec![text_input(text)],
+        Input::Many(texts) => texts.into_iter().map(text_input).collect(),
+        Input::Tokens(ids) => vec![token_input(&ids)],
+        Input::TokenLists(lists) => lists.iter().map(|ids| token_input(ids)).collect(),
+    };
+    if inputs.is_empty() || inputs.len() > MAX_INPUTS {
+        return Err(Refusal::new(
+            400,
+            "invalid_request",
+            format!("input must hold 1 to {MAX_INPUTS} items"),
+        ));
+    }
+    let prompt_tokens = inputs.iter().map(|(_, t)| t).sum();
+    let data: Vec<serde_json::Value> = inputs
+        .iter()
+        .enumerate()
+        .map(|(index, (bytes, _))| {
+            let vector = unit_vector(bytes, dimensions);
+            let embedding = if base64 {
+                let raw: Vec<u8> = vector.iter().flat_map(|x| x.to_le_bytes()).collect();
+                json!(base64::engine::general_purpose::STANDARD.encode(raw))
+            } else {
+                json!(vector)
+            };
+            json!({"object": "embedding", "index": index, "embedding": embedding})
+        })
+        .collect();
+    let usage = Usage {
+        prompt_tokens,
+        completion_tokens: 0,
+        total_tokens: prompt_tokens,
+    };
+    let body = json!({
+        "object": "list",
+        "data": data,
+        "model": req.model.as_deref().unwrap_or("mock"),
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+    });
+    whole(sink, 200, body.to_string().into(), Some(usage)).await;
+    Ok(())
+}
+
+fn text_input(text: String) -> (Vec<u8>, u64) {
+    let tokens = (text.len() as u64).div_ceil(4);
+    (text.into_bytes(), tokens)
+}
+
+fn token_input(ids: &[u64]) -> (Vec<u8>, u64) {
+    (
+        ids.iter().flat_map(|t| t.to_le_bytes()).collect(),
+        ids.len() as u64,
+    )
+}
+
+/// A deterministic unit vector for `bytes`: FNV-1a seeds a xorshift generator.
+fn unit_vector(bytes: &[u8], dimensions: usize) -> Vec<f32> {
+    let mut state = bytes.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    }) | 1;
+    let mut v: Vec<f32> = (0..dimensions)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            // The top 24 bits, mapped onto [-1, 1).
+            ((state >> 40) as f32 / (1u64 << 23) as f32) - 1.0
+        })
+        .collect();
+    let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt();
+    if norm > 0.0 {
+        v.iter_mut().for_each(|x| *x /= norm);
+    }
+    v
+}
+
+/// A whole JSON response: status, body, usage for the Edge's metrics, end.
+async fn whole(sink: &Sink, status: u32, body: Bytes, usage: Option<Usage>) {
+    let headers = vec![header("content-type", "application/json")];
+    if !sink.tunnel(TunnelOutput::Status { status, headers }).await
+        || !sink.tunnel(TunnelOutput::Body(body)).await
+    {
+        return;
+    }
+    if let Some(usage) = usage {
+        if !sink.tunnel(TunnelOutput::Usage(usage)).await {
+            return;
+        }
+    }
+    let _ = sink.tunnel(TunnelOutput::End).await;
+}
+
+async fn event(sink: &Sink, value: &serde_json::Value) -> bool {
+    let line = format!("data: {value}\n\n");
+    sink.tunnel(TunnelOutput::Body(line.into())).await
+}
+
+async fn cancelled(sink: &Sink) {
+    let _ = sink
+        .tunnel(TunnelOutput::Error(error(
+            "cancelled",
+            "cancelled by the edge",
+            false,
+        )))
+        .await;
+}
+
+fn usage_json(usage: &Usage) -> serde_json::Value {
+    json!({
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+    })
+}
+
+fn header(name: &str, value: &'static str) -> Header {
+    Header {
+        name: name.into(),
+        value: Bytes::from_static(value.as_bytes()),
+    }
+}
+
+struct Refusal {
+    status: u32,
+    code: &'static str,
+    message: String,
+}
+
+impl Refusal {
+    fn new(status: u32, code: &'static str, message: String) -> Self {
+        Refusal {
+            status,
+            code,
+            message,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vectors_are_deterministic_unit_vectors() {
+        let a = unit_vector(b"hello", 32);
+        assert_eq!(a, unit_vector(b"hello", 32));
+        assert_ne!(a, unit_vector(b"hullo", 32));
+        let norm: f32 = a.iter().map(|x| x * x).sum::<f32>().sqrt();
+        assert!((norm - 1.0).abs() < 1e-4, "{norm}");
+        assert!(a.iter().all(|x| (-1.0..=1.0).contains(x)));
+    }
+
+    /// What the mock answers to `method path body`: status, body text, ended cleanly.
+    async fn answer(method: &str, path: &str, body: &str) -> (u32, String, bool) {
+        let mock = Mock::from_options(&[("token_delay_ms".to_owned(), "0".to_owned())].into())
+            .expect("options");
+        let (tx, mut rx) = tokio::sync::mpsc::channel(64);
+        let request = ProviderTunnelRequest {
+            run_id: "r1".into(),
+            method: method.into(),
+            path: path.into(),
+            body: Bytes::copy_from_slice(body.as_bytes()),
+            ..Default::default()
+        };
+        mock.tunnel(
+            request,
+            Sink::new("r1".into(), tx),
+            CancellationToken::new(),
+        )
+        .await;
+        let (mut status, mut text, mut ended) = (0, String::new(), false);
+        while let Ok(super::super::Output::Tunnel { output, .. }) = rx.try_recv() {
+            match output {
+                TunnelOutput::Status { status: s, .. } => status = s,
+                TunnelOutput::Body(b) => text.push_str(std::str::from_utf8(&b).expect("utf-8")),
+                TunnelOutput::End => ended = true,
+                _ => {}
+            }
+        }
+        (status, text, ended)
+    }
+
+    #[tokio::test]
+    async fn answers_like_an_openai_server() {
+        let (status, body, ended) = answer(
+            "POST",
+            "/v1/chat/completions",
+            r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":2}"#,
+        )
+        .await;
+        let v: serde_json::Value = serde_json::from_str(&body).expect("json");
+        assert_eq!((status, ended), (200, true));
+        assert_eq!(v["choices"][0]["message"]["content"], "Hello from");
+        assert_eq!(v["choices"][0]["finish_reason"], "length");
+        assert_eq!(v["model"], "m");
+
+        let (status, body, _) =
+            answer("POST", "/v1/completions", r#"{"prompt":"x","stream":true}"#).await;
+        assert_eq!(status, 200);
+        assert!(body.ends_with("data: [DONE]\n\n"), "{body}");
+        assert!(body.contains(r#""finish_reason":"stop""#), "{body}");
+
+        let (status, body, _) = answer("GET", "/v1/files", "").await;
+        assert_eq!(status, 404, "{body}");
+        let (status, body, _) =
+            answer("POST", "/v1/embeddings", r#"{"input":"x","dimensions":0}"#).await;
+        assert_eq!(status, 400, "{body}");
+        let (status, _, _) = answer("POST", "/v1/chat/completions", "not json").await;
+        assert_eq!(status, 400);
+        let (status, _, _) = answer("POST", "/v1/completions", r#"{"model":"m"}"#).await;
+        assert_eq!(status, 400, "a prompt is required");
+    }
+
+    #[test]
+    fn inputs_count_tokens() {
+        assert_eq!(text_input("abcdefgh".into()).1, 2);
+        assert_eq!(token_input(&[1, 2, 3]).1, 3);
+    }
+}
