@@ -688,7 +688,8 @@ impl Task {
             );
             return;
         };
-        self.metrics.queue_wait(entry.submitted.elapsed());
+        self.metrics
+            .queue_wait(&entry.model, entry.submitted.elapsed());
         let Some(work) = entry.work.take() else {
             return;
         };

@@ -1,314 +1,392 @@
-//! Prometheus text metrics: requests by model and status, latency and time to first byte,
-//! queue depth and wait, in-flight per provider, node connections, frames and bytes.
+//! Metrics, kept and rendered with the Prometheus org's `prometheus-client` (OpenMetrics
+//! text): requests by model and status, latency and time to first byte, queue depth and
+//! wait, token usage, in-flight per provider, node connections, frames and bytes.
+//!
+//! Every label value comes from configuration or from a closed set (status codes,
+//! reasons), never from caller input: an unknown model is counted as `_unknown`.
 
-use std::collections::BTreeMap;
-use std::fmt::Write;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
 
 use crate::core_task::Snapshot;
 
+/// The `Content-Type` of [`Metrics::render`]'s text.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Histogram buckets, in seconds.
 const BOUNDS: [f64; 12] = [
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 ];
 
-#[derive(Clone, Debug, Default)]
-struct Histogram {
-    counts: [u64; BOUNDS.len()],
-    sum: f64,
-    count: u64,
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ModelLabel {
+    model: String,
 }
 
-impl Histogram {
-    fn observe(&mut self, value: Duration) {
-        let secs = value.as_secs_f64();
-        for (i, bound) in BOUNDS.iter().enumerate() {
-            if secs <= *bound {
-                self.counts[i] += 1;
-            }
-        }
-        self.sum += secs;
-        self.count += 1;
-    }
-
-    fn render(&self, out: &mut String, name: &str, labels: &str) {
-        let sep = if labels.is_empty() { "" } else { "," };
-        for (i, bound) in BOUNDS.iter().enumerate() {
-            let _ = writeln!(
-                out,
-                "{name}_bucket{{{labels}{sep}le=\"{bound}\"}} {}",
-                self.counts[i]
-            );
-        }
-        let _ = writeln!(
-            out,
-            "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {}",
-            self.count
-        );
-        let braces = if labels.is_empty() {
-            String::new()
-        } else {
-            format!("{{{labels}}}")
-        };
-        let _ = writeln!(out, "{name}_sum{braces} {}", self.sum);
-        let _ = writeln!(out, "{name}_count{braces} {}", self.count);
-    }
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    model: String,
+    status: u16,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TokenLabels {
+    model: String,
+    node: String,
+    provider: String,
+    kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ProviderLabels {
+    node: String,
+    provider: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabel {
+    kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DirectionLabel {
+    direction: &'static str,
+}
+
+type Histograms<L> = Family<L, Histogram, fn() -> Histogram>;
+
+fn histogram() -> Histogram {
+    Histogram::new(BOUNDS)
+}
+
+/// Gauges read from the core's snapshot when scraped.
 #[derive(Debug, Default)]
-struct Inner {
-    requests: BTreeMap<(String, u16), u64>,
-    latency: BTreeMap<String, Histogram>,
-    ttfb: BTreeMap<String, Histogram>,
-    queue_wait: Histogram,
-    rejected: BTreeMap<&'static str, u64>,
-    violations: BTreeMap<&'static str, u64>,
-    /// Tokens providers reported, by (public model, node, provider, kind).
-    tokens: BTreeMap<(String, String, String, &'static str), u64>,
+struct Fleet {
+    queue_depth: Family<ModelLabel, Gauge>,
+    in_flight: Family<ProviderLabels, Gauge>,
+    capacity: Family<ProviderLabels, Gauge>,
+    nodes_ready: Gauge,
 }
 
-/// Process-wide metrics.
-#[derive(Debug, Default)]
+/// Process-wide metrics. Counters are cheap to clone and share one value.
+#[derive(Debug)]
 pub struct Metrics {
-    inner: Mutex<Inner>,
+    registry: Registry,
+    requests: Family<RequestLabels, Counter>,
+    latency: Histograms<ModelLabel>,
+    ttfb: Histograms<ModelLabel>,
+    queue_wait: Histograms<ModelLabel>,
+    tokens: Family<TokenLabels, Counter>,
+    rejected: Family<ReasonLabel, Counter>,
+    violations: Family<KindLabel, Counter>,
+    fleet: Fleet,
+    /// Held while the fleet gauges are refreshed and the registry encoded, so two
+    /// scrapes at once do not interleave.
+    render: Mutex<()>,
     /// Frames received from nodes.
-    pub frames_in: AtomicU64,
+    pub frames_in: Counter,
     /// Frames sent to nodes.
-    pub frames_out: AtomicU64,
+    pub frames_out: Counter,
     /// Bytes received from nodes.
-    pub bytes_in: AtomicU64,
+    pub bytes_in: Counter,
     /// Bytes sent to nodes.
-    pub bytes_out: AtomicU64,
+    pub bytes_out: Counter,
     /// Node ready transitions.
-    pub node_connects: AtomicU64,
+    pub node_connects: Counter,
     /// Node generations fenced.
-    pub node_disconnects: AtomicU64,
+    pub node_disconnects: Counter,
     /// Node ids that became a conflict.
-    pub node_conflicts: AtomicU64,
+    pub node_conflicts: Counter,
     /// Node connections whose TLS handshake failed or timed out.
-    pub tls_handshake_failures: AtomicU64,
+    pub tls_handshake_failures: Counter,
 }
 
-fn escape(value: &str) -> String {
-    value
-        .replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl Metrics {
+    /// Every metric, registered.
+    #[must_use]
+    pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let requests = Family::<RequestLabels, Counter>::default();
+        registry.register(
+            "iop_http_requests",
+            "Requests answered, by public model and HTTP status",
+            requests.clone(),
+        );
+        let latency: Histograms<ModelLabel> = Family::new_with_constructor(histogram);
+        registry.register(
+            "iop_http_request_duration_seconds",
+            "Request latency, by public model",
+            latency.clone(),
+        );
+        let ttfb: Histograms<ModelLabel> = Family::new_with_constructor(histogram);
+        registry.register(
+            "iop_http_time_to_first_byte_seconds",
+            "Time to the first response byte, by public model",
+            ttfb.clone(),
+        );
+        let tokens = Family::<TokenLabels, Counter>::default();
+        registry.register(
+            "iop_tokens",
+            "Tokens providers reported using, by public model, node, provider and kind (prompt, completion)",
+            tokens.clone(),
+        );
+        let queue_wait: Histograms<ModelLabel> = Family::new_with_constructor(histogram);
+        registry.register(
+            "iop_queue_wait_seconds",
+            "Time requests waited for provider capacity, by public model",
+            queue_wait.clone(),
+        );
+        let rejected = Family::<ReasonLabel, Counter>::default();
+        registry.register(
+            "iop_node_registrations_refused",
+            "Node registrations refused, by reason",
+            rejected.clone(),
+        );
+        let violations = Family::<KindLabel, Counter>::default();
+        registry.register(
+            "iop_node_violations",
+            "Protocol violations by nodes, by kind",
+            violations.clone(),
+        );
+        let fleet = Fleet::default();
+        registry.register(
+            "iop_queue_depth",
+            "Requests waiting, by public model",
+            fleet.queue_depth.clone(),
+        );
+        registry.register(
+            "iop_provider_in_flight",
+            "Leases held, by provider",
+            fleet.in_flight.clone(),
+        );
+        registry.register(
+            "iop_provider_capacity",
+            "Capacity of the live generation, by provider",
+            fleet.capacity.clone(),
+        );
+        registry.register(
+            "iop_nodes_ready",
+            "Nodes that completed the ready handshake",
+            fleet.nodes_ready.clone(),
+        );
+        let counter = |registry: &mut Registry, name: &str, help: &str| {
+            let c = Counter::default();
+            registry.register(name, help, c.clone());
+            c
+        };
+        let node_connects = counter(&mut registry, "iop_node_connects", "Node ready transitions");
+        let node_disconnects = counter(
+            &mut registry,
+            "iop_node_disconnects",
+            "Node generations fenced",
+        );
+        let node_conflicts = counter(
+            &mut registry,
+            "iop_node_conflicts",
+            "Node ids that two live connections kept taking from each other",
+        );
+        let tls_handshake_failures = counter(
+            &mut registry,
+            "iop_node_tls_handshake_failures",
+            "Node connections whose TLS handshake failed or timed out",
+        );
+        let frames = Family::<DirectionLabel, Counter>::default();
+        registry.register(
+            "iop_node_frames",
+            "Frames on node connections",
+            frames.clone(),
+        );
+        let bytes = Family::<DirectionLabel, Counter>::default();
+        registry.register("iop_node_bytes", "Bytes on node connections", bytes.clone());
+        let direction = |family: &Family<DirectionLabel, Counter>, direction| {
+            family.get_or_create(&DirectionLabel { direction }).clone()
+        };
+        Metrics {
+            frames_in: direction(&frames, "in"),
+            frames_out: direction(&frames, "out"),
+            bytes_in: direction(&bytes, "in"),
+            bytes_out: direction(&bytes, "out"),
+            registry,
+            requests,
+            latency,
+            ttfb,
+            queue_wait,
+            tokens,
+            rejected,
+            violations,
+            fleet,
+            render: Mutex::new(()),
+            node_connects,
+            node_disconnects,
+            node_conflicts,
+            tls_handshake_failures,
+        }
+    }
+
     /// Adds to a counter.
-    pub fn add(counter: &AtomicU64, n: u64) {
-        counter.fetch_add(n, Ordering::Relaxed);
+    pub fn add(counter: &Counter, n: u64) {
+        counter.inc_by(n);
     }
 
     /// A finished HTTP request.
     pub fn request(&self, model: &str, status: u16, latency: Duration) {
-        if let Ok(mut inner) = self.inner.lock() {
-            *inner
-                .requests
-                .entry((model.to_owned(), status))
-                .or_default() += 1;
-            inner
-                .latency
-                .entry(model.to_owned())
-                .or_default()
-                .observe(latency);
-        }
+        self.requests
+            .get_or_create(&RequestLabels {
+                model: model.to_owned(),
+                status,
+            })
+            .inc();
+        self.latency
+            .get_or_create(&ModelLabel {
+                model: model.to_owned(),
+            })
+            .observe(latency.as_secs_f64());
     }
 
     /// Token usage a provider reported for one request (known models only: the labels
     /// come from configuration, never from caller input).
     pub fn tokens(&self, model: &str, node: &str, provider: &str, prompt: u64, completion: u64) {
-        if let Ok(mut inner) = self.inner.lock() {
-            for (kind, n) in [("prompt", prompt), ("completion", completion)] {
-                *inner
-                    .tokens
-                    .entry((model.to_owned(), node.to_owned(), provider.to_owned(), kind))
-                    .or_default() += n;
-            }
+        for (kind, n) in [("prompt", prompt), ("completion", completion)] {
+            self.tokens
+                .get_or_create(&TokenLabels {
+                    model: model.to_owned(),
+                    node: node.to_owned(),
+                    provider: provider.to_owned(),
+                    kind,
+                })
+                .inc_by(n);
         }
     }
 
     /// Time to the first response byte of a request.
     pub fn first_byte(&self, model: &str, ttfb: Duration) {
-        if let Ok(mut inner) = self.inner.lock() {
-            inner
-                .ttfb
-                .entry(model.to_owned())
-                .or_default()
-                .observe(ttfb);
-        }
+        self.ttfb
+            .get_or_create(&ModelLabel {
+                model: model.to_owned(),
+            })
+            .observe(ttfb.as_secs_f64());
     }
 
     /// A refused node registration, by reason.
     pub fn rejected(&self, reason: &'static str) {
-        if let Ok(mut inner) = self.inner.lock() {
-            *inner.rejected.entry(reason).or_default() += 1;
-        }
+        self.rejected.get_or_create(&ReasonLabel { reason }).inc();
     }
 
     /// A protocol violation by a node, by kind.
     pub fn violation(&self, kind: &'static str) {
-        if let Ok(mut inner) = self.inner.lock() {
-            *inner.violations.entry(kind).or_default() += 1;
-        }
+        self.violations.get_or_create(&KindLabel { kind }).inc();
     }
 
-    /// Time a request waited for a lease.
-    pub fn queue_wait(&self, wait: Duration) {
-        if let Ok(mut inner) = self.inner.lock() {
-            inner.queue_wait.observe(wait);
-        }
+    /// Time a request for the configured `model` waited for a lease.
+    pub fn queue_wait(&self, model: &str, wait: Duration) {
+        self.queue_wait
+            .get_or_create(&ModelLabel {
+                model: model.to_owned(),
+            })
+            .observe(wait.as_secs_f64());
     }
 
-    /// The Prometheus text exposition.
+    /// The OpenMetrics text exposition, with the fleet gauges taken from `snapshot`.
     #[must_use]
     pub fn render(&self, snapshot: &Snapshot) -> String {
-        let mut out = String::new();
-        let Ok(inner) = self.inner.lock() else {
-            return out;
-        };
-        out.push_str("# HELP iop_http_requests_total Requests answered, by public model and HTTP status.\n# TYPE iop_http_requests_total counter\n");
-        for ((model, status), n) in &inner.requests {
-            let _ = writeln!(
-                out,
-                "iop_http_requests_total{{model=\"{}\",status=\"{status}\"}} {n}",
-                escape(model)
-            );
-        }
-        out.push_str("# HELP iop_http_request_duration_seconds Request latency, by public model.\n# TYPE iop_http_request_duration_seconds histogram\n");
-        for (model, h) in &inner.latency {
-            h.render(
-                &mut out,
-                "iop_http_request_duration_seconds",
-                &format!("model=\"{}\"", escape(model)),
-            );
-        }
-        out.push_str("# HELP iop_http_time_to_first_byte_seconds Time to the first response byte, by public model.\n# TYPE iop_http_time_to_first_byte_seconds histogram\n");
-        for (model, h) in &inner.ttfb {
-            h.render(
-                &mut out,
-                "iop_http_time_to_first_byte_seconds",
-                &format!("model=\"{}\"", escape(model)),
-            );
-        }
-        out.push_str("# HELP iop_tokens_total Tokens providers reported using, by public model, node, provider and kind (prompt, completion).\n# TYPE iop_tokens_total counter\n");
-        for ((model, node, provider, kind), n) in &inner.tokens {
-            let _ = writeln!(
-                out,
-                "iop_tokens_total{{model=\"{}\",node=\"{}\",provider=\"{}\",kind=\"{kind}\"}} {n}",
-                escape(model),
-                escape(node),
-                escape(provider)
-            );
-        }
-        out.push_str("# HELP iop_queue_wait_seconds Time requests waited for provider capacity.\n# TYPE iop_queue_wait_seconds histogram\n");
-        inner
-            .queue_wait
-            .render(&mut out, "iop_queue_wait_seconds", "");
-        out.push_str("# HELP iop_node_registrations_refused_total Node registrations refused, by reason.\n# TYPE iop_node_registrations_refused_total counter\n");
-        for (reason, n) in &inner.rejected {
-            let _ = writeln!(
-                out,
-                "iop_node_registrations_refused_total{{reason=\"{reason}\"}} {n}"
-            );
-        }
-        out.push_str("# HELP iop_node_violations_total Protocol violations by nodes, by kind.\n# TYPE iop_node_violations_total counter\n");
-        for (kind, n) in &inner.violations {
-            let _ = writeln!(out, "iop_node_violations_total{{kind=\"{kind}\"}} {n}");
-        }
-        drop(inner);
-        out.push_str("# HELP iop_queue_depth Requests waiting, by public model.\n# TYPE iop_queue_depth gauge\n");
+        let _rendering = self
+            .render
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let fleet = &self.fleet;
+        // Rebuilt from the snapshot, so a provider or model that is gone disappears.
+        fleet.queue_depth.clear();
         for (model, n) in &snapshot.queue_by_model {
-            let _ = writeln!(out, "iop_queue_depth{{model=\"{}\"}} {n}", escape(model));
+            fleet
+                .queue_depth
+                .get_or_create(&ModelLabel {
+                    model: model.to_string(),
+                })
+                .set(gauge_value(*n as u64));
         }
-        out.push_str("# HELP iop_provider_in_flight Leases held, by provider.\n# TYPE iop_provider_in_flight gauge\n");
+        fleet.in_flight.clear();
+        fleet.capacity.clear();
         for p in &snapshot.providers {
-            let _ = writeln!(
-                out,
-                "iop_provider_in_flight{{node=\"{}\",provider=\"{}\"}} {}",
-                escape(&p.node_id),
-                escape(&p.provider_id),
-                p.in_flight
-            );
-        }
-        out.push_str("# HELP iop_provider_capacity Capacity of the live generation, by provider.\n# TYPE iop_provider_capacity gauge\n");
-        for p in &snapshot.providers {
-            let _ = writeln!(
-                out,
-                "iop_provider_capacity{{node=\"{}\",provider=\"{}\"}} {}",
-                escape(&p.node_id),
-                escape(&p.provider_id),
-                p.capacity
-            );
+            let labels = ProviderLabels {
+                node: p.node_id.clone(),
+                provider: p.provider_id.clone(),
+            };
+            fleet
+                .in_flight
+                .get_or_create(&labels)
+                .set(gauge_value(u64::from(p.in_flight)));
+            fleet
+                .capacity
+                .get_or_create(&labels)
+                .set(gauge_value(u64::from(p.capacity)));
         }
         let ready = snapshot
             .nodes
             .iter()
             .filter(|n| n.state == iop_proto_core::NodeState::Ready)
             .count();
-        let _ = writeln!(
-            out,
-            "# HELP iop_nodes_ready Nodes that completed the ready handshake.\n# TYPE iop_nodes_ready gauge\niop_nodes_ready {ready}"
-        );
-        for (name, help, counter) in [
-            (
-                "iop_node_connects_total",
-                "Node ready transitions.",
-                &self.node_connects,
-            ),
-            (
-                "iop_node_disconnects_total",
-                "Node generations fenced.",
-                &self.node_disconnects,
-            ),
-            (
-                "iop_node_conflicts_total",
-                "Node ids that two live connections kept taking from each other.",
-                &self.node_conflicts,
-            ),
-            (
-                "iop_node_tls_handshake_failures_total",
-                "Node connections whose TLS handshake failed or timed out.",
-                &self.tls_handshake_failures,
-            ),
+        fleet.nodes_ready.set(gauge_value(ready as u64));
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+}
+
+fn gauge_value(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_openmetrics_with_our_names() {
+        let m = Metrics::new();
+        m.request("mock-chat", 200, Duration::from_millis(12));
+        m.request("mock-chat", 200, Duration::from_millis(30));
+        m.tokens("mock-chat", "n1", "mock", 5, 7);
+        m.queue_wait("mock-chat", Duration::from_millis(3));
+        m.rejected("throttled");
+        Metrics::add(&m.frames_in, 4);
+        let text = m.render(&Snapshot::default());
+        for line in [
+            "iop_http_requests_total{model=\"mock-chat\",status=\"200\"} 2",
+            "iop_http_request_duration_seconds_bucket{le=\"0.025\",model=\"mock-chat\"} 1",
+            "iop_http_request_duration_seconds_count{model=\"mock-chat\"} 2",
+            "iop_tokens_total{model=\"mock-chat\",node=\"n1\",provider=\"mock\",kind=\"completion\"} 7",
+            "iop_queue_wait_seconds_count{model=\"mock-chat\"} 1",
+            "iop_node_registrations_refused_total{reason=\"throttled\"} 1",
+            "iop_node_frames_total{direction=\"in\"} 4",
+            "iop_node_frames_total{direction=\"out\"} 0",
+            "iop_nodes_ready 0",
+            "# TYPE iop_http_requests counter",
+            "# EOF",
         ] {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
-                counter.load(Ordering::Relaxed)
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
             );
         }
-        let _ = writeln!(
-            out,
-            "# HELP iop_node_frames_total Frames on node connections.\n# TYPE iop_node_frames_total counter"
-        );
-        let _ = writeln!(
-            out,
-            "iop_node_frames_total{{direction=\"in\"}} {}",
-            self.frames_in.load(Ordering::Relaxed)
-        );
-        let _ = writeln!(
-            out,
-            "iop_node_frames_total{{direction=\"out\"}} {}",
-            self.frames_out.load(Ordering::Relaxed)
-        );
-        let _ = writeln!(
-            out,
-            "# HELP iop_node_bytes_total Bytes on node connections.\n# TYPE iop_node_bytes_total counter"
-        );
-        let _ = writeln!(
-            out,
-            "iop_node_bytes_total{{direction=\"in\"}} {}",
-            self.bytes_in.load(Ordering::Relaxed)
-        );
-        let _ = writeln!(
-            out,
-            "iop_node_bytes_total{{direction=\"out\"}} {}",
-            self.bytes_out.load(Ordering::Relaxed)
-        );
-        out
     }
 }

@@ -191,6 +191,19 @@ async fn token_usage_the_providers_report_is_counted_by_model_and_provider() {
         reported["prompt_tokens"].as_u64(),
         "{text}"
     );
+    // OpenMetrics, as prometheus-client renders it; queue wait is kept per model.
+    assert!(
+        metrics.headers.iter().any(|(k, v)| k == "content-type"
+            && v.starts_with("application/openmetrics-text; version=1.0.0")),
+        "{:?}",
+        metrics.headers
+    );
+    assert!(text.ends_with("# EOF\n"), "{text}");
+    assert!(
+        text.lines()
+            .any(|l| l == r#"iop_queue_wait_seconds_count{model="tunnel-chat"} 2"#),
+        "{text}"
+    );
 }
 
 /// An SSE reader that keeps what it has buffered between events.

@@ -355,7 +355,7 @@ async fn route(
             ))));
             r.headers_mut().insert(
                 header::CONTENT_TYPE,
-                HeaderValue::from_static("text/plain; version=0.0.4"),
+                HeaderValue::from_static(crate::metrics::CONTENT_TYPE),
             );
             r
         }
