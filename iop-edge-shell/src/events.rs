@@ -2,7 +2,13 @@
 //! out to operators as Server-Sent Events. Publishing never waits: each subscriber has a
 //! bounded queue, and one that does not keep up is dropped (its stream ends after what
 //! was queued), so no subscriber can slow the core task or hold memory.
+//!
+//! The last [`RECENT`] events are kept, so a subscriber that sends `Last-Event-ID` (the
+//! SSE way to resume; `0` for "everything you still have") first gets the events after
+//! that id, then the live ones, without a gap or a duplicate.
 
+use std::collections::VecDeque;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -20,12 +26,18 @@ pub const MAX_SUBSCRIBERS: usize = 64;
 /// Events held for subscribers whose fan-out task has not taken them yet.
 const BACKLOG: usize = 1024;
 
+/// Recent events kept for subscribers that resume with `Last-Event-ID`.
+pub const RECENT: usize = 128;
+
 /// Where lifecycle events are published, and subscribed to.
 #[derive(Debug)]
 pub struct EventHub {
-    tx: broadcast::Sender<Bytes>,
+    tx: broadcast::Sender<(u64, Bytes)>,
     seq: AtomicU64,
     queue: usize,
+    /// The last [`RECENT`] events, oldest first. Publishing holds it while it sends, so
+    /// a subscriber that takes it sees each event either here or live, never both.
+    recent: Mutex<VecDeque<(u64, Bytes)>>,
 }
 
 impl Default for EventHub {
@@ -42,44 +54,79 @@ impl EventHub {
             tx: broadcast::channel(backlog.max(1)).0,
             seq: AtomicU64::new(0),
             queue: queue.max(1),
+            recent: Mutex::new(VecDeque::with_capacity(RECENT)),
         }
     }
 
-    /// Numbers, timestamps and sends one event to every subscriber (never waits).
+    /// Numbers, timestamps, keeps and sends one event to every subscriber (never waits
+    /// for one).
     pub fn publish(&self, event: &Lifecycle) {
+        let mut recent = self
+            .recent
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
-        if self.tx.receiver_count() == 0 {
-            return;
-        }
         let mut value = serde_json::to_value(event).unwrap_or_default();
         if let Some(object) = value.as_object_mut() {
             object.insert("seq".into(), seq.into());
             object.insert("at_ms".into(), unix_ms().into());
         }
-        let text = format!("id: {seq}\nevent: {}\ndata: {value}\n\n", event.kind());
-        let _ = self.tx.send(Bytes::from(text));
+        let text = Bytes::from(format!(
+            "id: {seq}\nevent: {}\ndata: {value}\n\n",
+            event.kind()
+        ));
+        if recent.len() == RECENT {
+            recent.pop_front();
+        }
+        recent.push_back((seq, text.clone()));
+        if self.tx.receiver_count() > 0 {
+            let _ = self.tx.send((seq, text));
+        }
     }
 
-    /// A new subscriber: the SSE bytes of every event published from now on, keep-alive
-    /// comments every `keepalive` of silence, and an end when it falls behind. `None`
-    /// when [`MAX_SUBSCRIBERS`] are already listening.
+    /// A new subscriber: the SSE bytes of the kept events after `after` (when given),
+    /// then of every event published from now on, keep-alive comments every `keepalive`
+    /// of silence, and an end when it falls behind. `None` when [`MAX_SUBSCRIBERS`] are
+    /// already listening.
     #[must_use]
-    pub fn subscribe(&self, keepalive: Duration) -> Option<mpsc::Receiver<Bytes>> {
+    pub fn subscribe(
+        &self,
+        keepalive: Duration,
+        after: Option<u64>,
+    ) -> Option<mpsc::Receiver<Bytes>> {
         if self.tx.receiver_count() >= MAX_SUBSCRIBERS {
             return None;
         }
-        let mut rx = self.tx.subscribe();
-        let (out, events) = mpsc::channel(self.queue);
+        let (mut rx, replay) = {
+            let recent = self
+                .recent
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let replay: Vec<Bytes> = match after {
+                Some(after) => recent
+                    .iter()
+                    .filter(|(seq, _)| *seq > after)
+                    .map(|(_, text)| text.clone())
+                    .collect(),
+                None => Vec::new(),
+            };
+            (self.tx.subscribe(), replay)
+        };
+        // Room for the replay on top of the subscriber's own queue.
+        let (out, events) = mpsc::channel(self.queue + replay.len());
+        let _ = out.try_send(Bytes::from_static(b": iop lifecycle events\n\n"));
+        for text in replay {
+            let _ = out.try_send(text);
+        }
         tokio::spawn(async move {
-            let _ = out.try_send(Bytes::from_static(b": iop lifecycle events\n\n"));
             loop {
                 let next = tokio::select! {
                     next = rx.recv() => next,
                     () = out.closed() => return,
-                    () = tokio::time::sleep(keepalive) => Ok(Bytes::from_static(b": keep-alive\n\n")),
+                    () = tokio::time::sleep(keepalive) => Ok((0, Bytes::from_static(b": keep-alive\n\n"))),
                 };
                 let bytes = match next {
-                    Ok(bytes) => bytes,
+                    Ok((_, bytes)) => bytes,
                     Err(broadcast::error::RecvError::Lagged(missed)) => {
                         debug!(missed, "events subscriber dropped: it fell behind");
                         let _ = out.try_send(Bytes::from(format!(
@@ -121,8 +168,8 @@ mod tests {
     #[tokio::test]
     async fn a_slow_subscriber_is_dropped_and_the_others_get_every_event_in_order() {
         let hub = EventHub::new(4096, 16);
-        let mut reader = hub.subscribe(Duration::from_secs(60)).expect("room");
-        let mut idle = hub.subscribe(Duration::from_secs(60)).expect("room");
+        let mut reader = hub.subscribe(Duration::from_secs(60), None).expect("room");
+        let mut idle = hub.subscribe(Duration::from_secs(60), None).expect("room");
         // The readers' tasks start; each queues its hello comment.
         tokio::task::yield_now().await;
         let reading = tokio::spawn(async move {
@@ -168,22 +215,83 @@ mod tests {
         );
     }
 
+    /// `Last-Event-ID` resumes: the kept events after it, then the live ones, each once
+    /// and in order; only the last RECENT are kept.
+    #[tokio::test]
+    async fn a_resuming_subscriber_gets_what_it_missed_then_the_live_events() {
+        let hub = EventHub::default();
+        for i in 1..=(RECENT as u64 + 10) {
+            hub.publish(&ready(i));
+        }
+        let ids = |texts: &[Bytes]| -> Vec<u64> {
+            texts
+                .iter()
+                .filter_map(|t| {
+                    std::str::from_utf8(t)
+                        .ok()?
+                        .strip_prefix("id: ")?
+                        .split('\n')
+                        .next()?
+                        .parse()
+                        .ok()
+                })
+                .collect()
+        };
+        let mut resumed = hub
+            .subscribe(Duration::from_secs(60), Some(130))
+            .expect("room");
+        let mut everything = hub
+            .subscribe(Duration::from_secs(60), Some(0))
+            .expect("room");
+        let mut live = hub.subscribe(Duration::from_secs(60), None).expect("room");
+        hub.publish(&ready(999));
+        let mut take = |rx: &mut mpsc::Receiver<Bytes>, n: usize| {
+            let mut got = Vec::new();
+            while got.len() < n {
+                match rx.try_recv() {
+                    Ok(b) => got.push(b),
+                    Err(_) => break,
+                }
+            }
+            got
+        };
+        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let total = RECENT as u64 + 11;
+        assert_eq!(
+            ids(&take(&mut resumed, 100)),
+            (131..=total).collect::<Vec<_>>()
+        );
+        let all = ids(&take(&mut everything, 1000));
+        assert_eq!(
+            all,
+            (11..=total).collect::<Vec<_>>(),
+            "the last RECENT, then live"
+        );
+        assert_eq!(
+            ids(&take(&mut live, 100)),
+            vec![total],
+            "no replay without an id"
+        );
+    }
+
     #[tokio::test]
     async fn subscribers_are_capped() {
         let hub = EventHub::default();
         let held: Vec<_> = (0..MAX_SUBSCRIBERS)
-            .map(|_| hub.subscribe(Duration::from_secs(60)).expect("room"))
+            .map(|_| hub.subscribe(Duration::from_secs(60), None).expect("room"))
             .collect();
-        assert!(hub.subscribe(Duration::from_secs(60)).is_none());
+        assert!(hub.subscribe(Duration::from_secs(60), None).is_none());
         drop(held);
     }
 
     #[test]
-    fn publishing_without_subscribers_costs_nothing_and_never_fails() {
+    fn publishing_without_subscribers_keeps_only_the_recent_events() {
         let hub = EventHub::default();
         for i in 0..10_000 {
             hub.publish(&ready(i));
         }
         assert_eq!(hub.seq.load(Ordering::Relaxed), 10_000);
+        assert_eq!(hub.recent.lock().expect("lock").len(), RECENT);
     }
 }

@@ -139,6 +139,9 @@ def main():
                 By.CSS_SELECTOR, 'tr[data-provider="node-1/mock"]').text, 10)
             row = lambda: driver.find_element(By.CSS_SELECTOR, 'tr[data-node="node-1"]').text  # noqa: E731
             assert "TLS" in row()
+            # The feed opens with what happened before the page did (Last-Event-ID: 0).
+            wait("the node's earlier events in the feed", lambda: driver.find_elements(
+                By.CSS_SELECTOR, '#feed div[data-type="node.ready"]'), 10)
             assert "site=local" in row(), row()
             # The version the node registered with, and the Edge's heartbeat round trip.
             wait("the node's version and heartbeat RTT", lambda: re.search(r"\d+\.\d+\.\d+", row())

@@ -367,7 +367,13 @@ async fn route(
         (Method::GET, "/ui") => dashboard(),
         (Method::GET, "/v1/events") => {
             let keepalive = state.settings().sse_keepalive.max(Duration::from_secs(1));
-            let Some(events) = state.events.subscribe(keepalive) else {
+            // SSE's resume: the events after this id that the Edge still keeps.
+            let after = req
+                .headers()
+                .get("last-event-id")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.trim().parse::<u64>().ok());
+            let Some(events) = state.events.subscribe(keepalive, after) else {
                 return error(
                     StatusCode::SERVICE_UNAVAILABLE,
                     "too many event subscribers",
