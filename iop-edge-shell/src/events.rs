@@ -245,7 +245,7 @@ mod tests {
             .expect("room");
         let mut live = hub.subscribe(Duration::from_secs(60), None).expect("room");
         hub.publish(&ready(999));
-        let mut take = |rx: &mut mpsc::Receiver<Bytes>, n: usize| {
+        let take = |rx: &mut mpsc::Receiver<Bytes>, n: usize| {
             let mut got = Vec::new();
             while got.len() < n {
                 match rx.try_recv() {
