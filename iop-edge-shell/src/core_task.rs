@@ -481,8 +481,8 @@ impl Task {
             return;
         }
         if let Some(c) = self.conns.get(&conn) {
-            Metrics::add(&self.metrics.frames_out, frames);
-            Metrics::add(&self.metrics.bytes_out, buf.len() as u64);
+            self.metrics.frames_out.inc_by(frames);
+            self.metrics.bytes_out.inc_by(buf.len() as u64);
             let queued = c.queued.fetch_add(buf.len(), Ordering::Relaxed) + buf.len();
             let _ = c.writer.send(buf.freeze());
             if queued > MAX_QUEUED_PER_CONNECTION && c.stalled(STALLED_AFTER) {
@@ -548,7 +548,7 @@ impl Task {
                 node_id,
                 generation,
             } => {
-                Metrics::add(&self.metrics.node_connects, 1);
+                self.metrics.node_connects.inc();
                 info!(node_id = %node_id, generation = generation.0, "node ready");
             }
             EdgeEvent::NodeDisconnected {
@@ -557,7 +557,7 @@ impl Task {
                 reason,
                 lost,
             } => {
-                Metrics::add(&self.metrics.node_disconnects, 1);
+                self.metrics.node_disconnects.inc();
                 warn!(node_id = %node_id, generation = generation.0, reason = ?reason, lost = lost.len(), "node fenced");
             }
             EdgeEvent::RefreshAnswered {
@@ -649,7 +649,7 @@ impl Task {
                 supersedes,
                 hold_down,
             } => {
-                Metrics::add(&self.metrics.node_conflicts, 1);
+                self.metrics.node_conflicts.inc();
                 error!(
                     node_id = %node_id,
                     supersedes,

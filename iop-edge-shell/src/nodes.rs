@@ -93,7 +93,7 @@ fn handshake_failed(
     peer: SocketAddr,
     err: &dyn std::fmt::Display,
 ) {
-    Metrics::add(&shared.metrics.tls_handshake_failures, 1);
+    shared.metrics.tls_handshake_failures.inc();
     if let Some(suppressed) = limiter.allow() {
         info!(%peer, error = %err, suppressed, "node TLS handshake failed");
     } else {
@@ -355,7 +355,7 @@ async fn run_link<S>(
                 }
                 first = false;
                 want = next_read_size(want, n);
-                Metrics::add(&metrics.bytes_in, n as u64);
+                metrics.bytes_in.inc_by(n as u64);
                 decoder.push_bytes(buf.split().freeze());
                 let mut envelopes = Vec::new();
                 let mut broken = false;
@@ -378,7 +378,7 @@ async fn run_link<S>(
                 let decoded = !envelopes.is_empty();
                 if decoded {
                     // Everything one read completed goes to the core as one message.
-                    Metrics::add(&metrics.frames_in, envelopes.len() as u64);
+                    metrics.frames_in.inc_by(envelopes.len() as u64);
                     if core
                         .send(CoreMsg::Frames { conn, envelopes })
                         .await

@@ -17,7 +17,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use iop_proto_core::RunOutput;
-use iop_proto_core::wire::{RunRequest, Usage};
+use iop_proto_core::wire::{ErrorDetail, RunRequest, Usage};
 use tokio_util::sync::CancellationToken;
 
 use super::{Sink, error};
@@ -133,35 +133,14 @@ impl Mock {
         }
         for i in 0..self.tokens {
             if self.fail == Fail::After(i) {
-                let _ = sink
-                    .run(RunOutput::Error(error(
-                        "mock_failure",
-                        format!("injected failure after {i} tokens"),
-                        false,
-                    )))
-                    .await;
+                let _ = sink.run(RunOutput::Error(injected_failure(i))).await;
                 return;
             }
-            // A zero delay must not round up to the timer's millisecond tick.
-            if self.delay.is_zero() {
-                tokio::task::yield_now().await;
-            } else {
-                tokio::select! {
-                    () = cancel.cancelled() => {}
-                    () = tokio::time::sleep(self.delay) => {}
-                }
-            }
-            if cancel.is_cancelled() {
+            if !self.pause(&cancel).await {
                 let _ = sink.run(RunOutput::Cancelled).await;
                 return;
             }
-            let word = &self.words[i % self.words.len()];
-            let piece = if i + 1 == self.tokens {
-                word.clone()
-            } else {
-                format!("{word} ")
-            };
-            if !sink.run(RunOutput::Delta(piece)).await {
+            if !sink.run(RunOutput::Delta(self.word(i, self.tokens))).await {
                 return;
             }
         }
@@ -174,7 +153,43 @@ impl Mock {
     }
 }
 
-fn usage(prompt: u64, completion: u64) -> Usage {
+impl Mock {
+    /// Waits the per-token delay; false when the Edge cancelled meanwhile.
+    // A zero delay must not round up to the timer's millisecond tick.
+    pub(super) async fn pause(&self, cancel: &CancellationToken) -> bool {
+        if self.delay.is_zero() {
+            tokio::task::yield_now().await;
+        } else {
+            tokio::select! {
+                () = cancel.cancelled() => {}
+                () = tokio::time::sleep(self.delay) => {}
+            }
+        }
+        !cancel.is_cancelled()
+    }
+
+    /// Word `i` of a reply of `count` words, with its trailing space.
+    pub(super) fn word(&self, i: usize, count: usize) -> String {
+        let word = &self.words[i % self.words.len()];
+        if i + 1 == count {
+            word.clone()
+        } else {
+            format!("{word} ")
+        }
+    }
+}
+
+/// The error of `fail = after:N`.
+pub(super) fn injected_failure(after: usize) -> ErrorDetail {
+    error(
+        "mock_failure",
+        format!("injected failure after {after} tokens"),
+        false,
+    )
+}
+
+/// Usage of `prompt` and `completion` tokens.
+pub(super) fn usage(prompt: u64, completion: u64) -> Usage {
     Usage {
         prompt_tokens: prompt,
         completion_tokens: completion,

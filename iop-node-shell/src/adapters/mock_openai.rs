@@ -23,7 +23,7 @@ use serde::Deserialize;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-use super::mock::{Fail, Mock};
+use super::mock::{Fail, Mock, injected_failure, usage};
 use super::{Sink, error};
 
 /// Most dimensions an embeddings request may ask for.
@@ -31,6 +31,8 @@ const MAX_DIMENSIONS: usize = 4096;
 /// Most inputs in one embeddings request (OpenAI's own limit).
 const MAX_INPUTS: usize = 2048;
 const DEFAULT_DIMENSIONS: usize = 16;
+/// Most values in one embeddings answer (about 20 MiB of JSON floats).
+const MAX_VALUES: usize = 1 << 20;
 
 /// The fields the mock reads from a generation request.
 #[derive(Deserialize, Default)]
@@ -158,11 +160,7 @@ impl Mock {
             "stop"
         };
         let prompt_tokens = (input.get().len() as u64).div_ceil(4);
-        let usage = Usage {
-            prompt_tokens,
-            completion_tokens: count as u64,
-            total_tokens: prompt_tokens + count as u64,
-        };
+        let usage = usage(prompt_tokens, count as u64);
         let created = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
@@ -216,13 +214,7 @@ impl Mock {
         }
         for i in 0..count {
             if self.fail == Fail::After(i) {
-                let _ = sink
-                    .tunnel(TunnelOutput::Error(error(
-                        "mock_failure",
-                        format!("injected failure after {i} tokens"),
-                        false,
-                    )))
-                    .await;
+                let _ = sink.tunnel(TunnelOutput::Error(injected_failure(i))).await;
                 return Ok(());
             }
             if !self.pause(cancel).await {
@@ -260,28 +252,6 @@ impl Mock {
             let _ = sink.tunnel(TunnelOutput::End).await;
         }
         Ok(())
-    }
-
-    /// Waits the per-token delay; false when the Edge cancelled meanwhile.
-    async fn pause(&self, cancel: &CancellationToken) -> bool {
-        if self.delay.is_zero() {
-            tokio::task::yield_now().await;
-        } else {
-            tokio::select! {
-                () = cancel.cancelled() => {}
-                () = tokio::time::sleep(self.delay) => {}
-            }
-        }
-        !cancel.is_cancelled()
-    }
-
-    fn word(&self, i: usize, count: usize) -> String {
-        let word = &self.words[i % self.words.len()];
-        if i + 1 == count {
-            word.clone()
-        } else {
-            format!("{word} ")
-        }
     }
 }
 
@@ -371,6 +341,14 @@ async fn embeddings(body: &[u8], sink: &Sink) -> Result<(), Refusal> {
             format!("input must hold 1 to {MAX_INPUTS} items"),
         ));
     }
+    // The answer grows with inputs × dimensions: bound it before building it.
+    if inputs.len() * dimensions > MAX_VALUES {
+        return Err(Refusal::new(
+            400,
+            "invalid_request",
+            format!("at most {MAX_VALUES} values in all (inputs × dimensions)"),
+        ));
+    }
     let prompt_tokens = inputs.iter().map(|(_, t)| t).sum();
     let data: Vec<serde_json::Value> = inputs
         .iter()
@@ -386,11 +364,7 @@ async fn embeddings(body: &[u8], sink: &Sink) -> Result<(), Refusal> {
             json!({"object": "embedding", "index": index, "embedding": embedding})
         })
         .collect();
-    let usage = Usage {
-        prompt_tokens,
-        completion_tokens: 0,
-        total_tokens: prompt_tokens,
-    };
+    let usage = usage(prompt_tokens, 0);
     let body = json!({
         "object": "list",
         "data": data,
@@ -565,6 +539,15 @@ mod tests {
         let (status, body, _) =
             answer("POST", "/v1/embeddings", r#"{"input":"x","dimensions":0}"#).await;
         assert_eq!(status, 400, "{body}");
+        let many = format!(
+            r#"{{"input":[{}],"dimensions":4096}}"#,
+            vec![r#""x""#; 2048].join(",")
+        );
+        let (status, body, _) = answer("POST", "/v1/embeddings", &many).await;
+        assert_eq!(
+            status, 400,
+            "8M floats are refused before they are built: {body}"
+        );
         let (status, _, _) = answer("POST", "/v1/chat/completions", "not json").await;
         assert_eq!(status, 400);
         let (status, _, _) = answer("POST", "/v1/completions", r#"{"model":"m"}"#).await;
