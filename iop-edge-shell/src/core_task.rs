@@ -1,11 +1,14 @@
-//! The task that owns the [`EdgeCore`]: node connections and HTTP handlers send it
-//! messages; it feeds them to the machine, writes its transmits to the right connection,
-//! and routes its events to the request that waits for them. One owner, no locks around
-//! protocol state.
+//! The [`EdgeCore`] and what routes its outputs, shared by the tasks that feed it. A node
+//! connection's reader, an HTTP handler or the timer takes the lock, hands the machine
+//! its input, drains every output (frames to the connection's writer, events to the
+//! request's channel) and lets go: no task in between, so a request crosses one task
+//! boundary less in each direction than with a dedicated core task, and nothing else ever
+//! touches protocol state. The lock is never held across an `.await`, and nothing run
+//! under it takes it again.
 
 use std::collections::HashMap;
-use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -17,7 +20,7 @@ use iop_proto_core::{
     CloseReason, ConfigDiff, ConnId, Dispatch, DispatchShape, EdgeConfig, EdgeCore, EdgeError,
     EdgeEvent, Grant, NodeStatus, Outcome, RequestId, SubmitError, Transmit, UsageError,
 };
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::time::Instant;
 use tracing::{debug, error, info, warn};
 
@@ -68,9 +71,6 @@ pub enum ReqEvent {
     Ended(Outcome),
 }
 
-/// Inbox messages handled per wake beyond the first, before the machine is drained.
-const INBOX_BATCH: usize = 256;
-
 /// Bytes a request may have waiting for a slow client before it is cancelled.
 pub const MAX_BUFFERED_PER_REQUEST: usize = 16 << 20;
 
@@ -113,7 +113,7 @@ pub struct Snapshot {
     pub open_requests: usize,
 }
 
-/// A message to the core task.
+/// An input for the core.
 #[derive(Debug)]
 pub enum CoreMsg {
     /// A node connection was accepted.
@@ -219,67 +219,112 @@ struct Task {
     events: Arc<EventHub>,
 }
 
-/// Runs the core task until every sender is gone.
-pub async fn run(
-    core: EdgeCore,
-    mut inbox: mpsc::Receiver<CoreMsg>,
+/// The core, shared: cheap to clone, every clone feeds the same machine.
+#[derive(Clone)]
+pub struct Core {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for Core {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Core").finish_non_exhaustive()
+    }
+}
+
+struct Shared {
+    task: Mutex<Task>,
+    /// Wakes the timer when the machine's next deadline moved earlier than the one it
+    /// sleeps until.
+    rearm: Notify,
+    /// The deadline the timer sleeps until, in core milliseconds.
+    armed: AtomicU64,
     clock: Clock,
-    metrics: Arc<Metrics>,
-    events: Arc<EventHub>,
-) {
-    let mut task = Task {
-        commands: HashMap::new(),
-        core,
-        clock,
-        metrics,
-        conns: HashMap::new(),
-        requests: HashMap::new(),
-        events,
-    };
-    // One timer, moved only when the machine's next deadline moves.
-    let timer = tokio::time::sleep_until(clock.instant(iop_proto_core::Timestamp::MAX));
-    tokio::pin!(timer);
-    loop {
-        task.drain();
-        let deadline = task.core.poll_timeout().map_or_else(
-            || clock.instant(iop_proto_core::Timestamp::MAX),
-            |wake| clock.instant(wake.at),
-        );
-        if timer.deadline() != deadline {
-            timer.as_mut().reset(deadline);
+}
+
+/// The core is gone: a bug made it panic under the lock. Callers answer 503.
+#[derive(Debug, Clone, Copy)]
+pub struct Stopped;
+
+impl Core {
+    /// Wraps the machine and what its outputs need.
+    #[must_use]
+    pub fn new(core: EdgeCore, clock: Clock, metrics: Arc<Metrics>, events: Arc<EventHub>) -> Self {
+        let task = Task {
+            commands: HashMap::new(),
+            core,
+            clock,
+            metrics,
+            conns: HashMap::new(),
+            requests: HashMap::new(),
+            events,
+        };
+        Core {
+            shared: Arc::new(Shared {
+                task: Mutex::new(task),
+                rearm: Notify::new(),
+                armed: AtomicU64::new(u64::MAX),
+                clock,
+            }),
         }
-        tokio::select! {
-            message = inbox.recv() => match message {
-                None => return,
-                Some(message) => {
-                    task.handle(message);
-                    // Whatever else is queued is handled before one drain, so frames
-                    // for the same connection go out in one write.
-                    for _ in 0..INBOX_BATCH {
-                        match inbox.try_recv() {
-                            Ok(message) => task.handle(message),
-                            Err(_) => break,
-                        }
+    }
+
+    /// Hands the machine one input and routes everything it produces, on the caller's
+    /// task. Replies (`oneshot`s in `message`) are sent before this returns.
+    pub fn send(&self, message: CoreMsg) -> Result<(), Stopped> {
+        self.with(|task| task.handle(message))
+    }
+
+    fn with(&self, input: impl FnOnce(&mut Task)) -> Result<(), Stopped> {
+        let mut task = self.shared.task.lock().map_err(|_| Stopped)?;
+        input(&mut task);
+        task.drain();
+        // Compared under the lock, which the timer holds when it stores what it arms.
+        if task.deadline() < self.shared.armed.load(Ordering::Relaxed) {
+            self.shared.rearm.notify_one();
+        }
+        Ok(())
+    }
+
+    /// Runs the machine's timer until the core stops: sleeps until its next deadline (or
+    /// until an input moved that deadline earlier), then hands it the time.
+    pub async fn run_timer(self) {
+        let clock = self.shared.clock;
+        let timer = tokio::time::sleep_until(clock.instant(iop_proto_core::Timestamp::MAX));
+        tokio::pin!(timer);
+        loop {
+            let Ok(next) = self.shared.task.lock().map(|task| {
+                let next = task.deadline();
+                // Under the lock: an input that moves the deadline earlier from here on
+                // sees it, notifies, and the stored permit wakes the select below.
+                self.shared.armed.store(next, Ordering::Relaxed);
+                next
+            }) else {
+                return;
+            };
+            let deadline = clock.instant(iop_proto_core::Timestamp::from_millis(next));
+            if timer.deadline() != deadline {
+                timer.as_mut().reset(deadline);
+            }
+            tokio::select! {
+                () = self.shared.rearm.notified() => {}
+                () = &mut timer => {
+                    if self.with(|task| task.core.handle_timeout(clock.now())).is_err() {
+                        return;
                     }
                 }
-            },
-            () = &mut timer => {
-                // Input already queued arrived before the deadline (a heartbeat ack, the
-                // bytes of a large frame): when the task was starved of CPU, the timer
-                // must not win the race and call a live node silent.
-                for _ in 0..INBOX_BATCH {
-                    match inbox.try_recv() {
-                        Ok(message) => task.handle(message),
-                        Err(_) => break,
-                    }
-                }
-                task.core.handle_timeout(clock.now());
             }
         }
     }
 }
 
 impl Task {
+    /// The machine's next deadline in core milliseconds (`u64::MAX` for none).
+    fn deadline(&self) -> u64 {
+        self.core
+            .poll_timeout()
+            .map_or(u64::MAX, |wake| wake.at.as_millis())
+    }
+
     fn handle(&mut self, message: CoreMsg) {
         let now = self.clock.now();
         match message {

@@ -1,7 +1,7 @@
 //! `GET /v1/events`: the core's lifecycle events ([`iop_proto_core::Lifecycle`]) fanned
 //! out to operators as Server-Sent Events. Publishing never waits: each subscriber has a
 //! bounded queue, and one that does not keep up is dropped (its stream ends after what
-//! was queued), so no subscriber can slow the core task or hold memory.
+//! was queued), so no subscriber can slow the core or hold memory.
 //!
 //! The last [`RECENT`] events are kept, so a subscriber that sends `Last-Event-ID` (the
 //! SSE way to resume; `0` for "everything you still have") first gets the events after

@@ -2,7 +2,7 @@
 //!
 //! - [`config`]: the TOML configuration.
 //! - [`certgen`]: `iop-edge gen-cert`, certificates for the node link.
-//! - [`core_task`]: the one task that owns the core and routes its outputs.
+//! - [`core_task`]: the core behind one lock, and what routes its outputs.
 //! - [`nodes`]: the node listener (a reader and a writer task per connection).
 //! - [`http`]: the OpenAI-compatible HTTP surface, status, metrics and health.
 //! - [`memory`]: the budget of request bodies and buffered response bytes.
@@ -20,7 +20,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
 
 use tokio::net::TcpListener;
-use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::sync::{Semaphore, oneshot};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
@@ -39,7 +39,6 @@ pub async fn run(
     let metrics = Arc::new(metrics::Metrics::default());
     let core = iop_proto_core::EdgeCore::new(config.core.clone())
         .map_err(|err| std::io::Error::other(err.to_string()))?;
-    let (core_tx, core_rx) = mpsc::channel(4096);
     let node_listener = bind("listen.nodes", config.http.nodes_addr)?;
     let http_listener = bind("listen.http", config.http.http_addr)?;
     info!(
@@ -59,25 +58,20 @@ pub async fn run(
     let events = Arc::new(events::EventHub::default());
     let node_tls: nodes::TlsSlot = Arc::new(RwLock::new(config.tls.nodes.clone()));
     let http_tls: nodes::TlsSlot = Arc::new(RwLock::new(config.tls.http.clone()));
+    let core = core_task::Core::new(core, clock, metrics.clone(), events.clone());
     let state = Arc::new(http::State {
-        core: core_tx.clone(),
+        core: core.clone(),
         permits: Arc::new(Semaphore::new(config.http.max_concurrent_requests)),
         settings: RwLock::new(Arc::new(config.http.clone())),
         budget: Arc::new(memory::Budget::new(config.http.max_inflight_bytes)),
         metrics: metrics.clone(),
         events: events.clone(),
     });
-    let core_task = tokio::spawn(core_task::run(
-        core,
-        core_rx,
-        clock,
-        metrics.clone(),
-        events,
-    ));
+    let timer = tokio::spawn(core.clone().run_timer());
     tokio::spawn(nodes::serve(
         node_listener,
         nodes::Listener {
-            core: core_tx.clone(),
+            core,
             metrics: metrics.clone(),
             tls: node_tls.clone(),
             handshake_timeout: config.core.timing.register_timeout,
@@ -106,8 +100,7 @@ pub async fn run(
     }
     shutdown.cancelled().await;
     drop(state);
-    drop(core_tx);
-    core_task.abort();
+    timer.abort();
     Ok(())
 }
 
@@ -189,7 +182,6 @@ async fn reload_on_sighup(
                 config: config.core,
                 reply,
             })
-            .await
             .is_err()
         {
             return;

@@ -60,7 +60,7 @@ impl Budget {
 const CLOSED: usize = 1 << (usize::BITS - 1);
 
 /// What one request holds of the budget: its body, and the response bytes buffered for
-/// its caller. Shared by the handler (which consumes) and the core task (which buffers);
+/// its caller. Shared by the handler (which consumes) and the core (which buffers);
 /// everything returns to the budget when the handler is done with it.
 #[derive(Debug)]
 pub struct RequestMemory {

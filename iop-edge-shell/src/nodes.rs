@@ -1,5 +1,5 @@
 //! The node listener: a TLS handshake (unless the operator chose plaintext), then one
-//! reader and one writer task per connection, around the core task. A connection that
+//! reader and one writer task per connection, around the shared core. A connection that
 //! fails its handshake, sends garbage, an oversized length or only a header is closed on
 //! its own; everyone else keeps being served.
 
@@ -19,7 +19,7 @@ use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::core_task::CoreMsg;
+use crate::core_task::{Core, CoreMsg};
 use crate::metrics::Metrics;
 
 /// A listener's TLS, replaceable at run time (SIGHUP reloads the certificate). `None`
@@ -29,8 +29,8 @@ pub type TlsSlot = Arc<RwLock<Option<Arc<rustls::ServerConfig>>>>;
 /// What every node connection task shares.
 #[derive(Clone, Debug)]
 pub struct Listener {
-    /// The core task.
-    pub core: mpsc::Sender<CoreMsg>,
+    /// The core.
+    pub core: Core,
     /// Metrics.
     pub metrics: Arc<Metrics>,
     /// TLS, if any.
@@ -167,7 +167,7 @@ async fn write_loop<W: AsyncWrite + Unpin>(mut writer: W, (mut rx, queued, progr
     let _ = writer.shutdown().await;
 }
 
-/// What the core task keeps of a node connection.
+/// What the core keeps of a node connection.
 #[derive(Debug)]
 pub struct ConnHandle {
     /// Where its frames are written.
@@ -234,7 +234,6 @@ async fn connection(
     if shared
         .core
         .send(CoreMsg::ConnOpened { conn, peer, handle })
-        .await
         .is_err()
     {
         return;
@@ -278,7 +277,7 @@ async fn connection(
                         tls: version,
                         identities,
                     };
-                    if shared.core.send(secured).await.is_ok() {
+                    if shared.core.send(secured).is_ok() {
                         run_link(
                             stream,
                             conn,
@@ -297,7 +296,7 @@ async fn connection(
         })
         .await,
     }
-    let _ = shared.core.send(CoreMsg::ConnClosed { conn }).await;
+    let _ = shared.core.send(CoreMsg::ConnClosed { conn });
 }
 
 /// Reads frames into the core and writes what the core sends, until either side ends.
@@ -379,11 +378,7 @@ async fn run_link<S>(
                 if decoded {
                     // Everything one read completed goes to the core as one message.
                     metrics.frames_in.inc_by(envelopes.len() as u64);
-                    if core
-                        .send(CoreMsg::Frames { conn, envelopes })
-                        .await
-                        .is_err()
-                    {
+                    if core.send(CoreMsg::Frames { conn, envelopes }).is_err() {
                         break 'read;
                     }
                 }
@@ -394,7 +389,7 @@ async fn run_link<S>(
                 // so a 16 MiB frame in 16 KiB reads is not a thousand messages.
                 if !decoded && progress_said.elapsed() >= PROGRESS_EVERY {
                     progress_said = tokio::time::Instant::now();
-                    if core.send(CoreMsg::BytesReceived { conn }).await.is_err() {
+                    if core.send(CoreMsg::BytesReceived { conn }).is_err() {
                         break;
                     }
                 }

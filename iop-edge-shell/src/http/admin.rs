@@ -15,7 +15,7 @@ use crate::core_task::{CoreMsg, Snapshot};
 
 pub(super) async fn snapshot(state: &State) -> Option<Snapshot> {
     let (reply, rx) = oneshot::channel();
-    state.core.send(CoreMsg::Snapshot { reply }).await.ok()?;
+    state.core.send(CoreMsg::Snapshot { reply }).ok()?;
     rx.await.ok()
 }
 
@@ -215,14 +215,11 @@ pub(super) async fn node_command(req: Request<Incoming>, state: &State) -> Respo
         }
     };
     let (reply, answer) = oneshot::channel();
-    let sent = state
-        .core
-        .send(CoreMsg::Command {
-            node_id: node_id.to_owned(),
-            request,
-            reply,
-        })
-        .await;
+    let sent = state.core.send(CoreMsg::Command {
+        node_id: node_id.to_owned(),
+        request,
+        reply,
+    });
     if sent.is_err() {
         return api_error(&ApiError::shutting_down());
     }

@@ -1,4 +1,4 @@
-//! The inference routes: read the body, ask the core task to queue it, then write what
+//! The inference routes: read the body, ask the core to queue it, then write what
 //! the core's [`Responder`] renders from the request's events. Everything decided about
 //! the response (its shape, its errors, keep-alive placement) is the `Responder`'s; this
 //! module only moves bytes, runs the deadline and keep-alive timers, and notices a caller
@@ -25,13 +25,13 @@ use tracing::{error, info};
 
 use super::{Caller, ResBody, State, api_error, json_response, now_secs};
 use crate::config::HttpSettings;
-use crate::core_task::{CoreMsg, Events, ReqEvent, Work};
+use crate::core_task::{Core, CoreMsg, Events, ReqEvent, Work};
 use crate::memory::RequestMemory;
 use crate::metrics::Metrics;
 
 /// Cancels the request when dropped before `disarm` (client gone, write failure, timeout).
 struct CancelGuard {
-    core: mpsc::Sender<CoreMsg>,
+    core: Core,
     request: RequestId,
     armed: bool,
     reason: &'static str,
@@ -48,21 +48,11 @@ impl Drop for CancelGuard {
         if !self.armed {
             return;
         }
-        let cancel = CoreMsg::Cancel {
+        // Handled before the drop returns: the lease goes back at once.
+        let _ = self.core.send(CoreMsg::Cancel {
             request: self.request,
             reason: self.reason,
-        };
-        // A cancel must not be lost to a momentarily full inbox: the lease would then be
-        // held until the provider finished on its own.
-        if let Err(tokio::sync::mpsc::error::TrySendError::Full(cancel)) =
-            self.core.try_send(cancel)
-            && let Ok(runtime) = tokio::runtime::Handle::try_current()
-        {
-            let core = self.core.clone();
-            runtime.spawn(async move {
-                let _ = core.send(cancel).await;
-            });
-        }
+        });
     }
 }
 
@@ -357,7 +347,7 @@ async fn handle(
         memory,
         reply,
     };
-    if state.core.send(submit).await.is_err() {
+    if state.core.send(submit).is_err() {
         return refuse(&finish, &ApiError::shutting_down());
     }
     finish.model.clone_from(&asked.model);
@@ -441,7 +431,7 @@ impl Live {
                     continue;
                 }
                 Poll::Ready(None) => {
-                    // The core task is gone: nothing more will come.
+                    // The core is gone: nothing more will come.
                     self.guard.reason = "response timeout";
                     self.responder.handle_timeout();
                     continue;

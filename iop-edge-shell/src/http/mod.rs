@@ -1,5 +1,5 @@
 //! The public HTTP surface: OpenAI-compatible routes, status, metrics and health, over
-//! HTTP/1.1 and h2c (and both over TLS). Handlers talk to the core task only through
+//! HTTP/1.1 and h2c (and both over TLS). Handlers talk to the core only through
 //! messages; what a response says is decided in `iop_proto_core::openai`.
 
 mod admin;
@@ -20,13 +20,13 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use iop_proto_core::openai::{ApiError, Endpoint, ErrorType};
 use tokio::net::TcpListener;
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::config::HttpSettings;
-use crate::core_task::CoreMsg;
+use crate::core_task::Core;
 use crate::metrics::Metrics;
 
 type Chunk = Result<Frame<Bytes>, std::io::Error>;
@@ -60,8 +60,8 @@ impl Body for ResBody {
 /// Shared state of the HTTP surface.
 #[derive(Debug)]
 pub struct State {
-    /// The core task.
-    pub core: mpsc::Sender<CoreMsg>,
+    /// The core.
+    pub core: Core,
     /// Settings; replaced on reload.
     pub settings: RwLock<Arc<HttpSettings>>,
     /// Metrics.
