@@ -1,15 +1,16 @@
 //! One connection to the Edge: read frames → `NodeSession::handle_*` → drain `poll_*` →
-//! write frames. One `select!` over the socket, the session's deadline, adapter output and
-//! shutdown. Writes go through a writer task that coalesces whatever is queued into one
-//! write, so many small frames cost one syscall; when too many bytes are queued the driver
-//! stops taking adapter output (backpressure reaches the provider) but keeps reading.
+//! write frames. One `select!` over the socket (both directions), the session's deadline,
+//! adapter output and shutdown. Frames are encoded into one reused buffer and written from
+//! here, so whatever the session produced in one wake costs one syscall and no hand-off to
+//! another task; when too many bytes wait for the socket the driver stops taking adapter
+//! output (backpressure reaches the provider) but keeps reading.
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf, BytesMut};
 use iop_proto_core::wire::{self, FrameDecoder};
 use iop_proto_core::{
     Failure, NodeSession, NodeTransmit, RunOutput, SessionConfig, SessionEnd, SessionEvent,
@@ -25,8 +26,10 @@ use crate::stats::TransportStats;
 use iop_shell_common::clock::Clock;
 use iop_shell_common::misuse;
 
-/// Queued output bytes above which adapter output waits.
+/// Output bytes waiting for the socket above which adapter output waits.
 const HIGH_WATER: usize = 4 << 20;
+/// An output buffer larger than this is given back once it has been written out.
+const OUT_KEEP: usize = 256 << 10;
 /// Largest single read.
 const READ_CHUNK: usize = 64 << 10;
 /// Adapter outputs taken per wake beyond the first.
@@ -47,28 +50,28 @@ pub struct Context {
     pub started: tokio::time::Instant,
 }
 
-async fn write_loop<W: AsyncWrite + Unpin>(
-    mut writer: W,
-    mut rx: mpsc::UnboundedReceiver<Bytes>,
-    pending: Arc<AtomicUsize>,
-    stats: Arc<TransportStats>,
+/// Writes what the socket takes of `out` now, then flushes once `out` is empty.
+/// Cancel-safe: `out` and `unflushed` always say what is still owed to the socket.
+async fn write_some<W: AsyncWrite + Unpin>(
+    writer: &mut W,
+    out: &mut BytesMut,
+    unflushed: &mut bool,
+    stats: &TransportStats,
 ) -> std::io::Result<()> {
-    let mut batch = BytesMut::new();
-    while let Some(first) = rx.recv().await {
-        batch.extend_from_slice(&first);
-        while batch.len() < (1 << 20) {
-            match rx.try_recv() {
-                Ok(more) => batch.extend_from_slice(&more),
-                Err(_) => break,
-            }
+    if !out.is_empty() {
+        let n = writer.write(out).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
         }
-        writer.write_all(&batch).await?;
-        TransportStats::add(&stats.bytes_out, batch.len() as u64);
-        pending.fetch_sub(batch.len(), Ordering::Relaxed);
-        batch.clear();
+        out.advance(n);
+        *unflushed = true;
+        TransportStats::add(&stats.bytes_out, n as u64);
     }
-    writer.flush().await?;
-    writer.shutdown().await
+    if out.is_empty() && *unflushed {
+        writer.flush().await?;
+        *unflushed = false;
+    }
+    Ok(())
 }
 
 /// Runs one session over `stream` until it closes and returns why. The session tells
@@ -85,10 +88,12 @@ pub async fn run<S>(
 where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
-    let (mut reader, writer) = tokio::io::split(stream);
-    let pending = Arc::new(AtomicUsize::new(0));
-    let (wtx, wrx) = mpsc::unbounded_channel::<Bytes>();
-    let mut writer_task = tokio::spawn(write_loop(writer, wrx, pending.clone(), ctx.stats.clone()));
+    let (mut reader, mut writer) = tokio::io::split(stream);
+    // Encoded frames not yet taken by the socket, and whether a write awaits its flush.
+    let mut out = BytesMut::new();
+    let mut unflushed = false;
+    // Whether the socket failed (nothing more is written to it).
+    let mut broken = false;
     let (out_tx, mut out_rx) = mpsc::channel::<Output>(1024);
 
     let node_id = config.node_id.clone();
@@ -109,7 +114,6 @@ where
         // Drain every output of the machine before waiting again.
         let mut closed = None;
         loop {
-            let mut out = BytesMut::new();
             let mut frames = 0u64;
             while let Some(transmit) = session.poll_transmit() {
                 match transmit {
@@ -126,11 +130,7 @@ where
                     }
                 }
             }
-            if !out.is_empty() {
-                TransportStats::add(&ctx.stats.frames_out, frames);
-                pending.fetch_add(out.len(), Ordering::Relaxed);
-                let _ = wtx.send(out.freeze());
-            }
+            TransportStats::add(&ctx.stats.frames_out, frames);
             let Some(event) = session.poll_event() else {
                 break;
             };
@@ -155,10 +155,15 @@ where
             for token in tasks.values() {
                 token.cancel();
             }
-            drop(wtx);
-            // Let queued frames (terminal events, the last ack) reach the Edge.
-            let _ = tokio::time::timeout(Duration::from_secs(2), &mut writer_task).await;
-            writer_task.abort();
+            if !broken {
+                // Let the last frames (terminal events, the last ack) reach the Edge.
+                let _ = tokio::time::timeout(Duration::from_secs(2), async {
+                    writer.write_all(&out).await?;
+                    writer.flush().await?;
+                    writer.shutdown().await
+                })
+                .await;
+            }
             return end;
         }
 
@@ -170,7 +175,11 @@ where
         if timer.deadline() != deadline {
             timer.as_mut().reset(deadline);
         }
-        let accept_output = pending.load(Ordering::Relaxed) < HIGH_WATER;
+        let accept_output = out.len() < HIGH_WATER;
+        let owed = !broken && (!out.is_empty() || unflushed);
+        if !owed && out.capacity() > OUT_KEEP {
+            out = BytesMut::new();
+        }
         read_buf.reserve(READ_CHUNK);
         tokio::select! {
             () = &mut stopping, if !stop_sent => {
@@ -186,7 +195,7 @@ where
                 // Take what else the adapters have queued in the same wake: its frames
                 // then go out in one write.
                 for _ in 0..OUTPUT_BATCH {
-                    if pending.load(Ordering::Relaxed) >= HIGH_WATER {
+                    if out.len() >= HIGH_WATER {
                         break;
                     }
                     let Ok(output) = out_rx.try_recv() else {
@@ -209,14 +218,13 @@ where
                 }
                 session.handle_timeout(ctx.clock.now());
             }
-            written = &mut writer_task => {
-                let failure = match written {
-                    Ok(Err(err)) => Failure::from_io(err.kind(), &err),
-                    _ => Failure::Reset,
-                };
-                misuse("connection lost", session.handle_connection_lost(ctx.clock.now(), failure));
-                // The writer is gone: make the final wait above return at once.
-                writer_task = tokio::spawn(async { Ok(()) });
+            written = write_some(&mut writer, &mut out, &mut unflushed, &ctx.stats), if owed => {
+                if let Err(err) = written {
+                    broken = true;
+                    out.clear();
+                    let failure = Failure::from_io(err.kind(), &err);
+                    misuse("connection lost", session.handle_connection_lost(ctx.clock.now(), failure));
+                }
             }
         }
     }
