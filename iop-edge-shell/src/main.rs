@@ -82,7 +82,7 @@ fn gen_cert(request: iop_edge_shell::certgen::Request) -> ExitCode {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    logging::init(cli.log_format);
+    let _log = logging::init(cli.log_format);
     if let Some(Command::GenCert {
         names,
         cert,
@@ -137,6 +137,7 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
+            logging::flush();
             eprintln!("iop-edge: {err}");
             ExitCode::from(1)
         }

@@ -39,7 +39,7 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    logging::init(cli.log_format);
+    let _log = logging::init(cli.log_format);
     let config = match NodeConfig::load(&cli.config) {
         Ok(config) => config,
         Err(err) => return process::invalid_config("iop-node", &cli.config, &err),
@@ -79,6 +79,7 @@ fn main() -> ExitCode {
             Ok(ctx) => ctx,
             Err(err) => {
                 tracing::error!(error = %err, "invalid configuration");
+                logging::flush();
                 eprintln!("iop-node: {err}");
                 return None;
             }

@@ -1,6 +1,20 @@
 //! Logging setup: `tracing` to stderr, as text or JSON lines; `RUST_LOG` filters.
+//!
+//! A line is formatted on the thread that logs it and appended to one buffer; a thread of
+//! its own writes the buffer to stderr a few milliseconds later, in one `write` for every
+//! line gathered meanwhile. At a request log line per request that is one syscall per
+//! few hundred requests instead of one per line, and a stderr that blocks (a full pipe,
+//! a stalled terminal) never blocks the runtime: once [`MAX_BUFFERED`] bytes wait, lines
+//! are dropped and counted, and the count is written when stderr drains. The buffer is
+//! written out when the [`LogGuard`] is dropped and before a panic message.
+
+use std::io::Write as _;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::time::Duration;
 
 use tracing_subscriber::EnvFilter;
+use tracing_subscriber::fmt::MakeWriter;
+use tracing_subscriber::fmt::writer::BoxMakeWriter;
 
 /// Log output format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -11,17 +25,168 @@ pub enum LogFormat {
     Json,
 }
 
+/// Bytes of log lines that may wait for stderr; beyond it lines are dropped and counted.
+pub const MAX_BUFFERED: usize = 4 << 20;
+/// How long the writer gathers lines after the first one before it writes them.
+const LINGER: Duration = Duration::from_millis(5);
+
+#[derive(Debug, Default)]
+struct Pending {
+    bytes: Vec<u8>,
+    dropped: u64,
+}
+
+#[derive(Debug, Default)]
+struct Shared {
+    pending: Mutex<Pending>,
+    ready: Condvar,
+    /// Held while writing to stderr, so a flush and the writer thread keep line order.
+    out: Mutex<()>,
+}
+
+impl Shared {
+    fn pending(&self) -> MutexGuard<'_, Pending> {
+        // Nothing panics under this lock; a poisoned buffer is still a buffer.
+        self.pending.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn append(&self, line: &[u8]) {
+        let mut pending = self.pending();
+        if pending.bytes.len() + line.len() > MAX_BUFFERED {
+            pending.dropped += 1;
+            return;
+        }
+        let first = pending.bytes.is_empty();
+        pending.bytes.extend_from_slice(line);
+        drop(pending);
+        if first {
+            self.ready.notify_one();
+        }
+    }
+
+    /// Writes whatever is buffered now.
+    fn write_out(&self, spare: &mut Vec<u8>) {
+        let _order = self.out.lock().unwrap_or_else(PoisonError::into_inner);
+        let dropped = {
+            let mut pending = self.pending();
+            std::mem::swap(&mut pending.bytes, spare);
+            std::mem::take(&mut pending.dropped)
+        };
+        let mut stderr = std::io::stderr().lock();
+        let _ = stderr.write_all(spare);
+        if dropped > 0 {
+            let _ = writeln!(
+                stderr,
+                "{dropped} log lines dropped: stderr did not keep up with the log"
+            );
+        }
+        let _ = stderr.flush();
+        spare.clear();
+        // A burst's buffer is not kept for good.
+        if spare.capacity() > 256 << 10 {
+            *spare = Vec::new();
+        }
+    }
+
+    fn run_writer(&self) {
+        let mut spare = Vec::new();
+        loop {
+            {
+                let mut pending = self.pending();
+                while pending.bytes.is_empty() && pending.dropped == 0 {
+                    pending = self
+                        .ready
+                        .wait(pending)
+                        .unwrap_or_else(PoisonError::into_inner);
+                }
+            }
+            std::thread::sleep(LINGER);
+            self.write_out(&mut spare);
+        }
+    }
+}
+
+static SHARED: OnceLock<Arc<Shared>> = OnceLock::new();
+
+/// The writer handed to the `fmt` layer: appends each formatted line to the buffer.
+#[derive(Clone, Debug)]
+struct Buffered(Arc<Shared>);
+
+/// One line's writer.
+#[derive(Debug)]
+struct Line<'a>(&'a Shared);
+
+impl std::io::Write for Line<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.append(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> MakeWriter<'a> for Buffered {
+    type Writer = Line<'a>;
+
+    fn make_writer(&'a self) -> Self::Writer {
+        Line(&self.0)
+    }
+}
+
+/// Writes the buffered log lines out when dropped: hold it for the life of `main`.
+#[derive(Debug)]
+#[must_use = "the log is written out when the guard is dropped"]
+pub struct LogGuard(());
+
+impl Drop for LogGuard {
+    fn drop(&mut self) {
+        flush();
+    }
+}
+
+/// Writes every buffered log line to stderr now (before a message written to stderr
+/// directly, so the two keep their order).
+pub fn flush() {
+    if let Some(shared) = SHARED.get() {
+        shared.write_out(&mut Vec::new());
+    }
+}
+
 /// Installs the global subscriber (idempotent enough for one call per process).
-pub fn init(format: LogFormat) {
+pub fn init(format: LogFormat) -> LogGuard {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let writer = if let Some(shared) = SHARED.get() {
+        BoxMakeWriter::new(Buffered(shared.clone()))
+    } else {
+        let shared = Arc::new(Shared::default());
+        let thread_side = shared.clone();
+        let spawned = std::thread::Builder::new()
+            .name("log-writer".into())
+            .spawn(move || thread_side.run_writer());
+        if spawned.is_ok() && SHARED.set(shared.clone()).is_ok() {
+            // A panic's message goes straight to stderr: the lines before it go first.
+            let previous = std::panic::take_hook();
+            std::panic::set_hook(Box::new(move |info| {
+                flush();
+                previous(info);
+            }));
+            BoxMakeWriter::new(Buffered(shared))
+        } else {
+            // No thread to write for us: every line is its own write, as it comes.
+            BoxMakeWriter::new(std::io::stderr)
+        }
+    };
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_writer(writer)
         .with_target(false);
     let _ = match format {
         LogFormat::Text => builder.with_ansi(false).try_init(),
         LogFormat::Json => builder.json().flatten_event(true).try_init(),
     };
+    LogGuard(())
 }
 
 /// Bounds the log lines one noisy source writes: at most `burst` lines per `interval`,
@@ -96,5 +261,28 @@ mod tests {
             assert_eq!(limiter.allow_at(t0 + Duration::from_secs(1)), None);
         }
         assert_eq!(limiter.allow_at(t0 + Duration::from_secs(10)), Some(1000));
+    }
+}
+
+#[cfg(test)]
+mod buffer_tests {
+    use super::*;
+
+    #[test]
+    fn lines_beyond_the_bound_are_counted_not_kept() {
+        let shared = Shared::default();
+        let line = vec![b'x'; 1 << 20];
+        for _ in 0..6 {
+            shared.append(&line);
+        }
+        {
+            let pending = shared.pending();
+            assert_eq!(pending.bytes.len(), MAX_BUFFERED);
+            assert_eq!(pending.dropped, 2);
+        }
+        shared.write_out(&mut Vec::new());
+        let pending = shared.pending();
+        assert!(pending.bytes.is_empty());
+        assert_eq!(pending.dropped, 0);
     }
 }

@@ -168,6 +168,10 @@ impl Proc {
     /// The log so far.
     #[must_use]
     pub fn log(&self) -> String {
+        // The binaries gather log lines for a few milliseconds before they write them
+        // (`iop_shell_common::logging`): what was logged before this call is in the file
+        // well within this wait.
+        std::thread::sleep(std::time::Duration::from_millis(60));
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 }
