@@ -63,10 +63,11 @@ pub enum ReqEvent {
         /// Adapter instance chosen on it.
         provider_id: Arc<str>,
     },
-    /// A run event.
-    Run(RunEvent),
+    /// A run event (boxed, as the frame: an open request's channel allocates room for
+    /// 32 events up front, 7 KiB per request at their unboxed size).
+    Run(Box<RunEvent>),
     /// A tunnel frame.
-    Frame(ProviderTunnelFrame),
+    Frame(Box<ProviderTunnelFrame>),
     /// The end (exactly once).
     Ended(Outcome),
 }
@@ -576,10 +577,10 @@ impl Task {
             }
             EdgeEvent::Granted(grant) => self.dispatch(&grant),
             EdgeEvent::RunEvent { request, event } => {
-                self.forward(request, ReqEvent::Run(event));
+                self.forward(request, ReqEvent::Run(Box::new(event)));
             }
             EdgeEvent::TunnelFrame { request, frame } => {
-                self.forward(request, ReqEvent::Frame(frame));
+                self.forward(request, ReqEvent::Frame(Box::new(frame)));
             }
             EdgeEvent::RequestEnded { request, outcome } => {
                 if let Some(entry) = self.requests.remove(&request) {
@@ -777,5 +778,14 @@ impl Task {
             "dispatch",
             self.core.handle_dispatch(now, grant.request, dispatch),
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_request_event_is_small() {
+        // Its channel allocates 32 slots at once, for every open request.
+        assert!(std::mem::size_of::<super::ReqEvent>() <= 64);
     }
 }

@@ -471,11 +471,11 @@ impl Live {
             }
             ReqEvent::Run(event) => {
                 self.finish.first_byte();
-                self.responder.handle_run_event(event);
+                self.responder.handle_run_event(*event);
             }
             ReqEvent::Frame(frame) => {
                 self.finish.first_byte();
-                self.responder.handle_tunnel_frame(frame);
+                self.responder.handle_tunnel_frame(*frame);
             }
             ReqEvent::Ended(outcome) => self.responder.handle_end(&outcome),
         }
