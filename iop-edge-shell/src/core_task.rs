@@ -7,7 +7,7 @@
 //! under it takes it again.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -218,6 +218,8 @@ struct Task {
     conns: HashMap<ConnId, ConnHandle>,
     requests: HashMap<RequestId, Entry>,
     events: Arc<EventHub>,
+    /// The deadline the timer task sleeps until, in core milliseconds.
+    armed: u64,
 }
 
 /// The core, shared: cheap to clone, every clone feeds the same machine.
@@ -237,8 +239,6 @@ struct Shared {
     /// Wakes the timer when the machine's next deadline moved earlier than the one it
     /// sleeps until.
     rearm: Notify,
-    /// The deadline the timer sleeps until, in core milliseconds.
-    armed: AtomicU64,
     clock: Clock,
 }
 
@@ -258,12 +258,12 @@ impl Core {
             conns: HashMap::new(),
             requests: HashMap::new(),
             events,
+            armed: u64::MAX,
         };
         Core {
             shared: Arc::new(Shared {
                 task: Mutex::new(task),
                 rearm: Notify::new(),
-                armed: AtomicU64::new(u64::MAX),
                 clock,
             }),
         }
@@ -279,8 +279,7 @@ impl Core {
         let mut task = self.shared.task.lock().map_err(|_| Stopped)?;
         input(&mut task);
         task.drain();
-        // Compared under the lock, which the timer holds when it stores what it arms.
-        if task.deadline() < self.shared.armed.load(Ordering::Relaxed) {
+        if task.deadline() < task.armed {
             self.shared.rearm.notify_one();
         }
         Ok(())
@@ -293,12 +292,11 @@ impl Core {
         let timer = tokio::time::sleep_until(clock.instant(iop_proto_core::Timestamp::MAX));
         tokio::pin!(timer);
         loop {
-            let Ok(next) = self.shared.task.lock().map(|task| {
-                let next = task.deadline();
-                // Under the lock: an input that moves the deadline earlier from here on
-                // sees it, notifies, and the stored permit wakes the select below.
-                self.shared.armed.store(next, Ordering::Relaxed);
-                next
+            let Ok(next) = self.shared.task.lock().map(|mut task| {
+                // An input that moves the deadline earlier from here on sees it, notifies,
+                // and the stored permit wakes the select below.
+                task.armed = task.deadline();
+                task.armed
             }) else {
                 return;
             };

@@ -8,7 +8,6 @@
 //! are dropped and counted, and the count is written when stderr drains. The buffer is
 //! written out when the [`LogGuard`] is dropped and before a panic message.
 
-use std::io::Write as _;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::time::Duration;
 
@@ -64,23 +63,27 @@ impl Shared {
         }
     }
 
-    /// Writes whatever is buffered now.
+    /// Writes whatever is buffered now to stderr.
     fn write_out(&self, spare: &mut Vec<u8>) {
+        self.write_out_to(spare, &mut std::io::stderr().lock());
+    }
+
+    /// Writes whatever is buffered now to `out`, then the count of dropped lines.
+    fn write_out_to(&self, spare: &mut Vec<u8>, out: &mut impl std::io::Write) {
         let _order = self.out.lock().unwrap_or_else(PoisonError::into_inner);
         let dropped = {
             let mut pending = self.pending();
             std::mem::swap(&mut pending.bytes, spare);
             std::mem::take(&mut pending.dropped)
         };
-        let mut stderr = std::io::stderr().lock();
-        let _ = stderr.write_all(spare);
+        let _ = out.write_all(spare);
         if dropped > 0 {
             let _ = writeln!(
-                stderr,
+                out,
                 "{dropped} log lines dropped: stderr did not keep up with the log"
             );
         }
-        let _ = stderr.flush();
+        let _ = out.flush();
         spare.clear();
         // A burst's buffer is not kept for good.
         if spare.capacity() > 256 << 10 {
@@ -280,9 +283,21 @@ mod buffer_tests {
             assert_eq!(pending.bytes.len(), MAX_BUFFERED);
             assert_eq!(pending.dropped, 2);
         }
-        shared.write_out(&mut Vec::new());
+        let mut written = Vec::new();
+        shared.write_out_to(&mut Vec::new(), &mut written);
+        // Every kept line, then what was dropped, said once.
+        assert_eq!(
+            written.len(),
+            MAX_BUFFERED + "2 log lines dropped: stderr did not keep up with the log\n".len()
+        );
+        assert!(written.ends_with(b"xx2 log lines dropped: stderr did not keep up with the log\n"));
         let pending = shared.pending();
         assert!(pending.bytes.is_empty());
         assert_eq!(pending.dropped, 0);
+        drop(pending);
+        // Nothing is said twice.
+        let mut again = Vec::new();
+        shared.write_out_to(&mut Vec::new(), &mut again);
+        assert!(again.is_empty());
     }
 }

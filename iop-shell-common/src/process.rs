@@ -38,6 +38,8 @@ pub fn invalid_config(
     err: &dyn std::fmt::Display,
 ) -> ExitCode {
     tracing::error!(config = %path.display(), error = %err, "invalid configuration");
+    // The log line first: both say the same, in the order they were written.
+    crate::logging::flush();
     eprintln!("{program}: {err}");
     ExitCode::from(1)
 }
