@@ -157,20 +157,27 @@ pub async fn serve(
             let settings = state.settings();
             match acceptor {
                 None => serve_connection(stream, peer, state, &settings).await,
+                // Boxed: a TLS session and its handshake are kilobytes that a plaintext
+                // connection's task would otherwise reserve too (16 KiB against 4).
                 Some(acceptor) => {
-                    match tokio::time::timeout(
-                        settings.header_read_timeout,
-                        acceptor.accept(stream),
-                    )
-                    .await
-                    {
-                        Ok(Ok(stream)) => serve_connection(stream, peer, state, &settings).await,
-                        Ok(Err(err)) => debug!(%peer, %err, "https handshake failed"),
-                        Err(_) => debug!(%peer, "https handshake timed out"),
-                    }
+                    Box::pin(serve_tls(acceptor, stream, peer, state, &settings)).await
                 }
             }
         });
+    }
+}
+
+async fn serve_tls(
+    acceptor: tokio_rustls::TlsAcceptor,
+    stream: tokio::net::TcpStream,
+    peer: std::net::SocketAddr,
+    state: Arc<State>,
+    settings: &HttpSettings,
+) {
+    match tokio::time::timeout(settings.header_read_timeout, acceptor.accept(stream)).await {
+        Ok(Ok(stream)) => serve_connection(stream, peer, state, settings).await,
+        Ok(Err(err)) => debug!(%peer, %err, "https handshake failed"),
+        Err(_) => debug!(%peer, "https handshake timed out"),
     }
 }
 
@@ -318,6 +325,9 @@ fn access(path: &str) -> Access {
     }
 }
 
+/// Routes one request. The large handlers are boxed: hyper keeps this future's slot
+/// allocated for as long as the connection lives, so it should hold little more than a
+/// pointer while a response streams or the connection idles.
 async fn route(
     req: Request<Incoming>,
     state: Arc<State>,
@@ -390,16 +400,12 @@ async fn route(
             headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
             r
         }
-        (Method::POST, "/v1/chat/completions") => {
-            inference::inference(req, state, Endpoint::Chat, caller).await
+        (Method::POST, path) if let Some(endpoint) = inference_endpoint(path) => {
+            Box::pin(inference::inference(req, state, endpoint, caller)).await
         }
-        (Method::POST, "/v1/completions") => {
-            inference::inference(req, state, Endpoint::Completions, caller).await
+        (_, path) if path.starts_with("/v1/nodes/") => {
+            Box::pin(admin::node_command(req, &state)).await
         }
-        (Method::POST, "/v1/embeddings") => {
-            inference::inference(req, state, Endpoint::Embeddings, caller).await
-        }
-        (_, path) if path.starts_with("/v1/nodes/") => admin::node_command(req, &state).await,
         _ => error(
             StatusCode::NOT_FOUND,
             &format!("no route for {path}"),
@@ -438,6 +444,13 @@ fn dashboard() -> Response<ResBody> {
         HeaderValue::from_static("no-referrer"),
     );
     r
+}
+
+/// The OpenAI endpoint a path names.
+fn inference_endpoint(path: &str) -> Option<Endpoint> {
+    [Endpoint::Chat, Endpoint::Completions, Endpoint::Embeddings]
+        .into_iter()
+        .find(|endpoint| endpoint.path() == path)
 }
 
 /// The one method a known route answers (`None` for paths that are no route).

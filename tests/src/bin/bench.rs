@@ -721,7 +721,7 @@ fn main() {
     println!("|---|---:|---:|---:|");
     let added = |run: &Run, base: &Run| {
         format!(
-            "+{:.0} / +{:.0} µs",
+            "{:+.0} / {:+.0} µs",
             run.p50_us - base.p50_us,
             run.p99_us - base.p99_us
         )
@@ -764,7 +764,7 @@ fn main() {
     );
     let base = &paced_runs[0];
     println!(
-        "| {PACED_STREAMS} streams, {PACE_MS} ms pacing, chunk latency p50 / p99 (added) | {:.0} / {:.0} µs | +{:.1} / +{:.1} ms | +{:.1} / +{:.1} ms |",
+        "| {PACED_STREAMS} streams, {PACE_MS} ms pacing, chunk latency p50 / p99 (added) | {:.0} / {:.0} µs | {:+.1} / {:+.1} ms | {:+.1} / {:+.1} ms |",
         base.p50_us,
         base.p99_us,
         (paced_runs[1].p50_us - base.p50_us) / 1e3,
