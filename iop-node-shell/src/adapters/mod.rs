@@ -141,10 +141,12 @@ impl Adapter {
 
     /// Executes a normalized run to its terminal output.
     pub async fn run(&self, request: RunRequest, sink: Sink, cancel: CancellationToken) {
+        // Each adapter's future is boxed: inline, every run's task would reserve room for
+        // the largest of them (the mock's, with its pacing timers, is twice the others).
         match self {
-            Adapter::Mock(m) => m.run(request, sink, cancel).await,
-            Adapter::OpenAi(o) => o.run(request, sink, cancel).await,
-            Adapter::Ollama(o) => o.run(request, sink, cancel).await,
+            Adapter::Mock(m) => Box::pin(m.run(request, sink, cancel)).await,
+            Adapter::OpenAi(o) => Box::pin(o.run(request, sink, cancel)).await,
+            Adapter::Ollama(o) => Box::pin(o.run(request, sink, cancel)).await,
         }
     }
 
@@ -155,9 +157,10 @@ impl Adapter {
         sink: Sink,
         cancel: CancellationToken,
     ) {
+        // The mock's future is boxed so that a provider's tunnel task is sized for its own.
         match self {
             Adapter::OpenAi(o) => o.tunnel(request, sink, cancel).await,
-            Adapter::Mock(m) => m.tunnel(request, sink, cancel).await,
+            Adapter::Mock(m) => Box::pin(m.tunnel(request, sink, cancel)).await,
             Adapter::Ollama(_) => {
                 let _ = sink
                     .tunnel(TunnelOutput::Error(error(
