@@ -4,10 +4,10 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::connector::ProviderConnector;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Method, Request, Uri};
 use http_body_util::Full;
-use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
@@ -15,7 +15,7 @@ use iop_proto_core::wire::{Header, ProviderHealth};
 
 /// A pooled HTTP/1.1 client for `http://` and `https://` providers (keep-alive
 /// connections are reused across requests).
-pub type HttpClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
+pub type HttpClient = Client<ProviderConnector, Full<Bytes>>;
 
 /// Builds the shared client. TLS trusts the Mozilla roots, plus the PEM certificates in
 /// `extra_ca` (for providers behind a private CA).
@@ -65,7 +65,7 @@ pub fn client(extra_ca: Option<&Path>) -> Result<HttpClient, String> {
         // of the burst: each idle one holds a socket and its buffers (2,000 paced streams
         // left 2,000 of them open for a minute).
         .pool_max_idle_per_host(MAX_IDLE_PER_PROVIDER)
-        .build(https))
+        .build(ProviderConnector(https)))
 }
 
 /// Idle keep-alive connections kept per provider host.

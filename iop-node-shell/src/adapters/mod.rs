@@ -3,6 +3,7 @@
 //! [`Sink`]. Cancellation arrives through a `CancellationToken`; an adapter then aborts the
 //! upstream request and still ends with a terminal output.
 
+pub mod connector;
 pub mod http;
 pub mod json;
 pub mod mock;
