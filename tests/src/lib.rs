@@ -194,18 +194,26 @@ pub struct Relay {
     /// Where it listens.
     pub port: u16,
     seen: std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
+    held: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Relay {
     /// Starts relaying (runs on the current tokio runtime).
     pub async fn start(target: u16) -> Relay {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
+        // A small receive window (accepted sockets inherit it), so that a held relay
+        // pushes back on its sender after little data instead of the kernel's megabytes.
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        let _ = socket.set_recv_buffer_size(16 << 10);
+        socket
+            .bind(std::net::SocketAddr::from(([127, 0, 0, 1], 0)))
             .expect("bind relay");
+        let listener = socket.listen(64).expect("listen");
         let port = listener.local_addr().expect("addr").port();
         let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
         let recorded = seen.clone();
+        let held = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let holding = held.clone();
         tokio::spawn(async move {
             while let Ok((inbound, _)) = listener.accept().await {
                 let Ok(outbound) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await
@@ -214,17 +222,24 @@ impl Relay {
                 };
                 let (ir, iw) = inbound.into_split();
                 let (or, ow) = outbound.into_split();
-                for (mut from, mut to, seen) in [
+                for (mut from, mut to, seen, hold) in [
                     (
                         Box::new(ir) as Box<dyn tokio::io::AsyncRead + Unpin + Send>,
                         Box::new(ow) as Box<dyn tokio::io::AsyncWrite + Unpin + Send>,
                         recorded.clone(),
+                        Some(holding.clone()),
                     ),
-                    (Box::new(or), Box::new(iw), recorded.clone()),
+                    (Box::new(or), Box::new(iw), recorded.clone(), None),
                 ] {
                     tokio::spawn(async move {
                         let mut buf = vec![0u8; 16 << 10];
                         loop {
+                            while hold
+                                .as_ref()
+                                .is_some_and(|h| h.load(std::sync::atomic::Ordering::Acquire))
+                            {
+                                tokio::time::sleep(Duration::from_millis(5)).await;
+                            }
                             match from.read(&mut buf).await {
                                 Ok(0) | Err(_) => break,
                                 Ok(n) => {
@@ -242,7 +257,13 @@ impl Relay {
                 }
             }
         });
-        Relay { port, seen }
+        Relay { port, seen, held }
+    }
+
+    /// Stops (`true`) or resumes reading what the connecting side (a Node) sends, as an
+    /// Edge that does not read, or a stalled network path, would.
+    pub fn hold(&self, held: bool) {
+        self.held.store(held, std::sync::atomic::Ordering::Release);
     }
 
     /// Every byte relayed so far, both directions interleaved.

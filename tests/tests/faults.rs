@@ -320,3 +320,51 @@ async fn hostile_raw_tcp_clients_are_closed_and_everyone_else_is_served() {
     assert!(reply_text(&cluster).await.starts_with("fine"));
     assert_eq!(cluster.http().status().await["nodes"][0]["connected"], true);
 }
+
+/// A Node whose link stops draining (an Edge that does not read, a stalled path) keeps
+/// its frames and sends every one, in order, once the link drains again: backpressure
+/// delays a stream, it neither loses nor stalls it. The stream (25,000 words of 400
+/// bytes, ~10 MiB of frames) is more than the kernel's socket buffers and the Node's
+/// 4 MiB output buffer hold together, so while the relay holds, the Node's writes block
+/// and it stops taking its adapter's output.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_that_stops_draining_delays_a_stream_and_loses_nothing() {
+    const TOKENS: usize = 25_000;
+    let word = "x".repeat(400);
+    let config = body(&word, 0).replace("tokens = \"40\"", &format!("tokens = \"{TOKENS}\""));
+    let cluster = Cluster::start("", &config);
+    let relay = iop_blackbox::Relay::start(cluster.node_port).await;
+    let text = cluster
+        .node_toml("n1", "tok-1-long-enough-secret", "interval_sec = 0.2")
+        .replace(
+            &format!("127.0.0.1:{}", cluster.node_port),
+            &format!("127.0.0.1:{}", relay.port),
+        );
+    let path = cluster.dir.write("relayed.toml", &text);
+    let path = path.to_string_lossy().into_owned();
+    let _node = iop_blackbox::Proc::start(
+        "iop-node",
+        &["--config", &path],
+        &cluster.dir,
+        "relayed",
+        &[],
+    );
+    cluster.wait_ready("n1").await;
+
+    relay.hold(true);
+    let mut s = cluster
+        .http()
+        .post_stream("/v1/chat/completions", &ask(true))
+        .await;
+    // Half the test clusters' heartbeat timeout (1 s): the Edge hears nothing meanwhile.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    relay.hold(false);
+    let (events, ended) = read_sse(s.body_mut(), Duration::from_secs(60)).await;
+    assert!(ended, "the stream must end once the link drains");
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let words: usize = events
+        .iter()
+        .map(|e| e.matches(word.as_str()).count())
+        .sum();
+    assert_eq!(words, TOKENS, "every word arrives, once");
+}
