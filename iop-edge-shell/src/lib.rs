@@ -2,14 +2,14 @@
 //!
 //! - [`config`]: the TOML configuration.
 //! - [`certgen`]: `iop-edge gen-cert`, certificates for the node link.
-//! - [`core_task`]: the core behind one lock, and what routes its outputs.
+//! - [`driver`]: the core behind one lock, and what routes its outputs.
 //! - [`nodes`]: the node listener (a reader and a writer task per connection).
 //! - [`http`]: the OpenAI-compatible HTTP surface, status, metrics and health.
 //! - [`memory`]: the budget of request bodies and buffered response bytes.
 
 pub mod certgen;
 pub mod config;
-pub mod core_task;
+pub mod driver;
 pub mod events;
 pub mod http;
 pub mod memory;
@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use crate::config::Config;
-use crate::core_task::CoreMsg;
+use crate::driver::CoreMsg;
 
 /// Runs the Edge until `shutdown`: binds both listeners, then serves. SIGHUP (when
 /// `reload` is set) reloads `config_path`.
@@ -58,7 +58,7 @@ pub async fn run(
     let events = Arc::new(events::EventHub::default());
     let node_tls: nodes::TlsSlot = Arc::new(RwLock::new(config.tls.nodes.clone()));
     let http_tls: nodes::TlsSlot = Arc::new(RwLock::new(config.tls.http.clone()));
-    let core = core_task::Core::new(core, clock, metrics.clone(), events.clone());
+    let core = driver::Core::new(core, clock, metrics.clone(), events.clone());
     let state = Arc::new(http::State {
         core: core.clone(),
         permits: Arc::new(Semaphore::new(config.http.max_concurrent_requests)),

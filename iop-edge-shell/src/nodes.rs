@@ -19,7 +19,7 @@ use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::core_task::{Core, CoreMsg};
+use crate::driver::{Core, CoreMsg};
 use crate::metrics::Metrics;
 
 /// A listener's TLS, replaceable at run time (SIGHUP reloads the certificate). `None`

@@ -11,7 +11,7 @@ use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
 use super::{ResBody, State, api_error, error, json_response};
-use crate::core_task::{CoreMsg, Snapshot};
+use crate::driver::{CoreMsg, Snapshot};
 
 pub(super) async fn snapshot(state: &State) -> Option<Snapshot> {
     let (reply, rx) = oneshot::channel();

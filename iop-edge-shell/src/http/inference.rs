@@ -25,7 +25,7 @@ use tracing::{error, info};
 
 use super::{Caller, ResBody, State, api_error, json_response, now_secs};
 use crate::config::HttpSettings;
-use crate::core_task::{Core, CoreMsg, Events, ReqEvent, Work};
+use crate::driver::{Core, CoreMsg, Events, ReqEvent, Work};
 use crate::memory::RequestMemory;
 use crate::metrics::Metrics;
 
@@ -425,7 +425,7 @@ impl Live {
                 Poll::Ready(Some(event)) => {
                     self.events
                         .memory
-                        .consumed(crate::core_task::event_size(&event));
+                        .consumed(crate::driver::event_size(&event));
                     self.last_activity = Instant::now();
                     self.feed(event);
                     continue;

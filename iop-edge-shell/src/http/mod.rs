@@ -26,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::config::HttpSettings;
-use crate::core_task::Core;
+use crate::driver::Core;
 use crate::metrics::Metrics;
 
 type Chunk = Result<Frame<Bytes>, std::io::Error>;

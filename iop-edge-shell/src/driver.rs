@@ -1,9 +1,9 @@
-//! The [`EdgeCore`] and what routes its outputs, shared by the tasks that feed it. A node
-//! connection's reader, an HTTP handler or the timer takes the lock, hands the machine
-//! its input, drains every output (frames to the connection's writer, events to the
-//! request's channel) and lets go: no task in between, so a request crosses one task
-//! boundary less in each direction than with a dedicated core task, and nothing else ever
-//! touches protocol state. The lock is never held across an `.await`, and nothing run
+//! The Edge's driver: the [`EdgeCore`] and what routes its outputs, shared by the tasks
+//! that feed it. A node connection's reader, an HTTP handler or the timer takes the lock,
+//! hands the machine its input, drains every output (frames to the connection's writer,
+//! events to the request's channel) and lets go: no task in between, so a request crosses
+//! one task boundary less in each direction than with a dedicated core task, and nothing
+//! else ever touches protocol state. The lock is never held across an `.await`, and nothing run
 //! under it takes it again.
 
 use std::collections::HashMap;
