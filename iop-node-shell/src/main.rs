@@ -75,21 +75,14 @@ fn main() -> ExitCode {
         Err(code) => return code,
     };
     let reason = runtime.block_on(async move {
-        let ctx = match supervisor::context(&config) {
-            Ok(ctx) => ctx,
-            Err(err) => {
-                tracing::error!(error = %err, "invalid configuration");
-                logging::flush();
-                eprintln!("iop-node: {err}");
-                return None;
-            }
-        };
+        let ctx = supervisor::context(&config)
+            .map_err(|err| process::invalid_config("iop-node", &cli.config, &err))?;
         let shutdown = CancellationToken::new();
         tokio::spawn(process::cancel_on_signal(shutdown.clone()));
-        Some(supervisor::run(config, ctx, shutdown).await)
+        Ok(supervisor::run(config, ctx, shutdown).await)
     });
-    let Some(reason) = reason else {
-        return ExitCode::from(1);
-    };
-    ExitCode::from(u8::try_from(reason.exit_code()).unwrap_or(1))
+    match reason {
+        Ok(reason) => ExitCode::from(u8::try_from(reason.exit_code()).unwrap_or(1)),
+        Err(code) => code,
+    }
 }

@@ -265,11 +265,6 @@ mod tests {
         }
         assert_eq!(limiter.allow_at(t0 + Duration::from_secs(10)), Some(1000));
     }
-}
-
-#[cfg(test)]
-mod buffer_tests {
-    use super::*;
 
     #[test]
     fn lines_beyond_the_bound_are_counted_not_kept() {
