@@ -13,7 +13,7 @@ use std::task::{Context, Poll};
 use http::Uri;
 use hyper::rt::{Read, ReadBufCursor, Write};
 use hyper_rustls::{HttpsConnector, MaybeHttpsStream};
-use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
+use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
@@ -67,15 +67,6 @@ impl Future for Connecting {
                 MaybeHttpsStream::Http(plain) => ProviderStream::Plain(plain),
                 tls @ MaybeHttpsStream::Https(_) => ProviderStream::Tls(Box::new(tls)),
             })
-    }
-}
-
-impl Connection for ProviderStream {
-    fn connected(&self) -> Connected {
-        match self {
-            ProviderStream::Plain(s) => s.connected(),
-            ProviderStream::Tls(s) => s.connected(),
-        }
     }
 }
 

@@ -5,17 +5,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::connector::ProviderConnector;
+pub use super::pool::HttpClient;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Method, Request, Uri};
 use http_body_util::Full;
-use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 use iop_proto_core::wire::{Header, ProviderHealth};
-
-/// A pooled HTTP/1.1 client for `http://` and `https://` providers (keep-alive
-/// connections are reused across requests).
-pub type HttpClient = Client<ProviderConnector, Full<Bytes>>;
 
 /// Builds the shared client. TLS trusts the Mozilla roots, plus the PEM certificates in
 /// `extra_ca` (for providers behind a private CA).
@@ -59,13 +54,14 @@ pub fn client(extra_ca: Option<&Path>) -> Result<HttpClient, String> {
         .https_or_http()
         .enable_http1()
         .wrap_connector(connector);
-    Ok(Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(60))
-        // After a burst, keep a few warm connections per provider, not one per request
-        // of the burst: each idle one holds a socket and its buffers (2,000 paced streams
-        // left 2,000 of them open for a minute).
-        .pool_max_idle_per_host(MAX_IDLE_PER_PROVIDER)
-        .build(ProviderConnector(https)))
+    // After a burst, keep a few warm connections per provider, not one per request of
+    // the burst: each idle one holds a socket and its buffers (2,000 paced streams left
+    // 2,000 of them open for a minute).
+    Ok(HttpClient::new(
+        ProviderConnector(https),
+        MAX_IDLE_PER_PROVIDER,
+        Duration::from_secs(60),
+    ))
 }
 
 /// Idle keep-alive connections kept per provider host.

@@ -10,6 +10,7 @@ pub mod mock;
 pub mod mock_openai;
 pub mod ollama;
 pub mod openai;
+pub mod pool;
 pub mod sse;
 
 use std::collections::HashMap;

@@ -7,9 +7,9 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use super::pool::ProviderBody;
 use bytes::Bytes;
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 use iop_proto_core::wire::{
     AdapterConfig, Header, ProviderHealth, ProviderTunnelRequest, RunRequest, Usage,
 };
@@ -89,7 +89,7 @@ async fn send(
     client: &HttpClient,
     request: hyper::Request<http_body_util::Full<Bytes>>,
     watch: &mut Watch,
-) -> Result<hyper::Response<Incoming>, CallError> {
+) -> Result<hyper::Response<ProviderBody>, CallError> {
     watch
         .run(client.request(request))
         .await?
@@ -98,7 +98,7 @@ async fn send(
 
 /// The next body frame under `watch`.
 async fn next_frame(
-    body: &mut Incoming,
+    body: &mut ProviderBody,
     watch: &mut Watch,
 ) -> Result<Option<hyper::body::Frame<Bytes>>, CallError> {
     match watch.run(body.frame()).await? {
@@ -111,7 +111,7 @@ async fn next_frame(
 }
 
 /// Reads at most `limit` bytes of a body, for error messages.
-async fn excerpt(body: &mut Incoming, limit: usize, watch: &mut Watch) -> String {
+async fn excerpt(body: &mut ProviderBody, limit: usize, watch: &mut Watch) -> String {
     let mut out = Vec::new();
     while out.len() < limit {
         match next_frame(body, watch).await {

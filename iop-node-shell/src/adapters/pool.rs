@@ -1,0 +1,607 @@
+//! The providers' HTTP/1.1 client: keep-alive connections that the adapter task using
+//! one drives itself.
+//!
+//! hyper-util's pooled client runs every connection as a task of its own: a request
+//! crosses from the adapter's task to the connection's and its response, and every SSE
+//! chunk of it, crosses back, one wake each. Here the task that sends a request also
+//! polls its connection (while it waits for the head, and from [`ProviderBody`] while
+//! it reads the body), so a chunk read from the provider's socket is in the adapter's
+//! hands in the same poll. Finished connections wait in a small per-provider idle list
+//! (most recently used first) and are checked for a close before they are reused; a
+//! request that a reused connection closed on before sending it is sent once more on a
+//! new connection.
+
+use std::collections::{HashMap, VecDeque};
+use std::future::{Future, poll_fn};
+use std::pin::{Pin, pin};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::uri::{Authority, PathAndQuery, Scheme};
+use http::{HeaderValue, Request, Response, Uri};
+use http_body_util::Full;
+use hyper::body::{Body, Frame, Incoming, SizeHint};
+use hyper::client::conn::http1;
+use tokio::time::Instant;
+
+use super::connector::{ProviderConnector, ProviderStream};
+
+type Sender = http1::SendRequest<Full<Bytes>>;
+type Driver = http1::Connection<ProviderStream, Full<Bytes>>;
+
+/// How often idle connections are swept for closes and age.
+const SWEEP_EVERY: Duration = Duration::from_secs(10);
+
+/// Why a request got no response.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The URL names no `http`/`https` host.
+    #[error("invalid provider URL {0:?}")]
+    Url(String),
+    /// No connection could be made (DNS, refused, TLS, timeout).
+    #[error("cannot connect to {authority}: {source}")]
+    Connect {
+        /// The provider's `host:port`.
+        authority: String,
+        /// What failed.
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The connection failed or closed before the response head arrived.
+    #[error("{0}")]
+    Http(#[from] hyper::Error),
+}
+
+/// A pooled HTTP/1.1 client for `http://` and `https://` providers; cheap to clone, every
+/// clone shares the idle connections.
+#[derive(Clone)]
+pub struct HttpClient {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for HttpClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpClient").finish_non_exhaustive()
+    }
+}
+
+struct Inner {
+    connector: ProviderConnector,
+    idle: Mutex<HashMap<String, VecDeque<Idle>>>,
+    idle_timeout: Duration,
+    max_idle: usize,
+    sweeping: AtomicBool,
+}
+
+/// A connection and the handle that sends on it.
+struct Conn {
+    sender: Sender,
+    driver: Driver,
+}
+
+struct Idle {
+    conn: Conn,
+    since: Instant,
+}
+
+impl Conn {
+    /// Whether the connection can take a request now: it has not closed (a poll without
+    /// a waker reads the peer's close, if any) and it is idle.
+    fn reusable(&mut self) -> bool {
+        let mut cx = Context::from_waker(Waker::noop());
+        Pin::new(&mut self.driver).poll(&mut cx).is_pending() && self.sender.is_ready()
+    }
+}
+
+impl HttpClient {
+    /// A client that connects with `connector`, keeps at most `max_idle` idle connections
+    /// per provider, each for at most `idle_timeout`.
+    #[must_use]
+    pub fn new(connector: ProviderConnector, max_idle: usize, idle_timeout: Duration) -> Self {
+        HttpClient {
+            inner: Arc::new(Inner {
+                connector,
+                idle: Mutex::new(HashMap::new()),
+                idle_timeout,
+                max_idle,
+                sweeping: AtomicBool::new(false),
+            }),
+        }
+    }
+
+    /// Sends `request` (absolute URL) and returns the response once its head arrived; the
+    /// body is read, and the connection driven, by whoever polls it.
+    ///
+    /// The future is boxed: it holds a connection and its handshake while it waits
+    /// (2 KiB and more), and an adapter that awaited it inline would keep room for it,
+    /// once or twice over, for as long as its stream lasts.
+    pub fn request(
+        &self,
+        request: Request<Full<Bytes>>,
+    ) -> Pin<Box<dyn Future<Output = Result<Response<ProviderBody>, ClientError>> + Send + '_>>
+    {
+        Box::pin(self.send(request))
+    }
+
+    async fn send(
+        &self,
+        request: Request<Full<Bytes>>,
+    ) -> Result<Response<ProviderBody>, ClientError> {
+        let (key, mut request) = origin_form(request)?;
+        let mut retried = false;
+        loop {
+            let kept = if retried { None } else { self.checkout(&key) };
+            let reused = kept.is_some();
+            let conn = match kept {
+                Some(conn) => conn,
+                None => self.connect(&key).await?,
+            };
+            let Conn {
+                mut sender,
+                mut driver,
+            } = conn;
+            let mut closed = None;
+            let sent = {
+                let mut response = pin!(sender.try_send_request(request));
+                poll_fn(|cx| {
+                    if closed.is_none()
+                        && let Poll::Ready(result) = Pin::new(&mut driver).poll(cx)
+                    {
+                        closed = Some(result);
+                    }
+                    response.as_mut().poll(cx)
+                })
+                .await
+            };
+            match sent {
+                Ok(response) => {
+                    let conn = match closed {
+                        None => Some(Conn { sender, driver }),
+                        Some(_) => None,
+                    };
+                    return Ok(response.map(|body| ProviderBody {
+                        body,
+                        conn,
+                        pool: Arc::downgrade(&self.inner),
+                        key,
+                    }));
+                }
+                Err(mut err) => match err.take_message() {
+                    // A kept connection the provider closed before it took the request:
+                    // once more on a new one.
+                    Some(unsent) if reused => {
+                        retried = true;
+                        request = unsent;
+                    }
+                    _ => return Err(err.into_error().into()),
+                },
+            }
+        }
+    }
+
+    /// The most recently used connection to `key` that is still open.
+    fn checkout(&self, key: &str) -> Option<Conn> {
+        let mut idle = self.inner.idle.lock().ok()?;
+        let list = idle.get_mut(key)?;
+        let mut found = None;
+        while let Some(mut entry) = list.pop_back() {
+            if entry.since.elapsed() < self.inner.idle_timeout && entry.conn.reusable() {
+                found = Some(entry.conn);
+                break;
+            }
+        }
+        if list.is_empty() {
+            idle.remove(key);
+        }
+        found
+    }
+
+    async fn connect(&self, key: &str) -> Result<Conn, ClientError> {
+        use tower_service::Service;
+        let uri: Uri = format!("{key}/")
+            .parse()
+            .map_err(|_| ClientError::Url(key.to_owned()))?;
+        let authority = uri.authority().map(ToString::to_string).unwrap_or_default();
+        let mut connector = self.inner.connector.clone();
+        poll_fn(|cx| connector.poll_ready(cx))
+            .await
+            .map_err(|source| ClientError::Connect {
+                authority: authority.clone(),
+                source,
+            })?;
+        let stream = connector
+            .call(uri)
+            .await
+            .map_err(|source| ClientError::Connect {
+                authority: authority.clone(),
+                source,
+            })?;
+        let (sender, driver) = http1::handshake(stream).await?;
+        Ok(Conn { sender, driver })
+    }
+}
+
+impl Inner {
+    /// Puts a finished connection back, unless it cannot take another request.
+    fn checkin(self: &Arc<Self>, key: String, mut conn: Conn) {
+        if !conn.reusable() {
+            return;
+        }
+        let Ok(mut idle) = self.idle.lock() else {
+            return;
+        };
+        let list = idle.entry(key).or_default();
+        if list.len() >= self.max_idle {
+            list.pop_front();
+        }
+        list.push_back(Idle {
+            conn,
+            since: Instant::now(),
+        });
+        drop(idle);
+        if !self.sweeping.swap(true, Ordering::Relaxed)
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            runtime.spawn(sweep(Arc::downgrade(self)));
+        }
+    }
+}
+
+/// Closes idle connections that aged out or that their provider closed, until the
+/// client is dropped.
+async fn sweep(pool: Weak<Inner>) {
+    loop {
+        tokio::time::sleep(SWEEP_EVERY).await;
+        let Some(inner) = pool.upgrade() else { return };
+        // Dropped outside the lock.
+        let mut closing = Vec::new();
+        if let Ok(mut idle) = inner.idle.lock() {
+            idle.retain(|_, list| {
+                for mut entry in std::mem::take(list) {
+                    if entry.since.elapsed() < inner.idle_timeout && entry.conn.reusable() {
+                        list.push_back(entry);
+                    } else {
+                        closing.push(entry);
+                    }
+                }
+                !list.is_empty()
+            });
+        }
+        drop(closing);
+    }
+}
+
+/// The body of a provider's response; polling it also drives the connection, which goes
+/// back to the pool when the body has been read to its end.
+pub struct ProviderBody {
+    body: Incoming,
+    conn: Option<Conn>,
+    pool: Weak<Inner>,
+    key: String,
+}
+
+impl std::fmt::Debug for ProviderBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProviderBody").finish_non_exhaustive()
+    }
+}
+
+impl Body for ProviderBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = self.get_mut();
+        if let Some(conn) = &mut this.conn
+            && Pin::new(&mut conn.driver).poll(cx).is_ready()
+        {
+            // Closed or failed: what the body had is still read from it, then its error.
+            this.conn = None;
+        }
+        let frame = Pin::new(&mut this.body).poll_frame(cx);
+        if let Poll::Ready(None) = frame
+            && let Some(conn) = this.conn.take()
+            && let Some(pool) = this.pool.upgrade()
+        {
+            pool.checkin(std::mem::take(&mut this.key), conn);
+        }
+        frame
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// The pool key (`scheme://authority`) of an absolute request URL, and the request
+/// rewritten for the wire: origin-form target and a `Host` header.
+fn origin_form(
+    mut request: Request<Full<Bytes>>,
+) -> Result<(String, Request<Full<Bytes>>), ClientError> {
+    let uri = request.uri();
+    let bad = || ClientError::Url(uri.to_string());
+    let scheme = uri.scheme().cloned().ok_or_else(bad)?;
+    if scheme != Scheme::HTTP && scheme != Scheme::HTTPS {
+        return Err(bad());
+    }
+    let authority: Authority = uri.authority().cloned().ok_or_else(bad)?;
+    let path = uri
+        .path_and_query()
+        .cloned()
+        .unwrap_or_else(|| PathAndQuery::from_static("/"));
+    let key = format!("{scheme}://{authority}");
+    if !request.headers().contains_key(http::header::HOST) {
+        let default_port = if scheme == Scheme::HTTPS { 443 } else { 80 };
+        let host = match authority.port_u16() {
+            Some(port) if port != default_port => authority.as_str(),
+            _ => authority.host(),
+        };
+        let value = HeaderValue::from_str(host).map_err(|_| bad())?;
+        request.headers_mut().insert(http::header::HOST, value);
+    }
+    *request.uri_mut() = Uri::from(path);
+    Ok((key, request))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+    use std::sync::atomic::AtomicUsize;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpStream};
+
+    /// What the test provider does after answering a request.
+    #[derive(Clone, Copy)]
+    enum After {
+        KeepAlive,
+        Close,
+    }
+
+    /// A provider on a free port that answers each request with `chunks` (chunked
+    /// encoding, a flush and `gap` between them); returns its URL and how many
+    /// connections it accepted.
+    async fn provider(
+        chunks: &'static [&'static str],
+        gap: Duration,
+        after: After,
+    ) -> (String, Arc<AtomicUsize>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = accepted.clone();
+        tokio::spawn(async move {
+            loop {
+                let (stream, _) = listener.accept().await.unwrap();
+                count.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(serve(stream, chunks, gap, after));
+            }
+        });
+        (url, accepted)
+    }
+
+    async fn serve(mut stream: TcpStream, chunks: &[&str], gap: Duration, after: After) {
+        let mut buf = Vec::new();
+        loop {
+            // One request: its head, then a body of content-length bytes.
+            let head_end = loop {
+                if let Some(at) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                    break at + 4;
+                }
+                let mut chunk = [0u8; 1024];
+                match stream.read(&mut chunk).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                }
+            };
+            let head = String::from_utf8_lossy(&buf[..head_end]).to_lowercase();
+            assert!(head.contains("host: 127.0.0.1:"), "{head}");
+            assert!(
+                head.starts_with("post /v1/x ") || head.starts_with("get /v1/x "),
+                "{head}"
+            );
+            let len: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length: "))
+                .map_or(0, |v| v.trim().parse().unwrap());
+            while buf.len() < head_end + len {
+                let mut chunk = [0u8; 1024];
+                match stream.read(&mut chunk).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                }
+            }
+            buf.drain(..head_end + len);
+            let close = matches!(after, After::Close);
+            let mut out = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n{}\r\n",
+                if close { "connection: close\r\n" } else { "" }
+            );
+            for (i, chunk) in chunks.iter().enumerate() {
+                if i > 0 {
+                    stream.write_all(out.as_bytes()).await.unwrap();
+                    out.clear();
+                    tokio::time::sleep(gap).await;
+                }
+                out.push_str(&format!("{:x}\r\n{chunk}\r\n", chunk.len()));
+            }
+            out.push_str("0\r\n\r\n");
+            if stream.write_all(out.as_bytes()).await.is_err() || close {
+                return;
+            }
+        }
+    }
+
+    fn client() -> HttpClient {
+        let mut http = HttpConnector::new();
+        http.enforce_http(false);
+        let https = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(
+                rustls::ClientConfig::builder_with_provider(Arc::new(
+                    rustls::crypto::ring::default_provider(),
+                ))
+                .with_safe_default_protocol_versions()
+                .unwrap()
+                .with_root_certificates(rustls::RootCertStore::empty())
+                .with_no_client_auth(),
+            )
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(http);
+        HttpClient::new(ProviderConnector(https), 4, Duration::from_secs(60))
+    }
+
+    use hyper_util::client::legacy::connect::HttpConnector;
+
+    async fn fetch(client: &HttpClient, url: &str) -> Result<String, ClientError> {
+        let request = Request::post(format!("{url}/v1/x"))
+            .body(Full::new(Bytes::from_static(b"{\"model\":\"m\"}")))
+            .unwrap();
+        let response = client.request(request).await?;
+        let body = response.into_body().collect().await?.to_bytes();
+        Ok(String::from_utf8(body.to_vec()).unwrap())
+    }
+
+    #[tokio::test]
+    async fn requests_in_turn_share_one_connection() {
+        let (url, accepted) = provider(&["a", "b"], Duration::ZERO, After::KeepAlive).await;
+        let client = client();
+        for _ in 0..5 {
+            assert_eq!(fetch(&client, &url).await.unwrap(), "ab");
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn a_stream_is_read_as_the_provider_sends_it() {
+        let (url, _) = provider(
+            &["one", "two", "three"],
+            Duration::from_millis(50),
+            After::KeepAlive,
+        )
+        .await;
+        let client = client();
+        let request = Request::get(format!("{url}/v1/x"))
+            .body(Full::default())
+            .unwrap();
+        let mut body = client.request(request).await.unwrap().into_body();
+        let started = Instant::now();
+        let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(&first[..], b"one");
+        // The first chunk is not held back until the stream ends.
+        assert!(
+            started.elapsed() < Duration::from_millis(90),
+            "{:?}",
+            started.elapsed()
+        );
+        let mut rest = Vec::new();
+        while let Some(frame) = body.frame().await {
+            rest.extend_from_slice(&frame.unwrap().into_data().unwrap());
+        }
+        assert_eq!(rest, b"twothree");
+    }
+
+    #[tokio::test]
+    async fn a_connection_the_provider_closes_is_not_reused() {
+        let (url, accepted) = provider(&["x"], Duration::ZERO, After::Close).await;
+        let client = client();
+        for _ in 0..3 {
+            assert_eq!(fetch(&client, &url).await.unwrap(), "x");
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 3);
+    }
+
+    #[tokio::test]
+    async fn a_body_dropped_midway_closes_its_connection() {
+        let (url, accepted) =
+            provider(&["a", "b"], Duration::from_millis(100), After::KeepAlive).await;
+        let client = client();
+        let request = Request::get(format!("{url}/v1/x"))
+            .body(Full::default())
+            .unwrap();
+        let mut body = client.request(request).await.unwrap().into_body();
+        body.frame().await.unwrap().unwrap();
+        drop(body);
+        assert_eq!(fetch(&client, &url).await.unwrap(), "ab");
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+        assert_eq!(fetch(&client, &url).await.unwrap(), "ab");
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn an_idle_connection_closed_by_the_provider_is_replaced() {
+        // The provider closes every connection right after its response, without
+        // saying so in a header: the client pools it, finds it closed, dials anew.
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            loop {
+                let (mut stream, _) = listener.accept().await.unwrap();
+                let mut buf = [0u8; 4096];
+                let _ = stream.read(&mut buf).await;
+                let _ = stream
+                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                    .await;
+                let _ = stream.shutdown().await;
+            }
+        });
+        let client = client();
+        for _ in 0..3 {
+            assert_eq!(fetch(&client, &url).await.unwrap(), "ok");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_provider_that_is_not_there_is_a_connect_error() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        drop(listener);
+        let err = fetch(&client(), &url).await.unwrap_err();
+        assert!(matches!(err, ClientError::Connect { .. }), "{err}");
+        assert!(
+            err.to_string().starts_with("cannot connect to 127.0.0.1:"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn what_an_adapter_holds_for_a_request_is_small() {
+        // Awaited inline, the request's future would sit in every stream's task for the
+        // stream's life; its body holds the connection, which a stream needs anyway.
+        let client = client();
+        let request = Request::get("http://127.0.0.1:1/")
+            .body(Full::default())
+            .unwrap();
+        assert!(std::mem::size_of_val(&client.request(request)) <= 16);
+        assert!(std::mem::size_of::<ProviderBody>() <= std::mem::size_of::<Driver>() + 128);
+    }
+
+    #[test]
+    fn a_request_goes_out_in_origin_form_with_its_host() {
+        let request = Request::post("http://example.com:80/v1/chat?x=1")
+            .body(Full::default())
+            .unwrap();
+        let (key, request) = origin_form(request).unwrap();
+        assert_eq!(key, "http://example.com:80");
+        assert_eq!(request.uri(), "/v1/chat?x=1");
+        assert_eq!(request.headers()[http::header::HOST], "example.com");
+        let request = Request::post("https://h:8443/p")
+            .body(Full::default())
+            .unwrap();
+        let (key, request) = origin_form(request).unwrap();
+        assert_eq!(key, "https://h:8443");
+        assert_eq!(request.headers()[http::header::HOST], "h:8443");
+        assert!(origin_form(Request::post("/relative").body(Full::default()).unwrap()).is_err());
+        assert!(origin_form(Request::post("ftp://h/").body(Full::default()).unwrap()).is_err());
+    }
+}
