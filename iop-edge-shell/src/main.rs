@@ -125,7 +125,7 @@ fn main() -> ExitCode {
         );
         return ExitCode::SUCCESS;
     }
-    let runtime = match process::runtime("iop-edge") {
+    let runtime = match process::runtime("iop-edge", process::Threads::PerCpu) {
         Ok(runtime) => runtime,
         Err(code) => return code,
     };

@@ -206,7 +206,7 @@ where
             }
             () = &mut timer => {
                 // Bytes already in the socket arrived before the deadline: a node whose
-                // threads were busy must not call a live Edge silent because the timer
+                // thread was busy must not call a live Edge silent because the timer
                 // won the race against input that was waiting.
                 let early = {
                     let mut read = std::pin::pin!(reader.read_buf(&mut read_buf));

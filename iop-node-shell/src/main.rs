@@ -70,7 +70,7 @@ fn main() -> ExitCode {
         );
         return ExitCode::SUCCESS;
     }
-    let runtime = match process::runtime("iop-node") {
+    let runtime = match process::runtime("iop-node", process::Threads::One) {
         Ok(runtime) => runtime,
         Err(code) => return code,
     };

@@ -4,16 +4,30 @@ use std::process::ExitCode;
 
 use tokio_util::sync::CancellationToken;
 
-/// The multi-threaded runtime a binary runs on; on failure the message is printed
-/// under `program`'s name and the exit code to return is given back.
-pub fn runtime(program: &str) -> Result<tokio::runtime::Runtime, ExitCode> {
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .map_err(|err| {
-            eprintln!("{program}: cannot start the runtime: {err}");
-            ExitCode::from(1)
-        })
+/// How many threads a binary's runtime polls its tasks on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Threads {
+    /// One per CPU (tokio's multi-threaded scheduler): the Edge, which serves every
+    /// client and every node.
+    PerCpu,
+    /// Only the thread that starts the runtime: the Node. Its work is moving bytes
+    /// between one Edge link and its providers, which one core does faster than two
+    /// that keep waking each other (a frame from the Edge, the adapter task it starts
+    /// and the frames it sends back all stay on one thread).
+    One,
+}
+
+/// The runtime a binary runs on; on failure the message is printed under `program`'s
+/// name and the exit code to return is given back.
+pub fn runtime(program: &str, threads: Threads) -> Result<tokio::runtime::Runtime, ExitCode> {
+    let mut builder = match threads {
+        Threads::PerCpu => tokio::runtime::Builder::new_multi_thread(),
+        Threads::One => tokio::runtime::Builder::new_current_thread(),
+    };
+    builder.enable_all().build().map_err(|err| {
+        eprintln!("{program}: cannot start the runtime: {err}");
+        ExitCode::from(1)
+    })
 }
 
 /// 64 bits that differ between processes (and between calls): the std hasher's random
