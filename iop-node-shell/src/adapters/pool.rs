@@ -322,6 +322,24 @@ impl Body for ProviderBody {
     }
 }
 
+impl Drop for ProviderBody {
+    /// A reader that stops at the last event it needs (`data: [DONE]`) leaves the body's
+    /// end unread, usually already in the buffer: taken now, without waiting, it lets the
+    /// connection be reused instead of closed.
+    fn drop(&mut self) {
+        if self.conn.is_none() {
+            return;
+        }
+        let mut cx = Context::from_waker(Waker::noop());
+        for _ in 0..4 {
+            match Pin::new(&mut *self).poll_frame(&mut cx) {
+                Poll::Ready(Some(Ok(_))) => {}
+                _ => return,
+            }
+        }
+    }
+}
+
 /// The pool key (`scheme://authority`) of an absolute request URL, and the request
 /// rewritten for the wire: origin-form target and a `Host` header.
 fn origin_form(
@@ -518,6 +536,28 @@ mod tests {
             assert_eq!(fetch(&client, &url).await.unwrap(), "x");
         }
         assert_eq!(accepted.load(Ordering::SeqCst), 3);
+    }
+
+    #[tokio::test]
+    async fn a_reader_that_stops_at_the_last_event_keeps_the_connection() {
+        let (url, accepted) = provider(
+            &["data: x\n\n", "data: [DONE]\n\n"],
+            Duration::ZERO,
+            After::KeepAlive,
+        )
+        .await;
+        let client = client();
+        for _ in 0..3 {
+            let request = Request::get(format!("{url}/v1/x"))
+                .body(Full::default())
+                .unwrap();
+            let mut body = client.request(request).await.unwrap().into_body();
+            let mut seen = Vec::new();
+            while !seen.ends_with(b"[DONE]\n\n") {
+                seen.extend_from_slice(&body.frame().await.unwrap().unwrap().into_data().unwrap());
+            }
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
     }
 
     #[tokio::test]
