@@ -225,9 +225,7 @@ struct TextVisitor<'w> {
 /// Whether `text` can be written as it is: no quote, backslash or control character
 /// (C0, DEL, C1), so it can neither break the line's syntax nor drive a terminal.
 fn plain(text: &str) -> bool {
-    text.bytes()
-        .all(|b| b >= 0x20 && b != b'"' && b != b'\\' && b != 0x7f)
-        && !text.chars().any(control)
+    !text.chars().any(|c| c == '"' || c == '\\' || control(c))
 }
 
 fn control(c: char) -> bool {

@@ -56,17 +56,12 @@ pub enum ClientError {
 
 /// A pooled HTTP/1.1 client for `http://` and `https://` providers; cheap to clone, every
 /// clone shares the idle connections.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct HttpClient {
     inner: Arc<Inner>,
 }
 
-impl std::fmt::Debug for HttpClient {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HttpClient").finish_non_exhaustive()
-    }
-}
-
+#[derive(Debug)]
 struct Inner {
     connector: ProviderConnector,
     idle: Mutex<HashMap<String, VecDeque<Idle>>>,
@@ -76,11 +71,13 @@ struct Inner {
 }
 
 /// A connection and the handle that sends on it.
+#[derive(Debug)]
 struct Conn {
     sender: Sender,
     driver: Driver,
 }
 
+#[derive(Debug)]
 struct Idle {
     conn: Conn,
     since: Instant,
@@ -205,19 +202,13 @@ impl HttpClient {
             .map_err(|_| ClientError::Url(key.to_owned()))?;
         let authority = uri.authority().map(ToString::to_string).unwrap_or_default();
         let mut connector = self.inner.connector.clone();
-        poll_fn(|cx| connector.poll_ready(cx))
+        let dial = async {
+            poll_fn(|cx| connector.poll_ready(cx)).await?;
+            connector.call(uri).await
+        };
+        let stream = dial
             .await
-            .map_err(|source| ClientError::Connect {
-                authority: authority.clone(),
-                source,
-            })?;
-        let stream = connector
-            .call(uri)
-            .await
-            .map_err(|source| ClientError::Connect {
-                authority: authority.clone(),
-                source,
-            })?;
+            .map_err(|source| ClientError::Connect { authority, source })?;
         let (sender, driver) = http1::handshake(stream).await?;
         Ok(Conn { sender, driver })
     }
@@ -275,17 +266,12 @@ async fn sweep(pool: Weak<Inner>) {
 
 /// The body of a provider's response; polling it also drives the connection, which goes
 /// back to the pool when the body has been read to its end.
+#[derive(Debug)]
 pub struct ProviderBody {
     body: Incoming,
     conn: Option<Conn>,
     pool: Weak<Inner>,
     key: String,
-}
-
-impl std::fmt::Debug for ProviderBody {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ProviderBody").finish_non_exhaustive()
-    }
 }
 
 impl Body for ProviderBody {
@@ -377,6 +363,7 @@ mod tests {
     use std::sync::atomic::AtomicUsize;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::{TcpListener, TcpStream};
+    use tokio::sync::Semaphore;
 
     /// What the test provider does after answering a request.
     #[derive(Clone, Copy)]
@@ -386,11 +373,11 @@ mod tests {
     }
 
     /// A provider on a free port that answers each request with `chunks` (chunked
-    /// encoding, a flush and `gap` between them); returns its URL and how many
-    /// connections it accepted.
+    /// encoding, each flushed; with a `gate`, each after the first waits for a permit
+    /// from it); returns its URL and how many connections it accepted.
     async fn provider(
         chunks: &'static [&'static str],
-        gap: Duration,
+        gate: Option<Arc<Semaphore>>,
         after: After,
     ) -> (String, Arc<AtomicUsize>) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -401,19 +388,36 @@ mod tests {
             loop {
                 let (stream, _) = listener.accept().await.unwrap();
                 count.fetch_add(1, Ordering::SeqCst);
-                tokio::spawn(serve(stream, chunks, gap, after));
+                tokio::spawn(serve(stream, chunks, gate.clone(), after));
             }
         });
         (url, accepted)
     }
 
-    async fn serve(mut stream: TcpStream, chunks: &[&str], gap: Duration, after: After) {
+    async fn serve(
+        mut stream: TcpStream,
+        chunks: &[&str],
+        gate: Option<Arc<Semaphore>>,
+        after: After,
+    ) {
         let mut buf = Vec::new();
         loop {
             // One request: its head, then a body of content-length bytes.
-            let head_end = loop {
+            let taken = loop {
                 if let Some(at) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                    break at + 4;
+                    let head = String::from_utf8_lossy(&buf[..at]).to_lowercase();
+                    assert!(head.contains("host: 127.0.0.1:"), "{head}");
+                    assert!(
+                        head.starts_with("post /v1/x ") || head.starts_with("get /v1/x "),
+                        "{head}"
+                    );
+                    let len: usize = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length: "))
+                        .map_or(0, |v| v.trim().parse().unwrap());
+                    if buf.len() >= at + 4 + len {
+                        break at + 4 + len;
+                    }
                 }
                 let mut chunk = [0u8; 1024];
                 match stream.read(&mut chunk).await {
@@ -421,34 +425,21 @@ mod tests {
                     Ok(n) => buf.extend_from_slice(&chunk[..n]),
                 }
             };
-            let head = String::from_utf8_lossy(&buf[..head_end]).to_lowercase();
-            assert!(head.contains("host: 127.0.0.1:"), "{head}");
-            assert!(
-                head.starts_with("post /v1/x ") || head.starts_with("get /v1/x "),
-                "{head}"
-            );
-            let len: usize = head
-                .lines()
-                .find_map(|l| l.strip_prefix("content-length: "))
-                .map_or(0, |v| v.trim().parse().unwrap());
-            while buf.len() < head_end + len {
-                let mut chunk = [0u8; 1024];
-                match stream.read(&mut chunk).await {
-                    Ok(0) | Err(_) => return,
-                    Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                }
-            }
-            buf.drain(..head_end + len);
+            buf.drain(..taken);
             let close = matches!(after, After::Close);
             let mut out = format!(
                 "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n{}\r\n",
                 if close { "connection: close\r\n" } else { "" }
             );
             for (i, chunk) in chunks.iter().enumerate() {
-                if i > 0 {
-                    stream.write_all(out.as_bytes()).await.unwrap();
+                if i > 0
+                    && let Some(gate) = &gate
+                {
+                    if stream.write_all(out.as_bytes()).await.is_err() {
+                        return;
+                    }
                     out.clear();
-                    tokio::time::sleep(gap).await;
+                    gate.acquire().await.unwrap().forget();
                 }
                 out.push_str(&format!("{:x}\r\n{chunk}\r\n", chunk.len()));
             }
@@ -459,26 +450,10 @@ mod tests {
         }
     }
 
+    /// The client the Node builds.
     fn client() -> HttpClient {
-        let mut http = HttpConnector::new();
-        http.enforce_http(false);
-        let https = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_tls_config(
-                rustls::ClientConfig::builder_with_provider(Arc::new(
-                    rustls::crypto::ring::default_provider(),
-                ))
-                .with_safe_default_protocol_versions()
-                .unwrap()
-                .with_root_certificates(rustls::RootCertStore::empty())
-                .with_no_client_auth(),
-            )
-            .https_or_http()
-            .enable_http1()
-            .wrap_connector(http);
-        HttpClient::new(ProviderConnector(https), 4, Duration::from_secs(60))
+        crate::adapters::http::client(None).unwrap()
     }
-
-    use hyper_util::client::legacy::connect::HttpConnector;
 
     async fn fetch(client: &HttpClient, url: &str) -> Result<String, ClientError> {
         let request = Request::post(format!("{url}/v1/x"))
@@ -491,7 +466,7 @@ mod tests {
 
     #[tokio::test]
     async fn requests_in_turn_share_one_connection() {
-        let (url, accepted) = provider(&["a", "b"], Duration::ZERO, After::KeepAlive).await;
+        let (url, accepted) = provider(&["a", "b"], None, After::KeepAlive).await;
         let client = client();
         for _ in 0..5 {
             assert_eq!(fetch(&client, &url).await.unwrap(), "ab");
@@ -501,9 +476,10 @@ mod tests {
 
     #[tokio::test]
     async fn a_stream_is_read_as_the_provider_sends_it() {
+        let gate = Arc::new(Semaphore::new(0));
         let (url, _) = provider(
             &["one", "two", "three"],
-            Duration::from_millis(50),
+            Some(gate.clone()),
             After::KeepAlive,
         )
         .await;
@@ -512,15 +488,17 @@ mod tests {
             .body(Full::default())
             .unwrap();
         let mut body = client.request(request).await.unwrap().into_body();
-        let started = Instant::now();
-        let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+        // The first chunk arrives while the provider still holds the rest back: it is
+        // not kept until the stream ends.
+        let first = tokio::time::timeout(Duration::from_secs(10), body.frame())
+            .await
+            .expect("the first chunk, before the rest is sent")
+            .unwrap()
+            .unwrap()
+            .into_data()
+            .unwrap();
         assert_eq!(&first[..], b"one");
-        // The first chunk is not held back until the stream ends.
-        assert!(
-            started.elapsed() < Duration::from_millis(90),
-            "{:?}",
-            started.elapsed()
-        );
+        gate.add_permits(2);
         let mut rest = Vec::new();
         while let Some(frame) = body.frame().await {
             rest.extend_from_slice(&frame.unwrap().into_data().unwrap());
@@ -530,7 +508,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_connection_the_provider_closes_is_not_reused() {
-        let (url, accepted) = provider(&["x"], Duration::ZERO, After::Close).await;
+        let (url, accepted) = provider(&["x"], None, After::Close).await;
         let client = client();
         for _ in 0..3 {
             assert_eq!(fetch(&client, &url).await.unwrap(), "x");
@@ -540,12 +518,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_reader_that_stops_at_the_last_event_keeps_the_connection() {
-        let (url, accepted) = provider(
-            &["data: x\n\n", "data: [DONE]\n\n"],
-            Duration::ZERO,
-            After::KeepAlive,
-        )
-        .await;
+        let (url, accepted) =
+            provider(&["data: x\n\n", "data: [DONE]\n\n"], None, After::KeepAlive).await;
         let client = client();
         for _ in 0..3 {
             let request = Request::get(format!("{url}/v1/x"))
@@ -562,8 +536,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_body_dropped_midway_closes_its_connection() {
-        let (url, accepted) =
-            provider(&["a", "b"], Duration::from_millis(100), After::KeepAlive).await;
+        let gate = Arc::new(Semaphore::new(0));
+        let (url, accepted) = provider(&["a", "b"], Some(gate.clone()), After::KeepAlive).await;
         let client = client();
         let request = Request::get(format!("{url}/v1/x"))
             .body(Full::default())
@@ -571,6 +545,8 @@ mod tests {
         let mut body = client.request(request).await.unwrap().into_body();
         body.frame().await.unwrap().unwrap();
         drop(body);
+        // One for the abandoned response (its write then fails), one per fetch below.
+        gate.add_permits(3);
         assert_eq!(fetch(&client, &url).await.unwrap(), "ab");
         assert_eq!(accepted.load(Ordering::SeqCst), 2);
         assert_eq!(fetch(&client, &url).await.unwrap(), "ab");
