@@ -5,11 +5,14 @@
 //! `tools`.
 
 use std::collections::BTreeMap;
+use std::pin::Pin;
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use super::pool::ProviderBody;
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http_body_util::BodyExt;
+use hyper::body::{Body, Frame};
 use iop_proto_core::wire::{
     AdapterConfig, Header, ProviderHealth, ProviderTunnelRequest, RunRequest, Usage,
 };
@@ -100,13 +103,80 @@ async fn send(
 async fn next_frame(
     body: &mut ProviderBody,
     watch: &mut Watch,
-) -> Result<Option<hyper::body::Frame<Bytes>>, CallError> {
+) -> Result<Option<Frame<Bytes>>, CallError> {
     match watch.run(body.frame()).await? {
         None => Ok(None),
-        Some(Err(err)) => Err(CallError::Unreachable(format!(
-            "response body failed: {err}"
-        ))),
+        Some(Err(err)) => Err(body_failed(&err)),
         Some(Ok(frame)) => Ok(Some(frame)),
+    }
+}
+
+fn body_failed(err: &dyn std::fmt::Display) -> CallError {
+    CallError::Unreachable(format!("response body failed: {err}"))
+}
+
+/// Ready body frames are joined until the tunnel frame holds this many bytes.
+const JOIN_MAX: usize = 64 << 10;
+
+/// A tunnelled response body, read so that data frames the provider has already sent
+/// come out as one. An SSE stream arrives as a body frame per event; passed on one by one,
+/// each would cost a message to the core, a wire frame, a read and a write at the Edge and
+/// a write to the caller. Joining never waits: only frames ready now are taken (what a
+/// reverse proxy's read of everything buffered does), so a paced stream's events still
+/// leave as they come, and the bytes are the same, in order.
+struct Joined<B: Body> {
+    body: B,
+    /// What a look ahead found behind the last joined data (trailers, an error, or the
+    /// body's end), returned next.
+    ahead: Option<Option<Result<Frame<Bytes>, B::Error>>>,
+}
+
+impl<B> Joined<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: std::fmt::Display,
+{
+    fn new(body: B) -> Self {
+        Joined { body, ahead: None }
+    }
+
+    /// The next frame under `watch`, data joined with the data ready behind it.
+    async fn frame(&mut self, watch: &mut Watch) -> Result<Option<Frame<Bytes>>, CallError> {
+        let next = match self.ahead.take() {
+            Some(next) => next,
+            None => watch.run(self.body.frame()).await?,
+        };
+        let first = match next {
+            None => return Ok(None),
+            Some(Err(err)) => return Err(body_failed(&err)),
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(data) => data,
+                Err(frame) => return Ok(Some(frame)),
+            },
+        };
+        let mut joined: Option<BytesMut> = None;
+        // Polled without a waker: a pending body is awaited (with one) on the next call.
+        let mut cx = Context::from_waker(Waker::noop());
+        while joined.as_ref().map_or(first.len(), BytesMut::len) < JOIN_MAX {
+            match Pin::new(&mut self.body).poll_frame(&mut cx) {
+                Poll::Pending => break,
+                Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                    Ok(more) => joined
+                        .get_or_insert_with(|| BytesMut::from(&first[..]))
+                        .extend_from_slice(&more),
+                    Err(frame) => {
+                        self.ahead = Some(Some(Ok(frame)));
+                        break;
+                    }
+                },
+                Poll::Ready(other) => {
+                    self.ahead = Some(other);
+                    break;
+                }
+            }
+        }
+        let data = joined.map_or(first, BytesMut::freeze);
+        Ok(Some(Frame::data(data)))
     }
 }
 
@@ -206,8 +276,8 @@ impl OpenAi {
             return Ok(());
         }
         let mut watcher = UsageWatcher::new(&content_type);
-        let mut body = response.into_body();
-        while let Some(frame) = next_frame(&mut body, &mut watch).await? {
+        let mut body = Joined::new(response.into_body());
+        while let Some(frame) = body.frame(&mut watch).await? {
             match frame.into_data() {
                 Ok(data) => {
                     watcher.push(&data);
@@ -434,6 +504,82 @@ pub fn text_tool_fallback(input: &json::Object<'_>, set: &[(&str, &str)]) -> Vec
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A body that answers polls from a script (a `Pending` wakes at once).
+    struct Script(std::collections::VecDeque<Option<Result<Frame<Bytes>, String>>>);
+
+    impl Body for Script {
+        type Data = Bytes;
+        type Error = String;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, String>>> {
+            match self.0.pop_front() {
+                Some(Some(Ok(frame))) if frame.data_ref().is_some_and(Bytes::is_empty) => {
+                    // An empty data frame stands for "nothing ready yet".
+                    cx.waker().wake_by_ref();
+                    Poll::Pending
+                }
+                Some(next) => Poll::Ready(next),
+                None => Poll::Ready(None),
+            }
+        }
+    }
+
+    fn data(text: &str) -> Option<Result<Frame<Bytes>, String>> {
+        Some(Ok(Frame::data(Bytes::copy_from_slice(text.as_bytes()))))
+    }
+
+    #[tokio::test]
+    async fn ready_body_frames_leave_as_one_in_order_and_nothing_waits() {
+        let mut trailers = hyper::HeaderMap::new();
+        trailers.insert("x-done", hyper::header::HeaderValue::from_static("1"));
+        let script = [
+            data("data: a\n\n"),
+            data("data: b\n\n"),
+            data(""),
+            data("data: c\n\n"),
+            Some(Ok(Frame::trailers(trailers))),
+            data("data: late\n\n"),
+            Some(Err("reset".to_owned())),
+        ];
+        let mut body = Joined::new(Script(script.into_iter().collect()));
+        let cancel = CancellationToken::new();
+        let mut watch = Watch::new(Instant::now() + Duration::from_secs(60), &cancel);
+        let mut next = async || body.frame(&mut watch).await;
+        let text = |frame: Option<Frame<Bytes>>| {
+            let data = frame.expect("frame").into_data().expect("data");
+            String::from_utf8(data.to_vec()).expect("utf-8")
+        };
+        // What was ready behind the first frame came with it; the pending poll ended it.
+        assert_eq!(text(next().await.ok().flatten()), "data: a\n\ndata: b\n\n");
+        assert_eq!(text(next().await.ok().flatten()), "data: c\n\n");
+        let frame = next().await.ok().flatten().expect("trailers");
+        assert!(
+            frame
+                .trailers_ref()
+                .is_some_and(|t| t.contains_key("x-done"))
+        );
+        // The error found while looking ahead comes after the data before it.
+        assert_eq!(text(next().await.ok().flatten()), "data: late\n\n");
+        assert!(matches!(next().await, Err(CallError::Unreachable(why)) if why.contains("reset")));
+    }
+
+    #[tokio::test]
+    async fn joining_stops_past_the_limit() {
+        let big = "x".repeat(JOIN_MAX / 2 + 1);
+        let script = [data(&big), data(&big), data(&big), None];
+        let mut body = Joined::new(Script(script.into_iter().collect()));
+        let cancel = CancellationToken::new();
+        let mut watch = Watch::new(Instant::now() + Duration::from_secs(60), &cancel);
+        let mut sizes = Vec::new();
+        while let Some(frame) = body.frame(&mut watch).await.ok().flatten() {
+            sizes.push(frame.into_data().map_or(0, |d| d.len()));
+        }
+        assert_eq!(sizes, [2 * big.len(), big.len()]);
+    }
 
     #[test]
     fn fallback_merges_into_the_leading_system_message() {
