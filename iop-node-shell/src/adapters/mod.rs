@@ -4,6 +4,7 @@
 //! upstream request and still ends with a terminal output.
 
 pub mod connector;
+pub mod h1;
 pub mod http;
 pub mod json;
 pub mod mock;

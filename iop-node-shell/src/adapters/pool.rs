@@ -1,19 +1,18 @@
 //! The providers' HTTP/1.1 client: keep-alive connections that the adapter task using
-//! one drives itself.
+//! one reads itself.
 //!
 //! hyper-util's pooled client runs every connection as a task of its own: a request
 //! crosses from the adapter's task to the connection's and its response, and every SSE
-//! chunk of it, crosses back, one wake each. Here the task that sends a request also
-//! polls its connection (while it waits for the head, and from [`ProviderBody`] while
-//! it reads the body), so a chunk read from the provider's socket is in the adapter's
-//! hands in the same poll. Finished connections wait in a small per-provider idle list
-//! (most recently used first) and are checked for a close before they are reused; a
-//! request that a reused connection closed on before sending it is sent once more on a
-//! new connection.
+//! chunk of it, crosses back, one wake each. Here the task that sends a request reads its
+//! connection (the head, then the body from [`ProviderBody`], see [`super::h1`]), so a
+//! chunk read from the provider's socket is in the adapter's hands in the same poll.
+//! Finished connections wait in a small per-provider idle list (most recently used
+//! first) and are checked for a close before they are reused; a request that a reused
+//! connection failed to take is sent once more on a new connection.
 
 use std::collections::{HashMap, VecDeque};
 use std::future::{Future, poll_fn};
-use std::pin::{Pin, pin};
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll, Waker};
@@ -23,14 +22,11 @@ use bytes::Bytes;
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{HeaderValue, Request, Response, Uri};
 use http_body_util::Full;
-use hyper::body::{Body, Frame, Incoming, SizeHint};
-use hyper::client::conn::http1;
+use hyper::body::{Body, Frame, SizeHint};
 use tokio::time::Instant;
 
-use super::connector::{ProviderConnector, ProviderStream};
-
-type Sender = http1::SendRequest<Full<Bytes>>;
-type Driver = http1::Connection<ProviderStream, Full<Bytes>>;
+use super::connector::ProviderConnector;
+use super::h1::{Conn, Decoded, Framing, H1Error, Head, encode_request};
 
 /// How often idle connections are swept for closes and age.
 const SWEEP_EVERY: Duration = Duration::from_secs(10);
@@ -49,9 +45,10 @@ pub enum ClientError {
         /// What failed.
         source: Box<dyn std::error::Error + Send + Sync>,
     },
-    /// The connection failed or closed before the response head arrived.
+    /// The connection failed or closed before the response head arrived, or the head
+    /// was malformed.
     #[error("{0}")]
-    Http(#[from] hyper::Error),
+    Http(#[from] H1Error),
 }
 
 /// A pooled HTTP/1.1 client for `http://` and `https://` providers; cheap to clone, every
@@ -70,26 +67,10 @@ struct Inner {
     sweeping: AtomicBool,
 }
 
-/// A connection and the handle that sends on it.
-#[derive(Debug)]
-struct Conn {
-    sender: Sender,
-    driver: Driver,
-}
-
 #[derive(Debug)]
 struct Idle {
     conn: Conn,
     since: Instant,
-}
-
-impl Conn {
-    /// Whether the connection can take a request now: it has not closed (a poll without
-    /// a waker reads the peer's close, if any) and it is idle.
-    fn reusable(&mut self) -> bool {
-        let mut cx = Context::from_waker(Waker::noop());
-        Pin::new(&mut self.driver).poll(&mut cx).is_pending() && self.sender.is_ready()
-    }
 }
 
 impl HttpClient {
@@ -109,7 +90,7 @@ impl HttpClient {
     }
 
     /// Sends `request` (absolute URL) and returns the response once its head arrived; the
-    /// body is read, and the connection driven, by whoever polls it.
+    /// body is read from the connection by whoever polls it.
     ///
     /// The future is boxed: it holds a connection and its handshake while it waits
     /// (2 KiB and more), and an adapter that awaited it inline would keep room for it,
@@ -126,55 +107,47 @@ impl HttpClient {
         &self,
         request: Request<Full<Bytes>>,
     ) -> Result<Response<ProviderBody>, ClientError> {
-        let (key, mut request) = origin_form(request)?;
+        let (key, request) = origin_form(request)?;
+        let (parts, body) = request.into_parts();
+        let body = whole(body);
+        // Head and a small body go out in one write.
+        let mut head = Vec::with_capacity(256 + body.len());
+        encode_request(&parts, body.len(), &mut head);
+        let rest = if body.len() <= JOIN_BODY {
+            head.extend_from_slice(&body);
+            &[][..]
+        } else {
+            &body[..]
+        };
         let mut retried = false;
         loop {
             let kept = if retried { None } else { self.checkout(&key) };
             let reused = kept.is_some();
-            let conn = match kept {
+            let mut conn = match kept {
                 Some(conn) => conn,
                 None => self.connect(&key).await?,
             };
-            let Conn {
-                mut sender,
-                mut driver,
-            } = conn;
-            let mut closed = None;
-            let sent = {
-                let mut response = pin!(sender.try_send_request(request));
-                poll_fn(|cx| {
-                    if closed.is_none()
-                        && let Poll::Ready(result) = Pin::new(&mut driver).poll(cx)
-                    {
-                        closed = Some(result);
-                    }
-                    response.as_mut().poll(cx)
-                })
-                .await
-            };
-            match sent {
-                Ok(response) => {
-                    let conn = match closed {
-                        None => Some(Conn { sender, driver }),
-                        Some(_) => None,
-                    };
-                    return Ok(response.map(|body| ProviderBody {
-                        body,
-                        conn,
-                        pool: Arc::downgrade(&self.inner),
-                        key,
-                    }));
+            if let Err(err) = conn.write_request(&head, rest).await {
+                // A kept connection the provider closed before it took the request:
+                // once more on a new one.
+                if reused {
+                    retried = true;
+                    continue;
                 }
-                Err(mut err) => match err.take_message() {
-                    // A kept connection the provider closed before it took the request:
-                    // once more on a new one.
-                    Some(unsent) if reused => {
-                        retried = true;
-                        request = unsent;
-                    }
-                    _ => return Err(err.into_error().into()),
-                },
+                return Err(H1Error::from(err).into());
             }
+            let Head {
+                response,
+                framing,
+                keep_alive,
+            } = conn.read_head(&parts.method).await?;
+            return Ok(response.map(|()| ProviderBody {
+                conn: Some(conn),
+                framing,
+                keep_alive,
+                pool: Arc::downgrade(&self.inner),
+                key,
+            }));
         }
     }
 
@@ -209,8 +182,7 @@ impl HttpClient {
         let stream = dial
             .await
             .map_err(|source| ClientError::Connect { authority, source })?;
-        let (sender, driver) = http1::handshake(stream).await?;
-        Ok(Conn { sender, driver })
+        Ok(Conn::new(stream))
     }
 }
 
@@ -264,47 +236,81 @@ async fn sweep(pool: Weak<Inner>) {
     }
 }
 
-/// The body of a provider's response; polling it also drives the connection, which goes
-/// back to the pool when the body has been read to its end.
+/// The body of a provider's response; polling it reads the connection, which goes back
+/// to the pool when the body has been read to its end.
 #[derive(Debug)]
 pub struct ProviderBody {
-    body: Incoming,
+    /// `None` once the body ended or failed.
     conn: Option<Conn>,
+    framing: Framing,
+    keep_alive: bool,
     pool: Weak<Inner>,
     key: String,
 }
 
 impl Body for ProviderBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = H1Error;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, H1Error>>> {
         let this = self.get_mut();
-        if let Some(conn) = &mut this.conn
-            && Pin::new(&mut conn.driver).poll(cx).is_ready()
-        {
-            // Closed or failed: what the body had is still read from it, then its error.
-            this.conn = None;
+        loop {
+            let Some(conn) = &mut this.conn else {
+                return Poll::Ready(None);
+            };
+            let decoded = match conn.decode(&mut this.framing) {
+                Ok(Some(decoded)) => decoded,
+                Ok(None) => match conn.poll_read(cx) {
+                    Poll::Pending => return Poll::Pending,
+                    Poll::Ready(Ok(0)) => match this.framing.at_eof() {
+                        Ok(end) => {
+                            this.keep_alive = false;
+                            end
+                        }
+                        Err(err) => {
+                            this.conn = None;
+                            return Poll::Ready(Some(Err(err)));
+                        }
+                    },
+                    Poll::Ready(Ok(_)) => continue,
+                    Poll::Ready(Err(err)) => {
+                        this.conn = None;
+                        return Poll::Ready(Some(Err(err.into())));
+                    }
+                },
+                Err(err) => {
+                    this.conn = None;
+                    return Poll::Ready(Some(Err(err)));
+                }
+            };
+            return Poll::Ready(match decoded {
+                Decoded::Data(data) => Some(Ok(Frame::data(data))),
+                Decoded::Trailers(trailers) => Some(Ok(Frame::trailers(trailers))),
+                Decoded::End => {
+                    if let Some(conn) = this.conn.take()
+                        && this.keep_alive
+                        && let Some(pool) = this.pool.upgrade()
+                    {
+                        pool.checkin(std::mem::take(&mut this.key), conn);
+                    }
+                    None
+                }
+            });
         }
-        let frame = Pin::new(&mut this.body).poll_frame(cx);
-        if let Poll::Ready(None) = frame
-            && let Some(conn) = this.conn.take()
-            && let Some(pool) = this.pool.upgrade()
-        {
-            pool.checkin(std::mem::take(&mut this.key), conn);
-        }
-        frame
     }
 
     fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
+        self.conn.is_none()
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
+        match self.framing.remaining() {
+            Some(n) => SizeHint::with_exact(n),
+            None => SizeHint::default(),
+        }
     }
 }
 
@@ -323,6 +329,18 @@ impl Drop for ProviderBody {
                 _ => return,
             }
         }
+    }
+}
+
+/// A request body up to this size is written with its head in one write.
+const JOIN_BODY: usize = 16 << 10;
+
+/// The bytes of a whole body (a `Full` has them at once).
+fn whole(mut body: Full<Bytes>) -> Bytes {
+    let mut cx = Context::from_waker(Waker::noop());
+    match Pin::new(&mut body).poll_frame(&mut cx) {
+        Poll::Ready(Some(Ok(frame))) => frame.into_data().unwrap_or_default(),
+        _ => Bytes::new(),
     }
 }
 
@@ -599,7 +617,7 @@ mod tests {
             .body(Full::default())
             .unwrap();
         assert!(std::mem::size_of_val(&client.request(request)) <= 16);
-        assert!(std::mem::size_of::<ProviderBody>() <= std::mem::size_of::<Driver>() + 128);
+        assert!(std::mem::size_of::<ProviderBody>() <= std::mem::size_of::<Conn>() + 128);
     }
 
     #[test]

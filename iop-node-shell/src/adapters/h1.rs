@@ -1,0 +1,749 @@
+//! HTTP/1.1 with providers on the wire: a request head written, a response head parsed
+//! with `httparse`, and the response body's framing (RFC 9112 §6.3) decoded over one
+//! read buffer, so that body bytes leave as slices of what was read.
+//!
+//! hyper's client connection reserves 8 KiB to read into and 8 KiB for message heads when
+//! it is made, and talks to its caller through a request channel and a body channel; a
+//! Node that streams 2,000 responses held 25-27 KiB per stream, most of it there. Here a
+//! connection is its socket and a read buffer that starts at 1 KiB and follows the
+//! traffic, and the task that reads the body is the one that reads the socket.
+//!
+//! Providers are not trusted: heads, chunk lines and trailers have size limits, a
+//! `Content-Length` must be one number, and a response framed by both `Transfer-Encoding`
+//! and `Content-Length` (or by the close of the connection) is read as the RFC says and
+//! its connection is not reused.
+
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll, Waker, ready};
+
+use bytes::{Bytes, BytesMut};
+use http::header::{CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Response, StatusCode, Version};
+use hyper_util::rt::TokioIo;
+use tokio::io::AsyncWriteExt;
+
+use super::connector::ProviderStream;
+
+/// The largest response head (status line and headers) accepted.
+pub const MAX_HEAD: usize = 64 << 10;
+/// The most response headers accepted.
+const MAX_HEADERS: usize = 128;
+/// The longest chunk-size line (with extensions) accepted.
+const MAX_CHUNK_LINE: usize = 4 << 10;
+/// The largest trailer section accepted.
+const MAX_TRAILERS: usize = 16 << 10;
+/// Smallest and largest read.
+const READ_MIN: usize = 1 << 10;
+const READ_MAX: usize = 64 << 10;
+
+/// How talking HTTP/1.1 to a provider failed.
+#[derive(Debug, thiserror::Error)]
+pub enum H1Error {
+    /// The socket failed.
+    #[error("provider connection failed: {0}")]
+    Io(#[from] io::Error),
+    /// The provider closed the connection before its response ended.
+    #[error("provider closed the connection before the response ended")]
+    Incomplete,
+    /// The provider's response breaks HTTP/1.1.
+    #[error("malformed response from the provider: {0}")]
+    Malformed(String),
+}
+
+fn malformed(what: impl Into<String>) -> H1Error {
+    H1Error::Malformed(what.into())
+}
+
+/// How a response body ends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Framing {
+    /// No body (a `HEAD` request, 204, 304).
+    Empty,
+    /// This many bytes remain.
+    Length(u64),
+    /// `Transfer-Encoding: chunked`, in this state.
+    Chunked(Chunk),
+    /// Everything until the provider closes the connection.
+    UntilClose,
+    /// Read to its end.
+    Done,
+}
+
+/// Where a chunked body's decoder stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Chunk {
+    /// Expects a chunk-size line.
+    Size,
+    /// This many bytes of chunk data remain.
+    Data(u64),
+    /// Expects the CRLF after chunk data.
+    DataEnd,
+    /// Expects trailer fields or the final CRLF.
+    Trailers,
+}
+
+/// One step of a body.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Decoded {
+    /// Body bytes.
+    Data(Bytes),
+    /// Trailer fields (a chunked body's, when it has any).
+    Trailers(HeaderMap),
+    /// The body ended.
+    End,
+}
+
+/// A parsed response head.
+#[derive(Debug)]
+pub struct Head {
+    /// Status, version and headers.
+    pub response: Response<()>,
+    /// How its body ends.
+    pub framing: Framing,
+    /// Whether the connection may carry another request once the body is read.
+    pub keep_alive: bool,
+}
+
+/// Writes the head of `parts` for a body of `body_len` bytes into `out`. The connection
+/// headers are this client's: the caller's `Content-Length`, `Transfer-Encoding` and
+/// hop-by-hop fields are left out (the `http` types already refuse CR, LF and NUL in
+/// names, values, methods and targets).
+pub fn encode_request(parts: &http::request::Parts, body_len: usize, out: &mut Vec<u8>) {
+    let target = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    out.extend_from_slice(parts.method.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(target.as_bytes());
+    out.extend_from_slice(b" HTTP/1.1\r\n");
+    for (name, value) in &parts.headers {
+        if is_connection_field(name) {
+            continue;
+        }
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    let bodiless = matches!(
+        parts.method,
+        Method::GET | Method::HEAD | Method::DELETE | Method::OPTIONS
+    );
+    if body_len > 0 || !bodiless {
+        out.extend_from_slice(b"content-length: ");
+        out.extend_from_slice(body_len.to_string().as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
+fn is_connection_field(name: &HeaderName) -> bool {
+    name == CONTENT_LENGTH
+        || name == TRANSFER_ENCODING
+        || name == CONNECTION
+        || name == http::header::UPGRADE
+        || name == http::header::TE
+        || name == http::header::PROXY_AUTHORIZATION
+        || name.as_str() == "keep-alive"
+        || name.as_str() == "proxy-connection"
+}
+
+/// Parses the response head at the start of `buf` (1xx interim responses are skipped),
+/// taking it out of `buf`; `None` while it is incomplete.
+pub fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, H1Error> {
+    loop {
+        let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
+        let mut parsed = httparse::Response::new(&mut fields);
+        let len = match parsed.parse(buf) {
+            Ok(httparse::Status::Complete(len)) => len,
+            Ok(httparse::Status::Partial) if buf.len() > MAX_HEAD => {
+                return Err(malformed(format!("response head over {MAX_HEAD} bytes")));
+            }
+            Ok(httparse::Status::Partial) => return Ok(None),
+            Err(err) => return Err(malformed(err.to_string())),
+        };
+        let code = parsed.code.unwrap_or_default();
+        let status = StatusCode::from_u16(code).map_err(|_| malformed(format!("status {code}")))?;
+        if status == StatusCode::SWITCHING_PROTOCOLS {
+            return Err(malformed(
+                "101 Switching Protocols to a request without Upgrade",
+            ));
+        }
+        if status.is_informational() {
+            let _ = buf.split_to(len);
+            continue;
+        }
+        let version = match parsed.version {
+            Some(1) => Version::HTTP_11,
+            _ => Version::HTTP_10,
+        };
+        let mut headers = HeaderMap::with_capacity(parsed.headers.len());
+        for field in parsed.headers.iter() {
+            let name = HeaderName::from_bytes(field.name.as_bytes())
+                .map_err(|_| malformed(format!("header name {:?}", field.name)))?;
+            let value = HeaderValue::from_bytes(field.value)
+                .map_err(|_| malformed(format!("value of header {name}")))?;
+            headers.append(name, value);
+        }
+        let _ = buf.split_to(len);
+        let (framing, framing_keeps) = framing(&headers, status, method)?;
+        let keep_alive = framing_keeps
+            && version == Version::HTTP_11
+            && !has_token(&headers, &CONNECTION, "close");
+        let mut response = Response::new(());
+        *response.status_mut() = status;
+        *response.version_mut() = version;
+        *response.headers_mut() = headers;
+        return Ok(Some(Head {
+            response,
+            framing,
+            keep_alive,
+        }));
+    }
+}
+
+/// How the body of a response with `headers` to `method` ends (RFC 9112 §6.3), and whether
+/// that framing leaves the connection usable.
+fn framing(
+    headers: &HeaderMap,
+    status: StatusCode,
+    method: &Method,
+) -> Result<(Framing, bool), H1Error> {
+    if method == Method::HEAD
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED
+    {
+        return Ok((Framing::Empty, true));
+    }
+    if headers.contains_key(TRANSFER_ENCODING) {
+        let last = headers
+            .get_all(TRANSFER_ENCODING)
+            .iter()
+            .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+            .map(<[u8]>::trim_ascii)
+            .rfind(|coding| !coding.is_empty());
+        let chunked = last.is_some_and(|c| c.eq_ignore_ascii_case(b"chunked"));
+        // With a Content-Length as well, the message may be an attempt at smuggling:
+        // Transfer-Encoding wins and the connection is not used again.
+        let clean = chunked && !headers.contains_key(CONTENT_LENGTH);
+        let framing = if chunked {
+            Framing::Chunked(Chunk::Size)
+        } else {
+            Framing::UntilClose
+        };
+        return Ok((framing, clean));
+    }
+    let mut length = None;
+    for value in headers.get_all(CONTENT_LENGTH) {
+        for part in value.as_bytes().split(|b| *b == b',') {
+            let part = part.trim_ascii();
+            let n = std::str::from_utf8(part)
+                .ok()
+                .filter(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+                .and_then(|p| p.parse::<u64>().ok())
+                .ok_or_else(|| malformed("invalid content-length"))?;
+            if length.is_some_and(|seen| seen != n) {
+                return Err(malformed("conflicting content-length values"));
+            }
+            length = Some(n);
+        }
+    }
+    Ok(match length {
+        Some(n) => (Framing::Length(n), true),
+        None => (Framing::UntilClose, false),
+    })
+}
+
+fn has_token(headers: &HeaderMap, name: &HeaderName, token: &str) -> bool {
+    headers.get_all(name).iter().any(|v| {
+        v.as_bytes()
+            .split(|b| *b == b',')
+            .any(|t| t.trim_ascii().eq_ignore_ascii_case(token.as_bytes()))
+    })
+}
+
+impl Framing {
+    /// The next step of the body from what `buf` holds (taken out of it); `None` until
+    /// more is read.
+    pub fn decode(&mut self, buf: &mut BytesMut) -> Result<Option<Decoded>, H1Error> {
+        loop {
+            match self {
+                Framing::Empty | Framing::Done | Framing::Length(0) => {
+                    *self = Framing::Done;
+                    return Ok(Some(Decoded::End));
+                }
+                Framing::Length(left) => {
+                    if buf.is_empty() {
+                        return Ok(None);
+                    }
+                    let take = usize::try_from(*left).map_or(buf.len(), |l| l.min(buf.len()));
+                    *left -= take as u64;
+                    return Ok(Some(Decoded::Data(buf.split_to(take).freeze())));
+                }
+                Framing::UntilClose => {
+                    if buf.is_empty() {
+                        return Ok(None);
+                    }
+                    return Ok(Some(Decoded::Data(buf.split().freeze())));
+                }
+                Framing::Chunked(chunk) => match chunk {
+                    Chunk::Size => {
+                        let Some(end) = memchr::memchr(b'\n', buf) else {
+                            if buf.len() > MAX_CHUNK_LINE {
+                                return Err(malformed("chunk size line too long"));
+                            }
+                            return Ok(None);
+                        };
+                        if end > MAX_CHUNK_LINE {
+                            return Err(malformed("chunk size line too long"));
+                        }
+                        let size = chunk_size(&buf[..end])?;
+                        let _ = buf.split_to(end + 1);
+                        *chunk = if size == 0 {
+                            Chunk::Trailers
+                        } else {
+                            Chunk::Data(size)
+                        };
+                    }
+                    Chunk::Data(left) => {
+                        if buf.is_empty() {
+                            return Ok(None);
+                        }
+                        let take = usize::try_from(*left).map_or(buf.len(), |l| l.min(buf.len()));
+                        *left -= take as u64;
+                        if *left == 0 {
+                            *chunk = Chunk::DataEnd;
+                        }
+                        return Ok(Some(Decoded::Data(buf.split_to(take).freeze())));
+                    }
+                    Chunk::DataEnd => match line_end(buf) {
+                        None => return Ok(None),
+                        Some(0) => return Err(malformed("chunk data longer than its size")),
+                        Some(n) => {
+                            let _ = buf.split_to(n);
+                            *chunk = Chunk::Size;
+                        }
+                    },
+                    Chunk::Trailers => {
+                        match line_end(buf) {
+                            None => return Ok(None),
+                            Some(0) => {}
+                            Some(n) => {
+                                let _ = buf.split_to(n);
+                                *self = Framing::Done;
+                                return Ok(Some(Decoded::End));
+                            }
+                        }
+                        let mut fields = [httparse::EMPTY_HEADER; 32];
+                        let (len, trailers) = match httparse::parse_headers(buf, &mut fields) {
+                            Ok(httparse::Status::Complete((len, fields))) => {
+                                let mut trailers = HeaderMap::with_capacity(fields.len());
+                                for field in fields.iter() {
+                                    if let (Ok(name), Ok(value)) = (
+                                        HeaderName::from_bytes(field.name.as_bytes()),
+                                        HeaderValue::from_bytes(field.value),
+                                    ) {
+                                        trailers.append(name, value);
+                                    }
+                                }
+                                (len, trailers)
+                            }
+                            Ok(httparse::Status::Partial) if buf.len() > MAX_TRAILERS => {
+                                return Err(malformed("trailers too large"));
+                            }
+                            Ok(httparse::Status::Partial) => return Ok(None),
+                            Err(err) => return Err(malformed(format!("trailers: {err}"))),
+                        };
+                        let _ = buf.split_to(len);
+                        *self = Framing::Done;
+                        return Ok(Some(Decoded::Trailers(trailers)));
+                    }
+                },
+            }
+        }
+    }
+
+    /// What the provider's close of the connection means for this body.
+    pub fn at_eof(&mut self) -> Result<Decoded, H1Error> {
+        match self {
+            Framing::UntilClose | Framing::Done | Framing::Empty => {
+                *self = Framing::Done;
+                Ok(Decoded::End)
+            }
+            _ => Err(H1Error::Incomplete),
+        }
+    }
+
+    /// Bytes of body left, when the framing says.
+    pub fn remaining(&self) -> Option<u64> {
+        match self {
+            Framing::Empty | Framing::Done => Some(0),
+            Framing::Length(n) => Some(*n),
+            _ => None,
+        }
+    }
+}
+
+/// The length of the CRLF (or bare LF) that `buf` starts with: `Some(0)` if it starts
+/// with something else, `None` if it cannot tell yet.
+fn line_end(buf: &[u8]) -> Option<usize> {
+    match buf {
+        [] | [b'\r'] => None,
+        [b'\r', b'\n', ..] => Some(2),
+        [b'\n', ..] => Some(1),
+        _ => Some(0),
+    }
+}
+
+/// The size of a chunk-size line (without its LF): hex digits, then optional extensions.
+fn chunk_size(line: &[u8]) -> Result<u64, H1Error> {
+    let line = line.strip_suffix(b"\r").unwrap_or(line);
+    let digits = line.iter().take_while(|b| b.is_ascii_hexdigit()).count();
+    let rest = &line[digits..];
+    if digits == 0 || digits > 15 || !(rest.is_empty() || matches!(rest[0], b';' | b' ' | b'\t')) {
+        return Err(malformed("invalid chunk size"));
+    }
+    let text = std::str::from_utf8(&line[..digits]).map_err(|_| malformed("invalid chunk size"))?;
+    u64::from_str_radix(text, 16).map_err(|_| malformed("invalid chunk size"))
+}
+
+/// A connection to a provider: its socket and what was read from it and not yet taken.
+#[derive(Debug)]
+pub struct Conn {
+    io: TokioIo<ProviderStream>,
+    buf: BytesMut,
+    want: usize,
+}
+
+impl Conn {
+    /// A new connection over `stream`.
+    pub fn new(stream: ProviderStream) -> Self {
+        Conn {
+            io: TokioIo::new(stream),
+            buf: BytesMut::new(),
+            want: READ_MIN,
+        }
+    }
+
+    /// Writes a request: its head (with as much of the body as the caller joined to it),
+    /// then the rest of the body.
+    pub async fn write_request(&mut self, head: &[u8], rest: &[u8]) -> io::Result<()> {
+        self.io.write_all(head).await?;
+        if !rest.is_empty() {
+            self.io.write_all(rest).await?;
+        }
+        self.io.flush().await
+    }
+
+    /// Reads until a whole response head is in, and parses it.
+    pub async fn read_head(&mut self, method: &Method) -> Result<Head, H1Error> {
+        loop {
+            if let Some(head) = parse_head(&mut self.buf, method)? {
+                return Ok(head);
+            }
+            let read = std::future::poll_fn(|cx| self.poll_read(cx)).await?;
+            if read == 0 {
+                return Err(H1Error::Incomplete);
+            }
+        }
+    }
+
+    /// Reads what the socket has into the buffer; `Ok(0)` at its end.
+    pub fn poll_read(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+        self.buf.reserve(self.want);
+        let read = ready!(tokio_util::io::poll_read_buf(
+            Pin::new(&mut self.io),
+            cx,
+            &mut self.buf
+        ))?;
+        // The next read's size follows the traffic: doubled after a read that filled the
+        // last one, back to the minimum after a small one.
+        self.want = if read >= self.want {
+            (self.want * 2).min(READ_MAX)
+        } else if read < self.want / 4 {
+            READ_MIN
+        } else {
+            self.want
+        };
+        Poll::Ready(Ok(read))
+    }
+
+    /// The body of the response whose head was read next.
+    pub fn decode(&mut self, framing: &mut Framing) -> Result<Option<Decoded>, H1Error> {
+        framing.decode(&mut self.buf)
+    }
+
+    /// Whether an idle connection can take another request: nothing unread, and the
+    /// provider has neither closed it nor sent anything since (a poll without a waker).
+    pub fn reusable(&mut self) -> bool {
+        if !self.buf.is_empty() {
+            return false;
+        }
+        let mut cx = Context::from_waker(Waker::noop());
+        let idle = matches!(self.poll_read(&mut cx), Poll::Pending) && self.buf.is_empty();
+        // Idle, it keeps no buffer (what was read last may still be in use downstream).
+        self.buf = BytesMut::new();
+        self.want = READ_MIN;
+        idle
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn head(text: &str, method: &Method) -> Result<Option<Head>, H1Error> {
+        parse_head(&mut BytesMut::from(text), method)
+    }
+
+    /// Every step of `body` decoded with `framing`, fed `step` bytes at a time.
+    fn decode_all(framing: Framing, body: &[u8], step: usize) -> Result<Vec<Decoded>, H1Error> {
+        let mut framing = framing;
+        let mut buf = BytesMut::new();
+        let mut out = Vec::new();
+        let mut fed = 0;
+        loop {
+            match framing.decode(&mut buf)? {
+                Some(Decoded::End) => {
+                    out.push(Decoded::End);
+                    return Ok(out);
+                }
+                Some(step) => out.push(step),
+                None if fed < body.len() => {
+                    let next = (fed + step).min(body.len());
+                    buf.extend_from_slice(&body[fed..next]);
+                    fed = next;
+                }
+                None => {
+                    out.push(framing.at_eof()?);
+                    return Ok(out);
+                }
+            }
+        }
+    }
+
+    fn data_of(steps: &[Decoded]) -> Vec<u8> {
+        steps
+            .iter()
+            .filter_map(|s| match s {
+                Decoded::Data(d) => Some(d.to_vec()),
+                _ => None,
+            })
+            .flatten()
+            .collect()
+    }
+
+    #[test]
+    fn a_request_head_carries_its_length_and_none_of_the_callers_connection_fields() {
+        let request = http::Request::post("/v1/chat/completions?x=1")
+            .header("host", "provider:8000")
+            .header("authorization", "Bearer k")
+            .header("content-length", "999")
+            .header("transfer-encoding", "chunked")
+            .header("connection", "upgrade")
+            .body(())
+            .unwrap();
+        let (parts, ()) = request.into_parts();
+        let mut out = Vec::new();
+        encode_request(&parts, 12, &mut out);
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "POST /v1/chat/completions?x=1 HTTP/1.1\r\nhost: provider:8000\r\n\
+             authorization: Bearer k\r\ncontent-length: 12\r\n\r\n"
+        );
+        let (parts, ()) = http::Request::get("/health").body(()).unwrap().into_parts();
+        let mut out = Vec::new();
+        encode_request(&parts, 0, &mut out);
+        assert_eq!(out, b"GET /health HTTP/1.1\r\n\r\n");
+    }
+
+    #[test]
+    fn response_heads_are_parsed_after_interim_responses_and_framed_by_the_rfc() {
+        let mut buf = BytesMut::from(
+            "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 5\r\nx-a: b\r\n\r\nhello",
+        );
+        let parsed = parse_head(&mut buf, &Method::POST).unwrap().unwrap();
+        assert_eq!(parsed.response.status(), 200);
+        assert_eq!(parsed.response.headers()["x-a"], "b");
+        assert_eq!(parsed.framing, Framing::Length(5));
+        assert!(parsed.keep_alive);
+        assert_eq!(&buf[..], b"hello", "the body stays in the buffer");
+
+        let framing = |text: &str, method: &Method| {
+            let h = head(text, method).unwrap().unwrap();
+            (h.framing, h.keep_alive)
+        };
+        assert_eq!(
+            framing(
+                "HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n",
+                &Method::POST
+            ),
+            (Framing::Chunked(Chunk::Size), true)
+        );
+        // Both framings: chunked wins, the connection is not reused.
+        assert_eq!(
+            framing(
+                "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 3\r\n\r\n",
+                &Method::POST
+            ),
+            (Framing::Chunked(Chunk::Size), false)
+        );
+        assert_eq!(
+            framing(
+                "HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n",
+                &Method::POST
+            ),
+            (Framing::UntilClose, false)
+        );
+        assert_eq!(
+            framing("HTTP/1.1 200 OK\r\n\r\n", &Method::POST),
+            (Framing::UntilClose, false)
+        );
+        assert_eq!(
+            framing(
+                "HTTP/1.1 200 OK\r\ncontent-length: 7\r\n\r\n",
+                &Method::HEAD
+            ),
+            (Framing::Empty, true)
+        );
+        assert_eq!(
+            framing("HTTP/1.1 204 No Content\r\n\r\n", &Method::POST),
+            (Framing::Empty, true)
+        );
+        assert_eq!(
+            framing(
+                "HTTP/1.1 200 OK\r\ncontent-length: 4\r\nconnection: close\r\n\r\n",
+                &Method::GET
+            ),
+            (Framing::Length(4), false)
+        );
+        assert_eq!(
+            framing("HTTP/1.0 200 OK\r\ncontent-length: 4\r\n\r\n", &Method::GET),
+            (Framing::Length(4), false)
+        );
+        assert_eq!(
+            framing(
+                "HTTP/1.1 200 OK\r\ncontent-length: 4, 4\r\n\r\n",
+                &Method::GET
+            ),
+            (Framing::Length(4), true)
+        );
+        assert!(head("HTTP/1.1 200 OK\r\n", &Method::GET).unwrap().is_none());
+    }
+
+    #[test]
+    fn bad_heads_are_typed_errors() {
+        for text in [
+            "HTTP/1.1 200 OK\r\ncontent-length: 4\r\ncontent-length: 5\r\n\r\n",
+            "HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n",
+            "HTTP/1.1 200 OK\r\ncontent-length: +4\r\n\r\n",
+            "HTTP/1.1 200 OK\r\ncontent-length: 99999999999999999999999\r\n\r\n",
+            "HTTP/1.1 101 Switching Protocols\r\n\r\n",
+            "SSH-2.0-OpenSSH\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nbad header\r\n\r\n",
+        ] {
+            assert!(
+                matches!(head(text, &Method::GET), Err(H1Error::Malformed(_))),
+                "{text:?}"
+            );
+        }
+        let huge = format!("HTTP/1.1 200 OK\r\nx: {}", "a".repeat(MAX_HEAD + 1));
+        assert!(matches!(
+            head(&huge, &Method::GET),
+            Err(H1Error::Malformed(_))
+        ));
+    }
+
+    #[test]
+    fn a_chunked_body_decodes_the_same_however_it_is_split() {
+        let body = b"5;ext=1\r\nhello\r\n1\r\n \r\nB\r\nSSE world!\n\r\n0\r\nx-usage: 7\r\n\r\n";
+        for step in [1, 2, 3, 7, body.len()] {
+            let steps = decode_all(Framing::Chunked(Chunk::Size), body, step).unwrap();
+            assert_eq!(data_of(&steps), b"hello SSE world!\n", "step {step}");
+            let trailers = steps.iter().find_map(|s| match s {
+                Decoded::Trailers(t) => Some(t),
+                _ => None,
+            });
+            assert_eq!(trailers.unwrap()["x-usage"], "7");
+            assert_eq!(steps.last(), Some(&Decoded::End));
+        }
+        let plain = decode_all(Framing::Chunked(Chunk::Size), b"3\r\nabc\r\n0\r\n\r\n", 4).unwrap();
+        assert_eq!(data_of(&plain), b"abc");
+        assert!(!plain.iter().any(|s| matches!(s, Decoded::Trailers(_))));
+    }
+
+    #[test]
+    fn bad_chunked_bodies_are_typed_errors() {
+        for body in [
+            &b"zz\r\n"[..],
+            b"-1\r\n",
+            b"1234567890abcdef0\r\n",
+            b"3\r\nabcd\r\n",
+            b"3x\r\nabc\r\n",
+        ] {
+            assert!(
+                matches!(
+                    decode_all(Framing::Chunked(Chunk::Size), body, 64),
+                    Err(H1Error::Malformed(_))
+                ),
+                "{:?}",
+                String::from_utf8_lossy(body)
+            );
+        }
+        let long = vec![b'1'; MAX_CHUNK_LINE + 2];
+        assert!(matches!(
+            decode_all(Framing::Chunked(Chunk::Size), &long, 512),
+            Err(H1Error::Malformed(_))
+        ));
+        // A close before the last chunk is not an end.
+        assert!(matches!(
+            decode_all(Framing::Chunked(Chunk::Size), b"3\r\nabc\r\n", 64),
+            Err(H1Error::Incomplete)
+        ));
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_chunked_body_decodes_to_its_data_however_it_arrives(
+            chunks in proptest::collection::vec(proptest::collection::vec(proptest::num::u8::ANY, 1..64), 0..8),
+            extension in proptest::bool::ANY,
+            step in 1usize..40,
+        ) {
+            let mut wire = Vec::new();
+            for chunk in &chunks {
+                wire.extend_from_slice(format!("{:X}", chunk.len()).as_bytes());
+                if extension {
+                    wire.extend_from_slice(b";name=value");
+                }
+                wire.extend_from_slice(b"\r\n");
+                wire.extend_from_slice(chunk);
+                wire.extend_from_slice(b"\r\n");
+            }
+            wire.extend_from_slice(b"0\r\n\r\n");
+            let steps = decode_all(Framing::Chunked(Chunk::Size), &wire, step).unwrap();
+            proptest::prop_assert_eq!(data_of(&steps), chunks.concat());
+            proptest::prop_assert_eq!(steps.last(), Some(&Decoded::End));
+        }
+
+        #[test]
+        fn arbitrary_bytes_are_a_body_or_an_error_never_a_panic(
+            wire in proptest::collection::vec(proptest::num::u8::ANY, 0..256),
+            step in 1usize..40,
+        ) {
+            let _ = decode_all(Framing::Chunked(Chunk::Size), &wire, step);
+            let _ = parse_head(&mut BytesMut::from(&wire[..]), &Method::GET);
+        }
+    }
+
+    #[test]
+    fn length_and_close_delimited_bodies() {
+        let steps = decode_all(Framing::Length(5), b"hello", 2).unwrap();
+        assert_eq!(data_of(&steps), b"hello");
+        assert!(matches!(
+            decode_all(Framing::Length(9), b"hello", 2),
+            Err(H1Error::Incomplete)
+        ));
+        let steps = decode_all(Framing::UntilClose, b"all of it", 4).unwrap();
+        assert_eq!(data_of(&steps), b"all of it");
+        assert_eq!(decode_all(Framing::Empty, b"", 1).unwrap(), [Decoded::End]);
+    }
+}
