@@ -11,6 +11,7 @@ pub mod clock;
 pub mod config;
 pub mod logging;
 pub mod process;
+pub mod repoll;
 pub mod tls;
 
 /// A state machine refused an input the shell gave it: that is a bug in the shell, not

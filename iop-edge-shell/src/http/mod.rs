@@ -19,6 +19,7 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use iop_proto_core::openai::{ApiError, Endpoint, ErrorType};
+use iop_shell_common::repoll::Repoll;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
@@ -152,7 +153,10 @@ pub async fn serve(
         let acceptor = tls
             .read()
             .map_or(None, |tls| tls.clone().map(tokio_rustls::TlsAcceptor::from));
-        tokio::spawn(async move {
+        // hyper wakes a connection's task from inside its poll when the service takes a
+        // request body; repolled at once, that is not a yield that hands the connection
+        // to another worker thread (see `iop_shell_common::repoll`).
+        tokio::spawn(Repoll::new(Box::pin(async move {
             let _slot = slot;
             let settings = state.settings();
             match acceptor {
@@ -163,7 +167,7 @@ pub async fn serve(
                     Box::pin(serve_tls(acceptor, stream, peer, state, &settings)).await
                 }
             }
-        });
+        })));
     }
 }
 
