@@ -44,15 +44,11 @@ impl Wake for Shared {
     }
 
     fn wake_by_ref(self: &Arc<Self>) {
-        // While the wrapper polls, it is told; otherwise the task is.
-        if self
-            .state
-            .compare_exchange(POLLING, WOKEN, Ordering::AcqRel, Ordering::Acquire)
-            .is_ok()
+        // While the wrapper polls, it is told (once is enough); otherwise the task is.
+        if let Ok(_) | Err(WOKEN) =
+            self.state
+                .compare_exchange(POLLING, WOKEN, Ordering::AcqRel, Ordering::Acquire)
         {
-            return;
-        }
-        if self.state.load(Ordering::Acquire) == WOKEN {
             return;
         }
         let task = self

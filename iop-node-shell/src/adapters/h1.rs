@@ -568,65 +568,72 @@ mod tests {
         assert!(parsed.keep_alive);
         assert_eq!(&buf[..], b"hello", "the body stays in the buffer");
 
-        let framing = |text: &str, method: &Method| {
-            let h = head(text, method).unwrap().unwrap();
-            (h.framing, h.keep_alive)
-        };
-        assert_eq!(
-            framing(
+        // (head, request method, framing, connection reusable)
+        let cases = [
+            (
                 "HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n",
-                &Method::POST
+                Method::POST,
+                Framing::Chunked(Chunk::Size),
+                true,
             ),
-            (Framing::Chunked(Chunk::Size), true)
-        );
-        // Both framings: chunked wins, the connection is not reused.
-        assert_eq!(
-            framing(
+            // Both framings: chunked wins, the connection is not reused.
+            (
                 "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 3\r\n\r\n",
-                &Method::POST
+                Method::POST,
+                Framing::Chunked(Chunk::Size),
+                false,
             ),
-            (Framing::Chunked(Chunk::Size), false)
-        );
-        assert_eq!(
-            framing(
+            (
                 "HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n",
-                &Method::POST
+                Method::POST,
+                Framing::UntilClose,
+                false,
             ),
-            (Framing::UntilClose, false)
-        );
-        assert_eq!(
-            framing("HTTP/1.1 200 OK\r\n\r\n", &Method::POST),
-            (Framing::UntilClose, false)
-        );
-        assert_eq!(
-            framing(
+            (
+                "HTTP/1.1 200 OK\r\n\r\n",
+                Method::POST,
+                Framing::UntilClose,
+                false,
+            ),
+            (
                 "HTTP/1.1 200 OK\r\ncontent-length: 7\r\n\r\n",
-                &Method::HEAD
+                Method::HEAD,
+                Framing::Empty,
+                true,
             ),
-            (Framing::Empty, true)
-        );
-        assert_eq!(
-            framing("HTTP/1.1 204 No Content\r\n\r\n", &Method::POST),
-            (Framing::Empty, true)
-        );
-        assert_eq!(
-            framing(
+            (
+                "HTTP/1.1 204 No Content\r\n\r\n",
+                Method::POST,
+                Framing::Empty,
+                true,
+            ),
+            (
                 "HTTP/1.1 200 OK\r\ncontent-length: 4\r\nconnection: close\r\n\r\n",
-                &Method::GET
+                Method::GET,
+                Framing::Length(4),
+                false,
             ),
-            (Framing::Length(4), false)
-        );
-        assert_eq!(
-            framing("HTTP/1.0 200 OK\r\ncontent-length: 4\r\n\r\n", &Method::GET),
-            (Framing::Length(4), false)
-        );
-        assert_eq!(
-            framing(
+            (
+                "HTTP/1.0 200 OK\r\ncontent-length: 4\r\n\r\n",
+                Method::GET,
+                Framing::Length(4),
+                false,
+            ),
+            (
                 "HTTP/1.1 200 OK\r\ncontent-length: 4, 4\r\n\r\n",
-                &Method::GET
+                Method::GET,
+                Framing::Length(4),
+                true,
             ),
-            (Framing::Length(4), true)
-        );
+        ];
+        for (text, method, framing, keep_alive) in cases {
+            let parsed = head(text, &method).unwrap().unwrap();
+            assert_eq!(
+                (parsed.framing, parsed.keep_alive),
+                (framing, keep_alive),
+                "{text:?}"
+            );
+        }
         assert!(head("HTTP/1.1 200 OK\r\n", &Method::GET).unwrap().is_none());
     }
 

@@ -8,7 +8,6 @@ use super::connector::ProviderConnector;
 pub use super::pool::HttpClient;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Method, Request, Uri};
-use http_body_util::Full;
 use hyper_util::client::legacy::connect::HttpConnector;
 use iop_proto_core::wire::{Header, ProviderHealth};
 
@@ -114,7 +113,7 @@ pub fn request(
     headers: &[Header],
     api_key: &str,
     body: Bytes,
-) -> Result<Request<Full<Bytes>>, String> {
+) -> Result<Request<Bytes>, String> {
     let method =
         Method::from_bytes(method.as_bytes()).map_err(|_| format!("invalid method {method:?}"))?;
     let mut builder = Request::builder().method(method).uri(url);
@@ -134,7 +133,7 @@ pub fn request(
         builder = builder.header(http::header::AUTHORIZATION, format!("Bearer {api_key}"));
     }
     builder
-        .body(Full::new(body))
+        .body(body)
         .map_err(|err| format!("cannot build request: {err}"))
 }
 

@@ -90,7 +90,7 @@ impl std::fmt::Debug for Watch {
 /// Sends `request` under `watch`.
 async fn send(
     client: &HttpClient,
-    request: hyper::Request<http_body_util::Full<Bytes>>,
+    request: hyper::Request<Bytes>,
     watch: &mut Watch,
 ) -> Result<hyper::Response<ProviderBody>, CallError> {
     watch

@@ -21,7 +21,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{HeaderValue, Request, Response, Uri};
-use http_body_util::Full;
 use hyper::body::{Body, Frame, SizeHint};
 use tokio::time::Instant;
 
@@ -97,23 +96,20 @@ impl HttpClient {
     /// once or twice over, for as long as its stream lasts.
     pub fn request(
         &self,
-        request: Request<Full<Bytes>>,
+        request: Request<Bytes>,
     ) -> Pin<Box<dyn Future<Output = Result<Response<ProviderBody>, ClientError>> + Send + '_>>
     {
         Box::pin(self.send(request))
     }
 
-    async fn send(
-        &self,
-        request: Request<Full<Bytes>>,
-    ) -> Result<Response<ProviderBody>, ClientError> {
+    async fn send(&self, request: Request<Bytes>) -> Result<Response<ProviderBody>, ClientError> {
         let (key, request) = origin_form(request)?;
         let (parts, body) = request.into_parts();
-        let body = whole(body);
-        // Head and a small body go out in one write.
-        let mut head = Vec::with_capacity(256 + body.len());
+        // Head and a small body go out in one write; a large body after it, not copied.
+        let joined = body.len() <= JOIN_BODY;
+        let mut head = Vec::with_capacity(256 + if joined { body.len() } else { 0 });
         encode_request(&parts, body.len(), &mut head);
-        let rest = if body.len() <= JOIN_BODY {
+        let rest = if joined {
             head.extend_from_slice(&body);
             &[][..]
         } else {
@@ -335,20 +331,9 @@ impl Drop for ProviderBody {
 /// A request body up to this size is written with its head in one write.
 const JOIN_BODY: usize = 16 << 10;
 
-/// The bytes of a whole body (a `Full` has them at once).
-fn whole(mut body: Full<Bytes>) -> Bytes {
-    let mut cx = Context::from_waker(Waker::noop());
-    match Pin::new(&mut body).poll_frame(&mut cx) {
-        Poll::Ready(Some(Ok(frame))) => frame.into_data().unwrap_or_default(),
-        _ => Bytes::new(),
-    }
-}
-
 /// The pool key (`scheme://authority`) of an absolute request URL, and the request
 /// rewritten for the wire: origin-form target and a `Host` header.
-fn origin_form(
-    mut request: Request<Full<Bytes>>,
-) -> Result<(String, Request<Full<Bytes>>), ClientError> {
+fn origin_form(mut request: Request<Bytes>) -> Result<(String, Request<Bytes>), ClientError> {
     let uri = request.uri();
     let bad = || ClientError::Url(uri.to_string());
     let scheme = uri.scheme().cloned().ok_or_else(bad)?;
@@ -475,11 +460,19 @@ mod tests {
 
     async fn fetch(client: &HttpClient, url: &str) -> Result<String, ClientError> {
         let request = Request::post(format!("{url}/v1/x"))
-            .body(Full::new(Bytes::from_static(b"{\"model\":\"m\"}")))
+            .body(Bytes::from_static(b"{\"model\":\"m\"}"))
             .unwrap();
         let response = client.request(request).await?;
         let body = response.into_body().collect().await?.to_bytes();
         Ok(String::from_utf8(body.to_vec()).unwrap())
+    }
+
+    /// The body of a `GET` of the test path, its head read.
+    async fn open(client: &HttpClient, url: &str) -> ProviderBody {
+        let request = Request::get(format!("{url}/v1/x"))
+            .body(Bytes::new())
+            .unwrap();
+        client.request(request).await.unwrap().into_body()
     }
 
     #[tokio::test]
@@ -502,10 +495,7 @@ mod tests {
         )
         .await;
         let client = client();
-        let request = Request::get(format!("{url}/v1/x"))
-            .body(Full::default())
-            .unwrap();
-        let mut body = client.request(request).await.unwrap().into_body();
+        let mut body = open(&client, &url).await;
         // The first chunk arrives while the provider still holds the rest back: it is
         // not kept until the stream ends.
         let first = tokio::time::timeout(Duration::from_secs(10), body.frame())
@@ -540,10 +530,7 @@ mod tests {
             provider(&["data: x\n\n", "data: [DONE]\n\n"], None, After::KeepAlive).await;
         let client = client();
         for _ in 0..3 {
-            let request = Request::get(format!("{url}/v1/x"))
-                .body(Full::default())
-                .unwrap();
-            let mut body = client.request(request).await.unwrap().into_body();
+            let mut body = open(&client, &url).await;
             let mut seen = Vec::new();
             while !seen.ends_with(b"[DONE]\n\n") {
                 seen.extend_from_slice(&body.frame().await.unwrap().unwrap().into_data().unwrap());
@@ -557,10 +544,7 @@ mod tests {
         let gate = Arc::new(Semaphore::new(0));
         let (url, accepted) = provider(&["a", "b"], Some(gate.clone()), After::KeepAlive).await;
         let client = client();
-        let request = Request::get(format!("{url}/v1/x"))
-            .body(Full::default())
-            .unwrap();
-        let mut body = client.request(request).await.unwrap().into_body();
+        let mut body = open(&client, &url).await;
         body.frame().await.unwrap().unwrap();
         drop(body);
         // One for the abandoned response (its write then fails), one per fetch below.
@@ -614,7 +598,7 @@ mod tests {
         // stream's life; its body holds the connection, which a stream needs anyway.
         let client = client();
         let request = Request::get("http://127.0.0.1:1/")
-            .body(Full::default())
+            .body(Bytes::new())
             .unwrap();
         assert!(std::mem::size_of_val(&client.request(request)) <= 16);
         assert!(std::mem::size_of::<ProviderBody>() <= std::mem::size_of::<Conn>() + 128);
@@ -623,19 +607,19 @@ mod tests {
     #[test]
     fn a_request_goes_out_in_origin_form_with_its_host() {
         let request = Request::post("http://example.com:80/v1/chat?x=1")
-            .body(Full::default())
+            .body(Bytes::new())
             .unwrap();
         let (key, request) = origin_form(request).unwrap();
         assert_eq!(key, "http://example.com:80");
         assert_eq!(request.uri(), "/v1/chat?x=1");
         assert_eq!(request.headers()[http::header::HOST], "example.com");
         let request = Request::post("https://h:8443/p")
-            .body(Full::default())
+            .body(Bytes::new())
             .unwrap();
         let (key, request) = origin_form(request).unwrap();
         assert_eq!(key, "https://h:8443");
         assert_eq!(request.headers()[http::header::HOST], "h:8443");
-        assert!(origin_form(Request::post("/relative").body(Full::default()).unwrap()).is_err());
-        assert!(origin_form(Request::post("ftp://h/").body(Full::default()).unwrap()).is_err());
+        assert!(origin_form(Request::post("/relative").body(Bytes::new()).unwrap()).is_err());
+        assert!(origin_form(Request::post("ftp://h/").body(Bytes::new()).unwrap()).is_err());
     }
 }
