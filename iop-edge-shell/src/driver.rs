@@ -28,6 +28,7 @@ use crate::events::EventHub;
 use crate::memory::RequestMemory;
 use crate::metrics::Metrics;
 use crate::nodes::{ConnHandle, MAX_QUEUED_PER_CONNECTION, STALLED_AFTER};
+use crate::outbox::Outbox;
 pub use iop_proto_core::openai::Endpoint;
 use iop_proto_core::openai::rewrite_model;
 use iop_shell_common::clock::Clock;
@@ -220,6 +221,8 @@ struct Task {
     events: Arc<EventHub>,
     /// The deadline the timer task sleeps until, in core milliseconds.
     armed: u64,
+    /// Outboxes given frames by this drain, to write once the lock is released.
+    kicks: Vec<Arc<Outbox>>,
 }
 
 /// The core, shared: cheap to clone, every clone feeds the same machine.
@@ -259,6 +262,7 @@ impl Core {
             requests: HashMap::new(),
             events,
             armed: u64::MAX,
+            kicks: Vec::new(),
         };
         Core {
             shared: Arc::new(Shared {
@@ -281,6 +285,13 @@ impl Core {
         task.drain();
         if task.deadline() < task.armed {
             self.shared.rearm.notify_one();
+        }
+        // The frames are queued in order under the lock; the socket writes happen
+        // outside it, so other tasks are not held up by a syscall.
+        let kicks = std::mem::take(&mut task.kicks);
+        drop(task);
+        for outbox in kicks {
+            outbox.kick();
         }
         Ok(())
     }
@@ -499,7 +510,8 @@ impl Task {
                         } else {
                             info!(conn = conn.0, reason = ?reason, "closing node connection");
                         }
-                        // Dropping the writer flushes what is queued, then closes the socket.
+                        // Dropping the handle closes its outbox: what is queued is still written,
+                        // then the socket is shut down.
                         if let Some(c) = self.conns.remove(&conn) {
                             c.closer.cancel();
                         }
@@ -527,9 +539,10 @@ impl Task {
         if let Some(c) = self.conns.get(&conn) {
             self.metrics.frames_out.inc_by(frames);
             self.metrics.bytes_out.inc_by(buf.len() as u64);
-            let queued = c.queued.fetch_add(buf.len(), Ordering::Relaxed) + buf.len();
-            let _ = c.writer.send(buf.freeze());
-            if queued > MAX_QUEUED_PER_CONNECTION && c.stalled(STALLED_AFTER) {
+            let queued = c.outbox.push(buf.freeze());
+            // Written once the core's lock is released, by this task.
+            self.kicks.push(c.outbox.clone());
+            if queued > MAX_QUEUED_PER_CONNECTION && c.outbox.stalled(STALLED_AFTER) {
                 // A node that stopped reading what it is sent is dropped, not buffered for.
                 warn!(
                     conn = conn.0,

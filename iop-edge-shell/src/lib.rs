@@ -3,7 +3,8 @@
 //! - [`config`]: the TOML configuration.
 //! - [`certgen`]: `iop-edge gen-cert`, certificates for the node link.
 //! - [`driver`]: the core behind one lock, and what routes its outputs.
-//! - [`nodes`]: the node listener (a reader and a writer task per connection).
+//! - [`nodes`]: the node listener (a reader task per connection).
+//! - [`outbox`]: a node connection's outgoing frames, written by whoever produced them.
 //! - [`http`]: the OpenAI-compatible HTTP surface, status, metrics and health.
 //! - [`memory`]: the budget of request bodies and buffered response bytes.
 
@@ -15,6 +16,7 @@ pub mod http;
 pub mod memory;
 pub mod metrics;
 pub mod nodes;
+pub mod outbox;
 
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};

@@ -1,5 +1,7 @@
 //! The node listener: a TLS handshake (unless the operator chose plaintext), then one
-//! reader and one writer task per connection, around the shared core. A connection that
+//! reader task per connection feeding the shared core, and an [`Outbox`] its frames are
+//! written through (by the task that produced them, or by the connection's writer task
+//! when the socket is full). A connection that
 //! fails its handshake, sends garbage, an oversized length or only a header is closed on
 //! its own; everyone else keeps being served.
 
@@ -8,19 +10,19 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::BytesMut;
 use iop_proto_core::wire::FrameDecoder;
 use iop_proto_core::{ConnId, Peer};
 use iop_shell_common::logging::LogLimiter;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 use tokio::net::TcpListener;
-use tokio::sync::mpsc;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::driver::{Core, CoreMsg};
 use crate::metrics::Metrics;
+use crate::outbox::Outbox;
 
 /// A listener's TLS, replaceable at run time (SIGHUP reloads the certificate). `None`
 /// means plaintext, which the node listener only allows when asked explicitly.
@@ -117,78 +119,22 @@ fn next_read_size(want: usize, read: usize) -> usize {
     }
 }
 
-/// What the writer takes frames from, and what it reports to.
-type Writes = (
-    mpsc::UnboundedReceiver<Bytes>,
-    Arc<AtomicUsize>,
-    Arc<std::sync::Mutex<tokio::time::Instant>>,
-);
-
-async fn write_loop<W: AsyncWrite + Unpin>(mut writer: W, (mut rx, queued, progress): Writes) {
-    // Small buffers are coalesced into one write; a large one (a run input, a tunnel body)
-    // is written as it is rather than copied once more.
-    const COALESCE: usize = 64 << 10;
-    let mut batch = BytesMut::new();
-    let mut next = rx.recv().await;
-    while let Some(first) = next.take() {
-        let written = if first.len() >= COALESCE {
-            if writer.write_all(&first).await.is_err() {
-                return;
-            }
-            first.len()
-        } else {
-            batch.extend_from_slice(&first);
-            while batch.len() < (1 << 20) {
-                match rx.try_recv() {
-                    Ok(more) if more.len() >= COALESCE => {
-                        next = Some(more);
-                        break;
-                    }
-                    Ok(more) => batch.extend_from_slice(&more),
-                    Err(_) => break,
-                }
-            }
-            if writer.write_all(&batch).await.is_err() {
-                return;
-            }
-            std::mem::take(&mut batch).len()
-        };
-        if writer.flush().await.is_err() {
-            return;
-        }
-        queued.fetch_sub(written, Ordering::Relaxed);
-        if let Ok(mut last) = progress.lock() {
-            *last = tokio::time::Instant::now();
-        }
-        if next.is_none() {
-            next = rx.recv().await;
-        }
-    }
-    let _ = writer.shutdown().await;
-}
-
 /// What the core keeps of a node connection.
 #[derive(Debug)]
 pub struct ConnHandle {
-    /// Where its frames are written.
-    pub writer: mpsc::UnboundedSender<Bytes>,
-    /// Bytes handed to the writer and not yet written.
-    pub queued: Arc<AtomicUsize>,
+    /// Where its frames are queued and written.
+    pub outbox: Arc<Outbox>,
     /// The largest frame its reader accepts (raised by the core after register).
     pub frame_limit: Arc<AtomicUsize>,
     /// Stops its reader and handshake.
     pub closer: CancellationToken,
-    /// When the writer last finished a write (or the connection opened).
-    pub progress: Arc<std::sync::Mutex<tokio::time::Instant>>,
 }
 
-impl ConnHandle {
-    /// Whether the writer has made no progress for `after`.
-    #[must_use]
-    pub fn stalled(&self, after: Duration) -> bool {
-        self.progress
-            .lock()
-            .is_ok_and(|last| last.elapsed() >= after)
+impl Drop for ConnHandle {
+    /// The core is done with the connection: what is queued is still written, then the
+    /// socket is shut down.
+    fn drop(&mut self) {
+        self.outbox.close();
     }
 }
 
@@ -213,19 +159,15 @@ async fn connection(
 ) {
     // The core hears of the connection at once, so the caps on unregistered connections
     // and the register deadline cover the TLS handshake too.
-    let (wtx, wrx) = mpsc::unbounded_channel();
+    let outbox = Arc::new(Outbox::new());
     let closer = CancellationToken::new();
-    let queued = Arc::new(AtomicUsize::new(0));
-    let progress = Arc::new(std::sync::Mutex::new(tokio::time::Instant::now()));
     let frame_limit = Arc::new(AtomicUsize::new(
         shared.pending_frame_len.load(Ordering::Relaxed),
     ));
     let handle = ConnHandle {
-        writer: wtx,
-        queued: queued.clone(),
+        outbox: outbox.clone(),
         frame_limit: frame_limit.clone(),
         closer: closer.clone(),
-        progress: progress.clone(),
     };
     let peer = Peer {
         addr: Some(addr.ip()),
@@ -244,7 +186,7 @@ async fn connection(
                 stream,
                 conn,
                 true,
-                (wrx, queued, progress),
+                outbox,
                 frame_limit,
                 closer,
                 &shared,
@@ -282,7 +224,7 @@ async fn connection(
                             stream,
                             conn,
                             false,
-                            (wrx, queued, progress),
+                            outbox,
                             frame_limit,
                             closer,
                             &shared,
@@ -305,7 +247,7 @@ async fn run_link<S>(
     stream: S,
     conn: ConnId,
     plaintext: bool,
-    writes: Writes,
+    outbox: Arc<Outbox>,
     frame_limit: Arc<AtomicUsize>,
     closer: CancellationToken,
     shared: &Listener,
@@ -319,7 +261,7 @@ async fn run_link<S>(
         ..
     } = shared;
     let (mut reader, writer) = tokio::io::split(stream);
-    tokio::spawn(write_loop(writer, writes));
+    tokio::spawn(outbox.run(Box::pin(writer)));
     let mut decoder = FrameDecoder::with_max_frame_len(frame_limit.load(Ordering::Relaxed));
     // The read buffer follows the traffic: an idle node (heartbeats only) holds 1 KiB
     // rather than a 16 KiB buffer nothing fills, a streaming one grows to 64 KiB reads.

@@ -1,0 +1,372 @@
+//! A node connection's outgoing bytes.
+//!
+//! The core's frames are queued here, in order, while the core's lock is held; once the
+//! lock is released the task that produced them writes them itself ([`Outbox::kick`])
+//! when the socket takes them at once, which is nearly always. Only when it does not (the
+//! node reads slowly, a TLS record is half written) does the connection's writer task
+//! ([`Outbox::run`]) take over, woken by the socket: a request's frame costs one `write`
+//! and no task hop, and a node that stops reading still gets its bytes in order.
+//!
+//! The socket is touched only under the outbox's own lock, so a kick and the writer never
+//! interleave; while the writer waits for the socket, kicks leave the
+//! queue to it (its waker is the one registered with the socket).
+
+use std::collections::VecDeque;
+use std::future::poll_fn;
+use std::io::{self, IoSlice};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use bytes::{Buf, Bytes};
+use tokio::io::AsyncWrite;
+use tokio::time::Instant;
+
+/// The write half of a node connection, plaintext or TLS.
+pub type Sink = Pin<Box<dyn AsyncWrite + Send>>;
+
+/// How many queued buffers one vectored write hands the socket.
+const MAX_SLICES: usize = 64;
+
+/// A node connection's outgoing bytes; shared by the core (which queues), the tasks that
+/// kick it, and the connection's writer task.
+#[derive(Debug, Default)]
+pub struct Outbox {
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    queue: VecDeque<Bytes>,
+    /// Bytes in `queue`.
+    queued: usize,
+    /// The socket's write half, once the connection's handshake is done.
+    sink: Option<Sink>,
+    /// The writer task is waiting for the socket: its waker, not a kick's, is registered
+    /// there, so kicks leave the queue alone until it has drained it.
+    parked: bool,
+    /// No more frames: the writer drains the queue, shuts the socket down and ends.
+    closed: bool,
+    /// A write failed: the connection is dead, frames are dropped.
+    failed: bool,
+    /// The writer task, woken when it has work a kick could not do.
+    writer: Option<Waker>,
+    /// When a write last made progress (or the connection opened).
+    progress: Option<Instant>,
+}
+
+impl std::fmt::Debug for State {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("State")
+            .field("queued", &self.queued)
+            .field("parked", &self.parked)
+            .field("closed", &self.closed)
+            .field("failed", &self.failed)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Outbox {
+    /// An outbox with no socket yet (frames queue until [`Outbox::run`] is given one).
+    #[must_use]
+    pub fn new() -> Self {
+        Self {
+            state: Mutex::new(State {
+                progress: Some(Instant::now()),
+                ..State::default()
+            }),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock leaves plain data behind; keep going with it.
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Queues `bytes` behind everything queued before; returns the bytes now queued. Call
+    /// [`Outbox::kick`] once the core's lock is released.
+    pub fn push(&self, bytes: Bytes) -> usize {
+        let mut s = self.lock();
+        if s.failed || s.closed || bytes.is_empty() {
+            return s.queued;
+        }
+        s.queued += bytes.len();
+        s.queue.push_back(bytes);
+        s.queued
+    }
+
+    /// Writes what is queued on the caller's task, as far as the socket takes it without
+    /// waiting; hands the rest to the writer task.
+    pub fn kick(&self) {
+        let mut s = self.lock();
+        if s.parked || s.failed || s.sink.is_none() || s.queue.is_empty() {
+            return;
+        }
+        // No waker of ours is worth registering with the socket: if it is full, the
+        // writer task polls it again with its own.
+        let mut cx = Context::from_waker(Waker::noop());
+        match s.write(&mut cx) {
+            Poll::Ready(Ok(())) => {}
+            Poll::Ready(Err(_)) => s.fail(),
+            Poll::Pending => {
+                s.parked = true;
+                if let Some(writer) = &s.writer {
+                    writer.wake_by_ref();
+                }
+            }
+        }
+    }
+
+    /// No more frames: the writer task writes what is queued, shuts the socket down and
+    /// ends.
+    pub fn close(&self) {
+        let mut s = self.lock();
+        s.closed = true;
+        if let Some(writer) = s.writer.take() {
+            writer.wake();
+        }
+    }
+
+    /// Whether writes have made no progress for `after` (the node stopped reading).
+    #[must_use]
+    pub fn stalled(&self, after: Duration) -> bool {
+        self.lock()
+            .progress
+            .is_some_and(|last| last.elapsed() >= after)
+    }
+
+    /// The connection's writer task: owns `sink`, writes whatever a kick left behind when
+    /// the socket is ready for it, and shuts it down after [`Outbox::close`].
+    pub async fn run(self: Arc<Self>, sink: Sink) {
+        self.lock().sink = Some(sink);
+        poll_fn(|cx| {
+            let mut s = self.lock();
+            if !s.writer.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+                s.writer = Some(cx.waker().clone());
+            }
+            if s.failed {
+                return Poll::Ready(());
+            }
+            match s.write(cx) {
+                Poll::Pending => {
+                    s.parked = true;
+                    return Poll::Pending;
+                }
+                Poll::Ready(Err(_)) => {
+                    s.fail();
+                    return Poll::Ready(());
+                }
+                Poll::Ready(Ok(())) => s.parked = false,
+            }
+            if !s.closed {
+                return Poll::Pending;
+            }
+            // Everything is written and nothing more comes: close the write side.
+            s.parked = true;
+            let Some(sink) = s.sink.as_mut() else {
+                return Poll::Ready(());
+            };
+            match sink.as_mut().poll_shutdown(cx) {
+                Poll::Pending => Poll::Pending,
+                Poll::Ready(_) => {
+                    s.sink = None;
+                    Poll::Ready(())
+                }
+            }
+        })
+        .await;
+    }
+}
+
+impl State {
+    /// Writes the queue, front first, then flushes; `Ready(Ok)` once all of it is out.
+    fn write(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let Some(sink) = self.sink.as_mut() else {
+            return Poll::Ready(Ok(()));
+        };
+        while !self.queue.is_empty() {
+            let written = if self.queue.len() == 1 || !sink.is_write_vectored() {
+                ready(sink.as_mut().poll_write(cx, &self.queue[0]))?
+            } else {
+                let mut slices = [IoSlice::new(&[]); MAX_SLICES];
+                let n = self.queue.len().min(MAX_SLICES);
+                for (slice, bytes) in slices.iter_mut().zip(&self.queue) {
+                    *slice = IoSlice::new(bytes);
+                }
+                ready(sink.as_mut().poll_write_vectored(cx, &slices[..n]))?
+            };
+            let Some(written) = written else {
+                return Poll::Pending;
+            };
+            if written == 0 {
+                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+            }
+            self.queued -= written;
+            self.progress = Some(Instant::now());
+            let mut left = written;
+            while left > 0 {
+                let front = &mut self.queue[0];
+                if front.len() <= left {
+                    left -= front.len();
+                    self.queue.pop_front();
+                } else {
+                    front.advance(left);
+                    left = 0;
+                }
+            }
+        }
+        // A TLS session may hold records the socket did not take yet.
+        sink.as_mut().poll_flush(cx)
+    }
+
+    fn fail(&mut self) {
+        self.failed = true;
+        self.queue.clear();
+        self.queued = 0;
+        self.sink = None;
+        if let Some(writer) = self.writer.take() {
+            writer.wake();
+        }
+    }
+}
+
+/// `Pending` as `Ok(None)`, so the caller can return it after `?`.
+fn ready(poll: Poll<io::Result<usize>>) -> io::Result<Option<usize>> {
+    match poll {
+        Poll::Ready(result) => result.map(Some),
+        Poll::Pending => Ok(None),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncReadExt;
+
+    fn bytes(n: usize, tag: u8) -> Bytes {
+        Bytes::from(vec![tag; n])
+    }
+
+    #[tokio::test]
+    async fn a_kick_writes_at_once_and_the_writer_shuts_down_after_close() {
+        let (near, mut far) = tokio::io::duplex(1 << 16);
+        let outbox = Arc::new(Outbox::new());
+        let writer = tokio::spawn(outbox.clone().run(Box::pin(near)));
+        tokio::task::yield_now().await;
+        outbox.push(bytes(3, 1));
+        outbox.push(bytes(2, 2));
+        outbox.kick();
+        let mut got = [0u8; 5];
+        far.read_exact(&mut got).await.unwrap();
+        assert_eq!(got, [1, 1, 1, 2, 2]);
+        outbox.close();
+        writer.await.unwrap();
+        assert_eq!(
+            far.read(&mut got).await.unwrap(),
+            0,
+            "the write side is shut"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_full_socket_hands_the_rest_to_the_writer_in_order() {
+        // A pipe of 1 KiB: most of 64 KiB of frames wait for the reader.
+        let (near, mut far) = tokio::io::duplex(1 << 10);
+        let outbox = Arc::new(Outbox::new());
+        let writer = tokio::spawn(outbox.clone().run(Box::pin(near)));
+        tokio::task::yield_now().await;
+        let mut sent = Vec::new();
+        for i in 0..64u8 {
+            let frame = bytes(1000 + usize::from(i), i);
+            sent.extend_from_slice(&frame);
+            outbox.push(frame);
+            outbox.kick();
+        }
+        assert!(outbox.lock().queued > 0, "the pipe could not take it all");
+        outbox.close();
+        let mut got = Vec::new();
+        far.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, sent);
+        writer.await.unwrap();
+        assert_eq!(outbox.lock().queued, 0);
+    }
+
+    #[tokio::test]
+    async fn vectored_writes_to_a_tcp_socket_keep_every_byte_in_order() {
+        // A TCP socket takes many queued frames in one `writev`; a peer that reads late
+        // leaves part of 8 MiB for the writer task.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let near = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (mut far, _) = listener.accept().await.unwrap();
+        let (_read, write) = near.into_split();
+        assert!(write.is_write_vectored());
+        let outbox = Arc::new(Outbox::new());
+        let writer = tokio::spawn(outbox.clone().run(Box::pin(write)));
+        tokio::task::yield_now().await;
+        let mut sent = Vec::new();
+        for i in 0..4096u32 {
+            let frame = Bytes::from(vec![(i % 251) as u8; 1 + (i as usize * 7) % 4000]);
+            sent.extend_from_slice(&frame);
+            outbox.push(frame);
+            if i % 3 == 0 {
+                outbox.kick();
+            }
+        }
+        outbox.kick();
+        outbox.close();
+        let mut got = Vec::new();
+        far.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got.len(), sent.len());
+        assert!(got == sent, "the bytes arrive as queued");
+        writer.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn frames_queued_before_the_socket_are_written_when_it_comes() {
+        let (near, mut far) = tokio::io::duplex(1 << 10);
+        let outbox = Arc::new(Outbox::new());
+        outbox.push(bytes(4, 7));
+        outbox.kick();
+        let writer = tokio::spawn(outbox.clone().run(Box::pin(near)));
+        let mut got = [0u8; 4];
+        far.read_exact(&mut got).await.unwrap();
+        assert_eq!(got, [7; 4]);
+        outbox.close();
+        writer.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_dead_peer_fails_the_outbox_and_drops_what_is_queued() {
+        let (near, far) = tokio::io::duplex(16);
+        drop(far);
+        let outbox = Arc::new(Outbox::new());
+        let writer = tokio::spawn(outbox.clone().run(Box::pin(near)));
+        tokio::task::yield_now().await;
+        outbox.push(bytes(64, 1));
+        outbox.kick();
+        writer.await.unwrap();
+        assert!(outbox.lock().failed);
+        assert_eq!(
+            outbox.push(bytes(8, 2)),
+            0,
+            "nothing queues on a dead connection"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_node_that_does_not_read_is_stalled() {
+        let (near, _far) = tokio::io::duplex(16);
+        let outbox = Arc::new(Outbox::new());
+        let _writer = tokio::spawn(outbox.clone().run(Box::pin(near)));
+        tokio::task::yield_now().await;
+        outbox.push(bytes(64, 1));
+        outbox.kick();
+        assert!(!outbox.stalled(Duration::from_secs(60)));
+        assert!(outbox.stalled(Duration::ZERO));
+        assert_eq!(outbox.lock().queued, 48, "16 bytes fit the pipe");
+    }
+}
