@@ -8,8 +8,9 @@
 //! cargo run --release -p iop-blackbox --bin bench -- [seconds per run] [rounds]
 //! ```
 //!
-//! The Edge and the Node log at INFO, one line per request each, as the tests run them;
-//! `IOP_TEST_RUST_LOG=warn` measures them without those lines.
+//! The Edge and the Node log at INFO, one line per request each, as the tests run them
+//! (`IOP_TEST_RUST_LOG=warn` measures them without those lines); each nginx hop writes
+//! its access log, buffered as IOP's log lines are, so both proxies do the same work.
 //!
 //! It needs `nginx` and `wrk` on the PATH and installs them with apt-get when it can
 //! (`IOP_BENCH_NO_INSTALL=1` forbids that). The provider runs in its own process (this
@@ -286,7 +287,7 @@ error_log {r}/error.log warn;
 worker_rlimit_nofile 20000;
 events {{ worker_connections 10000; }}
 http {{
-  access_log off;
+  access_log {r}/access.log combined buffer=64k flush=1s;
   client_body_temp_path {r}/body;
   proxy_temp_path {r}/proxy;
   fastcgi_temp_path {r}/fastcgi;
