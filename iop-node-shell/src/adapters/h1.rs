@@ -201,6 +201,33 @@ pub fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, H
     }
 }
 
+/// [`parse_head`] once `buf` holds a blank line past `scanned` (the bytes before it are
+/// known to hold none), so a head that arrives a few bytes at a time is searched once and
+/// parsed once, not parsed again from its start after every read.
+pub fn next_head(
+    buf: &mut BytesMut,
+    scanned: &mut usize,
+    method: &Method,
+) -> Result<Option<Head>, H1Error> {
+    // A blank line ends a head: CRLF CRLF, or LF LF, which httparse also accepts. Two
+    // bytes back, so a terminator split across reads is found.
+    let from = (*scanned).saturating_sub(2).min(buf.len());
+    let ends = memchr::memchr_iter(b'\n', &buf[from..]).any(|at| {
+        let rest = &buf[from + at + 1..];
+        rest.starts_with(b"\n") || rest.starts_with(b"\r\n")
+    });
+    let head = if ends {
+        parse_head(buf, method)?
+    } else if buf.len() > MAX_HEAD {
+        return Err(malformed(format!("response head over {MAX_HEAD} bytes")));
+    } else {
+        None
+    };
+    // What is left (after any interim 1xx heads were taken out) holds no complete head.
+    *scanned = buf.len();
+    Ok(head)
+}
+
 /// How the body of a response with `headers` to `method` ends (RFC 9112 §6.3), and whether
 /// that framing leaves the connection usable.
 fn framing(
@@ -436,8 +463,9 @@ impl Conn {
 
     /// Reads until a whole response head is in, and parses it.
     pub async fn read_head(&mut self, method: &Method) -> Result<Head, H1Error> {
+        let mut scanned = 0;
         loop {
-            if let Some(head) = parse_head(&mut self.buf, method)? {
+            if let Some(head) = next_head(&mut self.buf, &mut scanned, method)? {
                 return Ok(head);
             }
             let read = std::future::poll_fn(|cx| self.poll_read(cx)).await?;
@@ -738,7 +766,62 @@ mod tests {
         ) {
             let _ = decode_all(Framing::Chunked(Chunk::Size), &wire, step);
             let _ = parse_head(&mut BytesMut::from(&wire[..]), &Method::GET);
+            let _ = head_in_steps(&wire, step);
         }
+    }
+
+    /// `wire` fed to [`next_head`] `step` bytes at a time: the head, and how many bytes
+    /// were fed when it came out.
+    fn head_in_steps(wire: &[u8], step: usize) -> Result<Option<(Head, usize)>, H1Error> {
+        let (mut buf, mut scanned, mut fed) = (BytesMut::new(), 0, 0);
+        while fed < wire.len() {
+            let next = (fed + step).min(wire.len());
+            buf.extend_from_slice(&wire[fed..next]);
+            fed = next;
+            if let Some(head) = next_head(&mut buf, &mut scanned, &Method::POST)? {
+                return Ok(Some((head, fed)));
+            }
+        }
+        Ok(None)
+    }
+
+    #[test]
+    fn a_head_arriving_in_pieces_is_found_at_its_blank_line() {
+        let wire = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+        for step in 1..wire.len() {
+            let (head, fed) = head_in_steps(wire, step).unwrap().expect("a head");
+            assert_eq!(head.response.status(), StatusCode::OK, "step {step}");
+            assert_eq!(head.framing, Framing::Length(2));
+            // Found in the read that completed the blank line, not later.
+            assert!(
+                fed - step < wire.len() - 2,
+                "step {step}: found after {fed} bytes"
+            );
+        }
+        // Bare LF line ends, split anywhere.
+        let lf = b"HTTP/1.1 204 No Content\nx: y\n\n";
+        for step in 1..lf.len() {
+            let (head, _) = head_in_steps(lf, step).unwrap().expect("a head");
+            assert_eq!(head.response.status(), StatusCode::NO_CONTENT);
+        }
+        // No blank line yet: nothing, and no error.
+        assert!(
+            head_in_steps(b"HTTP/1.1 200 OK\r\nx: y\r\n", 1)
+                .unwrap()
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn a_head_without_an_end_is_refused_past_the_limit() {
+        let mut wire = b"HTTP/1.1 200 OK\r\n".to_vec();
+        while wire.len() <= MAX_HEAD {
+            wire.extend_from_slice(b"x-filler: 0123456789abcdef0123456789abcdef\r\n");
+        }
+        assert!(matches!(
+            head_in_steps(&wire, 4096),
+            Err(H1Error::Malformed(_))
+        ));
     }
 
     #[test]
