@@ -29,6 +29,9 @@ pub type Sink = Pin<Box<dyn AsyncWrite + Send>>;
 /// How many queued buffers one vectored write hands the socket.
 const MAX_SLICES: usize = 64;
 
+/// Room for queued buffers an outbox keeps once it has drained a larger backlog.
+const KEEP_SLOTS: usize = 16;
+
 /// A node connection's outgoing bytes; shared by the core (which queues), the tasks that
 /// kick it, and the connection's writer task.
 #[derive(Debug, Default)]
@@ -218,6 +221,10 @@ impl State {
                 }
             }
         }
+        // A backlog (a node that read slowly for a while) does not keep its room.
+        if self.queue.capacity() > KEEP_SLOTS {
+            self.queue.shrink_to(KEEP_SLOTS);
+        }
         // A TLS session may hold records the socket did not take yet.
         sink.as_mut().poll_flush(cx)
     }
@@ -273,14 +280,14 @@ mod tests {
 
     #[tokio::test]
     async fn a_full_socket_hands_the_rest_to_the_writer_in_order() {
-        // A pipe of 1 KiB: most of 64 KiB of frames wait for the reader.
+        // A pipe of 1 KiB: most of 80 KiB of frames wait for the reader.
         let (near, mut far) = tokio::io::duplex(1 << 10);
         let outbox = Arc::new(Outbox::new());
         let writer = tokio::spawn(outbox.clone().run(Box::pin(near)));
         tokio::task::yield_now().await;
         let mut sent = Vec::new();
-        for i in 0..64u8 {
-            let frame = bytes(1000 + usize::from(i), i);
+        for i in 0..200u8 {
+            let frame = bytes(300 + usize::from(i), i);
             sent.extend_from_slice(&frame);
             outbox.push(frame);
             outbox.kick();
@@ -291,7 +298,12 @@ mod tests {
         far.read_to_end(&mut got).await.unwrap();
         assert_eq!(got, sent);
         writer.await.unwrap();
-        assert_eq!(outbox.lock().queued, 0);
+        let s = outbox.lock();
+        assert_eq!(s.queued, 0);
+        assert!(
+            s.queue.capacity() <= KEEP_SLOTS,
+            "the backlog's room is given back"
+        );
     }
 
     #[tokio::test]
