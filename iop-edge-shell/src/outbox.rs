@@ -32,11 +32,23 @@ const MAX_SLICES: usize = 64;
 /// Room for queued buffers an outbox keeps once it has drained a larger backlog.
 const KEEP_SLOTS: usize = 16;
 
+/// See [`Outbox::with_linger`].
+const LINGER: Duration = Duration::from_secs(10);
+
 /// A node connection's outgoing bytes; shared by the core (which queues), the tasks that
 /// kick it, and the connection's writer task.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Outbox {
     state: Mutex<State>,
+    /// How long the writer keeps trying to write what is queued after [`Outbox::close`]
+    /// before it drops the socket: a node that stopped reading must not hold it forever.
+    linger: Duration,
+}
+
+impl Default for Outbox {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 #[derive(Default)]
@@ -74,11 +86,19 @@ impl Outbox {
     /// An outbox with no socket yet (frames queue until [`Outbox::run`] is given one).
     #[must_use]
     pub fn new() -> Self {
+        Self::with_linger(LINGER)
+    }
+
+    /// An outbox whose writer gives up `linger` after [`Outbox::close`] if the socket has
+    /// not taken everything by then.
+    #[must_use]
+    pub fn with_linger(linger: Duration) -> Self {
         Self {
             state: Mutex::new(State {
                 progress: Some(Instant::now()),
                 ..State::default()
             }),
+            linger,
         }
     }
 
@@ -145,6 +165,7 @@ impl Outbox {
     /// the socket is ready for it, and shuts it down after [`Outbox::close`].
     pub async fn run(self: Arc<Self>, sink: Sink) {
         self.lock().sink = Some(sink);
+        let mut linger: Option<Pin<Box<tokio::time::Sleep>>> = None;
         poll_fn(|cx| {
             let mut s = self.lock();
             if !s.writer.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
@@ -152,6 +173,15 @@ impl Outbox {
             }
             if s.failed {
                 return Poll::Ready(());
+            }
+            if s.closed {
+                let deadline =
+                    linger.get_or_insert_with(|| Box::pin(tokio::time::sleep(self.linger)));
+                if deadline.as_mut().poll(cx).is_ready() {
+                    // Closed, and the node still has not taken what was queued.
+                    s.fail();
+                    return Poll::Ready(());
+                }
             }
             match s.write(cx) {
                 Poll::Pending => {
@@ -367,6 +397,25 @@ mod tests {
             0,
             "nothing queues on a dead connection"
         );
+    }
+
+    #[tokio::test]
+    async fn a_closed_outbox_to_a_node_that_does_not_read_lets_go_of_the_socket() {
+        let (near, mut far) = tokio::io::duplex(16);
+        let outbox = Arc::new(Outbox::with_linger(Duration::from_millis(50)));
+        let writer = tokio::spawn(outbox.clone().run(Box::pin(near)));
+        tokio::task::yield_now().await;
+        outbox.push(bytes(64, 1));
+        outbox.kick();
+        outbox.close();
+        tokio::time::timeout(Duration::from_secs(5), writer)
+            .await
+            .expect("the writer gives up")
+            .unwrap();
+        // The socket is dropped: the peer reads what fitted, then the end.
+        let mut got = Vec::new();
+        far.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, vec![1; 16]);
     }
 
     #[tokio::test]
