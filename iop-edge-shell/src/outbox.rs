@@ -8,8 +8,8 @@
 //! and no task hop, and a node that stops reading still gets its bytes in order.
 //!
 //! The socket is touched only under the outbox's own lock, so a kick and the writer never
-//! interleave; while the writer waits for the socket, kicks leave the
-//! queue to it (its waker is the one registered with the socket).
+//! interleave; while the writer waits for the socket, kicks leave the queue to it (its
+//! waker is the one registered with the socket).
 
 use std::collections::VecDeque;
 use std::future::poll_fn;
@@ -32,7 +32,7 @@ const MAX_SLICES: usize = 64;
 /// Room for queued buffers an outbox keeps once it has drained a larger backlog.
 const KEEP_SLOTS: usize = 16;
 
-/// See [`Outbox::with_linger`].
+/// How long a closed outbox's writer keeps trying (see `Outbox::linger`).
 const LINGER: Duration = Duration::from_secs(10);
 
 /// A node connection's outgoing bytes; shared by the core (which queues), the tasks that
@@ -51,7 +51,6 @@ impl Default for Outbox {
     }
 }
 
-#[derive(Default)]
 struct State {
     queue: VecDeque<Bytes>,
     /// Bytes in `queue`.
@@ -68,7 +67,7 @@ struct State {
     /// The writer task, woken when it has work a kick could not do.
     writer: Option<Waker>,
     /// When a write last made progress (or the connection opened).
-    progress: Option<Instant>,
+    progress: Instant,
 }
 
 impl std::fmt::Debug for State {
@@ -91,12 +90,17 @@ impl Outbox {
 
     /// An outbox whose writer gives up `linger` after [`Outbox::close`] if the socket has
     /// not taken everything by then.
-    #[must_use]
-    pub fn with_linger(linger: Duration) -> Self {
+    fn with_linger(linger: Duration) -> Self {
         Self {
             state: Mutex::new(State {
-                progress: Some(Instant::now()),
-                ..State::default()
+                queue: VecDeque::new(),
+                queued: 0,
+                sink: None,
+                parked: false,
+                closed: false,
+                failed: false,
+                writer: None,
+                progress: Instant::now(),
             }),
             linger,
         }
@@ -156,9 +160,7 @@ impl Outbox {
     /// Whether writes have made no progress for `after` (the node stopped reading).
     #[must_use]
     pub fn stalled(&self, after: Duration) -> bool {
-        self.lock()
-            .progress
-            .is_some_and(|last| last.elapsed() >= after)
+        self.lock().progress.elapsed() >= after
     }
 
     /// The connection's writer task: owns `sink`, writes whatever a kick left behind when
@@ -238,7 +240,7 @@ impl State {
                 return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
             }
             self.queued -= written;
-            self.progress = Some(Instant::now());
+            self.progress = Instant::now();
             let mut left = written;
             while left > 0 {
                 let front = &mut self.queue[0];
@@ -287,12 +289,21 @@ mod tests {
         Bytes::from(vec![tag; n])
     }
 
+    /// An outbox whose writer task runs on `sink` (and has been polled once).
+    async fn writing(
+        sink: impl AsyncWrite + Send + 'static,
+        linger: Duration,
+    ) -> (Arc<Outbox>, tokio::task::JoinHandle<()>) {
+        let outbox = Arc::new(Outbox::with_linger(linger));
+        let writer = tokio::spawn(outbox.clone().run(Box::pin(sink)));
+        tokio::task::yield_now().await;
+        (outbox, writer)
+    }
+
     #[tokio::test]
     async fn a_kick_writes_at_once_and_the_writer_shuts_down_after_close() {
         let (near, mut far) = tokio::io::duplex(1 << 16);
-        let outbox = Arc::new(Outbox::new());
-        let writer = tokio::spawn(outbox.clone().run(Box::pin(near)));
-        tokio::task::yield_now().await;
+        let (outbox, writer) = writing(near, LINGER).await;
         outbox.push(bytes(3, 1));
         outbox.push(bytes(2, 2));
         outbox.kick();
@@ -312,9 +323,7 @@ mod tests {
     async fn a_full_socket_hands_the_rest_to_the_writer_in_order() {
         // A pipe of 1 KiB: most of 80 KiB of frames wait for the reader.
         let (near, mut far) = tokio::io::duplex(1 << 10);
-        let outbox = Arc::new(Outbox::new());
-        let writer = tokio::spawn(outbox.clone().run(Box::pin(near)));
-        tokio::task::yield_now().await;
+        let (outbox, writer) = writing(near, LINGER).await;
         let mut sent = Vec::new();
         for i in 0..200u8 {
             let frame = bytes(300 + usize::from(i), i);
@@ -346,9 +355,7 @@ mod tests {
         let (mut far, _) = listener.accept().await.unwrap();
         let (_read, write) = near.into_split();
         assert!(write.is_write_vectored());
-        let outbox = Arc::new(Outbox::new());
-        let writer = tokio::spawn(outbox.clone().run(Box::pin(write)));
-        tokio::task::yield_now().await;
+        let (outbox, writer) = writing(write, LINGER).await;
         let mut sent = Vec::new();
         for i in 0..4096u32 {
             let frame = Bytes::from(vec![(i % 251) as u8; 1 + (i as usize * 7) % 4000]);
@@ -385,9 +392,7 @@ mod tests {
     async fn a_dead_peer_fails_the_outbox_and_drops_what_is_queued() {
         let (near, far) = tokio::io::duplex(16);
         drop(far);
-        let outbox = Arc::new(Outbox::new());
-        let writer = tokio::spawn(outbox.clone().run(Box::pin(near)));
-        tokio::task::yield_now().await;
+        let (outbox, writer) = writing(near, LINGER).await;
         outbox.push(bytes(64, 1));
         outbox.kick();
         writer.await.unwrap();
@@ -402,9 +407,7 @@ mod tests {
     #[tokio::test]
     async fn a_closed_outbox_to_a_node_that_does_not_read_lets_go_of_the_socket() {
         let (near, mut far) = tokio::io::duplex(16);
-        let outbox = Arc::new(Outbox::with_linger(Duration::from_millis(50)));
-        let writer = tokio::spawn(outbox.clone().run(Box::pin(near)));
-        tokio::task::yield_now().await;
+        let (outbox, writer) = writing(near, Duration::from_millis(50)).await;
         outbox.push(bytes(64, 1));
         outbox.kick();
         outbox.close();
@@ -421,9 +424,7 @@ mod tests {
     #[tokio::test]
     async fn a_node_that_does_not_read_is_stalled() {
         let (near, _far) = tokio::io::duplex(16);
-        let outbox = Arc::new(Outbox::new());
-        let _writer = tokio::spawn(outbox.clone().run(Box::pin(near)));
-        tokio::task::yield_now().await;
+        let (outbox, _writer) = writing(near, LINGER).await;
         outbox.push(bytes(64, 1));
         outbox.kick();
         assert!(!outbox.stalled(Duration::from_secs(60)));

@@ -149,7 +149,7 @@ fn is_connection_field(name: &HeaderName) -> bool {
 
 /// Parses the response head at the start of `buf` (1xx interim responses are skipped),
 /// taking it out of `buf`; `None` while it is incomplete.
-pub fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, H1Error> {
+fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, H1Error> {
     loop {
         let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
         let mut parsed = httparse::Response::new(&mut fields);
@@ -204,7 +204,7 @@ pub fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, H
 /// [`parse_head`] once `buf` holds a blank line past `scanned` (the bytes before it are
 /// known to hold none), so a head that arrives a few bytes at a time is searched once and
 /// parsed once, not parsed again from its start after every read.
-pub fn next_head(
+fn next_head(
     buf: &mut BytesMut,
     scanned: &mut usize,
     method: &Method,
