@@ -184,12 +184,85 @@ pub fn init(format: LogFormat) -> LogGuard {
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(writer)
+        .with_timer(Clock)
         .with_target(false);
     let _ = match format {
         LogFormat::Text => builder.with_ansi(false).fmt_fields(TextFields).try_init(),
         LogFormat::Json => builder.json().flatten_event(true).try_init(),
     };
     LogGuard(())
+}
+
+/// Each line's timestamp as tracing-subscriber's `SystemTime` writes it (RFC 3339 in UTC
+/// with microseconds, `2026-12-01T03:28:07.123456Z`), with the date and time of day worked
+/// out once per second per thread instead of formatted field by field on every line (1 %
+/// of the Edge's CPU at a request log line per request).
+#[derive(Debug, Clone, Copy)]
+struct Clock;
+
+impl tracing_subscriber::fmt::time::FormatTime for Clock {
+    fn format_time(&self, w: &mut tracing_subscriber::fmt::format::Writer<'_>) -> std::fmt::Result {
+        use std::cell::Cell;
+        thread_local! {
+            /// The second last formatted and its `YYYY-MM-DDTHH:MM:SS.`.
+            static LAST: Cell<(u64, [u8; 20])> = const { Cell::new((u64::MAX, [0; 20])) };
+        }
+        let Ok(now) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) else {
+            // A clock before 1970: the general formatter knows how to write it.
+            return tracing_subscriber::fmt::time::SystemTime.format_time(w);
+        };
+        let secs = now.as_secs();
+        let (cached, mut prefix) = LAST.get();
+        if cached != secs {
+            let Some(fresh) = second_prefix(secs) else {
+                return tracing_subscriber::fmt::time::SystemTime.format_time(w);
+            };
+            prefix = fresh;
+            LAST.set((secs, prefix));
+        }
+        let mut line = [0u8; 27];
+        line[..20].copy_from_slice(&prefix);
+        digits(&mut line[20..26], now.subsec_micros());
+        line[26] = b'Z';
+        // Only ASCII digits and punctuation were written.
+        w.write_str(std::str::from_utf8(&line).map_err(|_| std::fmt::Error)?)
+    }
+}
+
+/// `YYYY-MM-DDTHH:MM:SS.` of a second since the Unix epoch, for years up to 9999.
+fn second_prefix(secs: u64) -> Option<[u8; 20]> {
+    let days = i64::try_from(secs / 86_400).ok()?;
+    let of_day = u32::try_from(secs % 86_400).ok()?;
+    // Howard Hinnant's `civil_from_days`: the proleptic Gregorian date of a day count.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    if !(0..=9999).contains(&year) {
+        return None;
+    }
+    let mut out = *b"0000-00-00T00:00:00.";
+    let n = |v: i64| u32::try_from(v).unwrap_or(0);
+    digits(&mut out[0..4], n(year));
+    digits(&mut out[5..7], n(month));
+    digits(&mut out[8..10], n(day));
+    digits(&mut out[11..13], of_day / 3_600);
+    digits(&mut out[14..16], of_day / 60 % 60);
+    digits(&mut out[17..19], of_day % 60);
+    Some(out)
+}
+
+/// `value`'s last `out.len()` decimal digits, zero-padded.
+fn digits(out: &mut [u8], mut value: u32) {
+    for slot in out.iter_mut().rev() {
+        *slot = b'0' + (value % 10) as u8;
+        value /= 10;
+    }
 }
 
 /// Fields of a text line as tracing-subscriber's default writes them (`message` first,
@@ -284,6 +357,29 @@ impl tracing::field::Visit for TextVisitor<'_> {
         });
     }
 
+    fn record_u64(&mut self, field: &tracing::field::Field, value: u64) {
+        if self.result.is_err() {
+            return;
+        }
+        let mut buf = [0u8; 20];
+        let text = decimal(&mut buf, value);
+        self.result = self.name(field).and_then(|()| self.writer.write_str(text));
+    }
+
+    fn record_i64(&mut self, field: &tracing::field::Field, value: i64) {
+        if self.result.is_err() {
+            return;
+        }
+        let mut buf = [0u8; 20];
+        let text = decimal(&mut buf, value.unsigned_abs());
+        self.result = self.name(field).and_then(|()| {
+            if value < 0 {
+                self.writer.write_char('-')?;
+            }
+            self.writer.write_str(text)
+        });
+    }
+
     fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
         use std::fmt::Write;
         if self.result.is_err() {
@@ -297,6 +393,20 @@ impl tracing::field::Visit for TextVisitor<'_> {
             }
         });
     }
+}
+
+/// `value` in decimal, written into the end of `buf`.
+fn decimal(buf: &mut [u8; 20], mut value: u64) -> &str {
+    let mut at = buf.len();
+    loop {
+        at -= 1;
+        buf[at] = b'0' + (value % 10) as u8;
+        value /= 10;
+        if value == 0 {
+            break;
+        }
+    }
+    std::str::from_utf8(&buf[at..]).unwrap_or("?")
 }
 
 /// Bounds the log lines one noisy source writes: at most `burst` lines per `interval`,
@@ -405,6 +515,10 @@ mod tests {
                 queue_ms = 0.15,
                 prompt_tokens = Some(17u64),
                 r#type = "chat",
+                lo = u64::MIN,
+                hi = u64::MAX,
+                neg = i64::MIN,
+                pos = 42i64,
                 "request"
             );
         };
@@ -412,7 +526,8 @@ mod tests {
         assert_eq!(
             ours,
             "request request_id=\"trace-4f1c\" caller=api_keys[0] node=\"n1\" status=200 \
-             queue_ms=0.15 prompt_tokens=17 type=\"chat\""
+             queue_ms=0.15 prompt_tokens=17 type=\"chat\" lo=0 hi=18446744073709551615 \
+             neg=-9223372036854775808 pos=42"
         );
         assert_eq!(ours, line(false, log));
     }
@@ -427,6 +542,40 @@ mod tests {
             tracing::info!("two\nlines \u{1b}[2J {}", "\"quoted\"")
         });
         assert_eq!(message, r#"two\nlines \u{1b}[2J "quoted""#);
+    }
+
+    #[test]
+    fn timestamps_read_as_rfc_3339_utc_with_microseconds() {
+        let at = |secs| String::from_utf8(second_prefix(secs).unwrap().to_vec()).unwrap();
+        assert_eq!(at(0), "1970-01-01T00:00:00.");
+        // A leap day, the last second of a day, and a century that is not a leap year.
+        assert_eq!(at(951_782_400), "2000-02-29T00:00:00.");
+        assert_eq!(at(1_764_633_599), "2025-12-01T23:59:59.");
+        assert_eq!(at(4_107_542_400), "2100-03-01T00:00:00.");
+        assert_eq!(at(253_402_300_799), "9999-12-31T23:59:59.");
+        assert_eq!(second_prefix(253_402_300_800), None);
+        // The clock's line agrees with tracing-subscriber's own to the second.
+        let mut ours = String::new();
+        let mut theirs = String::new();
+        use tracing_subscriber::fmt::time::FormatTime;
+        for _ in 0..3 {
+            ours.clear();
+            theirs.clear();
+            Clock
+                .format_time(&mut tracing_subscriber::fmt::format::Writer::new(&mut ours))
+                .unwrap();
+            tracing_subscriber::fmt::time::SystemTime
+                .format_time(&mut tracing_subscriber::fmt::format::Writer::new(
+                    &mut theirs,
+                ))
+                .unwrap();
+            if ours[..19] == theirs[..19] {
+                break;
+            }
+        }
+        assert_eq!(ours.len(), theirs.len());
+        assert_eq!(ours[..19], theirs[..19]);
+        assert!(ours.ends_with('Z') && ours.as_bytes()[19] == b'.');
     }
 
     #[test]
