@@ -156,7 +156,7 @@ pub enum CoreMsg {
     /// A new request.
     Submit {
         /// Public model name.
-        model: String,
+        model: Arc<str>,
         /// Estimated prompt tokens.
         prompt_tokens: u64,
         /// What to dispatch once granted.
@@ -202,7 +202,7 @@ struct Entry {
     events: mpsc::UnboundedSender<ReqEvent>,
     memory: Arc<RequestMemory>,
     work: Option<Work>,
-    model: String,
+    model: Arc<str>,
     submitted: Instant,
 }
 
@@ -596,7 +596,7 @@ impl Task {
             EdgeEvent::RequestEnded { request, outcome } => {
                 if let Some(entry) = self.requests.remove(&request) {
                     if !matches!(outcome, Outcome::Completed) {
-                        debug!(request = %request, model = entry.model, outcome = ?outcome, "request ended");
+                        debug!(request = %request, model = &*entry.model, outcome = ?outcome, "request ended");
                     }
                     let _ = entry.events.send(ReqEvent::Ended(outcome));
                 }

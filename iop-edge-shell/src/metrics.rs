@@ -5,7 +5,7 @@
 //! Every label value comes from configuration or from a closed set (status codes,
 //! reasons), never from caller input: an unknown model is counted as `_unknown`.
 
-use std::sync::Mutex;
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -21,6 +21,13 @@ use crate::driver::Snapshot;
 /// The `Content-Type` of [`Metrics::render`]'s text.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
+/// The model label of a request whose model is not one the Edge serves (or not known yet).
+#[must_use]
+pub fn unknown_model() -> Arc<str> {
+    static UNKNOWN: LazyLock<Arc<str>> = LazyLock::new(|| Arc::from("_unknown"));
+    UNKNOWN.clone()
+}
+
 /// Histogram buckets, in seconds.
 const BOUNDS: [f64; 12] = [
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
@@ -28,20 +35,20 @@ const BOUNDS: [f64; 12] = [
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ModelLabel {
-    model: String,
+    model: Arc<str>,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
-    model: String,
+    model: Arc<str>,
     status: u16,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct TokenLabels {
-    model: String,
-    node: String,
-    provider: String,
+    model: Arc<str>,
+    node: Arc<str>,
+    provider: Arc<str>,
     kind: &'static str,
 }
 
@@ -242,30 +249,38 @@ impl Metrics {
         }
     }
 
-    /// A finished HTTP request.
-    pub fn request(&self, model: &str, status: u16, latency: Duration) {
+    /// A finished HTTP request. Labels are shared strings: a request's metrics cost
+    /// lookups, not copies of its model, node and adapter names.
+    pub fn request(&self, model: &Arc<str>, status: u16, latency: Duration) {
         self.requests
             .get_or_create(&RequestLabels {
-                model: model.to_owned(),
+                model: model.clone(),
                 status,
             })
             .inc();
         self.latency
             .get_or_create(&ModelLabel {
-                model: model.to_owned(),
+                model: model.clone(),
             })
             .observe(latency.as_secs_f64());
     }
 
     /// Token usage a provider reported for one request (known models only: the labels
     /// come from configuration, never from caller input).
-    pub fn tokens(&self, model: &str, node: &str, provider: &str, prompt: u64, completion: u64) {
+    pub fn tokens(
+        &self,
+        model: &Arc<str>,
+        node: &Arc<str>,
+        provider: &Arc<str>,
+        prompt: u64,
+        completion: u64,
+    ) {
         for (kind, n) in [("prompt", prompt), ("completion", completion)] {
             self.tokens
                 .get_or_create(&TokenLabels {
-                    model: model.to_owned(),
-                    node: node.to_owned(),
-                    provider: provider.to_owned(),
+                    model: model.clone(),
+                    node: node.clone(),
+                    provider: provider.clone(),
                     kind,
                 })
                 .inc_by(n);
@@ -273,10 +288,10 @@ impl Metrics {
     }
 
     /// Time to the first response byte of a request.
-    pub fn first_byte(&self, model: &str, ttfb: Duration) {
+    pub fn first_byte(&self, model: &Arc<str>, ttfb: Duration) {
         self.ttfb
             .get_or_create(&ModelLabel {
-                model: model.to_owned(),
+                model: model.clone(),
             })
             .observe(ttfb.as_secs_f64());
     }
@@ -292,10 +307,10 @@ impl Metrics {
     }
 
     /// Time a request for the configured `model` waited for a lease.
-    pub fn queue_wait(&self, model: &str, wait: Duration) {
+    pub fn queue_wait(&self, model: &Arc<str>, wait: Duration) {
         self.queue_wait
             .get_or_create(&ModelLabel {
-                model: model.to_owned(),
+                model: model.clone(),
             })
             .observe(wait.as_secs_f64());
     }
@@ -314,7 +329,7 @@ impl Metrics {
             fleet
                 .queue_depth
                 .get_or_create(&ModelLabel {
-                    model: model.to_string(),
+                    model: Arc::from(model.as_str()),
                 })
                 .set(gauge_value(*n as u64));
         }
@@ -358,10 +373,11 @@ mod tests {
     #[test]
     fn renders_openmetrics_with_our_names() {
         let m = Metrics::new();
-        m.request("mock-chat", 200, Duration::from_millis(12));
-        m.request("mock-chat", 200, Duration::from_millis(30));
-        m.tokens("mock-chat", "n1", "mock", 5, 7);
-        m.queue_wait("mock-chat", Duration::from_millis(3));
+        let (model, node, provider) = (Arc::from("mock-chat"), Arc::from("n1"), Arc::from("mock"));
+        m.request(&model, 200, Duration::from_millis(12));
+        m.request(&Arc::from("mock-chat"), 200, Duration::from_millis(30));
+        m.tokens(&model, &node, &provider, 5, 7);
+        m.queue_wait(&model, Duration::from_millis(3));
         m.rejected("throttled");
         m.frames_in.inc_by(4);
         let text = m.render(&Snapshot::default());

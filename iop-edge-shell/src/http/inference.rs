@@ -59,7 +59,7 @@ impl Drop for CancelGuard {
 /// What a request's log line and metrics record, gathered while it runs.
 struct Finish {
     metrics: Arc<Metrics>,
-    model: String,
+    model: Arc<str>,
     started: Instant,
     first_byte: Option<Duration>,
     request_id: Arc<str>,
@@ -86,11 +86,7 @@ impl Finish {
     fn done(&self, status: u16, usage: Option<&Usage>) {
         let duration = self.started.elapsed();
         self.metrics.request(&self.model, status, duration);
-        let (node, provider, queued) = match &self.dispatched {
-            Some((node, provider, at)) => (&**node, &**provider, Some(*at)),
-            None => ("-", "-", None),
-        };
-        if let Some(u) = usage {
+        if let (Some(u), Some((node, provider, _))) = (usage, &self.dispatched) {
             self.metrics.tokens(
                 &self.model,
                 node,
@@ -99,6 +95,10 @@ impl Finish {
                 u.completion_tokens,
             );
         }
+        let (node, provider, queued) = match &self.dispatched {
+            Some((node, provider, at)) => (&**node, &**provider, Some(*at)),
+            None => ("-", "-", None),
+        };
         // Milliseconds to the microsecond; -1 for a step the request never reached.
         let ms = |d: Option<Duration>| d.map_or(-1.0, |d| d.as_micros() as f64 / 1e3);
         info!(
@@ -273,7 +273,7 @@ async fn handle(
     // Until the body names a model the Edge serves, the metric label says `_unknown`.
     let mut finish = Finish {
         metrics: state.metrics.clone(),
-        model: "_unknown".to_owned(),
+        model: crate::metrics::unknown_model(),
         started,
         first_byte: None,
         request_id: request_id.clone(),
@@ -346,8 +346,9 @@ async fn handle(
         timeout: settings.response_timeout,
         request_id,
     };
+    let model: Arc<str> = Arc::from(asked.model.as_str());
     let submit = CoreMsg::Submit {
-        model: asked.model.clone(),
+        model: model.clone(),
         prompt_tokens: asked.prompt_tokens,
         work,
         events: tx,
@@ -357,13 +358,13 @@ async fn handle(
     if state.core.send(submit).is_err() {
         return refuse(&finish, &ApiError::shutting_down());
     }
-    finish.model.clone_from(&asked.model);
+    finish.model = model;
     let request = match answer.await {
         Ok(Ok(request)) => request,
         Ok(Err(refused)) => {
             if matches!(refused, iop_proto_core::SubmitError::UnknownModel(_)) {
                 // Unknown names are caller input: keep them out of metric labels.
-                finish.model = "_unknown".to_owned();
+                finish.model = crate::metrics::unknown_model();
             }
             return refuse(&finish, &ApiError::from_submit(&refused, endpoint));
         }
@@ -399,10 +400,12 @@ pub(crate) struct Live {
     responder: Responder,
     guard: CancelGuard,
     finish: Finish,
-    deadline: Pin<Box<Sleep>>,
-    /// Fires at the latest `keepalive` after the last activity; moved lazily (an event
-    /// only records its time, so a busy stream never touches the timer).
-    idle: Pin<Box<Sleep>>,
+    /// When the response times out.
+    deadline: Instant,
+    /// The request's one timer: due at the deadline or at the latest `keepalive` after
+    /// the last activity, whichever comes first; moved lazily (an event only records its
+    /// time, so a busy stream never touches the timer).
+    timer: Pin<Box<Sleep>>,
     last_activity: Instant,
     keepalive: Duration,
     recorded: bool,
@@ -445,24 +448,22 @@ impl Live {
                 }
                 Poll::Pending => {}
             }
-            if self.deadline.as_mut().poll(cx).is_ready() {
+            if self.timer.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+            let now = Instant::now();
+            if now >= self.deadline {
                 self.guard.reason = "response timeout";
                 self.responder.handle_timeout();
                 continue;
             }
-            if self.idle.as_mut().poll(cx).is_ready() {
-                let due = self.last_activity + self.keepalive;
-                let now = Instant::now();
-                if due <= now {
-                    self.responder.handle_idle();
-                    self.last_activity = now;
-                    self.idle.as_mut().reset(now + self.keepalive);
-                } else {
-                    self.idle.as_mut().reset(due);
-                }
-                continue;
+            let due = self.last_activity + self.keepalive;
+            if due <= now {
+                self.responder.handle_idle();
+                self.last_activity = now;
             }
-            return Poll::Pending;
+            let next = (self.last_activity + self.keepalive).min(self.deadline);
+            self.timer.as_mut().reset(next);
         }
     }
 
@@ -542,14 +543,15 @@ async fn respond(
     finish: Finish,
     permit: tokio::sync::OwnedSemaphorePermit,
 ) -> Response<ResBody> {
+    let now = Instant::now();
     let mut live = Box::new(Live {
         events,
         responder,
         guard,
         finish,
-        deadline: Box::pin(tokio::time::sleep_until(deadline)),
-        idle: Box::pin(tokio::time::sleep_until(Instant::now() + keepalive)),
-        last_activity: Instant::now(),
+        deadline,
+        timer: Box::pin(tokio::time::sleep_until((now + keepalive).min(deadline))),
+        last_activity: now,
         keepalive,
         recorded: false,
         _permit: permit,
