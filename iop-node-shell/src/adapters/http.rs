@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use super::connector::ProviderConnector;
 pub use super::pool::HttpClient;
+use super::pool::{ClientError, Origin, ProviderBody};
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Method, Request, Uri};
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -114,9 +115,36 @@ pub fn request(
     api_key: &str,
     body: Bytes,
 ) -> Result<Request<Bytes>, String> {
-    let method =
-        Method::from_bytes(method.as_bytes()).map_err(|_| format!("invalid method {method:?}"))?;
-    let mut builder = Request::builder().method(method).uri(url);
+    let mut request = Request::new(body);
+    *request.method_mut() = parse_method(method)?;
+    *request.uri_mut() = url
+        .parse::<Uri>()
+        .map_err(|err| format!("cannot build request: {err}"))?;
+    forward(request.headers_mut(), headers);
+    if !api_key.is_empty() {
+        request
+            .headers_mut()
+            .insert(http::header::AUTHORIZATION, bearer(api_key)?);
+    }
+    Ok(request)
+}
+
+fn parse_method(method: &str) -> Result<Method, String> {
+    Method::from_bytes(method.as_bytes()).map_err(|_| format!("invalid method {method:?}"))
+}
+
+/// `Bearer <key>`, marked sensitive (kept out of debug output).
+fn bearer(api_key: &str) -> Result<HeaderValue, String> {
+    let mut value = HeaderValue::from_str(&format!("Bearer {api_key}"))
+        .map_err(|_| "cannot build request: the api_key is not a valid header value".to_owned())?;
+    value.set_sensitive(true);
+    Ok(value)
+}
+
+/// Appends the `headers` a provider may see: forwardable ones, never the caller's
+/// `Authorization` (the adapter's key replaces it), valid names and values only.
+fn forward(map: &mut http::HeaderMap, headers: &[Header]) {
+    map.reserve(headers.len() + 2);
     for header in headers {
         if !forwardable(&header.name) || header.name.eq_ignore_ascii_case("authorization") {
             continue;
@@ -127,14 +155,63 @@ pub fn request(
         ) else {
             continue;
         };
-        builder = builder.header(name, value);
+        map.append(name, value);
     }
-    if !api_key.is_empty() {
-        builder = builder.header(http::header::AUTHORIZATION, format!("Bearer {api_key}"));
+}
+
+/// A provider as its adapter calls it, worked out once from the adapter's configuration:
+/// the origin its requests go to and its bearer key as a header value. A request then
+/// costs no URL parsing and no key formatting.
+#[derive(Clone, Debug)]
+pub struct Upstream {
+    origin: Origin,
+    /// `Bearer <api_key>`; `None` without a key; an error kept for every request when the
+    /// key cannot be a header value.
+    auth: Option<Result<HeaderValue, String>>,
+}
+
+impl Upstream {
+    /// The provider at `base_url` (validated as [`base_url`] does), called with `api_key`.
+    pub fn new(base: &str, api_key: &str) -> Result<Self, String> {
+        let base = base_url(base)?;
+        let origin = Origin::parse(&base).map_err(|err| err.to_string())?;
+        let auth = (!api_key.is_empty()).then(|| bearer(api_key));
+        Ok(Upstream { origin, auth })
     }
-    builder
-        .body(body)
-        .map_err(|err| format!("cannot build request: {err}"))
+
+    /// A request for `path` under the base URL, with a full body, the bearer key and the
+    /// forwardable `headers`.
+    pub fn request(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[Header],
+        body: Bytes,
+    ) -> Result<Request<Bytes>, String> {
+        let mut request = Request::new(body);
+        *request.method_mut() = parse_method(method)?;
+        *request.uri_mut() = self
+            .origin
+            .target(path)
+            .map_err(|err| format!("cannot build request: {err}"))?;
+        forward(request.headers_mut(), headers);
+        if let Some(auth) = &self.auth {
+            request
+                .headers_mut()
+                .insert(http::header::AUTHORIZATION, auth.clone()?);
+        }
+        Ok(request)
+    }
+
+    /// Sends a request made by [`Upstream::request`].
+    pub fn send<'a>(
+        &self,
+        client: &'a HttpClient,
+        request: Request<Bytes>,
+    ) -> impl std::future::Future<Output = Result<http::Response<ProviderBody>, ClientError>> + Send + 'a
+    {
+        client.request_to(&self.origin, request)
+    }
 }
 
 /// The response headers a tunnel may carry back (see
@@ -161,5 +238,76 @@ pub async fn probe(client: &HttpClient, url: &str, api_key: &str) -> ProviderHea
         Ok(Ok(response)) if response.status().is_success() => ProviderHealth::Healthy,
         Ok(Ok(_)) => ProviderHealth::Degraded,
         _ => ProviderHealth::Offline,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header(name: &str, value: &str) -> Header {
+        Header {
+            name: name.to_owned(),
+            value: Bytes::copy_from_slice(value.as_bytes()),
+        }
+    }
+
+    #[test]
+    fn an_upstream_request_carries_its_key_not_the_callers() {
+        let upstream = Upstream::new("http://127.0.0.1:9000/", "sk-upstream").unwrap();
+        let headers = [
+            header("content-type", "application/json"),
+            header("authorization", "Bearer sk-caller"),
+            header("x-request-id", "req_1"),
+            header("connection", "close"),
+        ];
+        let request = upstream
+            .request(
+                "POST",
+                "/v1/chat/completions",
+                &headers,
+                Bytes::from_static(b"{}"),
+            )
+            .unwrap();
+        assert_eq!(request.method(), Method::POST);
+        assert_eq!(request.uri(), "/v1/chat/completions");
+        let got = request.headers();
+        assert_eq!(got["content-type"], "application/json");
+        assert_eq!(got["x-request-id"], "req_1");
+        assert_eq!(got.get_all(http::header::AUTHORIZATION).iter().count(), 1);
+        assert_eq!(got[http::header::AUTHORIZATION], "Bearer sk-upstream");
+        assert!(got[http::header::AUTHORIZATION].is_sensitive());
+        assert!(got.get("connection").is_none());
+        // The same request as the absolute-URL helper builds.
+        let absolute = request_via_url(&headers);
+        assert_eq!(absolute.headers(), got);
+
+        let keyless = Upstream::new("http://127.0.0.1:9000", "").unwrap();
+        let request = keyless
+            .request("GET", "/health", &[], Bytes::new())
+            .unwrap();
+        assert!(request.headers().get(http::header::AUTHORIZATION).is_none());
+        assert!(
+            keyless
+                .request("NOT A METHOD", "/", &[], Bytes::new())
+                .is_err()
+        );
+        assert!(keyless.request("GET", "health", &[], Bytes::new()).is_err());
+        // A key that cannot be a header value fails each request, said plainly.
+        let broken = Upstream::new("http://127.0.0.1:9000", "sk\nx").unwrap();
+        let err = broken.request("GET", "/", &[], Bytes::new()).unwrap_err();
+        assert!(err.contains("api_key") && !err.contains("sk"), "{err}");
+        assert!(Upstream::new("ftp://h", "").is_err());
+    }
+
+    fn request_via_url(headers: &[Header]) -> Request<Bytes> {
+        request(
+            "POST",
+            "http://127.0.0.1:9000/v1/chat/completions",
+            headers,
+            "sk-upstream",
+            Bytes::from_static(b"{}"),
+        )
+        .unwrap()
     }
 }

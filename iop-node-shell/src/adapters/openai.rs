@@ -21,7 +21,7 @@ use serde_json::{Value, json};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::http::{self, HttpClient, base_url, wire_headers};
+use super::http::{self, HttpClient, Upstream, base_url, wire_headers};
 use super::json;
 use super::sse::{Lines, UsageWatcher, sse_data, usage_of};
 use super::{Sink, error};
@@ -31,6 +31,7 @@ use super::{Sink, error};
 pub struct OpenAi {
     base: String,
     api_key: String,
+    upstream: Upstream,
     client: HttpClient,
     default_timeout: Duration,
     vllm: bool,
@@ -87,14 +88,15 @@ impl std::fmt::Debug for Watch {
     }
 }
 
-/// Sends `request` under `watch`.
+/// Sends `request` to `upstream` under `watch`.
 async fn send(
     client: &HttpClient,
+    upstream: &Upstream,
     request: hyper::Request<Bytes>,
     watch: &mut Watch,
 ) -> Result<hyper::Response<ProviderBody>, CallError> {
     watch
-        .run(client.request(request))
+        .run(upstream.send(client, request))
         .await?
         .map_err(|err| CallError::Unreachable(format!("request failed: {err}")))
 }
@@ -208,6 +210,7 @@ impl OpenAi {
         Ok(OpenAi {
             base: base_url(&config.base_url)?,
             api_key: config.api_key.clone(),
+            upstream: Upstream::new(&config.base_url, &config.api_key)?,
             client,
             default_timeout,
             vllm,
@@ -249,16 +252,16 @@ impl OpenAi {
         cancel: &CancellationToken,
     ) -> Result<(), CallError> {
         let mut watch = Watch::new(self.deadline(request.timeout_sec), cancel);
-        let url = format!("{}{}", self.base, request.path);
-        let upstream = http::request(
-            &request.method,
-            &url,
-            &request.headers,
-            &self.api_key,
-            request.body,
-        )
-        .map_err(CallError::Unreachable)?;
-        let response = send(&self.client, upstream, &mut watch).await?;
+        let upstream = self
+            .upstream
+            .request(
+                &request.method,
+                &request.path,
+                &request.headers,
+                request.body,
+            )
+            .map_err(CallError::Unreachable)?;
+        let response = send(&self.client, &self.upstream, upstream, &mut watch).await?;
         let content_type = response
             .headers()
             .get(hyper::header::CONTENT_TYPE)
@@ -334,16 +337,17 @@ impl OpenAi {
         ];
         let mut body = Bytes::from(input.write(&set));
         let had_tools = json::non_empty_array(input.get("tools"));
-        let url = format!("{}/v1/chat/completions", self.base);
         let headers = [Header {
             name: "content-type".into(),
             value: Bytes::from_static(b"application/json"),
         }];
         let mut fallback = false;
         let response = loop {
-            let upstream = http::request("POST", &url, &headers, &self.api_key, body.clone())
+            let upstream = self
+                .upstream
+                .request("POST", "/v1/chat/completions", &headers, body.clone())
                 .map_err(CallError::Unreachable)?;
-            let mut response = send(&self.client, upstream, &mut watch).await?;
+            let mut response = send(&self.client, &self.upstream, upstream, &mut watch).await?;
             let status = response.status();
             if status.is_success() {
                 break response;

@@ -60,7 +60,7 @@ pub struct HttpClient {
 #[derive(Debug)]
 struct Inner {
     connector: ProviderConnector,
-    idle: Mutex<HashMap<String, VecDeque<Idle>>>,
+    idle: Mutex<HashMap<Arc<str>, VecDeque<Idle>>>,
     idle_timeout: Duration,
     max_idle: usize,
     sweeping: AtomicBool,
@@ -99,11 +99,33 @@ impl HttpClient {
         request: Request<Bytes>,
     ) -> Pin<Box<dyn Future<Output = Result<Response<ProviderBody>, ClientError>> + Send + '_>>
     {
-        Box::pin(self.send(request))
+        Box::pin(async move {
+            let (key, request) = origin_form(request)?;
+            self.send(Arc::from(key), request).await
+        })
     }
 
-    async fn send(&self, request: Request<Bytes>) -> Result<Response<ProviderBody>, ClientError> {
-        let (key, request) = origin_form(request)?;
+    /// Sends `request`, whose URI is origin-form (a path and query), to `origin`; as
+    /// [`HttpClient::request`] without taking an absolute URL apart on every call.
+    pub fn request_to(
+        &self,
+        origin: &Origin,
+        mut request: Request<Bytes>,
+    ) -> Pin<Box<dyn Future<Output = Result<Response<ProviderBody>, ClientError>> + Send + '_>>
+    {
+        if !request.headers().contains_key(http::header::HOST) {
+            request
+                .headers_mut()
+                .insert(http::header::HOST, origin.host.clone());
+        }
+        Box::pin(self.send(origin.key.clone(), request))
+    }
+
+    async fn send(
+        &self,
+        key: Arc<str>,
+        request: Request<Bytes>,
+    ) -> Result<Response<ProviderBody>, ClientError> {
         let (parts, body) = request.into_parts();
         // Head and a small body go out in one write; a large body after it, not copied.
         let joined = body.len() <= JOIN_BODY;
@@ -184,7 +206,7 @@ impl HttpClient {
 
 impl Inner {
     /// Puts a finished connection back, unless it cannot take another request.
-    fn checkin(self: &Arc<Self>, key: String, mut conn: Conn) {
+    fn checkin(self: &Arc<Self>, key: Arc<str>, mut conn: Conn) {
         if !conn.reusable() {
             return;
         }
@@ -241,7 +263,7 @@ pub struct ProviderBody {
     framing: Framing,
     keep_alive: bool,
     pool: Weak<Inner>,
-    key: String,
+    key: Arc<str>,
 }
 
 impl Body for ProviderBody {
@@ -331,31 +353,76 @@ impl Drop for ProviderBody {
 /// A request body up to this size is written with its head in one write.
 const JOIN_BODY: usize = 16 << 10;
 
+/// A provider's origin, worked out once from its base URL: where its connections go (the
+/// pool key, `scheme://authority`), the `Host` header its requests carry, and the path
+/// every request target starts with.
+#[derive(Clone, Debug)]
+pub struct Origin {
+    key: Arc<str>,
+    host: HeaderValue,
+    prefix: String,
+}
+
+impl Origin {
+    /// The origin of an `http://` or `https://` base URL (a trailing `/` is dropped).
+    pub fn parse(base_url: &str) -> Result<Self, ClientError> {
+        let bad = || ClientError::Url(base_url.to_owned());
+        let uri: Uri = base_url.trim_end_matches('/').parse().map_err(|_| bad())?;
+        let (key, host, path) = split(&uri).ok_or_else(bad)?;
+        let prefix = match path {
+            Some(path) if path.as_str() != "/" => path.as_str().to_owned(),
+            _ => String::new(),
+        };
+        Ok(Origin {
+            key: Arc::from(key),
+            host,
+            prefix,
+        })
+    }
+
+    /// The origin-form URI of `path` (which starts with `/`) under this origin.
+    pub fn target(&self, path: &str) -> Result<Uri, ClientError> {
+        let bad = || ClientError::Url(format!("{}{}{path}", self.key, self.prefix));
+        if !path.starts_with('/') {
+            return Err(bad());
+        }
+        let mut target = String::with_capacity(self.prefix.len() + path.len());
+        target.push_str(&self.prefix);
+        target.push_str(path);
+        let target = PathAndQuery::try_from(target).map_err(|_| bad())?;
+        Ok(Uri::from(target))
+    }
+}
+
+/// The pool key, `Host` value and path-and-query of an absolute `http`/`https` URI.
+fn split(uri: &Uri) -> Option<(String, HeaderValue, Option<PathAndQuery>)> {
+    let scheme = uri.scheme()?;
+    if *scheme != Scheme::HTTP && *scheme != Scheme::HTTPS {
+        return None;
+    }
+    let authority: &Authority = uri.authority()?;
+    let default_port = if *scheme == Scheme::HTTPS { 443 } else { 80 };
+    let host = match authority.port_u16() {
+        Some(port) if port != default_port => authority.as_str(),
+        _ => authority.host(),
+    };
+    let host = HeaderValue::from_str(host).ok()?;
+    Some((
+        format!("{scheme}://{authority}"),
+        host,
+        uri.path_and_query().cloned(),
+    ))
+}
+
 /// The pool key (`scheme://authority`) of an absolute request URL, and the request
 /// rewritten for the wire: origin-form target and a `Host` header.
 fn origin_form(mut request: Request<Bytes>) -> Result<(String, Request<Bytes>), ClientError> {
-    let uri = request.uri();
-    let bad = || ClientError::Url(uri.to_string());
-    let scheme = uri.scheme().cloned().ok_or_else(bad)?;
-    if scheme != Scheme::HTTP && scheme != Scheme::HTTPS {
-        return Err(bad());
-    }
-    let authority: Authority = uri.authority().cloned().ok_or_else(bad)?;
-    let path = uri
-        .path_and_query()
-        .cloned()
-        .unwrap_or_else(|| PathAndQuery::from_static("/"));
-    let key = format!("{scheme}://{authority}");
+    let (key, host, path) =
+        split(request.uri()).ok_or_else(|| ClientError::Url(request.uri().to_string()))?;
     if !request.headers().contains_key(http::header::HOST) {
-        let default_port = if scheme == Scheme::HTTPS { 443 } else { 80 };
-        let host = match authority.port_u16() {
-            Some(port) if port != default_port => authority.as_str(),
-            _ => authority.host(),
-        };
-        let value = HeaderValue::from_str(host).map_err(|_| bad())?;
-        request.headers_mut().insert(http::header::HOST, value);
+        request.headers_mut().insert(http::header::HOST, host);
     }
-    *request.uri_mut() = Uri::from(path);
+    *request.uri_mut() = Uri::from(path.unwrap_or_else(|| PathAndQuery::from_static("/")));
     Ok((key, request))
 }
 
@@ -621,5 +688,26 @@ mod tests {
         assert_eq!(request.headers()[http::header::HOST], "h:8443");
         assert!(origin_form(Request::post("/relative").body(Bytes::new()).unwrap()).is_err());
         assert!(origin_form(Request::post("ftp://h/").body(Bytes::new()).unwrap()).is_err());
+    }
+
+    #[test]
+    fn an_origin_is_worked_out_once_and_joins_paths_under_its_base() {
+        let origin = Origin::parse("http://example.com:80/").unwrap();
+        assert_eq!(&*origin.key, "http://example.com:80");
+        assert_eq!(origin.host, "example.com");
+        assert_eq!(origin.target("/v1/chat?x=1").unwrap(), "/v1/chat?x=1");
+        let origin = Origin::parse("https://h:8443/openai/v1").unwrap();
+        assert_eq!(&*origin.key, "https://h:8443");
+        assert_eq!(origin.host, "h:8443");
+        assert_eq!(
+            origin.target("/chat/completions").unwrap(),
+            "/openai/v1/chat/completions"
+        );
+        // A target is a path: no relative or malformed ones reach the wire.
+        assert!(origin.target("chat").is_err());
+        assert!(origin.target("/a b").is_err());
+        assert!(origin.target("/a\r\nHost: evil").is_err());
+        assert!(Origin::parse("ftp://h/").is_err());
+        assert!(Origin::parse("/relative").is_err());
     }
 }
