@@ -165,6 +165,7 @@ async fn read_body(
     content_length: Option<u64>,
     settings: &HttpSettings,
     memory: &RequestMemory,
+    mut deadline: Pin<&mut Sleep>,
 ) -> Result<Bytes, ApiError> {
     let max = settings.max_body_bytes;
     let too_large = || {
@@ -193,11 +194,17 @@ async fn read_body(
     }
     let mut reserved = declared;
     let mut buf = bytes::BytesMut::with_capacity(declared);
-    let deadline = Instant::now() + settings.body_read_timeout;
     let mut body = body;
     loop {
-        let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
-            Err(_) => {
+        // One timer for the whole body (the request's, see `Live`), not one per frame.
+        let mut next = body.frame();
+        let frame = std::future::poll_fn(|cx| match Pin::new(&mut next).poll(cx) {
+            Poll::Ready(frame) => Poll::Ready(Ok(frame)),
+            Poll::Pending => deadline.as_mut().poll(cx).map(Err),
+        })
+        .await;
+        let frame = match frame {
+            Err(()) => {
                 return Err(ApiError::new(
                     408,
                     ErrorType::InvalidRequest,
@@ -315,7 +322,19 @@ async fn handle(
         rx,
         memory: memory.clone(),
     };
-    let raw = match read_body(req.into_body(), content_length, &settings, &memory).await {
+    // The request's one timer: the body's deadline now, the response's later.
+    let mut timer = Box::pin(tokio::time::sleep_until(
+        started + settings.body_read_timeout,
+    ));
+    let raw = match read_body(
+        req.into_body(),
+        content_length,
+        &settings,
+        &memory,
+        timer.as_mut(),
+    )
+    .await
+    {
         Ok(raw) => raw,
         Err(refusal) => return refuse(&finish, &refusal),
     };
@@ -382,7 +401,7 @@ async fn handle(
         events,
         responder,
         guard,
-        started + settings.response_timeout,
+        (started + settings.response_timeout, timer),
         settings.sse_keepalive,
         finish,
         permit,
@@ -538,19 +557,20 @@ async fn respond(
     events: Events,
     responder: Responder,
     guard: CancelGuard,
-    deadline: Instant,
+    (deadline, mut timer): (Instant, Pin<Box<Sleep>>),
     keepalive: Duration,
     finish: Finish,
     permit: tokio::sync::OwnedSemaphorePermit,
 ) -> Response<ResBody> {
     let now = Instant::now();
+    timer.as_mut().reset((now + keepalive).min(deadline));
     let mut live = Box::new(Live {
         events,
         responder,
         guard,
         finish,
         deadline,
-        timer: Box::pin(tokio::time::sleep_until((now + keepalive).min(deadline))),
+        timer,
         last_activity: now,
         keepalive,
         recorded: false,
