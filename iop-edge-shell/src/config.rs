@@ -199,6 +199,12 @@ struct RawCandidate {
     target: String,
 }
 
+/// The default and smallest `limits.max_header_bytes`: hyper's HTTP/1 read buffer cannot
+/// be smaller (it panics below it), and at exactly this size a kept-alive connection's
+/// buffer is reused in place; with a larger limit hyper grows each connection's buffer to
+/// twice this once it has served a request (11 KiB more per open stream, BENCHMARKS.md).
+pub const MIN_HEADER_BYTES: usize = 8192;
+
 /// HTTP-side settings (everything the core does not decide).
 #[derive(Clone, Debug)]
 pub struct HttpSettings {
@@ -218,7 +224,7 @@ pub struct HttpSettings {
     /// Time to receive a request's headers; on a kept-alive connection it also bounds the
     /// wait for the next request, so it is the idle timeout too.
     pub header_read_timeout: Duration,
-    /// Largest accepted request head.
+    /// Largest accepted request head (at least [`MIN_HEADER_BYTES`]).
     pub max_header_bytes: usize,
     /// Time to receive a whole request body; a slower one gets 408.
     pub body_read_timeout: Duration,
@@ -504,7 +510,10 @@ impl Config {
             header_read_timeout: Duration::from_secs(
                 limits.header_read_timeout_sec.unwrap_or(30).max(1),
             ),
-            max_header_bytes: limits.max_header_bytes.unwrap_or(64 << 10).max(4096),
+            max_header_bytes: limits
+                .max_header_bytes
+                .unwrap_or(MIN_HEADER_BYTES)
+                .max(MIN_HEADER_BYTES),
             body_read_timeout: positive_secs(
                 "limits.body_read_timeout_sec",
                 limits.body_read_timeout_sec,
@@ -615,6 +624,23 @@ providers = [{ node = "n1", adapter = "mock", target = "m" }]
         assert_eq!(cfg.core.models["chat"].candidates.len(), 1);
         assert!(cfg.http.api_keys.is_empty());
         assert!(cfg.tls.nodes.is_none(), "plaintext as asked");
+    }
+
+    #[test]
+    fn the_head_limit_is_never_below_what_hyper_accepts() {
+        let head = |limit: &str| {
+            let text = format!("{MINIMAL}\n[limits]\n{limit}\n");
+            Config::parse(&text, Path::new("edge.toml"))
+                .expect("valid")
+                .http
+                .max_header_bytes
+        };
+        assert_eq!(head(""), MIN_HEADER_BYTES);
+        // Below hyper's minimum it would panic on every connection: raised instead.
+        assert_eq!(head("max_header_bytes = 5000"), MIN_HEADER_BYTES);
+        assert_eq!(head("max_header_bytes = 65536"), 65_536);
+        let mut builder = hyper::server::conn::http1::Builder::new();
+        builder.max_buf_size(head("max_header_bytes = 1"));
     }
 
     #[test]
