@@ -20,7 +20,7 @@ use iop_proto_core::{
     CloseReason, ConfigDiff, ConnId, Dispatch, DispatchShape, EdgeConfig, EdgeCore, EdgeError,
     EdgeEvent, Grant, NodeStatus, Outcome, RequestId, SubmitError, Transmit, UsageError,
 };
-use tokio::sync::{Notify, mpsc, oneshot};
+use tokio::sync::{Notify, oneshot};
 use tokio::time::Instant;
 use tracing::{debug, error, info, warn};
 
@@ -64,8 +64,8 @@ pub enum ReqEvent {
         /// Adapter instance chosen on it.
         provider_id: Arc<str>,
     },
-    /// A run event (boxed, as the frame: an open request's channel allocates room for
-    /// 32 events up front, 7 KiB per request at their unboxed size).
+    /// A run event (boxed, as the frame: an event waiting in a request's queue takes
+    /// the room of the largest kind).
     Run(Box<RunEvent>),
     /// A tunnel frame.
     Frame(Box<ProviderTunnelFrame>),
@@ -81,7 +81,7 @@ pub const MAX_BUFFERED_PER_REQUEST: usize = 16 << 20;
 #[derive(Debug)]
 pub struct Events {
     /// Events in order.
-    pub rx: mpsc::UnboundedReceiver<ReqEvent>,
+    pub rx: crate::inbox::Inbox<ReqEvent>,
     /// Body and buffered response bytes (the handler reports what it takes).
     pub memory: Arc<RequestMemory>,
 }
@@ -162,7 +162,7 @@ pub enum CoreMsg {
         /// What to dispatch once granted.
         work: Work,
         /// Where its events go.
-        events: mpsc::UnboundedSender<ReqEvent>,
+        events: crate::inbox::Outlet<ReqEvent>,
         /// The memory it holds.
         memory: Arc<RequestMemory>,
         /// The id, or why it was refused.
@@ -199,7 +199,7 @@ pub enum CoreMsg {
 }
 
 struct Entry {
-    events: mpsc::UnboundedSender<ReqEvent>,
+    events: crate::inbox::Outlet<ReqEvent>,
     memory: Arc<RequestMemory>,
     work: Option<Work>,
     model: Arc<str>,

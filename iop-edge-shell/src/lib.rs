@@ -13,6 +13,7 @@ pub mod config;
 pub mod driver;
 pub mod events;
 pub mod http;
+pub mod inbox;
 pub mod memory;
 pub mod metrics;
 pub mod nodes;

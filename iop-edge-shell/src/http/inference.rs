@@ -19,7 +19,7 @@ use iop_proto_core::openai::{
     ApiError, Endpoint, ErrorType, Out, Responder, ResponseOptions, inspect,
 };
 use iop_proto_core::wire::{Header, Usage};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 use tokio::time::{Instant, Sleep};
 use tracing::{error, info};
 
@@ -317,7 +317,7 @@ async fn handle(
     let memory = RequestMemory::new(state.budget.clone());
     // From here the body and everything buffered for the caller count against the budget
     // until the handler is done.
-    let (tx, rx) = mpsc::unbounded_channel();
+    let (tx, rx) = crate::inbox::inbox();
     let events = Events {
         rx,
         memory: memory.clone(),
