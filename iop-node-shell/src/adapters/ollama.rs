@@ -12,7 +12,7 @@ use serde_json::{Map, Value, json};
 use tokio::time::{Instant, timeout_at};
 use tokio_util::sync::CancellationToken;
 
-use super::http::{self, HttpClient, base_url};
+use super::http::{self, HttpClient, Upstream, base_url};
 use super::json;
 use super::sse::Lines;
 use super::{Sink, error};
@@ -21,6 +21,7 @@ use super::{Sink, error};
 #[derive(Debug)]
 pub struct Ollama {
     base: String,
+    upstream: Upstream,
     client: HttpClient,
     default_timeout: Duration,
 }
@@ -129,6 +130,7 @@ impl Ollama {
     ) -> Result<Self, String> {
         Ok(Ollama {
             base: base_url(&config.base_url)?,
+            upstream: Upstream::new(&config.base_url, "")?,
             client,
             default_timeout,
         })
@@ -156,17 +158,15 @@ impl Ollama {
             name: "content-type".into(),
             value: Bytes::from_static(b"application/json"),
         }];
-        let upstream = match http::request(
-            "POST",
-            &format!("{}/api/chat", self.base),
-            &headers,
-            "",
-            Bytes::from(body),
-        ) {
+        let upstream = match self
+            .upstream
+            .request("POST", "/api/chat", &headers, Bytes::from(body))
+        {
             Ok(r) => r,
             Err(err) => return RunOutput::Error(error("bad_request", err, false)),
         };
-        let response = match timeout_at(deadline, self.client.request(upstream)).await {
+        let sent = self.upstream.send(&self.client, upstream);
+        let response = match timeout_at(deadline, sent).await {
             Err(_) => {
                 return RunOutput::Error(error("timeout", "ollama did not answer in time", true));
             }
@@ -271,14 +271,9 @@ impl Ollama {
             name: "content-type".into(),
             value: Bytes::from_static(b"application/json"),
         }];
-        let request = http::request(
-            method,
-            &format!("{}{}", self.base, path),
-            &headers,
-            "",
-            body,
-        )?;
-        let response = tokio::time::timeout(Duration::from_secs(30), self.client.request(request))
+        let request = self.upstream.request(method, path, &headers, body)?;
+        let sent = self.upstream.send(&self.client, request);
+        let response = tokio::time::timeout(Duration::from_secs(30), sent)
             .await
             .map_err(|_| "ollama did not answer in time".to_string())?
             .map_err(|err| format!("request failed: {err}"))?;
