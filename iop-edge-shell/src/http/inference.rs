@@ -409,11 +409,12 @@ async fn handle(
     .await
 }
 
-/// A request's response in progress: its events, the core's [`Responder`], and the two
-/// timers (the response deadline; keep-alive comments on an idle stream). It is first
-/// polled by the handler until the response head, then becomes the response body, which
-/// hyper polls directly: no task and no channel between the request's events and the
-/// socket. Dropping it (the caller left) cancels the request through its guard.
+/// A request's response in progress: its events, the core's [`Responder`], and the
+/// request's one timer (due at the response deadline or for a keep-alive comment on an
+/// idle stream, whichever comes first). It is first polled by the handler until the
+/// response head, then becomes the response body, which hyper polls directly: no task and
+/// no channel between the request's events and the socket. Dropping it (the caller left)
+/// cancels the request through its guard.
 pub(crate) struct Live {
     events: Events,
     responder: Responder,
