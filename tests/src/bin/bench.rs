@@ -5,8 +5,11 @@
 //!
 //! ```text
 //! cargo build --release --bins
-//! cargo run --release -p iop-blackbox --bin bench -- [seconds per run] [rounds]
+//! cargo run --release -p iop-blackbox --bin bench -- [seconds per run] [rounds] [--write BENCHMARKS.md]
 //! ```
+//!
+//! The table goes to stdout; with `--write`, also into the file's latest-run block (between
+//! `<!-- bench:latest … -->` and `<!-- /bench:latest -->`, appended when the file has none).
 //!
 //! The Edge and the Node log at INFO, one line per request each, as the tests run them
 //! (`IOP_TEST_RUST_LOG=warn` measures them without those lines); each nginx hop writes
@@ -615,6 +618,27 @@ providers = [{{ node = "n1", adapter = "oa", target = "fake" }}]
 }
 
 #[allow(clippy::too_many_lines)]
+/// Where `--write` puts the table: between these lines of the file, replacing what was
+/// there (the file's other sections are the record of earlier runs and are left alone).
+const LATEST_BEGIN: &str =
+    "<!-- bench:latest (written by `bench --write`; replaced on every run) -->";
+const LATEST_END: &str = "<!-- /bench:latest -->";
+
+/// Puts `report` between the latest-run markers of `path`, or appends a block with them.
+fn write_report(path: &std::path::Path, report: &str) -> std::io::Result<()> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let block = format!("{LATEST_BEGIN}\n**Latest run of the harness.** {report}{LATEST_END}");
+    let updated = match (text.find(LATEST_BEGIN), text.find(LATEST_END)) {
+        (Some(begin), Some(end)) if begin < end => format!(
+            "{}{block}{}",
+            &text[..begin],
+            &text[end + LATEST_END.len()..]
+        ),
+        _ => format!("{text}\n{block}\n"),
+    };
+    std::fs::write(path, updated)
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some("provider") {
@@ -625,8 +649,23 @@ fn main() {
         run_provider(port);
         return;
     }
-    let seconds: u64 = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(5);
-    let rounds: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(3);
+    // `--write PATH` puts the table into PATH's latest-run block as well.
+    let write_to = args
+        .iter()
+        .position(|a| a == "--write")
+        .and_then(|i| args.get(i + 1))
+        .map(PathBuf::from);
+    let command = format!(
+        "cargo run --release -p iop-blackbox --bin bench -- {}",
+        args[1..].join(" ")
+    );
+    let positional: Vec<&String> = args
+        .iter()
+        .skip(1)
+        .take_while(|a| a.as_str() != "--write")
+        .collect();
+    let seconds: u64 = positional.first().and_then(|s| s.parse().ok()).unwrap_or(5);
+    let rounds: usize = positional.get(1).and_then(|s| s.parse().ok()).unwrap_or(3);
     ensure_tools();
     let dir = TempDir::new("bench");
 
@@ -715,11 +754,19 @@ fn main() {
     )
     .trim()
     .to_owned();
-    println!(
-        "Measured {date}; medians of {rounds} interleaved rounds of {seconds} s per figure; load from wrk 4.x (1 thread); {PACED_STREAMS} paced streams of {PACED_CHUNKS} chunks every {PACE_MS} ms.\n"
+    let mut report = String::new();
+    macro_rules! out {
+        ($($arg:tt)*) => {{
+            use std::fmt::Write as _;
+            // Writing into a String cannot fail.
+            let _ = writeln!(report, $($arg)*);
+        }};
+    }
+    out!(
+        "Measured {date}; medians of {rounds} interleaved rounds of {seconds} s per figure; load from wrk 4.x (1 thread); {PACED_STREAMS} paced streams of {PACED_CHUNKS} chunks every {PACE_MS} ms. Command: `{command}`.\n"
     );
-    println!("| | direct | nginx, 2 hops | IOP (plaintext link) |");
-    println!("|---|---:|---:|---:|");
+    out!("| | direct | nginx, 2 hops | IOP (plaintext link) |");
+    out!("|---|---:|---:|---:|");
     let added = |run: &Run, base: &Run| {
         format!(
             "{:+.0} / {:+.0} µs",
@@ -727,14 +774,14 @@ fn main() {
             run.p99_us - base.p99_us
         )
     };
-    println!(
+    out!(
         "| small request, c=1, p50 / p99 (added) | {:.0} / {:.0} µs | {} | {} |",
         single[0].p50_us,
         single[0].p99_us,
         added(&single[1], &single[0]),
         added(&single[2], &single[0])
     );
-    println!(
+    out!(
         "| small requests, c=16, req/s (ratio to direct) | {:.0} (1.00) | {:.0} ({:.2}) | {:.0} ({:.2}) |",
         many[0].rps,
         many[1].rps,
@@ -742,14 +789,14 @@ fn main() {
         many[2].rps,
         many[2].rps / many[0].rps
     );
-    println!(
+    out!(
         "| proxy CPU per small request (c=16) | – | {:.1} µs | {:.1} µs ({:.2}× nginx) |",
         many[1].cpu_us,
         many[2].cpu_us,
         many[2].cpu_us / many[1].cpu_us
     );
     let chunks = |run: &Run| run.rps * SSE_EVENTS as f64;
-    println!(
+    out!(
         "| unpaced SSE, c=16, chunks/s (ratio to direct) | {:.0} (1.00) | {:.0} ({:.2}) | {:.0} ({:.2}) |",
         chunks(&sse[0]),
         chunks(&sse[1]),
@@ -757,14 +804,14 @@ fn main() {
         chunks(&sse[2]),
         chunks(&sse[2]) / chunks(&sse[0])
     );
-    println!(
+    out!(
         "| proxy CPU per SSE chunk | – | {:.2} µs | {:.2} µs ({:.2}× nginx) |",
         sse[1].cpu_us / SSE_EVENTS as f64,
         sse[2].cpu_us / SSE_EVENTS as f64,
         sse[2].cpu_us / sse[1].cpu_us
     );
     let base = &paced_runs[0];
-    println!(
+    out!(
         "| {PACED_STREAMS} streams, {PACE_MS} ms pacing, chunk latency p50 / p99 (added) | {:.0} / {:.0} µs | {:+.1} / {:+.1} ms | {:+.1} / {:+.1} ms |",
         base.p50_us,
         base.p99_us,
@@ -780,12 +827,12 @@ fn main() {
             .collect::<Vec<_>>()
             .join(" + ")
     };
-    println!(
+    out!(
         "| memory per paced stream, KiB (per process) | – | {} | {} |",
         per_stream(&paced_runs[1]),
         per_stream(&paced_runs[2])
     );
-    println!(
+    out!(
         "| RSS back within 2× of idle after the streams | – | {} ({:.1} s) | {} ({:.1} s) |",
         if paced_runs[1].settled { "yes" } else { "no" },
         paced_runs[1].settle_s,
@@ -798,10 +845,20 @@ fn main() {
                 .to_string()
         })
         .collect();
-    println!(
+    out!(
         "| errors (all runs) | {} | {} | {} |",
-        errors[0], errors[1], errors[2]
+        errors[0],
+        errors[1],
+        errors[2]
     );
+
+    print!("{report}");
+    if let Some(path) = &write_to {
+        match write_report(path, &report) {
+            Ok(()) => eprintln!("bench: the table is in {}", path.display()),
+            Err(err) => eprintln!("bench: cannot write {}: {err}", path.display()),
+        }
+    }
 
     for nginx in [&mut nginx1, &mut nginx2] {
         // TERM lets the master stop its workers; KILL would orphan them.
