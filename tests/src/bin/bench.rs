@@ -650,14 +650,16 @@ fn main() {
         return;
     }
     // `--write PATH` puts the table into PATH's latest-run block as well.
-    let write_to = args
-        .iter()
-        .position(|a| a == "--write")
-        .and_then(|i| args.get(i + 1))
-        .map(PathBuf::from);
+    let write_to = args.iter().position(|a| a == "--write").map(|i| {
+        let Some(path) = args.get(i + 1) else {
+            eprintln!("usage: bench [seconds] [rounds] [--write FILE]");
+            std::process::exit(2);
+        };
+        PathBuf::from(path)
+    });
     let command = format!(
         "cargo run --release -p iop-blackbox --bin bench -- {}",
-        args[1..].join(" ")
+        args.get(1..).unwrap_or_default().join(" ")
     );
     let positional: Vec<&String> = args
         .iter()
