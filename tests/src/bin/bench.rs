@@ -874,3 +874,26 @@ fn main() {
     drop(node);
     drop(cluster);
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_latest_run_block_is_replaced_and_the_rest_kept() {
+        let dir = TempDir::new("bench-write");
+        let path = dir.path().join("BENCHMARKS.md");
+        std::fs::write(&path, "# Benchmarks\n\nbefore\n").unwrap();
+        write_report(&path, "Measured first.\n").unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(text.starts_with("# Benchmarks\n\nbefore\n"));
+        assert!(text.contains("**Latest run of the harness.** Measured first.\n"));
+        std::fs::write(&path, format!("{text}after\n")).unwrap();
+        write_report(&path, "Measured second.\n").unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(!text.contains("first"), "{text}");
+        assert!(text.contains("Measured second."));
+        assert!(text.starts_with("# Benchmarks\n\nbefore\n") && text.ends_with("after\n"));
+        assert_eq!(text.matches(LATEST_BEGIN).count(), 1);
+    }
+}
