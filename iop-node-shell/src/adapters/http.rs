@@ -88,7 +88,8 @@ pub fn forwardable(name: &str) -> bool {
     !HOP_BY_HOP.contains(&lower.as_str())
 }
 
-/// Parses and normalises an adapter base URL (`http://host:port[/prefix]`).
+/// Parses and normalises an adapter base URL (`http://host:port[/prefix]`); the config
+/// it comes in was validated by the core (no credentials in it, among the rest).
 pub fn base_url(url: &str) -> Result<String, String> {
     let uri: Uri = url
         .parse()
@@ -107,28 +108,6 @@ pub fn base_url(url: &str) -> Result<String, String> {
     Ok(url.trim_end_matches('/').to_owned())
 }
 
-/// Builds a request with a full body, the adapter's bearer key and forwarded headers.
-pub fn request(
-    method: &str,
-    url: &str,
-    headers: &[Header],
-    api_key: &str,
-    body: Bytes,
-) -> Result<Request<Bytes>, String> {
-    let mut request = Request::new(body);
-    *request.method_mut() = parse_method(method)?;
-    *request.uri_mut() = url
-        .parse::<Uri>()
-        .map_err(|err| format!("cannot build request: {err}"))?;
-    forward(request.headers_mut(), headers);
-    if !api_key.is_empty() {
-        request
-            .headers_mut()
-            .insert(http::header::AUTHORIZATION, bearer(api_key)?);
-    }
-    Ok(request)
-}
-
 fn parse_method(method: &str) -> Result<Method, String> {
     Method::from_bytes(method.as_bytes()).map_err(|_| format!("invalid method {method:?}"))
 }
@@ -136,7 +115,7 @@ fn parse_method(method: &str) -> Result<Method, String> {
 /// `Bearer <key>`, marked sensitive (kept out of debug output).
 fn bearer(api_key: &str) -> Result<HeaderValue, String> {
     let mut value = HeaderValue::from_str(&format!("Bearer {api_key}"))
-        .map_err(|_| "cannot build request: the api_key is not a valid header value".to_owned())?;
+        .map_err(|_| "api_key is not a valid header value (control characters?)".to_owned())?;
     value.set_sensitive(true);
     Ok(value)
 }
@@ -165,17 +144,17 @@ fn forward(map: &mut http::HeaderMap, headers: &[Header]) {
 #[derive(Clone, Debug)]
 pub struct Upstream {
     origin: Origin,
-    /// `Bearer <api_key>`; `None` without a key; an error kept for every request when the
-    /// key cannot be a header value.
-    auth: Option<Result<HeaderValue, String>>,
+    /// `Bearer <api_key>`, or `None` without a key.
+    auth: Option<HeaderValue>,
 }
 
 impl Upstream {
-    /// The provider at `base_url` (validated as [`base_url`] does), called with `api_key`.
+    /// The provider at `base_url` (validated as [`base_url`] does), called with `api_key`;
+    /// a key that cannot be sent in a header is refused here, with the adapter's config.
     pub fn new(base: &str, api_key: &str) -> Result<Self, String> {
         let base = base_url(base)?;
         let origin = Origin::parse(&base).map_err(|err| err.to_string())?;
-        let auth = (!api_key.is_empty()).then(|| bearer(api_key));
+        let auth = (!api_key.is_empty()).then(|| bearer(api_key)).transpose()?;
         Ok(Upstream { origin, auth })
     }
 
@@ -198,7 +177,7 @@ impl Upstream {
         if let Some(auth) = &self.auth {
             request
                 .headers_mut()
-                .insert(http::header::AUTHORIZATION, auth.clone()?);
+                .insert(http::header::AUTHORIZATION, auth.clone());
         }
         Ok(request)
     }
@@ -228,13 +207,14 @@ pub fn wire_headers(headers: &http::HeaderMap) -> Vec<Header> {
         .collect()
 }
 
-/// Probes a provider with one `GET url` (2 s at most): healthy on a 2xx answer, degraded
+/// Probes a provider with one `GET path` (2 s at most): healthy on a 2xx answer, degraded
 /// when it answers otherwise, offline when it does not answer.
-pub async fn probe(client: &HttpClient, url: &str, api_key: &str) -> ProviderHealth {
-    let Ok(request) = request("GET", url, &[], api_key, Bytes::new()) else {
+pub async fn probe(client: &HttpClient, upstream: &Upstream, path: &str) -> ProviderHealth {
+    let Ok(request) = upstream.request("GET", path, &[], Bytes::new()) else {
         return ProviderHealth::Offline;
     };
-    match tokio::time::timeout(std::time::Duration::from_secs(2), client.request(request)).await {
+    let answer = upstream.send(client, request);
+    match tokio::time::timeout(std::time::Duration::from_secs(2), answer).await {
         Ok(Ok(response)) if response.status().is_success() => ProviderHealth::Healthy,
         Ok(Ok(_)) => ProviderHealth::Degraded,
         _ => ProviderHealth::Offline,
@@ -278,9 +258,8 @@ mod tests {
         assert_eq!(got[http::header::AUTHORIZATION], "Bearer sk-upstream");
         assert!(got[http::header::AUTHORIZATION].is_sensitive());
         assert!(got.get("connection").is_none());
-        // The same request as the absolute-URL helper builds.
-        let absolute = request_via_url(&headers);
-        assert_eq!(absolute.headers(), got);
+        // Nothing else: the caller's key and hop-by-hop fields are gone.
+        assert_eq!(got.len(), 3, "{got:?}");
 
         let keyless = Upstream::new("http://127.0.0.1:9000", "").unwrap();
         let request = keyless
@@ -293,21 +272,9 @@ mod tests {
                 .is_err()
         );
         assert!(keyless.request("GET", "health", &[], Bytes::new()).is_err());
-        // A key that cannot be a header value fails each request, said plainly.
-        let broken = Upstream::new("http://127.0.0.1:9000", "sk\nx").unwrap();
-        let err = broken.request("GET", "/", &[], Bytes::new()).unwrap_err();
+        // A key that cannot be a header value is refused with the config, said plainly.
+        let err = Upstream::new("http://127.0.0.1:9000", "sk\nx").unwrap_err();
         assert!(err.contains("api_key") && !err.contains("sk"), "{err}");
         assert!(Upstream::new("ftp://h", "").is_err());
-    }
-
-    fn request_via_url(headers: &[Header]) -> Request<Bytes> {
-        request(
-            "POST",
-            "http://127.0.0.1:9000/v1/chat/completions",
-            headers,
-            "sk-upstream",
-            Bytes::from_static(b"{}"),
-        )
-        .unwrap()
     }
 }

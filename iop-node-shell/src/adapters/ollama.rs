@@ -12,7 +12,7 @@ use serde_json::{Map, Value, json};
 use tokio::time::{Instant, timeout_at};
 use tokio_util::sync::CancellationToken;
 
-use super::http::{self, HttpClient, Upstream, base_url};
+use super::http::{self, HttpClient, Upstream};
 use super::json;
 use super::sse::Lines;
 use super::{Sink, error};
@@ -20,7 +20,6 @@ use super::{Sink, error};
 /// An Ollama server.
 #[derive(Debug)]
 pub struct Ollama {
-    base: String,
     upstream: Upstream,
     client: HttpClient,
     default_timeout: Duration,
@@ -29,7 +28,7 @@ pub struct Ollama {
 impl Ollama {
     /// The server's health, probed with `/api/version`.
     pub async fn health(&self) -> ProviderHealth {
-        http::probe(&self.client, &format!("{}/api/version", self.base), "").await
+        http::probe(&self.client, &self.upstream, "/api/version").await
     }
 }
 
@@ -129,7 +128,6 @@ impl Ollama {
         default_timeout: Duration,
     ) -> Result<Self, String> {
         Ok(Ollama {
-            base: base_url(&config.base_url)?,
             upstream: Upstream::new(&config.base_url, "")?,
             client,
             default_timeout,

@@ -21,7 +21,7 @@ use serde_json::{Value, json};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::http::{self, HttpClient, Upstream, base_url, wire_headers};
+use super::http::{self, HttpClient, Upstream, wire_headers};
 use super::json;
 use super::sse::{Lines, UsageWatcher, sse_data, usage_of};
 use super::{Sink, error};
@@ -29,8 +29,6 @@ use super::{Sink, error};
 /// An OpenAI-compatible backend (`vllm` adds its `/health` endpoint).
 #[derive(Debug)]
 pub struct OpenAi {
-    base: String,
-    api_key: String,
     upstream: Upstream,
     client: HttpClient,
     default_timeout: Duration,
@@ -208,8 +206,6 @@ impl OpenAi {
         vllm: bool,
     ) -> Result<Self, String> {
         Ok(OpenAi {
-            base: base_url(&config.base_url)?,
-            api_key: config.api_key.clone(),
             upstream: Upstream::new(&config.base_url, &config.api_key)?,
             client,
             default_timeout,
@@ -221,7 +217,7 @@ impl OpenAi {
     /// OpenAI-compatible server its model list (`/v1/models`).
     pub async fn health(&self) -> ProviderHealth {
         let path = if self.vllm { "/health" } else { "/v1/models" };
-        http::probe(&self.client, &format!("{}{path}", self.base), &self.api_key).await
+        http::probe(&self.client, &self.upstream, path).await
     }
 
     fn deadline(&self, timeout_sec: u32) -> Instant {

@@ -88,37 +88,20 @@ impl HttpClient {
         }
     }
 
-    /// Sends `request` (absolute URL) and returns the response once its head arrived; the
-    /// body is read from the connection by whoever polls it.
+    /// Sends `request`, whose URI is origin-form (a path and query), to `origin`, and
+    /// returns the response once its head arrived; the body is read from the connection by
+    /// whoever polls it.
     ///
     /// The future is boxed: it holds a connection and its handshake while it waits
     /// (2 KiB and more), and an adapter that awaited it inline would keep room for it,
     /// once or twice over, for as long as its stream lasts.
-    pub fn request(
-        &self,
-        request: Request<Bytes>,
-    ) -> Pin<Box<dyn Future<Output = Result<Response<ProviderBody>, ClientError>> + Send + '_>>
-    {
-        Box::pin(async move {
-            let (key, request) = origin_form(request)?;
-            self.send(Arc::from(key), request).await
-        })
-    }
-
-    /// Sends `request`, whose URI is origin-form (a path and query), to `origin`; as
-    /// [`HttpClient::request`] without taking an absolute URL apart on every call.
     pub fn request_to(
         &self,
         origin: &Origin,
-        mut request: Request<Bytes>,
+        request: Request<Bytes>,
     ) -> Pin<Box<dyn Future<Output = Result<Response<ProviderBody>, ClientError>> + Send + '_>>
     {
-        if !request.headers().contains_key(http::header::HOST) {
-            request
-                .headers_mut()
-                .insert(http::header::HOST, origin.host.clone());
-        }
-        Box::pin(self.send(origin.key.clone(), request))
+        Box::pin(self.send(origin.key.clone(), origin.address(request)))
     }
 
     async fn send(
@@ -368,16 +351,35 @@ impl Origin {
     pub fn parse(base_url: &str) -> Result<Self, ClientError> {
         let bad = || ClientError::Url(base_url.to_owned());
         let uri: Uri = base_url.trim_end_matches('/').parse().map_err(|_| bad())?;
-        let (key, host, path) = split(&uri).ok_or_else(bad)?;
-        let prefix = match path {
+        let scheme = uri.scheme().ok_or_else(bad)?;
+        if *scheme != Scheme::HTTP && *scheme != Scheme::HTTPS {
+            return Err(bad());
+        }
+        let authority: &Authority = uri.authority().ok_or_else(bad)?;
+        let default_port = if *scheme == Scheme::HTTPS { 443 } else { 80 };
+        let host = match authority.port_u16() {
+            Some(port) if port != default_port => authority.as_str(),
+            _ => authority.host(),
+        };
+        let prefix = match uri.path_and_query() {
             Some(path) if path.as_str() != "/" => path.as_str().to_owned(),
             _ => String::new(),
         };
         Ok(Origin {
-            key: Arc::from(key),
-            host,
+            key: Arc::from(format!("{scheme}://{authority}")),
+            host: HeaderValue::from_str(host).map_err(|_| bad())?,
             prefix,
         })
+    }
+
+    /// `request` with this origin's `Host`, unless it names one itself.
+    fn address(&self, mut request: Request<Bytes>) -> Request<Bytes> {
+        if !request.headers().contains_key(http::header::HOST) {
+            request
+                .headers_mut()
+                .insert(http::header::HOST, self.host.clone());
+        }
+        request
     }
 
     /// The origin-form URI of `path` (which starts with `/`) under this origin.
@@ -392,38 +394,6 @@ impl Origin {
         let target = PathAndQuery::try_from(target).map_err(|_| bad())?;
         Ok(Uri::from(target))
     }
-}
-
-/// The pool key, `Host` value and path-and-query of an absolute `http`/`https` URI.
-fn split(uri: &Uri) -> Option<(String, HeaderValue, Option<PathAndQuery>)> {
-    let scheme = uri.scheme()?;
-    if *scheme != Scheme::HTTP && *scheme != Scheme::HTTPS {
-        return None;
-    }
-    let authority: &Authority = uri.authority()?;
-    let default_port = if *scheme == Scheme::HTTPS { 443 } else { 80 };
-    let host = match authority.port_u16() {
-        Some(port) if port != default_port => authority.as_str(),
-        _ => authority.host(),
-    };
-    let host = HeaderValue::from_str(host).ok()?;
-    Some((
-        format!("{scheme}://{authority}"),
-        host,
-        uri.path_and_query().cloned(),
-    ))
-}
-
-/// The pool key (`scheme://authority`) of an absolute request URL, and the request
-/// rewritten for the wire: origin-form target and a `Host` header.
-fn origin_form(mut request: Request<Bytes>) -> Result<(String, Request<Bytes>), ClientError> {
-    let (key, host, path) =
-        split(request.uri()).ok_or_else(|| ClientError::Url(request.uri().to_string()))?;
-    if !request.headers().contains_key(http::header::HOST) {
-        request.headers_mut().insert(http::header::HOST, host);
-    }
-    *request.uri_mut() = Uri::from(path.unwrap_or_else(|| PathAndQuery::from_static("/")));
-    Ok((key, request))
 }
 
 #[cfg(test)]
@@ -526,20 +496,24 @@ mod tests {
     }
 
     async fn fetch(client: &HttpClient, url: &str) -> Result<String, ClientError> {
-        let request = Request::post(format!("{url}/v1/x"))
+        let request = Request::post("/v1/x")
             .body(Bytes::from_static(b"{\"model\":\"m\"}"))
             .unwrap();
-        let response = client.request(request).await?;
+        let response = client
+            .request_to(&Origin::parse(url).unwrap(), request)
+            .await?;
         let body = response.into_body().collect().await?.to_bytes();
         Ok(String::from_utf8(body.to_vec()).unwrap())
     }
 
     /// The body of a `GET` of the test path, its head read.
     async fn open(client: &HttpClient, url: &str) -> ProviderBody {
-        let request = Request::get(format!("{url}/v1/x"))
-            .body(Bytes::new())
-            .unwrap();
-        client.request(request).await.unwrap().into_body()
+        let request = Request::get("/v1/x").body(Bytes::new()).unwrap();
+        client
+            .request_to(&Origin::parse(url).unwrap(), request)
+            .await
+            .unwrap()
+            .into_body()
     }
 
     #[tokio::test]
@@ -664,30 +638,34 @@ mod tests {
         // Awaited inline, the request's future would sit in every stream's task for the
         // stream's life; its body holds the connection, which a stream needs anyway.
         let client = client();
-        let request = Request::get("http://127.0.0.1:1/")
-            .body(Bytes::new())
-            .unwrap();
-        assert!(std::mem::size_of_val(&client.request(request)) <= 16);
+        let origin = Origin::parse("http://127.0.0.1:1/").unwrap();
+        let request = Request::get("/").body(Bytes::new()).unwrap();
+        assert!(std::mem::size_of_val(&client.request_to(&origin, request)) <= 16);
         assert!(std::mem::size_of::<ProviderBody>() <= std::mem::size_of::<Conn>() + 128);
     }
 
     #[test]
     fn a_request_goes_out_in_origin_form_with_its_host() {
-        let request = Request::post("http://example.com:80/v1/chat?x=1")
+        let origin = Origin::parse("http://example.com:80").unwrap();
+        let request = Request::post(origin.target("/v1/chat?x=1").unwrap())
             .body(Bytes::new())
             .unwrap();
-        let (key, request) = origin_form(request).unwrap();
-        assert_eq!(key, "http://example.com:80");
+        let request = origin.address(request);
+        assert_eq!(&*origin.key, "http://example.com:80");
         assert_eq!(request.uri(), "/v1/chat?x=1");
         assert_eq!(request.headers()[http::header::HOST], "example.com");
-        let request = Request::post("https://h:8443/p")
+        let origin = Origin::parse("https://h:8443/p").unwrap();
+        let request = origin.address(Request::post("/p").body(Bytes::new()).unwrap());
+        assert_eq!(&*origin.key, "https://h:8443");
+        assert_eq!(request.headers()[http::header::HOST], "h:8443");
+        // A request that names its own Host keeps it.
+        let named = Request::post("/p")
+            .header(http::header::HOST, "other")
             .body(Bytes::new())
             .unwrap();
-        let (key, request) = origin_form(request).unwrap();
-        assert_eq!(key, "https://h:8443");
-        assert_eq!(request.headers()[http::header::HOST], "h:8443");
-        assert!(origin_form(Request::post("/relative").body(Bytes::new()).unwrap()).is_err());
-        assert!(origin_form(Request::post("ftp://h/").body(Bytes::new()).unwrap()).is_err());
+        assert_eq!(origin.address(named).headers()[http::header::HOST], "other");
+        assert!(Origin::parse("/relative").is_err());
+        assert!(Origin::parse("ftp://h/").is_err());
     }
 
     #[test]

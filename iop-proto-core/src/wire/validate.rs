@@ -391,6 +391,12 @@ impl Validate for AdapterConfig {
         {
             return Err(invalid("base_url must start with http:// or https://"));
         }
+        if kind != AdapterType::Mock && url_has_credentials(&self.base_url) {
+            // They would travel in the `Host` header and stand in errors and logs.
+            return Err(invalid(
+                "base_url must not carry credentials (user:password@); put the key in api_key",
+            ));
+        }
         if self.targets.iter().any(String::is_empty) {
             return Err(invalid("targets must not contain an empty name"));
         }
@@ -447,6 +453,15 @@ impl Validate for NodeConfigRefreshResponse {
         non_empty(&self.request_id, "NodeConfigRefreshResponse", "request_id")?;
         specified::<RefreshStatus>(self.status, "NodeConfigRefreshResponse", "status").map(drop)
     }
+}
+
+/// Whether an `http(s)://` URL names a user (and maybe a password) before its host.
+fn url_has_credentials(url: &str) -> bool {
+    url.split_once("://")
+        .map_or(url, |(_, rest)| rest)
+        .split(['/', '?', '#'])
+        .next()
+        .is_some_and(|authority| authority.contains('@'))
 }
 
 #[cfg(test)]
@@ -635,6 +650,26 @@ mod tests {
             ..no_url
         };
         assert_eq!(with_url.validate(), Ok(()));
+        for url in [
+            "http://user:hunter2@127.0.0.1:9000",
+            "https://hunter2@provider.example/v1",
+        ] {
+            let with_credentials = AdapterConfig {
+                base_url: url.into(),
+                ..with_url.clone()
+            };
+            let err = with_credentials.validate().unwrap_err().to_string();
+            assert!(
+                err.contains("credentials") && !err.contains("hunter2"),
+                "{err}"
+            );
+        }
+        // An `@` in the path is a path.
+        let at_in_path = AdapterConfig {
+            base_url: "http://127.0.0.1:9000/v1/@team".into(),
+            ..with_url
+        };
+        assert_eq!(at_in_path.validate(), Ok(()));
     }
 
     #[test]

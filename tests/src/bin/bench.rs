@@ -626,7 +626,12 @@ const LATEST_END: &str = "<!-- /bench:latest -->";
 
 /// Puts `report` between the latest-run markers of `path`, or appends a block with them.
 fn write_report(path: &std::path::Path, report: &str) -> std::io::Result<()> {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
+    // A file that is not there gets the block; one that cannot be read is left alone.
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(err) => return Err(err),
+    };
     let block = format!("{LATEST_BEGIN}\n**Latest run of the harness.** {report}{LATEST_END}");
     let updated = match (text.find(LATEST_BEGIN), text.find(LATEST_END)) {
         (Some(begin), Some(end)) if begin < end => format!(
@@ -895,5 +900,9 @@ mod tests {
         assert!(text.contains("Measured second."));
         assert!(text.starts_with("# Benchmarks\n\nbefore\n") && text.ends_with("after\n"));
         assert_eq!(text.matches(LATEST_BEGIN).count(), 1);
+        // A file that is not text is not overwritten.
+        std::fs::write(&path, [0xff, 0xfe, 0x00]).unwrap();
+        assert!(write_report(&path, "Measured third.\n").is_err());
+        assert_eq!(std::fs::read(&path).unwrap(), [0xff, 0xfe, 0x00]);
     }
 }
