@@ -14,7 +14,7 @@ use bytes::BytesMut;
 use iop_proto_core::wire::FrameDecoder;
 use iop_proto_core::{ConnId, Peer};
 use iop_shell_common::logging::LogLimiter;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadHalf, WriteHalf};
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
@@ -182,27 +182,30 @@ async fn connection(
     }
     match tls {
         None => {
-            run_link(
-                stream,
+            let (reader, writer) = tokio::io::split(stream);
+            let link = Link {
                 conn,
-                true,
+                plaintext: true,
                 outbox,
                 frame_limit,
                 closer,
-                &shared,
-            )
-            .await
-        }
-        // Boxed: a TLS session is several KiB, and a plaintext connection's task should
-        // not carry room for one for its whole life.
-        Some(acceptor) => Box::pin(async {
-            let handshake = tokio::select! {
-                () = closer.cancelled() => None,
-                () = shared.shutdown.cancelled() => None,
-                done = tokio::time::timeout(shared.handshake_timeout, acceptor.accept(stream)) => Some(done),
             };
-            match handshake {
-                None => {}
+            run_link(reader, writer, link, &shared).await;
+        }
+        Some(acceptor) => {
+            // Boxed and freed once done: a handshake in flight is several KiB that an
+            // idle node's task should not carry for its whole life.
+            let handshake = Box::pin(async {
+                tokio::select! {
+                    () = closer.cancelled() => None,
+                    () = shared.shutdown.cancelled() => None,
+                    done = tokio::time::timeout(shared.handshake_timeout, acceptor.accept(stream)) => Some(done),
+                }
+            });
+            // The handshake's result is a temporary consumed here, before the link's first
+            // await, so that the task keeps no room for a second session.
+            let halves = match handshake.await {
+                None => None,
                 Some(Ok(Ok(stream))) => {
                     let session = stream.get_ref().1;
                     let identities = session
@@ -219,39 +222,50 @@ async fn connection(
                         tls: version,
                         identities,
                     };
-                    if shared.core.send(secured).is_ok() {
-                        run_link(
-                            stream,
-                            conn,
-                            false,
-                            outbox,
-                            frame_limit,
-                            closer,
-                            &shared,
-                        )
-                        .await;
-                    }
+                    // Split at once: the session lives behind the halves' one Arc.
+                    shared
+                        .core
+                        .send(secured)
+                        .is_ok()
+                        .then(|| tokio::io::split(stream))
                 }
-                Some(Ok(Err(err))) => handshake_failed(&shared, &handshake_errors, addr, &err),
-                Some(Err(_)) => handshake_failed(&shared, &handshake_errors, addr, &"timed out"),
+                Some(Ok(Err(err))) => {
+                    handshake_failed(&shared, &handshake_errors, addr, &err);
+                    None
+                }
+                Some(Err(_)) => {
+                    handshake_failed(&shared, &handshake_errors, addr, &"timed out");
+                    None
+                }
+            };
+            if let Some((reader, writer)) = halves {
+                let link = Link {
+                    conn,
+                    plaintext: false,
+                    outbox,
+                    frame_limit,
+                    closer,
+                };
+                run_link(reader, writer, link, &shared).await;
             }
-        })
-        .await,
+        }
     }
     let _ = shared.core.send(CoreMsg::ConnClosed { conn });
 }
 
-/// Reads frames into the core and writes what the core sends, until either side ends.
-#[allow(clippy::too_many_arguments)]
-async fn run_link<S>(
-    stream: S,
+/// One node connection as its reader sees it.
+struct Link {
     conn: ConnId,
+    /// No TLS: a ClientHello on it is a misconfigured node, said so.
     plaintext: bool,
     outbox: Arc<Outbox>,
     frame_limit: Arc<AtomicUsize>,
     closer: CancellationToken,
-    shared: &Listener,
-) where
+}
+
+/// Reads frames into the core and writes what the core sends, until either side ends.
+async fn run_link<S>(mut reader: ReadHalf<S>, writer: WriteHalf<S>, link: Link, shared: &Listener)
+where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
     let Listener {
@@ -260,7 +274,13 @@ async fn run_link<S>(
         shutdown,
         ..
     } = shared;
-    let (mut reader, writer) = tokio::io::split(stream);
+    let Link {
+        conn,
+        plaintext,
+        outbox,
+        frame_limit,
+        closer,
+    } = link;
     tokio::spawn(outbox.run(Box::pin(writer)));
     let mut decoder = FrameDecoder::with_max_frame_len(frame_limit.load(Ordering::Relaxed));
     // The read buffer follows the traffic: an idle node (heartbeats only) holds 1 KiB
