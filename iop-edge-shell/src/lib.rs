@@ -18,6 +18,7 @@ pub mod memory;
 pub mod metrics;
 pub mod nodes;
 pub mod outbox;
+pub mod tls_link;
 
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};

@@ -16,13 +16,13 @@ use iop_proto_core::{ConnId, Peer};
 use iop_shell_common::logging::LogLimiter;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadHalf, WriteHalf};
 use tokio::net::TcpListener;
-use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::driver::{Core, CoreMsg};
 use crate::metrics::Metrics;
 use crate::outbox::Outbox;
+use crate::tls_link::TlsLink;
 
 /// A listener's TLS, replaceable at run time (SIGHUP reloads the certificate). `None`
 /// means plaintext, which the node listener only allows when asked explicitly.
@@ -64,10 +64,7 @@ pub async fn serve(listener: TcpListener, shared: Listener) {
                 next += 1;
                 debug!(conn = conn.0, %peer, "node connection accepted");
                 let _ = stream.set_nodelay(true);
-                let tls = shared
-                    .tls
-                    .read()
-                    .map_or(None, |tls| tls.clone().map(TlsAcceptor::from));
+                let tls = shared.tls.read().map_or(None, |tls| tls.clone());
                 let shared = shared.clone();
                 let handshake_errors = handshake_errors.clone();
                 tokio::spawn(connection(
@@ -153,7 +150,7 @@ async fn connection(
     stream: tokio::net::TcpStream,
     addr: SocketAddr,
     conn: ConnId,
-    tls: Option<TlsAcceptor>,
+    tls: Option<Arc<rustls::ServerConfig>>,
     shared: Listener,
     handshake_errors: Arc<LogLimiter>,
 ) {
@@ -192,14 +189,14 @@ async fn connection(
             };
             run_link(reader, writer, link, &shared).await;
         }
-        Some(acceptor) => {
+        Some(config) => {
             // Boxed and freed once done: a handshake in flight is several KiB that an
             // idle node's task should not carry for its whole life.
             let handshake = Box::pin(async {
                 tokio::select! {
                     () = closer.cancelled() => None,
                     () = shared.shutdown.cancelled() => None,
-                    done = tokio::time::timeout(shared.handshake_timeout, acceptor.accept(stream)) => Some(done),
+                    done = tokio::time::timeout(shared.handshake_timeout, TlsLink::accept(stream, config)) => Some(done),
                 }
             });
             // The handshake's result is a temporary consumed here, before the link's first
@@ -207,7 +204,7 @@ async fn connection(
             let halves = match handshake.await {
                 None => None,
                 Some(Ok(Ok(stream))) => {
-                    let session = stream.get_ref().1;
+                    let session = stream.session();
                     let identities = session
                         .peer_certificates()
                         .and_then(|chain| chain.first())
