@@ -462,6 +462,12 @@ mod tests {
     use tokio::net::TcpListener;
 
     fn configs() -> (Arc<ServerConfig>, tokio_rustls::TlsConnector) {
+        configs_for(&[&rustls::version::TLS13, &rustls::version::TLS12])
+    }
+
+    fn configs_for(
+        client_versions: &[&'static rustls::SupportedProtocolVersion],
+    ) -> (Arc<ServerConfig>, tokio_rustls::TlsConnector) {
         let key = rcgen::KeyPair::generate().unwrap();
         let cert = rcgen::CertificateParams::new(vec!["localhost".to_owned()])
             .unwrap()
@@ -479,7 +485,7 @@ mod tests {
         let mut roots = rustls::RootCertStore::empty();
         roots.add(der).unwrap();
         let client = rustls::ClientConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
+            .with_protocol_versions(client_versions)
             .unwrap()
             .with_root_certificates(roots)
             .with_no_client_auth();
@@ -490,7 +496,12 @@ mod tests {
     }
 
     async fn pair() -> (TlsLink, tokio_rustls::client::TlsStream<TcpStream>) {
-        let (server, connector) = configs();
+        pair_with(configs()).await
+    }
+
+    async fn pair_with(
+        (server, connector): (Arc<ServerConfig>, tokio_rustls::TlsConnector),
+    ) -> (TlsLink, tokio_rustls::client::TlsStream<TcpStream>) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let client = tokio::spawn(async move {
@@ -558,6 +569,24 @@ mod tests {
             client.read_exact(&mut back).await.unwrap();
             assert_eq!(back, [round + 10; 50]);
         }
+    }
+
+    #[tokio::test]
+    async fn a_tls_1_2_node_is_served_too() {
+        let (mut link, mut client) = pair_with(configs_for(&[&rustls::version::TLS12])).await;
+        assert_eq!(
+            link.session().protocol_version(),
+            Some(rustls::ProtocolVersion::TLSv1_2)
+        );
+        client.write_all(&[7; 40_000]).await.unwrap();
+        let mut got = vec![0; 40_000];
+        link.read_exact(&mut got).await.unwrap();
+        assert!(got.iter().all(|&b| b == 7));
+        link.write_all(b"ok").await.unwrap();
+        link.flush().await.unwrap();
+        let mut back = [0; 2];
+        client.read_exact(&mut back).await.unwrap();
+        assert_eq!(&back, b"ok");
     }
 
     #[tokio::test]
