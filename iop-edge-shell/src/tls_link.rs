@@ -70,6 +70,7 @@ fn tls_error(err: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> io::Er
 }
 
 /// What one pass over the received bytes asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Next {
     /// The handshake is done and every complete record is processed.
     Traffic,
@@ -377,12 +378,6 @@ impl AsyncRead for TlsLink {
                 }
             }
         }
-    }
-}
-
-impl PartialEq for Next {
-    fn eq(&self, other: &Self) -> bool {
-        std::mem::discriminant(self) == std::mem::discriminant(other)
     }
 }
 
