@@ -17,14 +17,12 @@ const KEEP_SLOTS: usize = 8;
 /// A new queue's two ends.
 #[must_use]
 pub fn inbox<T>() -> (Outlet<T>, Inbox<T>) {
-    let shared = Arc::new(Shared {
-        state: Mutex::new(State {
-            items: VecDeque::new(),
-            waker: None,
-            outlet_gone: false,
-            inbox_gone: false,
-        }),
-    });
+    let shared = Arc::new(Shared(Mutex::new(State {
+        items: VecDeque::new(),
+        waker: None,
+        outlet_gone: false,
+        inbox_gone: false,
+    })));
     (
         Outlet {
             shared: shared.clone(),
@@ -33,14 +31,21 @@ pub fn inbox<T>() -> (Outlet<T>, Inbox<T>) {
     )
 }
 
-struct Shared<T> {
-    state: Mutex<State<T>>,
-}
+struct Shared<T>(Mutex<State<T>>);
 
 impl<T> Shared<T> {
     fn lock(&self) -> MutexGuard<'_, State<T>> {
         // Nothing panics under this lock; a poisoned queue is still a queue.
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Wakes the waiting reader, if any, after letting go of the lock.
+fn wake_reader<T>(mut state: MutexGuard<'_, State<T>>) {
+    let waker = state.waker.take();
+    drop(state);
+    if let Some(waker) = waker {
+        waker.wake();
     }
 }
 
@@ -71,11 +76,7 @@ impl<T> Outlet<T> {
             return Err(item);
         }
         state.items.push_back(item);
-        let waker = state.waker.take();
-        drop(state);
-        if let Some(waker) = waker {
-            waker.wake();
-        }
+        wake_reader(state);
         Ok(())
     }
 }
@@ -84,11 +85,7 @@ impl<T> Drop for Outlet<T> {
     fn drop(&mut self) {
         let mut state = self.shared.lock();
         state.outlet_gone = true;
-        let waker = state.waker.take();
-        drop(state);
-        if let Some(waker) = waker {
-            waker.wake();
-        }
+        wake_reader(state);
     }
 }
 

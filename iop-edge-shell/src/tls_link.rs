@@ -22,7 +22,9 @@ use std::task::{Context, Poll, Waker, ready};
 use std::time::Duration;
 
 use rustls::server::{ServerConfig, ServerConnectionData, UnbufferedServerConnection};
-use rustls::unbuffered::{ConnectionState, EncodeError, EncryptError, InsufficientSizeError};
+use rustls::unbuffered::{
+    ConnectionState, EncodeError, EncryptError, InsufficientSizeError, WriteTraffic,
+};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
@@ -240,18 +242,31 @@ impl TlsLink {
 
     /// Encrypts `data` into `outgoing` as application data.
     fn encrypt(&mut self, data: &[u8]) -> io::Result<()> {
+        // Room for the records' headers and tags, so one pass does.
+        let room = data.len() + 64 * (data.len() / (16 << 10) + 1);
+        self.write_traffic(room, |write, buf| write.encrypt(data, buf))
+    }
+
+    /// Brings rustls to its write state and lets `write` put records into `outgoing`
+    /// (about `room` bytes of them): application data or close_notify.
+    fn write_traffic(
+        &mut self,
+        room: usize,
+        mut write: impl FnMut(
+            &mut WriteTraffic<'_, ServerConnectionData>,
+            &mut [u8],
+        ) -> Result<usize, EncryptError>,
+    ) -> io::Result<()> {
         // rustls reaches its write state within a pass or two; more is a bug, not a loop.
         for _ in 0..8 {
             let status = self.conn.process_tls_records(&mut self.incoming);
             let discard = status.discard;
             let had = self.plain.len() - self.plain_at;
             let next = match status.state.map_err(tls_error)? {
-                ConnectionState::WriteTraffic(mut write) => {
+                ConnectionState::WriteTraffic(mut traffic) => {
                     let mut failed = None;
-                    // Room for the records' headers and tags, so one pass does.
-                    let room = data.len() + 64 * (data.len() / (16 << 10) + 1);
                     append(&mut self.outgoing, room, |buf| {
-                        match write.encrypt(data, buf) {
+                        match write(&mut traffic, buf) {
                             Ok(n) => Ok(n),
                             Err(EncryptError::InsufficientSize(size)) => Err(size),
                             Err(err) => {
@@ -432,17 +447,9 @@ impl AsyncWrite for TlsLink {
         ready!(this.poll_send(cx))?;
         if !this.closing {
             this.closing = true;
-            let status = this.conn.process_tls_records(&mut this.incoming);
-            let discard = status.discard;
-            if let Ok(ConnectionState::WriteTraffic(mut write)) = status.state {
-                append(&mut this.outgoing, 64, |buf| {
-                    match write.queue_close_notify(buf) {
-                        Err(EncryptError::InsufficientSize(size)) => Err(size),
-                        other => Ok(other.unwrap_or(0)),
-                    }
-                });
-            }
-            this.incoming.drain(..discard);
+            // A session that cannot say close_notify any more (the peer closed both
+            // ways, or it failed) still closes its socket.
+            let _ = this.write_traffic(64, |write, buf| write.queue_close_notify(buf));
         }
         ready!(this.poll_send(cx))?;
         Pin::new(&mut this.io).poll_shutdown(cx)

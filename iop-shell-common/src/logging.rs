@@ -222,7 +222,7 @@ impl tracing_subscriber::fmt::time::FormatTime for Clock {
         }
         let mut line = [0u8; 27];
         line[..20].copy_from_slice(&prefix);
-        digits(&mut line[20..26], now.subsec_micros());
+        digits(&mut line[20..26], now.subsec_micros().into());
         line[26] = b'Z';
         // Only ASCII digits and punctuation were written.
         w.write_str(std::str::from_utf8(&line).map_err(|_| std::fmt::Error)?)
@@ -247,7 +247,8 @@ fn second_prefix(secs: u64) -> Option<[u8; 20]> {
         return None;
     }
     let mut out = *b"0000-00-00T00:00:00.";
-    let n = |v: i64| u32::try_from(v).unwrap_or(0);
+    let n = |v: i64| u64::try_from(v).unwrap_or(0);
+    let of_day = u64::from(of_day);
     digits(&mut out[0..4], n(year));
     digits(&mut out[5..7], n(month));
     digits(&mut out[8..10], n(day));
@@ -258,7 +259,7 @@ fn second_prefix(secs: u64) -> Option<[u8; 20]> {
 }
 
 /// `value`'s last `out.len()` decimal digits, zero-padded.
-fn digits(out: &mut [u8], mut value: u32) {
+fn digits(out: &mut [u8], mut value: u64) {
     for slot in out.iter_mut().rev() {
         *slot = b'0' + (value % 10) as u8;
         value /= 10;
@@ -395,18 +396,12 @@ impl tracing::field::Visit for TextVisitor<'_> {
     }
 }
 
-/// `value` in decimal, written into the end of `buf`.
-fn decimal(buf: &mut [u8; 20], mut value: u64) -> &str {
-    let mut at = buf.len();
-    loop {
-        at -= 1;
-        buf[at] = b'0' + (value % 10) as u8;
-        value /= 10;
-        if value == 0 {
-            break;
-        }
-    }
-    std::str::from_utf8(&buf[at..]).unwrap_or("?")
+/// `value` in decimal, written into the end of `buf` (20 digits hold any `u64`).
+fn decimal(buf: &mut [u8; 20], value: u64) -> &str {
+    let len = value.checked_ilog10().map_or(1, |log| log as usize + 1);
+    let out = &mut buf[20 - len..];
+    digits(out, value);
+    std::str::from_utf8(out).unwrap_or("?")
 }
 
 /// Bounds the log lines one noisy source writes: at most `burst` lines per `interval`,

@@ -397,15 +397,24 @@ async fn handle(
     };
     let run_id = iop_proto_core::edge::run_id_of(request);
     let responder = Responder::new(ResponseOptions::new(&asked, &run_id, now_secs()));
-    respond(
+    // The timer moves from the body's deadline to the response's (or an earlier
+    // keep-alive comment).
+    let now = Instant::now();
+    let deadline = started + settings.response_timeout;
+    let keepalive = settings.sse_keepalive;
+    timer.as_mut().reset((now + keepalive).min(deadline));
+    respond(Box::new(Live {
         events,
         responder,
         guard,
-        (started + settings.response_timeout, timer),
-        settings.sse_keepalive,
         finish,
-        permit,
-    )
+        deadline,
+        timer,
+        last_activity: now,
+        keepalive,
+        recorded: false,
+        _permit: permit,
+    }))
     .await
 }
 
@@ -554,29 +563,7 @@ impl http_body::Body for Live {
 
 /// Polls `live` until the response head: a whole response is returned as it is; a head
 /// becomes a response whose body is `live` itself.
-async fn respond(
-    events: Events,
-    responder: Responder,
-    guard: CancelGuard,
-    (deadline, mut timer): (Instant, Pin<Box<Sleep>>),
-    keepalive: Duration,
-    finish: Finish,
-    permit: tokio::sync::OwnedSemaphorePermit,
-) -> Response<ResBody> {
-    let now = Instant::now();
-    timer.as_mut().reset((now + keepalive).min(deadline));
-    let mut live = Box::new(Live {
-        events,
-        responder,
-        guard,
-        finish,
-        deadline,
-        timer,
-        last_activity: now,
-        keepalive,
-        recorded: false,
-        _permit: permit,
-    });
+async fn respond(mut live: Box<Live>) -> Response<ResBody> {
     loop {
         match std::future::poll_fn(|cx| live.poll_out(cx)).await {
             Some(Out::Whole { status, body }) => {

@@ -8,7 +8,7 @@ use super::connector::ProviderConnector;
 pub use super::pool::HttpClient;
 use super::pool::{ClientError, Origin, ProviderBody};
 use bytes::Bytes;
-use http::{HeaderName, HeaderValue, Method, Request, Uri};
+use http::{HeaderName, HeaderValue, Method, Request};
 use hyper_util::client::legacy::connect::HttpConnector;
 use iop_proto_core::wire::{Header, ProviderHealth};
 
@@ -88,26 +88,6 @@ pub fn forwardable(name: &str) -> bool {
     !HOP_BY_HOP.contains(&lower.as_str())
 }
 
-/// Parses and normalises an adapter base URL (`http://host:port[/prefix]`); the config
-/// it comes in was validated by the core (no credentials in it, among the rest).
-pub fn base_url(url: &str) -> Result<String, String> {
-    let uri: Uri = url
-        .parse()
-        .map_err(|err| format!("base_url {url:?}: {err}"))?;
-    match uri.scheme_str() {
-        Some("http" | "https") => {}
-        _ => {
-            return Err(format!(
-                "base_url {url:?} must start with http:// or https://"
-            ));
-        }
-    }
-    if uri.authority().is_none() {
-        return Err(format!("base_url {url:?} has no host"));
-    }
-    Ok(url.trim_end_matches('/').to_owned())
-}
-
 fn parse_method(method: &str) -> Result<Method, String> {
     Method::from_bytes(method.as_bytes()).map_err(|_| format!("invalid method {method:?}"))
 }
@@ -149,11 +129,13 @@ pub struct Upstream {
 }
 
 impl Upstream {
-    /// The provider at `base_url` (validated as [`base_url`] does), called with `api_key`;
-    /// a key that cannot be sent in a header is refused here, with the adapter's config.
-    pub fn new(base: &str, api_key: &str) -> Result<Self, String> {
-        let base = base_url(base)?;
-        let origin = Origin::parse(&base).map_err(|err| err.to_string())?;
+    /// The provider at `base_url` (`http(s)://host[:port][/prefix]`, which the core
+    /// validated with the adapter's config), called with `api_key`; a URL or a key that
+    /// cannot be sent is refused here, with the config, not on the first request.
+    pub fn new(base_url: &str, api_key: &str) -> Result<Self, String> {
+        let origin = Origin::parse(base_url).map_err(|_| {
+            format!("base_url {base_url:?} must be http(s)://host[:port][/path], without a query")
+        })?;
         let auth = (!api_key.is_empty()).then(|| bearer(api_key)).transpose()?;
         Ok(Upstream { origin, auth })
     }

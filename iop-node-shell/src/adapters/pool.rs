@@ -347,10 +347,14 @@ pub struct Origin {
 }
 
 impl Origin {
-    /// The origin of an `http://` or `https://` base URL (a trailing `/` is dropped).
+    /// The origin of an `http://` or `https://` base URL (a trailing `/` is dropped; a
+    /// query cannot prefix a path and is refused).
     pub fn parse(base_url: &str) -> Result<Self, ClientError> {
         let bad = || ClientError::Url(base_url.to_owned());
         let uri: Uri = base_url.trim_end_matches('/').parse().map_err(|_| bad())?;
+        if uri.query().is_some() {
+            return Err(bad());
+        }
         let scheme = uri.scheme().ok_or_else(bad)?;
         if *scheme != Scheme::HTTP && *scheme != Scheme::HTTPS {
             return Err(bad());
@@ -687,5 +691,6 @@ mod tests {
         assert!(origin.target("/a\r\nHost: evil").is_err());
         assert!(Origin::parse("ftp://h/").is_err());
         assert!(Origin::parse("/relative").is_err());
+        assert!(Origin::parse("http://h/v1?key=x").is_err());
     }
 }
