@@ -299,7 +299,10 @@ struct TextVisitor<'w> {
 /// Whether `text` can be written as it is: no quote, backslash or control character
 /// (C0, DEL, C1), so it can neither break the line's syntax nor drive a terminal.
 fn plain(text: &str) -> bool {
-    !text.chars().any(|c| c == '"' || c == '\\' || control(c))
+    // Printable ASCII decides most values without decoding a character.
+    text.bytes()
+        .all(|b| (b' '..0x7f).contains(&b) && b != b'"' && b != b'\\')
+        || !text.chars().any(|c| c == '"' || c == '\\' || control(c))
 }
 
 fn control(c: char) -> bool {
@@ -351,7 +354,9 @@ impl tracing::field::Visit for TextVisitor<'_> {
             if field.name() == "message" {
                 Message(&mut self.writer).write_str(value)
             } else if plain(value) {
-                write!(self.writer, "\"{value}\"")
+                self.writer.write_char('"')?;
+                self.writer.write_str(value)?;
+                self.writer.write_char('"')
             } else {
                 write!(self.writer, "{value:?}")
             }
@@ -381,6 +386,19 @@ impl tracing::field::Visit for TextVisitor<'_> {
         });
     }
 
+    fn record_f64(&mut self, field: &tracing::field::Field, value: f64) {
+        if self.result.is_err() {
+            return;
+        }
+        let mut buf = [0u8; 32];
+        self.result = self
+            .name(field)
+            .and_then(|()| match thousandths(&mut buf, value) {
+                Some(text) => self.writer.write_str(text),
+                None => write!(self.writer, "{value:?}"),
+            });
+    }
+
     fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
         use std::fmt::Write;
         if self.result.is_err() {
@@ -394,6 +412,45 @@ impl tracing::field::Visit for TextVisitor<'_> {
             }
         });
     }
+}
+
+/// `value` as `{value:?}` writes it, when it is a whole number of thousandths below a
+/// billion (the log lines' milliseconds to the microsecond); `None` for any other value.
+/// Below 10^9 an f64 tells apart every two thousandths, so the digits that name the
+/// thousandth are the shortest that read back as `value`, which is what `Debug` writes.
+fn thousandths(buf: &mut [u8; 32], value: f64) -> Option<&str> {
+    let magnitude = value.abs();
+    // NaN and the infinities fail this too.
+    if !value.is_finite() || magnitude >= 1e9 {
+        return None;
+    }
+    let scaled = (magnitude * 1000.0).round();
+    if scaled / 1000.0 != magnitude {
+        return None;
+    }
+    // In range by the check above: below 10^12.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let n = scaled as u64;
+    let mut digits_buf = [0u8; 20];
+    let whole = decimal(&mut digits_buf, n / 1000);
+    let mut len = 0;
+    let mut put = |bytes: &[u8]| {
+        buf[len..len + bytes.len()].copy_from_slice(bytes);
+        len += bytes.len();
+    };
+    if value.is_sign_negative() {
+        put(b"-");
+    }
+    put(whole.as_bytes());
+    put(b".");
+    let mut fraction = [0u8; 3];
+    digits(&mut fraction, n % 1000);
+    let keep = fraction
+        .iter()
+        .rposition(|&d| d != b'0')
+        .map_or(1, |at| at + 1);
+    put(&fraction[..keep]);
+    std::str::from_utf8(&buf[..len]).ok()
 }
 
 /// `value` in decimal, written into the end of `buf` (20 digits hold any `u64`).
@@ -508,6 +565,8 @@ mod tests {
                 node = "n1",
                 status = 200u16,
                 queue_ms = 0.15,
+                ttfb_ms = -1.0,
+                ratio = 1.0 / 3.0,
                 prompt_tokens = Some(17u64),
                 r#type = "chat",
                 lo = u64::MIN,
@@ -521,10 +580,65 @@ mod tests {
         assert_eq!(
             ours,
             "request request_id=\"trace-4f1c\" caller=api_keys[0] node=\"n1\" status=200 \
-             queue_ms=0.15 prompt_tokens=17 type=\"chat\" lo=0 hi=18446744073709551615 \
+             queue_ms=0.15 ttfb_ms=-1.0 ratio=0.3333333333333333 prompt_tokens=17 type=\"chat\" lo=0 hi=18446744073709551615 \
              neg=-9223372036854775808 pos=42"
         );
         assert_eq!(ours, line(false, log));
+    }
+
+    #[test]
+    fn thousandths_read_as_debug_writes_them() {
+        let mut values = vec![
+            0.0,
+            -0.0,
+            1.0,
+            -1.0,
+            0.001,
+            0.01,
+            0.1,
+            0.15,
+            0.5,
+            1.5,
+            12.345,
+            999.999,
+            1000.0,
+            123_456.789,
+            999_999_999.999,
+            1e9,
+            1e12,
+            1e16,
+            1e-4,
+            0.0005,
+            1.0 / 3.0,
+            f64::NAN,
+            f64::INFINITY,
+            f64::NEG_INFINITY,
+            f64::MAX,
+            f64::MIN_POSITIVE,
+        ];
+        // Every microsecond count a log line gives as milliseconds, spread over 2^40.
+        let mut micros = 1u64;
+        while micros < 1 << 40 {
+            for n in [micros, micros + 7, micros * 3 + 1] {
+                values.push(n as f64 / 1e3);
+            }
+            micros = micros * 5 / 4 + 1;
+        }
+        for value in values {
+            let mut buf = [0u8; 32];
+            let debug = format!("{value:?}");
+            if let Some(text) = thousandths(&mut buf, value) {
+                assert_eq!(text, debug, "{value}");
+            } else {
+                assert!(
+                    !value.is_finite() || value.abs() >= 1e9 || (value * 1e3).fract() != 0.0,
+                    "{debug}"
+                );
+            }
+        }
+        let mut buf = [0u8; 32];
+        assert_eq!(thousandths(&mut buf, 2.5), Some("2.5"));
+        assert_eq!(thousandths(&mut buf, 1.0 / 3.0), None);
     }
 
     #[test]
