@@ -746,7 +746,8 @@ impl Task {
             return;
         };
         self.metrics
-            .queue_wait(&entry.model, entry.submitted.elapsed());
+            .model(&entry.model)
+            .queue_wait(entry.submitted.elapsed());
         let Some(work) = entry.work.take() else {
             return;
         };

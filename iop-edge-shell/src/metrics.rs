@@ -5,7 +5,8 @@
 //! Every label value comes from configuration or from a closed set (status codes,
 //! reasons), never from caller input: an unknown model is counted as `_unknown`.
 
-use std::sync::{Arc, LazyLock, Mutex};
+use std::collections::HashMap;
+use std::sync::{Arc, LazyLock, Mutex, OnceLock, RwLock};
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -88,6 +89,124 @@ struct Fleet {
     nodes_ready: Gauge,
 }
 
+/// The series one public model's requests record into, each looked up in its family the
+/// first time it is used and then held: a request's figures cost one lookup of its model
+/// instead of one per series (six, hashing up to three names each). A series appears in
+/// the exposition only once something was recorded into it, as with the families alone.
+#[derive(Debug)]
+pub struct ModelMetrics {
+    model: Arc<str>,
+    requests: Family<RequestLabels, Counter>,
+    tokens: Family<TokenLabels, Counter>,
+    /// Requests answered 200, the status nearly all of them have.
+    ok: OnceLock<Counter>,
+    latency: ModelHistogram,
+    ttfb: ModelHistogram,
+    queue_wait: ModelHistogram,
+    /// Prompt and completion token counters by node and adapter: one entry per adapter
+    /// that served the model, so a short list.
+    token_counters: Mutex<Vec<TokenCounters>>,
+}
+
+/// One model's histogram in its family, looked up on first use.
+#[derive(Debug)]
+struct ModelHistogram {
+    family: Histograms<ModelLabel>,
+    handle: OnceLock<Histogram>,
+}
+
+impl ModelHistogram {
+    fn new(family: &Histograms<ModelLabel>) -> Self {
+        ModelHistogram {
+            family: family.clone(),
+            handle: OnceLock::new(),
+        }
+    }
+
+    fn observe(&self, model: &Arc<str>, value: Duration) {
+        self.handle
+            .get_or_init(|| {
+                self.family
+                    .get_or_create(&ModelLabel {
+                        model: model.clone(),
+                    })
+                    .clone()
+            })
+            .observe(value.as_secs_f64());
+    }
+}
+
+#[derive(Debug)]
+struct TokenCounters {
+    node: Arc<str>,
+    provider: Arc<str>,
+    prompt: Counter,
+    completion: Counter,
+}
+
+impl ModelMetrics {
+    /// A finished HTTP request.
+    pub fn request(&self, status: u16, latency: Duration) {
+        let labels = || RequestLabels {
+            model: self.model.clone(),
+            status,
+        };
+        if status == 200 {
+            self.ok
+                .get_or_init(|| self.requests.get_or_create(&labels()).clone())
+                .inc();
+        } else {
+            self.requests.get_or_create(&labels()).inc();
+        }
+        self.latency.observe(&self.model, latency);
+    }
+
+    /// Time to the first response byte of a request.
+    pub fn first_byte(&self, ttfb: Duration) {
+        self.ttfb.observe(&self.model, ttfb);
+    }
+
+    /// Time a request waited for a lease.
+    pub fn queue_wait(&self, wait: Duration) {
+        self.queue_wait.observe(&self.model, wait);
+    }
+
+    /// Token usage a provider reported for one request.
+    pub fn tokens(&self, node: &Arc<str>, provider: &Arc<str>, prompt: u64, completion: u64) {
+        let mut counters = self
+            .token_counters
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let at = match counters
+            .iter()
+            .position(|c| c.node == *node && c.provider == *provider)
+        {
+            Some(at) => at,
+            None => {
+                let counter = |kind| {
+                    self.tokens
+                        .get_or_create(&TokenLabels {
+                            model: self.model.clone(),
+                            node: node.clone(),
+                            provider: provider.clone(),
+                            kind,
+                        })
+                        .clone()
+                };
+                counters.push(TokenCounters {
+                    node: node.clone(),
+                    provider: provider.clone(),
+                    prompt: counter("prompt"),
+                    completion: counter("completion"),
+                });
+                counters.len() - 1
+            }
+        };
+        counters[at].prompt.inc_by(prompt);
+        counters[at].completion.inc_by(completion);
+    }
+}
+
 /// Process-wide metrics. Counters are cheap to clone and share one value.
 #[derive(Debug)]
 pub struct Metrics {
@@ -100,6 +219,9 @@ pub struct Metrics {
     rejected: Family<ReasonLabel, Counter>,
     violations: Family<KindLabel, Counter>,
     fleet: Fleet,
+    /// Each public model's series (labels come from configuration or `_unknown`, so
+    /// the map is as small as the configured models).
+    models: RwLock<HashMap<Arc<str>, Arc<ModelMetrics>>>,
     /// Held while the fleet gauges are refreshed and the registry encoded, so two
     /// scrapes at once do not interleave.
     render: Mutex<()>,
@@ -241,6 +363,7 @@ impl Metrics {
             rejected,
             violations,
             fleet,
+            models: RwLock::default(),
             render: Mutex::new(()),
             node_connects,
             node_disconnects,
@@ -249,51 +372,34 @@ impl Metrics {
         }
     }
 
-    /// A finished HTTP request. Labels are shared strings: a request's metrics cost
-    /// lookups, not copies of its model, node and adapter names.
-    pub fn request(&self, model: &Arc<str>, status: u16, latency: Duration) {
-        self.requests
-            .get_or_create(&RequestLabels {
-                model: model.clone(),
-                status,
-            })
-            .inc();
-        self.latency
-            .get_or_create(&ModelLabel {
-                model: model.clone(),
-            })
-            .observe(latency.as_secs_f64());
-    }
-
-    /// Token usage a provider reported for one request (known models only: the labels
-    /// come from configuration, never from caller input).
-    pub fn tokens(
-        &self,
-        model: &Arc<str>,
-        node: &Arc<str>,
-        provider: &Arc<str>,
-        prompt: u64,
-        completion: u64,
-    ) {
-        for (kind, n) in [("prompt", prompt), ("completion", completion)] {
-            self.tokens
-                .get_or_create(&TokenLabels {
-                    model: model.clone(),
-                    node: node.clone(),
-                    provider: provider.clone(),
-                    kind,
-                })
-                .inc_by(n);
+    /// The series `model`'s requests record into.
+    #[must_use]
+    pub fn model(&self, model: &Arc<str>) -> Arc<ModelMetrics> {
+        if let Some(found) = self
+            .models
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(model)
+        {
+            return found.clone();
         }
-    }
-
-    /// Time to the first response byte of a request.
-    pub fn first_byte(&self, model: &Arc<str>, ttfb: Duration) {
-        self.ttfb
-            .get_or_create(&ModelLabel {
-                model: model.clone(),
+        self.models
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .entry(model.clone())
+            .or_insert_with(|| {
+                Arc::new(ModelMetrics {
+                    model: model.clone(),
+                    requests: self.requests.clone(),
+                    tokens: self.tokens.clone(),
+                    ok: OnceLock::new(),
+                    latency: ModelHistogram::new(&self.latency),
+                    ttfb: ModelHistogram::new(&self.ttfb),
+                    queue_wait: ModelHistogram::new(&self.queue_wait),
+                    token_counters: Mutex::default(),
+                })
             })
-            .observe(ttfb.as_secs_f64());
+            .clone()
     }
 
     /// A refused node registration, by reason.
@@ -304,15 +410,6 @@ impl Metrics {
     /// A protocol violation by a node, by kind.
     pub fn violation(&self, kind: &'static str) {
         self.violations.get_or_create(&KindLabel { kind }).inc();
-    }
-
-    /// Time a request for the configured `model` waited for a lease.
-    pub fn queue_wait(&self, model: &Arc<str>, wait: Duration) {
-        self.queue_wait
-            .get_or_create(&ModelLabel {
-                model: model.clone(),
-            })
-            .observe(wait.as_secs_f64());
     }
 
     /// The OpenMetrics text exposition, with the fleet gauges taken from `snapshot`.
@@ -374,18 +471,26 @@ mod tests {
     fn renders_openmetrics_with_our_names() {
         let m = Metrics::new();
         let (model, node, provider) = (Arc::from("mock-chat"), Arc::from("n1"), Arc::from("mock"));
-        m.request(&model, 200, Duration::from_millis(12));
-        m.request(&Arc::from("mock-chat"), 200, Duration::from_millis(30));
-        m.tokens(&model, &node, &provider, 5, 7);
-        m.queue_wait(&model, Duration::from_millis(3));
+        m.model(&model).request(200, Duration::from_millis(12));
+        // Another string with the same name records into the same series.
+        let again = m.model(&Arc::from("mock-chat"));
+        again.request(200, Duration::from_millis(30));
+        again.request(503, Duration::from_millis(1));
+        m.model(&model).tokens(&node, &provider, 5, 7);
+        again.tokens(&node, &provider, 1, 1);
+        again.tokens(&node, &Arc::from("other"), 2, 3);
+        m.model(&model).queue_wait(Duration::from_millis(3));
         m.rejected("throttled");
         m.frames_in.inc_by(4);
         let text = m.render(&Snapshot::default());
         for line in [
             "iop_http_requests_total{model=\"mock-chat\",status=\"200\"} 2",
-            "iop_http_request_duration_seconds_bucket{le=\"0.025\",model=\"mock-chat\"} 1",
-            "iop_http_request_duration_seconds_count{model=\"mock-chat\"} 2",
-            "iop_tokens_total{model=\"mock-chat\",node=\"n1\",provider=\"mock\",kind=\"completion\"} 7",
+            "iop_http_requests_total{model=\"mock-chat\",status=\"503\"} 1",
+            "iop_http_request_duration_seconds_bucket{le=\"0.025\",model=\"mock-chat\"} 2",
+            "iop_http_request_duration_seconds_count{model=\"mock-chat\"} 3",
+            "iop_tokens_total{model=\"mock-chat\",node=\"n1\",provider=\"mock\",kind=\"completion\"} 8",
+            "iop_tokens_total{model=\"mock-chat\",node=\"n1\",provider=\"mock\",kind=\"prompt\"} 6",
+            "iop_tokens_total{model=\"mock-chat\",node=\"n1\",provider=\"other\",kind=\"prompt\"} 2",
             "iop_queue_wait_seconds_count{model=\"mock-chat\"} 1",
             "iop_node_registrations_refused_total{reason=\"throttled\"} 1",
             "iop_node_frames_total{direction=\"in\"} 4",
@@ -399,5 +504,12 @@ mod tests {
                 "missing {line:?} in\n{text}"
             );
         }
+        // A series is shown once something was recorded into it, not before.
+        assert!(
+            !text.contains("iop_http_time_to_first_byte_seconds_count"),
+            "{text}"
+        );
+        let _unused = m.model(&Arc::from("quiet"));
+        assert!(!m.render(&Snapshot::default()).contains("quiet"));
     }
 }

@@ -78,22 +78,17 @@ impl Finish {
         if self.first_byte.is_none() {
             let ttfb = self.started.elapsed();
             self.first_byte = Some(ttfb);
-            self.metrics.first_byte(&self.model, ttfb);
+            self.metrics.model(&self.model).first_byte(ttfb);
         }
     }
 
     /// Records the request's figures and writes its one log line.
     fn done(&self, status: u16, usage: Option<&Usage>) {
         let duration = self.started.elapsed();
-        self.metrics.request(&self.model, status, duration);
+        let metrics = self.metrics.model(&self.model);
+        metrics.request(status, duration);
         if let (Some(u), Some((node, provider, _))) = (usage, &self.dispatched) {
-            self.metrics.tokens(
-                &self.model,
-                node,
-                provider,
-                u.prompt_tokens,
-                u.completion_tokens,
-            );
+            metrics.tokens(node, provider, u.prompt_tokens, u.completion_tokens);
         }
         let (node, provider, queued) = match &self.dispatched {
             Some((node, provider, at)) => (&**node, &**provider, Some(*at)),
