@@ -91,7 +91,8 @@ struct Fleet {
 
 /// The series one public model's requests record into, each looked up in its family the
 /// first time it is used and then held: a request's figures cost one lookup of its model
-/// instead of one per series (six, hashing up to three names each). A series appears in
+/// instead of one per series (six, hashing up to three names each), and its token
+/// counters one more. A series appears in
 /// the exposition only once something was recorded into it, as with the families alone.
 #[derive(Debug)]
 pub struct ModelMetrics {
@@ -103,9 +104,9 @@ pub struct ModelMetrics {
     latency: ModelHistogram,
     ttfb: ModelHistogram,
     queue_wait: ModelHistogram,
-    /// Prompt and completion token counters by node and adapter: one entry per adapter
-    /// that served the model, so a short list.
-    token_counters: Mutex<Vec<TokenCounters>>,
+    /// Prompt and completion token counters by node and adapter (both from
+    /// configuration), one lookup for the pair.
+    token_counters: Mutex<HashMap<NodeAdapter, TokenCounters>>,
 }
 
 /// One model's histogram in its family, looked up on first use.
@@ -136,10 +137,11 @@ impl ModelHistogram {
     }
 }
 
+/// A node id and one of its adapters' names.
+type NodeAdapter = (Arc<str>, Arc<str>);
+
 #[derive(Debug)]
 struct TokenCounters {
-    node: Arc<str>,
-    provider: Arc<str>,
     prompt: Counter,
     completion: Counter,
 }
@@ -177,12 +179,9 @@ impl ModelMetrics {
             .token_counters
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let at = match counters
-            .iter()
-            .position(|c| c.node == *node && c.provider == *provider)
-        {
-            Some(at) => at,
-            None => {
+        let pair = counters
+            .entry((node.clone(), provider.clone()))
+            .or_insert_with(|| {
                 let counter = |kind| {
                     self.tokens
                         .get_or_create(&TokenLabels {
@@ -193,17 +192,13 @@ impl ModelMetrics {
                         })
                         .clone()
                 };
-                counters.push(TokenCounters {
-                    node: node.clone(),
-                    provider: provider.clone(),
+                TokenCounters {
                     prompt: counter("prompt"),
                     completion: counter("completion"),
-                });
-                counters.len() - 1
-            }
-        };
-        counters[at].prompt.inc_by(prompt);
-        counters[at].completion.inc_by(completion);
+                }
+            });
+        pair.prompt.inc_by(prompt);
+        pair.completion.inc_by(completion);
     }
 }
 
