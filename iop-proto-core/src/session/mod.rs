@@ -22,6 +22,7 @@
 
 use crate::timer::{TimerTable, Wake};
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -87,8 +88,9 @@ pub struct NodeSession {
     pending_commands: HashSet<String>,
     gates: HashMap<String, CapacityGate>,
     work: HashMap<String, Work>,
-    finished: VecDeque<String>,
-    finished_set: HashSet<String>,
+    /// Finished run ids, oldest first, and the same ids for lookup (one allocation each).
+    finished: VecDeque<Arc<str>>,
+    finished_set: HashSet<Arc<str>>,
     transmits: VecDeque<NodeTransmit>,
     /// A local shutdown waits for cancelled work until this.
     draining: Option<Timestamp>,

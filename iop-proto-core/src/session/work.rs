@@ -36,7 +36,7 @@ impl NodeSession {
     }
 
     pub(super) fn finish(&mut self, run_id: &str) {
-        let Some(work) = self.work.remove(run_id) else {
+        let Some((run_id, work)) = self.work.remove_entry(run_id) else {
             return;
         };
         if let Some(gate) = self.gates.get_mut(&work.adapter) {
@@ -47,8 +47,9 @@ impl NodeSession {
         {
             self.finished_set.remove(&old);
         }
-        self.finished.push_back(run_id.to_owned());
-        self.finished_set.insert(run_id.to_owned());
+        let run_id: Arc<str> = run_id.into();
+        self.finished.push_back(run_id.clone());
+        self.finished_set.insert(run_id);
         // A shutdown waits for the last cancelled run to end in order.
         if self.draining.is_some() && self.work.is_empty() {
             self.close(SessionEnd::LocalShutdown);
@@ -178,7 +179,7 @@ impl NodeSession {
                 });
             }
             Some(_) => {}
-            None if self.finished_set.contains(&request.run_id) => {}
+            None if self.finished_set.contains(request.run_id.as_str()) => {}
             None => self.events.push_back(SessionEvent::CancelRejected {
                 run_id: request.run_id.clone(),
                 error: CancelError::UnknownRun,
