@@ -333,7 +333,7 @@ impl Cluster {
         let edge_config = dir.write("edge.toml", &text);
         let path = edge_config.to_string_lossy().into_owned();
         let edge = Proc::start("iop-edge", &["--config", &path], &dir, "edge", &[]);
-        let cluster = Cluster {
+        let mut cluster = Cluster {
             dir,
             http_port,
             node_port,
@@ -352,6 +352,12 @@ impl Cluster {
             ))
             .is_ok()),
             "edge did not listen: {}",
+            cluster.edge.log()
+        );
+        // Someone else's listener on the HTTP port would pass the check above.
+        assert!(
+            cluster.edge.running(),
+            "edge exited at start: {}",
             cluster.edge.log()
         );
         cluster

@@ -27,9 +27,23 @@ impl Rogue {
     pub async fn connect(cluster: &Cluster) -> Rogue {
         let connector =
             crate::client::connector_trusting(&cluster.dir.path().join("edge-cert.pem"));
-        let tcp = TcpStream::connect(("127.0.0.1", cluster.node_port))
-            .await
-            .expect("connect");
+        // The Edge binds its node listener before its HTTP one, which `Cluster::start`
+        // waited for; a refusal is retried briefly and then reported with the Edge's log.
+        let mut tries = 0;
+        let tcp = loop {
+            match TcpStream::connect(("127.0.0.1", cluster.node_port)).await {
+                Ok(tcp) => break tcp,
+                Err(_) if tries < 40 => {
+                    tries += 1;
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                }
+                Err(err) => panic!(
+                    "connect to the node port {}: {err}\n----- edge log -----\n{}",
+                    cluster.node_port,
+                    cluster.edge.log()
+                ),
+            }
+        };
         let name = rustls_pki_types::ServerName::try_from("localhost").expect("name");
         let stream = connector.connect(name, tcp).await.expect("handshake");
         let (mut reader, mut writer) = tokio::io::split(stream);
