@@ -92,8 +92,8 @@ struct Fleet {
 /// The series one public model's requests record into, each looked up in its family the
 /// first time it is used and then held: a request's figures cost one lookup of its model
 /// instead of one per series (six, hashing up to three names each), and its token
-/// counters one more. A series appears in
-/// the exposition only once something was recorded into it, as with the families alone.
+/// counters one more. A series appears in the exposition only once something was
+/// recorded into it, as with the families alone.
 #[derive(Debug)]
 pub struct ModelMetrics {
     model: Arc<str>,

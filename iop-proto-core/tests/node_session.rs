@@ -639,6 +639,52 @@ fn failed_apply_answers_failed() {
 }
 
 #[test]
+fn a_late_cancel_of_a_recently_finished_run_is_a_no_op_even_if_its_id_came_twice() {
+    let mut h = H::ready();
+    let finish = |h: &mut H, id: &str| {
+        h.run(id, "a", false);
+        let t = h.t();
+        h.s.handle_run_output(t, id, RunOutput::Start)
+            .expect("start");
+        h.s.handle_run_output(t, id, RunOutput::Error(ErrorDetail::default()))
+            .expect("end");
+    };
+    // The events a cancel of "r1" raises, once what came before is drained.
+    let cancel_r1 = |h: &mut H| {
+        h.events();
+        h.rx(Body::CancelRequest(CancelRequest {
+            run_id: "r1".into(),
+            kind: CancelKind::CancelRun as i32,
+            reason: String::new(),
+        }));
+        h.events()
+    };
+    // "r1" finishes twice, then 4,095 other runs: its second finish is among the last
+    // 4,096 the session remembers (a memory that counted the id twice would have
+    // forgotten it with its first finish).
+    finish(&mut h, "r1");
+    finish(&mut h, "r1");
+    for i in 0..4_095 {
+        finish(&mut h, &format!("x{i}"));
+    }
+    assert!(
+        cancel_r1(&mut h).is_empty(),
+        "r1 finished among the last 4,096 runs"
+    );
+    for i in 0..4_096 {
+        finish(&mut h, &format!("y{i}"));
+    }
+    assert_eq!(
+        cancel_r1(&mut h),
+        vec![SessionEvent::CancelRejected {
+            run_id: "r1".into(),
+            error: CancelError::UnknownRun
+        }],
+        "forgotten once 4,096 newer runs finished"
+    );
+}
+
+#[test]
 fn commands_outside_the_admitted_set_fail_before_any_lookup() {
     let mut h = H::ready();
     h.rx(Body::NodeCommandRequest(NodeCommandRequest {

@@ -47,9 +47,12 @@ impl NodeSession {
         {
             self.finished_set.remove(&old);
         }
+        // An id the Edge used again after it finished is remembered once, so the queue
+        // and the set stay the same ids and the oldest is forgotten first.
         let run_id: Arc<str> = run_id.into();
-        self.finished.push_back(run_id.clone());
-        self.finished_set.insert(run_id);
+        if self.finished_set.insert(run_id.clone()) {
+            self.finished.push_back(run_id);
+        }
         // A shutdown waits for the last cancelled run to end in order.
         if self.draining.is_some() && self.work.is_empty() {
             self.close(SessionEnd::LocalShutdown);
