@@ -14,8 +14,9 @@ use bytes::BytesMut;
 use iop_proto_core::wire::FrameDecoder;
 use iop_proto_core::{ConnId, Peer};
 use iop_shell_common::logging::LogLimiter;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadHalf, WriteHalf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadHalf};
 use tokio::net::TcpListener;
+use tokio::net::tcp::OwnedReadHalf;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
@@ -179,7 +180,7 @@ async fn connection(
     }
     match tls {
         None => {
-            let (reader, writer) = tokio::io::split(stream);
+            let (reader, writer) = stream.into_split();
             let link = Link {
                 conn,
                 plaintext: true,
@@ -260,10 +261,29 @@ struct Link {
     closer: CancellationToken,
 }
 
+/// A node connection's read side, which can wait for input without holding a buffer.
+trait LinkRead: AsyncRead + Unpin + Send {
+    /// Resolves once a read would find input or the end of the stream.
+    fn input_ready(&mut self) -> impl Future<Output = std::io::Result<()>> + Send;
+}
+
+impl LinkRead for OwnedReadHalf {
+    fn input_ready(&mut self) -> impl Future<Output = std::io::Result<()>> + Send {
+        self.readable()
+    }
+}
+
+impl LinkRead for ReadHalf<TlsLink> {
+    fn input_ready(&mut self) -> impl Future<Output = std::io::Result<()>> + Send {
+        TlsLink::input_ready(self)
+    }
+}
+
 /// Reads frames into the core and writes what the core sends, until either side ends.
-async fn run_link<S>(mut reader: ReadHalf<S>, writer: WriteHalf<S>, link: Link, shared: &Listener)
+async fn run_link<R, W>(mut reader: R, writer: W, link: Link, shared: &Listener)
 where
-    S: AsyncRead + AsyncWrite + Send + 'static,
+    R: LinkRead,
+    W: AsyncWrite + Send + 'static,
 {
     let Listener {
         core,
@@ -280,14 +300,27 @@ where
     } = link;
     tokio::spawn(outbox.run(Box::pin(writer)));
     let mut decoder = FrameDecoder::with_max_frame_len(frame_limit.load(Ordering::Relaxed));
-    // The read buffer follows the traffic: an idle node (heartbeats only) holds 1 KiB
-    // rather than a 16 KiB buffer nothing fills, a streaming one grows to 64 KiB reads.
+    // The read buffer follows the traffic: a streaming node's grows to 64 KiB reads, and
+    // one that has no room left is only taken once input is waiting, so an idle node
+    // (heartbeats only) holds no read buffer between them.
     let mut want = READ_MIN;
     let mut buf = BytesMut::new();
     let mut first = true;
     let mut progress_said = tokio::time::Instant::now();
     'read: loop {
-        buf.reserve(want);
+        if buf.capacity() < want {
+            buf = BytesMut::new();
+            let ready = tokio::select! {
+                () = closer.cancelled() => break,
+                () = shutdown.cancelled() => break,
+                ready = reader.input_ready() => ready,
+            };
+            if let Err(err) = ready {
+                debug!(conn = conn.0, %err, "node connection read failed");
+                break;
+            }
+            buf.reserve(want);
+        }
         let read = tokio::select! {
             () = closer.cancelled() => break,
             () = shutdown.cancelled() => break,

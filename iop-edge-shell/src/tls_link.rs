@@ -124,6 +124,12 @@ impl TlsLink {
         Ok(link)
     }
 
+    /// Waits until plaintext is ready to be read or the stream has ended, holding no
+    /// buffer for it meanwhile (an empty read; see the `AsyncRead` impl).
+    pub async fn input_ready<R: AsyncRead + Unpin>(reader: &mut R) -> io::Result<()> {
+        poll_fn(|cx| Pin::new(&mut *reader).poll_read(cx, &mut ReadBuf::new(&mut []))).await
+    }
+
     /// The session's rustls state: peer certificates, protocol version.
     pub fn session(&self) -> &rustls::CommonState {
         &self.conn
@@ -356,6 +362,9 @@ fn step(
     })
 }
 
+/// With an empty `buf`, `poll_read` waits without taking anything: it is ready once
+/// plaintext is waiting or the stream has ended, so a reader can wait for input before it
+/// takes a buffer for it (see `TlsLink::input_ready`).
 impl AsyncRead for TlsLink {
     fn poll_read(
         self: Pin<&mut Self>,
@@ -608,6 +617,28 @@ mod tests {
         assert_eq!(link.incoming.capacity(), 0);
         assert_eq!(link.plain.capacity(), 0);
         assert_eq!(link.outgoing.capacity(), 0);
+    }
+
+    #[tokio::test]
+    async fn waiting_for_input_takes_nothing_and_holds_no_buffer() {
+        let (link, mut client) = pair().await;
+        let (mut reader, _writer) = tokio::io::split(link);
+        let waiting =
+            tokio::time::timeout(Duration::from_millis(50), TlsLink::input_ready(&mut reader))
+                .await;
+        assert!(waiting.is_err(), "nothing was sent yet");
+        client.write_all(b"hello").await.unwrap();
+        client.flush().await.unwrap();
+        TlsLink::input_ready(&mut reader).await.unwrap();
+        // Ready again at once: the plaintext is still there, untouched.
+        TlsLink::input_ready(&mut reader).await.unwrap();
+        let mut got = [0; 5];
+        reader.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"hello");
+        client.shutdown().await.unwrap();
+        // The end of the stream is input too: the read that follows returns 0.
+        TlsLink::input_ready(&mut reader).await.unwrap();
+        assert_eq!(reader.read(&mut got).await.unwrap(), 0);
     }
 
     #[tokio::test]
