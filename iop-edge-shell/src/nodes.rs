@@ -300,31 +300,25 @@ where
     } = link;
     tokio::spawn(outbox.run(Box::pin(writer)));
     let mut decoder = FrameDecoder::with_max_frame_len(frame_limit.load(Ordering::Relaxed));
-    // The read buffer follows the traffic: a streaming node's grows to 64 KiB reads, and
-    // one that has no room left is only taken once input is waiting, so an idle node
-    // (heartbeats only) holds no read buffer between them.
+    // The read buffer follows the traffic (a streaming node's grows to 64 KiB reads), and
+    // a new one is taken only once input is waiting: an idle node (heartbeats only)
+    // holds no read buffer between them.
     let mut want = READ_MIN;
     let mut buf = BytesMut::new();
     let mut first = true;
     let mut progress_said = tokio::time::Instant::now();
     'read: loop {
-        if buf.capacity() < want {
-            buf = BytesMut::new();
-            let ready = tokio::select! {
-                () = closer.cancelled() => break,
-                () = shutdown.cancelled() => break,
-                ready = reader.input_ready() => ready,
-            };
-            if let Err(err) = ready {
-                debug!(conn = conn.0, %err, "node connection read failed");
-                break;
-            }
-            buf.reserve(want);
-        }
         let read = tokio::select! {
             () = closer.cancelled() => break,
             () = shutdown.cancelled() => break,
-            read = reader.read_buf(&mut buf) => read,
+            read = async {
+                if buf.capacity() < want {
+                    buf = BytesMut::new();
+                    reader.input_ready().await?;
+                    buf.reserve(want);
+                }
+                reader.read_buf(&mut buf).await
+            } => read,
         };
         match read {
             Ok(0) => {

@@ -25,7 +25,7 @@ use rustls::server::{ServerConfig, ServerConnectionData, UnbufferedServerConnect
 use rustls::unbuffered::{
     ConnectionState, EncodeError, EncryptError, InsufficientSizeError, WriteTraffic,
 };
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf, ReadHalf};
 use tokio::net::TcpStream;
 
 /// Bytes read from the socket at a time.
@@ -124,9 +124,9 @@ impl TlsLink {
         Ok(link)
     }
 
-    /// Waits until plaintext is ready to be read or the stream has ended, holding no
+    /// Waits until `reader` has plaintext to give or its stream has ended, holding no
     /// buffer for it meanwhile (an empty read; see the `AsyncRead` impl).
-    pub async fn input_ready<R: AsyncRead + Unpin>(reader: &mut R) -> io::Result<()> {
+    pub async fn input_ready(reader: &mut ReadHalf<Self>) -> io::Result<()> {
         poll_fn(|cx| Pin::new(&mut *reader).poll_read(cx, &mut ReadBuf::new(&mut []))).await
     }
 
