@@ -100,20 +100,20 @@ pub fn usage_of(value: &serde_json::Value) -> Option<Usage> {
     })
 }
 
-/// The `usage` member of a JSON object, read without building a tree of the rest.
+/// The `usage` member of a JSON object, read without building a tree of the rest: the
+/// top-level member is located by [`member_value`] and only its value is deserialised.
 #[must_use]
 pub fn usage_in(json: &[u8]) -> Option<Usage> {
+    use serde::Deserialize;
     #[derive(serde::Deserialize)]
     struct Counts {
         prompt_tokens: Option<u64>,
         completion_tokens: Option<u64>,
         total_tokens: Option<u64>,
     }
-    #[derive(serde::Deserialize)]
-    struct WithUsage {
-        usage: Option<Counts>,
-    }
-    let counts = serde_json::from_slice::<WithUsage>(json).ok()?.usage?;
+    let value = member_value(json, b"usage")?;
+    let mut de = serde_json::Deserializer::from_slice(value);
+    let counts = Option::<Counts>::deserialize(&mut de).ok()??;
     let (prompt, completion) = (
         counts.prompt_tokens.unwrap_or(0),
         counts.completion_tokens.unwrap_or(0),
@@ -125,13 +125,76 @@ pub fn usage_in(json: &[u8]) -> Option<Usage> {
     })
 }
 
+/// Where the value of the member `key` of the top-level JSON object starts (the rest of
+/// `json` from there), found by walking the text's structure: strings are skipped with
+/// `memchr`, nothing is decoded or allocated. `None` when `json` is not an object, has
+/// no such member, or ends first. A key is compared as written (`"usage"`, not an
+/// escaped spelling of it); text elsewhere is not validated, only walked.
+#[must_use]
+pub fn member_value<'a>(json: &'a [u8], key: &[u8]) -> Option<&'a [u8]> {
+    let skip_space = |mut at: usize| {
+        while json.get(at).is_some_and(u8::is_ascii_whitespace) {
+            at += 1;
+        }
+        at
+    };
+    let mut at = skip_space(0);
+    if json.get(at) != Some(&b'{') {
+        return None;
+    }
+    let mut depth = 0usize;
+    while let Some(&byte) = json.get(at) {
+        match byte {
+            b'"' => {
+                let start = at + 1;
+                // The closing quote: the first one no backslash escapes.
+                let mut end = start;
+                loop {
+                    end += memchr::memchr2(b'"', b'\\', json.get(end..)?)?;
+                    if json[end] == b'"' {
+                        break;
+                    }
+                    end += 2;
+                }
+                at = end + 1;
+                if depth == 1 {
+                    // Directly inside the top-level object, a string before `:` is a key.
+                    let colon = skip_space(at);
+                    if json.get(colon) == Some(&b':') {
+                        if &json[start..end] == key {
+                            return json.get(colon + 1..);
+                        }
+                        at = colon + 1;
+                    }
+                }
+            }
+            b'{' | b'[' => {
+                depth += 1;
+                at += 1;
+            }
+            b'}' | b']' => {
+                depth = depth.checked_sub(1)?;
+                if depth == 0 {
+                    return None;
+                }
+                at += 1;
+            }
+            _ => at += 1,
+        }
+    }
+    None
+}
+
 /// Watches a tunnel's response body for usage: the last SSE chunk carrying `usage`, or a
 /// JSON body's `usage` (bodies up to 8 MiB are inspected).
 #[derive(Debug)]
 pub struct UsageWatcher {
     sse: bool,
     lines: Lines,
-    json: Vec<u8>,
+    /// A JSON body as it arrived: its chunks are shared, not copied, and joined only
+    /// when there is more than one.
+    json: Vec<Bytes>,
+    json_len: usize,
     json_overflow: bool,
     usage: Option<Usage>,
 }
@@ -146,6 +209,7 @@ impl UsageWatcher {
             sse: content_type.starts_with("text/event-stream"),
             lines: Lines::default(),
             json: Vec::new(),
+            json_len: 0,
             json_overflow: !content_type.contains("json"),
             usage: None,
         }
@@ -159,11 +223,12 @@ impl UsageWatcher {
                 self.observe_line(&line);
             }
         } else if !self.json_overflow {
-            if self.json.len() + data.len() > MAX_JSON {
+            self.json_len += data.len();
+            if self.json_len > MAX_JSON {
                 self.json_overflow = true;
                 self.json = Vec::new();
             } else {
-                self.json.extend_from_slice(data);
+                self.json.push(data.clone());
             }
         }
     }
@@ -186,10 +251,11 @@ impl UsageWatcher {
             }
             return self.usage;
         }
-        if self.json_overflow {
-            return None;
+        match &self.json[..] {
+            _ if self.json_overflow => None,
+            [one] => usage_in(one),
+            chunks => usage_in(&chunks.concat()),
         }
-        usage_in(&self.json)
     }
 }
 
@@ -230,6 +296,35 @@ mod tests {
             b"data: {\"usage\":null}\n\ndata: {\"note\":\"\\\"usage\\\"\"}\n\n",
         ));
         assert_eq!(odd.finish(), None);
+    }
+
+    #[test]
+    fn only_the_top_level_usage_member_counts() {
+        let usage = |json: &str| usage_in(json.as_bytes()).map(|u| u.total_tokens);
+        // Nested objects, arrays and strings that spell the key do not count.
+        assert_eq!(
+            usage(
+                r#" { "choices": [{"usage": {"total_tokens": 1}}], "note": "\"usage\": {}",
+                "x\\": 1, "meta": {"usage": {"total_tokens": 2}}, "usage" : {"total_tokens": 9} }"#
+            ),
+            Some(9)
+        );
+        assert_eq!(usage(r#"{"a":{"usage":{"total_tokens":2}}}"#), None);
+        assert_eq!(usage(r#"[{"usage":{"total_tokens":2}}]"#), None);
+        assert_eq!(usage(r#"{"usage":null}"#), None);
+        assert_eq!(usage(r#"{"usage":"many"}"#), None);
+        // Cut short anywhere, it never reads past the end.
+        let whole = r#"{"id":"a\"b","usage":{"prompt_tokens":2,"completion_tokens":3}}"#;
+        for cut in 0..whole.len() {
+            let _ = usage(&whole[..cut]);
+        }
+        assert_eq!(usage(whole), Some(5));
+        // A body that arrived in pieces is read whole.
+        let mut json = UsageWatcher::new("application/json");
+        for piece in whole.as_bytes().chunks(7) {
+            json.push(&Bytes::copy_from_slice(piece));
+        }
+        assert_eq!(json.finish().map(|u| u.total_tokens), Some(5));
     }
 
     #[test]
