@@ -6,7 +6,7 @@
 //! else ever touches protocol state. The lock is never held across an `.await`, and nothing run
 //! under it takes it again.
 
-use std::collections::HashMap;
+use foldhash::{HashMap, HashMapExt};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

@@ -5,7 +5,7 @@
 //! Every label value comes from configuration or from a closed set (status codes,
 //! reasons), never from caller input: an unknown model is counted as `_unknown`.
 
-use std::collections::HashMap;
+use foldhash::HashMap;
 use std::sync::{Arc, LazyLock, Mutex, OnceLock, RwLock};
 use std::time::Duration;
 

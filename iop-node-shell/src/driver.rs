@@ -5,7 +5,7 @@
 //! another task; when too many bytes wait for the socket the driver stops taking adapter
 //! output (backpressure reaches the provider) but keeps reading.
 
-use std::collections::HashMap;
+use foldhash::{HashMap, HashMapExt};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;

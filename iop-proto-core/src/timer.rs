@@ -4,9 +4,10 @@
 //! table's earliest entry, and a [`Wake`] says which timer it is, so traces read
 //! `wakes at t=1500ms for liveness`.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::hash::Hash;
 
+use crate::idhash::IdMap;
 use crate::time::Timestamp;
 
 /// A timer key that can name itself in traces.
@@ -27,14 +28,14 @@ pub struct Wake {
 /// Deadlines by key, at most one per key.
 #[derive(Debug, Clone)]
 pub struct TimerTable<K> {
-    by_key: HashMap<K, Timestamp>,
+    by_key: IdMap<K, Timestamp>,
     by_time: BTreeSet<(Timestamp, K)>,
 }
 
 impl<K> Default for TimerTable<K> {
     fn default() -> Self {
         TimerTable {
-            by_key: HashMap::new(),
+            by_key: IdMap::default(),
             by_time: BTreeSet::new(),
         }
     }

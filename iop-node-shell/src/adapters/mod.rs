@@ -14,7 +14,7 @@ pub mod openai;
 pub mod pool;
 pub mod sse;
 
-use std::collections::HashMap;
+use foldhash::{HashMap, HashMapExt};
 use std::sync::Arc;
 use std::time::Duration;
 

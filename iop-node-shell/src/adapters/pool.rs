@@ -10,7 +10,7 @@
 //! first) and are checked for a close before they are reused; a request that a reused
 //! connection failed to take is sent once more on a new connection.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::future::{Future, poll_fn};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,6 +19,7 @@ use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use bytes::Bytes;
+use foldhash::{HashMap, HashMapExt};
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{HeaderValue, Request, Response, Uri};
 use hyper::body::{Body, Frame, SizeHint};

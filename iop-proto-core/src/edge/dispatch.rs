@@ -8,7 +8,7 @@ use super::*;
 pub(super) struct Pool {
     pub(super) ledger: Ledger,
     pub(super) resources: Vec<ResourceMeta>,
-    pub(super) models: HashMap<Arc<str>, Model>,
+    pub(super) models: IdMap<Arc<str>, Model>,
     pub(super) queue: WaitQueue,
 }
 

@@ -25,7 +25,7 @@
 //!   and the connection is closed.
 //! - Every accepted request ends exactly once with [`EdgeEvent::RequestEnded`].
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;

@@ -7,7 +7,7 @@ use super::*;
 #[derive(Debug)]
 pub(super) struct Registry {
     pub(super) nodes: Vec<NodeEntry>,
-    pub(super) node_index: HashMap<Arc<str>, usize>,
+    pub(super) node_index: IdMap<Arc<str>, usize>,
     pub(super) conns: IdMap<ConnId, Conn>,
     pub(super) throttle: AuthThrottle,
     pub(super) pending: PendingConnections,
@@ -28,7 +28,7 @@ impl Registry {
     pub(super) fn new(throttle: crate::guard::ThrottleLimits) -> Self {
         Registry {
             nodes: Vec::new(),
-            node_index: HashMap::new(),
+            node_index: IdMap::default(),
             conns: IdMap::default(),
             throttle: AuthThrottle::new(throttle),
             pending: PendingConnections::default(),
@@ -207,7 +207,7 @@ impl EdgeCore {
             }
             self.registry.nodes[i].spec = Some(spec.clone());
         }
-        let mut models = HashMap::new();
+        let mut models = IdMap::default();
         for (name, spec) in &config.models {
             let mut long_possible = false;
             let candidates: Vec<Candidate> = spec

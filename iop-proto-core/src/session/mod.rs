@@ -21,13 +21,14 @@
 //! [`Supervisor`]: crate::reconnect::Supervisor
 
 use crate::timer::{TimerTable, Wake};
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 
 use crate::gate::{CapacityGate, GateError};
+use crate::idhash::{IdMap, IdSet};
 use crate::reconnect::Failure;
 use crate::run::{RunEmitter, RunTracker, RunViolation};
 use crate::time::Timestamp;
@@ -85,12 +86,12 @@ pub struct NodeSession {
     pending_apply: Option<NodeConfigPayload>,
     ready_sent: bool,
     pending_refresh: Option<(String, NodeConfigPayload)>,
-    pending_commands: HashSet<String>,
-    gates: HashMap<String, CapacityGate>,
-    work: HashMap<String, Work>,
+    pending_commands: IdSet<String>,
+    gates: IdMap<String, CapacityGate>,
+    work: IdMap<String, Work>,
     /// Finished run ids, oldest first, and the same ids for lookup (one allocation each).
     finished: VecDeque<Arc<str>>,
-    finished_set: HashSet<Arc<str>>,
+    finished_set: IdSet<Arc<str>>,
     transmits: VecDeque<NodeTransmit>,
     /// A local shutdown waits for cancelled work until this.
     draining: Option<Timestamp>,
@@ -116,11 +117,11 @@ impl NodeSession {
             pending_apply: None,
             ready_sent: false,
             pending_refresh: None,
-            pending_commands: HashSet::new(),
-            gates: HashMap::new(),
-            work: HashMap::new(),
+            pending_commands: IdSet::default(),
+            gates: IdMap::default(),
+            work: IdMap::default(),
             finished: VecDeque::new(),
-            finished_set: HashSet::new(),
+            finished_set: IdSet::default(),
             transmits: VecDeque::new(),
             draining: None,
             events: VecDeque::new(),
