@@ -890,6 +890,86 @@ fn the_token_estimate_counts_text_not_json() {
     assert_eq!(estimate_tokens(b""), 0);
 }
 
+/// The estimate as first written, character by character: the byte-wise one must count
+/// exactly as it does.
+fn estimate_by_chars(text: &str) -> u64 {
+    fn cjk(c: char) -> bool {
+        matches!(u32::from(c), 0x3040..=0x30FF | 0x3400..=0x4DBF | 0x4E00..=0x9FFF
+            | 0xAC00..=0xD7AF | 0xF900..=0xFAFF | 0x20000..=0x2FFFF)
+    }
+    let (mut tokens, mut word, mut digits) = (0u64, 0u64, 0u64);
+    let (mut in_string, mut number) = (false, false);
+    let flush = |word: &mut u64, digits: &mut u64, tokens: &mut u64| {
+        if *word > 0 {
+            *tokens += if *word <= 6 { 1 } else { word.div_ceil(5) };
+            *word = 0;
+        }
+        if *digits > 0 {
+            *tokens += digits.div_ceil(3);
+            *digits = 0;
+        }
+    };
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if !in_string {
+            let digit = c.is_ascii_digit();
+            tokens += u64::from(number && !digit);
+            number = digit;
+            in_string = c == '"';
+            continue;
+        }
+        match c {
+            '"' => {
+                flush(&mut word, &mut digits, &mut tokens);
+                in_string = false;
+            }
+            '\\' => {
+                flush(&mut word, &mut digits, &mut tokens);
+                tokens += 1;
+                if chars.next() == Some('u') {
+                    for _ in 0..4 {
+                        chars.next();
+                    }
+                }
+            }
+            '0'..='9' => {
+                if word > 0 {
+                    word += 1;
+                } else {
+                    digits += 1;
+                }
+            }
+            c if c.is_alphabetic() && !cjk(c) => {
+                if digits > 0 {
+                    flush(&mut word, &mut digits, &mut tokens);
+                }
+                word += 1;
+            }
+            c if c.is_whitespace() => flush(&mut word, &mut digits, &mut tokens),
+            c => {
+                flush(&mut word, &mut digits, &mut tokens);
+                tokens += if cjk(c) || c.is_ascii() || u32::from(c) < 0x2000 {
+                    1
+                } else {
+                    2
+                };
+            }
+        }
+    }
+    flush(&mut word, &mut digits, &mut tokens);
+    tokens + u64::from(number)
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2048))]
+    #[test]
+    fn the_bytewise_estimate_counts_as_the_character_one(
+        text in r#"[a-zA-Z0-9 \t\n\x0b\x0c\r"\\u{}:,\[\]\x00-\x1f\x7f\u{80}-\u{a0}é€한我😀\u{2000}\u{3000}\u{1c}]{0,64}"#,
+    ) {
+        proptest::prop_assert_eq!(estimate_tokens(text.as_bytes()), estimate_by_chars(&text));
+    }
+}
+
 #[test]
 fn the_model_rewrite_touches_only_the_model_value() {
     let raw = br#"{ "messages" : [{"role":"user","content":"say \"model\": x"}],  "model":"public-name" ,"stream":true}"#;

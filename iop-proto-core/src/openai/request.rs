@@ -138,72 +138,119 @@ pub fn estimate_tokens(raw: &[u8]) -> u64 {
     let Ok(text) = std::str::from_utf8(raw) else {
         return (raw.len() as u64).div_ceil(4);
     };
-    let mut tokens = 0u64;
-    let mut word = 0u64;
-    let mut digits = 0u64;
-    let mut in_string = false;
-    let mut number = false;
-    let mut chars = text.chars();
-    let flush = |word: &mut u64, digits: &mut u64, tokens: &mut u64| {
-        if *word > 0 {
-            *tokens += if *word <= 6 { 1 } else { word.div_ceil(5) };
-            *word = 0;
-        }
-        if *digits > 0 {
-            *tokens += digits.div_ceil(3);
-            *digits = 0;
-        }
-    };
-    while let Some(c) = chars.next() {
-        if !in_string {
-            // A number outside strings is one token, however long.
-            let digit = c.is_ascii_digit();
-            tokens += u64::from(number && !digit);
-            number = digit;
-            in_string = c == '"';
+    let bytes = text.as_bytes();
+    let mut est = Estimate::default();
+    let mut at = 0;
+    while let Some(&b) = bytes.get(at) {
+        if !est.in_string {
+            // A number outside strings is one token, however long. No byte of a
+            // multi-byte character is a digit or a quote, so bytes serve as characters.
+            let digit = b.is_ascii_digit();
+            est.tokens += u64::from(est.number && !digit);
+            est.number = digit;
+            est.in_string = b == b'"';
+            at += 1;
             continue;
         }
-        match c {
-            '"' => {
-                flush(&mut word, &mut digits, &mut tokens);
-                in_string = false;
-            }
-            '\\' => {
-                flush(&mut word, &mut digits, &mut tokens);
-                tokens += 1;
-                if chars.next() == Some('u') {
-                    // `\uXXXX`: the four hex digits belong to the escape.
-                    for _ in 0..4 {
-                        chars.next();
+        if b.is_ascii() {
+            // ASCII, most of any body, is classified without decoding a character.
+            at += 1;
+            match b {
+                b'\\' => {
+                    est.flush();
+                    est.tokens += 1;
+                    // The escaped character; after `u`, its four hex digits too.
+                    let escaped = bytes.get(at).copied();
+                    at = skip_chars(text, at, 1);
+                    if escaped == Some(b'u') {
+                        at = skip_chars(text, at, 4);
                     }
                 }
-            }
-            '0'..='9' => {
-                if word > 0 {
-                    word += 1;
-                } else {
-                    digits += 1;
+                b'"' => {
+                    est.flush();
+                    est.in_string = false;
+                }
+                b'0'..=b'9' => est.digit(),
+                b'a'..=b'z' | b'A'..=b'Z' => est.letter(),
+                b' ' | b'\t'..=b'\r' => est.flush(),
+                _ => {
+                    est.flush();
+                    est.tokens += 1;
                 }
             }
-            c if c.is_alphabetic() && !is_cjk(c) => {
-                if digits > 0 {
-                    flush(&mut word, &mut digits, &mut tokens);
-                }
-                word += 1;
-            }
-            c if c.is_whitespace() => flush(&mut word, &mut digits, &mut tokens),
-            c => {
-                flush(&mut word, &mut digits, &mut tokens);
-                tokens += if is_cjk(c) || c.is_ascii() || u32::from(c) < 0x2000 {
-                    1
-                } else {
-                    2
-                };
-            }
+            continue;
+        }
+        let Some(c) = text.get(at..).and_then(|rest| rest.chars().next()) else {
+            break;
+        };
+        at += c.len_utf8();
+        if c.is_alphabetic() && !is_cjk(c) {
+            est.letter();
+        } else if c.is_whitespace() {
+            est.flush();
+        } else {
+            est.flush();
+            est.tokens += if is_cjk(c) || u32::from(c) < 0x2000 {
+                1
+            } else {
+                2
+            };
         }
     }
-    flush(&mut word, &mut digits, &mut tokens);
-    tokens + u64::from(number)
+    est.flush();
+    est.tokens + u64::from(est.number)
+}
+
+/// The running figures of [`estimate_tokens`].
+#[derive(Default)]
+struct Estimate {
+    tokens: u64,
+    /// Letters of the word being read (digits that follow letters belong to it).
+    word: u64,
+    /// Digits of the number being read inside a string.
+    digits: u64,
+    in_string: bool,
+    /// Whether the last byte outside strings was a digit.
+    number: bool,
+}
+
+impl Estimate {
+    /// Ends the word or number being read.
+    fn flush(&mut self) {
+        if self.word > 0 {
+            self.tokens += if self.word <= 6 {
+                1
+            } else {
+                self.word.div_ceil(5)
+            };
+            self.word = 0;
+        }
+        if self.digits > 0 {
+            self.tokens += self.digits.div_ceil(3);
+            self.digits = 0;
+        }
+    }
+
+    fn digit(&mut self) {
+        if self.word > 0 {
+            self.word += 1;
+        } else {
+            self.digits += 1;
+        }
+    }
+
+    fn letter(&mut self) {
+        if self.digits > 0 {
+            self.flush();
+        }
+        self.word += 1;
+    }
+}
+
+/// The byte offset `n` characters after `at` in `text` (or its end).
+fn skip_chars(text: &str, at: usize, n: usize) -> usize {
+    let rest = text.get(at..).unwrap_or("");
+    at + rest.chars().take(n).map(char::len_utf8).sum::<usize>()
 }
 
 /// Ideographs, kana and Hangul: scripts a tokenizer splits about one token per character.
