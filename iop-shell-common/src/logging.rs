@@ -187,7 +187,11 @@ pub fn init(format: LogFormat) -> LogGuard {
         .with_timer(Clock)
         .with_target(false);
     let _ = match format {
-        LogFormat::Text => builder.with_ansi(false).fmt_fields(TextFields).try_init(),
+        LogFormat::Text => builder
+            .with_ansi(false)
+            .fmt_fields(TextFields)
+            .event_format(TextLine { time: true })
+            .try_init(),
         LogFormat::Json => builder.json().flatten_event(true).try_init(),
     };
     LogGuard(())
@@ -200,32 +204,39 @@ pub fn init(format: LogFormat) -> LogGuard {
 #[derive(Debug, Clone, Copy)]
 struct Clock;
 
-impl tracing_subscriber::fmt::time::FormatTime for Clock {
-    fn format_time(&self, w: &mut tracing_subscriber::fmt::format::Writer<'_>) -> std::fmt::Result {
+impl Clock {
+    /// The timestamp's 27 bytes, or `None` for a clock outside years 1970-9999.
+    fn stamp() -> Option<[u8; 27]> {
         use std::cell::Cell;
         thread_local! {
             /// The second last formatted and its `YYYY-MM-DDTHH:MM:SS.`.
             static LAST: Cell<(u64, [u8; 20])> = const { Cell::new((u64::MAX, [0; 20])) };
         }
-        let Ok(now) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) else {
-            // A clock before 1970: the general formatter knows how to write it.
-            return tracing_subscriber::fmt::time::SystemTime.format_time(w);
-        };
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .ok()?;
         let secs = now.as_secs();
         let (cached, mut prefix) = LAST.get();
         if cached != secs {
-            let Some(fresh) = second_prefix(secs) else {
-                return tracing_subscriber::fmt::time::SystemTime.format_time(w);
-            };
-            prefix = fresh;
+            prefix = second_prefix(secs)?;
             LAST.set((secs, prefix));
         }
         let mut line = [0u8; 27];
         line[..20].copy_from_slice(&prefix);
         digits(&mut line[20..26], now.subsec_micros().into());
         line[26] = b'Z';
-        // Only ASCII digits and punctuation were written.
-        w.write_str(std::str::from_utf8(&line).map_err(|_| std::fmt::Error)?)
+        Some(line)
+    }
+}
+
+impl tracing_subscriber::fmt::time::FormatTime for Clock {
+    fn format_time(&self, w: &mut tracing_subscriber::fmt::format::Writer<'_>) -> std::fmt::Result {
+        match Clock::stamp() {
+            // Only ASCII digits and punctuation were written.
+            Some(line) => w.write_str(std::str::from_utf8(&line).map_err(|_| std::fmt::Error)?),
+            // A clock before 1970: the general formatter knows how to write it.
+            None => tracing_subscriber::fmt::time::SystemTime.format_time(w),
+        }
     }
 }
 
@@ -277,21 +288,118 @@ struct TextFields;
 impl<'w> tracing_subscriber::fmt::FormatFields<'w> for TextFields {
     fn format_fields<R: tracing_subscriber::field::RecordFields>(
         &self,
-        writer: tracing_subscriber::fmt::format::Writer<'w>,
+        mut writer: tracing_subscriber::fmt::format::Writer<'w>,
         fields: R,
     ) -> std::fmt::Result {
-        let mut visitor = TextVisitor {
-            writer,
-            result: Ok(()),
-            first: true,
-        };
-        fields.record(&mut visitor);
-        visitor.result
+        with_scratch(|out| {
+            let result = record_text(out, fields);
+            result.and_then(|()| writer.write_str(out))
+        })
     }
 }
 
-struct TextVisitor<'w> {
-    writer: tracing_subscriber::fmt::format::Writer<'w>,
+/// Runs `f` with this thread's empty scratch line (kept between lines; a huge one is
+/// given back).
+fn with_scratch<T>(f: impl FnOnce(&mut String) -> T) -> T {
+    use std::cell::RefCell;
+    thread_local! {
+        static SCRATCH: RefCell<String> = RefCell::new(String::with_capacity(512));
+    }
+    SCRATCH.with(|cell| {
+        // Taken out, so a line logged while formatting one (never done) gets its own.
+        let mut out = cell.take();
+        out.clear();
+        let result = f(&mut out);
+        if out.capacity() <= 64 << 10 {
+            cell.replace(out);
+        }
+        result
+    })
+}
+
+/// Appends `fields` to `out` as [`TextFields`] writes them.
+fn record_text(
+    out: &mut String,
+    fields: impl tracing_subscriber::field::RecordFields,
+) -> std::fmt::Result {
+    let mut visitor = TextVisitor {
+        out,
+        result: Ok(()),
+        first: true,
+    };
+    fields.record(&mut visitor);
+    visitor.result
+}
+
+/// A text line as tracing-subscriber's full format writes it without ANSI colours and
+/// targets (`2026-12-01T03:28:07.123456Z  INFO span{a=1}: message key=value`), put
+/// together in one buffer and handed to the writer in one piece: the default format
+/// writes each piece through a `dyn Write`, which cost more than the line's content.
+#[derive(Debug, Clone, Copy)]
+struct TextLine {
+    /// Whether lines start with the time (tests leave it out).
+    time: bool,
+}
+
+impl<S, N> tracing_subscriber::fmt::FormatEvent<S, N> for TextLine
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    N: for<'a> tracing_subscriber::fmt::FormatFields<'a> + 'static,
+{
+    fn format_event(
+        &self,
+        ctx: &tracing_subscriber::fmt::FmtContext<'_, S, N>,
+        mut writer: tracing_subscriber::fmt::format::Writer<'_>,
+        event: &tracing::Event<'_>,
+    ) -> std::fmt::Result {
+        use std::fmt::Write;
+        with_scratch(|out| {
+            if self.time {
+                match Clock::stamp() {
+                    Some(stamp) => out.push_str(std::str::from_utf8(&stamp).unwrap_or("")),
+                    None => {
+                        let mut w = tracing_subscriber::fmt::format::Writer::new(&mut *out);
+                        tracing_subscriber::fmt::time::FormatTime::format_time(
+                            &tracing_subscriber::fmt::time::SystemTime,
+                            &mut w,
+                        )?;
+                    }
+                }
+                out.push(' ');
+            }
+            out.push_str(match *event.metadata().level() {
+                tracing::Level::ERROR => "ERROR ",
+                tracing::Level::WARN => " WARN ",
+                tracing::Level::INFO => " INFO ",
+                tracing::Level::DEBUG => "DEBUG ",
+                tracing::Level::TRACE => "TRACE ",
+            });
+            if let Some(scope) = ctx.event_scope() {
+                let mut any = false;
+                for span in scope.from_root() {
+                    out.push_str(span.name());
+                    let ext = span.extensions();
+                    if let Some(fields) = ext.get::<tracing_subscriber::fmt::FormattedFields<N>>()
+                        && !fields.is_empty()
+                    {
+                        write!(out, "{{{fields}}}")?;
+                    }
+                    out.push(':');
+                    any = true;
+                }
+                if any {
+                    out.push(' ');
+                }
+            }
+            record_text(out, event)?;
+            out.push('\n');
+            writer.write_str(out)
+        })
+    }
+}
+
+struct TextVisitor<'a> {
+    out: &'a mut String,
     result: std::fmt::Result,
     first: bool,
 }
@@ -311,18 +419,19 @@ fn control(c: char) -> bool {
 
 /// Writes a message through, its control characters escaped (a message is not quoted,
 /// so quotes and backslashes stay as they are).
-struct Message<'a, 'w>(&'a mut tracing_subscriber::fmt::format::Writer<'w>);
+struct Message<'a>(&'a mut String);
 
-impl std::fmt::Write for Message<'_, '_> {
+impl std::fmt::Write for Message<'_> {
     fn write_str(&mut self, text: &str) -> std::fmt::Result {
         if !text.chars().any(control) {
-            return self.0.write_str(text);
+            self.0.push_str(text);
+            return Ok(());
         }
         for c in text.chars() {
             if control(c) {
                 write!(self.0, "{}", c.escape_default())?;
             } else {
-                self.0.write_char(c)?;
+                self.0.push(c);
             }
         }
         Ok(())
@@ -330,17 +439,16 @@ impl std::fmt::Write for Message<'_, '_> {
 }
 
 impl TextVisitor<'_> {
-    fn name(&mut self, field: &tracing::field::Field) -> std::fmt::Result {
+    fn name(&mut self, field: &tracing::field::Field) {
         if !std::mem::take(&mut self.first) {
-            self.writer.write_char(' ')?;
+            self.out.push(' ');
         }
         let name = field.name();
         if name == "message" {
-            return Ok(());
+            return;
         }
-        self.writer
-            .write_str(name.strip_prefix("r#").unwrap_or(name))?;
-        self.writer.write_char('=')
+        self.out.push_str(name.strip_prefix("r#").unwrap_or(name));
+        self.out.push('=');
     }
 }
 
@@ -350,17 +458,16 @@ impl tracing::field::Visit for TextVisitor<'_> {
         if self.result.is_err() {
             return;
         }
-        self.result = self.name(field).and_then(|()| {
-            if field.name() == "message" {
-                Message(&mut self.writer).write_str(value)
-            } else if plain(value) {
-                self.writer.write_char('"')?;
-                self.writer.write_str(value)?;
-                self.writer.write_char('"')
-            } else {
-                write!(self.writer, "{value:?}")
-            }
-        });
+        self.name(field);
+        if field.name() == "message" {
+            self.result = Message(self.out).write_str(value);
+        } else if plain(value) {
+            self.out.push('"');
+            self.out.push_str(value);
+            self.out.push('"');
+        } else {
+            self.result = write!(self.out, "{value:?}");
+        }
     }
 
     fn record_u64(&mut self, field: &tracing::field::Field, value: u64) {
@@ -368,8 +475,8 @@ impl tracing::field::Visit for TextVisitor<'_> {
             return;
         }
         let mut buf = [0u8; 20];
-        let text = decimal(&mut buf, value);
-        self.result = self.name(field).and_then(|()| self.writer.write_str(text));
+        self.name(field);
+        self.out.push_str(decimal(&mut buf, value));
     }
 
     fn record_i64(&mut self, field: &tracing::field::Field, value: i64) {
@@ -377,26 +484,24 @@ impl tracing::field::Visit for TextVisitor<'_> {
             return;
         }
         let mut buf = [0u8; 20];
-        let text = decimal(&mut buf, value.unsigned_abs());
-        self.result = self.name(field).and_then(|()| {
-            if value < 0 {
-                self.writer.write_char('-')?;
-            }
-            self.writer.write_str(text)
-        });
+        self.name(field);
+        if value < 0 {
+            self.out.push('-');
+        }
+        self.out.push_str(decimal(&mut buf, value.unsigned_abs()));
     }
 
     fn record_f64(&mut self, field: &tracing::field::Field, value: f64) {
+        use std::fmt::Write;
         if self.result.is_err() {
             return;
         }
         let mut buf = [0u8; 32];
-        self.result = self
-            .name(field)
-            .and_then(|()| match thousandths(&mut buf, value) {
-                Some(text) => self.writer.write_str(text),
-                None => write!(self.writer, "{value:?}"),
-            });
+        self.name(field);
+        match thousandths(&mut buf, value) {
+            Some(text) => self.out.push_str(text),
+            None => self.result = write!(self.out, "{value:?}"),
+        }
     }
 
     fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
@@ -404,13 +509,12 @@ impl tracing::field::Visit for TextVisitor<'_> {
         if self.result.is_err() {
             return;
         }
-        self.result = self.name(field).and_then(|()| {
-            if field.name() == "message" {
-                write!(Message(&mut self.writer), "{value:?}")
-            } else {
-                write!(self.writer, "{value:?}")
-            }
-        });
+        self.name(field);
+        self.result = if field.name() == "message" {
+            write!(Message(self.out), "{value:?}")
+        } else {
+            write!(self.out, "{value:?}")
+        };
     }
 }
 
@@ -584,6 +688,51 @@ mod tests {
              neg=-9223372036854775808 pos=42"
         );
         assert_eq!(ours, line(false, log));
+    }
+
+    #[test]
+    fn whole_lines_read_as_the_default_format_writes_them() {
+        let run = |ours: bool| {
+            let capture = Capture::default();
+            let sink = capture.clone();
+            let builder = tracing_subscriber::fmt()
+                .with_writer(move || sink.clone())
+                .with_max_level(tracing::Level::TRACE)
+                .without_time()
+                .with_target(false)
+                .with_ansi(false)
+                .fmt_fields(TextFields);
+            let log = || {
+                tracing::error!(code = 3u64, "failed: \u{1b}[31m");
+                tracing::warn!(peer = %"10.0.0.1:7100", "slow");
+                let span = tracing::info_span!("conn", id = 7u64, name = "n1");
+                let _in = span.enter();
+                tracing::info!(status = 200u16, "request");
+                let inner = tracing::debug_span!("bare");
+                let _inner = inner.enter();
+                tracing::trace!(ms = 0.25, "deep");
+            };
+            if ours {
+                let subscriber = builder.event_format(TextLine { time: false }).finish();
+                tracing::subscriber::with_default(subscriber, log);
+            } else {
+                tracing::subscriber::with_default(builder.finish(), log);
+            }
+            String::from_utf8(capture.0.lock().unwrap().clone()).unwrap()
+        };
+        let ours = run(true);
+        assert_eq!(
+            ours,
+            "ERROR failed: \\u{1b}[31m code=3\n \
+             WARN slow peer=10.0.0.1:7100\n \
+             INFO conn{id=7 name=\"n1\"}: request status=200\n\
+             TRACE conn{id=7 name=\"n1\"}:bare: deep ms=0.25\n"
+        );
+        assert_eq!(ours, run(false));
+        // With the time: the stamp, then the level as the default pads it.
+        let stamp = Clock::stamp().expect("a clock after 1970");
+        let stamp = std::str::from_utf8(&stamp).unwrap();
+        assert!(stamp.ends_with('Z') && stamp.len() == 27, "{stamp}");
     }
 
     #[test]
