@@ -19,7 +19,7 @@ use iop_proto_core::{
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 use crate::adapters::{AdapterHost, HttpClient, Output, Sink};
 use crate::stats::TransportStats;
@@ -445,8 +445,11 @@ fn handle_event(
     }
 }
 
-/// Runs one piece of work on its adapter in its own task, cancellable by `run_id`; when
-/// the task returns the driver is told, so work that ended without a terminal is closed.
+/// Runs one piece of work on its adapter in its own task (each with tokio's fair
+/// scheduling and cooperative budget: polled together inside this connection's task,
+/// 2,000 paced streams waited ten times longer), cancellable by `run_id`; when the task
+/// returns or its adapter panics the driver is told, so work that ended without a
+/// terminal is closed.
 fn spawn_work<F, Fut>(
     host: &AdapterHost,
     tasks: &mut HashMap<String, CancellationToken>,
@@ -470,7 +473,12 @@ fn spawn_work<F, Fut>(
     // would be stored twice (the captured value and the awaited one), 5.5 KiB a run
     // instead of 2.7.
     tokio::spawn(async move {
-        work(adapter, sink, token).await;
+        // A panicking adapter ends its own work: the session still hears that it
+        // returned and closes it, instead of keeping it in flight for good.
+        let run = std::panic::AssertUnwindSafe(async move { work(adapter, sink, token).await });
+        if futures_util::FutureExt::catch_unwind(run).await.is_err() {
+            error!(run_id, "adapter panicked; its work ends here");
+        }
         let _ = done.send(Output::Finished { run_id }).await;
     });
 }
@@ -489,4 +497,53 @@ fn transport_status(ctx: &Context, session: &NodeSession) -> serde_json::Value {
         "last_heartbeat_rtt_ms": session.last_rtt().map(|d| d.as_millis() as u64),
         "in_flight": session.in_flight(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use iop_proto_core::wire::{AdapterType, NodeConfigPayload};
+
+    #[tokio::test]
+    async fn an_adapter_that_panics_still_reports_that_its_work_returned() {
+        let client = crate::adapters::http::client(None).expect("client");
+        let mut host = AdapterHost::new(client, Duration::from_secs(1));
+        let mut adapter = iop_proto_core::wire::AdapterConfig {
+            name: "m".into(),
+            r#type: AdapterType::Mock as i32,
+            capacity: 1,
+            targets: vec!["t".into()],
+            enabled: true,
+            ..Default::default()
+        };
+        adapter.base_url.clear();
+        host.apply(&NodeConfigPayload {
+            adapters: vec![adapter],
+            ..Default::default()
+        })
+        .expect("a mock adapter applies");
+        let (tx, mut rx) = mpsc::channel(8);
+        let mut tasks = HashMap::new();
+        spawn_work(
+            &host,
+            &mut tasks,
+            &tx,
+            "run-1".into(),
+            "m",
+            |_, _, _| async {
+                panic!("an adapter bug");
+            },
+        );
+        let output = tokio::time::timeout(Duration::from_secs(5), rx.recv())
+            .await
+            .expect("an output in time");
+        assert!(
+            matches!(&output, Some(Output::Finished { run_id }) if run_id == "run-1"),
+            "{output:?}"
+        );
+        assert!(
+            tasks.contains_key("run-1"),
+            "still listed: the session closes it"
+        );
+    }
 }
