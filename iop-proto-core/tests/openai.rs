@@ -792,6 +792,20 @@ fn inspect_reads_what_the_edge_decides_on_or_says_what_is_wrong() {
         Endpoint::Chat,
     );
     assert!(!plain.stream && !plain.include_usage && !plain.wants_tools);
+    let spaced = ok(
+        r#"{"model":"m","messages": [ {} ],"tools": [ 
+ ] }"#,
+        Endpoint::Chat,
+    );
+    assert!(
+        !spaced.wants_tools,
+        "an empty tools array with spaces in it"
+    );
+    let tools = ok(
+        r#"{"model":"m","messages":[{}],"tools": [ {"type":"function"} ]}"#,
+        Endpoint::Chat,
+    );
+    assert!(tools.wants_tools);
     ok(
         r#"{"model":"m","prompt":"once upon"}"#,
         Endpoint::Completions,
@@ -813,6 +827,17 @@ fn inspect_reads_what_the_edge_decides_on_or_says_what_is_wrong() {
         ),
         (
             r#"{"model":"m","messages":[]}"#,
+            Endpoint::Chat,
+            Some("invalid_value"),
+        ),
+        (
+            r#"{"model":"m","messages": [ 
+ ] }"#,
+            Endpoint::Chat,
+            Some("invalid_value"),
+        ),
+        (
+            r#"{"model":"m","messages":{"0":{}}}"#,
             Endpoint::Chat,
             Some("invalid_value"),
         ),

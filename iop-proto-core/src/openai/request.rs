@@ -42,12 +42,14 @@ struct Head<'a> {
     tools: Option<&'a RawValue>,
 }
 
-/// Number of elements of a JSON array without materialising them (`IgnoredAny` is
-/// zero-sized, so the vector never allocates); `None` if `raw` is not an array.
-fn array_len(raw: &RawValue) -> Option<usize> {
-    serde_json::from_str::<Vec<serde::de::IgnoredAny>>(raw.get())
-        .ok()
-        .map(|v| v.len())
+/// Whether `raw` is an array with at least one element. `raw` was validated as JSON when
+/// the body was read, so its first bytes decide it: the array is not parsed again (for a
+/// chat body that would be most of the body a second time).
+fn nonempty_array(raw: &RawValue) -> bool {
+    raw.get()
+        .trim_ascii_start()
+        .strip_prefix('[')
+        .is_some_and(|rest| !rest.trim_ascii_start().starts_with(']'))
 }
 
 /// A present, non-null field.
@@ -75,9 +77,7 @@ pub fn inspect(raw: &[u8], endpoint: Endpoint) -> Result<RequestFacts, ApiError>
             ApiError::bad_request("you must provide a model parameter", Some("missing_model"))
         })?;
     let present = match endpoint {
-        Endpoint::Chat => given(head.messages)
-            .and_then(array_len)
-            .is_some_and(|n| n > 0),
+        Endpoint::Chat => given(head.messages).is_some_and(nonempty_array),
         Endpoint::Completions => given(head.prompt).is_some(),
         Endpoint::Embeddings => given(head.input).is_some(),
     };
@@ -104,7 +104,7 @@ pub fn inspect(raw: &[u8], endpoint: Endpoint) -> Result<RequestFacts, ApiError>
         .and_then(|v| serde_json::from_str::<StreamOptions>(v.get()).ok())
         .and_then(|o| o.include_usage)
         == Some(true);
-    let wants_tools = given(head.tools).and_then(array_len).is_some_and(|n| n > 0);
+    let wants_tools = given(head.tools).is_some_and(nonempty_array);
     Ok(RequestFacts {
         model,
         stream,
