@@ -1024,6 +1024,27 @@ fn the_model_rewrite_touches_only_the_model_value() {
 }
 
 #[test]
+fn a_top_level_member_is_found_past_decoys_and_never_past_the_end() {
+    let raw = br#" { "choices": [{"usage": 1}], "note": "\"usage\": 2", "k\\": 3,
+        "meta": {"usage": 4}, "us\u0061ge" : {"total_tokens": 9}, "usage": 5 }"#;
+    let at = member_value(raw, "usage").expect("found");
+    assert_eq!(
+        &raw[at], br#"{"total_tokens": 9}"#,
+        "the first, however escaped"
+    );
+    assert_eq!(member_value(br#"{"a":{"usage":1}}"#, "usage"), None);
+    assert_eq!(member_value(br#"[{"usage":1}]"#, "usage"), None);
+    let whole = br#"{"id":"a\"b","usage":{"prompt_tokens":2}}"#;
+    // Cut short anywhere, it finds the member only once its value is whole.
+    let value = member_value(whole, "usage").expect("found");
+    for cut in 0..whole.len() {
+        let found = member_value(&whole[..cut], "usage");
+        assert_eq!(found.is_some(), cut >= value.end, "cut at {cut}");
+        assert!(found.is_none_or(|r| r.end <= cut));
+    }
+}
+
+#[test]
 fn text_tool_calls_are_restored_only_from_a_call_shape() {
     let calls = parse_text_tool_calls(FALLBACK_TEXT, "r1").expect("parsed");
     assert_eq!(calls[0]["id"], "call_r1_0");

@@ -6,7 +6,7 @@
 use std::borrow::Cow;
 use std::fmt;
 
-use serde::de::{Deserialize, Deserializer, IgnoredAny, MapAccess, Visitor};
+use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
 use serde_json::value::RawValue;
 
 /// A JSON object's top-level members, in order, borrowed from the input.
@@ -101,13 +101,6 @@ pub fn elements(raw: &RawValue) -> Option<Vec<&RawValue>> {
     serde_json::from_str(raw.get()).ok()
 }
 
-/// Whether `raw` is a non-empty array (counted without materialising its elements).
-#[must_use]
-pub fn non_empty_array(raw: Option<&RawValue>) -> bool {
-    raw.and_then(|r| serde_json::from_str::<Vec<IgnoredAny>>(r.get()).ok())
-        .is_some_and(|v| !v.is_empty())
-}
-
 /// `items` as a JSON array.
 #[must_use]
 pub fn array<'s>(items: impl IntoIterator<Item = Cow<'s, str>>) -> String {
@@ -125,6 +118,7 @@ pub fn array<'s>(items: impl IntoIterator<Item = Cow<'s, str>>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use iop_proto_core::openai::nonempty_array;
     use serde_json::{Value, json};
 
     #[test]
@@ -134,7 +128,7 @@ mod tests {
         let mut object = Object::parse(input).expect("object");
         assert_eq!(object.get("model").map(RawValue::get), Some("\"x\""));
         assert!(object.get("n").is_none(), "null counts as absent");
-        assert!(non_empty_array(object.get("messages")));
+        assert!(object.get("messages").is_some_and(nonempty_array));
         object.remove("n");
         let out = object.write(&[("model", "\"y\""), ("stream", "true")]);
         let value: Value = serde_json::from_slice(&out).expect("valid JSON");
@@ -143,8 +137,8 @@ mod tests {
             json!({"model": "y", "messages": [{"role": "user", "content": "hi"}], "a\"b": 1, "stream": true})
         );
         assert!(Object::parse(b"[1]").is_err());
-        assert!(!non_empty_array(Some(
-            &*RawValue::from_string("[]".into()).expect("raw")
-        )));
+        assert!(!nonempty_array(
+            &RawValue::from_string("[]".into()).expect("raw")
+        ));
     }
 }

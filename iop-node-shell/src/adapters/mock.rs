@@ -17,6 +17,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use iop_proto_core::RunOutput;
+use iop_proto_core::openai::nonempty_array;
 use iop_proto_core::wire::{ErrorDetail, RunRequest, Usage};
 use tokio_util::sync::CancellationToken;
 
@@ -114,7 +115,7 @@ impl Mock {
             return;
         }
         let wants_tools = super::json::Object::parse(&request.input)
-            .is_ok_and(|input| super::json::non_empty_array(input.get("tools")));
+            .is_ok_and(|input| input.get("tools").is_some_and(nonempty_array));
         if let (Some(name), true) = (&self.tool_call, wants_tools) {
             let calls = serde_json::json!([{
                 "id": format!("call_{}", request.run_id),

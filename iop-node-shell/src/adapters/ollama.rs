@@ -7,6 +7,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use iop_proto_core::RunOutput;
+use iop_proto_core::openai::nonempty_array;
 use iop_proto_core::wire::{AdapterConfig, Header, ProviderHealth, RunRequest, Usage};
 use serde_json::{Map, Value, json};
 use tokio::time::{Instant, timeout_at};
@@ -65,7 +66,7 @@ pub fn to_ollama(input: &[u8], target: &str) -> Result<Vec<u8>, String> {
         ("stream", "true"),
     ];
     if let Some(tools) = object.get("tools")
-        && json::non_empty_array(Some(tools))
+        && nonempty_array(tools)
     {
         set.push(("tools", tools.get()));
     }

@@ -13,6 +13,7 @@ use super::pool::ProviderBody;
 use bytes::{Bytes, BytesMut};
 use http_body_util::BodyExt;
 use hyper::body::{Body, Frame};
+use iop_proto_core::openai::nonempty_array;
 use iop_proto_core::wire::{
     AdapterConfig, Header, ProviderHealth, ProviderTunnelRequest, RunRequest, Usage,
 };
@@ -332,7 +333,7 @@ impl OpenAi {
             ("stream_options", r#"{"include_usage":true}"#),
         ];
         let mut body = Bytes::from(input.write(&set));
-        let had_tools = json::non_empty_array(input.get("tools"));
+        let had_tools = input.get("tools").is_some_and(nonempty_array);
         let headers = [Header {
             name: "content-type".into(),
             value: Bytes::from_static(b"application/json"),

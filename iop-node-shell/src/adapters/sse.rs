@@ -1,6 +1,7 @@
 //! Incremental line splitting for SSE and NDJSON streams, and usage observation.
 
 use bytes::{Bytes, BytesMut};
+use iop_proto_core::openai::member_value;
 use iop_proto_core::wire::Usage;
 
 /// Longest line kept while waiting for its end; longer lines are dropped (they are still
@@ -101,7 +102,8 @@ pub fn usage_of(value: &serde_json::Value) -> Option<Usage> {
 }
 
 /// The `usage` member of a JSON object, read without building a tree of the rest: the
-/// top-level member is located by [`member_value`] and only its value is deserialised.
+/// top-level member is located by the core's [`member_value`] and only its value is
+/// deserialised.
 #[must_use]
 pub fn usage_in(json: &[u8]) -> Option<Usage> {
     use serde::Deserialize;
@@ -111,8 +113,8 @@ pub fn usage_in(json: &[u8]) -> Option<Usage> {
         completion_tokens: Option<u64>,
         total_tokens: Option<u64>,
     }
-    let value = member_value(json, b"usage")?;
-    let mut de = serde_json::Deserializer::from_slice(value);
+    let value = member_value(json, "usage")?;
+    let mut de = serde_json::Deserializer::from_slice(&json[value]);
     let counts = Option::<Counts>::deserialize(&mut de).ok()??;
     let (prompt, completion) = (
         counts.prompt_tokens.unwrap_or(0),
@@ -123,66 +125,6 @@ pub fn usage_in(json: &[u8]) -> Option<Usage> {
         completion_tokens: completion,
         total_tokens: counts.total_tokens.unwrap_or(prompt + completion),
     })
-}
-
-/// Where the value of the member `key` of the top-level JSON object starts (the rest of
-/// `json` from there), found by walking the text's structure: strings are skipped with
-/// `memchr`, nothing is decoded or allocated. `None` when `json` is not an object, has
-/// no such member, or ends first. A key is compared as written (`"usage"`, not an
-/// escaped spelling of it); text elsewhere is not validated, only walked.
-#[must_use]
-pub fn member_value<'a>(json: &'a [u8], key: &[u8]) -> Option<&'a [u8]> {
-    let skip_space = |mut at: usize| {
-        while json.get(at).is_some_and(u8::is_ascii_whitespace) {
-            at += 1;
-        }
-        at
-    };
-    let mut at = skip_space(0);
-    if json.get(at) != Some(&b'{') {
-        return None;
-    }
-    let mut depth = 0usize;
-    while let Some(&byte) = json.get(at) {
-        match byte {
-            b'"' => {
-                let start = at + 1;
-                // The closing quote: the first one no backslash escapes.
-                let mut end = start;
-                loop {
-                    end += memchr::memchr2(b'"', b'\\', json.get(end..)?)?;
-                    if json[end] == b'"' {
-                        break;
-                    }
-                    end += 2;
-                }
-                at = end + 1;
-                if depth == 1 {
-                    // Directly inside the top-level object, a string before `:` is a key.
-                    let colon = skip_space(at);
-                    if json.get(colon) == Some(&b':') {
-                        if &json[start..end] == key {
-                            return json.get(colon + 1..);
-                        }
-                        at = colon + 1;
-                    }
-                }
-            }
-            b'{' | b'[' => {
-                depth += 1;
-                at += 1;
-            }
-            b'}' | b']' => {
-                depth = depth.checked_sub(1)?;
-                if depth == 0 {
-                    return None;
-                }
-                at += 1;
-            }
-            _ => at += 1,
-        }
-    }
-    None
 }
 
 /// Watches a tunnel's response body for usage: the last SSE chunk carrying `usage`, or a

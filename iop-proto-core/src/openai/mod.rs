@@ -38,7 +38,9 @@ mod render;
 mod request;
 
 pub use render::{Out, Responder, ResponseOptions, SSE_DONE, SSE_KEEPALIVE, parse_text_tool_calls};
-pub use request::{RequestFacts, estimate_tokens, inspect, rewrite_model};
+pub use request::{
+    RequestFacts, estimate_tokens, inspect, member_value, nonempty_array, rewrite_model,
+};
 
 use bytes::Bytes;
 use serde_json::json;

@@ -42,16 +42,6 @@ struct Head<'a> {
     tools: Option<&'a RawValue>,
 }
 
-/// Whether `raw` is an array with at least one element. `raw` was validated as JSON when
-/// the body was read, so its first bytes decide it: the array is not parsed again (for a
-/// chat body that would be most of the body a second time).
-fn nonempty_array(raw: &RawValue) -> bool {
-    raw.get()
-        .trim_ascii_start()
-        .strip_prefix('[')
-        .is_some_and(|rest| !rest.trim_ascii_start().starts_with(']'))
-}
-
 /// A present, non-null field.
 fn given(v: Option<&RawValue>) -> Option<&RawValue> {
     v.filter(|v| v.get() != "null")
@@ -269,6 +259,23 @@ fn is_cjk(c: char) -> bool {
 /// serves). `None` when the body is not a JSON object with a `model` key.
 #[must_use]
 pub fn rewrite_model(raw: &[u8], target: &str) -> Option<Bytes> {
+    let value = member_value(raw, "model")?;
+    let encoded = serde_json::to_string(target).ok()?;
+    let mut out = Vec::with_capacity(raw.len() + encoded.len());
+    out.extend_from_slice(&raw[..value.start]);
+    out.extend_from_slice(encoded.as_bytes());
+    out.extend_from_slice(&raw[value.end..]);
+    Some(Bytes::from(out))
+}
+
+/// Where the value of the first top-level member named `key` sits in `raw`, a JSON
+/// object, found by skimming its structure: nothing is decoded or allocated (but a key
+/// written with escapes), so it costs a pass over the bytes up to that member however
+/// large the rest. A key matches however it is escaped. `None` when `raw` is not an
+/// object (as far as the skim reaches) or has no such member; the text is not
+/// validated beyond what the skim needs.
+#[must_use]
+pub fn member_value(raw: &[u8], key: &str) -> Option<std::ops::Range<usize>> {
     let mut scan = Scanner { s: raw, i: 0 };
     scan.ws();
     scan.eat(b'{')?;
@@ -279,23 +286,17 @@ pub fn rewrite_model(raw: &[u8], target: &str) -> Option<Bytes> {
         }
         let key_start = scan.i;
         scan.string()?;
-        let key = &raw[key_start..scan.i];
+        let written = &raw[key_start..scan.i];
         scan.ws();
         scan.eat(b':')?;
         scan.ws();
         let value_start = scan.i;
         scan.value()?;
-        let value_end = scan.i;
-        let is_model = key == b"\"model\""
-            || (key.contains(&b'\\')
-                && serde_json::from_slice::<String>(key).ok().as_deref() == Some("model"));
-        if is_model {
-            let encoded = serde_json::to_string(target).ok()?;
-            let mut out = Vec::with_capacity(raw.len() + encoded.len());
-            out.extend_from_slice(&raw[..value_start]);
-            out.extend_from_slice(encoded.as_bytes());
-            out.extend_from_slice(&raw[value_end..]);
-            return Some(Bytes::from(out));
+        let named = written.get(1..written.len() - 1) == Some(key.as_bytes())
+            || (written.contains(&b'\\')
+                && serde_json::from_slice::<String>(written).ok().as_deref() == Some(key));
+        if named {
+            return Some(value_start..scan.i);
         }
         scan.ws();
         match scan.peek()? {
@@ -303,6 +304,17 @@ pub fn rewrite_model(raw: &[u8], target: &str) -> Option<Bytes> {
             _ => return None,
         }
     }
+}
+
+/// Whether `raw` is an array with at least one element. `raw` is validated JSON (a value
+/// of a parsed document), so its first bytes decide it: the array is not parsed again
+/// (for a chat body that would be most of the body a second time).
+#[must_use]
+pub fn nonempty_array(raw: &RawValue) -> bool {
+    raw.get()
+        .trim_ascii_start()
+        .strip_prefix('[')
+        .is_some_and(|rest| !rest.trim_ascii_start().starts_with(']'))
 }
 
 /// A forward-only JSON skimmer: enough to find where a top-level value starts and ends.
@@ -329,14 +341,13 @@ impl Scanner<'_> {
     fn string(&mut self) -> Option<()> {
         self.eat(b'"')?;
         loop {
-            match self.peek()? {
-                b'"' => {
-                    self.i += 1;
-                    return Some(());
-                }
-                b'\\' => self.i += 2,
-                _ => self.i += 1,
+            // The next quote or backslash; what lies between needs no look.
+            self.i += memchr::memchr2(b'"', b'\\', self.s.get(self.i..)?)?;
+            if self.peek()? == b'"' {
+                self.i += 1;
+                return Some(());
             }
+            self.i += 2;
         }
     }
 
