@@ -9,9 +9,12 @@
 //! through the core's reconnect `Supervisor`, as `iop-node` does, with `interval_sec =
 //! 0.1`, once without jitter and once with the node's default; the Edge's memory per idle
 //! connected node is its RSS growth from no nodes to all of them ready. The restart's
-//! reference is bare TCP clients redialling through the same supervisor and policy to a
+//! reference is bare clients redialling through the same supervisor and policy to a
 //! listener that went away for as long as the Edge did and came back: the part of a
-//! restart that is not protocol.
+//! restart that is not protocol. Over plaintext they are bare TCP clients; over TLS also
+//! bare TLS clients (the nodes' connector, the Edge's certificate and its own server
+//! configuration), since the handshakes' key exchanges and signatures are a floor no
+//! protocol on that link goes under. The last column is the restart over that reference.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -213,15 +216,25 @@ async fn raw_connects(n: usize) -> Duration {
     started.elapsed()
 }
 
-/// The reference for a restart: `n` bare TCP clients that redial through the same
+/// How a bare reference client reaches the listener: plain TCP, or a TLS handshake with
+/// the Edge's own server configuration and the nodes' connector.
+#[derive(Clone)]
+enum Bare {
+    Tcp,
+    Tls(tokio_rustls::TlsAcceptor, tokio_rustls::TlsConnector),
+}
+
+/// The reference for a restart: `n` bare clients that redial through the same
 /// `Supervisor` and policy as the nodes (100 ms, `jitter`) hold connections to a
 /// listener; the listener and every connection it accepted are dropped, and after
 /// `downtime` (the Edge's, from its kill until it answered again) the listener comes back
 /// on the same port. Returns the time from the new listener's bind until all `n` are
-/// connected again: the connects plus the wait for the next redial, without the protocol.
-async fn raw_reconnects(n: usize, jitter: f64, downtime: Duration) -> Duration {
+/// connected again: the connects (and, for [`Bare::Tls`], the TLS handshakes with the
+/// Edge's certificate and settings) plus the wait for the next redial, without the
+/// protocol.
+async fn raw_reconnects(n: usize, jitter: f64, downtime: Duration, bare: Bare) -> Duration {
     let port = free_port();
-    let listen = || {
+    let listen = |bare: Bare| {
         let socket = tokio::net::TcpSocket::new_v4().expect("socket");
         socket.set_reuseaddr(true).expect("reuseaddr");
         socket
@@ -229,17 +242,35 @@ async fn raw_reconnects(n: usize, jitter: f64, downtime: Duration) -> Duration {
             .expect("bind");
         let listener = socket.listen(4096).expect("listen");
         tokio::spawn(async move {
+            // Dropped with this task when the listener "restarts": every connection goes.
             let mut held = Vec::new();
-            while let Ok((s, _)) = listener.accept().await {
-                held.push(s);
+            let mut handshakes = tokio::task::JoinSet::new();
+            loop {
+                tokio::select! {
+                    accepted = listener.accept() => {
+                        let Ok((s, _)) = accepted else { break };
+                        match &bare {
+                            Bare::Tcp => held.push(s),
+                            Bare::Tls(acceptor, _) => {
+                                let accept = acceptor.accept(s);
+                                handshakes.spawn(async move {
+                                    if let Ok(mut stream) = accept.await {
+                                        let _ = stream.read(&mut [0u8; 16]).await;
+                                    }
+                                });
+                            }
+                        }
+                    }
+                    Some(_) = handshakes.join_next() => {}
+                }
             }
         })
     };
     let connected = Arc::new(AtomicUsize::new(0));
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let server = listen();
+    let server = listen(bare.clone());
     for i in 0..n {
-        let (connected, stop) = (connected.clone(), stop.clone());
+        let (connected, stop, bare) = (connected.clone(), stop.clone(), bare.clone());
         tokio::spawn(async move {
             let policy = ReconnectPolicy::from_config(Some(0), Some(0.1)).expect("a valid policy");
             let mut supervisor = Supervisor::with_jitter(policy, jitter, i as u64 ^ 0x5EED);
@@ -272,8 +303,21 @@ async fn raw_reconnects(n: usize, jitter: f64, downtime: Duration) -> Duration {
                     continue;
                 };
                 supervisor.handle_connected(now()).expect("dialing");
-                connected.fetch_add(1, Ordering::SeqCst);
-                let _ = tcp.read(&mut [0u8; 16]).await;
+                match &bare {
+                    Bare::Tcp => {
+                        connected.fetch_add(1, Ordering::SeqCst);
+                        let _ = tcp.read(&mut [0u8; 16]).await;
+                    }
+                    Bare::Tls(_, connector) => {
+                        let _ = tcp.set_nodelay(true);
+                        let name =
+                            rustls_pki_types::ServerName::try_from("localhost").expect("name");
+                        if let Ok(mut stream) = connector.connect(name, tcp).await {
+                            connected.fetch_add(1, Ordering::SeqCst);
+                            let _ = stream.read(&mut [0u8; 16]).await;
+                        }
+                    }
+                }
                 supervisor
                     .handle_failure(now(), Failure::Reset)
                     .expect("connected");
@@ -286,7 +330,7 @@ async fn raw_reconnects(n: usize, jitter: f64, downtime: Duration) -> Duration {
     server.abort();
     connected.store(0, Ordering::SeqCst);
     tokio::time::sleep(downtime).await;
-    let _server = listen();
+    let _server = listen(bare);
     let again = until(&connected, n, Duration::from_secs(60))
         .await
         .expect("bare clients reconnect");
@@ -302,9 +346,9 @@ async fn main() {
         .unwrap_or(1000);
     let raw = raw_connects(nodes).await;
     println!(
-        "| node link | node jitter | {nodes} nodes ready, cold start | ready again after an Edge restart | Edge CPU per registration | Edge memory per idle node | bare TCP connects (reference) | bare TCP reconnects after a listener restart, same redial policy (reference) |"
+        "| node link | node jitter | {nodes} nodes ready, cold start | ready again after an Edge restart | Edge CPU per registration | Edge memory per idle node | bare TCP connects (reference) | bare TCP reconnects after a listener restart, same redial policy (reference) | bare TLS reconnects, same redial policy, certificate and server settings (reference) | restart ÷ bare reconnects over the same link |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let runs = [
         (Link::Tls, 0.0),
         (Link::Tls, 0.2),
@@ -373,9 +417,27 @@ async fn main() {
         };
         drop(edge);
         tokio::time::sleep(Duration::from_millis(300)).await;
-        let raw_again = raw_reconnects(nodes, jitter, downtime).await;
+        let raw_again = raw_reconnects(nodes, jitter, downtime, Bare::Tcp).await;
+        // Over TLS the floor a restart can reach is the handshakes themselves: the same
+        // clients redialling by the same policy, with the nodes' connector, to a listener
+        // serving the Edge's certificate through the Edge's own server configuration.
+        let tls_again = match &connector {
+            None => None,
+            Some(connector) => {
+                let files = iop_shell_common::tls::ServerFiles {
+                    cert_file: dir.path().join("edge-cert.pem"),
+                    key_file: dir.path().join("edge-cert-key.pem"),
+                    client_ca_file: None,
+                };
+                let config = iop_shell_common::tls::server_config("listen.nodes_tls", &files, &[])
+                    .expect("the Edge's TLS settings");
+                let bare = Bare::Tls(config.into(), connector.clone());
+                Some(raw_reconnects(nodes, jitter, downtime, bare).await)
+            }
+        };
+        let same_link = tls_again.unwrap_or(raw_again);
         println!(
-            "| {} | {jitter} | {} | {} | {:.0} µs (cold) / {:.0} µs (restart) | {per_node:.1} KiB | {:.3} s | {:.3} s |",
+            "| {} | {jitter} | {} | {} | {:.0} µs (cold) / {:.0} µs (restart) | {per_node:.1} KiB | {:.3} s | {:.3} s | {} | {} |",
             if link == Link::Tls {
                 "TLS 1.3"
             } else {
@@ -386,7 +448,12 @@ async fn main() {
             cold_cpu.as_secs_f64() * 1e6 / nodes as f64,
             restart_cpu.as_secs_f64() * 1e6 / nodes as f64,
             raw.as_secs_f64(),
-            raw_again.as_secs_f64()
+            raw_again.as_secs_f64(),
+            tls_again.map_or_else(|| "–".to_owned(), |d| format!("{:.3} s", d.as_secs_f64())),
+            again.map_or_else(
+                || "–".to_owned(),
+                |d| format!("{:.2}×", d.as_secs_f64() / same_link.as_secs_f64())
+            ),
         );
     }
 }
