@@ -421,6 +421,13 @@ struct Paced {
     p50_us: f64,
     p99_us: f64,
     errors: usize,
+    /// CPU per chunk delivered, µs, per process of the path.
+    cpu_per_chunk_us: Vec<f64>,
+    /// The busiest process's CPU over the streams' wall time, in cores.
+    busiest_cores: f64,
+    /// The share of the whole machine's CPU time that was busy meanwhile (every process,
+    /// the load generator and the provider too).
+    machine_busy: f64,
     /// KiB per stream above idle, per process of the path.
     per_stream_kib: Vec<f64>,
     /// Whether every process was back within 2x of its idle RSS within 10 s.
@@ -519,6 +526,9 @@ async fn paced(path: &Path3) -> Paced {
             }
         })
     };
+    let cpu_before: Vec<Duration> = path.pids.iter().map(|p| cpu(*p)).collect();
+    let machine_before = machine_ticks();
+    let wall = Instant::now();
     let mut tasks = Vec::with_capacity(PACED_STREAMS);
     for i in 0..PACED_STREAMS {
         let body = body.clone();
@@ -545,6 +555,17 @@ async fn paced(path: &Path3) -> Paced {
             Err(_) => errors += 1,
         }
     }
+    let wall = wall.elapsed().as_secs_f64();
+    let machine_busy = {
+        let (busy, all) = machine_ticks();
+        (busy - machine_before.0) as f64 / f64::max((all - machine_before.1) as f64, 1.0)
+    };
+    let used: Vec<f64> = path
+        .pids
+        .iter()
+        .zip(&cpu_before)
+        .map(|(p, before)| cpu(*p).saturating_sub(*before).as_secs_f64())
+        .collect();
     if let Some(e) = first_error {
         eprintln!("bench: {}: paced stream error: {e}", path.name);
     }
@@ -571,6 +592,12 @@ async fn paced(path: &Path3) -> Paced {
         p50_us: pick(0.5),
         p99_us: pick(0.99),
         errors,
+        cpu_per_chunk_us: used
+            .iter()
+            .map(|u| u * 1e6 / f64::max(all.len() as f64, 1.0))
+            .collect(),
+        busiest_cores: used.iter().copied().fold(0.0, f64::max) / f64::max(wall, 1e-9),
+        machine_busy,
         per_stream_kib: peaks
             .iter()
             .zip(&idle)
@@ -579,6 +606,23 @@ async fn paced(path: &Path3) -> Paced {
         settled: within(),
         settle_s: started.elapsed().as_secs_f64(),
     }
+}
+
+/// The machine's busy and total CPU ticks so far (`/proc/stat`; zeros where it is not).
+fn machine_ticks() -> (u64, u64) {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let ticks: Vec<u64> = stat
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|t| t.parse().ok())
+        .collect();
+    // user nice system idle iowait irq softirq steal ...: idle and iowait are not busy.
+    let all: u64 = ticks.iter().take(8).sum();
+    let idle = ticks.get(3).copied().unwrap_or(0) + ticks.get(4).copied().unwrap_or(0);
+    (all - idle, all)
 }
 
 fn median(mut values: Vec<f64>) -> f64 {
@@ -834,6 +878,29 @@ fn main() {
             .collect::<Vec<_>>()
             .join(" + ")
     };
+    let per_chunk = |p: &Paced| {
+        let each: Vec<String> = p
+            .cpu_per_chunk_us
+            .iter()
+            .map(|c| format!("{c:.1}"))
+            .collect();
+        format!(
+            "{} (busiest {:.2} cores)",
+            each.join(" + "),
+            p.busiest_cores
+        )
+    };
+    out!(
+        "| paced streams: CPU per chunk, µs (per process) | – | {} | {} |",
+        per_chunk(&paced_runs[1]),
+        per_chunk(&paced_runs[2])
+    );
+    out!(
+        "| paced streams: whole machine's CPU busy meanwhile | {:.0} % | {:.0} % | {:.0} % |",
+        paced_runs[0].machine_busy * 100.0,
+        paced_runs[1].machine_busy * 100.0,
+        paced_runs[2].machine_busy * 100.0
+    );
     out!(
         "| memory per paced stream, KiB (per process) | – | {} | {} |",
         per_stream(&paced_runs[1]),
