@@ -49,6 +49,26 @@ pub fn cpu(pid: u32) -> Duration {
     Duration::from_millis((ticks(11) + ticks(12)) * 10)
 }
 
+/// The whole machine's busy and total CPU ticks so far (the `cpu` line of `/proc/stat`;
+/// zeros where it cannot be read). Idle and I/O wait are not busy; steal is.
+#[must_use]
+pub fn machine_ticks() -> (u64, u64) {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    // user nice system idle iowait irq softirq steal (guest time is inside user).
+    let ticks: Vec<u64> = stat
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .skip(1)
+        .take(8)
+        .filter_map(|t| t.parse().ok())
+        .collect();
+    let all: u64 = ticks.iter().sum();
+    let idle = ticks.get(3).copied().unwrap_or(0) + ticks.get(4).copied().unwrap_or(0);
+    (all.saturating_sub(idle), all)
+}
+
 /// [`rss_kib`] of a process and its children.
 #[must_use]
 pub fn tree_rss_kib(pid: u32) -> u64 {

@@ -36,7 +36,7 @@ use hyper::service::service_fn;
 use hyper::{Request, Response};
 use hyper_util::rt::TokioIo;
 use iop_blackbox::client::{Cluster, Link};
-use iop_blackbox::procfs::{tree_cpu as cpu, tree_rss_kib as rss_kib};
+use iop_blackbox::procfs::{machine_ticks, tree_cpu as cpu, tree_rss_kib as rss_kib};
 use iop_blackbox::{Proc, TempDir, free_port};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -233,7 +233,11 @@ struct Path3 {
 
 impl Path3 {
     fn cpu(&self) -> Duration {
-        self.pids.iter().map(|p| cpu(*p)).sum()
+        self.cpus().into_iter().sum()
+    }
+
+    fn cpus(&self) -> Vec<Duration> {
+        self.pids.iter().map(|p| cpu(*p)).collect()
     }
 
     fn rss(&self) -> Vec<u64> {
@@ -526,7 +530,7 @@ async fn paced(path: &Path3) -> Paced {
             }
         })
     };
-    let cpu_before: Vec<Duration> = path.pids.iter().map(|p| cpu(*p)).collect();
+    let cpu_before = path.cpus();
     let machine_before = machine_ticks();
     let wall = Instant::now();
     let mut tasks = Vec::with_capacity(PACED_STREAMS);
@@ -558,13 +562,14 @@ async fn paced(path: &Path3) -> Paced {
     let wall = wall.elapsed().as_secs_f64();
     let machine_busy = {
         let (busy, all) = machine_ticks();
-        (busy - machine_before.0) as f64 / f64::max((all - machine_before.1) as f64, 1.0)
+        busy.saturating_sub(machine_before.0) as f64
+            / f64::max(all.saturating_sub(machine_before.1) as f64, 1.0)
     };
     let used: Vec<f64> = path
-        .pids
+        .cpus()
         .iter()
         .zip(&cpu_before)
-        .map(|(p, before)| cpu(*p).saturating_sub(*before).as_secs_f64())
+        .map(|(now, before)| now.saturating_sub(*before).as_secs_f64())
         .collect();
     if let Some(e) = first_error {
         eprintln!("bench: {}: paced stream error: {e}", path.name);
@@ -606,23 +611,6 @@ async fn paced(path: &Path3) -> Paced {
         settled: within(),
         settle_s: started.elapsed().as_secs_f64(),
     }
-}
-
-/// The machine's busy and total CPU ticks so far (`/proc/stat`; zeros where it is not).
-fn machine_ticks() -> (u64, u64) {
-    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
-    let ticks: Vec<u64> = stat
-        .lines()
-        .next()
-        .unwrap_or_default()
-        .split_whitespace()
-        .skip(1)
-        .filter_map(|t| t.parse().ok())
-        .collect();
-    // user nice system idle iowait irq softirq steal ...: idle and iowait are not busy.
-    let all: u64 = ticks.iter().take(8).sum();
-    let idle = ticks.get(3).copied().unwrap_or(0) + ticks.get(4).copied().unwrap_or(0);
-    (all - idle, all)
 }
 
 fn median(mut values: Vec<f64>) -> f64 {
@@ -871,22 +859,19 @@ fn main() {
         (paced_runs[2].p50_us - base.p50_us) / 1e3,
         (paced_runs[2].p99_us - base.p99_us) / 1e3
     );
-    let per_stream = |p: &Paced| {
-        p.per_stream_kib
+    // Figures of each process of a path, as "a + b".
+    let joined = |values: &[f64]| {
+        values
             .iter()
-            .map(|k| format!("{k:.1}"))
+            .map(|v| format!("{v:.1}"))
             .collect::<Vec<_>>()
             .join(" + ")
     };
+    let per_stream = |p: &Paced| joined(&p.per_stream_kib);
     let per_chunk = |p: &Paced| {
-        let each: Vec<String> = p
-            .cpu_per_chunk_us
-            .iter()
-            .map(|c| format!("{c:.1}"))
-            .collect();
         format!(
             "{} (busiest {:.2} cores)",
-            each.join(" + "),
+            joined(&p.cpu_per_chunk_us),
             p.busiest_cores
         )
     };

@@ -16,8 +16,9 @@
 //! configuration), since the handshakes' key exchanges and signatures are a floor no
 //! protocol on that link goes under. The last column is the restart over that reference.
 
+use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
@@ -121,17 +122,15 @@ async fn session<S: AsyncRead + AsyncWrite + Unpin>(
     }
 }
 
-/// One simulated node: dial, run a session, and redial when the core's supervisor says
-/// (fixed 100 ms interval, `jitter` of it removed at random), until `stop`.
-async fn node(
-    i: usize,
-    port: u16,
-    tls: Option<tokio_rustls::TlsConnector>,
-    jitter: f64,
-    ready: Arc<AtomicUsize>,
-    stop: Arc<std::sync::atomic::AtomicBool>,
-) {
-    let name = format!("n{i}");
+/// Dials the listener on `port` from node `i`'s address and runs `connection` on each
+/// connection made, redialling when it returns as the core's supervisor says (fixed
+/// 100 ms interval, `jitter` of it removed at random), until `stop`. The nodes and the
+/// bare reference clients share it, so both redial by exactly the same policy.
+async fn redial<F, Fut>(i: usize, port: u16, jitter: f64, stop: Arc<AtomicBool>, mut connection: F)
+where
+    F: FnMut(TcpStream) -> Fut,
+    Fut: Future<Output = ()>,
+{
     let policy = ReconnectPolicy::from_config(Some(0), Some(0.1)).expect("a valid policy");
     let mut supervisor = Supervisor::with_jitter(policy, jitter, i as u64 ^ 0x5EED);
     let origin = Instant::now();
@@ -161,22 +160,45 @@ async fn node(
             continue;
         };
         supervisor.handle_connected(now()).expect("dialing");
-        let _ = tcp.set_nodelay(true);
-        match &tls {
-            None => {
-                let _ = session(tcp, &name, &ready).await;
-            }
-            Some(connector) => {
-                let server = rustls_pki_types::ServerName::try_from("localhost").expect("name");
-                if let Ok(stream) = connector.connect(server, tcp).await {
-                    let _ = session(stream, &name, &ready).await;
-                }
-            }
-        }
+        connection(tcp).await;
         supervisor
             .handle_failure(now(), Failure::Reset)
             .expect("connected");
     }
+}
+
+/// The name every TLS client here checks the Edge's certificate for.
+fn server_name() -> rustls_pki_types::ServerName<'static> {
+    rustls_pki_types::ServerName::try_from("localhost").expect("name")
+}
+
+/// One simulated node: a session on every connection [`redial`] makes, until `stop`.
+async fn node(
+    i: usize,
+    port: u16,
+    tls: Option<tokio_rustls::TlsConnector>,
+    jitter: f64,
+    ready: Arc<AtomicUsize>,
+    stop: Arc<AtomicBool>,
+) {
+    let name = format!("n{i}");
+    redial(i, port, jitter, stop, |tcp| {
+        let (tls, ready, name) = (tls.clone(), ready.clone(), name.clone());
+        async move {
+            let _ = tcp.set_nodelay(true);
+            match tls {
+                None => {
+                    let _ = session(tcp, &name, &ready).await;
+                }
+                Some(connector) => {
+                    if let Ok(stream) = connector.connect(server_name(), tcp).await {
+                        let _ = session(stream, &name, &ready).await;
+                    }
+                }
+            }
+        }
+    })
+    .await;
 }
 
 async fn until(ready: &AtomicUsize, target: usize, limit: Duration) -> Option<Duration> {
@@ -267,62 +289,28 @@ async fn raw_reconnects(n: usize, jitter: f64, downtime: Duration, bare: Bare) -
         })
     };
     let connected = Arc::new(AtomicUsize::new(0));
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop = Arc::new(AtomicBool::new(false));
     let server = listen(bare.clone());
     for i in 0..n {
-        let (connected, stop, bare) = (connected.clone(), stop.clone(), bare.clone());
-        tokio::spawn(async move {
-            let policy = ReconnectPolicy::from_config(Some(0), Some(0.1)).expect("a valid policy");
-            let mut supervisor = Supervisor::with_jitter(policy, jitter, i as u64 ^ 0x5EED);
-            let origin = Instant::now();
-            let now = || Timestamp::from_millis(origin.elapsed().as_millis() as u64);
-            supervisor.handle_start(now()).expect("idle");
-            while !stop.load(Ordering::SeqCst) {
-                let mut dial = false;
-                while let Some(event) = supervisor.poll_event() {
-                    match event {
-                        SupervisorEvent::Dial { .. } => dial = true,
-                        _ => return,
-                    }
-                }
-                if !dial {
-                    let Some(wake) = supervisor.poll_timeout() else {
-                        return;
-                    };
-                    tokio::time::sleep_until(
-                        (origin + Duration::from_millis(wake.at.as_millis())).into(),
-                    )
-                    .await;
-                    supervisor.handle_timeout(now());
-                    continue;
-                }
-                let Ok(mut tcp) = connect_from(i, port).await else {
-                    supervisor
-                        .handle_failure(now(), Failure::Refused)
-                        .expect("dialing");
-                    continue;
-                };
-                supervisor.handle_connected(now()).expect("dialing");
-                match &bare {
+        let (connected, bare) = (connected.clone(), bare.clone());
+        tokio::spawn(redial(i, port, jitter, stop.clone(), move |mut tcp| {
+            let (connected, bare) = (connected.clone(), bare.clone());
+            async move {
+                match bare {
                     Bare::Tcp => {
                         connected.fetch_add(1, Ordering::SeqCst);
                         let _ = tcp.read(&mut [0u8; 16]).await;
                     }
                     Bare::Tls(_, connector) => {
                         let _ = tcp.set_nodelay(true);
-                        let name =
-                            rustls_pki_types::ServerName::try_from("localhost").expect("name");
-                        if let Ok(mut stream) = connector.connect(name, tcp).await {
+                        if let Ok(mut stream) = connector.connect(server_name(), tcp).await {
                             connected.fetch_add(1, Ordering::SeqCst);
                             let _ = stream.read(&mut [0u8; 16]).await;
                         }
                     }
                 }
-                supervisor
-                    .handle_failure(now(), Failure::Reset)
-                    .expect("connected");
             }
-        });
+        }));
     }
     until(&connected, n, Duration::from_secs(60))
         .await
@@ -382,7 +370,7 @@ async fn main() {
         tokio::time::sleep(Duration::from_millis(300)).await;
         let idle_rss = rss_kib(edge.pid());
         let ready = Arc::new(AtomicUsize::new(0));
-        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stop = Arc::new(AtomicBool::new(false));
         let cpu_before = cpu(edge.pid());
         for i in 0..nodes {
             tokio::spawn(node(
