@@ -871,6 +871,14 @@ fn inspect_reads_what_the_edge_decides_on_or_says_what_is_wrong() {
         let e = inspect(raw.as_bytes(), endpoint).expect_err(raw);
         assert_eq!((e.status, e.code.as_deref()), (400, code), "{raw}");
     }
+    // JSON is UTF-8: a stray byte anywhere, even in a field the Edge does not read.
+    let e = inspect(
+        b"{\"model\":\"m\",\"messages\":[{}],\"user\":\"\xff\"}",
+        Endpoint::Chat,
+    )
+    .expect_err("not UTF-8");
+    assert_eq!((e.status, e.code.as_deref()), (400, None));
+    assert!(e.message.contains("UTF-8"), "{}", e.message);
     let e = inspect(br#"{"model":"m","messages":[]}"#, Endpoint::Chat).expect_err("empty");
     assert!(
         e.message.contains("messages"),
@@ -990,6 +998,15 @@ proptest::proptest! {
     #[test]
     fn the_bytewise_estimate_counts_as_the_character_one(
         text in r#"[a-zA-Z0-9 \t\n\x0b\x0c\r"\\u{}:,\[\]\x00-\x1f\x7f\u{80}-\u{a0}é€한我😀\u{2000}\u{3000}\u{1c}]{0,64}"#,
+    ) {
+        proptest::prop_assert_eq!(estimate_tokens(text.as_bytes()), estimate_by_chars(&text));
+    }
+
+    /// Long letter and digit runs (read eight bytes at a time) and runs of three-byte
+    /// characters, ending on every kind of neighbour.
+    #[test]
+    fn the_estimate_reads_runs_as_the_character_one(
+        text in r#"([a-zA-Z]{1,24}|[0-9]{1,20}|[a-z0-9]{1,20}|[ \t\n"\\u{}:,\x00-\x1f\x7f@\[`é€한我ー。😀\u{3000}]|[한我ー。、「」々〇〡〱〼\u{303f}\u{3000}]{1,9}){0,40}"#,
     ) {
         proptest::prop_assert_eq!(estimate_tokens(text.as_bytes()), estimate_by_chars(&text));
     }
