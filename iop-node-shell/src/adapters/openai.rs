@@ -130,6 +130,10 @@ struct Joined<B: Body> {
     /// What a look ahead found behind the last joined data (trailers, an error, or the
     /// body's end), returned next.
     ahead: Option<Option<Result<Frame<Bytes>, B::Error>>>,
+    /// The data found ready behind a frame's, copied out in one allocation of the
+    /// joined size (growing a buffer as they came cost a reallocation and a copy each).
+    /// Kept between calls: a stream whose frames come one at a time never allocates it.
+    parts: Vec<Bytes>,
 }
 
 impl<B> Joined<B>
@@ -138,7 +142,11 @@ where
     B::Error: std::fmt::Display,
 {
     fn new(body: B) -> Self {
-        Joined { body, ahead: None }
+        Joined {
+            body,
+            ahead: None,
+            parts: Vec::new(),
+        }
     }
 
     /// The next frame under `watch`, data joined with the data ready behind it.
@@ -155,16 +163,17 @@ where
                 Err(frame) => return Ok(Some(frame)),
             },
         };
-        let mut joined: Option<BytesMut> = None;
+        let mut total = first.len();
         // Polled without a waker: a pending body is awaited (with one) on the next call.
         let mut cx = Context::from_waker(Waker::noop());
-        while joined.as_ref().map_or(first.len(), BytesMut::len) < JOIN_MAX {
+        while total < JOIN_MAX {
             match Pin::new(&mut self.body).poll_frame(&mut cx) {
                 Poll::Pending => break,
                 Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
-                    Ok(more) => joined
-                        .get_or_insert_with(|| BytesMut::from(&first[..]))
-                        .extend_from_slice(&more),
+                    Ok(more) => {
+                        total += more.len();
+                        self.parts.push(more);
+                    }
                     Err(frame) => {
                         self.ahead = Some(Some(Ok(frame)));
                         break;
@@ -176,8 +185,15 @@ where
                 }
             }
         }
-        let data = joined.map_or(first, BytesMut::freeze);
-        Ok(Some(Frame::data(data)))
+        if self.parts.is_empty() {
+            return Ok(Some(Frame::data(first)));
+        }
+        let mut joined = BytesMut::with_capacity(total);
+        joined.extend_from_slice(&first);
+        for part in self.parts.drain(..) {
+            joined.extend_from_slice(&part);
+        }
+        Ok(Some(Frame::data(joined.freeze())))
     }
 }
 

@@ -127,6 +127,11 @@ pub fn usage_in(json: &[u8]) -> Option<Usage> {
     })
 }
 
+/// The key a usage-carrying SSE chunk holds, searched for in every `data:` line: built
+/// once (a searcher's set-up cost more than the search of a short line).
+static USAGE_KEY: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"usage\""));
+
 /// Watches a tunnel's response body for usage: the last SSE chunk carrying `usage`, or a
 /// JSON body's `usage` (bodies up to 8 MiB are inspected).
 #[derive(Debug)]
@@ -178,7 +183,7 @@ impl UsageWatcher {
     /// Only a line that mentions `"usage"` is parsed, and only into the usage figures.
     fn observe_line(&mut self, line: &[u8]) {
         if let Some(data) = sse_data(line)
-            && memchr::memmem::find(data, b"\"usage\"").is_some()
+            && USAGE_KEY.find(data).is_some()
             && let Some(usage) = usage_in(data)
         {
             self.usage = Some(usage);
