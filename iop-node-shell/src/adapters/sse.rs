@@ -8,6 +8,10 @@ use iop_proto_core::wire::Usage;
 /// forwarded byte for byte on a tunnel, only not inspected).
 const MAX_LINE: usize = 1 << 20;
 
+/// Capacity a split reader keeps for lines that span buffers; a larger one (after a
+/// long line) is freed.
+const KEEP_PARTIAL: usize = 16 << 10;
+
 /// Splits a byte stream into lines (`\n`, with an optional `\r` removed). A line that
 /// arrives whole inside one pushed buffer is a zero-copy slice of it; only a line split
 /// across buffers is copied, once.
@@ -33,30 +37,65 @@ impl Lines {
         loop {
             let Some(end) = memchr::memchr(b'\n', &self.pending) else {
                 let rest = std::mem::take(&mut self.pending);
-                if self.partial.len() + rest.len() <= MAX_LINE {
-                    self.partial.extend_from_slice(&rest);
-                } else {
-                    self.overflow = true;
-                    self.partial.clear();
-                }
+                self.keep(&rest);
                 return None;
             };
             let mut line = self.pending.split_to(end + 1);
             line.truncate(end);
             if !self.partial.is_empty() || self.overflow {
-                let overflow = std::mem::take(&mut self.overflow)
-                    || self.partial.len() + line.len() > MAX_LINE;
-                if overflow {
-                    self.partial.clear();
+                if !self.join(&line) {
                     continue;
                 }
-                self.partial.extend_from_slice(&line);
                 line = self.partial.split().freeze();
             }
             if line.last() == Some(&b'\r') {
                 line.truncate(line.len() - 1);
             }
             return Some(line);
+        }
+    }
+
+    /// Splits `data` as [`Lines::next_line`] would, lending each line it completes to
+    /// `each` instead of handing out shared slices: for a reader that only looks at
+    /// lines, a buffer costs no reference counting. Do not mix with [`Lines::push`].
+    pub fn split(&mut self, mut data: &[u8], mut each: impl FnMut(&[u8])) {
+        while let Some(end) = memchr::memchr(b'\n', data) {
+            let line = &data[..end];
+            data = &data[end + 1..];
+            if self.partial.is_empty() && !self.overflow {
+                each(line.strip_suffix(b"\r").unwrap_or(line));
+            } else if self.join(line) {
+                each(self.partial.strip_suffix(b"\r").unwrap_or(&self.partial));
+                if self.partial.capacity() > KEEP_PARTIAL {
+                    self.partial = BytesMut::new();
+                } else {
+                    self.partial.clear();
+                }
+            }
+        }
+        self.keep(data);
+    }
+
+    /// Completes the line begun in earlier input with `end`; false (and the line
+    /// dropped) when the whole is longer than [`MAX_LINE`].
+    fn join(&mut self, end: &[u8]) -> bool {
+        let overflow =
+            std::mem::take(&mut self.overflow) || self.partial.len() + end.len() > MAX_LINE;
+        if overflow {
+            self.partial.clear();
+            return false;
+        }
+        self.partial.extend_from_slice(end);
+        true
+    }
+
+    /// Keeps the start of a line whose end has not arrived (dropped past [`MAX_LINE`]).
+    fn keep(&mut self, rest: &[u8]) {
+        if self.partial.len() + rest.len() <= MAX_LINE {
+            self.partial.extend_from_slice(rest);
+        } else {
+            self.overflow = true;
+            self.partial.clear();
         }
     }
 
@@ -165,10 +204,8 @@ impl UsageWatcher {
     /// Observes a body chunk.
     pub fn push(&mut self, data: &Bytes) {
         if self.sse {
-            self.lines.push(data.clone());
-            while let Some(line) = self.lines.next_line() {
-                self.observe_line(&line);
-            }
+            let usage = &mut self.usage;
+            self.lines.split(data, |line| observe_line(usage, line));
         } else if !self.json_overflow {
             self.json_len += data.len();
             if self.json_len > MAX_JSON {
@@ -180,21 +217,11 @@ impl UsageWatcher {
         }
     }
 
-    /// Only a line that mentions `"usage"` is parsed, and only into the usage figures.
-    fn observe_line(&mut self, line: &[u8]) {
-        if let Some(data) = sse_data(line)
-            && USAGE_KEY.find(data).is_some()
-            && let Some(usage) = usage_in(data)
-        {
-            self.usage = Some(usage);
-        }
-    }
-
     /// The usage seen, at the end of the body.
     pub fn finish(mut self) -> Option<Usage> {
         if self.sse {
             if let Some(line) = self.lines.finish() {
-                self.observe_line(&line);
+                observe_line(&mut self.usage, &line);
             }
             return self.usage;
         }
@@ -203,6 +230,17 @@ impl UsageWatcher {
             [one] => usage_in(one),
             chunks => usage_in(&chunks.concat()),
         }
+    }
+}
+
+/// Keeps the usage of an SSE line that carries one. Only a line that mentions `"usage"`
+/// is parsed, and only into the usage figures.
+fn observe_line(usage: &mut Option<Usage>, line: &[u8]) {
+    if let Some(data) = sse_data(line)
+        && USAGE_KEY.find(data).is_some()
+        && let Some(found) = usage_in(data)
+    {
+        *usage = Some(found);
     }
 }
 
@@ -224,6 +262,47 @@ mod tests {
             let got: Vec<&[u8]> = got.iter().map(|b| &b[..]).collect();
             assert_eq!(got, vec![&b"data: a"[..], b"", b"data: b", b"last"]);
         }
+    }
+
+    /// Both ways of reading lines, on the same pieces.
+    fn both_ways(pieces: &[&[u8]]) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
+        let (mut owned, mut lent) = (Lines::default(), Lines::default());
+        let (mut by_push, mut by_split) = (Vec::new(), Vec::new());
+        for piece in pieces {
+            owned.push(Bytes::copy_from_slice(piece));
+            by_push.extend(std::iter::from_fn(|| owned.next_line()).map(|l| l.to_vec()));
+            lent.split(piece, |line| by_split.push(line.to_vec()));
+        }
+        by_push.extend(owned.finish().map(|l| l.to_vec()));
+        by_split.extend(lent.finish().map(|l| l.to_vec()));
+        (by_push, by_split)
+    }
+
+    #[test]
+    fn lent_lines_are_the_pushed_lines_at_any_two_cuts() {
+        let text = b"data: a\r\n\r\ndata: bb\n\n\rx\r\nlast\r";
+        for first in 0..=text.len() {
+            for second in first..=text.len() {
+                let pieces = [&text[..first], &text[first..second], &text[second..]];
+                let (by_push, by_split) = both_ways(&pieces);
+                assert_eq!(by_push, by_split, "cut at {first} and {second}");
+            }
+        }
+    }
+
+    #[test]
+    fn lent_lines_drop_an_overlong_line_as_pushed_ones_do() {
+        let long = vec![b'x'; MAX_LINE - 2];
+        let pieces: [&[u8]; 5] = [b"ok\nyy", &long, b"zz", b"zz\nnext\n", b"tail"];
+        let (by_push, by_split) = both_ways(&pieces);
+        assert_eq!(by_split, by_push);
+        assert_eq!(
+            by_split,
+            vec![b"ok".to_vec(), b"next".to_vec(), b"tail".to_vec()]
+        );
+        // A line that fits is joined across the pieces.
+        let (_, joined) = both_ways(&[b"da", b"ta: ", b"1\n"]);
+        assert_eq!(joined, vec![b"data: 1".to_vec()]);
     }
 
     #[test]
