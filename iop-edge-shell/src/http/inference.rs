@@ -95,7 +95,12 @@ impl Finish {
             None => ("-", "-", None),
         };
         // Milliseconds to the microsecond; -1 for a step the request never reached.
-        let ms = |d: Option<Duration>| d.map_or(-1.0, |d| d.as_micros() as f64 / 1e3);
+        // Through u64: converting the u128 of `as_micros` to f64 is a library call.
+        let ms = |d: Option<Duration>| {
+            d.map_or(-1.0, |d| {
+                u64::try_from(d.as_micros()).unwrap_or(u64::MAX) as f64 / 1e3
+            })
+        };
         info!(
             target: "iop::request",
             request_id = &*self.request_id,
