@@ -294,7 +294,8 @@ fn run_of(bytes: &[u8], at: usize, class: Class) -> usize {
         word.copy_from_slice(chunk);
         let x = u64::from_le_bytes(word);
         // Within ASCII (no high bit) a byte's high bit after adding `0x80 - lo` says it
-        // is at least `lo`; no byte carries into the next.
+        // is at least `lo`, and no sum carries into the next byte. A non-ASCII byte may
+        // carry, but only into bytes after it, and it is itself outside the run.
         let (y, lo, hi) = match class {
             Class::Letter => (x | (0x20 * ONES), b'a', b'z'),
             _ => (x, b'0', b'9'),
