@@ -62,3 +62,12 @@ fn lease_queue_corpus_replays() {
         assert!(result.is_ok(), "corpus input {} fails", path.display());
     }
 }
+
+#[test]
+fn openai_request_corpus_replays() {
+    for (path, data) in corpus("openai_request") {
+        let result =
+            std::panic::catch_unwind(|| iop_proto_core::testkit::fuzz::openai_request(&data));
+        assert!(result.is_ok(), "corpus input {} fails", path.display());
+    }
+}

@@ -1002,6 +1002,54 @@ proptest::proptest! {
         proptest::prop_assert_eq!(estimate_tokens(text.as_bytes()), estimate_by_chars(&text));
     }
 
+    /// The fuzz target's checks (`testkit::fuzz::openai_request`) on request bodies, whole,
+    /// cut short or with a byte changed, and on any bytes, under plain `cargo test`
+    /// (libFuzzer needs a nightly toolchain).
+    #[test]
+    fn request_bodies_keep_the_fuzz_targets_invariants(
+        pick in 0u8..3,
+        model in r#"[a-z0-9/:. "\\é]{0,16}"#,
+        contents in proptest::collection::vec(r#"[a-zA-Z0-9 ,.!?"\\\n\t é€한我ー。、「」😀]{0,40}"#, 0..4),
+        stream in proptest::option::of(proptest::prelude::any::<bool>()),
+        model_last in proptest::prelude::any::<bool>(),
+        cut in proptest::prelude::any::<proptest::sample::Index>(),
+        flip in proptest::option::of((proptest::prelude::any::<proptest::sample::Index>(), proptest::prelude::any::<u8>())),
+        noise in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..48),
+    ) {
+        let messages: Vec<Value> = contents
+            .iter()
+            .map(|c| json!({"role": "user", "content": c}))
+            .collect();
+        let mut body = serde_json::Map::new();
+        if !model_last {
+            body.insert("model".into(), json!(model));
+        }
+        body.insert("messages".into(), json!(messages));
+        body.insert("prompt".into(), json!(contents.first()));
+        body.insert("input".into(), json!(contents));
+        if let Some(stream) = stream {
+            body.insert("stream".into(), json!(stream));
+        }
+        if model_last {
+            body.insert("model".into(), json!(model));
+        }
+        let whole = serde_json::to_vec(&Value::Object(body)).expect("json");
+        let mut data = vec![pick];
+        data.extend_from_slice(&whole);
+        iop_proto_core::testkit::fuzz::openai_request(&data);
+        // Cut short, or one byte changed.
+        let mut changed = data[..1 + cut.index(whole.len() + 1)].to_vec();
+        if let Some((at, byte)) = flip {
+            let at = 1 + at.index(whole.len());
+            changed = data.clone();
+            changed[at] = byte;
+        }
+        iop_proto_core::testkit::fuzz::openai_request(&changed);
+        data.truncate(1);
+        data.extend_from_slice(&noise);
+        iop_proto_core::testkit::fuzz::openai_request(&data);
+    }
+
     /// Long letter and digit runs (read eight bytes at a time) and runs of three-byte
     /// characters, ending on every kind of neighbour.
     #[test]

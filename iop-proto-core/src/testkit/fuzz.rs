@@ -449,6 +449,61 @@ pub fn tunnel_receiver(data: &[u8]) {
     }
 }
 
+/// An untrusted OpenAI request body (the first byte picks the endpoint) through what the
+/// Edge reads of it. Checks that: `inspect` answers a 400 or facts whose token estimate
+/// is the public estimate of the same bytes, and only for UTF-8; the estimate never
+/// counts more tokens than the body has bytes (it decides long-context routing); the
+/// model rewrite changes exactly the bytes of the top-level `model` value, and happens
+/// exactly when that member is found; member ranges lie inside the body.
+pub fn openai_request(data: &[u8]) {
+    use crate::openai::{Endpoint, estimate_tokens, inspect, member_value, rewrite_model};
+
+    let Some((&pick, body)) = data.split_first() else {
+        return;
+    };
+    let endpoint =
+        [Endpoint::Chat, Endpoint::Completions, Endpoint::Embeddings][usize::from(pick % 3)];
+    let estimate = estimate_tokens(body);
+    assert!(
+        estimate <= body.len() as u64,
+        "{estimate} tokens for {} bytes",
+        body.len()
+    );
+    match inspect(body, endpoint) {
+        Ok(facts) => {
+            assert!(
+                std::str::from_utf8(body).is_ok(),
+                "accepted a body that is not UTF-8"
+            );
+            assert_eq!(facts.prompt_tokens, estimate, "inspect's estimate differs");
+        }
+        Err(error) => assert_eq!(error.status, 400, "{}", error.message),
+    }
+    for key in ["model", "messages", "usage"] {
+        if let Some(range) = member_value(body, key) {
+            assert!(
+                range.start <= range.end && range.end <= body.len(),
+                "{range:?}"
+            );
+        }
+    }
+    let target = "fuzz/model \"x\"";
+    let encoded = br#""fuzz/model \"x\"""#;
+    match (member_value(body, "model"), rewrite_model(body, target)) {
+        (None, None) => {}
+        (Some(range), Some(out)) => {
+            let mut expected = body[..range.start].to_vec();
+            expected.extend_from_slice(encoded);
+            expected.extend_from_slice(&body[range.end..]);
+            assert_eq!(&out[..], &expected[..], "the rewrite touched other bytes");
+        }
+        (found, rewritten) => panic!(
+            "member {found:?} but rewrite {:?}",
+            rewritten.map(|b| b.len())
+        ),
+    }
+}
+
 /// Operation lists over the lease ledger and the wait queue, checked against plain
 /// models: each lease is held once, released once, and fencing returns exactly the
 /// leases of its resource; the queue agrees after every step with a list of waiters in
