@@ -20,54 +20,49 @@ fn corpus(target: &str) -> Vec<(PathBuf, Vec<u8>)> {
     inputs
 }
 
-#[test]
-fn frame_decoder_corpus_replays() {
-    for (path, data) in corpus("frame_decoder") {
-        let result =
-            std::panic::catch_unwind(|| iop_proto_core::testkit::fuzz::frame_decoder(&data));
+/// Runs every input of `target`'s corpus through `run`, naming the one that fails.
+fn replay(target: &str, run: fn(&[u8])) {
+    for (path, data) in corpus(target) {
+        let result = std::panic::catch_unwind(|| run(&data));
         assert!(result.is_ok(), "corpus input {} fails", path.display());
     }
+}
+
+#[test]
+fn frame_decoder_corpus_replays() {
+    replay(
+        "frame_decoder",
+        iop_proto_core::testkit::fuzz::frame_decoder,
+    );
 }
 
 #[test]
 fn edge_core_corpus_replays() {
-    for (path, data) in corpus("edge_core") {
-        let result = std::panic::catch_unwind(|| iop_proto_core::testkit::fuzz::edge_core(&data));
-        assert!(result.is_ok(), "corpus input {} fails", path.display());
-    }
+    replay("edge_core", iop_proto_core::testkit::fuzz::edge_core);
 }
 
 #[test]
 fn node_session_corpus_replays() {
-    for (path, data) in corpus("node_session") {
-        let result =
-            std::panic::catch_unwind(|| iop_proto_core::testkit::fuzz::node_session(&data));
-        assert!(result.is_ok(), "corpus input {} fails", path.display());
-    }
+    replay("node_session", iop_proto_core::testkit::fuzz::node_session);
 }
 
 #[test]
 fn tunnel_receiver_corpus_replays() {
-    for (path, data) in corpus("tunnel_receiver") {
-        let result =
-            std::panic::catch_unwind(|| iop_proto_core::testkit::fuzz::tunnel_receiver(&data));
-        assert!(result.is_ok(), "corpus input {} fails", path.display());
-    }
+    replay(
+        "tunnel_receiver",
+        iop_proto_core::testkit::fuzz::tunnel_receiver,
+    );
 }
 
 #[test]
 fn lease_queue_corpus_replays() {
-    for (path, data) in corpus("lease_queue") {
-        let result = std::panic::catch_unwind(|| iop_proto_core::testkit::fuzz::lease_queue(&data));
-        assert!(result.is_ok(), "corpus input {} fails", path.display());
-    }
+    replay("lease_queue", iop_proto_core::testkit::fuzz::lease_queue);
 }
 
 #[test]
 fn openai_request_corpus_replays() {
-    for (path, data) in corpus("openai_request") {
-        let result =
-            std::panic::catch_unwind(|| iop_proto_core::testkit::fuzz::openai_request(&data));
-        assert!(result.is_ok(), "corpus input {} fails", path.display());
-    }
+    replay(
+        "openai_request",
+        iop_proto_core::testkit::fuzz::openai_request,
+    );
 }
