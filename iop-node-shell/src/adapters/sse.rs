@@ -59,6 +59,7 @@ impl Lines {
     /// `each` instead of handing out shared slices: for a reader that only looks at
     /// lines, a buffer costs no reference counting. Do not mix with [`Lines::push`].
     pub fn split(&mut self, mut data: &[u8], mut each: impl FnMut(&[u8])) {
+        debug_assert!(self.pending.is_empty(), "split after push");
         while let Some(end) = memchr::memchr(b'\n', data) {
             let line = &data[..end];
             data = &data[end + 1..];

@@ -288,6 +288,10 @@ const CLASS: [Class; 256] = {
 fn run_of(bytes: &[u8], at: usize, class: Class) -> usize {
     const ONES: u64 = 0x0101_0101_0101_0101;
     const HIGH: u64 = 0x8080_8080_8080_8080;
+    debug_assert!(
+        matches!(class, Class::Letter | Class::Digit),
+        "runs of letters or digits"
+    );
     let mut end = at;
     while let Some(chunk) = bytes.get(end..end + 8) {
         let mut word = [0u8; 8];

@@ -891,12 +891,17 @@ fn main() {
         per_stream(&paced_runs[1]),
         per_stream(&paced_runs[2])
     );
+    let settled = |p: &Paced| {
+        format!(
+            "{} ({:.1} s)",
+            if p.settled { "yes" } else { "no" },
+            p.settle_s
+        )
+    };
     out!(
-        "| RSS back within 2× of idle after the streams | – | {} ({:.1} s) | {} ({:.1} s) |",
-        if paced_runs[1].settled { "yes" } else { "no" },
-        paced_runs[1].settle_s,
-        if paced_runs[2].settled { "yes" } else { "no" },
-        paced_runs[2].settle_s
+        "| RSS back within 2× of idle after the streams | – | {} | {} |",
+        settled(&paced_runs[1]),
+        settled(&paced_runs[2])
     );
     let errors: Vec<String> = (0..paths.len())
         .map(|i| {
