@@ -7,7 +7,8 @@
 //!   looking at the credentials, so guessing gains nothing. It also decides which failures
 //!   are worth a log line (the 1st, 2nd, 4th, 8th… of a source), so an attack writes a
 //!   handful of lines instead of one per attempt.
-//! - [`FlapGuard`]: one node id that two live connections keep taking from each other.
+//! - [`FlapGuard`]: one node id that two live connections keep taking from each other
+//!   (a reconnect over a connection gone silent does not count, see [`Rival`]).
 //!   [`ConflictLimits::supersedes`] supersedes within [`ConflictLimits::window`] make it a
 //!   *conflict*: the current owner keeps the node and newcomers are held off for
 //!   [`ConflictLimits::hold_down`], renewed by every refused newcomer, so the conflict
@@ -241,6 +242,16 @@ pub enum Contest {
     },
 }
 
+/// The connection a newcomer would take a node id from, as [`FlapGuard::contest`] sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rival {
+    /// Heard from recently: two live connections claim the node id.
+    Live,
+    /// Silent for longer than a live connection is (the node lost its link or restarted
+    /// and is reconnecting, before the heartbeat timeout closed its old connection).
+    Silent,
+}
+
 /// Flap detection for one node id. See the [module documentation](self).
 #[derive(Clone, Debug, Default)]
 pub struct FlapGuard {
@@ -256,8 +267,10 @@ impl FlapGuard {
         self.hold_until.is_some_and(|until| until > now)
     }
 
-    /// Decides an authenticated register that would supersede the current owner.
-    pub fn contest(&mut self, now: Timestamp, limits: ConflictLimits) -> Contest {
+    /// Decides an authenticated register that would supersede the current owner. Only a
+    /// supersede of a [`Rival::Live`] owner counts towards a conflict: a node that keeps
+    /// losing its link reconnects over a connection gone silent, and is no impostor.
+    pub fn contest(&mut self, now: Timestamp, limits: ConflictLimits, rival: Rival) -> Contest {
         if self.in_conflict(now) {
             self.hold_until = Some(now + limits.hold_down);
             self.refused = self.refused.saturating_add(1);
@@ -267,6 +280,9 @@ impl FlapGuard {
             };
         }
         self.hold_until = None;
+        if rival == Rival::Silent {
+            return Contest::Supersede;
+        }
         while self
             .recent
             .front()
@@ -445,12 +461,22 @@ mod tests {
     fn three_supersedes_in_the_window_make_a_conflict_that_refused_newcomers_renew() {
         let limits = ConflictLimits::default();
         let mut g = FlapGuard::default();
-        assert_eq!(g.contest(at(0), limits), Contest::Supersede);
-        assert_eq!(g.contest(at(40_000), limits), Contest::Supersede);
-        assert_eq!(g.contest(at(41_000), limits), Contest::Supersede);
-        assert_eq!(g.contest(at(42_000), limits), Contest::SupersedeAndHold);
+        assert_eq!(g.contest(at(0), limits, Rival::Live), Contest::Supersede);
+        assert_eq!(
+            g.contest(at(40_000), limits, Rival::Live),
+            Contest::Supersede
+        );
+        assert_eq!(
+            g.contest(at(41_000), limits, Rival::Live),
+            Contest::Supersede
+        );
+        assert_eq!(
+            g.contest(at(42_000), limits, Rival::Live),
+            Contest::SupersedeAndHold
+        );
         assert!(g.in_conflict(at(42_001)));
-        let Contest::HoldOff { retry_after, log } = g.contest(at(90_000), limits) else {
+        let Contest::HoldOff { retry_after, log } = g.contest(at(90_000), limits, Rival::Live)
+        else {
             panic!("held off");
         };
         assert!(retry_after < limits.hold_down);
@@ -458,6 +484,44 @@ mod tests {
         // The refused newcomer renewed the hold: still a conflict past the first hold-down.
         assert!(g.in_conflict(at(120_000)));
         assert!(!g.in_conflict(at(150_000)));
-        assert_eq!(g.contest(at(150_000), limits), Contest::Supersede);
+        assert_eq!(
+            g.contest(at(150_000), limits, Rival::Live),
+            Contest::Supersede
+        );
+    }
+
+    #[test]
+    fn reconnects_over_a_silent_connection_never_make_a_conflict() {
+        let limits = ConflictLimits::default();
+        let mut g = FlapGuard::default();
+        for t in 0..10 {
+            assert_eq!(
+                g.contest(at(t * 100), limits, Rival::Silent),
+                Contest::Supersede
+            );
+        }
+        assert!(!g.in_conflict(at(1_000)));
+        // Nor do they help live rivals to one: three live supersedes are still needed.
+        assert_eq!(
+            g.contest(at(1_100), limits, Rival::Live),
+            Contest::Supersede
+        );
+        assert_eq!(
+            g.contest(at(1_200), limits, Rival::Silent),
+            Contest::Supersede
+        );
+        assert_eq!(
+            g.contest(at(1_300), limits, Rival::Live),
+            Contest::Supersede
+        );
+        assert_eq!(
+            g.contest(at(1_400), limits, Rival::Live),
+            Contest::SupersedeAndHold
+        );
+        // Once in conflict, a newcomer is held off whatever the owner's state.
+        assert!(matches!(
+            g.contest(at(1_500), limits, Rival::Silent),
+            Contest::HoldOff { .. }
+        ));
     }
 }

@@ -185,8 +185,8 @@ pub use edge_config::{
 };
 pub use gate::{CapacityGate, GateError};
 pub use guard::{
-    AuthThrottle, ConflictLimits, Contest, FlapGuard, PendingConnections, PendingLimits, Source,
-    ThrottleLimits,
+    AuthThrottle, ConflictLimits, Contest, FlapGuard, PendingConnections, PendingLimits, Rival,
+    Source, ThrottleLimits,
 };
 pub use lease::{Generation, Lease, Ledger, Release, RequestId, ResourceId};
 pub use queue::{Candidate, Ticket, WaitQueue, Waiter};

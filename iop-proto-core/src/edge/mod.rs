@@ -31,7 +31,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::edge_config::{EdgeConfig, EdgeConfigError, category_of};
-use crate::guard::{AuthThrottle, Contest, FlapGuard, PendingConnections, Source};
+use crate::guard::{AuthThrottle, Contest, FlapGuard, PendingConnections, Rival, Source};
 use crate::idhash::IdMap;
 use crate::lease::{Generation, Lease, Ledger, Release, RequestId, ResourceId};
 use crate::queue::{Candidate, Ticket, WaitQueue, Waiter};

@@ -331,7 +331,18 @@ impl EdgeCore {
         // the two keep taking the node id from each other.
         if let Some(old) = self.registry.nodes[i].owner {
             let limits = self.config.admission.conflict;
-            match self.registry.nodes[i].flap.contest(self.now, limits) {
+            // Live: heard from within two heartbeat intervals (a node answers every ping
+            // and sends its own at that interval). A node that lost its link gives up
+            // after three silent intervals by default, so its reconnect finds the old
+            // connection silent.
+            let live_within = self.config.timing.heartbeat_interval * 2;
+            let rival = match self.registry.conns.get(&old.conn) {
+                Some(c) if self.now.saturating_duration_since(c.last_rx) < live_within => {
+                    Rival::Live
+                }
+                _ => Rival::Silent,
+            };
+            match self.registry.nodes[i].flap.contest(self.now, limits, rival) {
                 Contest::HoldOff { retry_after, log } => {
                     let reason = format!(
                         "node id {:?} is in conflict: another live connection holds it \
