@@ -23,6 +23,9 @@
 //! - [`openai`]: the OpenAI surface: request inspection, the token estimate, the one
 //!   error mapping, and the [`openai::Responder`] that renders a request's events.
 //! - [`timer`]: the keyed timer table every machine keeps its deadlines in.
+//! - [`http1`]: HTTP/1.1 framing: the request heads and bodies the Edge's public listener
+//!   reads, the response heads and chunks it writes, and the body framing the Node's
+//!   provider client decodes.
 //!
 //! ## The machine contract
 //! Every machine ([`EdgeCore`], [`NodeSession`], [`Supervisor`], and the per-response
@@ -156,6 +159,7 @@ pub mod edge;
 pub mod edge_config;
 pub mod gate;
 pub mod guard;
+pub mod http1;
 mod idhash;
 pub mod lease;
 pub mod openai;

@@ -17,22 +17,19 @@ use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll, Waker, ready};
 
-use bytes::{Bytes, BytesMut};
+use bytes::BytesMut;
 use http::header::{CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Response, StatusCode, Version};
 use hyper_util::rt::TokioIo;
 use tokio::io::AsyncWriteExt;
 
 use super::connector::ProviderStream;
+pub use iop_proto_core::http1::{BodyError, Chunk, Decoded, Framing};
 
 /// The largest response head (status line and headers) accepted.
 pub const MAX_HEAD: usize = 64 << 10;
 /// The most response headers accepted.
 const MAX_HEADERS: usize = 128;
-/// The longest chunk-size line (with extensions) accepted.
-const MAX_CHUNK_LINE: usize = 4 << 10;
-/// The largest trailer section accepted.
-const MAX_TRAILERS: usize = 16 << 10;
 /// Smallest and largest read.
 const READ_MIN: usize = 1 << 10;
 const READ_MAX: usize = 64 << 10;
@@ -55,43 +52,34 @@ fn malformed(what: impl Into<String>) -> H1Error {
     H1Error::Malformed(what.into())
 }
 
-/// How a response body ends.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Framing {
-    /// No body (a `HEAD` request, 204, 304).
-    Empty,
-    /// This many bytes remain.
-    Length(u64),
-    /// `Transfer-Encoding: chunked`, in this state.
-    Chunked(Chunk),
-    /// Everything until the provider closes the connection.
-    UntilClose,
-    /// Read to its end.
-    Done,
+impl From<BodyError> for H1Error {
+    fn from(err: BodyError) -> Self {
+        match err {
+            BodyError::Incomplete => H1Error::Incomplete,
+            BodyError::Malformed(what) => malformed(what),
+        }
+    }
 }
 
-/// Where a chunked body's decoder stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Chunk {
-    /// Expects a chunk-size line.
-    Size,
-    /// This many bytes of chunk data remain.
-    Data(u64),
-    /// Expects the CRLF after chunk data.
-    DataEnd,
-    /// Expects trailer fields or the final CRLF.
-    Trailers,
-}
-
-/// One step of a body.
-#[derive(Debug, PartialEq, Eq)]
-pub enum Decoded {
-    /// Body bytes.
-    Data(Bytes),
-    /// Trailer fields (a chunked body's, when it has any).
-    Trailers(HeaderMap),
-    /// The body ended.
-    End,
+/// A chunked body's trailer section as fields (the core checked that it parses; a field
+/// the `http` types refuse is left out).
+#[must_use]
+pub fn trailer_fields(section: &[u8]) -> HeaderMap {
+    let mut fields = [httparse::EMPTY_HEADER; 32];
+    let mut trailers = HeaderMap::new();
+    if let Ok(httparse::Status::Complete((_, fields))) =
+        httparse::parse_headers(section, &mut fields)
+    {
+        for field in fields.iter() {
+            if let (Ok(name), Ok(value)) = (
+                HeaderName::from_bytes(field.name.as_bytes()),
+                HeaderValue::from_bytes(field.value),
+            ) {
+                trailers.append(name, value);
+            }
+        }
+    }
+    trailers
 }
 
 /// A parsed response head.
@@ -281,156 +269,10 @@ fn framing(
 }
 
 fn has_token(headers: &HeaderMap, name: &HeaderName, token: &str) -> bool {
-    headers.get_all(name).iter().any(|v| {
-        v.as_bytes()
-            .split(|b| *b == b',')
-            .any(|t| t.trim_ascii().eq_ignore_ascii_case(token.as_bytes()))
-    })
-}
-
-impl Framing {
-    /// The next step of the body from what `buf` holds (taken out of it); `None` until
-    /// more is read.
-    pub fn decode(&mut self, buf: &mut BytesMut) -> Result<Option<Decoded>, H1Error> {
-        loop {
-            match self {
-                Framing::Empty | Framing::Done | Framing::Length(0) => {
-                    *self = Framing::Done;
-                    return Ok(Some(Decoded::End));
-                }
-                Framing::Length(left) => {
-                    if buf.is_empty() {
-                        return Ok(None);
-                    }
-                    let take = usize::try_from(*left).map_or(buf.len(), |l| l.min(buf.len()));
-                    *left -= take as u64;
-                    return Ok(Some(Decoded::Data(buf.split_to(take).freeze())));
-                }
-                Framing::UntilClose => {
-                    if buf.is_empty() {
-                        return Ok(None);
-                    }
-                    return Ok(Some(Decoded::Data(buf.split().freeze())));
-                }
-                Framing::Chunked(chunk) => match chunk {
-                    Chunk::Size => {
-                        let Some(end) = memchr::memchr(b'\n', buf) else {
-                            if buf.len() > MAX_CHUNK_LINE {
-                                return Err(malformed("chunk size line too long"));
-                            }
-                            return Ok(None);
-                        };
-                        if end > MAX_CHUNK_LINE {
-                            return Err(malformed("chunk size line too long"));
-                        }
-                        let size = chunk_size(&buf[..end])?;
-                        let _ = buf.split_to(end + 1);
-                        *chunk = if size == 0 {
-                            Chunk::Trailers
-                        } else {
-                            Chunk::Data(size)
-                        };
-                    }
-                    Chunk::Data(left) => {
-                        if buf.is_empty() {
-                            return Ok(None);
-                        }
-                        let take = usize::try_from(*left).map_or(buf.len(), |l| l.min(buf.len()));
-                        *left -= take as u64;
-                        if *left == 0 {
-                            *chunk = Chunk::DataEnd;
-                        }
-                        return Ok(Some(Decoded::Data(buf.split_to(take).freeze())));
-                    }
-                    Chunk::DataEnd => match line_end(buf) {
-                        None => return Ok(None),
-                        Some(0) => return Err(malformed("chunk data longer than its size")),
-                        Some(n) => {
-                            let _ = buf.split_to(n);
-                            *chunk = Chunk::Size;
-                        }
-                    },
-                    Chunk::Trailers => {
-                        match line_end(buf) {
-                            None => return Ok(None),
-                            Some(0) => {}
-                            Some(n) => {
-                                let _ = buf.split_to(n);
-                                *self = Framing::Done;
-                                return Ok(Some(Decoded::End));
-                            }
-                        }
-                        let mut fields = [httparse::EMPTY_HEADER; 32];
-                        let (len, trailers) = match httparse::parse_headers(buf, &mut fields) {
-                            Ok(httparse::Status::Complete((len, fields))) => {
-                                let mut trailers = HeaderMap::with_capacity(fields.len());
-                                for field in fields.iter() {
-                                    if let (Ok(name), Ok(value)) = (
-                                        HeaderName::from_bytes(field.name.as_bytes()),
-                                        HeaderValue::from_bytes(field.value),
-                                    ) {
-                                        trailers.append(name, value);
-                                    }
-                                }
-                                (len, trailers)
-                            }
-                            Ok(httparse::Status::Partial) if buf.len() > MAX_TRAILERS => {
-                                return Err(malformed("trailers too large"));
-                            }
-                            Ok(httparse::Status::Partial) => return Ok(None),
-                            Err(err) => return Err(malformed(format!("trailers: {err}"))),
-                        };
-                        let _ = buf.split_to(len);
-                        *self = Framing::Done;
-                        return Ok(Some(Decoded::Trailers(trailers)));
-                    }
-                },
-            }
-        }
-    }
-
-    /// What the provider's close of the connection means for this body.
-    pub fn at_eof(&mut self) -> Result<Decoded, H1Error> {
-        match self {
-            Framing::UntilClose | Framing::Done | Framing::Empty => {
-                *self = Framing::Done;
-                Ok(Decoded::End)
-            }
-            _ => Err(H1Error::Incomplete),
-        }
-    }
-
-    /// Bytes of body left, when the framing says.
-    pub fn remaining(&self) -> Option<u64> {
-        match self {
-            Framing::Empty | Framing::Done => Some(0),
-            Framing::Length(n) => Some(*n),
-            _ => None,
-        }
-    }
-}
-
-/// The length of the CRLF (or bare LF) that `buf` starts with: `Some(0)` if it starts
-/// with something else, `None` if it cannot tell yet.
-fn line_end(buf: &[u8]) -> Option<usize> {
-    match buf {
-        [] | [b'\r'] => None,
-        [b'\r', b'\n', ..] => Some(2),
-        [b'\n', ..] => Some(1),
-        _ => Some(0),
-    }
-}
-
-/// The size of a chunk-size line (without its LF): hex digits, then optional extensions.
-fn chunk_size(line: &[u8]) -> Result<u64, H1Error> {
-    let line = line.strip_suffix(b"\r").unwrap_or(line);
-    let digits = line.iter().take_while(|b| b.is_ascii_hexdigit()).count();
-    let rest = &line[digits..];
-    if digits == 0 || digits > 15 || !(rest.is_empty() || matches!(rest[0], b';' | b' ' | b'\t')) {
-        return Err(malformed("invalid chunk size"));
-    }
-    let text = std::str::from_utf8(&line[..digits]).map_err(|_| malformed("invalid chunk size"))?;
-    u64::from_str_radix(text, 16).map_err(|_| malformed("invalid chunk size"))
+    headers
+        .get_all(name)
+        .iter()
+        .any(|v| iop_proto_core::http1::lists_token(v.as_bytes(), token))
 }
 
 /// A connection to a provider: its socket and what was read from it and not yet taken.
@@ -497,7 +339,7 @@ impl Conn {
 
     /// The body of the response whose head was read next.
     pub fn decode(&mut self, framing: &mut Framing) -> Result<Option<Decoded>, H1Error> {
-        framing.decode(&mut self.buf)
+        Ok(framing.decode(&mut self.buf)?)
     }
 
     /// Whether an idle connection can take another request: nothing unread, and the
@@ -698,7 +540,7 @@ mod tests {
                 Decoded::Trailers(t) => Some(t),
                 _ => None,
             });
-            assert_eq!(trailers.unwrap()["x-usage"], "7");
+            assert_eq!(trailer_fields(trailers.unwrap())["x-usage"], "7");
             assert_eq!(steps.last(), Some(&Decoded::End));
         }
         let plain = decode_all(Framing::Chunked(Chunk::Size), b"3\r\nabc\r\n0\r\n\r\n", 4).unwrap();
@@ -724,7 +566,7 @@ mod tests {
                 String::from_utf8_lossy(body)
             );
         }
-        let long = vec![b'1'; MAX_CHUNK_LINE + 2];
+        let long = vec![b'1'; iop_proto_core::http1::MAX_CHUNK_LINE + 2];
         assert!(matches!(
             decode_all(Framing::Chunked(Chunk::Size), &long, 512),
             Err(H1Error::Malformed(_))

@@ -26,7 +26,7 @@ use hyper::body::{Body, Frame, SizeHint};
 use tokio::time::Instant;
 
 use super::connector::ProviderConnector;
-use super::h1::{Conn, Decoded, Framing, H1Error, Head, encode_request};
+use super::h1::{Conn, Decoded, Framing, H1Error, Head, encode_request, trailer_fields};
 
 /// How often idle connections are swept for closes and age.
 const SWEEP_EVERY: Duration = Duration::from_secs(10);
@@ -274,7 +274,7 @@ impl Body for ProviderBody {
                         }
                         Err(err) => {
                             this.conn = None;
-                            return Poll::Ready(Some(Err(err)));
+                            return Poll::Ready(Some(Err(err.into())));
                         }
                     },
                     Poll::Ready(Ok(_)) => continue,
@@ -290,7 +290,7 @@ impl Body for ProviderBody {
             };
             return Poll::Ready(match decoded {
                 Decoded::Data(data) => Some(Ok(Frame::data(data))),
-                Decoded::Trailers(trailers) => Some(Ok(Frame::trailers(trailers))),
+                Decoded::Trailers(section) => Some(Ok(Frame::trailers(trailer_fields(&section)))),
                 Decoded::End => {
                     if let Some(conn) = this.conn.take()
                         && this.keep_alive
