@@ -480,6 +480,9 @@ pub struct ResponseFraming {
     pub body: BodyFraming,
     /// Whether the connection takes another request after this response.
     pub keep_alive: bool,
+    /// The client speaks HTTP/1.0: a kept connection is said so (`connection:
+    /// keep-alive`), since 1.0 closes by default.
+    pub http10: bool,
 }
 
 /// Decides how a response goes out: `status` to a request that was `HEAD` (or not), a body
@@ -504,6 +507,7 @@ pub fn response_framing(
         body,
         // A body that ends with the connection ends it.
         keep_alive: keep_alive && body != BodyFraming::Close,
+        http10,
     }
 }
 
@@ -560,6 +564,8 @@ pub fn encode_response_head<'a>(
     }
     if !framing.keep_alive {
         out.extend_from_slice(b"connection: close\r\n");
+    } else if framing.http10 {
+        out.extend_from_slice(b"connection: keep-alive\r\n");
     }
     if let Some(date) = date {
         out.extend_from_slice(b"date: ");
@@ -781,6 +787,19 @@ mod tests {
         assert_eq!(f(200, true, None, false, true).body, BodyFraming::None);
         assert_eq!(f(204, false, Some(0), false, true).body, BodyFraming::None);
         assert!(!f(200, false, Some(1), false, false).keep_alive);
+        let mut out = Vec::new();
+        encode_response_head(
+            200,
+            "OK",
+            [],
+            None,
+            f(200, false, Some(0), true, true),
+            &mut out,
+        );
+        assert_eq!(
+            out,
+            b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: keep-alive\r\n\r\n"
+        );
     }
 
     #[test]

@@ -66,3 +66,11 @@ fn openai_request_corpus_replays() {
         iop_proto_core::testkit::fuzz::openai_request,
     );
 }
+
+#[test]
+fn http1_request_corpus_replays() {
+    replay(
+        "http1_request",
+        iop_proto_core::testkit::fuzz::http1_request,
+    );
+}

@@ -4,7 +4,6 @@
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
-use hyper::body::Incoming;
 use iop_proto_core::NodeState;
 use iop_proto_core::openai::{ApiError, ErrorType};
 use serde_json::{Value, json};
@@ -170,7 +169,10 @@ pub(super) async fn status(state: &State) -> Response<ResBody> {
 
 /// `/v1/nodes/{node}/capabilities`, `/v1/nodes/{node}/transport` and the read-only
 /// `/v1/nodes/{node}/ollama/{adapter}/api/...` pass-through: node commands.
-pub(super) async fn node_command(req: Request<Incoming>, state: &State) -> Response<ResBody> {
+pub(super) async fn node_command<B: super::ReqBody>(
+    req: Request<B>,
+    state: &State,
+) -> Response<ResBody> {
     use iop_proto_core::wire::{NodeCommandRequest, NodeCommandType};
     let method = req.method().as_str().to_owned();
     let path = req.uri().path().to_owned();

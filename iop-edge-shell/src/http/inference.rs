@@ -13,7 +13,6 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
 use http_body::Frame;
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 use iop_proto_core::RequestId;
 use iop_proto_core::openai::{
     ApiError, Endpoint, ErrorType, Out, Responder, ResponseOptions, inspect,
@@ -23,7 +22,7 @@ use tokio::sync::oneshot;
 use tokio::time::{Instant, Sleep};
 use tracing::{error, info};
 
-use super::{Caller, ResBody, State, api_error, json_response, now_secs};
+use super::{Caller, ReqBody, ResBody, State, api_error, json_response, now_secs};
 use crate::config::HttpSettings;
 use crate::driver::{Core, CoreMsg, Events, ReqEvent, Work};
 use crate::memory::RequestMemory;
@@ -158,10 +157,11 @@ fn fresh_request_id() -> Arc<str> {
     Arc::from(std::str::from_utf8(&id).unwrap_or("req_"))
 }
 
-/// Reads a request body within the size limit, the memory budget and the body deadline,
-/// into one buffer (sized from `content-length` when given, so it is never copied again).
-async fn read_body(
-    body: Incoming,
+/// Reads a request body within the size limit, the memory budget and the body deadline.
+/// A body that arrives as one piece of its declared length is kept as it came; pieces are
+/// joined into one buffer of the declared size (so it is never copied again).
+async fn read_body<B: ReqBody>(
+    body: B,
     content_length: Option<u64>,
     settings: &HttpSettings,
     memory: &RequestMemory,
@@ -193,7 +193,10 @@ async fn read_body(
         return Err(overloaded());
     }
     let mut reserved = declared;
-    let mut buf = bytes::BytesMut::with_capacity(declared);
+    // The declared body in one piece is kept as it came (a slice of the connection's read
+    // buffer); otherwise the pieces are joined into one buffer of the declared size.
+    let mut whole: Option<Bytes> = None;
+    let mut buf = bytes::BytesMut::new();
     let mut body = body;
     loop {
         // One timer for the whole body (the request's, see `Live`), not one per frame.
@@ -227,6 +230,17 @@ async fn read_body(
         let Ok(data) = frame.into_data() else {
             continue;
         };
+        if let Some(first) = whole.take() {
+            buf.reserve(declared.max(first.len() + data.len()));
+            buf.extend_from_slice(&first);
+        }
+        if buf.is_empty() && declared > 0 && data.len() == declared {
+            whole = Some(data);
+            continue;
+        }
+        if buf.capacity() == 0 {
+            buf.reserve(declared);
+        }
         let len = buf.len() + data.len();
         if len > max {
             return Err(too_large());
@@ -241,13 +255,13 @@ async fn read_body(
         }
         buf.extend_from_slice(&data);
     }
-    Ok(buf.freeze())
+    Ok(whole.unwrap_or_else(|| buf.freeze()))
 }
 
 /// `POST /v1/chat/completions`, `/v1/completions`, `/v1/embeddings`. Every answer, error
 /// or not, names the request in `x-request-id`.
-pub(super) async fn inference(
-    req: Request<Incoming>,
+pub(super) async fn inference<B: ReqBody>(
+    req: Request<B>,
     state: Arc<State>,
     endpoint: Endpoint,
     caller: Caller,
@@ -268,8 +282,8 @@ pub(super) async fn inference(
     response
 }
 
-async fn handle(
-    req: Request<Incoming>,
+async fn handle<B: ReqBody>(
+    req: Request<B>,
     state: Arc<State>,
     endpoint: Endpoint,
     caller: Caller,
@@ -518,15 +532,23 @@ impl Live {
         }
     }
 
-    /// The response is complete: no cancel once the core ended the request, and the
-    /// request's figures recorded (once).
+    /// The response is complete: no cancel once the core ended the request. Its figures
+    /// are recorded when it is dropped, once its last bytes are written.
     fn settle(&mut self) {
         if !self.responder.needs_cancel() {
             self.guard.disarm();
         }
+    }
+}
+
+impl Drop for Live {
+    /// Records the request's figures and writes its log line: after the response is
+    /// written (the writer drops it then), so that neither delays the caller, and also
+    /// for a caller who left before the end (`499` if no head was sent, like nginx).
+    fn drop(&mut self) {
         if !std::mem::replace(&mut self.recorded, true) {
             self.finish.done(
-                self.responder.status().unwrap_or(599),
+                self.responder.status().unwrap_or(499),
                 self.responder.usage(),
             );
         }
@@ -569,7 +591,13 @@ async fn respond(mut live: Box<Live>) -> Response<ResBody> {
             Some(Out::Whole { status, body }) => {
                 live.settle();
                 let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
-                return json_response(status, body);
+                let mut response = json_response(status, Bytes::new());
+                // The request is recorded once the body is written and dropped.
+                *response.body_mut() = ResBody::Done {
+                    body: Some(body),
+                    _request: live,
+                };
+                return response;
             }
             Some(Out::Head { status, headers }) => {
                 return match head(status, &headers) {

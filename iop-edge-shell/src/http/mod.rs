@@ -3,6 +3,7 @@
 //! messages; what a response says is decided in `iop_proto_core::openai`.
 
 mod admin;
+mod h1;
 pub(crate) mod inference;
 
 use std::convert::Infallible;
@@ -15,7 +16,6 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use http::{HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body::{Body, Frame};
-use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use iop_proto_core::openai::{ApiError, Endpoint, ErrorType};
@@ -32,11 +32,31 @@ use crate::metrics::Metrics;
 
 type Chunk = Result<Frame<Bytes>, std::io::Error>;
 
+/// A request body as the handlers read it: hyper's (TLS and h2c connections) or the
+/// Edge's own HTTP/1.1 reader's ([`h1`]).
+pub(crate) trait ReqBody:
+    Body<Data = Bytes, Error: Into<Box<dyn std::error::Error + Send + Sync>>> + Send + Unpin
+{
+}
+
+impl<T> ReqBody for T where
+    T: Body<Data = Bytes, Error: Into<Box<dyn std::error::Error + Send + Sync>>> + Send + Unpin
+{
+}
+
 /// A response body: either complete, or fed by a task through a channel.
 #[derive(Debug)]
 pub(crate) enum ResBody {
     /// Whole body.
     Full(Option<Bytes>),
+    /// A whole inference answer: its request's figures are recorded when this is
+    /// dropped, after it is written.
+    Done {
+        /// The answer.
+        body: Option<Bytes>,
+        /// The request, recorded when this is dropped.
+        _request: Box<inference::Live>,
+    },
     /// A streamed response, rendered from its request's events as hyper polls it.
     Live(Box<inference::Live>),
     /// `GET /v1/events`: SSE bytes from the event hub; ends when the subscriber is dropped.
@@ -49,11 +69,28 @@ impl Body for ResBody {
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Chunk>> {
         match &mut *self {
-            ResBody::Full(data) => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+            ResBody::Full(data) | ResBody::Done { body: data, .. } => {
+                Poll::Ready(data.take().map(|d| Ok(Frame::data(d))))
+            }
             ResBody::Live(live) => Pin::new(live.as_mut()).poll_frame(cx),
             ResBody::Events(rx) => rx
                 .poll_recv(cx)
                 .map(|bytes| bytes.map(|b| Ok(Frame::data(b)))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        matches!(self, ResBody::Full(None) | ResBody::Done { body: None, .. })
+    }
+
+    /// A whole body's length, so that hyper (TLS and h2 connections) sends it as
+    /// `content-length` rather than chunked.
+    fn size_hint(&self) -> http_body::SizeHint {
+        match self {
+            ResBody::Full(data) | ResBody::Done { body: data, .. } => {
+                http_body::SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
+            ResBody::Live(_) | ResBody::Events(_) => http_body::SizeHint::default(),
         }
     }
 }
@@ -153,21 +190,27 @@ pub async fn serve(
         let acceptor = tls
             .read()
             .map_or(None, |tls| tls.clone().map(tokio_rustls::TlsAcceptor::from));
-        // hyper wakes a connection's task from inside its poll when the service takes a
-        // request body; repolled at once, that is not a yield that hands the connection
-        // to another worker thread (see `iop_shell_common::repoll`).
-        tokio::spawn(Repoll::new(Box::pin(async move {
-            let _slot = slot;
-            let settings = state.settings();
-            match acceptor {
-                None => serve_connection(stream, peer, state, &settings).await,
-                // Boxed: a TLS session and its handshake are kilobytes that a plaintext
-                // connection's task would otherwise reserve too (16 KiB against 4).
-                Some(acceptor) => {
-                    Box::pin(serve_tls(acceptor, stream, peer, state, &settings)).await
-                }
+        match acceptor {
+            // Plaintext: HTTP/1.1 read and written by the Edge itself (h2c goes to hyper).
+            None => {
+                tokio::spawn(async move {
+                    let _slot = slot;
+                    let settings = state.settings();
+                    h1::serve(stream, peer, state, &settings).await;
+                });
             }
-        })));
+            // hyper wakes a connection's task from inside its poll when the service takes
+            // a request body; repolled at once, that is not a yield that hands the
+            // connection to another worker thread (see `iop_shell_common::repoll`).
+            // Boxed: a TLS session and its handshake are kilobytes.
+            Some(acceptor) => {
+                tokio::spawn(Repoll::new(Box::pin(async move {
+                    let _slot = slot;
+                    let settings = state.settings();
+                    serve_tls(acceptor, stream, peer, state, &settings).await;
+                })));
+            }
+        }
     }
 }
 
@@ -227,6 +270,14 @@ impl Body for Tracked {
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Chunk>> {
         Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
     }
 }
 
@@ -332,8 +383,8 @@ fn access(path: &str) -> Access {
 /// Routes one request. The large handlers are boxed: hyper keeps this future's slot
 /// allocated for as long as the connection lives, so it should hold little more than a
 /// pointer while a response streams or the connection idles.
-async fn route(
-    req: Request<Incoming>,
+async fn route<B: ReqBody>(
+    req: Request<B>,
     state: Arc<State>,
     peer: std::net::SocketAddr,
 ) -> Response<ResBody> {
@@ -481,7 +532,7 @@ fn allowed_method(path: &str) -> Option<&'static str> {
 
 /// The token of an `Authorization: Bearer <token>` header; the scheme is
 /// case-insensitive (RFC 9110 section 11.1).
-fn bearer(req: &Request<Incoming>) -> Option<&str> {
+fn bearer<B>(req: &Request<B>) -> Option<&str> {
     let value = req.headers().get(header::AUTHORIZATION)?.to_str().ok()?;
     let (scheme, token) = value.trim().split_once([' ', '\t'])?;
     scheme
@@ -495,8 +546,8 @@ fn bearer(req: &Request<Incoming>) -> Option<&str> {
 pub(crate) type Caller = String;
 
 /// The caller when it may use a route of `access`; else the 401 or 403 to answer.
-fn authorize(
-    req: &Request<Incoming>,
+fn authorize<B>(
+    req: &Request<B>,
     peer: std::net::SocketAddr,
     settings: &HttpSettings,
     access: Access,

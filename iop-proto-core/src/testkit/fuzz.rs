@@ -504,6 +504,140 @@ pub fn openai_request(data: &[u8]) {
     }
 }
 
+/// Untrusted bytes on the Edge's public listener, read as a stream of pipelined HTTP/1.1
+/// requests (heads by [`HeadReader`], bodies by their [`Framing`]) the way the listener
+/// reads them, once whole and once in uneven pieces (sizes drawn from the data). Checks
+/// that: what is read does not depend on how the input was split; a head never exceeds
+/// the limit, its ranges lie inside it and its framing is one the RFC allows; a body
+/// never yields more bytes than the input holds, and a length-framed one exactly its
+/// length; an error ends the stream.
+///
+/// [`HeadReader`]: crate::http1::HeadReader
+/// [`Framing`]: crate::http1::Framing
+pub fn http1_request(data: &[u8]) {
+    // A small limit, so that the fuzzer reaches the oversized path cheaply.
+    const MAX_HEAD: usize = 512;
+    let whole = read_requests(data, MAX_HEAD, |_| data.len());
+    let split = read_requests(data, MAX_HEAD, |i| {
+        1 + usize::from(data.get(i % data.len().max(1)).copied().unwrap_or(0)) % 13
+    });
+    assert_eq!(
+        whole, split,
+        "the reading depends on how the input was split"
+    );
+    let body_bytes: usize = whole.iter().map(|r| r.body.len()).sum();
+    assert!(body_bytes <= data.len(), "more body than input");
+}
+
+/// What reading one request of a stream found.
+#[derive(Debug, PartialEq, Eq)]
+struct ReadRequest {
+    head: Result<(usize, std::ops::Range<usize>, bool, bool), crate::http1::HeadError>,
+    body: Vec<u8>,
+    /// How the body ended: `Ok(true)` read to its end, `Ok(false)` the input ran out,
+    /// `Err` broken framing.
+    ended: Result<bool, crate::http1::BodyError>,
+}
+
+/// Reads `data` as pipelined requests, fed `piece(i)` bytes at a time.
+fn read_requests(data: &[u8], max_head: usize, piece: impl Fn(usize) -> usize) -> Vec<ReadRequest> {
+    use crate::http1::{Decoded, Framing, HeadReader};
+    let mut fed = 0;
+    let mut reads = 0;
+    let mut buf = BytesMut::new();
+    let mut feed = |buf: &mut BytesMut| -> bool {
+        if fed >= data.len() {
+            return false;
+        }
+        let n = piece(reads).clamp(1, data.len() - fed);
+        reads += 1;
+        buf.extend_from_slice(&data[fed..fed + n]);
+        fed += n;
+        true
+    };
+    let mut out = Vec::new();
+    let mut heads = HeadReader::new(max_head);
+    loop {
+        heads.reset();
+        let head = loop {
+            match heads.poll(&buf) {
+                Ok(Some(head)) => break Ok(head),
+                Ok(None) if feed(&mut buf) => {}
+                Ok(None) => return out,
+                Err(err) => break Err(err),
+            }
+        };
+        let head = match head {
+            Ok(head) => head,
+            Err(err) => {
+                out.push(ReadRequest {
+                    head: Err(err),
+                    body: Vec::new(),
+                    ended: Ok(false),
+                });
+                return out;
+            }
+        };
+        assert!(head.len <= max_head && head.len <= buf.len(), "{head:?}");
+        for range in [&head.method, &head.target]
+            .into_iter()
+            .chain(head.fields.iter().flat_map(|(n, v)| [n, v]))
+        {
+            assert!(
+                range.start <= range.end && range.end <= head.len,
+                "{range:?}"
+            );
+        }
+        assert!(
+            matches!(
+                head.body,
+                Framing::Empty | Framing::Length(_) | Framing::Chunked(_)
+            ),
+            "{:?}",
+            head.body
+        );
+        assert!(!(head.http10 && matches!(head.body, Framing::Chunked(_))));
+        let _ = buf.split_to(head.len);
+        let mut framing = head.body.clone();
+        let declared = framing.remaining();
+        let mut body = Vec::new();
+        let ended = loop {
+            match framing.decode(&mut buf) {
+                Ok(Some(Decoded::Data(data))) => {
+                    assert!(!data.is_empty(), "an empty data step");
+                    body.extend_from_slice(&data);
+                }
+                Ok(Some(Decoded::Trailers(_))) => {}
+                Ok(Some(Decoded::End)) => break Ok(true),
+                Ok(None) if feed(&mut buf) => {}
+                Ok(None) => break Ok(false),
+                Err(err) => break Err(err),
+            }
+        };
+        if let (Some(n), Ok(true)) = (declared, &ended) {
+            assert_eq!(
+                body.len() as u64,
+                n,
+                "a length-framed body of another length"
+            );
+        }
+        let stop = !matches!(ended, Ok(true));
+        out.push(ReadRequest {
+            head: Ok((
+                head.len,
+                head.target.clone(),
+                head.keep_alive,
+                head.expect_continue,
+            )),
+            body,
+            ended,
+        });
+        if stop {
+            return out;
+        }
+    }
+}
+
 /// Operation lists over the lease ledger and the wait queue, checked against plain
 /// models: each lease is held once, released once, and fencing returns exactly the
 /// leases of its resource; the queue agrees after every step with a list of waiters in

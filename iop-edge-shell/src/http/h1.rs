@@ -1,0 +1,778 @@
+//! Plaintext HTTP/1.1 connections, read and written by the Edge itself over the core's
+//! [`iop_proto_core::http1`] framing; every framing decision (limits, smuggling refusals,
+//! keep-alive, chunking) is the core's, and this module only moves bytes and runs the
+//! connection's one timer. A connection that opens with the HTTP/2 preface (h2c with prior
+//! knowledge) is handed to hyper with what was read of it; TLS connections stay hyper's.
+//!
+//! hyper's HTTP/1 connection cost about a fifth of the Edge's instructions per small
+//! request (callgrind): a channel and a task wake between its dispatcher and the handler
+//! for the request body, a watchdog per connection beside it, and its own head buffers.
+//! Here a request is parsed where it was read, its body is a slice of the read buffer,
+//! and the response (head and body, or each batch of ready chunks) leaves in one write
+//! from the task that renders it.
+//!
+//! What a connection holds between requests is its socket: the read buffer is taken only
+//! once input is waiting, and a response's write buffer is kept small.
+
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use http::{
+    HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, Uri, Version,
+};
+use http_body::{Body, Frame};
+use iop_proto_core::http1::{
+    self, BodyFraming, CHUNK_END, Decoded, Framing, HeadError, HeadReader, LAST_CHUNK, RequestHead,
+};
+use iop_proto_core::openai::ErrorType;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::time::{Instant, Sleep};
+use tracing::debug;
+
+use super::{ResBody, State, error};
+use crate::config::HttpSettings;
+
+/// The HTTP/2 connection preface (RFC 9113 §3.4).
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+/// Smallest and largest read.
+const READ_MIN: usize = 1 << 10;
+const READ_MAX: usize = 64 << 10;
+/// Bytes of response gathered into one write.
+const WRITE_BATCH: usize = 64 << 10;
+/// Capacity a write buffer may keep between writes.
+const WRITE_KEEP: usize = 4 << 10;
+/// Unread request body a connection may discard to stay open after a response that did
+/// not read it (only what has already arrived; a longer body closes the connection).
+const DRAIN_MAX: u64 = 64 << 10;
+
+/// What the socket and the request body share while a handler runs: the read buffer and
+/// the body's framing. The body and the connection are polled by the same task; the lock
+/// is never contended, only needed because the handler's future must be `Send`.
+#[derive(Debug)]
+struct ReadSide {
+    buf: BytesMut,
+    /// The size of the next read: doubled after a read that filled the last one, back to
+    /// the minimum after a small one.
+    want: usize,
+    body: Framing,
+    /// Bytes of `100 Continue` written so far, while the client waits for it.
+    continue_sent: Option<usize>,
+    /// The client closed its side, or the socket failed.
+    eof: bool,
+}
+
+impl ReadSide {
+    fn new() -> Self {
+        ReadSide {
+            buf: BytesMut::new(),
+            want: READ_MIN,
+            body: Framing::Done,
+            continue_sent: None,
+            eof: false,
+        }
+    }
+
+    /// Reads what the socket has; `Ready(Ok(0))` at its end.
+    fn poll_read(&mut self, stream: &TcpStream, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+        loop {
+            ready!(stream.poll_read_ready(cx))?;
+            if self.buf.capacity() - self.buf.len() < self.want {
+                self.buf.reserve(self.want);
+            }
+            match stream.try_read_buf(&mut self.buf) {
+                Ok(read) => {
+                    self.want = if read >= self.want {
+                        (self.want * 2).min(READ_MAX)
+                    } else if read < self.want / 4 {
+                        READ_MIN
+                    } else {
+                        self.want
+                    };
+                    if read == 0 {
+                        self.eof = true;
+                    }
+                    return Poll::Ready(Ok(read));
+                }
+                Err(err) if err.kind() == io::ErrorKind::WouldBlock => {}
+                Err(err) => {
+                    self.eof = true;
+                    return Poll::Ready(Err(err));
+                }
+            }
+        }
+    }
+
+    /// Frees an emptied read buffer, so that a connection waiting on a response or for
+    /// its next request holds none.
+    fn release(&mut self) {
+        if self.buf.is_empty() {
+            self.buf = BytesMut::new();
+            self.want = READ_MIN;
+        }
+    }
+}
+
+/// A plaintext connection: its socket and the read side it shares with request bodies.
+struct Conn {
+    stream: TcpStream,
+    read: Mutex<ReadSide>,
+    out: Vec<u8>,
+    peer: SocketAddr,
+    /// The connection's one timer: a head's deadline, the idle limit, a stalled write's.
+    timer: Pin<Box<Sleep>>,
+}
+
+fn lock(read: &Mutex<ReadSide>) -> MutexGuard<'_, ReadSide> {
+    read.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// How waiting for a request head ended without one.
+enum NoHead {
+    /// The client closed the connection or went quiet; nothing to answer.
+    Gone,
+    /// The head is refused: answer this and close.
+    Refused(HeadError),
+    /// The client speaks HTTP/2 with prior knowledge: hand the connection to hyper.
+    H2,
+}
+
+/// Serves a plaintext connection until the client closes it, a limit closes it, or a
+/// response says so.
+pub(super) async fn serve(
+    stream: TcpStream,
+    peer: SocketAddr,
+    state: Arc<State>,
+    settings: &HttpSettings,
+) {
+    let mut conn = Conn {
+        stream,
+        read: Mutex::new(ReadSide::new()),
+        out: Vec::new(),
+        peer,
+        timer: Box::pin(tokio::time::sleep_until(
+            Instant::now() + settings.header_read_timeout,
+        )),
+    };
+    let mut heads = HeadReader::new(settings.max_header_bytes);
+    let mut first = true;
+    loop {
+        let head = match conn.next_head(&mut heads, first, settings).await {
+            Ok(head) => head,
+            Err(NoHead::Gone) => return,
+            Err(NoHead::Refused(refusal)) => {
+                conn.refuse(refusal).await;
+                return;
+            }
+            Err(NoHead::H2) => {
+                let read = conn
+                    .read
+                    .into_inner()
+                    .unwrap_or_else(PoisonError::into_inner);
+                let prefix = read.buf.freeze();
+                let io = Prefixed {
+                    prefix,
+                    stream: conn.stream,
+                };
+                super::serve_connection(io, peer, state, settings).await;
+                return;
+            }
+        };
+        first = false;
+        match conn.exchange(head, &state).await {
+            Ok(true) => {}
+            Ok(false) | Err(_) => return,
+        }
+    }
+}
+
+impl Conn {
+    /// Waits for the next request head: on a new connection within the header timeout, on
+    /// a kept one the idle timeout for its first byte and the header timeout from there.
+    async fn next_head(
+        &mut self,
+        heads: &mut HeadReader,
+        first: bool,
+        settings: &HttpSettings,
+    ) -> Result<RequestHead, NoHead> {
+        heads.reset();
+        let mut started = first;
+        if !first {
+            let buffered = !lock(&self.read).buf.is_empty();
+            let limit = if buffered {
+                started = true;
+                settings.header_read_timeout
+            } else {
+                settings.idle_timeout
+            };
+            self.timer.as_mut().reset(Instant::now() + limit);
+        }
+        loop {
+            {
+                let read = lock(&self.read);
+                if first
+                    && H2_PREFACE.starts_with(&read.buf[..read.buf.len().min(H2_PREFACE.len())])
+                {
+                    if read.buf.len() >= H2_PREFACE.len() {
+                        return Err(NoHead::H2);
+                    }
+                } else if !read.buf.is_empty() {
+                    if let Some(head) = heads.poll(&read.buf).map_err(NoHead::Refused)? {
+                        return Ok(head);
+                    }
+                } else if read.eof {
+                    return Err(NoHead::Gone);
+                }
+                if read.eof {
+                    // A head cut short by the client's close: nothing to answer it with.
+                    debug!(peer = %self.peer, "http connection closed mid-head");
+                    return Err(NoHead::Gone);
+                }
+            }
+            let stream = &self.stream;
+            let read = &self.read;
+            let timer = &mut self.timer;
+            let outcome = std::future::poll_fn(|cx| {
+                if let Poll::Ready(read) = lock(read).poll_read(stream, cx) {
+                    return Poll::Ready(Some(read));
+                }
+                timer.as_mut().poll(cx).map(|()| None)
+            })
+            .await;
+            match outcome {
+                None => {
+                    debug!(peer = %self.peer, "closing an http connection: no request in time");
+                    return Err(NoHead::Gone);
+                }
+                Some(Err(err)) => {
+                    debug!(peer = %self.peer, %err, "http connection read failed");
+                    return Err(NoHead::Gone);
+                }
+                Some(Ok(_)) if !started => {
+                    // The first byte of a head on a kept connection: the rest within the
+                    // header timeout.
+                    started = true;
+                    self.timer
+                        .as_mut()
+                        .reset(Instant::now() + settings.header_read_timeout);
+                }
+                Some(Ok(_)) => {}
+            }
+        }
+    }
+
+    /// Answers a refused head and closes.
+    async fn refuse(&mut self, refusal: HeadError) {
+        debug!(peer = %self.peer, %refusal, "refusing an http request head");
+        let status = StatusCode::from_u16(refusal.status()).unwrap_or(StatusCode::BAD_REQUEST);
+        let code = match refusal {
+            HeadError::TooLarge => "request_header_fields_too_large",
+            HeadError::Malformed(_) => "bad_request",
+            HeadError::UnsupportedCoding => "unsupported_transfer_coding",
+        };
+        let kind = if status.is_server_error() {
+            ErrorType::Server
+        } else {
+            ErrorType::InvalidRequest
+        };
+        let response = error(status, &refusal.to_string(), kind, Some(code));
+        let _ = self.respond(response, false, false, false).await;
+    }
+
+    /// One request and its response; whether the connection takes another.
+    async fn exchange(&mut self, head: RequestHead, state: &Arc<State>) -> io::Result<bool> {
+        let (bytes, keep_alive, http10) = {
+            let mut read = lock(&self.read);
+            let bytes = read.buf.split_to(head.len).freeze();
+            read.body = head.body.clone();
+            // Owed only while there is a body to ask for.
+            read.continue_sent = (head.expect_continue && !head.body.is_done()).then_some(0);
+            (bytes, head.keep_alive, head.http10)
+        };
+        let request = match request(&head, &bytes, H1Body { conn: self }) {
+            Ok(request) => request,
+            Err(refusal) => {
+                self.refuse(refusal).await;
+                return Ok(false);
+            }
+        };
+        drop(bytes);
+        let head_request = request.method() == Method::HEAD;
+        let response = self.handle(request, state).await;
+        let Some(response) = response else {
+            // The client left while its request was being handled.
+            return Ok(false);
+        };
+        // A body the handler left unread keeps the connection only if it is all here.
+        let body_read = {
+            let mut read = lock(&self.read);
+            read.continue_sent = None;
+            drain(&mut read);
+            read.release();
+            read.body.is_done()
+        };
+        self.respond(response, head_request, http10, keep_alive && body_read)
+            .await
+    }
+
+    /// Runs the handler; `None` when the client closes the connection first (once the
+    /// request body is in, a read that finds the end of the stream means the caller left,
+    /// and dropping the handler cancels its request).
+    async fn handle(
+        &self,
+        request: Request<H1Body<'_>>,
+        state: &Arc<State>,
+    ) -> Option<Response<ResBody>> {
+        let mut handler = std::pin::pin!(super::route(request, state.clone(), self.peer));
+        let mut watching = true;
+        std::future::poll_fn(|cx| {
+            if let Poll::Ready(response) = handler.as_mut().poll(cx) {
+                return Poll::Ready(Some(response));
+            }
+            if watching && !watch(&self.stream, &self.read, cx, &mut watching) {
+                return Poll::Ready(None);
+            }
+            Poll::Pending
+        })
+        .await
+    }
+
+    /// Writes `response`; whether the connection takes another request.
+    async fn respond(
+        &mut self,
+        response: Response<ResBody>,
+        head_request: bool,
+        http10: bool,
+        keep_alive: bool,
+    ) -> io::Result<bool> {
+        let (parts, mut body) = response.into_parts();
+        let status = parts.status;
+        let len = match &body {
+            ResBody::Full(data) | ResBody::Done { body: data, .. } => {
+                Some(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
+            ResBody::Live(_) | ResBody::Events(_) => None,
+        };
+        let framing =
+            http1::response_framing(status.as_u16(), head_request, len, http10, keep_alive);
+        let mut out = std::mem::take(&mut self.out);
+        out.clear();
+        http1::encode_response_head(
+            status.as_u16(),
+            status.canonical_reason().unwrap_or(""),
+            parts
+                .headers
+                .iter()
+                .map(|(name, value)| (name.as_str().as_bytes(), value.as_bytes())),
+            Some(&date()[..]),
+            framing,
+            &mut out,
+        );
+        let result = match (&mut body, framing.body) {
+            (_, BodyFraming::None) => self.write_all(&out, &[]).await.map(|()| true),
+            (ResBody::Full(data) | ResBody::Done { body: data, .. }, _) => {
+                let data = data.take().unwrap_or_default();
+                if data.len() <= WRITE_KEEP {
+                    // Head and body in one write.
+                    out.extend_from_slice(&data);
+                    self.write_all(&out, &[]).await.map(|()| true)
+                } else {
+                    self.write_all(&out, &data).await.map(|()| true)
+                }
+            }
+            (_, body_framing) => {
+                self.stream_body(&mut body, body_framing == BodyFraming::Chunked, &mut out)
+                    .await
+            }
+        };
+        // The body (and with it the request's state) goes before the connection waits.
+        drop(body);
+        out.clear();
+        if out.capacity() <= WRITE_KEEP {
+            self.out = out;
+        }
+        Ok(result? && framing.keep_alive)
+    }
+
+    /// Writes a body as it is produced, each batch of frames that are ready in one write
+    /// (`out` holds the response head first); whether it ended as it should (`false`: it
+    /// failed or the client left: close the connection).
+    async fn stream_body(
+        &mut self,
+        body: &mut ResBody,
+        chunked: bool,
+        out: &mut Vec<u8>,
+    ) -> io::Result<bool> {
+        let mut body = Pin::new(body);
+        let mut watching = true;
+        loop {
+            let step = std::future::poll_fn(|cx| {
+                loop {
+                    if out.len() >= WRITE_BATCH {
+                        return Poll::Ready(Step::Write);
+                    }
+                    match body.as_mut().poll_frame(cx) {
+                        Poll::Ready(Some(Ok(frame))) => {
+                            if let Ok(data) = frame.into_data()
+                                && !data.is_empty()
+                            {
+                                if chunked {
+                                    http1::encode_chunk_start(data.len(), out);
+                                    out.extend_from_slice(&data);
+                                    out.extend_from_slice(CHUNK_END);
+                                } else {
+                                    out.extend_from_slice(&data);
+                                }
+                            }
+                        }
+                        Poll::Ready(Some(Err(err))) => {
+                            debug!(peer = %self.peer, %err, "response body failed: closing the connection");
+                            return Poll::Ready(Step::Failed);
+                        }
+                        Poll::Ready(None) => {
+                            if chunked {
+                                out.extend_from_slice(LAST_CHUNK);
+                            }
+                            return Poll::Ready(Step::Ended);
+                        }
+                        Poll::Pending if !out.is_empty() => return Poll::Ready(Step::Write),
+                        Poll::Pending => {
+                            // Nothing to write: watch the client meanwhile.
+                            if watching && !watch(&self.stream, &self.read, cx, &mut watching) {
+                                return Poll::Ready(Step::Gone);
+                            }
+                            return Poll::Pending;
+                        }
+                    }
+                }
+            })
+            .await;
+            if step == Step::Gone {
+                debug!(peer = %self.peer, "the client left during a response");
+                return Ok(false);
+            }
+            // What was gathered goes out, also before a failure closes the connection.
+            self.write_all(out, &[]).await?;
+            out.clear();
+            if out.capacity() > WRITE_KEEP {
+                *out = Vec::new();
+            }
+            match step {
+                Step::Ended => return Ok(true),
+                Step::Failed | Step::Gone => return Ok(false),
+                Step::Write => tokio::task::consume_budget().await,
+            }
+        }
+    }
+
+    /// Writes `head` then `rest`; a write that makes no progress for [`STALL`] fails (a
+    /// client that stopped reading).
+    async fn write_all(&mut self, head: &[u8], rest: &[u8]) -> io::Result<()> {
+        for part in [head, rest] {
+            let mut at = 0;
+            while at < part.len() {
+                match self.stream.try_write(&part[at..]) {
+                    Ok(n) => at += n,
+                    Err(err) if err.kind() == io::ErrorKind::WouldBlock => {
+                        self.wait_writable().await?;
+                    }
+                    Err(err) => return Err(err),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until the socket takes more; only a blocked write arms the timer, so a client
+    /// that reads costs none.
+    async fn wait_writable(&mut self) -> io::Result<()> {
+        self.timer.as_mut().reset(Instant::now() + STALL);
+        let stream = &self.stream;
+        let timer = &mut self.timer;
+        std::future::poll_fn(|cx| {
+            if let Poll::Ready(ready) = stream.poll_write_ready(cx) {
+                return Poll::Ready(ready);
+            }
+            timer.as_mut().poll(cx).map(|()| {
+                Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the client stopped reading",
+                ))
+            })
+        })
+        .await
+    }
+}
+
+/// How long a response write may make no progress before the connection is closed.
+const STALL: Duration = Duration::from_secs(60);
+
+/// What one gathering of a streamed body ended with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Step {
+    /// A batch is ready to write; more may follow.
+    Write,
+    /// The body ended (its last bytes are in the batch).
+    Ended,
+    /// The body failed: what came before it is written, then the connection closes.
+    Failed,
+    /// The client closed the connection.
+    Gone,
+}
+
+/// Watches the socket while a request's body is in and its answer is pending or being
+/// streamed: reads what comes (a pipelined request, kept up to [`READ_MAX`]) and tells
+/// whether the client is still there. Past that much it stops watching (`watching` turns
+/// false), so a client that sends too much is held back by TCP, not buffered for.
+fn watch(
+    stream: &TcpStream,
+    read: &Mutex<ReadSide>,
+    cx: &mut Context<'_>,
+    watching: &mut bool,
+) -> bool {
+    let mut read = lock(read);
+    if !read.body.is_done() || read.continue_sent.is_some() {
+        // The handler is reading the body (or has yet to ask for it): its reads notice a
+        // close.
+        return true;
+    }
+    loop {
+        if read.eof {
+            return false;
+        }
+        if read.buf.len() >= READ_MAX {
+            *watching = false;
+            return true;
+        }
+        match read.poll_read(stream, cx) {
+            Poll::Pending => return true,
+            Poll::Ready(Ok(0) | Err(_)) => return false,
+            Poll::Ready(Ok(_)) => {}
+        }
+    }
+}
+
+/// Takes what has already arrived of a body the handler did not read, up to
+/// [`DRAIN_MAX`]; the body's framing says afterwards whether all of it was there.
+fn drain(read: &mut ReadSide) {
+    if read.body.remaining().is_some_and(|left| left > DRAIN_MAX) {
+        return;
+    }
+    let mut taken = 0u64;
+    while taken <= DRAIN_MAX {
+        let ReadSide { buf, body, .. } = read;
+        match body.decode(buf) {
+            Ok(Some(Decoded::Data(data))) => taken += data.len() as u64,
+            Ok(Some(Decoded::Trailers(_))) => {}
+            Ok(Some(Decoded::End)) | Ok(None) => return,
+            Err(_) => {
+                // Broken framing: the connection cannot be used again.
+                read.body = Framing::Length(u64::MAX);
+                return;
+            }
+        }
+    }
+}
+
+/// The request the handlers see: its head as `http` types (values are slices of the head
+/// as read, not copies) and its body.
+fn request<'c>(
+    head: &RequestHead,
+    bytes: &Bytes,
+    body: H1Body<'c>,
+) -> Result<Request<H1Body<'c>>, HeadError> {
+    let invalid = HeadError::Malformed;
+    let method =
+        Method::from_bytes(&bytes[head.method.clone()]).map_err(|_| invalid("invalid method"))?;
+    let uri = Uri::from_maybe_shared(bytes.slice(head.target.clone()))
+        .map_err(|_| invalid("invalid request target"))?;
+    let mut headers = HeaderMap::with_capacity(head.fields.len());
+    for (name, value) in &head.fields {
+        let name = HeaderName::from_bytes(&bytes[name.clone()])
+            .map_err(|_| invalid("invalid header name"))?;
+        let value = HeaderValue::from_maybe_shared(bytes.slice(value.clone()))
+            .map_err(|_| invalid("invalid header value"))?;
+        headers.append(name, value);
+    }
+    let mut request = Request::new(body);
+    *request.method_mut() = method;
+    *request.uri_mut() = uri;
+    *request.version_mut() = if head.http10 {
+        Version::HTTP_10
+    } else {
+        Version::HTTP_11
+    };
+    *request.headers_mut() = headers;
+    Ok(request)
+}
+
+/// A request body read from the connection as the handler asks for it: slices of the
+/// read buffer, framed by the core's decoder. `100 Continue` goes out before the first
+/// read when the client asked for it.
+pub(crate) struct H1Body<'c> {
+    conn: &'c Conn,
+}
+
+impl std::fmt::Debug for H1Body<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("H1Body").finish_non_exhaustive()
+    }
+}
+
+impl Body for H1Body<'_> {
+    type Data = Bytes;
+    type Error = io::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
+        let conn = self.conn;
+        let mut read = lock(&conn.read);
+        loop {
+            let ReadSide { buf, body, .. } = &mut *read;
+            match body.decode(buf) {
+                Ok(Some(Decoded::Data(data))) => return Poll::Ready(Some(Ok(Frame::data(data)))),
+                // Request trailers are not used.
+                Ok(Some(Decoded::Trailers(_))) => continue,
+                Ok(Some(Decoded::End)) => {
+                    // Sent without waiting for the interim answer: none is owed.
+                    read.continue_sent = None;
+                    return Poll::Ready(None);
+                }
+                Ok(None) => {}
+                Err(err) => {
+                    // Nothing after a broken body can be read as a request.
+                    read.eof = true;
+                    return Poll::Ready(Some(Err(io::Error::new(io::ErrorKind::InvalidData, err))));
+                }
+            }
+            if let Some(sent) = read.continue_sent {
+                // The client waits for this before it sends the body.
+                let rest = &http1::CONTINUE[sent..];
+                match conn.stream.poll_write_ready(cx) {
+                    Poll::Pending => return Poll::Pending,
+                    Poll::Ready(Err(err)) => return Poll::Ready(Some(Err(err))),
+                    Poll::Ready(Ok(())) => match conn.stream.try_write(rest) {
+                        Ok(n) if n == rest.len() => read.continue_sent = None,
+                        Ok(n) => {
+                            read.continue_sent = Some(sent + n);
+                            continue;
+                        }
+                        Err(err) if err.kind() == io::ErrorKind::WouldBlock => continue,
+                        Err(err) => return Poll::Ready(Some(Err(err))),
+                    },
+                }
+            }
+            if read.eof {
+                return Poll::Ready(Some(Err(io::ErrorKind::UnexpectedEof.into())));
+            }
+            match ready!(read.poll_read(&conn.stream, cx)) {
+                Ok(0) => {
+                    let ReadSide { body, .. } = &mut *read;
+                    if let Err(err) = body.at_eof() {
+                        return Poll::Ready(Some(Err(io::Error::new(
+                            io::ErrorKind::UnexpectedEof,
+                            err,
+                        ))));
+                    }
+                }
+                Ok(_) => {}
+                Err(err) => return Poll::Ready(Some(Err(err))),
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        lock(&self.conn.read).body.is_done()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        match lock(&self.conn.read).body.remaining() {
+            Some(n) => http_body::SizeHint::with_exact(n),
+            None => http_body::SizeHint::default(),
+        }
+    }
+}
+
+/// The `date` field's value, worked out once a second per thread.
+fn date() -> [u8; 29] {
+    use std::cell::Cell;
+    use std::time::{SystemTime, UNIX_EPOCH};
+    thread_local! {
+        static CACHED: Cell<(u64, [u8; 29])> = const { Cell::new((u64::MAX, [0; 29])) };
+    }
+    let now = SystemTime::now();
+    let second = now.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    CACHED.with(|cached| {
+        let (at, text) = cached.get();
+        if at == second {
+            return text;
+        }
+        let mut text = [0u8; 29];
+        let formatted = httpdate::fmt_http_date(now);
+        if formatted.len() == text.len() {
+            text.copy_from_slice(formatted.as_bytes());
+        }
+        cached.set((second, text));
+        text
+    })
+}
+
+/// A connection handed to hyper with the bytes already read from it: they are read
+/// again first.
+struct Prefixed {
+    prefix: Bytes,
+    stream: TcpStream,
+}
+
+impl AsyncRead for Prefixed {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if !this.prefix.is_empty() {
+            let n = this.prefix.len().min(buf.remaining());
+            buf.put_slice(&this.prefix.split_to(n));
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut this.stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Prefixed {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().stream).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
+    }
+}
