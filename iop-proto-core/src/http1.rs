@@ -455,6 +455,166 @@ fn decimal(text: &[u8]) -> Option<u64> {
     })
 }
 
+// ----- responses (client side) -----
+
+/// The most header fields a response head may carry.
+pub const MAX_RESPONSE_HEADERS: usize = 128;
+
+/// A parsed response head: where its fields lie in the bytes it was parsed from, and what
+/// they decide about the body and the connection (RFC 9112 §6.3, §9.3).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResponseHead {
+    /// Bytes up to the end of this head, interim (1xx) heads before it included.
+    pub len: usize,
+    /// The status code (200..=999; interim answers are skipped).
+    pub status: u16,
+    /// HTTP/1.0 (else 1.1).
+    pub http10: bool,
+    /// Each field's name and value.
+    pub fields: Vec<(Range<usize>, Range<usize>)>,
+    /// How the body is framed.
+    pub body: Framing,
+    /// Whether the connection may carry another request once the body is read: the
+    /// framing says where the body ends, on HTTP/1.1, without `connection: close`.
+    pub keep_alive: bool,
+}
+
+impl HeadReader {
+    /// The response head at the start of `buf` once it is complete (interim 1xx answers
+    /// before it are skipped); `None` until then. `head_request`: the request was `HEAD`,
+    /// so no body follows whatever the fields say. Refusals are [`HeadError::TooLarge`]
+    /// and [`HeadError::Malformed`]; the connection is not used again.
+    pub fn poll_response(
+        &mut self,
+        buf: &[u8],
+        head_request: bool,
+    ) -> Result<Option<ResponseHead>, HeadError> {
+        let from = self.scanned.saturating_sub(3).min(buf.len());
+        let found = find_blank_line(&buf[from..]).is_some();
+        self.scanned = buf.len();
+        if !found {
+            return if buf.len() > self.max_head {
+                Err(HeadError::TooLarge)
+            } else {
+                Ok(None)
+            };
+        }
+        let mut start = 0;
+        loop {
+            let Some(end) = find_blank_line(&buf[start..]).map(|at| start + at) else {
+                // Interim answers, and the final head not in yet.
+                return Ok(None);
+            };
+            if end > self.max_head {
+                return Err(HeadError::TooLarge);
+            }
+            match parse_response_head(&buf[start..end], head_request)? {
+                None => start = end,
+                Some(mut head) => {
+                    for (name, value) in &mut head.fields {
+                        *name = name.start + start..name.end + start;
+                        *value = value.start + start..value.end + start;
+                    }
+                    head.len = end;
+                    return Ok(Some(head));
+                }
+            }
+        }
+    }
+}
+
+/// Parses one complete response head; `None` for an interim (1xx) answer.
+fn parse_response_head(head: &[u8], head_request: bool) -> Result<Option<ResponseHead>, HeadError> {
+    let mut slots = [std::mem::MaybeUninit::<httparse::Header<'_>>::uninit(); MAX_RESPONSE_HEADERS];
+    let mut parsed = httparse::Response::new(&mut []);
+    match httparse::ParserConfig::default().parse_response_with_uninit_headers(
+        &mut parsed,
+        head,
+        &mut slots,
+    ) {
+        Ok(httparse::Status::Complete(_)) => {}
+        Ok(httparse::Status::Partial) => return Err(HeadError::Malformed("incomplete head")),
+        Err(httparse::Error::TooManyHeaders) => return Err(HeadError::TooLarge),
+        Err(_) => return Err(HeadError::Malformed("invalid response head")),
+    }
+    let (Some(status), Some(minor)) = (parsed.code, parsed.version) else {
+        return Err(HeadError::Malformed("invalid status line"));
+    };
+    if !(100..=999).contains(&status) {
+        return Err(HeadError::Malformed("invalid status code"));
+    }
+    if status == 101 {
+        return Err(HeadError::Malformed(
+            "101 Switching Protocols to a request without Upgrade",
+        ));
+    }
+    if status < 200 {
+        return Ok(None);
+    }
+    let base = head.as_ptr() as usize;
+    let range = |part: &[u8]| {
+        let at = part.as_ptr() as usize - base;
+        at..at + part.len()
+    };
+    let http10 = minor == 0;
+    let mut fields = Vec::with_capacity(parsed.headers.len());
+    let mut length: Option<u64> = None;
+    let mut coded = false;
+    let mut last_coding: &[u8] = b"";
+    let mut close = false;
+    for field in parsed.headers.iter() {
+        fields.push((range(field.name.as_bytes()), range(field.value)));
+        let name = field.name.as_bytes();
+        if name.eq_ignore_ascii_case(b"transfer-encoding") {
+            coded = true;
+            if let Some(coding) = field
+                .value
+                .split(|b| *b == b',')
+                .map(<[u8]>::trim_ascii)
+                .rfind(|coding| !coding.is_empty())
+            {
+                last_coding = coding;
+            }
+        } else if name.eq_ignore_ascii_case(b"content-length") {
+            for part in field.value.split(|b| *b == b',') {
+                let n = decimal(part.trim_ascii())
+                    .ok_or(HeadError::Malformed("invalid content-length"))?;
+                if length.is_some_and(|seen| seen != n) {
+                    return Err(HeadError::Malformed("conflicting content-length values"));
+                }
+                length = Some(n);
+            }
+        } else if name.eq_ignore_ascii_case(b"connection") {
+            close |= lists_token(field.value, "close");
+        }
+    }
+    let (body, framing_keeps) = if head_request || status == 204 || status == 304 {
+        (Framing::Empty, true)
+    } else if coded {
+        let chunked = last_coding.eq_ignore_ascii_case(b"chunked");
+        // With a Content-Length as well, the message may be an attempt at smuggling:
+        // Transfer-Encoding wins and the connection is not used again.
+        if chunked {
+            (Framing::Chunked(Chunk::Size), length.is_none())
+        } else {
+            (Framing::UntilClose, false)
+        }
+    } else {
+        match length {
+            Some(n) => (Framing::Length(n), true),
+            None => (Framing::UntilClose, false),
+        }
+    };
+    Ok(Some(ResponseHead {
+        len: head.len(),
+        status,
+        http10,
+        fields,
+        body,
+        keep_alive: framing_keeps && !http10 && !close,
+    }))
+}
+
 /// The interim answer to `Expect: 100-continue`.
 pub const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
 
@@ -762,6 +922,109 @@ mod tests {
             assert_eq!(parsed.len, text.len() - 3, "step {step}");
             assert!(parsed.expect_continue);
         }
+    }
+
+    #[test]
+    fn response_heads_are_framed_by_the_rfc_after_interim_answers() {
+        let text = "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 5\r\nx-a: b\r\n\r\nhello";
+        let head = HeadReader::new(8192)
+            .poll_response(text.as_bytes(), false)
+            .unwrap()
+            .unwrap();
+        assert_eq!((head.status, head.len), (200, text.len() - 5));
+        assert_eq!(head.body, Framing::Length(5));
+        assert!(head.keep_alive);
+        let (name, value) = head.fields[1].clone();
+        assert_eq!((&text[name], &text[value]), ("x-a", "b"));
+        // (fields, HTTP/1.0?, HEAD request?, status, framing, reusable)
+        let cases: [(&str, bool, bool, u16, Framing, bool); 9] = [
+            (
+                "transfer-encoding: chunked\r\n",
+                false,
+                false,
+                200,
+                Framing::Chunked(Chunk::Size),
+                true,
+            ),
+            (
+                "transfer-encoding: chunked\r\ncontent-length: 3\r\n",
+                false,
+                false,
+                200,
+                Framing::Chunked(Chunk::Size),
+                false,
+            ),
+            (
+                "transfer-encoding: gzip\r\n",
+                false,
+                false,
+                200,
+                Framing::UntilClose,
+                false,
+            ),
+            ("", false, false, 200, Framing::UntilClose, false),
+            (
+                "content-length: 3\r\nconnection: close\r\n",
+                false,
+                false,
+                200,
+                Framing::Length(3),
+                false,
+            ),
+            (
+                "content-length: 3\r\n",
+                true,
+                false,
+                200,
+                Framing::Length(3),
+                false,
+            ),
+            (
+                "content-length: 3\r\n",
+                false,
+                true,
+                200,
+                Framing::Empty,
+                true,
+            ),
+            ("", false, false, 204, Framing::Empty, true),
+            ("", false, false, 304, Framing::Empty, true),
+        ];
+        for (fields, http10, head_request, status, framing, reusable) in cases {
+            let version = if http10 { "1.0" } else { "1.1" };
+            let text = format!("HTTP/{version} {status} X\r\n{fields}\r\n");
+            let head = HeadReader::new(8192)
+                .poll_response(text.as_bytes(), head_request)
+                .unwrap()
+                .unwrap();
+            assert_eq!(
+                (&head.body, head.keep_alive),
+                (&framing, reusable),
+                "{text:?}"
+            );
+        }
+        for broken in [
+            "HTTP/1.1 101 Switching Protocols\r\n\r\n",
+            "HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n",
+            "HTTP/1.1 200 OK\r\ncontent-length: x\r\n\r\n",
+            "HTTP/1.1 OK\r\n\r\n",
+        ] {
+            assert!(
+                HeadReader::new(8192)
+                    .poll_response(broken.as_bytes(), false)
+                    .is_err(),
+                "{broken:?}"
+            );
+        }
+        // An interim answer alone, and a head past the limit.
+        assert_eq!(
+            HeadReader::new(64).poll_response(b"HTTP/1.1 103 Early\r\n\r\n", false),
+            Ok(None)
+        );
+        assert_eq!(
+            HeadReader::new(8).poll_response(&[b'x'; 9], false),
+            Err(HeadError::TooLarge)
+        );
     }
 
     #[test]

@@ -25,11 +25,10 @@ use tokio::io::AsyncWriteExt;
 
 use super::connector::ProviderStream;
 pub use iop_proto_core::http1::{BodyError, Chunk, Decoded, Framing};
+use iop_proto_core::http1::{HeadError, HeadReader, MAX_RESPONSE_HEADERS};
 
 /// The largest response head (status line and headers) accepted.
 pub const MAX_HEAD: usize = 64 << 10;
-/// The most response headers accepted.
-const MAX_HEADERS: usize = 128;
 /// Smallest and largest read.
 const READ_MIN: usize = 1 << 10;
 const READ_MAX: usize = 64 << 10;
@@ -135,144 +134,49 @@ fn is_connection_field(name: &HeaderName) -> bool {
         || name.as_str() == "proxy-connection"
 }
 
-/// Parses the response head at the start of `buf` (1xx interim responses are skipped),
-/// taking it out of `buf`; `None` while it is incomplete.
-fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, H1Error> {
-    loop {
-        let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
-        let mut parsed = httparse::Response::new(&mut fields);
-        let len = match parsed.parse(buf) {
-            Ok(httparse::Status::Complete(len)) => len,
-            Ok(httparse::Status::Partial) if buf.len() > MAX_HEAD => {
-                return Err(malformed(format!("response head over {MAX_HEAD} bytes")));
-            }
-            Ok(httparse::Status::Partial) => return Ok(None),
-            Err(err) => return Err(malformed(err.to_string())),
-        };
-        let code = parsed.code.unwrap_or_default();
-        let status = StatusCode::from_u16(code).map_err(|_| malformed(format!("status {code}")))?;
-        if status == StatusCode::SWITCHING_PROTOCOLS {
-            return Err(malformed(
-                "101 Switching Protocols to a request without Upgrade",
-            ));
-        }
-        if status.is_informational() {
-            let _ = buf.split_to(len);
-            continue;
-        }
-        let version = match parsed.version {
-            Some(1) => Version::HTTP_11,
-            _ => Version::HTTP_10,
-        };
-        let mut headers = HeaderMap::with_capacity(parsed.headers.len());
-        for field in parsed.headers.iter() {
-            let name = HeaderName::from_bytes(field.name.as_bytes())
-                .map_err(|_| malformed(format!("header name {:?}", field.name)))?;
-            let value = HeaderValue::from_bytes(field.value)
-                .map_err(|_| malformed(format!("value of header {name}")))?;
-            headers.append(name, value);
-        }
-        let _ = buf.split_to(len);
-        let (framing, framing_keeps) = framing(&headers, status, method)?;
-        let keep_alive = framing_keeps
-            && version == Version::HTTP_11
-            && !has_token(&headers, &CONNECTION, "close");
-        let mut response = Response::new(());
-        *response.status_mut() = status;
-        *response.version_mut() = version;
-        *response.headers_mut() = headers;
-        return Ok(Some(Head {
-            response,
-            framing,
-            keep_alive,
-        }));
-    }
-}
-
-/// [`parse_head`] once `buf` holds a blank line past `scanned` (the bytes before it are
-/// known to hold none), so a head that arrives a few bytes at a time is searched once and
-/// parsed once, not parsed again from its start after every read.
+/// The response head at the start of `buf` once it is whole, taken out of `buf`; `None`
+/// while it is incomplete. The core's reader finds it (searching each byte once however
+/// the head arrives), skips interim 1xx answers and frames the body; the head's field
+/// values become slices of the bytes read, not copies.
 fn next_head(
     buf: &mut BytesMut,
-    scanned: &mut usize,
+    reader: &mut HeadReader,
     method: &Method,
 ) -> Result<Option<Head>, H1Error> {
-    // A blank line ends a head: CRLF CRLF, or LF LF, which httparse also accepts. Two
-    // bytes back, so a terminator split across reads is found.
-    let from = (*scanned).saturating_sub(2).min(buf.len());
-    let ends = memchr::memchr_iter(b'\n', &buf[from..]).any(|at| {
-        let rest = &buf[from + at + 1..];
-        rest.starts_with(b"\n") || rest.starts_with(b"\r\n")
-    });
-    let head = if ends {
-        parse_head(buf, method)?
-    } else if buf.len() > MAX_HEAD {
-        return Err(malformed(format!("response head over {MAX_HEAD} bytes")));
-    } else {
-        None
-    };
-    // What is left (after any interim 1xx heads were taken out) holds no complete head.
-    *scanned = buf.len();
-    Ok(head)
-}
-
-/// How the body of a response with `headers` to `method` ends (RFC 9112 §6.3), and whether
-/// that framing leaves the connection usable.
-fn framing(
-    headers: &HeaderMap,
-    status: StatusCode,
-    method: &Method,
-) -> Result<(Framing, bool), H1Error> {
-    if method == Method::HEAD
-        || status == StatusCode::NO_CONTENT
-        || status == StatusCode::NOT_MODIFIED
-    {
-        return Ok((Framing::Empty, true));
-    }
-    if headers.contains_key(TRANSFER_ENCODING) {
-        let last = headers
-            .get_all(TRANSFER_ENCODING)
-            .iter()
-            .flat_map(|v| v.as_bytes().split(|b| *b == b','))
-            .map(<[u8]>::trim_ascii)
-            .rfind(|coding| !coding.is_empty());
-        let chunked = last.is_some_and(|c| c.eq_ignore_ascii_case(b"chunked"));
-        // With a Content-Length as well, the message may be an attempt at smuggling:
-        // Transfer-Encoding wins and the connection is not used again.
-        let clean = chunked && !headers.contains_key(CONTENT_LENGTH);
-        let framing = if chunked {
-            Framing::Chunked(Chunk::Size)
-        } else {
-            Framing::UntilClose
-        };
-        return Ok((framing, clean));
-    }
-    let mut length = None;
-    for value in headers.get_all(CONTENT_LENGTH) {
-        for part in value.as_bytes().split(|b| *b == b',') {
-            let part = part.trim_ascii();
-            let n = std::str::from_utf8(part)
-                .ok()
-                .filter(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
-                .and_then(|p| p.parse::<u64>().ok())
-                .ok_or_else(|| malformed("invalid content-length"))?;
-            if length.is_some_and(|seen| seen != n) {
-                return Err(malformed("conflicting content-length values"));
-            }
-            length = Some(n);
+    let parsed = match reader.poll_response(buf, method == Method::HEAD) {
+        Ok(Some(parsed)) => parsed,
+        Ok(None) => return Ok(None),
+        Err(HeadError::TooLarge) => {
+            return Err(malformed(format!(
+                "response head over {MAX_HEAD} bytes or {MAX_RESPONSE_HEADERS} fields"
+            )));
         }
+        Err(err) => return Err(malformed(err.to_string())),
+    };
+    reader.reset();
+    let bytes = buf.split_to(parsed.len).freeze();
+    let mut headers = HeaderMap::with_capacity(parsed.fields.len());
+    for (name, value) in &parsed.fields {
+        let name = HeaderName::from_bytes(&bytes[name.clone()])
+            .map_err(|_| malformed(format!("header name {:?}", &bytes[name.clone()])))?;
+        let value = HeaderValue::from_maybe_shared(bytes.slice(value.clone()))
+            .map_err(|_| malformed(format!("value of header {name}")))?;
+        headers.append(name, value);
     }
-    Ok(match length {
-        Some(n) => (Framing::Length(n), true),
-        None => (Framing::UntilClose, false),
-    })
-}
-
-fn has_token(headers: &HeaderMap, name: &HeaderName, token: &str) -> bool {
-    headers
-        .get_all(name)
-        .iter()
-        .any(|v| iop_proto_core::http1::lists_token(v.as_bytes(), token))
+    let mut response = Response::new(());
+    *response.status_mut() = StatusCode::from_u16(parsed.status)
+        .map_err(|_| malformed(format!("status {}", parsed.status)))?;
+    *response.version_mut() = if parsed.http10 {
+        Version::HTTP_10
+    } else {
+        Version::HTTP_11
+    };
+    *response.headers_mut() = headers;
+    Ok(Some(Head {
+        response,
+        framing: parsed.body,
+        keep_alive: parsed.keep_alive,
+    }))
 }
 
 /// A connection to a provider: its socket and what was read from it and not yet taken.
@@ -305,9 +209,9 @@ impl Conn {
 
     /// Reads until a whole response head is in, and parses it.
     pub async fn read_head(&mut self, method: &Method) -> Result<Head, H1Error> {
-        let mut scanned = 0;
+        let mut reader = HeadReader::new(MAX_HEAD);
         loop {
-            if let Some(head) = next_head(&mut self.buf, &mut scanned, method)? {
+            if let Some(head) = next_head(&mut self.buf, &mut reader, method)? {
                 return Ok(head);
             }
             let read = std::future::poll_fn(|cx| self.poll_read(cx)).await?;
@@ -362,7 +266,11 @@ mod tests {
     use super::*;
 
     fn head(text: &str, method: &Method) -> Result<Option<Head>, H1Error> {
-        parse_head(&mut BytesMut::from(text), method)
+        next_head(
+            &mut BytesMut::from(text),
+            &mut HeadReader::new(MAX_HEAD),
+            method,
+        )
     }
 
     /// Every step of `body` decoded with `framing`, fed `step` bytes at a time.
@@ -431,7 +339,9 @@ mod tests {
         let mut buf = BytesMut::from(
             "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 5\r\nx-a: b\r\n\r\nhello",
         );
-        let parsed = parse_head(&mut buf, &Method::POST).unwrap().unwrap();
+        let parsed = next_head(&mut buf, &mut HeadReader::new(MAX_HEAD), &Method::POST)
+            .unwrap()
+            .unwrap();
         assert_eq!(parsed.response.status(), 200);
         assert_eq!(parsed.response.headers()["x-a"], "b");
         assert_eq!(parsed.framing, Framing::Length(5));
@@ -607,7 +517,7 @@ mod tests {
             step in 1usize..40,
         ) {
             let _ = decode_all(Framing::Chunked(Chunk::Size), &wire, step);
-            let _ = parse_head(&mut BytesMut::from(&wire[..]), &Method::GET);
+            let _ = next_head(&mut BytesMut::from(&wire[..]), &mut HeadReader::new(MAX_HEAD), &Method::GET);
             let _ = head_in_steps(&wire, step);
         }
     }
@@ -615,12 +525,12 @@ mod tests {
     /// `wire` fed to [`next_head`] `step` bytes at a time: the head, and how many bytes
     /// were fed when it came out.
     fn head_in_steps(wire: &[u8], step: usize) -> Result<Option<(Head, usize)>, H1Error> {
-        let (mut buf, mut scanned, mut fed) = (BytesMut::new(), 0, 0);
+        let (mut buf, mut reader, mut fed) = (BytesMut::new(), HeadReader::new(MAX_HEAD), 0);
         while fed < wire.len() {
             let next = (fed + step).min(wire.len());
             buf.extend_from_slice(&wire[fed..next]);
             fed = next;
-            if let Some(head) = next_head(&mut buf, &mut scanned, &Method::POST)? {
+            if let Some(head) = next_head(&mut buf, &mut reader, &Method::POST)? {
                 return Ok(Some((head, fed)));
             }
         }

@@ -249,7 +249,7 @@ impl Ollama {
                     usage = Some(Usage {
                         prompt_tokens: prompt,
                         completion_tokens: completion,
-                        total_tokens: prompt + completion,
+                        total_tokens: prompt.saturating_add(completion),
                     });
                 }
             }

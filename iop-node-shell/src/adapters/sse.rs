@@ -133,7 +133,7 @@ pub fn usage_of(value: &serde_json::Value) -> Option<Usage> {
     let total = usage
         .get("total_tokens")
         .and_then(serde_json::Value::as_u64)
-        .unwrap_or(prompt + completion);
+        .unwrap_or(prompt.saturating_add(completion));
     Some(Usage {
         prompt_tokens: prompt,
         completion_tokens: completion,
@@ -154,17 +154,97 @@ pub fn usage_in(json: &[u8]) -> Option<Usage> {
         total_tokens: Option<u64>,
     }
     let value = member_value(json, "usage")?;
-    let mut de = serde_json::Deserializer::from_slice(&json[value]);
-    let counts = Option::<Counts>::deserialize(&mut de).ok()??;
-    let (prompt, completion) = (
-        counts.prompt_tokens.unwrap_or(0),
-        counts.completion_tokens.unwrap_or(0),
-    );
+    let raw = &json[value];
+    let [prompt, completion, total] = match plain_counts(raw) {
+        Some(counts) => counts,
+        None => {
+            let mut de = serde_json::Deserializer::from_slice(raw);
+            let counts = Option::<Counts>::deserialize(&mut de).ok()??;
+            [
+                counts.prompt_tokens,
+                counts.completion_tokens,
+                counts.total_tokens,
+            ]
+        }
+    };
+    let (prompt, completion) = (prompt.unwrap_or(0), completion.unwrap_or(0));
     Some(Usage {
         prompt_tokens: prompt,
         completion_tokens: completion,
-        total_tokens: counts.total_tokens.unwrap_or(prompt + completion),
+        total_tokens: total.unwrap_or(prompt.saturating_add(completion)),
     })
+}
+
+/// The counts of a usage object in its plain shape, read without serde: an object of
+/// `prompt_tokens`, `completion_tokens` and `total_tokens` only, each at most once, each a
+/// plain non-negative integer that fits a u64, keys without escapes. `None` for anything
+/// else (other members, other numbers, escapes, duplicates, broken text): serde reads
+/// those, so that what is accepted, and what it means, stays serde's.
+fn plain_counts(raw: &[u8]) -> Option<[Option<u64>; 3]> {
+    const KEYS: [&[u8]; 3] = [b"prompt_tokens", b"completion_tokens", b"total_tokens"];
+    let ws = |at: &mut usize| {
+        while raw
+            .get(*at)
+            .is_some_and(|b| matches!(b, b' ' | b'\t' | b'\r' | b'\n'))
+        {
+            *at += 1;
+        }
+    };
+    let mut counts = [None; 3];
+    let mut at = 0;
+    ws(&mut at);
+    if raw.get(at) != Some(&b'{') {
+        return None;
+    }
+    at += 1;
+    ws(&mut at);
+    if raw.get(at) == Some(&b'}') {
+        at += 1;
+        ws(&mut at);
+        return (at == raw.len()).then_some(counts);
+    }
+    loop {
+        // "key"
+        if raw.get(at) != Some(&b'"') {
+            return None;
+        }
+        let key_end = at + 1 + memchr::memchr(b'"', raw.get(at + 1..)?)?;
+        let key = &raw[at + 1..key_end];
+        let slot = KEYS.iter().position(|k| *k == key)?;
+        at = key_end + 1;
+        ws(&mut at);
+        if raw.get(at) != Some(&b':') {
+            return None;
+        }
+        at += 1;
+        ws(&mut at);
+        // A JSON integer: 0, or a non-zero digit then digits; no sign, fraction or exponent.
+        let digits = raw[at..].iter().take_while(|b| b.is_ascii_digit()).count();
+        if digits == 0 || (digits > 1 && raw[at] == b'0') {
+            return None;
+        }
+        let n = raw[at..at + digits].iter().try_fold(0u64, |n, b| {
+            n.checked_mul(10)?.checked_add(u64::from(b - b'0'))
+        })?;
+        at += digits;
+        if matches!(raw.get(at), Some(b'.' | b'e' | b'E')) || counts[slot].is_some() {
+            return None;
+        }
+        counts[slot] = Some(n);
+        ws(&mut at);
+        match raw.get(at)? {
+            b',' => {
+                at += 1;
+                ws(&mut at);
+            }
+            b'}' => {
+                at += 1;
+                ws(&mut at);
+                return (at == raw.len()).then_some(counts);
+            }
+            _ => return None,
+        }
+    }
 }
 
 /// The key a usage-carrying SSE chunk holds, searched for in every `data:` line: built
@@ -362,5 +442,95 @@ mod tests {
         lines.push(Bytes::from_static(b"yy\nnext\n"));
         assert_eq!(lines.next_line().as_deref(), Some(&b"next"[..]));
         assert_eq!(lines.next_line(), None);
+    }
+
+    /// What serde alone reads of a usage object (the reading before the plain-shape path).
+    fn usage_by_serde(raw: &[u8]) -> Option<Usage> {
+        use serde::Deserialize;
+        #[derive(serde::Deserialize)]
+        struct Counts {
+            prompt_tokens: Option<u64>,
+            completion_tokens: Option<u64>,
+            total_tokens: Option<u64>,
+        }
+        let mut de = serde_json::Deserializer::from_slice(raw);
+        let counts = Option::<Counts>::deserialize(&mut de).ok()??;
+        let (p, c) = (
+            counts.prompt_tokens.unwrap_or(0),
+            counts.completion_tokens.unwrap_or(0),
+        );
+        Some(Usage {
+            prompt_tokens: p,
+            completion_tokens: c,
+            total_tokens: counts.total_tokens.unwrap_or(p.saturating_add(c)),
+        })
+    }
+
+    #[test]
+    fn plain_usage_objects_are_read_as_serde_reads_them() {
+        for raw in [
+            &br#"{"prompt_tokens":5,"completion_tokens":16,"total_tokens":21}"#[..],
+            br#"{ "total_tokens" : 0 , "prompt_tokens":18446744073709551615 }"#,
+            br#"{}"#,
+            br#"{"prompt_tokens":18446744073709551616}"#,
+            br#"{"prompt_tokens":05}"#,
+            br#"{"prompt_tokens":5.0}"#,
+            br#"{"prompt_tokens":-5}"#,
+            br#"{"prompt_tokens":5e1}"#,
+            br#"{"prompt_tokens":5,"prompt_tokens":6}"#,
+            br#"{"prompt\u005ftokens":5}"#,
+            br#"{"prompt_tokens":5,"x":[tru]}"#,
+            br#"{"prompt_tokens":5,}"#,
+            br#"{"prompt_tokens":5} x"#,
+            br#"{"prompt_tokens":null}"#,
+            br#"null"#,
+            // Counts whose sum overflows: the total saturates (a provider cannot make the
+            // node panic or wrap).
+            br#"{"prompt_tokens":18446744073709551615,"completion_tokens":7}"#,
+        ] {
+            let body = [&br#"{"id":"x","usage":"#[..], raw, b"}"].concat();
+            assert_eq!(
+                usage_in(&body),
+                member_value(&body, "usage").and_then(|v| usage_by_serde(&body[v])),
+                "{}",
+                String::from_utf8_lossy(raw)
+            );
+        }
+    }
+
+    proptest::proptest! {
+        /// Generated usage objects, plain and not, in a body: the same counts as serde.
+        #[test]
+        fn usage_counts_agree_with_serde(
+            members in proptest::collection::vec(
+                (
+                    proptest::sample::select(vec![
+                        "prompt_tokens", "completion_tokens", "total_tokens", "cached", "prompt\\u005ftokens",
+                    ]),
+                    proptest::sample::select(vec![
+                        "0", "7", "42", "007", "-1", "1.5", "2e3", "18446744073709551615",
+                        "18446744073709551616", "null", "true", "\"9\"", "{}", "[1]",
+                    ]),
+                    proptest::sample::select(vec!["", " ", "\n\t"]),
+                ),
+                0..5,
+            ),
+            tail in proptest::sample::select(vec!["}", " }", ",}", "", "}}"]),
+        ) {
+            let mut raw = String::from("{");
+            for (i, (key, value, space)) in members.iter().enumerate() {
+                if i > 0 {
+                    raw.push(',');
+                }
+                raw.push_str(&format!("{space}\"{key}\"{space}:{space}{value}{space}"));
+            }
+            raw.push_str(tail);
+            let body = format!(r#"{{"id":"x","usage":{raw}}}"#);
+            let body = body.as_bytes();
+            proptest::prop_assert_eq!(
+                usage_in(body),
+                member_value(body, "usage").and_then(|v| usage_by_serde(&body[v]))
+            );
+        }
     }
 }
