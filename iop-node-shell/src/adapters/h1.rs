@@ -17,7 +17,7 @@ use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll, Waker, ready};
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use http::header::{CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Response, StatusCode, Version};
 use hyper_util::rt::TokioIo;
@@ -25,7 +25,7 @@ use tokio::io::AsyncWriteExt;
 
 use super::connector::ProviderStream;
 pub use iop_proto_core::http1::{BodyError, Chunk, Decoded, Framing};
-use iop_proto_core::http1::{HeadError, HeadReader, MAX_RESPONSE_HEADERS};
+use iop_proto_core::http1::{HeadError, HeadReader, MAX_RESPONSE_HEADERS, ResponseHead};
 
 /// The largest response head (status line and headers) accepted.
 pub const MAX_HEAD: usize = 64 << 10;
@@ -134,16 +134,69 @@ fn is_connection_field(name: &HeaderName) -> bool {
         || name.as_str() == "proxy-connection"
 }
 
+/// A response head as read: its bytes, and where the core found its parts in them.
+#[derive(Debug)]
+pub struct RawHead {
+    /// The head's bytes (interim 1xx answers before it included).
+    pub bytes: Bytes,
+    /// Status, fields and framing.
+    pub parsed: ResponseHead,
+}
+
+impl RawHead {
+    /// Each field's name and value, as sent.
+    pub fn fields(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
+        self.parsed
+            .fields
+            .iter()
+            .map(|(name, value)| (&self.bytes[name.clone()], &self.bytes[value.clone()]))
+    }
+
+    /// The value of the first field named `name` (case-insensitive).
+    #[must_use]
+    pub fn field(&self, name: &str) -> Option<&[u8]> {
+        self.fields()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name.as_bytes()))
+            .map(|(_, v)| v)
+    }
+
+    /// The head as `http` types (field values are slices of the bytes read, not copies).
+    pub fn into_head(self) -> Result<Head, H1Error> {
+        let bytes = &self.bytes;
+        let mut headers = HeaderMap::with_capacity(self.parsed.fields.len());
+        for (name, value) in &self.parsed.fields {
+            let name = HeaderName::from_bytes(&bytes[name.clone()])
+                .map_err(|_| malformed(format!("header name {:?}", &bytes[name.clone()])))?;
+            let value = HeaderValue::from_maybe_shared(bytes.slice(value.clone()))
+                .map_err(|_| malformed(format!("value of header {name}")))?;
+            headers.append(name, value);
+        }
+        let mut response = Response::new(());
+        *response.status_mut() = StatusCode::from_u16(self.parsed.status)
+            .map_err(|_| malformed(format!("status {}", self.parsed.status)))?;
+        *response.version_mut() = if self.parsed.http10 {
+            Version::HTTP_10
+        } else {
+            Version::HTTP_11
+        };
+        *response.headers_mut() = headers;
+        Ok(Head {
+            response,
+            framing: self.parsed.body,
+            keep_alive: self.parsed.keep_alive,
+        })
+    }
+}
+
 /// The response head at the start of `buf` once it is whole, taken out of `buf`; `None`
 /// while it is incomplete. The core's reader finds it (searching each byte once however
-/// the head arrives), skips interim 1xx answers and frames the body; the head's field
-/// values become slices of the bytes read, not copies.
-fn next_head(
+/// the head arrives), skips interim 1xx answers and frames the body.
+fn next_raw_head(
     buf: &mut BytesMut,
     reader: &mut HeadReader,
-    method: &Method,
-) -> Result<Option<Head>, H1Error> {
-    let parsed = match reader.poll_response(buf, method == Method::HEAD) {
+    head_request: bool,
+) -> Result<Option<RawHead>, H1Error> {
+    let parsed = match reader.poll_response(buf, head_request) {
         Ok(Some(parsed)) => parsed,
         Ok(None) => return Ok(None),
         Err(HeadError::TooLarge) => {
@@ -155,28 +208,19 @@ fn next_head(
     };
     reader.reset();
     let bytes = buf.split_to(parsed.len).freeze();
-    let mut headers = HeaderMap::with_capacity(parsed.fields.len());
-    for (name, value) in &parsed.fields {
-        let name = HeaderName::from_bytes(&bytes[name.clone()])
-            .map_err(|_| malformed(format!("header name {:?}", &bytes[name.clone()])))?;
-        let value = HeaderValue::from_maybe_shared(bytes.slice(value.clone()))
-            .map_err(|_| malformed(format!("value of header {name}")))?;
-        headers.append(name, value);
-    }
-    let mut response = Response::new(());
-    *response.status_mut() = StatusCode::from_u16(parsed.status)
-        .map_err(|_| malformed(format!("status {}", parsed.status)))?;
-    *response.version_mut() = if parsed.http10 {
-        Version::HTTP_10
-    } else {
-        Version::HTTP_11
-    };
-    *response.headers_mut() = headers;
-    Ok(Some(Head {
-        response,
-        framing: parsed.body,
-        keep_alive: parsed.keep_alive,
-    }))
+    Ok(Some(RawHead { bytes, parsed }))
+}
+
+/// [`next_raw_head`] as `http` types.
+#[cfg(test)]
+fn next_head(
+    buf: &mut BytesMut,
+    reader: &mut HeadReader,
+    method: &Method,
+) -> Result<Option<Head>, H1Error> {
+    next_raw_head(buf, reader, method == Method::HEAD)?
+        .map(RawHead::into_head)
+        .transpose()
 }
 
 /// A connection to a provider: its socket and what was read from it and not yet taken.
@@ -208,10 +252,10 @@ impl Conn {
     }
 
     /// Reads until a whole response head is in, and parses it.
-    pub async fn read_head(&mut self, method: &Method) -> Result<Head, H1Error> {
+    pub async fn read_head(&mut self, head_request: bool) -> Result<RawHead, H1Error> {
         let mut reader = HeadReader::new(MAX_HEAD);
         loop {
-            if let Some(head) = next_head(&mut self.buf, &mut reader, method)? {
+            if let Some(head) = next_raw_head(&mut self.buf, &mut reader, head_request)? {
                 return Ok(head);
             }
             let read = std::future::poll_fn(|cx| self.poll_read(cx)).await?;

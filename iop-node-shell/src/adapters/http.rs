@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::connector::ProviderConnector;
+use super::h1::RawHead;
 pub use super::pool::HttpClient;
 use super::pool::{ClientError, Origin, ProviderBody};
 use bytes::Bytes;
@@ -84,8 +85,7 @@ const HOP_BY_HOP: [&str; 10] = [
 /// True for headers that are forwarded through a tunnel in either direction.
 #[must_use]
 pub fn forwardable(name: &str) -> bool {
-    let lower = name.to_ascii_lowercase();
-    !HOP_BY_HOP.contains(&lower.as_str())
+    !HOP_BY_HOP.iter().any(|hop| hop.eq_ignore_ascii_case(name))
 }
 
 fn parse_method(method: &str) -> Result<Method, String> {
@@ -164,6 +164,87 @@ impl Upstream {
         Ok(request)
     }
 
+    /// The head of a raw tunnel request for `path` under the base URL, written directly
+    /// (no `http` request is built): the method, the target, `Host`, the forwardable
+    /// `headers` (never the caller's `Authorization`), the bearer key and the body's
+    /// length. What the `http` types would refuse is refused or left out the same way: a
+    /// method that is not a token and a target that is not visible ASCII (so no CR, LF or
+    /// space can split the request) are errors, a header whose name is not a token or
+    /// whose value holds a control character is dropped.
+    pub fn tunnel_head(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[Header],
+        body_len: usize,
+    ) -> Result<Vec<u8>, String> {
+        if method.is_empty() || !method.bytes().all(is_tchar) {
+            return Err(format!("invalid method {method:?}"));
+        }
+        let prefix = self.origin.prefix();
+        if !path.starts_with('/')
+            || !prefix
+                .bytes()
+                .chain(path.bytes())
+                .all(|b| b.is_ascii_graphic() && b != b'#')
+        {
+            return Err(format!(
+                "cannot build request: invalid target {prefix}{path:?}"
+            ));
+        }
+        let mut out = Vec::with_capacity(192 + path.len() + body_len.min(16 << 10));
+        out.extend_from_slice(method.as_bytes());
+        out.push(b' ');
+        out.extend_from_slice(prefix.as_bytes());
+        out.extend_from_slice(path.as_bytes());
+        out.extend_from_slice(b" HTTP/1.1\r\nhost: ");
+        out.extend_from_slice(self.origin.host());
+        out.extend_from_slice(b"\r\n");
+        for header in headers {
+            if !forwardable(&header.name)
+                || header.name.eq_ignore_ascii_case("authorization")
+                || header.name.is_empty()
+                || !header.name.bytes().all(is_tchar)
+                || !header
+                    .value
+                    .iter()
+                    .all(|&b| b == b'\t' || (b >= 0x20 && b != 0x7f))
+            {
+                continue;
+            }
+            out.extend_from_slice(header.name.as_bytes());
+            out.extend_from_slice(b": ");
+            out.extend_from_slice(&header.value);
+            out.extend_from_slice(b"\r\n");
+        }
+        if let Some(auth) = &self.auth {
+            out.extend_from_slice(b"authorization: ");
+            out.extend_from_slice(auth.as_bytes());
+            out.extend_from_slice(b"\r\n");
+        }
+        let bodiless = ["GET", "HEAD", "DELETE", "OPTIONS"].contains(&method);
+        if body_len > 0 || !bodiless {
+            out.extend_from_slice(b"content-length: ");
+            out.extend_from_slice(body_len.to_string().as_bytes());
+            out.extend_from_slice(b"\r\n");
+        }
+        out.extend_from_slice(b"\r\n");
+        Ok(out)
+    }
+
+    /// Sends a request whose head [`Upstream::tunnel_head`] wrote; the response head as
+    /// read, and its body.
+    pub fn send_raw<'a>(
+        &self,
+        client: &'a HttpClient,
+        head: Vec<u8>,
+        body: Bytes,
+        head_request: bool,
+    ) -> impl std::future::Future<Output = Result<(RawHead, ProviderBody), ClientError>> + Send + 'a
+    {
+        client.send_raw(&self.origin, head, body, head_request)
+    }
+
     /// Sends a request made by [`Upstream::request`].
     pub fn send<'a>(
         &self,
@@ -173,6 +254,29 @@ impl Upstream {
     {
         client.request_to(&self.origin, request)
     }
+}
+
+/// A token character (RFC 9110 §5.6.2): what a method and a field name are made of.
+fn is_tchar(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+}
+
+/// The response headers a tunnel may carry back (see
+/// [`iop_proto_core::tunnel::FORWARDED_RESPONSE_HEADERS`]) from a head as read, as wire
+/// headers: names lower-cased, values slices of the head's bytes.
+#[must_use]
+pub fn raw_wire_headers(head: &RawHead) -> Vec<Header> {
+    head.parsed
+        .fields
+        .iter()
+        .filter_map(|(name, value)| {
+            let name = std::str::from_utf8(&head.bytes[name.clone()]).ok()?;
+            iop_proto_core::tunnel::forwards_response_header(name).then(|| Header {
+                name: name.to_ascii_lowercase(),
+                value: head.bytes.slice(value.clone()),
+            })
+        })
+        .collect()
 }
 
 /// The response headers a tunnel may carry back (see
@@ -258,5 +362,125 @@ mod tests {
         let err = Upstream::new("http://127.0.0.1:9000", "sk\nx").unwrap_err();
         assert!(err.contains("api_key") && !err.contains("sk"), "{err}");
         assert!(Upstream::new("ftp://h", "").is_err());
+    }
+
+    /// The raw tunnel head, parsed back as a provider would read it.
+    fn parsed(head: &[u8]) -> (String, String, Vec<(String, String)>) {
+        let mut fields = [httparse::EMPTY_HEADER; 16];
+        let mut request = httparse::Request::new(&mut fields);
+        let len = match request.parse(head).expect("a valid head") {
+            httparse::Status::Complete(len) => len,
+            httparse::Status::Partial => panic!("incomplete"),
+        };
+        assert_eq!(len, head.len(), "one head, nothing after it");
+        (
+            request.method.unwrap().to_owned(),
+            request.path.unwrap().to_owned(),
+            request
+                .headers
+                .iter()
+                .map(|h| {
+                    (
+                        h.name.to_owned(),
+                        String::from_utf8_lossy(h.value).into_owned(),
+                    )
+                })
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn a_raw_tunnel_head_carries_what_the_http_request_carried() {
+        let upstream = Upstream::new("http://127.0.0.1:9000/base/", "sk-upstream").unwrap();
+        let headers = [
+            header("content-type", "application/json"),
+            header("authorization", "Bearer sk-caller"),
+            header("x-request-id", "req_1"),
+            header("connection", "close"),
+            header("Host", "evil"),
+            header("content-length", "999"),
+            header("x-split", "a\r\nx-injected: 1"),
+            header("bad name", "v"),
+        ];
+        let head = upstream
+            .tunnel_head("POST", "/v1/chat/completions?x=1", &headers, 2)
+            .unwrap();
+        let (method, target, fields) = parsed(&head);
+        assert_eq!(
+            (method.as_str(), target.as_str()),
+            ("POST", "/base/v1/chat/completions?x=1")
+        );
+        let want: Vec<(String, String)> = [
+            ("host", "127.0.0.1:9000"),
+            ("content-type", "application/json"),
+            ("x-request-id", "req_1"),
+            ("authorization", "Bearer sk-upstream"),
+            ("content-length", "2"),
+        ]
+        .iter()
+        .map(|(n, v)| ((*n).to_owned(), (*v).to_owned()))
+        .collect();
+        assert_eq!(fields, want);
+        // The same fields the http request carried (its names, its values).
+        let request = upstream
+            .request(
+                "POST",
+                "/v1/chat/completions?x=1",
+                &headers,
+                Bytes::from_static(b"{}"),
+            )
+            .unwrap();
+        for (name, value) in &fields[1..fields.len() - 1] {
+            assert_eq!(request.headers()[name.as_str()], value.as_str(), "{name}");
+        }
+
+        let keyless = Upstream::new("http://127.0.0.1:9000", "").unwrap();
+        let (_, _, fields) = parsed(&keyless.tunnel_head("GET", "/health", &[], 0).unwrap());
+        assert_eq!(
+            fields,
+            [("host".to_owned(), "127.0.0.1:9000".to_owned())],
+            "no length, no key"
+        );
+        for (method, path) in [
+            ("NOT A METHOD", "/"),
+            ("", "/"),
+            ("GET", "health"),
+            ("GET", "/a b"),
+            ("GET", "/a\r\nx: y"),
+            ("GET", "/a#frag"),
+            ("GET", "/é"),
+        ] {
+            assert!(
+                keyless.tunnel_head(method, path, &[], 0).is_err(),
+                "{method:?} {path:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn only_the_allowed_response_headers_go_back_as_slices_of_the_head() {
+        let text = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nset-cookie: s=1\r\nX-Request-Id: up-1\r\nserver: x\r\n\r\n";
+        let mut buf = bytes::BytesMut::from(&text[..]);
+        let parsed = iop_proto_core::http1::HeadReader::new(1024)
+            .poll_response(&buf, false)
+            .unwrap()
+            .unwrap();
+        let head = RawHead {
+            bytes: buf.split_to(parsed.len).freeze(),
+            parsed,
+        };
+        let wire = raw_wire_headers(&head);
+        let got: Vec<(&str, &[u8])> = wire
+            .iter()
+            .map(|h| (h.name.as_str(), &h.value[..]))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("content-type", &b"text/event-stream"[..]),
+                ("x-request-id", b"up-1")
+            ]
+        );
+        assert_eq!(head.field("CONTENT-TYPE"), Some(&b"text/event-stream"[..]));
     }
 }

@@ -22,7 +22,7 @@ use serde_json::{Value, json};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::http::{self, HttpClient, Upstream, wire_headers};
+use super::http::{self, HttpClient, Upstream, raw_wire_headers, wire_headers};
 use super::json;
 use super::sse::{Lines, UsageWatcher, sse_data, usage_of};
 use super::{Sink, error};
@@ -265,34 +265,41 @@ impl OpenAi {
         cancel: &CancellationToken,
     ) -> Result<(), CallError> {
         let mut watch = Watch::new(self.deadline(request.timeout_sec), cancel);
-        let upstream = self
+        // The head is written straight from the tunnel request and the answer's head kept
+        // as read: a pass-through needs no `http` request or header map on either side.
+        let head = self
             .upstream
-            .request(
+            .tunnel_head(
                 &request.method,
                 &request.path,
                 &request.headers,
-                request.body,
+                request.body.len(),
             )
             .map_err(CallError::Unreachable)?;
-        let response = send(&self.client, &self.upstream, upstream, &mut watch).await?;
-        let content_type = response
-            .headers()
-            .get(hyper::header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("")
-            .to_owned();
-        let status = u32::from(response.status().as_u16());
+        let answer =
+            self.upstream
+                .send_raw(&self.client, head, request.body, request.method == "HEAD");
+        let (head, body) = watch
+            .run(answer)
+            .await?
+            .map_err(|err| CallError::Unreachable(format!("request failed: {err}")))?;
+        let mut watcher = UsageWatcher::new(
+            head.field("content-type")
+                .and_then(|v| std::str::from_utf8(v).ok())
+                .unwrap_or(""),
+        );
+        let status = u32::from(head.parsed.status);
         if !sink
             .tunnel(TunnelOutput::Status {
                 status,
-                headers: wire_headers(response.headers()),
+                headers: raw_wire_headers(&head),
             })
             .await
         {
             return Ok(());
         }
-        let mut watcher = UsageWatcher::new(&content_type);
-        let mut body = Joined::new(response.into_body());
+        drop(head);
+        let mut body = Joined::new(body);
         while let Some(frame) = body.frame(&mut watch).await? {
             match frame.into_data() {
                 Ok(data) => {

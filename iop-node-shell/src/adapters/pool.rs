@@ -26,7 +26,7 @@ use hyper::body::{Body, Frame, SizeHint};
 use tokio::time::Instant;
 
 use super::connector::ProviderConnector;
-use super::h1::{Conn, Decoded, Framing, H1Error, Head, encode_request, trailer_fields};
+use super::h1::{Conn, Decoded, Framing, H1Error, RawHead, encode_request, trailer_fields};
 
 /// How often idle connections are swept for closes and age.
 const SWEEP_EVERY: Duration = Duration::from_secs(10);
@@ -50,6 +50,11 @@ pub enum ClientError {
     #[error("{0}")]
     Http(#[from] H1Error),
 }
+
+/// A response head as read and its body, once the head arrived (see
+/// [`HttpClient::send_raw`]).
+pub type RawAnswer<'a> =
+    Pin<Box<dyn Future<Output = Result<(RawHead, ProviderBody), ClientError>> + Send + 'a>>;
 
 /// A pooled HTTP/1.1 client for `http://` and `https://` providers; cheap to clone, every
 /// clone shares the idle connections.
@@ -105,16 +110,43 @@ impl HttpClient {
         Box::pin(self.send(origin.key.clone(), origin.address(request)))
     }
 
+    /// Sends a request whose head is already written (`head`, for a body of `body`) to
+    /// `origin`, and returns the response head as read, once it arrived, with the body;
+    /// `head_request`: the request is `HEAD` (no body follows its answer). Boxed as
+    /// [`Self::request_to`] is.
+    pub fn send_raw<'a>(
+        &'a self,
+        origin: &Origin,
+        head: Vec<u8>,
+        body: Bytes,
+        head_request: bool,
+    ) -> RawAnswer<'a> {
+        Box::pin(self.exchange(origin.key.clone(), head, body, head_request))
+    }
+
     async fn send(
         &self,
         key: Arc<str>,
         request: Request<Bytes>,
     ) -> Result<Response<ProviderBody>, ClientError> {
         let (parts, body) = request.into_parts();
+        let mut head = Vec::with_capacity(256 + body.len().min(JOIN_BODY));
+        encode_request(&parts, body.len(), &mut head);
+        let (raw, body) = self
+            .exchange(key, head, body, parts.method == http::Method::HEAD)
+            .await?;
+        Ok(raw.into_head()?.response.map(|()| body))
+    }
+
+    async fn exchange(
+        &self,
+        key: Arc<str>,
+        mut head: Vec<u8>,
+        body: Bytes,
+        head_request: bool,
+    ) -> Result<(RawHead, ProviderBody), ClientError> {
         // Head and a small body go out in one write; a large body after it, not copied.
         let joined = body.len() <= JOIN_BODY;
-        let mut head = Vec::with_capacity(256 + if joined { body.len() } else { 0 });
-        encode_request(&parts, body.len(), &mut head);
         let rest = if joined {
             head.extend_from_slice(&body);
             &[][..]
@@ -138,18 +170,15 @@ impl HttpClient {
                 }
                 return Err(H1Error::from(err).into());
             }
-            let Head {
-                response,
-                framing,
-                keep_alive,
-            } = conn.read_head(&parts.method).await?;
-            return Ok(response.map(|()| ProviderBody {
+            let raw = conn.read_head(head_request).await?;
+            let body = ProviderBody {
                 conn: Some(conn),
-                framing,
-                keep_alive,
+                framing: raw.parsed.body.clone(),
+                keep_alive: raw.parsed.keep_alive,
                 pool: Arc::downgrade(&self.inner),
                 key,
-            }));
+            };
+            return Ok((raw, body));
         }
     }
 
@@ -375,6 +404,18 @@ impl Origin {
             host: HeaderValue::from_str(host).map_err(|_| bad())?,
             prefix,
         })
+    }
+
+    /// The `Host` value of this origin's requests.
+    #[must_use]
+    pub fn host(&self) -> &[u8] {
+        self.host.as_bytes()
+    }
+
+    /// The path prefix of the base URL (empty, or `/...` without a trailing `/`).
+    #[must_use]
+    pub fn prefix(&self) -> &str {
+        &self.prefix
     }
 
     /// `request` with this origin's `Host`, unless it names one itself.
