@@ -122,8 +122,12 @@ impl Finish {
 /// The response header that names a request; the caller may choose the value.
 pub(super) const REQUEST_ID_HEADER: &str = "x-request-id";
 
+/// [`REQUEST_ID_HEADER`] as a header name, made once (a `&str` key is parsed, and a
+/// custom name allocated, on every insert).
+static REQUEST_ID: HeaderName = HeaderName::from_static(REQUEST_ID_HEADER);
+
 /// Where a tunnelled provider's own `x-request-id` goes when it differs from ours.
-pub(super) const UPSTREAM_REQUEST_ID_HEADER: &str = "x-upstream-request-id";
+static UPSTREAM_REQUEST_ID: HeaderName = HeaderName::from_static("x-upstream-request-id");
 
 /// The caller's `x-request-id` when the contract admits it
 /// ([`iop_proto_core::wire::is_request_id`]); else a fresh id.
@@ -271,13 +275,13 @@ pub(super) async fn inference<B: ReqBody>(
     let headers = response.headers_mut();
     // A provider that names the request its own way (OpenAI's `req_…`) keeps its id
     // visible under another name; the caller's id is the one `x-request-id` carries.
-    if let Some(upstream) = headers.remove(REQUEST_ID_HEADER)
+    if let Some(upstream) = headers.remove(&REQUEST_ID)
         && upstream.as_bytes() != id.as_bytes()
     {
-        headers.insert(UPSTREAM_REQUEST_ID_HEADER, upstream);
+        headers.insert(UPSTREAM_REQUEST_ID.clone(), upstream);
     }
     if let Ok(value) = HeaderValue::from_str(&id) {
-        headers.insert(REQUEST_ID_HEADER, value);
+        headers.insert(REQUEST_ID.clone(), value);
     }
     response
 }

@@ -395,10 +395,10 @@ fn is_cjk_code(c: u32) -> bool {
 #[must_use]
 pub fn rewrite_model(raw: &[u8], target: &str) -> Option<Bytes> {
     let value = member_value(raw, "model")?;
-    let encoded = serde_json::to_string(target).ok()?;
-    let mut out = Vec::with_capacity(raw.len() + encoded.len());
+    // The target is encoded in place: quotes, and escapes where JSON needs them.
+    let mut out = Vec::with_capacity(raw.len() + target.len() + 2);
     out.extend_from_slice(&raw[..value.start]);
-    out.extend_from_slice(encoded.as_bytes());
+    serde_json::to_writer(&mut out, target).ok()?;
     out.extend_from_slice(&raw[value.end..]);
     Some(Bytes::from(out))
 }
