@@ -223,6 +223,8 @@ struct Task {
     armed: u64,
     /// Outboxes given frames by this drain, to write once the lock is released.
     kicks: Vec<Arc<Outbox>>,
+    /// Request tasks given events by this drain, to wake once the lock is released.
+    wakes: Vec<std::task::Waker>,
 }
 
 /// The core, shared: cheap to clone, every clone feeds the same machine.
@@ -263,6 +265,7 @@ impl Core {
             events,
             armed: u64::MAX,
             kicks: Vec::new(),
+            wakes: Vec::new(),
         };
         Core {
             shared: Arc::new(Shared {
@@ -283,15 +286,22 @@ impl Core {
         let mut task = self.shared.task.lock().map_err(|_| Stopped)?;
         input(&mut task);
         task.drain();
-        if task.deadline() < task.armed {
-            self.shared.rearm.notify_one();
-        }
+        let rearm = task.deadline() < task.armed;
         // The frames are queued in order under the lock; the socket writes happen
         // outside it, so other tasks are not held up by a syscall.
         let kicks = std::mem::take(&mut task.kicks);
+        let wakes = std::mem::take(&mut task.wakes);
         drop(task);
         for outbox in kicks {
             outbox.kick();
+        }
+        // Waking a task can rouse a parked worker thread (a futex call): done here, the
+        // other worker is not held at the core's lock meanwhile.
+        for waker in wakes {
+            waker.wake();
+        }
+        if rearm {
+            self.shared.rearm.notify_one();
         }
         Ok(())
     }
@@ -558,7 +568,7 @@ impl Task {
             return;
         };
         let buffered = entry.memory.buffer(event_size(&event));
-        let sent = buffered.is_some() && entry.events.send(event).is_ok();
+        let sent = buffered.is_some() && entry.events.queue(event, &mut self.wakes).is_ok();
         if !sent || buffered.is_some_and(|b| b > MAX_BUFFERED_PER_REQUEST) {
             // The caller is gone or not reading: stop the work upstream.
             let now = self.clock.now();
@@ -598,7 +608,9 @@ impl Task {
                     if !matches!(outcome, Outcome::Completed) {
                         debug!(request = %request, model = &*entry.model, outcome = ?outcome, "request ended");
                     }
-                    let _ = entry.events.send(ReqEvent::Ended(outcome));
+                    let _ = entry
+                        .events
+                        .queue(ReqEvent::Ended(outcome), &mut self.wakes);
                 }
             }
             EdgeEvent::NodeConnected {
@@ -781,11 +793,14 @@ impl Task {
                 })
             }
         };
-        let _ = entry.events.send(ReqEvent::Dispatched {
-            shape: grant.shape,
-            node_id: grant.node_id.clone(),
-            provider_id: grant.provider_id.clone(),
-        });
+        let _ = entry.events.queue(
+            ReqEvent::Dispatched {
+                shape: grant.shape,
+                node_id: grant.node_id.clone(),
+                provider_id: grant.provider_id.clone(),
+            },
+            &mut self.wakes,
+        );
         misuse(
             "dispatch",
             self.core.handle_dispatch(now, grant.request, dispatch),

@@ -79,6 +79,21 @@ impl<T> Outlet<T> {
         wake_reader(state);
         Ok(())
     }
+
+    /// Queues `item` like [`Outlet::send`], but hands a waiting reader's waker to `wakes`
+    /// instead of waking it: the caller wakes it once it holds no lock (a wake can be a
+    /// system call that rouses another thread, and the core's lock must not wait on it).
+    pub fn queue(&self, item: T, wakes: &mut Vec<Waker>) -> Result<(), T> {
+        let mut state = self.shared.lock();
+        if state.inbox_gone {
+            return Err(item);
+        }
+        state.items.push_back(item);
+        if let Some(waker) = state.waker.take() {
+            wakes.push(waker);
+        }
+        Ok(())
+    }
 }
 
 impl<T> Drop for Outlet<T> {
@@ -169,6 +184,29 @@ mod tests {
         // The outlet going away wakes the reader, which reads the end after the rest.
         outlet.send(3).unwrap();
         drop(outlet);
+        assert_eq!(poll(&mut inbox, &wakes), Poll::Ready(Some(3)));
+        assert_eq!(poll(&mut inbox, &wakes), Poll::Ready(None));
+    }
+
+    #[test]
+    fn a_queued_item_leaves_the_wake_to_the_caller() {
+        let (outlet, mut inbox) = inbox();
+        let wakes = Arc::new(Count::default());
+        let mut deferred = Vec::new();
+        outlet.queue(1, &mut deferred).unwrap();
+        assert!(deferred.is_empty(), "nobody waits yet");
+        assert_eq!(poll(&mut inbox, &wakes), Poll::Ready(Some(1)));
+        assert_eq!(poll(&mut inbox, &wakes), Poll::Pending);
+        outlet.queue(2, &mut deferred).unwrap();
+        outlet.queue(3, &mut deferred).unwrap();
+        assert_eq!(wakes.0.load(Ordering::SeqCst), 0, "not woken by queue");
+        assert_eq!(deferred.len(), 1, "one waker for the reader, once");
+        // Dropping the outlet after a queue wakes nobody twice: the waker was handed over.
+        drop(outlet);
+        assert_eq!(wakes.0.load(Ordering::SeqCst), 0);
+        deferred.drain(..).for_each(Waker::wake);
+        assert_eq!(wakes.0.load(Ordering::SeqCst), 1);
+        assert_eq!(poll(&mut inbox, &wakes), Poll::Ready(Some(2)));
         assert_eq!(poll(&mut inbox, &wakes), Poll::Ready(Some(3)));
         assert_eq!(poll(&mut inbox, &wakes), Poll::Ready(None));
     }
