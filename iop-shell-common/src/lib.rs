@@ -14,6 +14,21 @@ pub mod process;
 pub mod repoll;
 pub mod tls;
 
+/// The size of a connection's next read, following the traffic: doubled (up to `max`)
+/// after a read that filled the last one's `want` bytes, back to `min` after one that
+/// used under a quarter of them. A quiet connection reads into little, a busy one in large
+/// reads.
+#[must_use]
+pub fn next_read_size(want: usize, read: usize, min: usize, max: usize) -> usize {
+    if read >= want {
+        (want * 2).min(max)
+    } else if read < want / 4 {
+        min
+    } else {
+        want
+    }
+}
+
 /// A state machine refused an input the shell gave it: that is a bug in the shell, not
 /// something a peer can cause. It is logged at ERROR with the input and the machine's
 /// reason, and stops debug builds (tests) at once; release builds carry on without the
@@ -32,5 +47,24 @@ pub fn misuse<T, E: std::fmt::Display>(input: &'static str, result: Result<T, E>
             debug_assert!(false, "{input} refused: {err}");
             None
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_read_size_follows_the_traffic() {
+        let (min, max) = (1 << 10, 64 << 10);
+        let mut want = min;
+        for _ in 0..10 {
+            want = super::next_read_size(want, want, min, max);
+        }
+        assert_eq!(want, max, "full reads grow it to the cap");
+        assert_eq!(super::next_read_size(max, max / 2, min, max), max, "steady");
+        assert_eq!(
+            super::next_read_size(max, 40, min, max),
+            min,
+            "a small read resets it"
+        );
     }
 }

@@ -87,13 +87,8 @@ impl ReadSide {
             }
             match stream.try_read_buf(&mut self.buf) {
                 Ok(read) => {
-                    self.want = if read >= self.want {
-                        (self.want * 2).min(READ_MAX)
-                    } else if read < self.want / 4 {
-                        READ_MIN
-                    } else {
-                        self.want
-                    };
+                    self.want =
+                        iop_shell_common::next_read_size(self.want, read, READ_MIN, READ_MAX);
                     if read == 0 {
                         self.eof = true;
                     }

@@ -273,15 +273,7 @@ impl Conn {
             cx,
             &mut self.buf
         ))?;
-        // The next read's size follows the traffic: doubled after a read that filled the
-        // last one, back to the minimum after a small one.
-        self.want = if read >= self.want {
-            (self.want * 2).min(READ_MAX)
-        } else if read < self.want / 4 {
-            READ_MIN
-        } else {
-            self.want
-        };
+        self.want = iop_shell_common::next_read_size(self.want, read, READ_MIN, READ_MAX);
         Poll::Ready(Ok(read))
     }
 
