@@ -713,12 +713,7 @@ pub fn encode_response_head<'a>(
         out.extend_from_slice(b"\r\n");
     }
     match framing.body {
-        BodyFraming::Length(n) => {
-            out.extend_from_slice(b"content-length: ");
-            let mut buf = [0u8; 20];
-            out.extend_from_slice(decimal_text(&mut buf, n));
-            out.extend_from_slice(b"\r\n");
-        }
+        BodyFraming::Length(n) => encode_content_length(n, out),
         BodyFraming::Chunked => out.extend_from_slice(b"transfer-encoding: chunked\r\n"),
         BodyFraming::None | BodyFraming::Close => {}
     }
@@ -732,6 +727,14 @@ pub fn encode_response_head<'a>(
         out.extend_from_slice(date);
         out.extend_from_slice(b"\r\n");
     }
+    out.extend_from_slice(b"\r\n");
+}
+
+/// Writes the field line `content-length: <len>` (a head's, request or response).
+pub fn encode_content_length(len: u64, out: &mut Vec<u8>) {
+    let mut buf = [0u8; 20];
+    out.extend_from_slice(b"content-length: ");
+    out.extend_from_slice(decimal_text(&mut buf, len));
     out.extend_from_slice(b"\r\n");
 }
 

@@ -116,9 +116,7 @@ pub fn encode_request(parts: &http::request::Parts, body_len: usize, out: &mut V
         Method::GET | Method::HEAD | Method::DELETE | Method::OPTIONS
     );
     if body_len > 0 || !bodiless {
-        out.extend_from_slice(b"content-length: ");
-        out.extend_from_slice(body_len.to_string().as_bytes());
-        out.extend_from_slice(b"\r\n");
+        iop_proto_core::http1::encode_content_length(body_len as u64, out);
     }
     out.extend_from_slice(b"\r\n");
 }

@@ -224,9 +224,7 @@ impl Upstream {
         }
         let bodiless = ["GET", "HEAD", "DELETE", "OPTIONS"].contains(&method);
         if body_len > 0 || !bodiless {
-            out.extend_from_slice(b"content-length: ");
-            out.extend_from_slice(body_len.to_string().as_bytes());
-            out.extend_from_slice(b"\r\n");
+            iop_proto_core::http1::encode_content_length(body_len as u64, &mut out);
         }
         out.extend_from_slice(b"\r\n");
         Ok(out)
