@@ -69,6 +69,25 @@ pub fn machine_ticks() -> (u64, u64) {
     (all.saturating_sub(idle), all)
 }
 
+/// The whole machine's CPU ticks the hypervisor took for other guests (steal) and all
+/// ticks so far (the `cpu` line of `/proc/stat`; zeros where it cannot be read). On a
+/// shared virtual machine a run during which steal was high says more about the host
+/// than about the code measured.
+#[must_use]
+pub fn machine_steal_ticks() -> (u64, u64) {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let ticks: Vec<u64> = stat
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .skip(1)
+        .take(8)
+        .filter_map(|t| t.parse().ok())
+        .collect();
+    (ticks.get(7).copied().unwrap_or(0), ticks.iter().sum())
+}
+
 /// [`rss_kib`] of a process and its children.
 #[must_use]
 pub fn tree_rss_kib(pid: u32) -> u64 {

@@ -20,7 +20,9 @@
 //! binary, `bench provider <port>`); load comes from `wrk` (small requests, unpaced
 //! streams) and from this binary (2,000 paced streams, whose chunks carry the provider's
 //! send time). Proxy CPU is user + system time of every process of the proxy (both nginx
-//! instances with their workers; the Edge and the Node) over the run, from `/proc`.
+//! instances with their workers; the Edge and the Node) over the run, from `/proc`. The
+//! share of the machine's CPU the hypervisor stole during each path's runs is reported
+//! too: on a shared virtual machine a run under heavy steal measures the host.
 
 use std::convert::Infallible;
 use std::path::PathBuf;
@@ -36,7 +38,9 @@ use hyper::service::service_fn;
 use hyper::{Request, Response};
 use hyper_util::rt::TokioIo;
 use iop_blackbox::client::{Cluster, Link};
-use iop_blackbox::procfs::{machine_ticks, tree_cpu as cpu, tree_rss_kib as rss_kib};
+use iop_blackbox::procfs::{
+    machine_steal_ticks, machine_ticks, tree_cpu as cpu, tree_rss_kib as rss_kib,
+};
 use iop_blackbox::{Proc, TempDir, free_port};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -351,6 +355,8 @@ struct Run {
     p99_us: f64,
     errors: u64,
     cpu_us: f64,
+    /// The machine's ticks stolen by the hypervisor during the run, and all its ticks.
+    stolen: (u64, u64),
 }
 
 fn duration_us(text: &str) -> Option<f64> {
@@ -375,6 +381,7 @@ fn wrk(dir: &TempDir, path: &Path3, body: &str, connections: usize, seconds: u64
     )
     .expect("lua");
     let before = path.cpu();
+    let steal_before = machine_steal_ticks();
     let output = Command::new(which("wrk").expect("wrk"))
         .args([
             "-t1".to_owned(),
@@ -388,8 +395,15 @@ fn wrk(dir: &TempDir, path: &Path3, body: &str, connections: usize, seconds: u64
         .output()
         .expect("wrk runs");
     let used = path.cpu().saturating_sub(before);
+    let steal_after = machine_steal_ticks();
     let text = String::from_utf8_lossy(&output.stdout);
-    let mut run = Run::default();
+    let mut run = Run {
+        stolen: (
+            steal_after.0.saturating_sub(steal_before.0),
+            steal_after.1.saturating_sub(steal_before.1),
+        ),
+        ..Run::default()
+    };
     let mut requests = 0.0;
     for line in text.lines() {
         let line = line.trim();
@@ -432,6 +446,8 @@ struct Paced {
     /// The share of the whole machine's CPU time that was busy meanwhile (every process,
     /// the load generator and the provider too).
     machine_busy: f64,
+    /// The share of it the hypervisor took for other guests meanwhile.
+    machine_stolen: f64,
     /// KiB per stream above idle, per process of the path.
     per_stream_kib: Vec<f64>,
     /// Whether every process was back within 2x of its idle RSS within 10 s.
@@ -532,6 +548,7 @@ async fn paced(path: &Path3) -> Paced {
     };
     let cpu_before = path.cpus();
     let machine_before = machine_ticks();
+    let steal_before = machine_steal_ticks();
     let wall = Instant::now();
     let mut tasks = Vec::with_capacity(PACED_STREAMS);
     for i in 0..PACED_STREAMS {
@@ -564,6 +581,11 @@ async fn paced(path: &Path3) -> Paced {
         let (busy, all) = machine_ticks();
         busy.saturating_sub(machine_before.0) as f64
             / f64::max(all.saturating_sub(machine_before.1) as f64, 1.0)
+    };
+    let machine_stolen = {
+        let (stolen, all) = machine_steal_ticks();
+        stolen.saturating_sub(steal_before.0) as f64
+            / f64::max(all.saturating_sub(steal_before.1) as f64, 1.0)
     };
     let used: Vec<f64> = path
         .cpus()
@@ -603,6 +625,7 @@ async fn paced(path: &Path3) -> Paced {
             .collect(),
         busiest_cores: used.iter().copied().fold(0.0, f64::max) / f64::max(wall, 1e-9),
         machine_busy,
+        machine_stolen,
         per_stream_kib: peaks
             .iter()
             .zip(&idle)
@@ -626,7 +649,18 @@ fn med(runs: &[Run]) -> Run {
         p99_us: median(runs.iter().map(|r| r.p99_us).collect()),
         errors: runs.iter().map(|r| r.errors).sum(),
         cpu_us: median(runs.iter().map(|r| r.cpu_us).collect()),
+        stolen: runs
+            .iter()
+            .fold((0, 0), |(s, a), r| (s + r.stolen.0, a + r.stolen.1)),
     }
+}
+
+/// The share of the machine's CPU time the hypervisor stole over `runs`.
+fn stolen_share(runs: &[&Run]) -> f64 {
+    let (stolen, all) = runs
+        .iter()
+        .fold((0u64, 0u64), |(s, a), r| (s + r.stolen.0, a + r.stolen.1));
+    stolen as f64 / f64::max(all as f64, 1.0)
 }
 
 fn iop_body(provider: u16) -> String {
@@ -885,6 +919,19 @@ fn main() {
         paced_runs[0].machine_busy * 100.0,
         paced_runs[1].machine_busy * 100.0,
         paced_runs[2].machine_busy * 100.0
+    );
+    let stolen = |i: usize| {
+        format!(
+            "{:.0} % / {:.0} %",
+            stolen_share(&[&single[i], &many[i], &sse[i]]) * 100.0,
+            paced_runs[i].machine_stolen * 100.0
+        )
+    };
+    out!(
+        "| machine's CPU stolen by the hypervisor (wrk runs / paced streams) | {} | {} | {} |",
+        stolen(0),
+        stolen(1),
+        stolen(2)
     );
     out!(
         "| memory per paced stream, KiB (per process) | – | {} | {} |",
