@@ -1,0 +1,47 @@
+//! HTTP/1.1 message framing, Sans-IO (RFC 9112): what the Edge's public listener reads of
+//! a request head and body, what it writes as a response head and body chunks, and the
+//! body framing that the Node's provider client decodes too. Bytes in, decisions and bytes
+//! out; the shells own the sockets and the timers.
+//!
+//! Every peer is untrusted:
+//! - a request head is refused past its size limit or its header count (431), not
+//!   buffered without bound, and a head that arrives a few bytes at a time is searched
+//!   once and parsed once ([`HeadReader`]);
+//! - a body is framed by one `Content-Length` (equal values repeated are one value) or by
+//!   `Transfer-Encoding: chunked` alone: both at once, another coding, or `Transfer-Encoding`
+//!   on HTTP/1.0 is refused (400 or 501) and the connection closed, so that no two readers
+//!   of one stream can disagree on where a message ends (request smuggling);
+//! - chunk-size lines, chunk sizes and trailer sections have limits.
+//!
+//! [`body`] holds the body framing both sides decode, [`request`] the request heads a
+//! server reads, [`response`] the response heads a client reads and a server writes.
+
+pub mod body;
+pub mod request;
+pub mod response;
+
+pub use body::{BodyError, Chunk, Decoded, Framing, MAX_CHUNK_LINE, MAX_TRAILERS};
+pub use request::{CONTINUE, HeadError, HeadReader, MAX_REQUEST_HEADERS, RequestHead};
+pub use response::{
+    BodyFraming, CHUNK_END, LAST_CHUNK, MAX_RESPONSE_HEADERS, ResponseFraming, ResponseHead,
+    encode_chunk_start, encode_content_length, encode_response_head, is_framing_field,
+    response_framing,
+};
+
+/// Whether a comma-separated field value lists `token` (case-insensitive).
+#[must_use]
+pub fn lists_token(value: &[u8], token: &str) -> bool {
+    value
+        .split(|b| *b == b',')
+        .any(|t| t.trim_ascii().eq_ignore_ascii_case(token.as_bytes()))
+}
+
+/// A `Content-Length` value: decimal digits only, no sign, no overflow.
+pub(super) fn decimal(text: &[u8]) -> Option<u64> {
+    if text.is_empty() || text.len() > 19 {
+        return None;
+    }
+    text.iter().try_fold(0u64, |n, &b| {
+        b.is_ascii_digit().then(|| n * 10 + u64::from(b - b'0'))
+    })
+}

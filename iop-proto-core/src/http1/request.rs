@@ -1,0 +1,377 @@
+//! Request heads, server side (RFC 9112 §2-3, §6, §9.3): found, parsed, and what their
+//! fields decide about the body and the connection.
+
+use std::ops::Range;
+
+use super::body::{Chunk, Framing};
+use super::{decimal, lists_token};
+
+/// The most header fields a request head may carry.
+pub const MAX_REQUEST_HEADERS: usize = 100;
+
+/// Why a request head is refused; the connection is closed after the answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum HeadError {
+    /// The head is longer than the limit, or has more than [`MAX_REQUEST_HEADERS`] fields.
+    #[error("request header fields too large")]
+    TooLarge,
+    /// The head does not parse as HTTP/1.x.
+    #[error("malformed request: {0}")]
+    Malformed(&'static str),
+    /// The body is framed by a transfer coding other than `chunked` alone.
+    #[error("transfer coding not implemented")]
+    UnsupportedCoding,
+}
+
+impl HeadError {
+    /// The status to answer with.
+    #[must_use]
+    pub fn status(self) -> u16 {
+        match self {
+            HeadError::TooLarge => 431,
+            HeadError::Malformed(_) => 400,
+            HeadError::UnsupportedCoding => 501,
+        }
+    }
+}
+
+/// A parsed request head: where its parts lie in the bytes it was parsed from, and what
+/// its fields decide about the body and the connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestHead {
+    /// Bytes of the head, the blank line that ends it included.
+    pub len: usize,
+    /// The method token.
+    pub method: Range<usize>,
+    /// The request target, as sent.
+    pub target: Range<usize>,
+    /// HTTP/1.0 (else 1.1).
+    pub http10: bool,
+    /// Each field's name and value.
+    pub fields: Vec<(Range<usize>, Range<usize>)>,
+    /// How the body is framed.
+    pub body: Framing,
+    /// Whether the client lets the connection carry another request after this one.
+    pub keep_alive: bool,
+    /// `Expect: 100-continue`: the client waits for an interim answer before the body.
+    pub expect_continue: bool,
+}
+
+/// Finds and parses request heads in a connection's read buffer. The buffer is searched
+/// for the blank line that ends a head only past what earlier calls searched, and parsed
+/// once that line is in, so a head sent a byte at a time costs one pass, not one per byte.
+#[derive(Debug, Clone)]
+pub struct HeadReader {
+    pub(super) max_head: usize,
+    pub(super) scanned: usize,
+}
+
+impl HeadReader {
+    /// A reader that refuses heads longer than `max_head` bytes.
+    #[must_use]
+    pub fn new(max_head: usize) -> Self {
+        HeadReader {
+            max_head,
+            scanned: 0,
+        }
+    }
+
+    /// The head at the start of `buf` once it is complete; `None` until then. After a
+    /// head is returned (or the buffer's start is consumed otherwise), call [`Self::reset`].
+    pub fn poll(&mut self, buf: &[u8]) -> Result<Option<RequestHead>, HeadError> {
+        // Leading empty lines before a request line are ignored (RFC 9112 §2.2).
+        let start = buf
+            .iter()
+            .position(|b| !matches!(b, b'\r' | b'\n'))
+            .unwrap_or(buf.len());
+        // Three bytes back, so a terminator split across reads is found.
+        let from = self.scanned.saturating_sub(3).max(start).min(buf.len());
+        let end = find_blank_line(&buf[from..]).map(|at| from + at);
+        self.scanned = buf.len();
+        let Some(end) = end else {
+            return if buf.len() > self.max_head {
+                Err(HeadError::TooLarge)
+            } else {
+                Ok(None)
+            };
+        };
+        if end > self.max_head {
+            return Err(HeadError::TooLarge);
+        }
+        parse_request_head(&buf[..end]).map(Some)
+    }
+
+    /// Starts over for the next head (the buffer's start moved).
+    pub fn reset(&mut self) {
+        self.scanned = 0;
+    }
+}
+
+/// The end of the first blank line in `buf` (CRLF CRLF or LF LF, which httparse also
+/// accepts, and the mixed forms), just past it.
+pub(super) fn find_blank_line(buf: &[u8]) -> Option<usize> {
+    memchr::memchr_iter(b'\n', buf).find_map(|at| {
+        let rest = &buf[at + 1..];
+        if rest.starts_with(b"\n") {
+            Some(at + 2)
+        } else if rest.starts_with(b"\r\n") {
+            Some(at + 3)
+        } else {
+            None
+        }
+    })
+}
+
+/// Parses a complete request head (`head` ends with its blank line).
+fn parse_request_head(head: &[u8]) -> Result<RequestHead, HeadError> {
+    let mut slots = [std::mem::MaybeUninit::<httparse::Header<'_>>::uninit(); MAX_REQUEST_HEADERS];
+    let mut parsed = httparse::Request::new(&mut []);
+    let len = match parsed.parse_with_uninit_headers(head, &mut slots) {
+        Ok(httparse::Status::Complete(len)) => len,
+        // The blank line is in `head`, so httparse has all it needs.
+        Ok(httparse::Status::Partial) => return Err(HeadError::Malformed("incomplete head")),
+        Err(httparse::Error::TooManyHeaders) => return Err(HeadError::TooLarge),
+        Err(httparse::Error::Version) => {
+            return Err(HeadError::Malformed("unsupported HTTP version"));
+        }
+        Err(_) => return Err(HeadError::Malformed("invalid request head")),
+    };
+    let base = head.as_ptr() as usize;
+    // Where a slice httparse returned lies in `head`.
+    let range = |part: &[u8]| {
+        let at = part.as_ptr() as usize - base;
+        at..at + part.len()
+    };
+    let (Some(method), Some(target), Some(minor)) = (parsed.method, parsed.path, parsed.version)
+    else {
+        return Err(HeadError::Malformed("invalid request line"));
+    };
+    let http10 = minor == 0;
+    let mut fields = Vec::with_capacity(parsed.headers.len());
+    let mut length: Option<u64> = None;
+    let mut coded = false;
+    let mut chunked = false;
+    let mut close = false;
+    let mut keep_alive_token = false;
+    let mut expect_continue = false;
+    for field in parsed.headers.iter() {
+        fields.push((range(field.name.as_bytes()), range(field.value)));
+        let name = field.name.as_bytes();
+        let value = field.value;
+        if name.eq_ignore_ascii_case(b"content-length") {
+            for part in value.split(|b| *b == b',') {
+                let n = decimal(part.trim_ascii())
+                    .ok_or(HeadError::Malformed("invalid content-length"))?;
+                if length.is_some_and(|seen| seen != n) {
+                    return Err(HeadError::Malformed("conflicting content-length values"));
+                }
+                length = Some(n);
+            }
+        } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
+            // Only `chunked`, alone: every coding listed is one the body was encoded with.
+            for coding in value.split(|b| *b == b',').map(<[u8]>::trim_ascii) {
+                if coding.is_empty() {
+                    continue;
+                }
+                if chunked || !coding.eq_ignore_ascii_case(b"chunked") {
+                    return Err(HeadError::UnsupportedCoding);
+                }
+                chunked = true;
+            }
+            coded = true;
+        } else if name.eq_ignore_ascii_case(b"connection") {
+            close |= lists_token(value, "close");
+            keep_alive_token |= lists_token(value, "keep-alive");
+        } else if name.eq_ignore_ascii_case(b"expect") {
+            expect_continue |= value.trim_ascii().eq_ignore_ascii_case(b"100-continue");
+        }
+    }
+    let body = if coded {
+        if http10 {
+            return Err(HeadError::Malformed("transfer-encoding on HTTP/1.0"));
+        }
+        if length.is_some() {
+            return Err(HeadError::Malformed(
+                "both content-length and transfer-encoding",
+            ));
+        }
+        if !chunked {
+            return Err(HeadError::UnsupportedCoding);
+        }
+        Framing::Chunked(Chunk::Size)
+    } else {
+        match length {
+            Some(0) | None => Framing::Empty,
+            Some(n) => Framing::Length(n),
+        }
+    };
+    let keep_alive = !close && (!http10 || keep_alive_token);
+    Ok(RequestHead {
+        len,
+        method: range(method.as_bytes()),
+        target: range(target.as_bytes()),
+        http10,
+        fields,
+        body,
+        keep_alive,
+        expect_continue: expect_continue && !http10,
+    })
+}
+
+/// The interim answer to `Expect: 100-continue`.
+pub const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn head(text: &str) -> Result<Option<RequestHead>, HeadError> {
+        HeadReader::new(8192).poll(text.as_bytes())
+    }
+
+    #[test]
+    fn a_request_head_is_parsed_with_its_framing_and_connection() {
+        let text =
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\n\r\nhello";
+        let parsed = head(text).unwrap().unwrap();
+        assert_eq!(&text[parsed.method.clone()], "POST");
+        assert_eq!(&text[parsed.target.clone()], "/v1/chat/completions");
+        assert_eq!(parsed.len, text.len() - 5);
+        assert_eq!(parsed.body, Framing::Length(5));
+        assert!(parsed.keep_alive && !parsed.http10 && !parsed.expect_continue);
+        let names: Vec<&str> = parsed
+            .fields
+            .iter()
+            .map(|(n, _)| &text[n.clone()])
+            .collect();
+        assert_eq!(names, ["Host", "Content-Length"]);
+    }
+
+    #[test]
+    fn framing_and_connection_fields_decide_as_rfc_9112_says() {
+        // (head fields, HTTP/1.0?, expected framing or status, keep-alive)
+        let cases: [(&str, bool, Result<Framing, u16>, bool); 16] = [
+            ("", false, Ok(Framing::Empty), true),
+            ("", true, Ok(Framing::Empty), false),
+            ("connection: keep-alive\r\n", true, Ok(Framing::Empty), true),
+            ("connection: close\r\n", false, Ok(Framing::Empty), false),
+            (
+                "connection: upgrade, Close\r\n",
+                false,
+                Ok(Framing::Empty),
+                false,
+            ),
+            ("content-length: 0\r\n", false, Ok(Framing::Empty), true),
+            (
+                "content-length: 7, 7\r\ncontent-length: 7\r\n",
+                false,
+                Ok(Framing::Length(7)),
+                true,
+            ),
+            (
+                "content-length: 7\r\ncontent-length: 8\r\n",
+                false,
+                Err(400),
+                true,
+            ),
+            ("content-length: +7\r\n", false, Err(400), true),
+            (
+                "content-length: 99999999999999999999\r\n",
+                false,
+                Err(400),
+                true,
+            ),
+            (
+                "transfer-encoding: Chunked\r\n",
+                false,
+                Ok(Framing::Chunked(Chunk::Size)),
+                true,
+            ),
+            (
+                "transfer-encoding: chunked\r\ncontent-length: 5\r\n",
+                false,
+                Err(400),
+                true,
+            ),
+            (
+                "transfer-encoding: gzip, chunked\r\n",
+                false,
+                Err(501),
+                true,
+            ),
+            (
+                "transfer-encoding: chunked, chunked\r\n",
+                false,
+                Err(501),
+                true,
+            ),
+            ("transfer-encoding: identity\r\n", false, Err(501), true),
+            ("transfer-encoding: chunked\r\n", true, Err(400), true),
+        ];
+        for (fields, http10, want, keep) in cases {
+            let version = if http10 { "1.0" } else { "1.1" };
+            let text = format!("POST / HTTP/{version}\r\n{fields}\r\n");
+            match (head(&text), want) {
+                (Ok(Some(parsed)), Ok(framing)) => {
+                    assert_eq!(parsed.body, framing, "{text:?}");
+                    assert_eq!(parsed.keep_alive, keep, "{text:?}");
+                }
+                (Err(err), Err(status)) => assert_eq!(err.status(), status, "{text:?}"),
+                (got, _) => panic!("{text:?}: {got:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn heads_past_the_limits_and_broken_heads_are_refused() {
+        let mut reader = HeadReader::new(64);
+        assert_eq!(
+            reader.poll(&[b'a'; 65]),
+            Err(HeadError::TooLarge),
+            "no end in sight"
+        );
+        let long = format!("GET /{} HTTP/1.1\r\n\r\n", "a".repeat(60));
+        assert_eq!(
+            HeadReader::new(64).poll(long.as_bytes()),
+            Err(HeadError::TooLarge)
+        );
+        let many: String = (0..=MAX_REQUEST_HEADERS)
+            .map(|i| format!("x-{i}: v\r\n"))
+            .collect();
+        let text = format!("GET / HTTP/1.1\r\n{many}\r\n");
+        assert_eq!(head(&text), Err(HeadError::TooLarge));
+        for broken in [
+            "GET / HTTP/2.0\r\n\r\n",
+            "GET /\r\n\r\n",
+            "G@T / HTTP/1.1\r\n\r\n",
+            "GET / HTTP/1.1\r\nbad header\r\n\r\n",
+            "GET / HTTP/1.1\r\nx: a\r\n folded\r\n\r\n",
+            "GET /a b HTTP/1.1\r\n\r\n",
+        ] {
+            assert_eq!(
+                head(broken).map_err(HeadError::status),
+                Err(400),
+                "{broken:?}"
+            );
+        }
+        // Empty lines before the request line are skipped.
+        assert!(head("\r\n\r\nGET / HTTP/1.1\r\n\r\n").unwrap().is_some());
+    }
+
+    #[test]
+    fn a_head_in_pieces_is_found_once_it_is_whole() {
+        let text = b"POST /x HTTP/1.1\r\nexpect: 100-continue\r\ncontent-length: 3\r\n\r\nabc";
+        for step in 1..text.len() {
+            let mut reader = HeadReader::new(8192);
+            let mut found = None;
+            let mut have = 0;
+            while found.is_none() && have < text.len() {
+                have = (have + step).min(text.len());
+                found = reader.poll(&text[..have]).unwrap();
+            }
+            let parsed = found.expect("found");
+            assert_eq!(parsed.len, text.len() - 3, "step {step}");
+            assert!(parsed.expect_continue);
+        }
+    }
+}
