@@ -49,43 +49,34 @@ pub fn cpu(pid: u32) -> Duration {
     Duration::from_millis((ticks(11) + ticks(12)) * 10)
 }
 
-/// The whole machine's busy and total CPU ticks so far (the `cpu` line of `/proc/stat`;
-/// zeros where it cannot be read). Idle and I/O wait are not busy; steal is.
+/// The `cpu` line of `/proc/stat`: user, nice, system, idle, iowait, irq, softirq and
+/// steal ticks so far (guest time is inside user); zeros where it cannot be read.
+fn cpu_ticks() -> [u64; 8] {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let mut ticks = [0u64; 8];
+    let fields = stat.lines().next().unwrap_or_default().split_whitespace();
+    for (slot, field) in ticks.iter_mut().zip(fields.skip(1)) {
+        *slot = field.parse().unwrap_or(0);
+    }
+    ticks
+}
+
+/// The whole machine's busy and total CPU ticks so far. Idle and I/O wait are not busy;
+/// steal is.
 #[must_use]
 pub fn machine_ticks() -> (u64, u64) {
-    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
-    // user nice system idle iowait irq softirq steal (guest time is inside user).
-    let ticks: Vec<u64> = stat
-        .lines()
-        .next()
-        .unwrap_or_default()
-        .split_whitespace()
-        .skip(1)
-        .take(8)
-        .filter_map(|t| t.parse().ok())
-        .collect();
+    let ticks = cpu_ticks();
     let all: u64 = ticks.iter().sum();
-    let idle = ticks.get(3).copied().unwrap_or(0) + ticks.get(4).copied().unwrap_or(0);
-    (all.saturating_sub(idle), all)
+    (all.saturating_sub(ticks[3] + ticks[4]), all)
 }
 
 /// The whole machine's CPU ticks the hypervisor took for other guests (steal) and all
-/// ticks so far (the `cpu` line of `/proc/stat`; zeros where it cannot be read). On a
-/// shared virtual machine a run during which steal was high says more about the host
-/// than about the code measured.
+/// ticks so far. On a shared virtual machine a run during which steal was high says more
+/// about the host than about the code measured.
 #[must_use]
 pub fn machine_steal_ticks() -> (u64, u64) {
-    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
-    let ticks: Vec<u64> = stat
-        .lines()
-        .next()
-        .unwrap_or_default()
-        .split_whitespace()
-        .skip(1)
-        .take(8)
-        .filter_map(|t| t.parse().ok())
-        .collect();
-    (ticks.get(7).copied().unwrap_or(0), ticks.iter().sum())
+    let ticks = cpu_ticks();
+    (ticks[7], ticks.iter().sum())
 }
 
 /// [`rss_kib`] of a process and its children.
@@ -98,4 +89,16 @@ pub fn tree_rss_kib(pid: u32) -> u64 {
 #[must_use]
 pub fn tree_cpu(pid: u32) -> Duration {
     cpu(pid) + children(pid).into_iter().map(cpu).sum::<Duration>()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn machine_ticks_are_parts_of_a_growing_whole() {
+        let (busy, all) = super::machine_ticks();
+        let (stolen, all_again) = super::machine_steal_ticks();
+        assert!(all > 0, "/proc/stat has a cpu line");
+        assert!(busy <= all && stolen <= all_again);
+        assert!(all_again >= all, "ticks only grow");
+    }
 }
