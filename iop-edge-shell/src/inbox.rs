@@ -69,20 +69,10 @@ impl<T> std::fmt::Debug for Outlet<T> {
 }
 
 impl<T> Outlet<T> {
-    /// Queues `item`; gives it back when the reader is gone.
-    pub fn send(&self, item: T) -> Result<(), T> {
-        let mut state = self.shared.lock();
-        if state.inbox_gone {
-            return Err(item);
-        }
-        state.items.push_back(item);
-        wake_reader(state);
-        Ok(())
-    }
-
-    /// Queues `item` like [`Outlet::send`], but hands a waiting reader's waker to `wakes`
-    /// instead of waking it: the caller wakes it once it holds no lock (a wake can be a
-    /// system call that rouses another thread, and the core's lock must not wait on it).
+    /// Queues `item`, or gives it back when the reader is gone. A waiting reader's waker
+    /// goes to `wakes` instead of being woken here: the caller wakes it once it holds no
+    /// lock (a wake can be a system call that rouses another thread, and the core's lock
+    /// must not wait on it).
     pub fn queue(&self, item: T, wakes: &mut Vec<Waker>) -> Result<(), T> {
         let mut state = self.shared.lock();
         if state.inbox_gone {
@@ -163,6 +153,15 @@ mod tests {
         }
     }
 
+    /// Queues `item` and wakes the reader at once, as the core's drain does once it has
+    /// let go of its lock.
+    fn send<T>(outlet: &Outlet<T>, item: T) -> Result<(), T> {
+        let mut wakes = Vec::new();
+        outlet.queue(item, &mut wakes)?;
+        wakes.into_iter().for_each(Waker::wake);
+        Ok(())
+    }
+
     fn poll<T>(inbox: &mut Inbox<T>, wakes: &Arc<Count>) -> Poll<Option<T>> {
         let waker = Waker::from(wakes.clone());
         inbox.poll_recv(&mut Context::from_waker(&waker))
@@ -173,16 +172,16 @@ mod tests {
         let (outlet, mut inbox) = inbox();
         let wakes = Arc::new(Count::default());
         assert_eq!(poll(&mut inbox, &wakes), Poll::Pending);
-        outlet.send(1).unwrap();
+        send(&outlet, 1).unwrap();
         assert_eq!(wakes.0.load(Ordering::SeqCst), 1);
         // Nobody waits now: a send wakes no one.
-        outlet.send(2).unwrap();
+        send(&outlet, 2).unwrap();
         assert_eq!(wakes.0.load(Ordering::SeqCst), 1);
         assert_eq!(poll(&mut inbox, &wakes), Poll::Ready(Some(1)));
         assert_eq!(poll(&mut inbox, &wakes), Poll::Ready(Some(2)));
         assert_eq!(poll(&mut inbox, &wakes), Poll::Pending);
         // The outlet going away wakes the reader, which reads the end after the rest.
-        outlet.send(3).unwrap();
+        send(&outlet, 3).unwrap();
         drop(outlet);
         assert_eq!(poll(&mut inbox, &wakes), Poll::Ready(Some(3)));
         assert_eq!(poll(&mut inbox, &wakes), Poll::Ready(None));
@@ -225,7 +224,7 @@ mod tests {
     fn a_reader_that_left_refuses_items_and_frees_what_waited() {
         let (outlet, inbox) = inbox();
         let item = Arc::new(());
-        outlet.send(item.clone()).unwrap();
+        send(&outlet, item.clone()).unwrap();
         assert_eq!(Arc::strong_count(&item), 2);
         drop(inbox);
         assert_eq!(
@@ -233,7 +232,7 @@ mod tests {
             1,
             "queued items freed with the reader"
         );
-        assert!(outlet.send(item.clone()).is_err());
+        assert!(send(&outlet, item.clone()).is_err());
         assert_eq!(Arc::strong_count(&item), 1);
     }
 
@@ -242,7 +241,7 @@ mod tests {
         let (outlet, mut inbox) = inbox();
         let wakes = Arc::new(Count::default());
         for i in 0..1000 {
-            outlet.send(i).unwrap();
+            send(&outlet, i).unwrap();
         }
         for i in 0..1000 {
             assert_eq!(poll(&mut inbox, &wakes), Poll::Ready(Some(i)));
@@ -250,7 +249,7 @@ mod tests {
         assert!(outlet.shared.lock().items.capacity() <= KEEP_SLOTS);
         // A reader keeping up holds a few slots at most.
         for i in 0..100 {
-            outlet.send(i).unwrap();
+            send(&outlet, i).unwrap();
             assert_eq!(poll(&mut inbox, &wakes), Poll::Ready(Some(i)));
         }
         assert!(outlet.shared.lock().items.capacity() <= KEEP_SLOTS);

@@ -28,7 +28,7 @@ name = "mock-chat"
 providers = [{ node = "n1", adapter = "mock", target = "m" }]
 "#;
 
-const HEAD: &str = "[limits]\nheader_read_timeout_sec = 1\n";
+const HEAD: &str = "[limits]\nheader_read_timeout_sec = 1\nbody_read_timeout_sec = 1\n";
 
 const CHAT: &str = r#"{"model":"mock-chat","messages":[{"role":"user","content":"hi"}]}"#;
 
@@ -367,5 +367,33 @@ async fn a_caller_who_leaves_a_stream_cancels_it_and_is_counted() {
             count(&metrics) - before
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_trickled_body_gets_408_at_the_body_deadline_on_every_route_that_reads_one() {
+    let (cluster, _node) = cluster().await;
+    // An inference body and a node command's body (an admin route: loopback without admin
+    // keys), each announced and never finished: both answered 408 at the 1 s deadline.
+    for target in ["/v1/chat/completions", "/v1/nodes/n1/ollama/mock/api/show"] {
+        let mut conn = connect(&cluster).await;
+        conn.send(
+            format!(
+                "POST {target} HTTP/1.1\r\nhost: e\r\ncontent-type: application/json\r\n\
+                 content-length: 100\r\n\r\n{{\"model\""
+            )
+            .as_bytes(),
+        )
+        .await;
+        let started = std::time::Instant::now();
+        let answer = conn.answer(false).await;
+        assert_eq!(answer.status, 408, "{target}: {answer:?}");
+        assert!(
+            started.elapsed() < Duration::from_secs(4),
+            "{target}: {:?}",
+            started.elapsed()
+        );
+        let json: serde_json::Value = serde_json::from_slice(&answer.body).expect("json");
+        assert_eq!(json["error"]["code"], "body_timeout", "{target}");
     }
 }

@@ -138,11 +138,12 @@ def main():
             wait("its provider healthy", lambda: "healthy" in driver.find_element(
                 By.CSS_SELECTOR, 'tr[data-provider="node-1/mock"]').text, 10)
             row = lambda: driver.find_element(By.CSS_SELECTOR, 'tr[data-node="node-1"]').text  # noqa: E731
-            assert "TLS" in row()
+            # The table is re-rendered on every refresh: a row read mid-render is read again.
+            wait("the node's TLS version", lambda: "TLS" in row(), 10)
             # The feed opens with what happened before the page did (Last-Event-ID: 0).
             wait("the node's earlier events in the feed", lambda: driver.find_elements(
                 By.CSS_SELECTOR, '#feed div[data-type="node.ready"]'), 10)
-            assert "site=local" in row(), row()
+            wait("the node's labels", lambda: "site=local" in row(), 10)
             # The version the node registered with, and the Edge's heartbeat round trip.
             wait("the node's version and heartbeat RTT", lambda: re.search(r"\d+\.\d+\.\d+", row())
                  and re.search(r"(<1|\d+) ms", row()), 10)

@@ -204,15 +204,36 @@ pub(super) async fn node_command<B: super::ReqBody>(
             }
         },
     }
-    let limit = state.settings().max_body_bytes;
-    request.body = match Limited::new(req.into_body(), limit).collect().await {
-        Ok(collected) => collected.to_bytes(),
-        Err(_) => {
+    let settings = state.settings();
+    // Within the size limit and the body deadline, as an inference request's body.
+    let body = Limited::new(req.into_body(), settings.max_body_bytes).collect();
+    request.body = match tokio::time::timeout(settings.body_read_timeout, body).await {
+        Ok(Ok(collected)) => collected.to_bytes(),
+        Ok(Err(err)) if err.is::<http_body_util::LengthLimitError>() => {
             return error(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 "request body too large",
                 ErrorType::InvalidRequest,
+                Some("body_too_large"),
+            );
+        }
+        Ok(Err(_)) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "could not read the request body",
+                ErrorType::InvalidRequest,
                 None,
+            );
+        }
+        Err(_) => {
+            return error(
+                StatusCode::REQUEST_TIMEOUT,
+                &format!(
+                    "the request body did not arrive within {} s",
+                    settings.body_read_timeout.as_secs()
+                ),
+                ErrorType::InvalidRequest,
+                Some("body_timeout"),
             );
         }
     };

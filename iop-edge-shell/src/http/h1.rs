@@ -1,8 +1,13 @@
 //! Plaintext HTTP/1.1 connections, read and written by the Edge itself over the core's
-//! [`iop_proto_core::http1`] framing; every framing decision (limits, smuggling refusals,
-//! keep-alive, chunking) is the core's, and this module only moves bytes and runs the
-//! connection's one timer. A connection that opens with the HTTP/2 preface (h2c with prior
-//! knowledge) is handed to hyper with what was read of it; TLS connections stay hyper's.
+//! [`iop_proto_core::http1`] framing. What a connection speaks ([`http1::opening`]), every
+//! framing decision (limits, smuggling refusals, keep-alive, chunking) and whether an
+//! unread body still lets the connection carry the next request
+//! ([`Framing::discard_buffered`]) are the core's; this module moves bytes and runs the
+//! connection's one timer, armed from the configured limits: the header timeout for a new
+//! connection's head, the idle timeout until a kept connection's next head starts, a fixed
+//! stall limit for a response the client does not read. A connection that opens with the
+//! HTTP/2 preface (h2c with prior knowledge) is handed to hyper with what was read of it;
+//! TLS connections stay hyper's.
 //!
 //! hyper's HTTP/1 connection cost about a fifth of the Edge's instructions per small
 //! request (callgrind): a channel and a task wake between its dispatcher and the handler
@@ -27,7 +32,8 @@ use http::{
 };
 use http_body::{Body, Frame};
 use iop_proto_core::http1::{
-    self, BodyFraming, CHUNK_END, Decoded, Framing, HeadError, HeadReader, LAST_CHUNK, RequestHead,
+    self, BodyFraming, CHUNK_END, Decoded, Framing, HeadError, HeadReader, LAST_CHUNK, Opening,
+    RequestHead,
 };
 use iop_proto_core::openai::ErrorType;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -38,8 +44,6 @@ use tracing::debug;
 use super::{ResBody, State, error};
 use crate::config::HttpSettings;
 
-/// The HTTP/2 connection preface (RFC 9113 §3.4).
-const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 /// Smallest and largest read.
 const READ_MIN: usize = 1 << 10;
 const READ_MAX: usize = 64 << 10;
@@ -210,12 +214,15 @@ impl Conn {
         loop {
             {
                 let read = lock(&self.read);
-                if first
-                    && H2_PREFACE.starts_with(&read.buf[..read.buf.len().min(H2_PREFACE.len())])
-                {
-                    if read.buf.len() >= H2_PREFACE.len() {
-                        return Err(NoHead::H2);
-                    }
+                let opening = if first {
+                    http1::opening(&read.buf)
+                } else {
+                    Opening::Http1
+                };
+                if opening == Opening::Http2 {
+                    return Err(NoHead::H2);
+                } else if opening == Opening::Undecided {
+                    // Nothing yet, or a prefix of the HTTP/2 preface: read on.
                 } else if !read.buf.is_empty() {
                     if let Some(head) = heads.poll(&read.buf).map_err(NoHead::Refused)? {
                         return Ok(head);
@@ -307,9 +314,10 @@ impl Conn {
         let body_read = {
             let mut read = lock(&self.read);
             read.continue_sent = None;
-            drain(&mut read);
+            let ReadSide { buf, body, .. } = &mut *read;
+            let done = body.is_done() || body.discard_buffered(buf, DRAIN_MAX);
             read.release();
-            read.body.is_done()
+            done
         };
         self.respond(response, head_request, http10, keep_alive && body_read)
             .await
@@ -364,7 +372,7 @@ impl Conn {
                 .headers
                 .iter()
                 .map(|(name, value)| (name.as_str().as_bytes(), value.as_bytes())),
-            Some(&date()[..]),
+            date().as_ref().map(|d| &d[..]),
             framing,
             &mut out,
         );
@@ -552,28 +560,6 @@ fn watch(
     }
 }
 
-/// Takes what has already arrived of a body the handler did not read, up to
-/// [`DRAIN_MAX`]; the body's framing says afterwards whether all of it was there.
-fn drain(read: &mut ReadSide) {
-    if read.body.remaining().is_some_and(|left| left > DRAIN_MAX) {
-        return;
-    }
-    let mut taken = 0u64;
-    while taken <= DRAIN_MAX {
-        let ReadSide { buf, body, .. } = read;
-        match body.decode(buf) {
-            Ok(Some(Decoded::Data(data))) => taken += data.len() as u64,
-            Ok(Some(Decoded::Trailers(_))) => {}
-            Ok(Some(Decoded::End)) | Ok(None) => return,
-            Err(_) => {
-                // Broken framing: the connection cannot be used again.
-                read.body = Framing::Length(u64::MAX);
-                return;
-            }
-        }
-    }
-}
-
 /// The request the handlers see: its head as `http` types (values are slices of the head
 /// as read, not copies) and its body.
 fn request<'c>(
@@ -695,12 +681,13 @@ impl Body for H1Body<'_> {
     }
 }
 
-/// The `date` field's value, worked out once a second per thread.
-fn date() -> [u8; 29] {
+/// The `date` field's value, worked out once a second per thread; `None` (no `date`
+/// field) for a clock the format cannot write.
+fn date() -> Option<[u8; 29]> {
     use std::cell::Cell;
     use std::time::{SystemTime, UNIX_EPOCH};
     thread_local! {
-        static CACHED: Cell<(u64, [u8; 29])> = const { Cell::new((u64::MAX, [0; 29])) };
+        static CACHED: Cell<(u64, Option<[u8; 29]>)> = const { Cell::new((u64::MAX, None)) };
     }
     let now = SystemTime::now();
     let second = now.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
@@ -709,11 +696,7 @@ fn date() -> [u8; 29] {
         if at == second {
             return text;
         }
-        let mut text = [0u8; 29];
-        let formatted = httpdate::fmt_http_date(now);
-        if formatted.len() == text.len() {
-            text.copy_from_slice(formatted.as_bytes());
-        }
+        let text = httpdate::fmt_http_date(now).as_bytes().try_into().ok();
         cached.set((second, text));
         text
     })

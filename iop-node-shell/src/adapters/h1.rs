@@ -19,13 +19,13 @@ use std::task::{Context, Poll, Waker, ready};
 
 use bytes::{Bytes, BytesMut};
 use http::header::{CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
-use http::{HeaderMap, HeaderName, HeaderValue, Method, Response, StatusCode, Version};
+use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode, Version};
 use hyper_util::rt::TokioIo;
 use tokio::io::AsyncWriteExt;
 
 use super::connector::ProviderStream;
+use iop_proto_core::http1::{self, HeadError, HeadReader, MAX_RESPONSE_HEADERS, ResponseHead};
 pub use iop_proto_core::http1::{BodyError, Chunk, Decoded, Framing};
-use iop_proto_core::http1::{HeadError, HeadReader, MAX_RESPONSE_HEADERS, ResponseHead};
 
 /// The largest response head (status line and headers) accepted.
 pub const MAX_HEAD: usize = 64 << 10;
@@ -103,22 +103,11 @@ pub fn encode_request(parts: &http::request::Parts, body_len: usize, out: &mut V
     out.extend_from_slice(target.as_bytes());
     out.extend_from_slice(b" HTTP/1.1\r\n");
     for (name, value) in &parts.headers {
-        if is_connection_field(name) {
-            continue;
+        if !is_connection_field(name) {
+            http1::encode_field(name.as_str().as_bytes(), value.as_bytes(), out);
         }
-        out.extend_from_slice(name.as_str().as_bytes());
-        out.extend_from_slice(b": ");
-        out.extend_from_slice(value.as_bytes());
-        out.extend_from_slice(b"\r\n");
     }
-    let bodiless = matches!(
-        parts.method,
-        Method::GET | Method::HEAD | Method::DELETE | Method::OPTIONS
-    );
-    if body_len > 0 || !bodiless {
-        iop_proto_core::http1::encode_content_length(body_len as u64, out);
-    }
-    out.extend_from_slice(b"\r\n");
+    http1::finish_request_head(parts.method.as_str(), body_len as u64, out);
 }
 
 fn is_connection_field(name: &HeaderName) -> bool {
@@ -214,9 +203,9 @@ fn next_raw_head(
 fn next_head(
     buf: &mut BytesMut,
     reader: &mut HeadReader,
-    method: &Method,
+    method: &http::Method,
 ) -> Result<Option<Head>, H1Error> {
-    next_raw_head(buf, reader, method == Method::HEAD)?
+    next_raw_head(buf, reader, method == http::Method::HEAD)?
         .map(RawHead::into_head)
         .transpose()
 }
@@ -298,6 +287,7 @@ impl Conn {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http::Method;
 
     fn head(text: &str, method: &Method) -> Result<Option<Head>, H1Error> {
         next_head(

@@ -11,6 +11,7 @@ use super::pool::{ClientError, Origin, ProviderBody};
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Method, Request};
 use hyper_util::client::legacy::connect::HttpConnector;
+use iop_proto_core::http1;
 use iop_proto_core::wire::{Header, ProviderHealth};
 
 /// Builds the shared client. TLS trusts the Mozilla roots, plus the PEM certificates in
@@ -165,12 +166,11 @@ impl Upstream {
     }
 
     /// The head of a raw tunnel request for `path` under the base URL, written directly
-    /// (no `http` request is built): the method, the target, `Host`, the forwardable
-    /// `headers` (never the caller's `Authorization`), the bearer key and the body's
-    /// length. What the `http` types would refuse is refused or left out the same way: a
-    /// method that is not a token and a target that is not visible ASCII (so no CR, LF or
-    /// space can split the request) are errors, a header whose name is not a token or
-    /// whose value holds a control character is dropped.
+    /// (no `http` request is built) by the core's rules: the method, the target, `Host`,
+    /// the forwardable `headers` (never the caller's `Authorization`), the bearer key and
+    /// the body's length. A method or target that could not be sent (one that could split
+    /// the request) is an error; a header that could not be is left out, as the `http`
+    /// types would leave it out.
     pub fn tunnel_head(
         &self,
         method: &str,
@@ -178,55 +178,20 @@ impl Upstream {
         headers: &[Header],
         body_len: usize,
     ) -> Result<Vec<u8>, String> {
-        if method.is_empty() || !method.bytes().all(is_tchar) {
-            return Err(format!("invalid method {method:?}"));
-        }
         let prefix = self.origin.prefix();
-        if !path.starts_with('/')
-            || !prefix
-                .bytes()
-                .chain(path.bytes())
-                .all(|b| b.is_ascii_graphic() && b != b'#')
-        {
-            return Err(format!(
-                "cannot build request: invalid target {prefix}{path:?}"
-            ));
-        }
         let mut out = Vec::with_capacity(192 + path.len() + body_len.min(16 << 10));
-        out.extend_from_slice(method.as_bytes());
-        out.push(b' ');
-        out.extend_from_slice(prefix.as_bytes());
-        out.extend_from_slice(path.as_bytes());
-        out.extend_from_slice(b" HTTP/1.1\r\nhost: ");
-        out.extend_from_slice(self.origin.host());
-        out.extend_from_slice(b"\r\n");
+        http1::encode_request_line(method, &[prefix, path], &mut out)
+            .map_err(|err| format!("cannot build request: {err} ({method:?} {prefix}{path:?})"))?;
+        http1::encode_field(b"host", self.origin.host(), &mut out);
         for header in headers {
-            if !forwardable(&header.name)
-                || header.name.eq_ignore_ascii_case("authorization")
-                || header.name.is_empty()
-                || !header.name.bytes().all(is_tchar)
-                || !header
-                    .value
-                    .iter()
-                    .all(|&b| b == b'\t' || (b >= 0x20 && b != 0x7f))
-            {
-                continue;
+            if forwardable(&header.name) && !header.name.eq_ignore_ascii_case("authorization") {
+                http1::encode_field(header.name.as_bytes(), &header.value, &mut out);
             }
-            out.extend_from_slice(header.name.as_bytes());
-            out.extend_from_slice(b": ");
-            out.extend_from_slice(&header.value);
-            out.extend_from_slice(b"\r\n");
         }
         if let Some(auth) = &self.auth {
-            out.extend_from_slice(b"authorization: ");
-            out.extend_from_slice(auth.as_bytes());
-            out.extend_from_slice(b"\r\n");
+            http1::encode_field(b"authorization", auth.as_bytes(), &mut out);
         }
-        let bodiless = ["GET", "HEAD", "DELETE", "OPTIONS"].contains(&method);
-        if body_len > 0 || !bodiless {
-            iop_proto_core::http1::encode_content_length(body_len as u64, &mut out);
-        }
-        out.extend_from_slice(b"\r\n");
+        http1::finish_request_head(method, body_len as u64, &mut out);
         Ok(out)
     }
 
@@ -252,11 +217,6 @@ impl Upstream {
     {
         client.request_to(&self.origin, request)
     }
-}
-
-/// A token character (RFC 9110 §5.6.2): what a method and a field name are made of.
-fn is_tchar(b: u8) -> bool {
-    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
 }
 
 /// The response headers a tunnel may carry back (see

@@ -170,6 +170,30 @@ impl Framing {
         }
     }
 
+    /// Takes what `buf` already holds of a body nobody will read, up to `max` bytes of it,
+    /// so that the connection can carry the next message; whether the body ended there.
+    /// A longer body, one not all here yet, or broken framing is `false`: the connection
+    /// is not used again (after broken framing the body never ends).
+    pub fn discard_buffered(&mut self, buf: &mut BytesMut, max: u64) -> bool {
+        if self.remaining().is_some_and(|left| left > max) {
+            return false;
+        }
+        let mut taken = 0u64;
+        while taken <= max {
+            match self.decode(buf) {
+                Ok(Some(Decoded::Data(data))) => taken += data.len() as u64,
+                Ok(Some(Decoded::Trailers(_))) => {}
+                Ok(Some(Decoded::End)) => return true,
+                Ok(None) => return false,
+                Err(_) => {
+                    *self = Framing::Length(u64::MAX);
+                    return false;
+                }
+            }
+        }
+        false
+    }
+
     /// Whether the body has been read to its end.
     #[must_use]
     pub fn is_done(&self) -> bool {
@@ -211,6 +235,29 @@ fn chunk_size(line: &[u8]) -> Result<u64, BodyError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_unread_body_is_discarded_only_when_it_is_all_here_and_small() {
+        let whole = |framing: Framing, wire: &[u8], max: u64| {
+            let mut framing = framing;
+            let mut buf = BytesMut::from(wire);
+            let ended = framing.discard_buffered(&mut buf, max);
+            (ended, buf.len())
+        };
+        // All here: taken, and what follows stays for the next message.
+        assert_eq!(whole(Framing::Length(3), b"abcGET", 10), (true, 3));
+        assert_eq!(
+            whole(Framing::Chunked(Chunk::Size), b"3\r\nabc\r\n0\r\n\r\nX", 10),
+            (true, 1)
+        );
+        // Too long, not all here, or broken: the connection is not reused.
+        assert!(!whole(Framing::Length(100), b"abc", 10).0);
+        assert!(!whole(Framing::Length(5), b"abc", 10).0);
+        assert!(!whole(Framing::Chunked(Chunk::Size), b"400\r\n", 10).0);
+        let mut broken = Framing::Chunked(Chunk::Size);
+        assert!(!broken.discard_buffered(&mut BytesMut::from(&b"zz\r\n"[..]), 10));
+        assert!(!broken.is_done(), "a broken body never ends");
+    }
 
     #[test]
     fn chunk_sizes_are_hex_within_fifteen_digits() {

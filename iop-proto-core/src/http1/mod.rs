@@ -14,14 +14,18 @@
 //! - chunk-size lines, chunk sizes and trailer sections have limits.
 //!
 //! [`body`] holds the body framing both sides decode, [`request`] the request heads a
-//! server reads, [`response`] the response heads a client reads and a server writes.
+//! server reads and a client writes, [`response`] the response heads a client reads and
+//! a server writes.
 
 pub mod body;
 pub mod request;
 pub mod response;
 
 pub use body::{BodyError, Chunk, Decoded, Framing, MAX_CHUNK_LINE, MAX_TRAILERS};
-pub use request::{CONTINUE, HeadError, HeadReader, MAX_REQUEST_HEADERS, RequestHead};
+pub use request::{
+    CONTINUE, EncodeError, HeadError, HeadReader, MAX_REQUEST_HEADERS, Opening, RequestHead,
+    encode_field, encode_request_line, finish_request_head, is_field_value, is_token, opening,
+};
 pub use response::{
     BodyFraming, CHUNK_END, LAST_CHUNK, MAX_RESPONSE_HEADERS, ResponseFraming, ResponseHead,
     encode_chunk_start, encode_content_length, encode_response_head, is_framing_field,
@@ -34,6 +38,15 @@ pub fn lists_token(value: &[u8], token: &str) -> bool {
     value
         .split(|b| *b == b',')
         .any(|t| t.trim_ascii().eq_ignore_ascii_case(token.as_bytes()))
+}
+
+/// Where `part`, a slice the parser returned, lies in `head`; `None` if it does not lie
+/// there (the parser's slices always do: checked, so that a change in a dependency
+/// becomes a refused head, not an out-of-bounds panic).
+pub(super) fn span(head: &[u8], part: &[u8]) -> Option<std::ops::Range<usize>> {
+    let at = (part.as_ptr() as usize).checked_sub(head.as_ptr() as usize)?;
+    let end = at.checked_add(part.len())?;
+    (end <= head.len()).then_some(at..end)
 }
 
 /// A `Content-Length` value: decimal digits only, no sign, no overflow.

@@ -4,7 +4,7 @@
 use std::ops::Range;
 
 use super::body::{Chunk, Framing};
-use super::{decimal, lists_token};
+use super::{decimal, lists_token, span};
 
 /// The most header fields a request head may carry.
 pub const MAX_REQUEST_HEADERS: usize = 100;
@@ -55,6 +55,33 @@ pub struct RequestHead {
     pub keep_alive: bool,
     /// `Expect: 100-continue`: the client waits for an interim answer before the body.
     pub expect_continue: bool,
+}
+
+/// The HTTP/2 connection preface (RFC 9113 §3.4).
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// What the first bytes of a plaintext connection say it speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Opening {
+    /// Not enough bytes yet to tell (none, or a prefix of the HTTP/2 preface).
+    Undecided,
+    /// HTTP/2 with prior knowledge (h2c): the whole preface is in.
+    Http2,
+    /// Anything else is read as HTTP/1.x (and refused as such if it is not).
+    Http1,
+}
+
+/// What a plaintext connection that sent `first` speaks.
+#[must_use]
+pub fn opening(first: &[u8]) -> Opening {
+    let seen = first.len().min(H2_PREFACE.len());
+    if first.is_empty() || (seen < H2_PREFACE.len() && H2_PREFACE.starts_with(first)) {
+        Opening::Undecided
+    } else if first.starts_with(H2_PREFACE) {
+        Opening::Http2
+    } else {
+        Opening::Http1
+    }
 }
 
 /// Finds and parses request heads in a connection's read buffer. The buffer is searched
@@ -136,12 +163,7 @@ fn parse_request_head(head: &[u8]) -> Result<RequestHead, HeadError> {
         }
         Err(_) => return Err(HeadError::Malformed("invalid request head")),
     };
-    let base = head.as_ptr() as usize;
-    // Where a slice httparse returned lies in `head`.
-    let range = |part: &[u8]| {
-        let at = part.as_ptr() as usize - base;
-        at..at + part.len()
-    };
+    let range = |part: &[u8]| span(head, part).ok_or(HeadError::Malformed("invalid request head"));
     let (Some(method), Some(target), Some(minor)) = (parsed.method, parsed.path, parsed.version)
     else {
         return Err(HeadError::Malformed("invalid request line"));
@@ -155,7 +177,7 @@ fn parse_request_head(head: &[u8]) -> Result<RequestHead, HeadError> {
     let mut keep_alive_token = false;
     let mut expect_continue = false;
     for field in parsed.headers.iter() {
-        fields.push((range(field.name.as_bytes()), range(field.value)));
+        fields.push((range(field.name.as_bytes())?, range(field.value)?));
         let name = field.name.as_bytes();
         let value = field.value;
         if name.eq_ignore_ascii_case(b"content-length") {
@@ -208,14 +230,94 @@ fn parse_request_head(head: &[u8]) -> Result<RequestHead, HeadError> {
     let keep_alive = !close && (!http10 || keep_alive_token);
     Ok(RequestHead {
         len,
-        method: range(method.as_bytes()),
-        target: range(target.as_bytes()),
+        method: range(method.as_bytes())?,
+        target: range(target.as_bytes())?,
         http10,
         fields,
         body,
         keep_alive,
         expect_continue: expect_continue && !http10,
     })
+}
+
+// ----- request heads, client side -----
+
+/// Why a request head cannot be written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum EncodeError {
+    /// The method is not a token.
+    #[error("invalid method")]
+    Method,
+    /// The target is not origin-form: a `/` first, visible ASCII, no `#`.
+    #[error("invalid request target")]
+    Target,
+}
+
+/// Whether `text` is a token (RFC 9110 §5.6.2), what a method and a field name are.
+#[must_use]
+pub fn is_token(text: &[u8]) -> bool {
+    !text.is_empty()
+        && text
+            .iter()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(b))
+}
+
+/// Whether `value` can be written as a field value: no control character but HTAB, so
+/// no CR, LF or NUL can end the line and start another.
+#[must_use]
+pub fn is_field_value(value: &[u8]) -> bool {
+    value
+        .iter()
+        .all(|&b| b == b'\t' || (b >= 0x20 && b != 0x7f))
+}
+
+/// Writes a request line: `method` and the origin-form target that `target`'s parts make
+/// when joined. Nothing is written unless the method is a token and the target starts
+/// with `/` and is visible ASCII without `#` (so no space, CR or LF can split the
+/// request).
+pub fn encode_request_line(
+    method: &str,
+    target: &[&str],
+    out: &mut Vec<u8>,
+) -> Result<(), EncodeError> {
+    if !is_token(method.as_bytes()) {
+        return Err(EncodeError::Method);
+    }
+    let mut bytes = target.iter().flat_map(|part| part.bytes());
+    if bytes.next() != Some(b'/') || !bytes.all(|b| b.is_ascii_graphic() && b != b'#') {
+        return Err(EncodeError::Target);
+    }
+    out.extend_from_slice(method.as_bytes());
+    out.push(b' ');
+    for part in target {
+        out.extend_from_slice(part.as_bytes());
+    }
+    out.extend_from_slice(b" HTTP/1.1\r\n");
+    Ok(())
+}
+
+/// Writes the field line `name: value` when the name is a token and the value a field
+/// value; whether it was written (a field that is not is left out).
+pub fn encode_field(name: &[u8], value: &[u8], out: &mut Vec<u8>) -> bool {
+    if !is_token(name) || !is_field_value(value) {
+        return false;
+    }
+    out.extend_from_slice(name);
+    out.extend_from_slice(b": ");
+    out.extend_from_slice(value);
+    out.extend_from_slice(b"\r\n");
+    true
+}
+
+/// Ends a request head for a body of `body_len` bytes: its `content-length` (also `0` for
+/// a method that carries a body; a bodiless `GET`, `HEAD`, `DELETE` or `OPTIONS` sends
+/// none), then the blank line.
+pub fn finish_request_head(method: &str, body_len: u64, out: &mut Vec<u8>) {
+    let bodiless = ["GET", "HEAD", "DELETE", "OPTIONS"].contains(&method);
+    if body_len > 0 || !bodiless {
+        super::response::encode_content_length(body_len, out);
+    }
+    out.extend_from_slice(b"\r\n");
 }
 
 /// The interim answer to `Expect: 100-continue`.
@@ -356,6 +458,62 @@ mod tests {
         }
         // Empty lines before the request line are skipped.
         assert!(head("\r\n\r\nGET / HTTP/1.1\r\n\r\n").unwrap().is_some());
+    }
+
+    #[test]
+    fn a_connection_opening_with_the_h2_preface_speaks_http2() {
+        let preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+        for cut in 0..preface.len() {
+            assert_eq!(opening(&preface[..cut]), Opening::Undecided, "{cut} bytes");
+        }
+        assert_eq!(opening(preface), Opening::Http2);
+        assert_eq!(
+            opening(&[&preface[..], b"\0\0\x04"].concat()),
+            Opening::Http2
+        );
+        assert_eq!(opening(b"POST /v1 HTTP/1.1\r\n"), Opening::Http1);
+        assert_eq!(opening(b"PRI * HTTP/1.1\r\n"), Opening::Http1);
+    }
+
+    #[test]
+    fn a_request_head_written_cannot_be_split_by_what_it_carries() {
+        let mut out = Vec::new();
+        encode_request_line("POST", &["/base", "/v1/chat?x=1"], &mut out).unwrap();
+        assert!(encode_field(b"x-a", b"b\tc", &mut out));
+        for (name, value) in [
+            (&b"x-split"[..], &b"a\r\nx-injected: 1"[..]),
+            (b"x-nul", b"a\0"),
+            (b"bad name", b"v"),
+            (b"", b"v"),
+        ] {
+            assert!(!encode_field(name, value, &mut out), "{name:?}");
+        }
+        finish_request_head("POST", 0, &mut out);
+        assert_eq!(
+            out,
+            b"POST /base/v1/chat?x=1 HTTP/1.1\r\nx-a: b\tc\r\ncontent-length: 0\r\n\r\n"
+        );
+        let mut get = Vec::new();
+        finish_request_head("GET", 0, &mut get);
+        assert_eq!(get, b"\r\n", "a bodiless GET says no length");
+        for (method, target) in [
+            ("NOT A METHOD", &["/"][..]),
+            ("", &["/"]),
+            ("GET", &["health"]),
+            ("GET", &["", "health"]),
+            ("GET", &["/a b"]),
+            ("GET", &["/a\r\nx: y"]),
+            ("GET", &["/a#frag"]),
+            ("GET", &["/é"]),
+            ("GET", &[]),
+        ] {
+            let mut out = Vec::new();
+            assert!(
+                encode_request_line(method, target, &mut out).is_err(),
+                "{method:?} {target:?}"
+            );
+            assert!(out.is_empty(), "nothing written");
+        }
     }
 
     #[test]

@@ -5,7 +5,7 @@ use std::ops::Range;
 
 use super::body::{Chunk, Framing};
 use super::request::{HeadError, HeadReader, find_blank_line};
-use super::{decimal, lists_token};
+use super::{decimal, lists_token, span};
 
 /// The most header fields a response head may carry.
 pub const MAX_RESPONSE_HEADERS: usize = 128;
@@ -101,11 +101,7 @@ fn parse_response_head(head: &[u8], head_request: bool) -> Result<Option<Respons
     if status < 200 {
         return Ok(None);
     }
-    let base = head.as_ptr() as usize;
-    let range = |part: &[u8]| {
-        let at = part.as_ptr() as usize - base;
-        at..at + part.len()
-    };
+    let range = |part: &[u8]| span(head, part).ok_or(HeadError::Malformed("invalid response head"));
     let http10 = minor == 0;
     let mut fields = Vec::with_capacity(parsed.headers.len());
     let mut length: Option<u64> = None;
@@ -113,7 +109,7 @@ fn parse_response_head(head: &[u8], head_request: bool) -> Result<Option<Respons
     let mut last_coding: &[u8] = b"";
     let mut close = false;
     for field in parsed.headers.iter() {
-        fields.push((range(field.name.as_bytes()), range(field.value)));
+        fields.push((range(field.name.as_bytes())?, range(field.value)?));
         let name = field.name.as_bytes();
         if name.eq_ignore_ascii_case(b"transfer-encoding") {
             coded = true;
