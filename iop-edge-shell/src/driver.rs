@@ -136,13 +136,6 @@ pub enum CoreMsg {
         /// Names of its verified client certificate, if any.
         identities: Vec<String>,
     },
-    /// The envelopes decoded from one read of a node connection, in order.
-    Frames {
-        /// Connection.
-        conn: ConnId,
-        /// Envelopes.
-        envelopes: Vec<Envelope>,
-    },
     /// Bytes of a frame not yet whole arrived on a node connection.
     BytesReceived {
         /// Connection.
@@ -251,6 +244,13 @@ struct Shared {
 #[derive(Debug, Clone, Copy)]
 pub struct Stopped;
 
+thread_local! {
+    /// Empty lists with room, swapped in for the core's kicks and wakes each time
+    /// [`Core::with`] takes them out of the lock, so that is not an allocation per input.
+    static SPARE: std::cell::Cell<(Vec<Arc<Outbox>>, Vec<std::task::Waker>)> =
+        const { std::cell::Cell::new((Vec::new(), Vec::new())) };
+}
+
 impl Core {
     /// Wraps the machine and what its outputs need.
     #[must_use]
@@ -282,6 +282,27 @@ impl Core {
         self.with(|task| task.handle(message))
     }
 
+    /// Hands the core, in order and under one lock, `first` and every envelope `next`
+    /// yields after it (the frames one read of a node connection completed, decoded as
+    /// they are handed over: no list of them is built). Returns how many there were.
+    pub fn frames(
+        &self,
+        conn: ConnId,
+        first: Envelope,
+        mut next: impl FnMut() -> Option<Envelope>,
+    ) -> Result<u64, Stopped> {
+        let mut count = 0;
+        self.with(|task| {
+            let now = task.clock.now();
+            let mut pending = Some(first);
+            while let Some(envelope) = pending.take().or_else(&mut next) {
+                count += 1;
+                misuse("envelope", task.core.handle_envelope(now, conn, envelope));
+            }
+        })?;
+        Ok(count)
+    }
+
     fn with(&self, input: impl FnOnce(&mut Task)) -> Result<(), Stopped> {
         let mut task = self.shared.task.lock().map_err(|_| Stopped)?;
         input(&mut task);
@@ -289,17 +310,20 @@ impl Core {
         let rearm = task.deadline() < task.armed;
         // The frames are queued in order under the lock; the socket writes happen
         // outside it, so other tasks are not held up by a syscall.
-        let kicks = std::mem::take(&mut task.kicks);
-        let wakes = std::mem::take(&mut task.wakes);
+        // Swapped with this thread's spare lists, whose room the next call reuses.
+        let (mut kicks, mut wakes) = SPARE.take();
+        std::mem::swap(&mut kicks, &mut task.kicks);
+        std::mem::swap(&mut wakes, &mut task.wakes);
         drop(task);
-        for outbox in kicks {
+        for outbox in kicks.drain(..) {
             outbox.kick();
         }
         // Waking a task can rouse a parked worker thread (a futex call): done here, the
         // other worker is not held at the core's lock meanwhile.
-        for waker in wakes {
+        for waker in wakes.drain(..) {
             waker.wake();
         }
+        SPARE.set((kicks, wakes));
         if rearm {
             self.shared.rearm.notify_one();
         }
@@ -364,11 +388,6 @@ impl Task {
                     .core
                     .handle_connection_secured(now, conn, tls, identities);
                 misuse("connection secured", secured);
-            }
-            CoreMsg::Frames { conn, envelopes } => {
-                for envelope in envelopes {
-                    misuse("envelope", self.core.handle_envelope(now, conn, envelope));
-                }
             }
             CoreMsg::BytesReceived { conn } => {
                 misuse("bytes received", self.core.handle_bytes_received(now, conn));
@@ -770,8 +789,11 @@ impl Task {
             DispatchShape::Run => Dispatch::Run(RunRequest {
                 input: work.raw,
                 metadata: [
-                    ("model".to_owned(), grant.model.to_string()),
-                    (wire::REQUEST_ID_KEY.to_owned(), work.request_id.to_string()),
+                    ("model".to_owned(), String::from(&*grant.model)),
+                    (
+                        wire::REQUEST_ID_KEY.to_owned(),
+                        String::from(&*work.request_id),
+                    ),
                 ]
                 .into_iter()
                 .collect(),
@@ -786,9 +808,12 @@ impl Task {
                     body,
                     stream: work.stream,
                     timeout_sec: u32::try_from(work.timeout.as_secs()).unwrap_or(u32::MAX),
-                    metadata: [(wire::REQUEST_ID_KEY.to_owned(), work.request_id.to_string())]
-                        .into_iter()
-                        .collect(),
+                    metadata: [(
+                        wire::REQUEST_ID_KEY.to_owned(),
+                        String::from(&*work.request_id),
+                    )]
+                    .into_iter()
+                    .collect(),
                     ..ProviderTunnelRequest::default()
                 })
             }

@@ -78,6 +78,11 @@ impl<T> Outlet<T> {
         if state.inbox_gone {
             return Err(item);
         }
+        if state.items.capacity() == 0 {
+            // Room for a small response's events at once (dispatch, four frames, end):
+            // growing 0 → 4 → 8 cost two reallocations per request.
+            state.items.reserve_exact(KEEP_SLOTS);
+        }
         state.items.push_back(item);
         if let Some(waker) = state.waker.take() {
             wakes.push(waker);

@@ -342,32 +342,35 @@ where
                 want = next_read_size(want, n);
                 metrics.bytes_in.inc_by(n as u64);
                 decoder.push_bytes(buf.split().freeze());
-                let mut envelopes = Vec::new();
                 let mut broken = false;
-                loop {
-                    // The core raises the limit once the node has registered.
+                // The core raises the frame limit once the node has registered, so it is
+                // read before each frame.
+                let mut next = || {
                     decoder.set_max_frame_len(frame_limit.load(Ordering::Relaxed));
                     match decoder.next_envelope() {
-                        Ok(Some(envelope)) => envelopes.push(envelope),
-                        Ok(None) => break,
+                        Ok(envelope) => envelope,
                         Err(err) => {
                             // Unauthenticated peers can repeat this at will: rate-limited.
                             if let Some(suppressed) = shared.decode_errors.allow() {
                                 warn!(conn = conn.0, %err, suppressed, "closing node connection: undecodable input");
                             }
                             broken = true;
-                            break;
+                            None
                         }
                     }
-                }
-                let decoded = !envelopes.is_empty();
-                if decoded {
-                    // Everything one read completed goes to the core as one message.
-                    metrics.frames_in.inc_by(envelopes.len() as u64);
-                    if core.send(CoreMsg::Frames { conn, envelopes }).is_err() {
-                        break 'read;
+                };
+                // The first outside the core's lock: a read that completes no frame (part
+                // of a large one) does not take it.
+                let decoded = match next() {
+                    Some(first) => {
+                        let Ok(count) = core.frames(conn, first, next) else {
+                            break 'read;
+                        };
+                        metrics.frames_in.inc_by(count);
+                        true
                     }
-                }
+                    None => false,
+                };
                 if broken {
                     break 'read;
                 }

@@ -277,12 +277,11 @@ fn on_read(
 
 /// The Edge's request id from a request's metadata; `-` when there is none or it is not
 /// one the contract admits (it goes into log lines). Observation only.
-fn request_id_of(metadata: &std::collections::BTreeMap<String, String>) -> String {
+fn request_id_of(metadata: &std::collections::BTreeMap<String, String>) -> &str {
     metadata
         .get(iop_proto_core::wire::REQUEST_ID_KEY)
         .filter(|id| iop_proto_core::wire::is_request_id(id.as_bytes()))
-        .cloned()
-        .unwrap_or_else(|| "-".to_owned())
+        .map_or("-", String::as_str)
 }
 
 fn apply_output(

@@ -100,7 +100,7 @@ struct Outbox {
 /// The run id on the wire for a request (see [`RunId`]).
 #[must_use]
 pub fn run_id_of(request: RequestId) -> String {
-    RunId(request).to_string()
+    RunId(request).wire()
 }
 
 /// Pushes of one revision a node may leave unanswered before it is drained.
@@ -528,12 +528,12 @@ impl EdgeCore {
         else {
             return Err(UsageError::NotGranted(request).into());
         };
-        let (lease, conn, shape, target) = (*lease, *conn, *shape, target.to_string());
+        // `String::from(&*arc)`, not `to_string()`: an `Arc<str>` has no specialised
+        // `ToString` and would go through the formatter.
+        let (lease, conn, shape, target) = (*lease, *conn, *shape, String::from(&**target));
         let run = RunId(request);
-        let run_id = run.to_string();
-        let provider_id = self.pool.resources[lease.resource.index()]
-            .provider_id
-            .to_string();
+        let run_id = run.wire();
+        let provider_id = String::from(&*self.pool.resources[lease.resource.index()].provider_id);
         let (body, stream) = match (dispatch, shape) {
             (Dispatch::Run(mut run), DispatchShape::Run) => {
                 run.run_id.clone_from(&run_id);

@@ -511,6 +511,18 @@ impl RunId {
             .ok()
             .map(|n| RunId(RequestId(n)))
     }
+
+    /// The wire form, `run-<n>`, written without the formatter (once per dispatch).
+    #[must_use]
+    pub fn wire(self) -> String {
+        let mut buf = [0u8; 20];
+        let digits = crate::http1::response::decimal_text(&mut buf, self.0.0);
+        let mut text = String::with_capacity(4 + digits.len());
+        text.push_str("run-");
+        // ASCII digits.
+        text.extend(digits.iter().map(|&d| char::from(d)));
+        text
+    }
 }
 
 impl std::fmt::Display for RunId {
@@ -695,4 +707,18 @@ pub struct NodeStatus {
     pub rtt: Option<Duration>,
     /// Time since the owning connection last sent anything; `None` when offline.
     pub last_seen: Option<Duration>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_run_id_is_written_as_displayed_and_read_back() {
+        for n in [0, 1, 9, 10, 4_096, 1 << 40, u64::MAX] {
+            let run = RunId(RequestId(n));
+            assert_eq!(run.wire(), run.to_string());
+            assert_eq!(RunId::parse(&run.wire()), Some(run));
+        }
+    }
 }

@@ -256,11 +256,38 @@ pub enum EncodeError {
 /// Whether `text` is a token (RFC 9110 §5.6.2), what a method and a field name are.
 #[must_use]
 pub fn is_token(text: &[u8]) -> bool {
-    !text.is_empty()
-        && text
-            .iter()
-            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(b))
+    !text.is_empty() && text.iter().all(|&b| TOKEN[usize::from(b)])
 }
+
+/// Which bytes a token may hold (RFC 9110 `tchar`), one look-up per byte.
+static TOKEN: [bool; 256] = {
+    let mut table = [false; 256];
+    let mut b = 0;
+    while b < 256 {
+        #[allow(clippy::cast_possible_truncation)]
+        let c = b as u8;
+        table[b] = c.is_ascii_alphanumeric()
+            || matches!(
+                c,
+                b'!' | b'#'
+                    | b'$'
+                    | b'%'
+                    | b'&'
+                    | b'\''
+                    | b'*'
+                    | b'+'
+                    | b'-'
+                    | b'.'
+                    | b'^'
+                    | b'_'
+                    | b'`'
+                    | b'|'
+                    | b'~'
+            );
+        b += 1;
+    }
+    table
+};
 
 /// Whether `value` can be written as a field value: no control character but HTAB, so
 /// no CR, LF or NUL can end the line and start another.
@@ -326,6 +353,16 @@ pub const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_token_holds_exactly_the_tchars_of_rfc_9110() {
+        for b in 0..=255u8 {
+            let tchar = b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b);
+            assert_eq!(is_token(&[b]), tchar, "byte {b:#04x}");
+            assert_eq!(is_token(&[b'a', b, b'z']), tchar, "byte {b:#04x}");
+        }
+        assert!(!is_token(b""));
+    }
 
     fn head(text: &str) -> Result<Option<RequestHead>, HeadError> {
         HeadReader::new(8192).poll(text.as_bytes())

@@ -279,7 +279,8 @@ pub fn encode_content_length(len: u64, out: &mut Vec<u8>) {
     out.extend_from_slice(b"\r\n");
 }
 
-fn decimal_text(buf: &mut [u8; 20], mut n: u64) -> &[u8] {
+/// `n` in decimal, written into the end of `buf` (20 digits hold any `u64`).
+pub(crate) fn decimal_text(buf: &mut [u8; 20], mut n: u64) -> &[u8] {
     let mut at = buf.len();
     loop {
         at -= 1;
