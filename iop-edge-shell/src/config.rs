@@ -50,6 +50,8 @@ struct Raw {
     #[serde(default)]
     auth: RawAuth,
     #[serde(default)]
+    runtime: RawRuntime,
+    #[serde(default)]
     nodes: Vec<RawNode>,
     #[serde(default)]
     models: Vec<RawModel>,
@@ -116,6 +118,15 @@ struct RawQueue {
     max_waiting: Option<usize>,
     wait_timeout_ms: Option<u64>,
 }
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRuntime {
+    worker_threads: Option<usize>,
+}
+
+/// Most worker threads `runtime.worker_threads` may ask for.
+pub const MAX_WORKER_THREADS: usize = 1024;
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -266,6 +277,9 @@ pub struct Config {
     pub http: HttpSettings,
     /// TLS of the listeners.
     pub tls: TlsSettings,
+    /// Threads the runtime polls tasks on (`runtime.worker_threads`; default half the
+    /// CPUs, at least one).
+    pub worker_threads: std::num::NonZeroUsize,
 }
 
 fn addr(key: &str, value: &str) -> Result<SocketAddr, ConfigError> {
@@ -526,7 +540,24 @@ impl Config {
             sse_keepalive: positive_ms("limits.sse_keepalive_ms", limits.sse_keepalive_ms, 2000)?,
             response_timeout: Duration::from_secs(raw.timeouts.response_sec.unwrap_or(600).max(1)),
         };
-        Ok(Config { core, http, tls })
+        let worker_threads = match raw.runtime.worker_threads {
+            None => iop_shell_common::process::default_workers(),
+            Some(n @ 1..=MAX_WORKER_THREADS) => {
+                std::num::NonZeroUsize::new(n).unwrap_or(std::num::NonZeroUsize::MIN)
+            }
+            Some(_) => {
+                return Err(invalid(
+                    "runtime.worker_threads",
+                    format!("must be between 1 and {MAX_WORKER_THREADS}"),
+                ));
+            }
+        };
+        Ok(Config {
+            core,
+            http,
+            tls,
+            worker_threads,
+        })
     }
 }
 
@@ -624,6 +655,23 @@ providers = [{ node = "n1", adapter = "mock", target = "m" }]
         assert_eq!(cfg.core.models["chat"].candidates.len(), 1);
         assert!(cfg.http.api_keys.is_empty());
         assert!(cfg.tls.nodes.is_none(), "plaintext as asked");
+    }
+
+    #[test]
+    fn worker_threads_default_to_half_the_cpus_and_are_bounded() {
+        let threads = |extra: &str| {
+            Config::parse(&format!("{MINIMAL}\n{extra}\n"), Path::new("edge.toml"))
+                .map(|cfg| cfg.worker_threads.get())
+        };
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        assert_eq!(threads("").expect("valid"), (cpus / 2).max(1));
+        assert_eq!(threads("[runtime]\nworker_threads = 1").expect("valid"), 1);
+        assert_eq!(threads("[runtime]\nworker_threads = 8").expect("valid"), 8);
+        for bad in ["0", "1025", "-1"] {
+            let err =
+                threads(&format!("[runtime]\nworker_threads = {bad}")).expect_err("out of range");
+            assert!(err.to_string().contains("worker_threads"), "{err}");
+        }
     }
 
     #[test]

@@ -53,6 +53,7 @@ pub async fn run(
         mutual_tls = config.core.admission.require_client_identity,
         models = config.core.models.len(),
         nodes_configured = config.core.nodes.len(),
+        worker_threads = config.worker_threads.get(),
         "edge listening"
     );
     warn_about_exposure(&config);

@@ -7,9 +7,11 @@ use tokio_util::sync::CancellationToken;
 /// How many threads a binary's runtime polls its tasks on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Threads {
-    /// One per CPU (tokio's multi-threaded scheduler): the Edge, which serves every
-    /// client and every node.
-    PerCpu,
+    /// This many workers of tokio's multi-threaded scheduler; one is the same as
+    /// [`Threads::One`]. The Edge: its protocol work runs under one lock, so workers
+    /// beyond that parallelise HTTP, JSON and TLS, and every one more adds wake-ups
+    /// across threads.
+    Workers(std::num::NonZeroUsize),
     /// Only the thread that starts the runtime: the Node. Its work is moving bytes
     /// between one Edge link and its providers, which one core does faster than two
     /// that keep waking each other (a frame from the Edge, the adapter task it starts
@@ -21,13 +23,29 @@ pub enum Threads {
 /// name and the exit code to return is given back.
 pub fn runtime(program: &str, threads: Threads) -> Result<tokio::runtime::Runtime, ExitCode> {
     let mut builder = match threads {
-        Threads::PerCpu => tokio::runtime::Builder::new_multi_thread(),
-        Threads::One => tokio::runtime::Builder::new_current_thread(),
+        Threads::Workers(n) if n.get() > 1 => {
+            let mut builder = tokio::runtime::Builder::new_multi_thread();
+            builder.worker_threads(n.get());
+            builder
+        }
+        Threads::Workers(_) | Threads::One => tokio::runtime::Builder::new_current_thread(),
     };
     builder.enable_all().build().map_err(|err| {
         eprintln!("{program}: cannot start the runtime: {err}");
         ExitCode::from(1)
     })
+}
+
+/// The default number of worker threads of a runtime that may use several: half the
+/// CPUs this process may run on, at least one. On the 2-CPU machine of BENCHMARKS.md a
+/// second Edge worker cost 10-15 % more CPU per request (0.7 context switches per
+/// request against 0.3: workers waking each other to share the tasks one node link
+/// feeds) and added no throughput; half leaves the rest of a machine to the kernel's
+/// network work and to what shares it.
+#[must_use]
+pub fn default_workers() -> std::num::NonZeroUsize {
+    let cpus = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    std::num::NonZeroUsize::new(cpus / 2).unwrap_or(std::num::NonZeroUsize::MIN)
 }
 
 /// 64 bits that differ between processes (and between calls): the std hasher's random

@@ -23,6 +23,10 @@
 //! instances with their workers; the Edge and the Node) over the run, from `/proc`. The
 //! share of the machine's CPU the hypervisor stole during each path's runs is reported
 //! too: on a shared virtual machine a run under heavy steal measures the host.
+//!
+//! `IOP_BENCH_EDGE_THREADS=<n>` starts the Edge with `runtime.worker_threads = n` instead
+//! of its default, to compare thread counts; `IOP_BENCH_SERVE=1` keeps every path up
+//! (until stdin closes) for profiling instead of measuring.
 
 use std::convert::Infallible;
 use std::path::PathBuf;
@@ -761,8 +765,13 @@ fn main() {
         .enable_all()
         .build()
         .expect("runtime");
-    let head = "[limits]\nmax_connections = 8192\nmax_concurrent_requests = 8192\n\n[queue]\nmax_waiting = 8192\n";
-    let cluster = Cluster::start_with(Link::Plaintext, head, &iop_body(provider_port));
+    let mut head = "[limits]\nmax_connections = 8192\nmax_concurrent_requests = 8192\n\n[queue]\nmax_waiting = 8192\n".to_owned();
+    // For comparing thread counts; the figures the harness writes use the default.
+    if let Some(threads) = std::env::var_os("IOP_BENCH_EDGE_THREADS") {
+        let threads = threads.to_string_lossy();
+        head.push_str(&format!("\n[runtime]\nworker_threads = {threads}\n"));
+    }
+    let cluster = Cluster::start_with(Link::Plaintext, &head, &iop_body(provider_port));
     let node: Proc = cluster.node("n1", "bench-node-token-0123456789");
     runtime.block_on(cluster.wait_ready("n1"));
 
