@@ -66,15 +66,7 @@ impl EventHub {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
-        let mut value = serde_json::to_value(event).unwrap_or_default();
-        if let Some(object) = value.as_object_mut() {
-            object.insert("seq".into(), seq.into());
-            object.insert("at_ms".into(), unix_ms().into());
-        }
-        let text = Bytes::from(format!(
-            "id: {seq}\nevent: {}\ndata: {value}\n\n",
-            event.kind()
-        ));
+        let text = Bytes::from(sse_event(seq, unix_ms(), event));
         if recent.len() == RECENT {
             recent.pop_front();
         }
@@ -148,6 +140,30 @@ impl EventHub {
     }
 }
 
+/// The SSE form of `event`: its JSON object (a `type` tag and its fields) with `seq` and
+/// `at_ms` first, written straight from the serializer (no JSON tree per event: a
+/// thousand nodes registering at once publish two each).
+fn sse_event(seq: u64, at_ms: u64, event: &Lifecycle) -> Vec<u8> {
+    use std::io::Write;
+    let json = serde_json::to_vec(event).unwrap_or_default();
+    let mut text = Vec::with_capacity(json.len() + 96);
+    // Writes into a Vec do not fail.
+    let _ = write!(
+        text,
+        "id: {seq}\nevent: {}\ndata: {{\"seq\":{seq},\"at_ms\":{at_ms}",
+        event.kind()
+    );
+    match json.strip_prefix(b"{") {
+        Some(rest) if rest != b"}" => {
+            text.push(b',');
+            text.extend_from_slice(rest);
+        }
+        _ => text.push(b'}'),
+    }
+    text.extend_from_slice(b"\n\n");
+    text
+}
+
 fn unix_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -163,6 +179,19 @@ mod tests {
             node_id: format!("n{i}"),
             generation: i,
         }
+    }
+
+    #[test]
+    fn an_event_is_its_json_object_with_seq_and_time() {
+        let text = String::from_utf8(sse_event(7, 1_700_000_000_000, &ready(3))).expect("utf-8");
+        let (head, data) = text.split_once("data: ").expect("a data line");
+        assert_eq!(head, "id: 7\nevent: node.ready\n");
+        assert!(data.ends_with("\n\n"), "{text:?}");
+        let value: serde_json::Value = serde_json::from_str(data.trim_end()).expect("json");
+        let mut expected = serde_json::to_value(ready(3)).expect("json");
+        expected["seq"] = 7.into();
+        expected["at_ms"] = 1_700_000_000_000u64.into();
+        assert_eq!(value, expected);
     }
 
     #[tokio::test]

@@ -15,6 +15,8 @@
 //! bare TLS clients (the nodes' connector, the Edge's certificate and its own server
 //! configuration), since the handshakes' key exchanges and signatures are a floor no
 //! protocol on that link goes under. The last column is the restart over that reference.
+//! `IOP_BENCH_EDGE_THREADS=<n>` starts the Edge with `runtime.worker_threads = n` instead
+//! of its default, to compare thread counts.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -44,6 +46,11 @@ fn edge_toml(link: Link, nodes: usize, http: u16, port: u16) -> String {
                 .to_owned(),
         }
     );
+    // For comparing thread counts (as the data-path harness); the default otherwise.
+    if let Some(threads) = std::env::var_os("IOP_BENCH_EDGE_THREADS") {
+        let threads = threads.to_string_lossy();
+        text.push_str(&format!("[runtime]\nworker_threads = {threads}\n\n"));
+    }
     for i in 0..nodes {
         text.push_str(&format!("[[nodes]]\nid = \"n{i}\"\ntoken = \"{TOKEN}\"\n"));
     }
