@@ -710,3 +710,50 @@ async fn the_edge_speaks_h2c() {
     let v: Value = serde_json::from_slice(&body).expect("json");
     assert_eq!(content(&v), "alpha beta gamma");
 }
+
+/// The Edge defaults to half the CPUs' threads (one on a 2-CPU machine, which then runs
+/// on a current-thread runtime); three workers must serve the same, concurrently.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edge_on_several_worker_threads_serves_concurrent_runs_tunnels_and_streams() {
+    let oa = fake::start(Flavor::OpenAi, Behaviour::default()).await;
+    let ol = fake::start(Flavor::Ollama, Behaviour::default()).await;
+    let cluster = Cluster::start(
+        "[runtime]\nworker_threads = 3\n",
+        &body(&oa.url(), &ol.url()),
+    );
+    let _node = cluster.node("n1", "tok-1-long-enough-secret");
+    cluster.wait_ready("n1").await;
+    assert!(
+        cluster.edge.log().contains("worker_threads=3"),
+        "{}",
+        cluster.edge.log()
+    );
+    let mut calls = tokio::task::JoinSet::new();
+    for i in 0..24 {
+        let http = cluster.http();
+        calls.spawn(async move {
+            let (model, expected) = if i % 2 == 0 {
+                ("mock-chat", "alpha beta gamma")
+            } else {
+                ("tunnel-chat", "w0 w1 w2 ")
+            };
+            if i % 4 < 2 {
+                let r = http.post("/v1/chat/completions", &chat(model, false)).await;
+                assert_eq!(r.status, 200, "{:?}", r.body);
+                assert_eq!(content(&r.json()), expected);
+            } else {
+                let mut s = http
+                    .post_stream("/v1/chat/completions", &chat(model, true))
+                    .await;
+                assert_eq!(s.status(), 200);
+                let (events, ended) = read_sse(s.body_mut(), Duration::from_secs(10)).await;
+                assert!(ended, "{model}: {events:?}");
+                assert_eq!(streamed_text(&events), expected);
+                assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+            }
+        });
+    }
+    while let Some(done) = calls.join_next().await {
+        done.expect("every call answered as expected");
+    }
+}
