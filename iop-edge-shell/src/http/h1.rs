@@ -83,14 +83,41 @@ impl ReadSide {
     }
 
     /// Reads what the socket has; `Ready(Ok(0))` at its end.
+    ///
+    /// A read that did not fill the room it was given emptied the socket (epoll is
+    /// edge-triggered), so the socket's readiness is cleared then, as tokio's own
+    /// `poll_read` does: the next poll waits for the kernel's next event instead of
+    /// finding out with a read that fails (one system call per request, the read that
+    /// watches a kept-alive caller while its response is on the way). The clear goes
+    /// through `try_io`, whose readiness snapshot is taken before the read, so an event
+    /// that arrived after it is never lost.
     fn poll_read(&mut self, stream: &TcpStream, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
         loop {
             ready!(stream.poll_read_ready(cx))?;
             if self.buf.capacity() - self.buf.len() < self.want {
                 self.buf.reserve(self.want);
             }
-            match stream.try_read_buf(&mut self.buf) {
-                Ok(read) => {
+            let room = self.buf.capacity() - self.buf.len();
+            let mut outcome = None;
+            let _ = stream.try_io(tokio::io::Interest::READABLE, || {
+                match stream.try_read_buf(&mut self.buf) {
+                    Ok(read) => {
+                        outcome = Some(Ok(read));
+                        if 0 < read && read < room {
+                            // Drained: this clears the readiness seen before the read.
+                            return Err(io::ErrorKind::WouldBlock.into());
+                        }
+                        Ok(())
+                    }
+                    Err(err) if err.kind() == io::ErrorKind::WouldBlock => Err(err),
+                    Err(err) => {
+                        outcome = Some(Err(err));
+                        Ok(())
+                    }
+                }
+            });
+            match outcome {
+                Some(Ok(read)) => {
                     self.want =
                         iop_shell_common::next_read_size(self.want, read, READ_MIN, READ_MAX);
                     if read == 0 {
@@ -98,11 +125,12 @@ impl ReadSide {
                     }
                     return Poll::Ready(Ok(read));
                 }
-                Err(err) if err.kind() == io::ErrorKind::WouldBlock => {}
-                Err(err) => {
+                Some(Err(err)) => {
                     self.eof = true;
                     return Poll::Ready(Err(err));
                 }
+                // Nothing to read after all: readiness is cleared, wait for the next.
+                None => {}
             }
         }
     }
