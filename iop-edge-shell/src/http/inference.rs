@@ -129,6 +129,35 @@ static REQUEST_ID: HeaderName = HeaderName::from_static(REQUEST_ID_HEADER);
 /// Where a tunnelled provider's own `x-request-id` goes when it differs from ours.
 static UPSTREAM_REQUEST_ID: HeaderName = HeaderName::from_static("x-upstream-request-id");
 
+/// Bodies at least this large are inspected on tokio's blocking pool rather than on the
+/// event loop: reading megabytes of JSON takes milliseconds (far more in a debug build),
+/// and the loop (one thread by default) also carries every open stream and the node
+/// link's heartbeats, which must not wait behind it.
+const INSPECT_INLINE_MAX: usize = 128 << 10;
+
+/// [`inspect`], on the blocking pool for a body of [`INSPECT_INLINE_MAX`] or more. How
+/// many run at once is bounded by the bytes a request may hold in flight.
+async fn inspect_off_loop(
+    raw: &bytes::Bytes,
+    endpoint: Endpoint,
+) -> Result<iop_proto_core::openai::RequestFacts, ApiError> {
+    if raw.len() < INSPECT_INLINE_MAX {
+        return inspect(raw, endpoint);
+    }
+    let body = raw.clone();
+    match tokio::task::spawn_blocking(move || inspect(&body, endpoint)).await {
+        Ok(inspected) => inspected,
+        // Cancelled: the runtime is stopping.
+        Err(err) if err.is_cancelled() => Err(ApiError::shutting_down()),
+        Err(_) => Err(ApiError::new(
+            500,
+            ErrorType::Server,
+            "the request body could not be inspected",
+            None,
+        )),
+    }
+}
+
 /// The caller's `x-request-id` when the contract admits it
 /// ([`iop_proto_core::wire::is_request_id`]); else a fresh id.
 pub(super) fn request_id(headers: &http::HeaderMap) -> Arc<str> {
@@ -369,7 +398,7 @@ async fn handle<B: ReqBody>(
             ),
         );
     };
-    let asked = match inspect(&raw, endpoint) {
+    let asked = match inspect_off_loop(&raw, endpoint).await {
         Ok(asked) => asked,
         Err(refusal) => return refuse(&finish, &refusal),
     };
