@@ -45,6 +45,9 @@ pub enum H1Error {
     /// The provider's response breaks HTTP/1.1.
     #[error("malformed response from the provider: {0}")]
     Malformed(String),
+    /// The request cannot be written as HTTP/1.1 (nothing was sent).
+    #[error("cannot send the request: {0}")]
+    Request(#[from] http1::EncodeError),
 }
 
 fn malformed(what: impl Into<String>) -> H1Error {
@@ -92,22 +95,24 @@ pub struct Head {
     pub keep_alive: bool,
 }
 
-/// Writes the head of `parts` for a body of `body_len` bytes into `out`. The connection
-/// headers are this client's: the caller's `Content-Length`, `Transfer-Encoding` and
-/// hop-by-hop fields are left out (the `http` types already refuse CR, LF and NUL in
-/// names, values, methods and targets).
-pub fn encode_request(parts: &http::request::Parts, body_len: usize, out: &mut Vec<u8>) {
+/// Writes the head of `parts` for a body of `body_len` bytes into `out`, by the core's
+/// rules (as a raw tunnel's head). The connection headers are this client's: the caller's
+/// `Content-Length`, `Transfer-Encoding` and hop-by-hop fields are left out. A method or
+/// target the core would not send is an error, and nothing is written.
+pub fn encode_request(
+    parts: &http::request::Parts,
+    body_len: usize,
+    out: &mut Vec<u8>,
+) -> Result<(), http1::EncodeError> {
     let target = parts.uri.path_and_query().map_or("/", |p| p.as_str());
-    out.extend_from_slice(parts.method.as_str().as_bytes());
-    out.push(b' ');
-    out.extend_from_slice(target.as_bytes());
-    out.extend_from_slice(b" HTTP/1.1\r\n");
+    http1::encode_request_line(parts.method.as_str(), &[target], out)?;
     for (name, value) in &parts.headers {
         if !is_connection_field(name) {
             http1::encode_field(name.as_str().as_bytes(), value.as_bytes(), out);
         }
     }
     http1::finish_request_head(parts.method.as_str(), body_len as u64, out);
+    Ok(())
 }
 
 fn is_connection_field(name: &HeaderName) -> bool {
@@ -346,7 +351,7 @@ mod tests {
             .unwrap();
         let (parts, ()) = request.into_parts();
         let mut out = Vec::new();
-        encode_request(&parts, 12, &mut out);
+        encode_request(&parts, 12, &mut out).unwrap();
         assert_eq!(
             String::from_utf8(out).unwrap(),
             "POST /v1/chat/completions?x=1 HTTP/1.1\r\nhost: provider:8000\r\n\
@@ -354,7 +359,7 @@ mod tests {
         );
         let (parts, ()) = http::Request::get("/health").body(()).unwrap().into_parts();
         let mut out = Vec::new();
-        encode_request(&parts, 0, &mut out);
+        encode_request(&parts, 0, &mut out).unwrap();
         assert_eq!(out, b"GET /health HTTP/1.1\r\n\r\n");
     }
 

@@ -131,7 +131,7 @@ impl HttpClient {
     ) -> Result<Response<ProviderBody>, ClientError> {
         let (parts, body) = request.into_parts();
         let mut head = Vec::with_capacity(256 + body.len().min(JOIN_BODY));
-        encode_request(&parts, body.len(), &mut head);
+        encode_request(&parts, body.len(), &mut head).map_err(H1Error::from)?;
         let (raw, body) = self
             .exchange(key, head, body, parts.method == http::Method::HEAD)
             .await?;

@@ -49,8 +49,22 @@ pub(super) fn span(head: &[u8], part: &[u8]) -> Option<std::ops::Range<usize>> {
     (end <= head.len()).then_some(at..end)
 }
 
+/// Folds one `Content-Length` field into what earlier ones said: a comma-separated list
+/// of one length, repeated (RFC 9110 §8.6); a value that is not a length, or that
+/// disagrees with one seen before, refuses the head (a smuggling vector).
+pub(super) fn content_length(value: &[u8], seen: &mut Option<u64>) -> Result<(), HeadError> {
+    for part in value.split(|b| *b == b',') {
+        let n = decimal(part.trim_ascii()).ok_or(HeadError::Malformed("invalid content-length"))?;
+        if seen.is_some_and(|earlier| earlier != n) {
+            return Err(HeadError::Malformed("conflicting content-length values"));
+        }
+        *seen = Some(n);
+    }
+    Ok(())
+}
+
 /// A `Content-Length` value: decimal digits only, no sign, no overflow.
-pub(super) fn decimal(text: &[u8]) -> Option<u64> {
+fn decimal(text: &[u8]) -> Option<u64> {
     if text.is_empty() || text.len() > 19 {
         return None;
     }

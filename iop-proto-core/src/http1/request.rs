@@ -4,7 +4,7 @@
 use std::ops::Range;
 
 use super::body::{Chunk, Framing};
-use super::{decimal, lists_token, span};
+use super::{content_length, lists_token, span};
 
 /// The most header fields a request head may carry.
 pub const MAX_REQUEST_HEADERS: usize = 100;
@@ -181,14 +181,7 @@ fn parse_request_head(head: &[u8]) -> Result<RequestHead, HeadError> {
         let name = field.name.as_bytes();
         let value = field.value;
         if name.eq_ignore_ascii_case(b"content-length") {
-            for part in value.split(|b| *b == b',') {
-                let n = decimal(part.trim_ascii())
-                    .ok_or(HeadError::Malformed("invalid content-length"))?;
-                if length.is_some_and(|seen| seen != n) {
-                    return Err(HeadError::Malformed("conflicting content-length values"));
-                }
-                length = Some(n);
-            }
+            content_length(value, &mut length)?;
         } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
             // Only `chunked`, alone: every coding listed is one the body was encoded with.
             for coding in value.split(|b| *b == b',').map(<[u8]>::trim_ascii) {

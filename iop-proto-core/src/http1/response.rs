@@ -5,7 +5,7 @@ use std::ops::Range;
 
 use super::body::{Chunk, Framing};
 use super::request::{HeadError, HeadReader, find_blank_line};
-use super::{decimal, lists_token, span};
+use super::{content_length, lists_token, span};
 
 /// The most header fields a response head may carry.
 pub const MAX_RESPONSE_HEADERS: usize = 128;
@@ -122,14 +122,7 @@ fn parse_response_head(head: &[u8], head_request: bool) -> Result<Option<Respons
                 last_coding = coding;
             }
         } else if name.eq_ignore_ascii_case(b"content-length") {
-            for part in field.value.split(|b| *b == b',') {
-                let n = decimal(part.trim_ascii())
-                    .ok_or(HeadError::Malformed("invalid content-length"))?;
-                if length.is_some_and(|seen| seen != n) {
-                    return Err(HeadError::Malformed("conflicting content-length values"));
-                }
-                length = Some(n);
-            }
+            content_length(field.value, &mut length)?;
         } else if name.eq_ignore_ascii_case(b"connection") {
             close |= lists_token(field.value, "close");
         }
