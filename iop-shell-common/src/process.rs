@@ -30,6 +30,15 @@ pub fn runtime(program: &str, threads: Threads) -> Result<tokio::runtime::Runtim
         }
         Threads::Workers(_) | Threads::One => tokio::runtime::Builder::new_current_thread(),
     };
+    if matches!(threads, Threads::Workers(_)) {
+        // The Edge's blocking pool parses large request bodies: CPU work, which more
+        // threads than CPUs would not finish sooner. Capped so that callers sending many
+        // large bodies at once queue there instead of starting up to tokio's 512 threads.
+        // (The Node keeps the default: its pool resolves provider host names.)
+        builder.max_blocking_threads(
+            std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
+        );
+    }
     builder.enable_all().build().map_err(|err| {
         eprintln!("{program}: cannot start the runtime: {err}");
         ExitCode::from(1)

@@ -397,3 +397,32 @@ async fn a_trickled_body_gets_408_at_the_body_deadline_on_every_route_that_reads
         assert_eq!(json["error"]["code"], "body_timeout", "{target}");
     }
 }
+
+#[tokio::test]
+async fn a_body_announced_over_the_limit_gets_413_before_it_is_sent_on_every_route() {
+    let (cluster, _node) = cluster().await;
+    // 9 MiB announced against the default 8 MiB limit, none of it sent: refused from the
+    // head alone, well before the 1 s body deadline.
+    for target in ["/v1/chat/completions", "/v1/nodes/n1/ollama/mock/api/show"] {
+        let mut conn = connect(&cluster).await;
+        conn.send(
+            format!(
+                "POST {target} HTTP/1.1\r\nhost: e\r\ncontent-type: application/json\r\n\
+                 content-length: {}\r\n\r\n",
+                9 << 20
+            )
+            .as_bytes(),
+        )
+        .await;
+        let started = std::time::Instant::now();
+        let answer = conn.answer(false).await;
+        assert_eq!(answer.status, 413, "{target}: {answer:?}");
+        assert!(
+            started.elapsed() < Duration::from_millis(900),
+            "{target}: {:?}",
+            started.elapsed()
+        );
+        let json: serde_json::Value = serde_json::from_slice(&answer.body).expect("json");
+        assert_eq!(json["error"]["code"], "body_too_large", "{target}");
+    }
+}

@@ -3,7 +3,6 @@
 
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
-use http_body_util::{BodyExt, Limited};
 use iop_proto_core::NodeState;
 use iop_proto_core::openai::{ApiError, ErrorType};
 use serde_json::{Value, json};
@@ -204,38 +203,23 @@ pub(super) async fn node_command<B: super::ReqBody>(
             }
         },
     }
+    // Read as an inference request's body: within the size limit, the in-flight byte
+    // budget (held until the node has answered) and the body deadline.
     let settings = state.settings();
-    // Within the size limit and the body deadline, as an inference request's body.
-    let body = Limited::new(req.into_body(), settings.max_body_bytes).collect();
-    request.body = match tokio::time::timeout(settings.body_read_timeout, body).await {
-        Ok(Ok(collected)) => collected.to_bytes(),
-        Ok(Err(err)) if err.is::<http_body_util::LengthLimitError>() => {
-            return error(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "request body too large",
-                ErrorType::InvalidRequest,
-                Some("body_too_large"),
-            );
-        }
-        Ok(Err(_)) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "could not read the request body",
-                ErrorType::InvalidRequest,
-                None,
-            );
-        }
-        Err(_) => {
-            return error(
-                StatusCode::REQUEST_TIMEOUT,
-                &format!(
-                    "the request body did not arrive within {} s",
-                    settings.body_read_timeout.as_secs()
-                ),
-                ErrorType::InvalidRequest,
-                Some("body_timeout"),
-            );
-        }
+    let content_length = super::inference::declared_length(req.headers());
+    let memory = crate::memory::RequestMemory::new(state.budget.clone());
+    let deadline = std::pin::pin!(tokio::time::sleep(settings.body_read_timeout));
+    request.body = match super::inference::read_body(
+        req.into_body(),
+        content_length,
+        &settings,
+        &memory,
+        deadline,
+    )
+    .await
+    {
+        Ok(body) => body,
+        Err(refusal) => return api_error(&refusal),
     };
     let (reply, answer) = oneshot::channel();
     let sent = state.core.send(CoreMsg::Command {

@@ -135,8 +135,9 @@ static UPSTREAM_REQUEST_ID: HeaderName = HeaderName::from_static("x-upstream-req
 /// link's heartbeats, which must not wait behind it.
 const INSPECT_INLINE_MAX: usize = 128 << 10;
 
-/// [`inspect`], on the blocking pool for a body of [`INSPECT_INLINE_MAX`] or more. How
-/// many run at once is bounded by the bytes a request may hold in flight.
+/// [`inspect`], on the blocking pool for a body of [`INSPECT_INLINE_MAX`] or more. The
+/// pool has a thread per CPU (`iop_shell_common::process::runtime`); more such bodies at
+/// once wait their turn there, their bytes already counted against the in-flight budget.
 async fn inspect_off_loop(
     raw: &bytes::Bytes,
     endpoint: Endpoint,
@@ -190,10 +191,18 @@ fn fresh_request_id() -> Arc<str> {
     Arc::from(std::str::from_utf8(&id).unwrap_or("req_"))
 }
 
+/// The body length a request's head declares (`content-length`), if it declares one.
+pub(super) fn declared_length(headers: &http::HeaderMap) -> Option<u64> {
+    headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+}
+
 /// Reads a request body within the size limit, the memory budget and the body deadline.
 /// A body that arrives as one piece of its declared length is kept as it came; pieces are
 /// joined into one buffer of the declared size (so it is never copied again).
-async fn read_body<B: ReqBody>(
+pub(super) async fn read_body<B: ReqBody>(
     body: B,
     content_length: Option<u64>,
     settings: &HttpSettings,
@@ -356,11 +365,7 @@ async fn handle<B: ReqBody>(
             value: Bytes::copy_from_slice(request_id.as_bytes()),
         }))
         .collect();
-    let content_length = req
-        .headers()
-        .get(http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
+    let content_length = declared_length(req.headers());
     let memory = RequestMemory::new(state.budget.clone());
     // From here the body and everything buffered for the caller count against the budget
     // until the handler is done.
