@@ -370,32 +370,53 @@ async fn a_caller_who_leaves_a_stream_cancels_it_and_is_counted() {
     }
 }
 
-#[tokio::test]
-async fn a_trickled_body_gets_408_at_the_body_deadline_on_every_route_that_reads_one() {
-    let (cluster, _node) = cluster().await;
-    // An inference body and a node command's body (an admin route: loopback without admin
-    // keys), each announced and never finished: both answered 408 at the 1 s deadline.
+/// Both routes that read a body (an inference request, and a node command: an admin route,
+/// open to loopback without admin keys), each sent a POST head announcing `length` bytes
+/// and then `sent`: each is answered `status` with `code`, within `within`.
+async fn every_body_route_answers(
+    cluster: &Cluster,
+    length: usize,
+    sent: &str,
+    status: u16,
+    code: &str,
+    within: Duration,
+) {
     for target in ["/v1/chat/completions", "/v1/nodes/n1/ollama/mock/api/show"] {
-        let mut conn = connect(&cluster).await;
+        let mut conn = connect(cluster).await;
         conn.send(
             format!(
                 "POST {target} HTTP/1.1\r\nhost: e\r\ncontent-type: application/json\r\n\
-                 content-length: 100\r\n\r\n{{\"model\""
+                 content-length: {length}\r\n\r\n{sent}"
             )
             .as_bytes(),
         )
         .await;
         let started = std::time::Instant::now();
         let answer = conn.answer(false).await;
-        assert_eq!(answer.status, 408, "{target}: {answer:?}");
+        assert_eq!(answer.status, status, "{target}: {answer:?}");
         assert!(
-            started.elapsed() < Duration::from_secs(4),
+            started.elapsed() < within,
             "{target}: {:?}",
             started.elapsed()
         );
         let json: serde_json::Value = serde_json::from_slice(&answer.body).expect("json");
-        assert_eq!(json["error"]["code"], "body_timeout", "{target}");
+        assert_eq!(json["error"]["code"], code, "{target}");
     }
+}
+
+#[tokio::test]
+async fn a_trickled_body_gets_408_at_the_body_deadline_on_every_route_that_reads_one() {
+    let (cluster, _node) = cluster().await;
+    // Announced and never finished: answered 408 at the 1 s deadline.
+    every_body_route_answers(
+        &cluster,
+        100,
+        "{\"model\"",
+        408,
+        "body_timeout",
+        Duration::from_secs(4),
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -403,26 +424,13 @@ async fn a_body_announced_over_the_limit_gets_413_before_it_is_sent_on_every_rou
     let (cluster, _node) = cluster().await;
     // 9 MiB announced against the default 8 MiB limit, none of it sent: refused from the
     // head alone, well before the 1 s body deadline.
-    for target in ["/v1/chat/completions", "/v1/nodes/n1/ollama/mock/api/show"] {
-        let mut conn = connect(&cluster).await;
-        conn.send(
-            format!(
-                "POST {target} HTTP/1.1\r\nhost: e\r\ncontent-type: application/json\r\n\
-                 content-length: {}\r\n\r\n",
-                9 << 20
-            )
-            .as_bytes(),
-        )
-        .await;
-        let started = std::time::Instant::now();
-        let answer = conn.answer(false).await;
-        assert_eq!(answer.status, 413, "{target}: {answer:?}");
-        assert!(
-            started.elapsed() < Duration::from_millis(900),
-            "{target}: {:?}",
-            started.elapsed()
-        );
-        let json: serde_json::Value = serde_json::from_slice(&answer.body).expect("json");
-        assert_eq!(json["error"]["code"], "body_too_large", "{target}");
-    }
+    every_body_route_answers(
+        &cluster,
+        9 << 20,
+        "",
+        413,
+        "body_too_large",
+        Duration::from_millis(900),
+    )
+    .await;
 }
