@@ -30,7 +30,7 @@ use crate::metrics::Metrics;
 use crate::nodes::{ConnHandle, MAX_QUEUED_PER_CONNECTION, STALLED_AFTER};
 use crate::outbox::Outbox;
 pub use iop_proto_core::openai::Endpoint;
-use iop_proto_core::openai::rewrite_model;
+use iop_proto_core::openai::for_target;
 use iop_shell_common::clock::Clock;
 use iop_shell_common::misuse;
 
@@ -800,7 +800,7 @@ impl Task {
                 ..RunRequest::default()
             }),
             DispatchShape::Tunnel => {
-                let body = rewrite_model(&work.raw, &grant.target).unwrap_or(work.raw);
+                let body = for_target(work.raw, &grant.target);
                 Dispatch::Tunnel(ProviderTunnelRequest {
                     method: "POST".into(),
                     path: work.endpoint.path().into(),

@@ -1089,6 +1089,38 @@ fn the_model_rewrite_touches_only_the_model_value() {
 }
 
 #[test]
+fn a_body_that_already_names_the_target_is_sent_without_a_copy() {
+    let raw = Bytes::from_static(br#"{"model":"llama3:8b","messages":[]}"#);
+    let out = for_target(raw.clone(), "llama3:8b");
+    assert_eq!(out, raw);
+    assert_eq!(out.as_ptr(), raw.as_ptr(), "the same bytes, not a copy");
+
+    // Another name, or the same name written another way, is rewritten.
+    assert_eq!(
+        &for_target(raw.clone(), "qwen")[..],
+        br#"{"model":"qwen","messages":[]}"#
+    );
+    let spelled = Bytes::from_static(br#"{"model":"llama3:8b"}"#);
+    assert_eq!(
+        &for_target(spelled, "llama3:8b")[..],
+        br#"{"model":"llama3:8b"}"#
+    );
+    // A target JSON must escape is compared in its escaped form.
+    let quoted = Bytes::from_static(br#"{"model":"quo\"te"}"#);
+    let out = for_target(quoted.clone(), "quo\"te");
+    assert_eq!(out.as_ptr(), quoted.as_ptr());
+    assert_eq!(
+        &for_target(Bytes::from_static(br#"{"model":"quo"}"#), "quo\"te")[..],
+        br#"{"model":"quo\"te"}"#
+    );
+    // Nothing to rewrite: the body as it came.
+    let bare = Bytes::from_static(br#"{"messages":[]}"#);
+    assert_eq!(for_target(bare.clone(), "t").as_ptr(), bare.as_ptr());
+    let broken = Bytes::from_static(br#"{"model":"#);
+    assert_eq!(for_target(broken.clone(), "t"), broken);
+}
+
+#[test]
 fn a_top_level_member_is_found_past_decoys_and_never_past_the_end() {
     let raw = br#" { "choices": [{"usage": 1}], "note": "\"usage\": 2", "k\\": 3,
         "meta": {"usage": 4}, "us\u0061ge" : {"total_tokens": 9}, "usage": 5 }"#;

@@ -403,6 +403,33 @@ pub fn rewrite_model(raw: &[u8], target: &str) -> Option<Bytes> {
     Some(Bytes::from(out))
 }
 
+/// The body a provider serving `target` is sent: `raw` with its top-level `"model"`
+/// value replaced as [`rewrite_model`] does, or `raw` itself, sharing its bytes, when the
+/// value is already `target` written the way the rewrite would write it (a model group
+/// whose provider serves it under the public name: no copy of the body) or when there is
+/// no such member to rewrite.
+#[must_use]
+pub fn for_target(raw: Bytes, target: &str) -> Bytes {
+    let Some(value) = member_value(&raw, "model") else {
+        return raw;
+    };
+    let written = &raw[value.clone()];
+    // The rewrite's encoding of `target`: quotes around it, escapes where JSON needs them.
+    let plain = !target.bytes().any(|b| b == b'"' || b == b'\\' || b < 0x20);
+    let same = if plain {
+        written.len() == target.len() + 2
+            && written.first() == Some(&b'"')
+            && written.last() == Some(&b'"')
+            && &written[1..written.len() - 1] == target.as_bytes()
+    } else {
+        serde_json::to_vec(target).is_ok_and(|encoded| encoded == written)
+    };
+    if same {
+        return raw;
+    }
+    rewrite_model(&raw, target).unwrap_or(raw)
+}
+
 /// Where the value of the first top-level member named `key` sits in `raw`, a JSON
 /// object, found by skimming its structure: nothing is decoded or allocated (but a key
 /// written with escapes), so it costs a pass over the bytes up to that member however

@@ -456,7 +456,9 @@ pub fn tunnel_receiver(data: &[u8]) {
 /// model rewrite changes exactly the bytes of the top-level `model` value, and happens
 /// exactly when that member is found; member ranges lie inside the body.
 pub fn openai_request(data: &[u8]) {
-    use crate::openai::{Endpoint, estimate_tokens, inspect, member_value, rewrite_model};
+    use crate::openai::{
+        Endpoint, estimate_tokens, for_target, inspect, member_value, rewrite_model,
+    };
 
     let Some((&pick, body)) = data.split_first() else {
         return;
@@ -489,13 +491,19 @@ pub fn openai_request(data: &[u8]) {
     }
     let target = "fuzz/model \"x\"";
     let encoded = br#""fuzz/model \"x\"""#;
+    let sent = for_target(bytes::Bytes::copy_from_slice(body), target);
     match (member_value(body, "model"), rewrite_model(body, target)) {
-        (None, None) => {}
+        (None, None) => assert_eq!(&sent[..], body, "nothing to rewrite, yet changed"),
         (Some(range), Some(out)) => {
             let mut expected = body[..range.start].to_vec();
             expected.extend_from_slice(encoded);
             expected.extend_from_slice(&body[range.end..]);
             assert_eq!(&out[..], &expected[..], "the rewrite touched other bytes");
+            assert_eq!(
+                &sent[..],
+                &expected[..],
+                "the body sent differs from the rewrite"
+            );
         }
         (found, rewritten) => panic!(
             "member {found:?} but rewrite {:?}",
