@@ -114,8 +114,12 @@ impl Mock {
                 .await;
             return;
         }
-        let wants_tools = super::json::Object::parse(&request.input)
-            .is_ok_and(|input| input.get("tools").is_some_and(nonempty_array));
+        let wants_tools = super::convert(&request.input, |input| {
+            super::json::Object::parse(input)
+                .is_ok_and(|input| input.get("tools").is_some_and(nonempty_array))
+        })
+        .await
+        .unwrap_or(false);
         if let (Some(name), true) = (&self.tool_call, wants_tools) {
             let calls = serde_json::json!([{
                 "id": format!("call_{}", request.run_id),
@@ -200,7 +204,62 @@ pub(super) fn usage(prompt: u64, completion: u64) -> Usage {
 
 #[cfg(test)]
 mod tests {
+    use super::super::Output;
     use super::*;
+    use tokio::sync::mpsc;
+
+    /// A run of `input` through a mock that calls `get_weather` when offered tools: its
+    /// terminal output.
+    async fn tool_run(input: Vec<u8>) -> RunOutput {
+        let options: BTreeMap<String, String> =
+            [("tool_call".to_owned(), "get_weather".to_owned())].into();
+        let mock = Mock::from_options(&options).expect("valid options");
+        let (tx, mut rx) = mpsc::channel(64);
+        let request = RunRequest {
+            run_id: "r1".into(),
+            input: input.into(),
+            ..RunRequest::default()
+        };
+        mock.run(
+            request,
+            Sink::new("r1".into(), tx),
+            CancellationToken::new(),
+        )
+        .await;
+        let mut last = None;
+        while let Ok(Output::Run { output, .. }) = rx.try_recv() {
+            last = Some(output);
+        }
+        last.expect("a terminal output")
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_large_input_offering_tools_is_read_whole_off_the_thread() {
+        // Tools after 200 KiB of messages: found only by reading past them, which
+        // `convert` does on the blocking pool for an input this large.
+        let filler = "x".repeat(1000);
+        let messages: Vec<_> = (0..200)
+            .map(|_| serde_json::json!({"role": "user", "content": filler}))
+            .collect();
+        let input = serde_json::json!({
+            "messages": messages,
+            "tools": [{"type": "function", "function": {"name": "get_weather"}}],
+        });
+        let input = serde_json::to_vec(&input).expect("json");
+        assert!(input.len() >= super::super::CONVERT_INLINE_MAX);
+        match tool_run(input).await {
+            RunOutput::Complete { metadata, .. } => {
+                assert!(metadata["openai_tool_calls"].contains("get_weather"));
+            }
+            other => panic!("expected a tool call, got {other:?}"),
+        }
+        // The same without tools: text.
+        let plain = serde_json::to_vec(&serde_json::json!({"messages": messages})).expect("json");
+        match tool_run(plain).await {
+            RunOutput::Complete { metadata, .. } => assert!(metadata.is_empty()),
+            other => panic!("expected text, got {other:?}"),
+        }
+    }
 
     #[test]
     fn options_are_validated() {

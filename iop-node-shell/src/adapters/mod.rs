@@ -95,6 +95,44 @@ impl Sink {
     }
 }
 
+/// Run inputs of this many bytes or more are read on the blocking pool ([`convert`]).
+pub const CONVERT_INLINE_MAX: usize = 128 << 10;
+
+/// `work(input)`, where it does not hold up other streams: inline for a small input, on
+/// the blocking pool for a large one, at most one per CPU at a time. The Node polls every
+/// stream on one thread, and reading a large run input's JSON there (tens of
+/// milliseconds for 8 MiB of small messages in a release build) would hold every other
+/// stream's chunks back meanwhile. `None` when the work could not finish: the runtime is
+/// stopping, or it panicked.
+pub async fn convert<T, F>(input: &Bytes, work: F) -> Option<T>
+where
+    T: Send + 'static,
+    F: FnOnce(&[u8]) -> T + Send + 'static,
+{
+    static SLOTS: std::sync::OnceLock<tokio::sync::Semaphore> = std::sync::OnceLock::new();
+    if input.len() < CONVERT_INLINE_MAX {
+        return Some(work(input));
+    }
+    let slots = SLOTS.get_or_init(|| {
+        tokio::sync::Semaphore::new(
+            std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
+        )
+    });
+    let _slot = slots.acquire().await.ok()?;
+    let input = input.clone();
+    tokio::task::spawn_blocking(move || work(&input)).await.ok()
+}
+
+/// The terminal error of a run whose input [`convert`] could not finish reading.
+#[must_use]
+pub fn not_converted() -> ErrorDetail {
+    error(
+        "internal",
+        "the run input could not be read (the node is stopping?)",
+        true,
+    )
+}
+
 /// A stable error for a terminal event or frame.
 #[must_use]
 pub fn error(code: &str, message: impl Into<String>, retryable: bool) -> ErrorDetail {
@@ -313,5 +351,32 @@ impl AdapterHost {
             }));
         }
         Bytes::from(serde_json::json!({ "adapters": adapters }).to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_large_run_input_is_read_off_the_thread_that_polls_the_streams() {
+        let here = std::thread::current().id();
+        let small = Bytes::from(vec![b' '; CONVERT_INLINE_MAX - 1]);
+        let large = Bytes::from(vec![b' '; CONVERT_INLINE_MAX]);
+        let inline = convert(&small, |input| (std::thread::current().id(), input.len())).await;
+        assert_eq!(inline, Some((here, CONVERT_INLINE_MAX - 1)));
+        let (there, read) = convert(&large, |input| (std::thread::current().id(), input.len()))
+            .await
+            .expect("converted");
+        assert_ne!(there, here, "a large input was read on the streams' thread");
+        assert_eq!(read, CONVERT_INLINE_MAX);
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_conversion_that_panics_ends_in_none_not_in_a_panic() {
+        let large = Bytes::from(vec![0; CONVERT_INLINE_MAX]);
+        let converted: Option<u8> = convert(&large, |_| panic!("a converter bug")).await;
+        assert_eq!(converted, None);
+        assert!(not_converted().retryable);
     }
 }

@@ -6,6 +6,7 @@
 
 use std::collections::BTreeMap;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
@@ -343,20 +344,23 @@ impl OpenAi {
         cancel: &CancellationToken,
     ) -> Result<RunOutput, CallError> {
         let mut watch = Watch::new(self.deadline(0), cancel);
-        // The caller's body, copied member by member with these replaced: no tree of it
-        // is built.
-        let input = match json::Object::parse(&request.input) {
-            Ok(input) => input,
-            Err(err) => return Ok(RunOutput::Error(error("bad_request", err, false))),
+        // The caller's body, copied member by member with the run's members replaced: no
+        // tree of it is built, and a large one is read off the Node's thread.
+        let model: Arc<str> = Value::from(request.target.as_str()).to_string().into();
+        let prepared = {
+            let model = Arc::clone(&model);
+            super::convert(&request.input, move |raw| {
+                let input = json::Object::parse(raw)?;
+                let body = Bytes::from(input.write(&run_members(&model)));
+                Ok::<_, String>((body, input.get("tools").is_some_and(nonempty_array)))
+            })
+            .await
         };
-        let model = Value::from(request.target.as_str()).to_string();
-        let set = [
-            ("model", model.as_str()),
-            ("stream", "true"),
-            ("stream_options", r#"{"include_usage":true}"#),
-        ];
-        let mut body = Bytes::from(input.write(&set));
-        let had_tools = input.get("tools").is_some_and(nonempty_array);
+        let (mut body, had_tools) = match prepared {
+            Some(Ok(prepared)) => prepared,
+            Some(Err(err)) => return Ok(RunOutput::Error(error("bad_request", err, false))),
+            None => return Ok(RunOutput::Error(super::not_converted())),
+        };
         let headers = [Header {
             name: "content-type".into(),
             value: Bytes::from_static(b"application/json"),
@@ -379,7 +383,19 @@ impl OpenAi {
                 && text.to_ascii_lowercase().contains("tool")
             {
                 fallback = true;
-                body = Bytes::from(text_tool_fallback(&input, &set));
+                let model = Arc::clone(&model);
+                let rewritten = super::convert(&request.input, move |raw| {
+                    json::Object::parse(raw)
+                        .map(|input| Bytes::from(text_tool_fallback(&input, &run_members(&model))))
+                })
+                .await;
+                body = match rewritten {
+                    Some(Ok(body)) => body,
+                    Some(Err(err)) => {
+                        return Ok(RunOutput::Error(error("bad_request", err, false)));
+                    }
+                    None => return Ok(RunOutput::Error(super::not_converted())),
+                };
                 continue;
             }
             return Ok(RunOutput::Error(error(
@@ -476,6 +492,16 @@ impl ToolCalls {
                 .collect(),
         )
     }
+}
+
+/// The members a run's request to the provider sets, `model` being the target as a JSON
+/// string: a streamed answer that ends with its usage.
+fn run_members(model: &str) -> [(&'static str, &str); 3] {
+    [
+        ("model", model),
+        ("stream", "true"),
+        ("stream_options", r#"{"include_usage":true}"#),
+    ]
 }
 
 /// The request without `tools`/`tool_choice`, with a text tool-call instruction merged into
