@@ -498,10 +498,19 @@ impl Task {
             while let Some(transmit) = self.core.poll_transmit() {
                 progressed = true;
                 match transmit {
-                    Transmit::Frame { conn, envelope } => {
+                    Transmit::Frame { conn, mut envelope } => {
                         let (buf, frames) = batches.entry(conn).or_default();
-                        match wire::encode(&envelope, buf) {
-                            Ok(()) => *frames += 1,
+                        // A large tunnel body or run input is not copied into the batch:
+                        // it is queued after the batch, as the caller's bytes.
+                        match wire::encode_split(&mut envelope, buf, wire::DEFAULT_MAX_FRAME_LEN) {
+                            Ok(payload) => {
+                                *frames += 1;
+                                if let Some(payload) = payload {
+                                    let batch = batches.remove(&conn);
+                                    self.flush(conn, batch);
+                                    self.queue(conn, payload, 0);
+                                }
+                            }
                             Err(err) => {
                                 warn!(conn = conn.0, %err, kind = envelope.kind(), "frame cannot be encoded")
                             }
@@ -509,7 +518,10 @@ impl Task {
                         drop(envelope);
                         // Hand large batches over at once: several big run inputs must not
                         // pile up in one buffer.
-                        if buf.len() >= 1 << 20 {
+                        if batches
+                            .get(&conn)
+                            .is_some_and(|(buf, _)| buf.len() >= 1 << 20)
+                        {
                             let batch = batches.remove(&conn);
                             self.flush(conn, batch);
                         }
@@ -565,10 +577,16 @@ impl Task {
         if buf.is_empty() {
             return;
         }
+        self.queue(conn, buf.freeze(), frames);
+    }
+
+    /// Queues `bytes` (the end of `frames` frames) on the connection's outbox, to be
+    /// written once the core's lock is released.
+    fn queue(&mut self, conn: ConnId, bytes: Bytes, frames: u64) {
         if let Some(c) = self.conns.get(&conn) {
             self.metrics.frames_out.inc_by(frames);
-            self.metrics.bytes_out.inc_by(buf.len() as u64);
-            let queued = c.outbox.push(buf.freeze());
+            self.metrics.bytes_out.inc_by(bytes.len() as u64);
+            let queued = c.outbox.push(bytes);
             // Written once the core's lock is released, by this task.
             self.kicks.push(c.outbox.clone());
             if queued > MAX_QUEUED_PER_CONNECTION && c.outbox.stalled(STALLED_AFTER) {

@@ -18,6 +18,10 @@ pub const HEADER_LEN: usize = 4;
 /// Default maximum length of one encoded envelope: 16 MiB.
 pub const DEFAULT_MAX_FRAME_LEN: usize = 16 * 1024 * 1024;
 
+/// A tunnel request body or run input at least this long is not copied into its frame
+/// by [`encode_split`]: below it, one copy costs less than a second buffer to write.
+pub const SPLIT_PAYLOAD_MIN: usize = 16 * 1024;
+
 /// Why an envelope could not be encoded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -81,6 +85,88 @@ pub fn encoded_frame_len(envelope: &Envelope) -> usize {
 /// [`DEFAULT_MAX_FRAME_LEN`].
 pub fn encode(envelope: &Envelope, dst: &mut BytesMut) -> Result<(), EncodeError> {
     encode_with_limit(envelope, dst, DEFAULT_MAX_FRAME_LEN)
+}
+
+/// Appends one frame carrying `envelope` to `dst` as [`encode_with_limit`] does, but for
+/// the payload of a large tunnel request or run input (at least [`SPLIT_PAYLOAD_MIN`]
+/// bytes): the frame's other bytes go into `dst` and the payload is handed back, to be
+/// written right after them, so it reaches the socket without a copy. Protobuf takes a
+/// message's fields in any order, so the payload is encoded as the frame's last field;
+/// the bytes are a frame any decoder reads back into the same envelope. `envelope` is
+/// left as it was. On error `dst` is left unchanged.
+pub fn encode_split(
+    envelope: &mut Envelope,
+    dst: &mut BytesMut,
+    max_frame_len: usize,
+) -> Result<Option<Bytes>, EncodeError> {
+    use super::Body;
+
+    let payload = match &mut envelope.body {
+        Some(Body::ProviderTunnelRequest(tunnel)) if tunnel.body.len() >= SPLIT_PAYLOAD_MIN => {
+            std::mem::take(&mut tunnel.body)
+        }
+        Some(Body::RunRequest(run)) if run.input.len() >= SPLIT_PAYLOAD_MIN => {
+            std::mem::take(&mut run.input)
+        }
+        _ => return encode_with_limit(envelope, dst, max_frame_len).map(|()| None),
+    };
+    // The envelope's field and the payload's field in its message, as in runtime.proto.
+    let encoded = match &envelope.body {
+        Some(Body::ProviderTunnelRequest(tunnel)) => {
+            split_head(tunnel, 9, 7, payload.len(), dst, max_frame_len)
+        }
+        Some(Body::RunRequest(run)) => split_head(run, 7, 5, payload.len(), dst, max_frame_len),
+        // Not reached: the body was one of the two above.
+        _ => Err(EncodeError::MissingBody),
+    };
+    restore(envelope, payload.clone());
+    encoded.map(|()| Some(payload))
+}
+
+/// The frame of an envelope whose field `outer` is `message`, but for the message's field
+/// `inner` of `payload_len` bytes: everything up to that field's key and length, which
+/// end the frame's head (the payload follows them). `message` holds no payload (an empty
+/// `bytes` field is not encoded).
+fn split_head<M: Message>(
+    message: &M,
+    outer: u32,
+    inner: u32,
+    payload_len: usize,
+    dst: &mut BytesMut,
+    max_frame_len: usize,
+) -> Result<(), EncodeError> {
+    use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint, key_len};
+
+    let payload_field = key_len(inner) + encoded_len_varint(payload_len as u64) + payload_len;
+    let message_len = message.encoded_len() + payload_field;
+    let len = key_len(outer) + encoded_len_varint(message_len as u64) + message_len;
+    let header = match u32::try_from(len) {
+        Ok(header) if len <= max_frame_len => header,
+        _ => {
+            return Err(EncodeError::FrameTooLarge {
+                len,
+                max: max_frame_len,
+            });
+        }
+    };
+    dst.reserve(HEADER_LEN + len - payload_len);
+    dst.put_u32(header);
+    encode_key(outer, WireType::LengthDelimited, dst);
+    encode_varint(message_len as u64, dst);
+    message.encode_raw(dst);
+    encode_key(inner, WireType::LengthDelimited, dst);
+    encode_varint(payload_len as u64, dst);
+    Ok(())
+}
+
+/// Puts a payload [`encode_split`] took back where it was.
+fn restore(envelope: &mut Envelope, payload: Bytes) {
+    use super::Body;
+    match &mut envelope.body {
+        Some(Body::ProviderTunnelRequest(tunnel)) => tunnel.body = payload,
+        Some(Body::RunRequest(run)) => run.input = payload,
+        _ => {}
+    }
 }
 
 /// Appends one frame carrying `envelope` to `dst`, refusing frames over `max_frame_len`.

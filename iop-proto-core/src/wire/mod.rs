@@ -21,8 +21,8 @@ mod generated {
 }
 
 pub use codec::{
-    DEFAULT_MAX_FRAME_LEN, DecodeError, EncodeError, FrameDecoder, HEADER_LEN, encode,
-    encode_with_limit, encoded_frame_len,
+    DEFAULT_MAX_FRAME_LEN, DecodeError, EncodeError, FrameDecoder, HEADER_LEN, SPLIT_PAYLOAD_MIN,
+    encode, encode_split, encode_with_limit, encoded_frame_len,
 };
 pub use generated::*;
 pub use validate::{
