@@ -140,15 +140,7 @@ fn split_head<M: Message>(
     let payload_field = key_len(inner) + encoded_len_varint(payload_len as u64) + payload_len;
     let message_len = message.encoded_len() + payload_field;
     let len = key_len(outer) + encoded_len_varint(message_len as u64) + message_len;
-    let header = match u32::try_from(len) {
-        Ok(header) if len <= max_frame_len => header,
-        _ => {
-            return Err(EncodeError::FrameTooLarge {
-                len,
-                max: max_frame_len,
-            });
-        }
-    };
+    let header = frame_header(len, max_frame_len)?;
     dst.reserve(HEADER_LEN + len - payload_len);
     dst.put_u32(header);
     encode_key(outer, WireType::LengthDelimited, dst);
@@ -157,6 +149,17 @@ fn split_head<M: Message>(
     encode_key(inner, WireType::LengthDelimited, dst);
     encode_varint(payload_len as u64, dst);
     Ok(())
+}
+
+/// The header of a frame of `len` bytes, unless that is over `max_frame_len`.
+fn frame_header(len: usize, max_frame_len: usize) -> Result<u32, EncodeError> {
+    match u32::try_from(len) {
+        Ok(header) if len <= max_frame_len => Ok(header),
+        _ => Err(EncodeError::FrameTooLarge {
+            len,
+            max: max_frame_len,
+        }),
+    }
 }
 
 /// Puts a payload [`encode_split`] took back where it was.
@@ -180,15 +183,7 @@ pub fn encode_with_limit(
         return Err(EncodeError::MissingBody);
     }
     let len = envelope.encoded_len();
-    let header = match u32::try_from(len) {
-        Ok(header) if len <= max_frame_len => header,
-        _ => {
-            return Err(EncodeError::FrameTooLarge {
-                len,
-                max: max_frame_len,
-            });
-        }
-    };
+    let header = frame_header(len, max_frame_len)?;
     dst.reserve(HEADER_LEN + len);
     dst.put_u32(header);
     envelope.encode_raw(dst);
