@@ -101,26 +101,33 @@ pub fn encode_split(
 ) -> Result<Option<Bytes>, EncodeError> {
     use super::Body;
 
-    let payload = match &mut envelope.body {
+    // The envelope's field and the payload's field in its message, as in runtime.proto
+    // (the round-trip property test fails if they drift).
+    match &mut envelope.body {
         Some(Body::ProviderTunnelRequest(tunnel)) if tunnel.body.len() >= SPLIT_PAYLOAD_MIN => {
-            std::mem::take(&mut tunnel.body)
+            split(tunnel, |t| &mut t.body, (9, 7), dst, max_frame_len)
         }
         Some(Body::RunRequest(run)) if run.input.len() >= SPLIT_PAYLOAD_MIN => {
-            std::mem::take(&mut run.input)
+            split(run, |r| &mut r.input, (7, 5), dst, max_frame_len)
         }
-        _ => return encode_with_limit(envelope, dst, max_frame_len).map(|()| None),
-    };
-    // The envelope's field and the payload's field in its message, as in runtime.proto.
-    let encoded = match &envelope.body {
-        Some(Body::ProviderTunnelRequest(tunnel)) => {
-            split_head(tunnel, 9, 7, payload.len(), dst, max_frame_len)
-        }
-        Some(Body::RunRequest(run)) => split_head(run, 7, 5, payload.len(), dst, max_frame_len),
-        // Not reached: the body was one of the two above.
-        _ => Err(EncodeError::MissingBody),
-    };
-    restore(envelope, payload.clone());
-    encoded.map(|()| Some(payload))
+        _ => encode_with_limit(envelope, dst, max_frame_len).map(|()| None),
+    }
+}
+
+/// [`encode_split`] of `message`, whose payload is `payload(message)`: the head into
+/// `dst`, the payload handed back and left in place.
+fn split<M: Message>(
+    message: &mut M,
+    payload: fn(&mut M) -> &mut Bytes,
+    (outer, inner): (u32, u32),
+    dst: &mut BytesMut,
+    max_frame_len: usize,
+) -> Result<Option<Bytes>, EncodeError> {
+    // Taken out for the head's encoding (an empty `bytes` field is not encoded).
+    let taken = std::mem::take(payload(message));
+    let head = split_head(message, outer, inner, taken.len(), dst, max_frame_len);
+    *payload(message) = taken.clone();
+    head.map(|()| Some(taken))
 }
 
 /// The frame of an envelope whose field `outer` is `message`, but for the message's field
@@ -159,16 +166,6 @@ fn frame_header(len: usize, max_frame_len: usize) -> Result<u32, EncodeError> {
             len,
             max: max_frame_len,
         }),
-    }
-}
-
-/// Puts a payload [`encode_split`] took back where it was.
-fn restore(envelope: &mut Envelope, payload: Bytes) {
-    use super::Body;
-    match &mut envelope.body {
-        Some(Body::ProviderTunnelRequest(tunnel)) => tunnel.body = payload,
-        Some(Body::RunRequest(run)) => run.input = payload,
-        _ => {}
     }
 }
 
