@@ -123,14 +123,23 @@ where
     tokio::task::spawn_blocking(move || work(&input)).await.ok()
 }
 
-/// The terminal error of a run whose input [`convert`] could not finish reading.
-#[must_use]
-pub fn not_converted() -> ErrorDetail {
-    error(
-        "internal",
-        "the run input could not be read (the node is stopping?)",
-        true,
-    )
+/// [`convert`] of a run's input by `work`, which may refuse it: what `work` made, or the
+/// run's terminal error, `bad_request` with `work`'s reason for a refused input and a
+/// retryable `internal` one when the conversion could not finish.
+pub async fn convert_input<T, F>(input: &Bytes, work: F) -> Result<T, ErrorDetail>
+where
+    T: Send + 'static,
+    F: FnOnce(&[u8]) -> Result<T, String> + Send + 'static,
+{
+    match convert(input, work).await {
+        Some(Ok(made)) => Ok(made),
+        Some(Err(refused)) => Err(error("bad_request", refused, false)),
+        None => Err(error(
+            "internal",
+            "the run input could not be read: the node is stopping, or reading it failed",
+            true,
+        )),
+    }
 }
 
 /// A stable error for a terminal event or frame.
@@ -377,6 +386,21 @@ mod tests {
         let large = Bytes::from(vec![0; CONVERT_INLINE_MAX]);
         let converted: Option<u8> = convert(&large, |_| panic!("a converter bug")).await;
         assert_eq!(converted, None);
-        assert!(not_converted().retryable);
+        let failed = convert_input(&large, |_| -> Result<u8, String> {
+            panic!("a converter bug")
+        })
+        .await
+        .expect_err("no conversion");
+        assert!(failed.retryable);
+        assert_eq!(failed.code, "internal");
+        // A refused input is the caller's error, not retryable.
+        let refused = convert_input(&large, |_| Err::<u8, _>("not JSON".to_owned()))
+            .await
+            .expect_err("refused");
+        assert_eq!(
+            (refused.code.as_str(), refused.retryable),
+            ("bad_request", false)
+        );
+        assert_eq!(refused.message, "not JSON");
     }
 }

@@ -150,12 +150,14 @@ impl Ollama {
     async fn run_inner(&self, request: &RunRequest, sink: &Sink) -> RunOutput {
         let deadline = Instant::now() + self.default_timeout;
         let target = request.target.clone();
-        let body =
-            match super::convert(&request.input, move |input| to_ollama(input, &target)).await {
-                Some(Ok(body)) => body,
-                Some(Err(err)) => return RunOutput::Error(error("bad_request", err, false)),
-                None => return RunOutput::Error(super::not_converted()),
-            };
+        let body = match super::convert_input(&request.input, move |input| {
+            to_ollama(input, &target)
+        })
+        .await
+        {
+            Ok(body) => body,
+            Err(err) => return RunOutput::Error(err),
+        };
         let headers = [Header {
             name: "content-type".into(),
             value: Bytes::from_static(b"application/json"),

@@ -349,17 +349,16 @@ impl OpenAi {
         let model: Arc<str> = Value::from(request.target.as_str()).to_string().into();
         let prepared = {
             let model = Arc::clone(&model);
-            super::convert(&request.input, move |raw| {
+            super::convert_input(&request.input, move |raw| {
                 let input = json::Object::parse(raw)?;
                 let body = Bytes::from(input.write(&run_members(&model)));
-                Ok::<_, String>((body, input.get("tools").is_some_and(nonempty_array)))
+                Ok((body, input.get("tools").is_some_and(nonempty_array)))
             })
             .await
         };
         let (mut body, had_tools) = match prepared {
-            Some(Ok(prepared)) => prepared,
-            Some(Err(err)) => return Ok(RunOutput::Error(error("bad_request", err, false))),
-            None => return Ok(RunOutput::Error(super::not_converted())),
+            Ok(prepared) => prepared,
+            Err(err) => return Ok(RunOutput::Error(err)),
         };
         let headers = [Header {
             name: "content-type".into(),
@@ -384,17 +383,14 @@ impl OpenAi {
             {
                 fallback = true;
                 let model = Arc::clone(&model);
-                let rewritten = super::convert(&request.input, move |raw| {
+                let rewritten = super::convert_input(&request.input, move |raw| {
                     json::Object::parse(raw)
                         .map(|input| Bytes::from(text_tool_fallback(&input, &run_members(&model))))
                 })
                 .await;
                 body = match rewritten {
-                    Some(Ok(body)) => body,
-                    Some(Err(err)) => {
-                        return Ok(RunOutput::Error(error("bad_request", err, false)));
-                    }
-                    None => return Ok(RunOutput::Error(super::not_converted())),
+                    Ok(body) => body,
+                    Err(err) => return Ok(RunOutput::Error(err)),
                 };
                 continue;
             }
