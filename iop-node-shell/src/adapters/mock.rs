@@ -117,9 +117,14 @@ impl Mock {
         let wants_tools = super::convert(&request.input, |input| {
             super::json::Object::parse(input)
                 .is_ok_and(|input| input.get("tools").is_some_and(nonempty_array))
-        })
-        .await
-        .unwrap_or(false);
+        });
+        let wants_tools = tokio::select! {
+            () = cancel.cancelled() => {
+                let _ = sink.run(RunOutput::Cancelled).await;
+                return;
+            }
+            wants = wants_tools => wants.unwrap_or(false),
+        };
         if let (Some(name), true) = (&self.tool_call, wants_tools) {
             let calls = serde_json::json!([{
                 "id": format!("call_{}", request.run_id),
@@ -259,6 +264,40 @@ mod tests {
             RunOutput::Complete { metadata, .. } => assert!(metadata.is_empty()),
             other => panic!("expected text, got {other:?}"),
         }
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_cancelled_run_does_not_wait_for_a_conversion_slot() {
+        // Every slot is taken by other large conversions: a run cancelled while it waits
+        // for one ends at once, cancelled.
+        let slots = super::super::conversion_slots();
+        let _held = slots
+            .acquire_many(u32::try_from(slots.available_permits()).expect("few"))
+            .await
+            .expect("slots");
+        let mock = Mock::from_options(&BTreeMap::new()).expect("valid options");
+        let (tx, mut rx) = mpsc::channel(64);
+        let cancel = CancellationToken::new();
+        let request = RunRequest {
+            run_id: "r1".into(),
+            input: vec![b' '; super::super::CONVERT_INLINE_MAX].into(),
+            ..RunRequest::default()
+        };
+        let run = mock.run(request, Sink::new("r1".into(), tx), cancel.clone());
+        let cancelling = async {
+            tokio::task::yield_now().await;
+            cancel.cancel();
+        };
+        tokio::time::timeout(Duration::from_secs(10), async {
+            tokio::join!(run, cancelling)
+        })
+        .await
+        .expect("the cancelled run ended without a slot");
+        let mut last = None;
+        while let Ok(Output::Run { output, .. }) = rx.try_recv() {
+            last = Some(output);
+        }
+        assert!(matches!(last, Some(RunOutput::Cancelled)), "{last:?}");
     }
 
     #[test]

@@ -103,24 +103,30 @@ pub const CONVERT_INLINE_MAX: usize = 128 << 10;
 /// stream on one thread, and reading a large run input's JSON there (tens of
 /// milliseconds for 8 MiB of small messages in a release build) would hold every other
 /// stream's chunks back meanwhile. `None` when the work could not finish: the runtime is
-/// stopping, or it panicked.
+/// stopping, or it panicked. Dropping the future gives up a wait for a slot, so the
+/// adapters race it with the run's cancellation; work already started runs to its end
+/// on the pool and is thrown away.
 pub async fn convert<T, F>(input: &Bytes, work: F) -> Option<T>
 where
     T: Send + 'static,
     F: FnOnce(&[u8]) -> T + Send + 'static,
 {
-    static SLOTS: std::sync::OnceLock<tokio::sync::Semaphore> = std::sync::OnceLock::new();
     if input.len() < CONVERT_INLINE_MAX {
         return Some(work(input));
     }
-    let slots = SLOTS.get_or_init(|| {
+    let _slot = conversion_slots().acquire().await.ok()?;
+    let input = input.clone();
+    tokio::task::spawn_blocking(move || work(&input)).await.ok()
+}
+
+/// The large conversions [`convert`] may run at a time: one per CPU.
+pub(crate) fn conversion_slots() -> &'static tokio::sync::Semaphore {
+    static SLOTS: std::sync::OnceLock<tokio::sync::Semaphore> = std::sync::OnceLock::new();
+    SLOTS.get_or_init(|| {
         tokio::sync::Semaphore::new(
             std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
         )
-    });
-    let _slot = slots.acquire().await.ok()?;
-    let input = input.clone();
-    tokio::task::spawn_blocking(move || work(&input)).await.ok()
+    })
 }
 
 /// [`convert`] of a run's input by `work`, which may refuse it: what `work` made, or the

@@ -349,12 +349,14 @@ impl OpenAi {
         let model: Arc<str> = Value::from(request.target.as_str()).to_string().into();
         let prepared = {
             let model = Arc::clone(&model);
-            super::convert_input(&request.input, move |raw| {
-                let input = json::Object::parse(raw)?;
-                let body = Bytes::from(input.write(&run_members(&model)));
-                Ok((body, input.get("tools").is_some_and(nonempty_array)))
-            })
-            .await
+            // A cancelled run does not wait for a conversion slot.
+            watch
+                .run(super::convert_input(&request.input, move |raw| {
+                    let input = json::Object::parse(raw)?;
+                    let body = Bytes::from(input.write(&run_members(&model)));
+                    Ok((body, input.get("tools").is_some_and(nonempty_array)))
+                }))
+                .await?
         };
         let (mut body, had_tools) = match prepared {
             Ok(prepared) => prepared,
@@ -383,11 +385,13 @@ impl OpenAi {
             {
                 fallback = true;
                 let model = Arc::clone(&model);
-                let rewritten = super::convert_input(&request.input, move |raw| {
-                    json::Object::parse(raw)
-                        .map(|input| Bytes::from(text_tool_fallback(&input, &run_members(&model))))
-                })
-                .await;
+                let rewritten = watch
+                    .run(super::convert_input(&request.input, move |raw| {
+                        json::Object::parse(raw).map(|input| {
+                            Bytes::from(text_tool_fallback(&input, &run_members(&model)))
+                        })
+                    }))
+                    .await?;
                 body = match rewritten {
                     Ok(body) => body,
                     Err(err) => return Ok(RunOutput::Error(err)),
@@ -625,6 +629,50 @@ mod tests {
             sizes.push(frame.into_data().map_or(0, |d| d.len()));
         }
         assert_eq!(sizes, [2 * big.len(), big.len()]);
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_cancelled_run_does_not_wait_for_a_conversion_slot() {
+        // Every slot is taken by other large conversions: a run cancelled while it waits
+        // for one ends at once, cancelled, and never calls the provider.
+        let slots = super::super::conversion_slots();
+        let _held = slots
+            .acquire_many(u32::try_from(slots.available_permits()).expect("few"))
+            .await
+            .expect("slots");
+        let config = iop_proto_core::wire::AdapterConfig {
+            base_url: "http://127.0.0.1:9".into(),
+            ..Default::default()
+        };
+        let adapter = OpenAi::new(
+            &config,
+            http::client(None).expect("client"),
+            Duration::from_secs(60),
+            false,
+        )
+        .expect("adapter");
+        let (tx, mut rx) = tokio::sync::mpsc::channel(64);
+        let cancel = CancellationToken::new();
+        let request = RunRequest {
+            run_id: "r1".into(),
+            input: vec![b' '; super::super::CONVERT_INLINE_MAX].into(),
+            ..RunRequest::default()
+        };
+        let run = adapter.run(request, Sink::new("r1".into(), tx), cancel.clone());
+        let cancelling = async {
+            tokio::task::yield_now().await;
+            cancel.cancel();
+        };
+        tokio::time::timeout(Duration::from_secs(10), async {
+            tokio::join!(run, cancelling)
+        })
+        .await
+        .expect("the cancelled run ended without a slot");
+        let mut last = None;
+        while let Ok(super::super::Output::Run { output, .. }) = rx.try_recv() {
+            last = Some(output);
+        }
+        assert!(matches!(last, Some(RunOutput::Cancelled)), "{last:?}");
     }
 
     #[test]
