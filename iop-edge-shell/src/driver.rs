@@ -587,8 +587,15 @@ impl Task {
             self.metrics.frames_out.inc_by(frames);
             self.metrics.bytes_out.inc_by(bytes.len() as u64);
             let queued = c.outbox.push(bytes);
-            // Written once the core's lock is released, by this task.
-            self.kicks.push(c.outbox.clone());
+            // Written once the core's lock is released, by this task: one kick writes
+            // all of it, so a batch followed by its split payload is kicked once.
+            if !self
+                .kicks
+                .last()
+                .is_some_and(|last| Arc::ptr_eq(last, &c.outbox))
+            {
+                self.kicks.push(c.outbox.clone());
+            }
             if queued > MAX_QUEUED_PER_CONNECTION && c.outbox.stalled(STALLED_AFTER) {
                 // A node that stopped reading what it is sent is dropped, not buffered for.
                 warn!(
