@@ -13,7 +13,8 @@ fn stat_fields(pid: u32) -> Vec<String> {
 }
 
 /// The processes whose parent is `pid`.
-fn children(pid: u32) -> Vec<u32> {
+#[must_use]
+pub fn children(pid: u32) -> Vec<u32> {
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };

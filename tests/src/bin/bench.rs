@@ -24,6 +24,15 @@
 //! share of the machine's CPU the hypervisor stole during each path's runs is reported
 //! too: on a shared virtual machine a run under heavy steal measures the host.
 //!
+//! Each round then measures both proxies again at c=16 (small requests, unpaced streams)
+//! with their event loops pinned by `taskset` (`place`): the Edge on vCPU 0 and the Node
+//! on vCPU 1, each nginx hop's workers spread over the vCPUs as `worker_cpu_affinity auto`
+//! places them. Left to the scheduler, two single-threaded hops that wake each other
+//! share a vCPU much of the time (two thirds of a c=16 run in one `perf sched` recording)
+//! while the other runs wrk and the provider and idles in between; the pinned rows show what each proxy does when its hops do not share a CPU,
+//! as in a deployment with the Edge and the Node on machines of their own. They are
+//! skipped on one CPU or without `taskset`.
+//!
 //! `IOP_BENCH_EDGE_THREADS=<n>` starts the Edge with `runtime.worker_threads = n` instead
 //! of its default, to compare thread counts; `IOP_BENCH_SERVE=1` keeps every path up
 //! (until stdin closes) for profiling instead of measuring.
@@ -43,7 +52,7 @@ use hyper::{Request, Response};
 use hyper_util::rt::TokioIo;
 use iop_blackbox::client::{Cluster, Link};
 use iop_blackbox::procfs::{
-    machine_steal_ticks, machine_ticks, tree_cpu as cpu, tree_rss_kib as rss_kib,
+    children, machine_steal_ticks, machine_ticks, tree_cpu as cpu, tree_rss_kib as rss_kib,
 };
 use iop_blackbox::{Proc, TempDir, free_port};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -251,6 +260,45 @@ impl Path3 {
     fn rss(&self) -> Vec<u64> {
         self.pids.iter().map(|p| rss_kib(*p)).collect()
     }
+}
+
+/// Binds every thread of `pid` to `cpus` (a `taskset` list: "1", "0-1").
+fn taskset(pid: u32, cpus: &str) -> bool {
+    Command::new("taskset")
+        .args(["-a", "-p", "-c", cpus, &pid.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// Pins a path's event loops to vCPUs, or lets them run anywhere again. Pinned, each
+/// single-threaded process of the path gets a vCPU of its own (the Edge vCPU 0, the Node
+/// vCPU 1), and each nginx hop's workers are spread over the vCPUs as `worker_cpu_affinity
+/// auto` places them. The load generator and the provider are never pinned. False when
+/// `taskset` failed.
+fn place(path: &Path3, pinned: bool, cpus: usize) -> bool {
+    let anywhere = format!("0-{}", cpus - 1);
+    let at = |i: usize| {
+        if pinned {
+            (i % cpus).to_string()
+        } else {
+            anywhere.clone()
+        }
+    };
+    let mut placed = true;
+    for (i, &pid) in path.pids.iter().enumerate() {
+        let mut workers = children(pid);
+        if workers.is_empty() {
+            placed &= taskset(pid, &at(i));
+        } else {
+            workers.sort_unstable();
+            for (j, worker) in workers.into_iter().enumerate() {
+                placed &= taskset(worker, &at(j));
+            }
+        }
+    }
+    placed
 }
 
 fn ensure_tools() {
@@ -811,12 +859,29 @@ fn main() {
     let mut single = vec![Vec::new(); paths.len()];
     let mut many = vec![Vec::new(); paths.len()];
     let mut sse = vec![Vec::new(); paths.len()];
+    // The proxies again with their event loops pinned (`place`): where the scheduler puts
+    // two single-threaded hops that talk to each other decides c=16 throughput here.
+    let cpus = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    let mut pin = cpus >= 2 && which("taskset").is_some();
+    let mut many_pinned = vec![Vec::new(); paths.len()];
+    let mut sse_pinned = vec![Vec::new(); paths.len()];
     for round in 0..rounds {
         eprintln!("bench: round {} of {rounds}", round + 1);
         for (i, path) in paths.iter().enumerate() {
             single[i].push(wrk(&dir, path, SMALL, 1, seconds));
             many[i].push(wrk(&dir, path, SMALL, 16, seconds));
             sse[i].push(wrk(&dir, path, STREAM, 16, seconds));
+        }
+        for (i, path) in paths.iter().enumerate().skip(1).filter(|_| pin) {
+            if !place(path, true, cpus) {
+                eprintln!("bench: taskset failed; no pinned runs");
+                place(path, false, cpus);
+                pin = false;
+                break;
+            }
+            many_pinned[i].push(wrk(&dir, path, SMALL, 16, seconds));
+            sse_pinned[i].push(wrk(&dir, path, STREAM, 16, seconds));
+            place(path, false, cpus);
         }
     }
     eprintln!("bench: {PACED_STREAMS} paced streams per path");
@@ -971,6 +1036,45 @@ fn main() {
         errors[1],
         errors[2]
     );
+
+    if pin {
+        let many_pinned: Vec<Run> = many_pinned.iter().map(|r| med(r)).collect();
+        let sse_pinned: Vec<Run> = sse_pinned.iter().map(|r| med(r)).collect();
+        out!(
+            "\nThe proxies pinned, in the same rounds: each single-threaded process on a vCPU of its own (the Edge on vCPU 0, the Node on vCPU 1), each nginx hop's {cpus} workers spread over the vCPUs as `worker_cpu_affinity auto` places them; wrk and the provider unpinned.\n"
+        );
+        out!("| | nginx, 2 hops, pinned | IOP, pinned |");
+        out!("|---|---:|---:|");
+        out!(
+            "| small requests, c=16, req/s (ratio to nginx pinned; to the same path unpinned) | {:.0} (1.00; {:.2}) | {:.0} ({:.2}; {:.2}) |",
+            many_pinned[1].rps,
+            many_pinned[1].rps / many[1].rps,
+            many_pinned[2].rps,
+            many_pinned[2].rps / many_pinned[1].rps,
+            many_pinned[2].rps / many[2].rps
+        );
+        out!(
+            "| proxy CPU per small request (c=16) | {:.1} µs | {:.1} µs ({:.2}× nginx) |",
+            many_pinned[1].cpu_us,
+            many_pinned[2].cpu_us,
+            many_pinned[2].cpu_us / many_pinned[1].cpu_us
+        );
+        out!(
+            "| unpaced SSE, c=16, chunks/s (ratio to direct) | {:.0} ({:.2}) | {:.0} ({:.2}) |",
+            chunks(&sse_pinned[1]),
+            chunks(&sse_pinned[1]) / chunks(&sse[0]),
+            chunks(&sse_pinned[2]),
+            chunks(&sse_pinned[2]) / chunks(&sse[0])
+        );
+        out!(
+            "| proxy CPU per SSE chunk | {:.2} µs | {:.2} µs ({:.2}× nginx) |",
+            sse_pinned[1].cpu_us / SSE_EVENTS as f64,
+            sse_pinned[2].cpu_us / SSE_EVENTS as f64,
+            sse_pinned[2].cpu_us / sse_pinned[1].cpu_us
+        );
+        let errors = |i: usize| many_pinned[i].errors + sse_pinned[i].errors;
+        out!("| errors (pinned runs) | {} | {} |", errors(1), errors(2));
+    }
 
     print!("{report}");
     if let Some(path) = &write_to {
