@@ -25,9 +25,9 @@
 //! too: on a shared virtual machine a run under heavy steal measures the host.
 //!
 //! Each round then measures both proxies again at c=16 (small requests, unpaced streams)
-//! with their event loops pinned by `taskset` (`place`): the Edge on vCPU 0 and the Node
-//! on vCPU 1, each nginx hop's workers spread over the vCPUs as `worker_cpu_affinity auto`
-//! places them. Left to the scheduler, two single-threaded hops that wake each other
+//! with their event loops pinned by `taskset` (`place`): the Edge on the first CPU this
+//! process may use and the Node on the second, each nginx hop's workers spread over them
+//! as `worker_cpu_affinity auto` places them. Left to the scheduler, two single-threaded hops that wake each other
 //! share a vCPU much of the time (two thirds of a c=16 run in one `perf sched` recording)
 //! while the other runs wrk and the provider and idles in between; the pinned rows show what each proxy does when its hops do not share a CPU,
 //! as in a deployment with the Edge and the Node on machines of their own. They are
@@ -272,16 +272,43 @@ fn taskset(pid: u32, cpus: &str) -> bool {
         .is_ok_and(|s| s.success())
 }
 
-/// Pins a path's event loops to vCPUs, or lets them run anywhere again. Pinned, each
-/// single-threaded process of the path gets a vCPU of its own (the Edge vCPU 0, the Node
-/// vCPU 1), and each nginx hop's workers are spread over the vCPUs as `worker_cpu_affinity
-/// auto` places them. The load generator and the provider are never pinned. False when
-/// `taskset` failed.
-fn place(path: &Path3, pinned: bool, cpus: usize) -> bool {
-    let anywhere = format!("0-{}", cpus - 1);
+/// The CPUs this process may run on (`Cpus_allowed_list` of `/proc/self/status`, such as
+/// "0-3,6"), in order; empty when it cannot be read.
+fn allowed_cpus() -> Vec<usize> {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .map_or_else(Vec::new, cpu_list)
+}
+
+/// The CPUs of a kernel CPU list ("0-3,6"), in order; empty for a malformed one.
+fn cpu_list(list: &str) -> Vec<usize> {
+    let mut cpus = Vec::new();
+    for part in list.trim().split(',') {
+        let (first, last) = part.split_once('-').unwrap_or((part, part));
+        match (first.trim().parse::<usize>(), last.trim().parse::<usize>()) {
+            (Ok(first), Ok(last)) if first <= last && last < 4096 => cpus.extend(first..=last),
+            _ => return Vec::new(),
+        }
+    }
+    cpus
+}
+
+/// Pins a path's event loops to CPUs of `cpus` (at least two), or lets them run on all of
+/// `cpus` again. Pinned, each single-threaded process of the path gets a CPU of its own
+/// (the Edge the first, the Node the second), and each nginx hop's workers are spread
+/// over the CPUs as `worker_cpu_affinity auto` places them. The load generator and the
+/// provider are never pinned. False when `taskset` failed.
+fn place(path: &Path3, pinned: bool, cpus: &[usize]) -> bool {
+    let anywhere = cpus
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
     let at = |i: usize| {
         if pinned {
-            (i % cpus).to_string()
+            cpus[i % cpus.len()].to_string()
         } else {
             anywhere.clone()
         }
@@ -861,8 +888,8 @@ fn main() {
     let mut sse = vec![Vec::new(); paths.len()];
     // The proxies again with their event loops pinned (`place`): where the scheduler puts
     // two single-threaded hops that talk to each other decides c=16 throughput here.
-    let cpus = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
-    let mut pin = cpus >= 2 && which("taskset").is_some();
+    let cpus = allowed_cpus();
+    let mut pin = cpus.len() >= 2 && which("taskset").is_some();
     let mut many_pinned = vec![Vec::new(); paths.len()];
     let mut sse_pinned = vec![Vec::new(); paths.len()];
     for round in 0..rounds {
@@ -873,15 +900,15 @@ fn main() {
             sse[i].push(wrk(&dir, path, STREAM, 16, seconds));
         }
         for (i, path) in paths.iter().enumerate().skip(1).filter(|_| pin) {
-            if !place(path, true, cpus) {
+            if !place(path, true, &cpus) {
                 eprintln!("bench: taskset failed; no pinned runs");
-                place(path, false, cpus);
+                place(path, false, &cpus);
                 pin = false;
                 break;
             }
             many_pinned[i].push(wrk(&dir, path, SMALL, 16, seconds));
             sse_pinned[i].push(wrk(&dir, path, STREAM, 16, seconds));
-            place(path, false, cpus);
+            place(path, false, &cpus);
         }
     }
     eprintln!("bench: {PACED_STREAMS} paced streams per path");
@@ -1041,7 +1068,10 @@ fn main() {
         let many_pinned: Vec<Run> = many_pinned.iter().map(|r| med(r)).collect();
         let sse_pinned: Vec<Run> = sse_pinned.iter().map(|r| med(r)).collect();
         out!(
-            "\nThe proxies pinned, in the same rounds: each single-threaded process on a vCPU of its own (the Edge on vCPU 0, the Node on vCPU 1), each nginx hop's {cpus} workers spread over the vCPUs as `worker_cpu_affinity auto` places them; wrk and the provider unpinned.\n"
+            "\nThe proxies pinned, in the same rounds: each single-threaded process on a CPU of its own (the Edge on CPU {}, the Node on CPU {}), each nginx hop's workers spread over the {} CPUs as `worker_cpu_affinity auto` places them; wrk and the provider unpinned.\n",
+            cpus[0],
+            cpus[1],
+            cpus.len()
         );
         out!("| | nginx, 2 hops, pinned | IOP, pinned |");
         out!("|---|---:|---:|");
@@ -1100,6 +1130,16 @@ fn main() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cpu_lists_read_as_the_kernel_writes_them() {
+        assert_eq!(cpu_list("0-1"), [0, 1]);
+        assert_eq!(cpu_list(" 0-2,5,7-8\n"), [0, 1, 2, 5, 7, 8]);
+        assert_eq!(cpu_list("3"), [3]);
+        assert!(cpu_list("2-1").is_empty());
+        assert!(cpu_list("x").is_empty());
+        assert!(cpu_list("0-99999").is_empty());
+    }
 
     #[test]
     fn the_latest_run_block_is_replaced_and_the_rest_kept() {
