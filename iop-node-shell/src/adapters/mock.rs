@@ -270,33 +270,11 @@ mod tests {
     async fn a_cancelled_run_does_not_wait_for_a_conversion_slot() {
         // Every slot is taken by other large conversions: a run cancelled while it waits
         // for one ends at once, cancelled.
-        let slots = super::super::conversion_slots();
-        let _held = slots
-            .acquire_many(u32::try_from(slots.available_permits()).expect("few"))
-            .await
-            .expect("slots");
         let mock = Mock::from_options(&BTreeMap::new()).expect("valid options");
-        let (tx, mut rx) = mpsc::channel(64);
-        let cancel = CancellationToken::new();
-        let request = RunRequest {
-            run_id: "r1".into(),
-            input: vec![b' '; super::super::CONVERT_INLINE_MAX].into(),
-            ..RunRequest::default()
-        };
-        let run = mock.run(request, Sink::new("r1".into(), tx), cancel.clone());
-        let cancelling = async {
-            tokio::task::yield_now().await;
-            cancel.cancel();
-        };
-        tokio::time::timeout(Duration::from_secs(10), async {
-            tokio::join!(run, cancelling)
+        let last = super::super::testing::cancelled_waiting_for_a_slot(|request, sink, cancel| {
+            mock.run(request, sink, cancel)
         })
-        .await
-        .expect("the cancelled run ended without a slot");
-        let mut last = None;
-        while let Ok(Output::Run { output, .. }) = rx.try_recv() {
-            last = Some(output);
-        }
+        .await;
         assert!(matches!(last, Some(RunOutput::Cancelled)), "{last:?}");
     }
 

@@ -369,6 +369,52 @@ impl AdapterHost {
     }
 }
 
+/// What the adapters' tests share.
+#[cfg(test)]
+pub(crate) mod testing {
+    use super::{CONVERT_INLINE_MAX, Output, Sink, conversion_slots};
+    use iop_proto_core::RunOutput;
+    use iop_proto_core::wire::RunRequest;
+    use std::time::Duration;
+    use tokio_util::sync::CancellationToken;
+
+    /// The last run output of `run`, given a large input while every conversion slot is
+    /// taken and cancelled once it waits; panics unless it ends within 10 s.
+    pub(crate) async fn cancelled_waiting_for_a_slot<F, Fut>(run: F) -> Option<RunOutput>
+    where
+        F: FnOnce(RunRequest, Sink, CancellationToken) -> Fut,
+        Fut: std::future::Future<Output = ()>,
+    {
+        let slots = conversion_slots();
+        let _held = slots
+            .acquire_many(u32::try_from(slots.available_permits()).expect("few"))
+            .await
+            .expect("slots");
+        let (tx, mut rx) = tokio::sync::mpsc::channel(64);
+        let cancel = CancellationToken::new();
+        let request = RunRequest {
+            run_id: "r1".into(),
+            input: vec![b' '; CONVERT_INLINE_MAX].into(),
+            ..RunRequest::default()
+        };
+        let running = run(request, Sink::new("r1".into(), tx), cancel.clone());
+        let cancelling = async {
+            tokio::task::yield_now().await;
+            cancel.cancel();
+        };
+        tokio::time::timeout(Duration::from_secs(10), async {
+            tokio::join!(running, cancelling)
+        })
+        .await
+        .expect("the cancelled run ended without a slot");
+        let mut last = None;
+        while let Ok(Output::Run { output, .. }) = rx.try_recv() {
+            last = Some(output);
+        }
+        last
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

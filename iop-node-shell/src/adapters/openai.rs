@@ -635,11 +635,6 @@ mod tests {
     async fn a_cancelled_run_does_not_wait_for_a_conversion_slot() {
         // Every slot is taken by other large conversions: a run cancelled while it waits
         // for one ends at once, cancelled, and never calls the provider.
-        let slots = super::super::conversion_slots();
-        let _held = slots
-            .acquire_many(u32::try_from(slots.available_permits()).expect("few"))
-            .await
-            .expect("slots");
         let config = iop_proto_core::wire::AdapterConfig {
             base_url: "http://127.0.0.1:9".into(),
             ..Default::default()
@@ -651,27 +646,10 @@ mod tests {
             false,
         )
         .expect("adapter");
-        let (tx, mut rx) = tokio::sync::mpsc::channel(64);
-        let cancel = CancellationToken::new();
-        let request = RunRequest {
-            run_id: "r1".into(),
-            input: vec![b' '; super::super::CONVERT_INLINE_MAX].into(),
-            ..RunRequest::default()
-        };
-        let run = adapter.run(request, Sink::new("r1".into(), tx), cancel.clone());
-        let cancelling = async {
-            tokio::task::yield_now().await;
-            cancel.cancel();
-        };
-        tokio::time::timeout(Duration::from_secs(10), async {
-            tokio::join!(run, cancelling)
+        let last = super::super::testing::cancelled_waiting_for_a_slot(|request, sink, cancel| {
+            adapter.run(request, sink, cancel)
         })
-        .await
-        .expect("the cancelled run ended without a slot");
-        let mut last = None;
-        while let Ok(super::super::Output::Run { output, .. }) = rx.try_recv() {
-            last = Some(output);
-        }
+        .await;
         assert!(matches!(last, Some(RunOutput::Cancelled)), "{last:?}");
     }
 
