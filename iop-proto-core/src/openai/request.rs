@@ -1,6 +1,8 @@
 //! What the Edge reads of an inference request body, the prompt-size estimate, and the
 //! byte-exact `model` rewrite of a tunnelled body.
 
+use std::ops::Range;
+
 use bytes::Bytes;
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -394,8 +396,12 @@ fn is_cjk_code(c: u32) -> bool {
 /// serves). `None` when the body is not a JSON object with a `model` key.
 #[must_use]
 pub fn rewrite_model(raw: &[u8], target: &str) -> Option<Bytes> {
-    let value = member_value(raw, "model")?;
-    // The target is encoded in place: quotes, and escapes where JSON needs them.
+    splice(raw, member_value(raw, "model")?, target)
+}
+
+/// `raw` with the bytes at `value` replaced by `target` as a JSON string: quotes, and
+/// escapes where JSON needs them.
+fn splice(raw: &[u8], value: Range<usize>, target: &str) -> Option<Bytes> {
     let mut out = Vec::with_capacity(raw.len() + target.len() + 2);
     out.extend_from_slice(&raw[..value.start]);
     serde_json::to_writer(&mut out, target).ok()?;
@@ -414,7 +420,7 @@ pub fn for_target(raw: Bytes, target: &str) -> Bytes {
         return raw;
     };
     let written = &raw[value.clone()];
-    // The rewrite's encoding of `target`: quotes around it, escapes where JSON needs them.
+    // The splice's encoding of `target`: quotes around it, escapes where JSON needs them.
     let plain = !target.bytes().any(|b| b == b'"' || b == b'\\' || b < 0x20);
     let same = if plain {
         written.len() == target.len() + 2
@@ -427,7 +433,7 @@ pub fn for_target(raw: Bytes, target: &str) -> Bytes {
     if same {
         return raw;
     }
-    rewrite_model(&raw, target).unwrap_or(raw)
+    splice(&raw, value, target).unwrap_or(raw)
 }
 
 /// Where the value of the first top-level member named `key` sits in `raw`, a JSON
