@@ -4,12 +4,14 @@
 //! - [`clock`]: the monotonic clock mapped onto the core's `Timestamp`.
 //! - [`config`]: reading a TOML file, errors naming the file or the key.
 //! - [`logging`]: `tracing` to stderr as text or JSON lines.
+//! - [`offload`]: CPU work on large request bytes, off the event loop.
 //! - [`process`]: the runtime and the shutdown signals of a binary.
 //! - [`tls`]: PEM files, certificate fingerprints and names, server configurations.
 
 pub mod clock;
 pub mod config;
 pub mod logging;
+pub mod offload;
 pub mod process;
 pub mod repoll;
 pub mod tls;

@@ -30,15 +30,6 @@ pub fn runtime(program: &str, threads: Threads) -> Result<tokio::runtime::Runtim
         }
         Threads::Workers(_) | Threads::One => tokio::runtime::Builder::new_current_thread(),
     };
-    if matches!(threads, Threads::Workers(_)) {
-        // The Edge's blocking pool parses large request bodies: CPU work, which more
-        // threads than CPUs would not finish sooner. Capped so that callers sending many
-        // large bodies at once queue there instead of starting up to tokio's 512 threads.
-        // (The Node keeps the default: its pool resolves provider host names.)
-        builder.max_blocking_threads(
-            std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
-        );
-    }
     builder.event_interval(EVENT_INTERVAL);
     builder.enable_all().build().map_err(|err| {
         eprintln!("{program}: cannot start the runtime: {err}");
@@ -54,7 +45,8 @@ pub fn runtime(program: &str, threads: Threads) -> Result<tokio::runtime::Runtim
 /// the bench harness of BENCHMARKS.md, alternating builds: 3-12 % more small requests
 /// and 4-6 % more SSE streams at 16 connections, added paced-stream latency p50 +3 ms
 /// instead of +12, and no more CPU per request (the extra looks are `epoll_wait` calls
-/// that return at once). 1 was worse than the default.
+/// that return at once). 1 was worse than the default. In the harness's own order, where
+/// the hops mostly share a vCPU after its c=1 run, 8 and 61 measured the same.
 const EVENT_INTERVAL: u32 = 8;
 
 /// The default number of worker threads of a runtime that may use several: half the

@@ -18,6 +18,7 @@ use iop_proto_core::openai::{
     ApiError, Endpoint, ErrorType, Out, Responder, ResponseOptions, inspect,
 };
 use iop_proto_core::wire::{Header, Usage};
+use iop_shell_common::offload;
 use tokio::sync::oneshot;
 use tokio::time::{Instant, Sleep};
 use tracing::{error, info};
@@ -129,28 +130,18 @@ static REQUEST_ID: HeaderName = HeaderName::from_static(REQUEST_ID_HEADER);
 /// Where a tunnelled provider's own `x-request-id` goes when it differs from ours.
 static UPSTREAM_REQUEST_ID: HeaderName = HeaderName::from_static("x-upstream-request-id");
 
-/// Bodies at least this large are inspected on tokio's blocking pool rather than on the
-/// event loop: reading megabytes of JSON takes milliseconds (far more in a debug build),
-/// and the loop (one thread by default) also carries every open stream and the node
-/// link's heartbeats, which must not wait behind it.
-const INSPECT_INLINE_MAX: usize = 128 << 10;
-
-/// [`inspect`], on the blocking pool for a body of [`INSPECT_INLINE_MAX`] or more. The
-/// pool has a thread per CPU (`iop_shell_common::process::runtime`); more such bodies at
-/// once wait their turn there, their bytes already counted against the in-flight budget.
+/// [`inspect`], off the event loop for a large body ([`offload::run`]): the loop (one
+/// thread by default) also carries every open stream and the node link's heartbeats,
+/// which must not wait behind megabytes of JSON. More such bodies at once wait their
+/// turn for a slot, their bytes already counted against the in-flight budget.
 async fn inspect_off_loop(
     raw: &bytes::Bytes,
     endpoint: Endpoint,
 ) -> Result<iop_proto_core::openai::RequestFacts, ApiError> {
-    if raw.len() < INSPECT_INLINE_MAX {
-        return inspect(raw, endpoint);
-    }
-    let body = raw.clone();
-    match tokio::task::spawn_blocking(move || inspect(&body, endpoint)).await {
+    match offload::run(raw, move |body| inspect(body, endpoint)).await {
         Ok(inspected) => inspected,
-        // Cancelled: the runtime is stopping.
-        Err(err) if err.is_cancelled() => Err(ApiError::shutting_down()),
-        Err(_) => Err(ApiError::new(
+        Err(offload::NotDone::Stopping) => Err(ApiError::shutting_down()),
+        Err(offload::NotDone::Panicked) => Err(ApiError::new(
             500,
             ErrorType::Server,
             "the request body could not be inspected",

@@ -114,7 +114,7 @@ impl Mock {
                 .await;
             return;
         }
-        let wants_tools = super::convert(&request.input, |input| {
+        let wants_tools = iop_shell_common::offload::run(&request.input, |input| {
             super::json::Object::parse(input)
                 .is_ok_and(|input| input.get("tools").is_some_and(nonempty_array))
         });
@@ -241,7 +241,7 @@ mod tests {
     #[tokio::test(flavor = "current_thread")]
     async fn a_large_input_offering_tools_is_read_whole_off_the_thread() {
         // Tools after 200 KiB of messages: found only by reading past them, which
-        // `convert` does on the blocking pool for an input this large.
+        // `offload::run` does on the blocking pool for an input this large.
         let filler = "x".repeat(1000);
         let messages: Vec<_> = (0..200)
             .map(|_| serde_json::json!({"role": "user", "content": filler}))
@@ -251,7 +251,7 @@ mod tests {
             "tools": [{"type": "function", "function": {"name": "get_weather"}}],
         });
         let input = serde_json::to_vec(&input).expect("json");
-        assert!(input.len() >= super::super::CONVERT_INLINE_MAX);
+        assert!(input.len() >= iop_shell_common::offload::INLINE_MAX);
         match tool_run(input).await {
             RunOutput::Complete { metadata, .. } => {
                 assert!(metadata["openai_tool_calls"].contains("get_weather"));

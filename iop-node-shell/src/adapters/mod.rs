@@ -95,52 +95,20 @@ impl Sink {
     }
 }
 
-/// Run inputs of this many bytes or more are read on the blocking pool ([`convert`]).
-pub const CONVERT_INLINE_MAX: usize = 128 << 10;
-
-/// `work(input)`, where it does not hold up other streams: inline for a small input, on
-/// the blocking pool for a large one, at most one per CPU at a time. The Node polls every
-/// stream on one thread, and reading a large run input's JSON there (tens of
-/// milliseconds for 8 MiB of small messages in a release build) would hold every other
-/// stream's chunks back meanwhile. `None` when the work could not finish: the runtime is
-/// stopping, or it panicked. Dropping the future gives up a wait for a slot, so the
-/// adapters race it with the run's cancellation; work already started runs to its end
-/// on the pool and is thrown away.
-pub async fn convert<T, F>(input: &Bytes, work: F) -> Option<T>
-where
-    T: Send + 'static,
-    F: FnOnce(&[u8]) -> T + Send + 'static,
-{
-    if input.len() < CONVERT_INLINE_MAX {
-        return Some(work(input));
-    }
-    let _slot = conversion_slots().acquire().await.ok()?;
-    let input = input.clone();
-    tokio::task::spawn_blocking(move || work(&input)).await.ok()
-}
-
-/// The large conversions [`convert`] may run at a time: one per CPU.
-pub(crate) fn conversion_slots() -> &'static tokio::sync::Semaphore {
-    static SLOTS: std::sync::OnceLock<tokio::sync::Semaphore> = std::sync::OnceLock::new();
-    SLOTS.get_or_init(|| {
-        tokio::sync::Semaphore::new(
-            std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
-        )
-    })
-}
-
-/// [`convert`] of a run's input by `work`, which may refuse it: what `work` made, or the
-/// run's terminal error, `bad_request` with `work`'s reason for a refused input and a
-/// retryable `internal` one when the conversion could not finish.
+/// `work` on a run's input, off the Node's one thread when the input is large
+/// ([`iop_shell_common::offload::run`]: converting a large input's JSON there would hold
+/// every other stream's chunks back). What `work` made, or the run's terminal error:
+/// `bad_request` with `work`'s reason for a refused input, a retryable `internal` one
+/// when the conversion could not finish. Callers race it with the run's cancellation.
 pub async fn convert_input<T, F>(input: &Bytes, work: F) -> Result<T, ErrorDetail>
 where
     T: Send + 'static,
     F: FnOnce(&[u8]) -> Result<T, String> + Send + 'static,
 {
-    match convert(input, work).await {
-        Some(Ok(made)) => Ok(made),
-        Some(Err(refused)) => Err(error("bad_request", refused, false)),
-        None => Err(error(
+    match iop_shell_common::offload::run(input, work).await {
+        Ok(Ok(made)) => Ok(made),
+        Ok(Err(refused)) => Err(error("bad_request", refused, false)),
+        Err(_) => Err(error(
             "internal",
             "the run input could not be read: the node is stopping, or reading it failed",
             true,
@@ -372,9 +340,10 @@ impl AdapterHost {
 /// What the adapters' tests share.
 #[cfg(test)]
 pub(crate) mod testing {
-    use super::{CONVERT_INLINE_MAX, Output, Sink, conversion_slots};
+    use super::{Output, Sink};
     use iop_proto_core::RunOutput;
     use iop_proto_core::wire::RunRequest;
+    use iop_shell_common::offload::{INLINE_MAX, slots};
     use std::time::Duration;
     use tokio_util::sync::CancellationToken;
 
@@ -385,7 +354,7 @@ pub(crate) mod testing {
         F: FnOnce(RunRequest, Sink, CancellationToken) -> Fut,
         Fut: std::future::Future<Output = ()>,
     {
-        let slots = conversion_slots();
+        let slots = slots();
         let _held = slots
             .acquire_many(u32::try_from(slots.available_permits()).expect("few"))
             .await
@@ -394,7 +363,7 @@ pub(crate) mod testing {
         let cancel = CancellationToken::new();
         let request = RunRequest {
             run_id: "r1".into(),
-            input: vec![b' '; CONVERT_INLINE_MAX].into(),
+            input: vec![b' '; INLINE_MAX].into(),
             ..RunRequest::default()
         };
         let running = run(request, Sink::new("r1".into(), tx), cancel.clone());
@@ -421,23 +390,21 @@ mod tests {
 
     #[tokio::test(flavor = "current_thread")]
     async fn a_large_run_input_is_read_off_the_thread_that_polls_the_streams() {
+        use iop_shell_common::offload::INLINE_MAX;
         let here = std::thread::current().id();
-        let small = Bytes::from(vec![b' '; CONVERT_INLINE_MAX - 1]);
-        let large = Bytes::from(vec![b' '; CONVERT_INLINE_MAX]);
-        let inline = convert(&small, |input| (std::thread::current().id(), input.len())).await;
-        assert_eq!(inline, Some((here, CONVERT_INLINE_MAX - 1)));
-        let (there, read) = convert(&large, |input| (std::thread::current().id(), input.len()))
-            .await
-            .expect("converted");
+        let small = Bytes::from(vec![b' '; INLINE_MAX - 1]);
+        let large = Bytes::from(vec![b' '; INLINE_MAX]);
+        let read = |input: &[u8]| Ok::<_, String>((std::thread::current().id(), input.len()));
+        let inline = convert_input(&small, read).await.ok();
+        assert_eq!(inline, Some((here, INLINE_MAX - 1)));
+        let (there, read) = convert_input(&large, read).await.expect("converted");
         assert_ne!(there, here, "a large input was read on the streams' thread");
-        assert_eq!(read, CONVERT_INLINE_MAX);
+        assert_eq!(read, INLINE_MAX);
     }
 
     #[tokio::test(flavor = "current_thread")]
-    async fn a_conversion_that_panics_ends_in_none_not_in_a_panic() {
-        let large = Bytes::from(vec![0; CONVERT_INLINE_MAX]);
-        let converted: Option<u8> = convert(&large, |_| panic!("a converter bug")).await;
-        assert_eq!(converted, None);
+    async fn a_conversion_that_panics_ends_in_an_error_not_in_a_panic() {
+        let large = Bytes::from(vec![0; iop_shell_common::offload::INLINE_MAX]);
         let failed = convert_input(&large, |_| -> Result<u8, String> {
             panic!("a converter bug")
         })
