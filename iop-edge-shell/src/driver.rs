@@ -308,8 +308,8 @@ impl Core {
         input(&mut task);
         task.drain();
         let rearm = task.deadline() < task.armed;
-        // The frames are queued in order under the lock; the socket writes happen
-        // outside it, so other tasks are not held up by a syscall.
+        // The frames are queued in order under the lock; their connections' writer
+        // tasks are kicked outside it (they write once the tasks ready now have run).
         // Swapped with this thread's spare lists, whose room the next call reuses.
         let (mut kicks, mut wakes) = SPARE.take();
         std::mem::swap(&mut kicks, &mut task.kicks);
@@ -587,7 +587,7 @@ impl Task {
             self.metrics.frames_out.inc_by(frames);
             self.metrics.bytes_out.inc_by(bytes.len() as u64);
             let queued = c.outbox.push(bytes);
-            // Written once the core's lock is released, by this task: one kick writes
+            // Kicked once the core's lock is released: one kick has the writer write
             // all of it, so a batch followed by its split payload is kicked once.
             if !self
                 .kicks

@@ -4,7 +4,7 @@
 //! - [`certgen`]: `iop-edge gen-cert`, certificates for the node link.
 //! - [`driver`]: the core behind one lock, and what routes its outputs.
 //! - [`nodes`]: the node listener (a reader task per connection).
-//! - [`outbox`]: a node connection's outgoing frames, written by whoever produced them.
+//! - [`outbox`]: a node connection's outgoing frames, written together by its writer task.
 //! - [`http`]: the OpenAI-compatible HTTP surface, status, metrics and health.
 //! - [`memory`]: the budget of request bodies and buffered response bytes.
 

@@ -1,7 +1,6 @@
 //! The node listener: a TLS handshake (unless the operator chose plaintext), then one
 //! reader task per connection feeding the shared core, and an [`Outbox`] its frames are
-//! written through (by the task that produced them, or by the connection's writer task
-//! when the socket is full). A connection that fails its handshake, sends garbage, an
+//! written through by the connection's writer task. A connection that fails its handshake, sends garbage, an
 //! oversized length or only a header is closed on its own; everyone else keeps being
 //! served.
 
