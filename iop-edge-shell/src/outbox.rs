@@ -5,10 +5,13 @@
 //! ([`Outbox::kick`]), which writes everything queued when it next runs. The writer is
 //! woken onto the back of the runtime's queue, so it runs after the tasks that were ready
 //! with it: the requests that one read of the callers' sockets made ready each queue
-//! their frame, and all of them leave in one vectored write. Under 16 concurrent callers
-//! that is about one `writev` per five requests instead of one `sendto` each, and the
-//! node's side takes fewer segments (BENCHMARKS.md); one request alone costs one task
-//! poll more than writing on its own task did.
+//! their frame, and all of them leave in one vectored write. With 16 concurrent callers
+//! that is 0.19 writes per request instead of one `sendto` each, and 9 % less CPU per
+//! request for the Edge and the Node together (the node reads fewer, fuller segments);
+//! a request alone waits about a microsecond longer for its write (BENCHMARKS.md).
+//! Writing the first frame of such a pass at once and leaving only the later ones to the
+//! writer kept that microsecond but cost 10 % more CPU per request at 16 callers: the
+//! node woke for the first frame and again for the rest.
 //!
 //! Only the writer touches the socket. When the socket does not take everything (the
 //! node reads slowly, a TLS record is half written) the writer waits for it, and kicks
