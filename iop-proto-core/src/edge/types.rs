@@ -503,31 +503,43 @@ pub enum RefreshFailure {
 pub struct RunId(pub RequestId);
 
 impl RunId {
+    /// What every wire run id starts with; the request's number follows in decimal.
+    const PREFIX: &'static str = "run-";
+
     /// The request a wire run id names, if it is one of this Edge's.
     #[must_use]
     pub fn parse(text: &str) -> Option<RunId> {
-        text.strip_prefix("run-")?
+        text.strip_prefix(Self::PREFIX)?
             .parse()
             .ok()
             .map(|n| RunId(RequestId(n)))
     }
 
-    /// The wire form, `run-<n>`, written without the formatter (once per dispatch).
+    /// The wire form, `run-<n>` (as `Display` writes it), without the formatter: it is
+    /// made once per dispatch.
     #[must_use]
     pub fn wire(self) -> String {
         let mut buf = [0u8; 20];
-        let digits = crate::http1::response::decimal_text(&mut buf, self.0.0);
-        let mut text = String::with_capacity(4 + digits.len());
-        text.push_str("run-");
-        // ASCII digits.
-        text.extend(digits.iter().map(|&d| char::from(d)));
+        let digits = self.digits(&mut buf);
+        let mut text = String::with_capacity(Self::PREFIX.len() + digits.len());
+        text.push_str(Self::PREFIX);
+        text.push_str(digits);
         text
+    }
+
+    /// The request's number in decimal, written into the end of `buf`.
+    fn digits(self, buf: &mut [u8; 20]) -> &str {
+        let digits = crate::http1::response::decimal_text(buf, self.0.0);
+        // ASCII digits only, so this cannot fail.
+        std::str::from_utf8(digits).unwrap_or_default()
     }
 }
 
 impl std::fmt::Display for RunId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "run-{}", self.0.0)
+        let mut buf = [0u8; 20];
+        f.write_str(Self::PREFIX)?;
+        f.write_str(self.digits(&mut buf))
     }
 }
 
@@ -720,5 +732,12 @@ mod tests {
             assert_eq!(run.wire(), run.to_string());
             assert_eq!(RunId::parse(&run.wire()), Some(run));
         }
+        assert_eq!(RunId(RequestId(4_096)).wire(), "run-4096");
+        assert_eq!(
+            RunId(RequestId(u64::MAX)).to_string(),
+            "run-18446744073709551615"
+        );
+        assert_eq!(RunId::parse("run-"), None);
+        assert_eq!(RunId::parse("req-1"), None);
     }
 }
