@@ -51,6 +51,15 @@ const READ_MAX: usize = 64 << 10;
 const WRITE_BATCH: usize = 64 << 10;
 /// Capacity a write buffer may keep between writes.
 const WRITE_KEEP: usize = 4 << 10;
+
+/// Gives back what an emptied write buffer grew beyond [`WRITE_KEEP`], keeping that much:
+/// the next response starts with room for a stream's events instead of growing into it
+/// again from nothing (seven reallocations per 20-event SSE stream that arrived at once).
+fn keep_room(out: &mut Vec<u8>) {
+    if out.capacity() > WRITE_KEEP {
+        *out = Vec::with_capacity(WRITE_KEEP);
+    }
+}
 /// Unread request body a connection may discard to stay open after a response that did
 /// not read it (only what has already arrived; a longer body closes the connection).
 const DRAIN_MAX: u64 = 64 << 10;
@@ -424,9 +433,8 @@ impl Conn {
         // The body (and with it the request's state) goes before the connection waits.
         drop(body);
         out.clear();
-        if out.capacity() <= WRITE_KEEP {
-            self.out = out;
-        }
+        keep_room(&mut out);
+        self.out = out;
         Ok(result? && framing.keep_alive)
     }
 
@@ -490,9 +498,7 @@ impl Conn {
             // What was gathered goes out, also before a failure closes the connection.
             self.write_all(out, &[]).await?;
             out.clear();
-            if out.capacity() > WRITE_KEEP {
-                *out = Vec::new();
-            }
+            keep_room(out);
             match step {
                 Step::Ended => return Ok(true),
                 Step::Failed | Step::Gone => return Ok(false),
@@ -780,5 +786,25 @@ impl AsyncWrite for Prefixed {
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_emptied_write_buffer_keeps_room_for_the_next_response_but_no_more() {
+        // Grown past the limit by one large batch: comes back empty with the limit's room.
+        let mut out = Vec::new();
+        out.extend_from_slice(&[7; 3 * WRITE_KEEP]);
+        out.clear();
+        keep_room(&mut out);
+        assert_eq!(out.capacity(), WRITE_KEEP);
+        // Within the limit: left as it is.
+        let mut small = Vec::with_capacity(WRITE_KEEP / 2);
+        let room = small.capacity();
+        keep_room(&mut small);
+        assert_eq!(small.capacity(), room);
     }
 }
