@@ -119,6 +119,8 @@ fn body_failed(err: &dyn std::fmt::Display) -> CallError {
 
 /// Ready body frames are joined until the tunnel frame holds this many bytes.
 const JOIN_MAX: usize = 64 << 10;
+/// Frames [`Joined`] makes room for when it first finds data ready behind a frame.
+const PARTS: usize = 16;
 
 /// A tunnelled response body, read so that data frames the provider has already sent
 /// come out as one. An SSE stream arrives as a body frame per event; passed on one by one,
@@ -173,6 +175,11 @@ where
                 Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
                     Ok(more) => {
                         total += more.len();
+                        if self.parts.capacity() == 0 {
+                            // Room for a burst of events at once: growing 0 → 4 → 8 →
+                            // 16 cost three reallocations per stream.
+                            self.parts.reserve_exact(PARTS);
+                        }
                         self.parts.push(more);
                     }
                     Err(frame) => {
