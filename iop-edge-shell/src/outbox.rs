@@ -2,16 +2,18 @@
 //!
 //! The core's frames are queued here, in order, while the core's lock is held; once the
 //! lock is released the task that produced them kicks the connection's writer task
-//! ([`Outbox::kick`]), which writes everything queued when it next runs. The writer is
-//! woken onto the back of the runtime's queue, so it runs after the tasks that were ready
-//! with it: the requests that one read of the callers' sockets made ready each queue
-//! their frame, and all of them leave in one vectored write. With 16 concurrent callers
-//! that is 0.19 writes per request instead of one `sendto` each, and 9 % less CPU per
-//! request for the Edge and the Node together (the node reads fewer, fuller segments);
-//! a request alone waits about a microsecond longer for its write (BENCHMARKS.md).
-//! Writing the first frame of such a pass at once and leaving only the later ones to the
-//! writer kept that microsecond but cost 10 % more CPU per request at 16 callers: the
-//! node woke for the first frame and again for the rest.
+//! ([`Outbox::kick`]), which writes everything queued when it next runs. On the
+//! single-threaded runtime (the Edge's on up to three CPUs) the writer is woken onto the
+//! back of the runtime's queue, so it runs after the tasks that were ready with it: the
+//! requests that one read of the callers' sockets made ready each queue their frame, and
+//! all of them leave in one vectored write. (tokio's multi-threaded runtime runs a task
+//! woken by the running one next, so there most passes are one request.) With 16
+//! concurrent callers that is 0.19 writes per request instead of one `sendto` each, and
+//! 9 % less CPU per request for the Edge and the Node together (the node reads fewer,
+//! fuller segments); a request alone waits about a microsecond longer for its write
+//! (BENCHMARKS.md). Writing the first frame of such a pass at once and leaving only the
+//! later ones to the writer kept that microsecond but cost 10 % more CPU per request at
+//! 16 callers: the node woke for the first frame and again for the rest.
 //!
 //! Only the writer touches the socket. When the socket does not take everything (the
 //! node reads slowly, a TLS record is half written) the writer waits for it, and kicks
