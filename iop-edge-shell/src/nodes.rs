@@ -1,8 +1,8 @@
 //! The node listener: a TLS handshake (unless the operator chose plaintext), then one
 //! reader task per connection feeding the shared core, and an [`Outbox`] its frames are
-//! written through by the connection's writer task. A connection that fails its handshake, sends garbage, an
-//! oversized length or only a header is closed on its own; everyone else keeps being
-//! served.
+//! written through by the connection's writer task. A connection that fails its
+//! handshake, sends garbage, an oversized length or only a header is closed on its own;
+//! everyone else keeps being served.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};

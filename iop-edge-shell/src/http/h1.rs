@@ -51,6 +51,9 @@ const READ_MAX: usize = 64 << 10;
 const WRITE_BATCH: usize = 64 << 10;
 /// Capacity a write buffer may keep between writes.
 const WRITE_KEEP: usize = 4 << 10;
+/// Unread request body a connection may discard to stay open after a response that did
+/// not read it (only what has already arrived; a longer body closes the connection).
+const DRAIN_MAX: u64 = 64 << 10;
 
 /// Gives back what an emptied write buffer grew beyond [`WRITE_KEEP`], keeping that much:
 /// the next response starts with room for a stream's events instead of growing into it
@@ -60,9 +63,6 @@ fn keep_room(out: &mut Vec<u8>) {
         *out = Vec::with_capacity(WRITE_KEEP);
     }
 }
-/// Unread request body a connection may discard to stay open after a response that did
-/// not read it (only what has already arrived; a longer body closes the connection).
-const DRAIN_MAX: u64 = 64 << 10;
 
 /// What the socket and the request body share while a handler runs: the read buffer and
 /// the body's framing. The body and the connection are polled by the same task; the lock
