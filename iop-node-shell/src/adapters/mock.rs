@@ -114,16 +114,27 @@ impl Mock {
                 .await;
             return;
         }
-        let wants_tools = iop_shell_common::offload::run(&request.input, |input| {
-            super::json::Object::parse(input)
-                .is_ok_and(|input| input.get("tools").is_some_and(nonempty_array))
-        });
-        let wants_tools = tokio::select! {
-            () = cancel.cancelled() => {
-                let _ = sink.run(RunOutput::Cancelled).await;
-                return;
+        // Only a mock that answers with a tool call reads the input (for its tools), off
+        // the thread when it is large, like the other adapters' conversions.
+        let wants_tools = match &self.tool_call {
+            None => false,
+            Some(_) => {
+                let reading = super::convert_input(&request.input, |input| {
+                    Ok(super::json::Object::parse(input)
+                        .is_ok_and(|input| input.get("tools").is_some_and(nonempty_array)))
+                });
+                let read = tokio::select! {
+                    () = cancel.cancelled() => Err(RunOutput::Cancelled),
+                    read = reading => read.map_err(RunOutput::Error),
+                };
+                match read {
+                    Ok(wants) => wants,
+                    Err(output) => {
+                        let _ = sink.run(output).await;
+                        return;
+                    }
+                }
             }
-            wants = wants_tools => wants.unwrap_or(false),
         };
         if let (Some(name), true) = (&self.tool_call, wants_tools) {
             let calls = serde_json::json!([{
@@ -209,7 +220,6 @@ pub(super) fn usage(prompt: u64, completion: u64) -> Usage {
 
 #[cfg(test)]
 mod tests {
-    use super::super::Output;
     use super::*;
     use tokio::sync::mpsc;
 
@@ -231,11 +241,7 @@ mod tests {
             CancellationToken::new(),
         )
         .await;
-        let mut last = None;
-        while let Ok(Output::Run { output, .. }) = rx.try_recv() {
-            last = Some(output);
-        }
-        last.expect("a terminal output")
+        super::super::testing::last_run_output(&mut rx).expect("a terminal output")
     }
 
     #[tokio::test(flavor = "current_thread")]
@@ -269,8 +275,10 @@ mod tests {
     #[tokio::test(flavor = "current_thread")]
     async fn a_cancelled_run_does_not_wait_for_a_conversion_slot() {
         // Every slot is taken by other large conversions: a run cancelled while it waits
-        // for one ends at once, cancelled.
-        let mock = Mock::from_options(&BTreeMap::new()).expect("valid options");
+        // for one ends at once, cancelled. (Only a mock that calls tools reads its input.)
+        let options: BTreeMap<String, String> =
+            [("tool_call".to_owned(), "get_weather".to_owned())].into();
+        let mock = Mock::from_options(&options).expect("valid options");
         let last = super::super::testing::cancelled_waiting_for_a_slot(|request, sink, cancel| {
             mock.run(request, sink, cancel)
         })

@@ -376,6 +376,13 @@ pub(crate) mod testing {
         })
         .await
         .expect("the cancelled run ended without a slot");
+        last_run_output(&mut rx)
+    }
+
+    /// The last run output queued on `rx`, once the run has returned.
+    pub(crate) fn last_run_output(
+        rx: &mut tokio::sync::mpsc::Receiver<Output>,
+    ) -> Option<RunOutput> {
         let mut last = None;
         while let Ok(Output::Run { output, .. }) = rx.try_recv() {
             last = Some(output);

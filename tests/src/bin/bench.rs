@@ -27,9 +27,10 @@
 //! Each round then measures both proxies again at c=16 (small requests, unpaced streams)
 //! with their event loops pinned by `taskset` (`place`): the Edge on the first CPU this
 //! process may use and the Node on the second, each nginx hop's workers spread over them
-//! as `worker_cpu_affinity auto` places them. Left to the scheduler, two single-threaded hops that wake each other
-//! share a vCPU much of the time (two thirds of a c=16 run in one `perf sched` recording)
-//! while the other runs wrk and the provider and idles in between; the pinned rows show what each proxy does when its hops do not share a CPU,
+//! as `worker_cpu_affinity auto` places them. Left to the scheduler, two single-threaded
+//! hops that wake each other share a vCPU much of the time (two thirds of a c=16 run in
+//! one `perf sched` recording) while the other runs wrk and the provider and idles in
+//! between; the pinned rows show what each proxy does when its hops do not share a CPU,
 //! as in a deployment with the Edge and the Node on machines of their own. They are
 //! skipped on one CPU or without `taskset`.
 //!
@@ -260,6 +261,15 @@ impl Path3 {
     fn rss(&self) -> Vec<u64> {
         self.pids.iter().map(|p| rss_kib(*p)).collect()
     }
+}
+
+/// The cells of a proxy CPU row: nginx's figure, IOP's, and IOP's as a multiple of
+/// nginx's, each figure with `decimals` decimals.
+fn cpu_cells(nginx_us: f64, iop_us: f64, decimals: usize) -> String {
+    format!(
+        "{nginx_us:.decimals$} µs | {iop_us:.decimals$} µs ({:.2}× nginx)",
+        iop_us / nginx_us
+    )
 }
 
 /// Binds every thread of `pid` to `cpus` (a `taskset` list: "1", "0-1").
@@ -964,10 +974,8 @@ fn main() {
         many[2].rps / many[0].rps
     );
     out!(
-        "| proxy CPU per small request (c=16) | – | {:.1} µs | {:.1} µs ({:.2}× nginx) |",
-        many[1].cpu_us,
-        many[2].cpu_us,
-        many[2].cpu_us / many[1].cpu_us
+        "| proxy CPU per small request (c=16) | – | {} |",
+        cpu_cells(many[1].cpu_us, many[2].cpu_us, 1)
     );
     let chunks = |run: &Run| run.rps * SSE_EVENTS as f64;
     out!(
@@ -979,10 +987,12 @@ fn main() {
         chunks(&sse[2]) / chunks(&sse[0])
     );
     out!(
-        "| proxy CPU per SSE chunk | – | {:.2} µs | {:.2} µs ({:.2}× nginx) |",
-        sse[1].cpu_us / SSE_EVENTS as f64,
-        sse[2].cpu_us / SSE_EVENTS as f64,
-        sse[2].cpu_us / sse[1].cpu_us
+        "| proxy CPU per SSE chunk | – | {} |",
+        cpu_cells(
+            sse[1].cpu_us / SSE_EVENTS as f64,
+            sse[2].cpu_us / SSE_EVENTS as f64,
+            2
+        )
     );
     let base = &paced_runs[0];
     out!(
@@ -1084,10 +1094,8 @@ fn main() {
             many_pinned[2].rps / many[2].rps
         );
         out!(
-            "| proxy CPU per small request (c=16) | {:.1} µs | {:.1} µs ({:.2}× nginx) |",
-            many_pinned[1].cpu_us,
-            many_pinned[2].cpu_us,
-            many_pinned[2].cpu_us / many_pinned[1].cpu_us
+            "| proxy CPU per small request (c=16) | {} |",
+            cpu_cells(many_pinned[1].cpu_us, many_pinned[2].cpu_us, 1)
         );
         out!(
             "| unpaced SSE, c=16, chunks/s (ratio to direct) | {:.0} ({:.2}) | {:.0} ({:.2}) |",
@@ -1097,10 +1105,12 @@ fn main() {
             chunks(&sse_pinned[2]) / chunks(&sse[0])
         );
         out!(
-            "| proxy CPU per SSE chunk | {:.2} µs | {:.2} µs ({:.2}× nginx) |",
-            sse_pinned[1].cpu_us / SSE_EVENTS as f64,
-            sse_pinned[2].cpu_us / SSE_EVENTS as f64,
-            sse_pinned[2].cpu_us / sse_pinned[1].cpu_us
+            "| proxy CPU per SSE chunk | {} |",
+            cpu_cells(
+                sse_pinned[1].cpu_us / SSE_EVENTS as f64,
+                sse_pinned[2].cpu_us / SSE_EVENTS as f64,
+                2
+            )
         );
         let errors = |i: usize| many_pinned[i].errors + sse_pinned[i].errors;
         out!("| errors (pinned runs) | {} | {} |", errors(1), errors(2));
@@ -1130,6 +1140,12 @@ fn main() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cpu_rows_read_as_before() {
+        assert_eq!(cpu_cells(31.4, 29.9, 1), "31.4 µs | 29.9 µs (0.95× nginx)");
+        assert_eq!(cpu_cells(3.41, 3.3, 2), "3.41 µs | 3.30 µs (0.97× nginx)");
+    }
 
     #[test]
     fn cpu_lists_read_as_the_kernel_writes_them() {
