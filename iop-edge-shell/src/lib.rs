@@ -8,6 +8,8 @@
 //! - [`http`]: the OpenAI-compatible HTTP surface, status, metrics and health.
 //! - [`memory`]: the budget of request bodies and buffered response bytes.
 
+#![forbid(unsafe_code)]
+
 pub mod certgen;
 pub mod config;
 pub mod driver;

@@ -62,6 +62,25 @@ struct RawConfig {
     timeouts: RawTimeouts,
     #[serde(default)]
     tls: RawTls,
+    #[serde(default)]
+    runtime: RawRuntime,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRuntime {
+    scheduler: Option<String>,
+}
+
+/// How the node asks the kernel to schedule it (`runtime.scheduler`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Scheduler {
+    /// `"batch"` (the default): Linux's `SCHED_BATCH`, unless the node was started under
+    /// a policy other than the default ([`iop_shell_common::process::batch_scheduling`]).
+    #[default]
+    Batch,
+    /// `"inherit"`: whatever the node was started with.
+    Inherit,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -171,6 +190,8 @@ pub struct NodeConfig {
     pub shutdown_grace: Duration,
     /// Extra CA certificates (PEM) trusted for `https://` providers.
     pub ca_file: Option<PathBuf>,
+    /// How the node asks the kernel to schedule it.
+    pub scheduler: Scheduler,
 }
 
 fn seconds(key: &'static str, value: Option<f64>, default: f64) -> Result<Duration, ConfigError> {
@@ -273,6 +294,16 @@ impl NodeConfig {
                 })
             }
         };
+        let scheduler = match raw.runtime.scheduler.as_deref() {
+            None | Some("batch") => Scheduler::Batch,
+            Some("inherit") => Scheduler::Inherit,
+            Some(other) => {
+                return Err(invalid(
+                    "runtime.scheduler",
+                    format!("must be \"batch\" or \"inherit\", got {other:?}"),
+                ));
+            }
+        };
         Ok(NodeConfig {
             node_id: raw.node_id,
             edge_addr: raw.edge_addr,
@@ -295,6 +326,7 @@ impl NodeConfig {
                 .tls
                 .ca_file
                 .map(|file| path.parent().map_or(file.clone(), |dir| dir.join(&file))),
+            scheduler,
         })
     }
 }
@@ -420,6 +452,27 @@ mod tests {
             ),
             "TLS with the web roots unless told otherwise"
         );
+    }
+
+    #[test]
+    fn the_scheduler_is_batch_unless_told_to_inherit() {
+        let text = "node_id = \"n1\"\nedge_addr = \"a:1\"\ntoken = \"t-0123456789abcdef\"\n";
+        assert_eq!(parse(text).expect("valid").scheduler, Scheduler::Batch);
+        let with = |value: &str| parse(&format!("{text}[runtime]\nscheduler = {value}\n"));
+        assert_eq!(
+            with("\"batch\"").expect("valid").scheduler,
+            Scheduler::Batch
+        );
+        assert_eq!(
+            with("\"inherit\"").expect("valid").scheduler,
+            Scheduler::Inherit
+        );
+        let err = with("\"fifo\"").expect_err("not a choice").to_string();
+        assert!(
+            err.contains("runtime.scheduler") && err.contains("fifo"),
+            "{err}"
+        );
+        assert!(with("1").is_err());
     }
 
     #[test]

@@ -6,6 +6,8 @@
 //! - [`driver`]: one connection: frames in → `NodeSession` → frames out.
 //! - [`adapters`]: the provider adapters (`mock`, `openai_compat`, `vllm`, `ollama`).
 
+#![forbid(unsafe_code)]
+
 pub mod adapters;
 pub mod config;
 pub mod driver;

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use iop_node_shell::config::NodeConfig;
+use iop_node_shell::config::{NodeConfig, Scheduler};
 use iop_node_shell::supervisor;
 use iop_shell_common::logging::{self, LogFormat};
 use iop_shell_common::process;
@@ -69,6 +69,20 @@ fn main() -> ExitCode {
             config.edge_addr
         );
         return ExitCode::SUCCESS;
+    }
+    // Before the runtime: the threads it starts inherit the policy.
+    if config.scheduler == Scheduler::Batch {
+        match process::batch_scheduling() {
+            Ok(true) => tracing::info!(scheduler = "batch", "scheduling policy set"),
+            Ok(false) => tracing::info!(
+                scheduler = "inherit",
+                "kept the scheduling policy the node was started with"
+            ),
+            Err(err) => tracing::warn!(
+                error = %err,
+                "SCHED_BATCH refused: the node runs under the policy it was started with"
+            ),
+        }
     }
     let runtime = match process::runtime("iop-node", process::Threads::One) {
         Ok(runtime) => runtime,

@@ -25,6 +25,13 @@ pub fn children(pid: u32) -> Vec<u32> {
         .collect()
 }
 
+/// The scheduling policy of a process's main thread (`stat` field 41: 0 the default,
+/// 3 `SCHED_BATCH`); `None` when it is gone.
+#[must_use]
+pub fn policy(pid: u32) -> Option<u32> {
+    stat_fields(pid).get(41 - 3)?.parse().ok()
+}
+
 /// Resident memory of a process, in KiB (0 when it is gone).
 #[must_use]
 pub fn rss_kib(pid: u32) -> u64 {
