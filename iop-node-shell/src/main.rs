@@ -75,7 +75,7 @@ fn main() -> ExitCode {
         match process::batch_scheduling() {
             Ok(true) => tracing::info!(scheduler = "batch", "scheduling policy set"),
             Ok(false) => tracing::info!(
-                scheduler = "inherit",
+                requested = "batch",
                 "kept the scheduling policy the node was started with"
             ),
             Err(err) => tracing::warn!(

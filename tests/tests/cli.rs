@@ -68,8 +68,11 @@ async fn a_node_runs_under_sched_batch_unless_told_to_inherit() {
     assert_eq!(procfs::policy(inherit.pid()), Some(started));
     if started == 0 {
         assert_eq!(procfs::policy(batch.pid()), Some(3), "{}", batch.log());
+        // Log lines reach the file a few milliseconds after they are written.
         assert!(
-            batch.log().contains("scheduling policy set"),
+            iop_blackbox::wait_until(std::time::Duration::from_secs(5), || {
+                batch.log().contains("scheduling policy set")
+            }),
             "{}",
             batch.log()
         );
