@@ -32,6 +32,12 @@ pub fn policy(pid: u32) -> Option<u32> {
     stat_fields(pid).get(41 - 3)?.parse().ok()
 }
 
+/// The CPU a process's main thread last ran on (`stat` field 39); `None` when it is gone.
+#[must_use]
+pub fn last_cpu(pid: u32) -> Option<usize> {
+    stat_fields(pid).get(39 - 3)?.parse().ok()
+}
+
 /// Resident memory of a process, in KiB (0 when it is gone).
 #[must_use]
 pub fn rss_kib(pid: u32) -> u64 {

@@ -34,6 +34,11 @@
 //! as in a deployment with the Edge and the Node on machines of their own. They are
 //! skipped on one CPU or without `taskset`.
 //!
+//! During every wrk run through IOP a thread samples, every 10 ms, the CPU the Edge's and
+//! the Node's main threads last ran on; the table reports the share of samples on which
+//! they shared one (c=16 small requests / unpaced streams). Left to the kernel, that share
+//! carries over from one run to the next and moves IOP's c=16 throughput on two vCPUs.
+//!
 //! `IOP_BENCH_EDGE_THREADS=<n>` starts the Edge with `runtime.worker_threads = n` instead
 //! of its default, to compare thread counts; `IOP_BENCH_SERVE=1` keeps every path up
 //! (until stdin closes) for profiling instead of measuring.
@@ -53,7 +58,8 @@ use hyper::{Request, Response};
 use hyper_util::rt::TokioIo;
 use iop_blackbox::client::{Cluster, Link};
 use iop_blackbox::procfs::{
-    children, machine_steal_ticks, machine_ticks, tree_cpu as cpu, tree_rss_kib as rss_kib,
+    children, last_cpu, machine_steal_ticks, machine_ticks, tree_cpu as cpu,
+    tree_rss_kib as rss_kib,
 };
 use iop_blackbox::{Proc, TempDir, free_port};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -247,6 +253,9 @@ struct Path3 {
     name: &'static str,
     port: u16,
     pids: Vec<u32>,
+    /// Two single-threaded processes whose CPUs are sampled during every wrk run
+    /// (`Together`): IOP's Edge and Node.
+    pair: Option<(u32, u32)>,
 }
 
 impl Path3 {
@@ -446,6 +455,60 @@ struct Run {
     cpu_us: f64,
     /// The machine's ticks stolen by the hypervisor during the run, and all its ticks.
     stolen: (u64, u64),
+    /// For a path with a `pair`: samples on which both processes' main threads were last
+    /// on the same CPU, and all samples.
+    together: (u64, u64),
+}
+
+/// Samples, every 10 ms until dropped, the CPU each of two processes' main threads last
+/// ran on: on two vCPUs, where the kernel puts two single-threaded hops that wake each
+/// other moved SSE throughput at c=16 by up to 16 % (BENCHMARKS.md, 2 December
+/// 19:05-19:28), and it carries over from one run to the next. Reading two `stat` files every 10 ms costs
+/// well under 1 % of a CPU.
+struct Together {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    sampler: Option<std::thread::JoinHandle<(u64, u64)>>,
+}
+
+impl Together {
+    fn start(pair: Option<(u32, u32)>) -> Self {
+        use std::sync::atomic::Ordering;
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let sampler = pair.map(|(a, b)| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let (mut same, mut all) = (0, 0);
+                while !stop.load(Ordering::Relaxed) {
+                    if let (Some(x), Some(y)) = (last_cpu(a), last_cpu(b)) {
+                        all += 1;
+                        same += u64::from(x == y);
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                (same, all)
+            })
+        });
+        Together { stop, sampler }
+    }
+
+    fn finish(mut self) -> (u64, u64) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.sampler
+            .take()
+            .and_then(|s| s.join().ok())
+            .unwrap_or((0, 0))
+    }
+}
+
+/// The share of samples on which a pair shared a CPU, over `runs`, as "NN %".
+fn together_share(runs: &[Run]) -> String {
+    let (same, all) = runs.iter().fold((0u64, 0u64), |(s, a), r| {
+        (s + r.together.0, a + r.together.1)
+    });
+    if all == 0 {
+        return "–".to_owned();
+    }
+    format!("{:.0} %", same as f64 * 100.0 / all as f64)
 }
 
 fn duration_us(text: &str) -> Option<f64> {
@@ -471,6 +534,7 @@ fn wrk(dir: &TempDir, path: &Path3, body: &str, connections: usize, seconds: u64
     .expect("lua");
     let before = path.cpu();
     let steal_before = machine_steal_ticks();
+    let together = Together::start(path.pair);
     let output = Command::new(which("wrk").expect("wrk"))
         .args([
             "-t1".to_owned(),
@@ -483,6 +547,7 @@ fn wrk(dir: &TempDir, path: &Path3, body: &str, connections: usize, seconds: u64
         ])
         .output()
         .expect("wrk runs");
+    let together = together.finish();
     let used = path.cpu().saturating_sub(before);
     let steal_after = machine_steal_ticks();
     let text = String::from_utf8_lossy(&output.stdout);
@@ -491,6 +556,7 @@ fn wrk(dir: &TempDir, path: &Path3, body: &str, connections: usize, seconds: u64
             steal_after.0.saturating_sub(steal_before.0),
             steal_after.1.saturating_sub(steal_before.1),
         ),
+        together,
         ..Run::default()
     };
     let mut requests = 0.0;
@@ -741,6 +807,9 @@ fn med(runs: &[Run]) -> Run {
         stolen: runs
             .iter()
             .fold((0, 0), |(s, a), r| (s + r.stolen.0, a + r.stolen.1)),
+        together: runs
+            .iter()
+            .fold((0, 0), |(s, a), r| (s + r.together.0, a + r.together.1)),
     }
 }
 
@@ -876,16 +945,19 @@ fn main() {
             name: "direct",
             port: provider_port,
             pids: vec![],
+            pair: None,
         },
         Path3 {
             name: "nginx, 2 hops",
             port: hop1,
             pids: vec![nginx1.id(), nginx2.id()],
+            pair: None,
         },
         Path3 {
             name: "IOP (plaintext link)",
             port: cluster.http_port,
             pids: vec![cluster.edge.pid(), node.pid()],
+            pair: Some((cluster.edge.pid(), node.pid())),
         },
     ];
     // Warm every path up.
@@ -993,6 +1065,11 @@ fn main() {
             sse[2].cpu_us / SSE_EVENTS as f64,
             2
         )
+    );
+    out!(
+        "| IOP's Edge and Node on the same CPU, share of the c=16 runs (small / SSE) | – | – | {} / {} |",
+        together_share(&many[2..3]),
+        together_share(&sse[2..3])
     );
     let base = &paced_runs[0];
     out!(
