@@ -30,6 +30,39 @@ pub fn binary(name: &str) -> PathBuf {
     path
 }
 
+/// Builds `iop-edge` and `iop-node` into this harness's target directory and profile
+/// when the harness runs under `cargo run` (which sets `CARGO`), so that one command
+/// measures the tree as it is and never binaries left from an earlier build. Run as a
+/// plain executable, it leaves the binaries to the caller (`binary` says when they are
+/// missing). Panics if the build fails: there is nothing to measure.
+pub fn build_binaries() {
+    let Some(cargo) = std::env::var_os("CARGO") else {
+        return;
+    };
+    let mut dir = std::env::current_exe().expect("harness executable path");
+    dir.pop();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    let profile = dir
+        .file_name()
+        .and_then(|p| p.to_str())
+        .unwrap_or("debug")
+        .to_owned();
+    let mut build = Command::new(cargo);
+    build
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+        .args(["build", "--quiet", "--bin", "iop-edge", "--bin", "iop-node"]);
+    if profile != "debug" {
+        build.args(["--profile", &profile]);
+    }
+    let status = build.status().expect("cargo runs");
+    assert!(
+        status.success(),
+        "cargo build --profile {profile} --bin iop-edge --bin iop-node failed"
+    );
+}
+
 /// A loopback port for a binary to listen on, free when checked.
 ///
 /// Ports come from below Linux's ephemeral range (32768 and up), walked by a per-process

@@ -4,11 +4,11 @@
 //! round so that machine noise hits every path alike. Loopback only, bounded in time.
 //!
 //! ```text
-//! cargo build --release --bins
 //! cargo run --release -p iop-blackbox --bin bench -- [seconds per run] [rounds] [--write BENCHMARKS.md]
 //! ```
 //!
-//! The table goes to stdout; with `--write`, also into the file's latest-run block (between
+//! Under `cargo run` it first builds the `iop-edge` and `iop-node` it measures
+//! (`iop_blackbox::build_binaries`). The table goes to stdout; with `--write`, also into the file's latest-run block (between
 //! `<!-- bench:latest … -->` and `<!-- /bench:latest -->`, appended when the file has none).
 //!
 //! The Edge and the Node log at INFO, one line per request each, as the tests run them
@@ -878,6 +878,7 @@ fn main() {
         run_provider(port);
         return;
     }
+    iop_blackbox::build_binaries();
     // `--write PATH` puts the table into PATH's latest-run block as well.
     let write_to = args.iter().position(|a| a == "--write").map(|i| {
         let Some(path) = args.get(i + 1) else {

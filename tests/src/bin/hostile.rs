@@ -3,7 +3,8 @@
 //!
 //! - `hostile short` (run by `./scripts/test`): every attack at a reduced scale.
 //! - `hostile long` (by hand, release build): the full scale written to BENCHMARKS.md:
-//!   `cargo build --release --bins && cargo run --release -p iop-blackbox --bin hostile -- long`
+//!   `cargo run --release -p iop-blackbox --bin hostile -- long` (it builds the Edge and the Node
+//!   first)
 //!
 //! Exits 1 if a check fails.
 
@@ -507,6 +508,7 @@ async fn streams(cluster: &Cluster, node_pid: u32, scale: Scale, report: &mut Re
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
+    iop_blackbox::build_binaries();
     let scale = match std::env::args().nth(1).as_deref() {
         Some("long") => LONG,
         Some("short") | None => SHORT,

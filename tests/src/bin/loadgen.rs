@@ -2,7 +2,7 @@
 //! and a Node, against the same requests sent straight to the provider, in one run.
 //!
 //! Run: `cargo run --release -p iop-blackbox --bin loadgen -- [seconds] [concurrency]`
-//! (it starts the release `iop-edge` and `iop-node` built next to it).
+//! (it builds the release `iop-edge` and `iop-node` first, then starts them).
 
 use std::time::{Duration, Instant};
 
@@ -139,6 +139,7 @@ providers = [{{ node = "n1", adapter = "mock", target = "m" }}]
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
+    iop_blackbox::build_binaries();
     let args: Vec<String> = std::env::args().collect();
     let seconds: u64 = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(10);
     let concurrency: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(16);

@@ -2,7 +2,8 @@
 //! start and again after the Edge restarts, over TLS and over plaintext, beside the time
 //! the same number of bare TCP connects takes, in one run.
 //!
-//! Run: `cargo build --release --bins && cargo run --release -p iop-blackbox --bin reconnect -- [nodes]`
+//! Run: `cargo run --release -p iop-blackbox --bin reconnect -- [nodes]` (it builds the Edge and
+//! the Node first).
 //!
 //! The nodes are light in-process clients speaking the real wire protocol (register,
 //! ready, heartbeat answers) so that one machine can hold a thousand of them. Each redials
@@ -335,6 +336,7 @@ async fn raw_reconnects(n: usize, jitter: f64, downtime: Duration, bare: Bare) -
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
+    iop_blackbox::build_binaries();
     let nodes: usize = std::env::args()
         .nth(1)
         .and_then(|s| s.parse().ok())
