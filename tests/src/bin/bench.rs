@@ -500,6 +500,13 @@ impl Together {
     }
 }
 
+impl Drop for Together {
+    /// A run that panics before `finish` stops the sampler too.
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 /// The share of samples on which a pair shared a CPU, over `runs`, as "NN %".
 fn together_share(runs: &[Run]) -> String {
     let (same, all) = runs.iter().fold((0u64, 0u64), |(s, a), r| {
