@@ -49,10 +49,33 @@ pub fn build_binaries() {
         .and_then(|p| p.to_str())
         .unwrap_or("debug")
         .to_owned();
+    // Into the directory `binary` looks in: `<target dir>/<profile>`, also when the
+    // harness was built for an explicit `--target` (`<target dir>/<triple>/<profile>`).
+    let target_dir = dir.parent().expect("a profile directory has a parent");
     let mut build = Command::new(cargo);
     build
         .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
-        .args(["build", "--quiet", "--bin", "iop-edge", "--bin", "iop-node"]);
+        .args(["build", "--quiet", "--bin", "iop-edge", "--bin", "iop-node"])
+        .arg("--target-dir")
+        .arg(target_dir);
+    // What `cargo run` set for this harness describes the harness, not the build: left
+    // in, `CARGO_MANIFEST_DIR` reruns ring's build script (it watches that variable), and
+    // with it every crate above ring, here and again in the next build from a shell.
+    for (key, _) in std::env::vars_os() {
+        let key_text = key.to_string_lossy();
+        if key_text.starts_with("CARGO_PKG_")
+            || [
+                "CARGO_MANIFEST_DIR",
+                "CARGO_MANIFEST_PATH",
+                "CARGO_CRATE_NAME",
+                "CARGO_BIN_NAME",
+                "CARGO_PRIMARY_PACKAGE",
+            ]
+            .contains(&key_text.as_ref())
+        {
+            build.env_remove(&key);
+        }
+    }
     if profile != "debug" {
         build.args(["--profile", &profile]);
     }

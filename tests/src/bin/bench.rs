@@ -34,8 +34,9 @@
 //! as in a deployment with the Edge and the Node on machines of their own. They are
 //! skipped on one CPU or without `taskset`.
 //!
-//! During every wrk run through IOP a thread samples, every 10 ms, the CPU the Edge's and
-//! the Node's main threads last ran on; the table reports the share of samples on which
+//! During every wrk run through IOP, when the Edge polls on one thread (its default on two
+//! CPUs), a thread samples, every 10 ms, the CPU the Edge's and the Node's main threads last
+//! ran on; the table reports the share of samples on which
 //! they shared one (c=16 small requests / unpaced streams). Left to the kernel, that share
 //! carries over from one run to the next and moves IOP's c=16 throughput on two vCPUs.
 //!
@@ -254,7 +255,7 @@ struct Path3 {
     port: u16,
     pids: Vec<u32>,
     /// Two single-threaded processes whose CPUs are sampled during every wrk run
-    /// (`Together`): IOP's Edge and Node.
+    /// (`Together`): IOP's Edge and Node, when the Edge polls on its main thread alone.
     pair: Option<(u32, u32)>,
 }
 
@@ -463,8 +464,8 @@ struct Run {
 /// Samples, every 10 ms until dropped, the CPU each of two processes' main threads last
 /// ran on: on two vCPUs, where the kernel puts two single-threaded hops that wake each
 /// other moved SSE throughput at c=16 by up to 16 % (BENCHMARKS.md, 2 December
-/// 19:05-19:28), and it carries over from one run to the next. Reading two `stat` files every 10 ms costs
-/// well under 1 % of a CPU.
+/// 19:05-19:28), and it carries over from one run to the next. The sampler reads two small
+/// `stat` files every 10 ms.
 struct Together {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
     sampler: Option<std::thread::JoinHandle<(u64, u64)>>,
@@ -507,11 +508,10 @@ impl Drop for Together {
     }
 }
 
-/// The share of samples on which a pair shared a CPU, over `runs`, as "NN %".
-fn together_share(runs: &[Run]) -> String {
-    let (same, all) = runs.iter().fold((0u64, 0u64), |(s, a), r| {
-        (s + r.together.0, a + r.together.1)
-    });
+/// The share of a run's samples (all rounds', after `med`) on which its pair shared a
+/// CPU, as "NN %"; "–" without samples.
+fn together_share(run: &Run) -> String {
+    let (same, all) = run.together;
     if all == 0 {
         return "–".to_owned();
     }
@@ -929,8 +929,12 @@ fn main() {
         .expect("runtime");
     let mut head = "[limits]\nmax_connections = 8192\nmax_concurrent_requests = 8192\n\n[queue]\nmax_waiting = 8192\n".to_owned();
     // For comparing thread counts; the figures the harness writes use the default.
+    // The Edge's threads as it will count them: one polls on its main thread, which is
+    // then the thread whose CPU tells where the Edge runs.
+    let mut edge_threads = iop_shell_common::process::default_workers().get();
     if let Some(threads) = std::env::var_os("IOP_BENCH_EDGE_THREADS") {
         let threads = threads.to_string_lossy();
+        edge_threads = threads.parse().unwrap_or(0);
         head.push_str(&format!("\n[runtime]\nworker_threads = {threads}\n"));
     }
     let cluster = Cluster::start_with(Link::Plaintext, &head, &iop_body(provider_port));
@@ -965,7 +969,7 @@ fn main() {
             name: "IOP (plaintext link)",
             port: cluster.http_port,
             pids: vec![cluster.edge.pid(), node.pid()],
-            pair: Some((cluster.edge.pid(), node.pid())),
+            pair: (edge_threads == 1).then(|| (cluster.edge.pid(), node.pid())),
         },
     ];
     // Warm every path up.
@@ -1076,8 +1080,8 @@ fn main() {
     );
     out!(
         "| IOP's Edge and Node on the same CPU, share of the c=16 runs (small / SSE) | – | – | {} / {} |",
-        together_share(&many[2..3]),
-        together_share(&sse[2..3])
+        together_share(&many[2]),
+        together_share(&sse[2])
     );
     let base = &paced_runs[0];
     out!(
@@ -1225,6 +1229,16 @@ fn main() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_placement_cell_is_a_share_or_a_dash() {
+        let run = |together| Run {
+            together,
+            ..Run::default()
+        };
+        assert_eq!(together_share(&run((0, 0))), "–");
+        assert_eq!(together_share(&run((2, 3))), "67 %");
+    }
 
     #[test]
     fn cpu_rows_read_as_before() {
