@@ -5,8 +5,10 @@
 //! hyper's client connection reserves 8 KiB to read into and 8 KiB for message heads when
 //! it is made, and talks to its caller through a request channel and a body channel; a
 //! Node that streams 2,000 responses held 25-27 KiB per stream, most of it there. Here a
-//! connection is its socket and a read buffer that starts at 1 KiB and follows the
-//! traffic, and the task that reads the body is the one that reads the socket.
+//! connection is its socket and what was read from it and not yet taken; every read goes
+//! into one 64 KiB buffer per thread and what it got is copied out, so a read takes all
+//! the socket has however little the connection holds, and the task that reads the body
+//! is the one that reads the socket.
 //!
 //! Providers are not trusted: heads, chunk lines and trailers have size limits, a
 //! `Content-Length` must be one number, and a response framed by both `Transfer-Encoding`
@@ -21,7 +23,7 @@ use bytes::{Bytes, BytesMut};
 use http::header::{CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode, Version};
 use hyper_util::rt::TokioIo;
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncRead, AsyncWriteExt, ReadBuf};
 
 use super::connector::ProviderStream;
 use iop_proto_core::http1::{self, HeadError, HeadReader, MAX_RESPONSE_HEADERS, ResponseHead};
@@ -29,9 +31,21 @@ pub use iop_proto_core::http1::{BodyError, Chunk, Decoded, Framing};
 
 /// The largest response head (status line and headers) accepted.
 pub const MAX_HEAD: usize = 64 << 10;
-/// Smallest and largest read.
-const READ_MIN: usize = 1 << 10;
+/// The most one read takes.
 const READ_MAX: usize = 64 << 10;
+
+thread_local! {
+    /// What every provider connection of a thread reads into before the bytes it got are
+    /// copied to the connection's own buffer.
+    ///
+    /// A buffer per connection that started small and grew with the traffic (1, 2, then
+    /// 4 KiB) took three reads for a 3.7 KiB SSE response that had arrived whole, about one
+    /// read in five under unpaced streams (BENCHMARKS.md, 2 December 21:40); one that
+    /// started large would be held by every open stream while it waits for its next event.
+    /// Copying a read's few hundred bytes costs less than a system call.
+    static SCRATCH: std::cell::RefCell<Box<[u8]>> =
+        std::cell::RefCell::new(vec![0; READ_MAX].into_boxed_slice());
+}
 
 /// How talking HTTP/1.1 to a provider failed.
 #[derive(Debug, thiserror::Error)]
@@ -220,7 +234,6 @@ fn next_head(
 pub struct Conn {
     io: TokioIo<ProviderStream>,
     buf: BytesMut,
-    want: usize,
 }
 
 impl Conn {
@@ -229,7 +242,6 @@ impl Conn {
         Conn {
             io: TokioIo::new(stream),
             buf: BytesMut::new(),
-            want: READ_MIN,
         }
     }
 
@@ -257,16 +269,20 @@ impl Conn {
         }
     }
 
-    /// Reads what the socket has into the buffer; `Ok(0)` at its end.
+    /// Reads what the socket has (up to 64 KiB) into the buffer; `Ok(0)` at its end.
     pub fn poll_read(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
-        self.buf.reserve(self.want);
-        let read = ready!(tokio_util::io::poll_read_buf(
-            Pin::new(&mut self.io),
-            cx,
-            &mut self.buf
-        ))?;
-        self.want = iop_shell_common::next_read_size(self.want, read, READ_MIN, READ_MAX);
-        Poll::Ready(Ok(read))
+        SCRATCH.with_borrow_mut(|scratch| {
+            let mut room = ReadBuf::new(scratch);
+            ready!(Pin::new(&mut self.io).poll_read(cx, &mut room))?;
+            let read = room.filled();
+            if self.buf.is_empty() {
+                // Exactly what arrived: the slices taken from it are all that keep it.
+                self.buf = BytesMut::from(read);
+            } else {
+                self.buf.extend_from_slice(read);
+            }
+            Poll::Ready(Ok(read.len()))
+        })
     }
 
     /// The body of the response whose head was read next.
@@ -284,7 +300,6 @@ impl Conn {
         let idle = matches!(self.poll_read(&mut cx), Poll::Pending) && self.buf.is_empty();
         // Idle, it keeps no buffer (what was read last may still be in use downstream).
         self.buf = BytesMut::new();
-        self.want = READ_MIN;
         idle
     }
 }

@@ -602,6 +602,26 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_response_larger_than_one_read_arrives_whole_and_in_order() {
+        // Chunks around and above the 64 KiB a read takes, each filled with its own byte,
+        // sent at once: reads end inside chunk lines, sizes and data alike.
+        let chunks: &'static [String] = Vec::leak(
+            [1, 65_535, 65_536, 70_000, 3, 200_000]
+                .iter()
+                .enumerate()
+                .map(|(i, len)| char::from(b'a' + i as u8).to_string().repeat(*len))
+                .collect(),
+        );
+        let refs = Vec::leak(chunks.iter().map(String::as_str).collect());
+        let (url, accepted) = provider(refs, None, After::KeepAlive).await;
+        let client = client();
+        for _ in 0..2 {
+            assert!(fetch(&client, &url).await.unwrap() == chunks.concat());
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
     async fn a_connection_the_provider_closes_is_not_reused() {
         let (url, accepted) = provider(&["x"], None, After::Close).await;
         let client = client();
