@@ -5,9 +5,10 @@
 //! hyper's client connection reserves 8 KiB to read into and 8 KiB for message heads when
 //! it is made, and talks to its caller through a request channel and a body channel; a
 //! Node that streams 2,000 responses held 25-27 KiB per stream, most of it there. Here a
-//! connection is its socket and what was read from it and not yet taken; every read goes
+//! connection is its socket and what was read from it and not yet taken; a read goes
 //! into one 64 KiB buffer per thread and what it got is copied out, so a read takes all
-//! the socket has however little the connection holds, and the task that reads the body
+//! the socket has however little the connection holds (a response arriving in bulk is
+//! read straight into the connection's buffer instead), and the task that reads the body
 //! is the one that reads the socket.
 //!
 //! Providers are not trusted: heads, chunk lines and trailers have size limits, a
@@ -42,7 +43,9 @@ thread_local! {
     /// 4 KiB) took three reads for a 3.7 KiB SSE response that had arrived whole, about one
     /// read in five under unpaced streams (BENCHMARKS.md, 2 December 21:40); one that
     /// started large would be held by every open stream while it waits for its next event.
-    /// Copying a read's few hundred bytes costs less than a system call.
+    /// Copying a read's few hundred bytes costs less than a system call; a read that fills
+    /// this buffer puts its connection in bulk mode ([`Conn::poll_read`]), where 64 KiB
+    /// copies would add to every read's cost.
     static SCRATCH: std::cell::RefCell<Box<[u8]>> =
         std::cell::RefCell::new(vec![0; READ_MAX].into_boxed_slice());
 }
@@ -234,6 +237,9 @@ fn next_head(
 pub struct Conn {
     io: TokioIo<ProviderStream>,
     buf: BytesMut,
+    /// The last read took all it could: the response is arriving in bulk, and reads go
+    /// straight into `buf`, without a copy, until one comes back short.
+    bulk: bool,
 }
 
 impl Conn {
@@ -242,6 +248,7 @@ impl Conn {
         Conn {
             io: TokioIo::new(stream),
             buf: BytesMut::new(),
+            bulk: false,
         }
     }
 
@@ -269,20 +276,31 @@ impl Conn {
         }
     }
 
-    /// Reads what the socket has (up to 64 KiB) into the buffer; `Ok(0)` at its end.
+    /// Reads what the socket has (64 KiB or more) into the buffer; `Ok(0)` at its end.
     pub fn poll_read(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
-        SCRATCH.with_borrow_mut(|scratch| {
-            let mut room = ReadBuf::new(scratch);
-            ready!(Pin::new(&mut self.io).poll_read(cx, &mut room))?;
-            let read = room.filled();
-            if self.buf.is_empty() {
-                // Exactly what arrived: the slices taken from it are all that keep it.
-                self.buf = BytesMut::from(read);
-            } else {
-                self.buf.extend_from_slice(read);
-            }
-            Poll::Ready(Ok(read.len()))
-        })
+        let read = if self.bulk {
+            self.buf.reserve(READ_MAX);
+            ready!(tokio_util::io::poll_read_buf(
+                Pin::new(&mut self.io),
+                cx,
+                &mut self.buf
+            ))?
+        } else {
+            ready!(SCRATCH.with_borrow_mut(|scratch| {
+                let mut room = ReadBuf::new(scratch);
+                ready!(Pin::new(&mut self.io).poll_read(cx, &mut room))?;
+                let read = room.filled();
+                if self.buf.is_empty() {
+                    // Exactly what arrived: the slices taken from it are all that keep it.
+                    self.buf = BytesMut::from(read);
+                } else {
+                    self.buf.extend_from_slice(read);
+                }
+                Poll::Ready(Ok::<_, io::Error>(read.len()))
+            }))?
+        };
+        self.bulk = read >= READ_MAX;
+        Poll::Ready(Ok(read))
     }
 
     /// The body of the response whose head was read next.
@@ -300,6 +318,7 @@ impl Conn {
         let idle = matches!(self.poll_read(&mut cx), Poll::Pending) && self.buf.is_empty();
         // Idle, it keeps no buffer (what was read last may still be in use downstream).
         self.buf = BytesMut::new();
+        self.bulk = false;
         idle
     }
 }
@@ -352,6 +371,54 @@ mod tests {
             })
             .flatten()
             .collect()
+    }
+
+    /// A connection to a socket the test writes into.
+    async fn socket_pair() -> (Conn, tokio::net::TcpStream) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (client, accepted) =
+            tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
+        let stream = ProviderStream::Plain(TokioIo::new(client.unwrap()));
+        (Conn::new(stream), accepted.unwrap().0)
+    }
+
+    async fn read(conn: &mut Conn) -> usize {
+        std::future::poll_fn(|cx| conn.poll_read(cx)).await.unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_read_takes_what_arrived_into_a_buffer_of_its_size_and_bulk_skips_the_copy() {
+        let (mut conn, mut provider) = socket_pair().await;
+        // 3,000 bytes that arrived together: one read, held in exactly 3,000 bytes (a
+        // buffer that grew from 1 KiB took three reads and kept 4 KiB).
+        provider.write_all(&[7; 3000]).await.unwrap();
+        assert_eq!(read(&mut conn).await, 3000);
+        assert!(!conn.bulk);
+        assert_eq!(conn.buf.capacity(), 3000);
+        let small = conn.buf.split().freeze();
+
+        // More than one read can take, written while the reader waits: the first read
+        // fills the thread's buffer, and the reads after it go straight into the
+        // connection's until one comes back short.
+        let big: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+        let sent = big.clone();
+        tokio::spawn(async move { provider.write_all(&sent).await });
+        let mut bulk_reads = 0;
+        while read(&mut conn).await > 0 {
+            bulk_reads += usize::from(conn.bulk);
+        }
+        assert!(bulk_reads > 0, "no read was in bulk");
+        assert!(!conn.bulk, "the read at the end is short");
+        assert!(
+            conn.buf[..] == big[..],
+            "the bytes arrive whole and in order"
+        );
+        assert_eq!(
+            &small[..],
+            &[7; 3000][..],
+            "what was taken before is untouched"
+        );
     }
 
     #[test]
