@@ -3,6 +3,7 @@
 
 pub mod client;
 pub mod fake;
+pub mod fleet;
 pub mod procfs;
 pub mod rogue;
 

@@ -40,6 +40,13 @@
 //! they shared one (c=16 small requests / unpaced streams). Left to the kernel, that share
 //! carries over from one run to the next and moves IOP's c=16 throughput on two vCPUs.
 //!
+//! Last, with the data path's processes gone, 1,000 in-process nodes connect to an Edge of
+//! their own over TLS and then over plaintext, with the Node's default redial jitter, and
+//! the Edge is killed and restarted (`iop_blackbox::fleet`, which the `reconnect` harness
+//! runs in more combinations): the table's last two rows, the Edge's memory per idle
+//! connected node and the time until every node is ready again, beside bare TCP connects
+//! and bare clients redialling by the same policy over the same link.
+//!
 //! `IOP_BENCH_EDGE_THREADS=<n>` starts the Edge with `runtime.worker_threads = n` instead
 //! of its default, to compare thread counts; `IOP_BENCH_SERVE=1` keeps every path up
 //! (until stdin closes) for profiling instead of measuring.
@@ -58,6 +65,7 @@ use hyper::service::service_fn;
 use hyper::{Request, Response};
 use hyper_util::rt::TokioIo;
 use iop_blackbox::client::{Cluster, Link};
+use iop_blackbox::fleet;
 use iop_blackbox::procfs::{
     children, last_cpu, machine_steal_ticks, machine_ticks, tree_cpu as cpu,
     tree_rss_kib as rss_kib,
@@ -75,6 +83,10 @@ const PACED_STREAMS: usize = 2_000;
 /// Chunks per paced stream, and the pause between them.
 const PACED_CHUNKS: usize = 100;
 const PACE_MS: u64 = 20;
+/// Nodes connected to one Edge for the idle-memory and restart rows, and their redial
+/// jitter (the Node's default).
+const FLEET_NODES: usize = 1_000;
+const FLEET_JITTER: f64 = 0.2;
 
 const SMALL: &str = r#"{"model":"fake","messages":[{"role":"user","content":"Say something."}]}"#;
 const STREAM: &str =
@@ -848,6 +860,33 @@ providers = [{{ node = "n1", adapter = "oa", target = "fake" }}]
     )
 }
 
+/// The fleet's two rows of the table (TLS / plaintext in each cell): the Edge's memory
+/// per idle connected node, and the time until every node is ready again after the Edge
+/// restarts, with the bare references in the direct column and the restart over the bare
+/// reconnects of the same link in IOP's (`iop_blackbox::fleet`).
+fn fleet_rows(rows: &[fleet::Row]) -> String {
+    let cells = |cell: &dyn Fn(&fleet::Row) -> String| {
+        rows.iter().map(cell).collect::<Vec<_>>().join(" / ")
+    };
+    let links = cells(&|r| r.link_name().to_owned());
+    let nodes = rows.first().map_or(0, |r| r.nodes);
+    format!(
+        "| Edge memory per idle connected node, {nodes} nodes ({links}) | – | – | {} KiB |\n\
+         | {nodes} nodes ready again after an Edge restart ({links}; direct: bare TCP connects, then bare clients redialling by the same policy) | {:.3} s; {} | – | {} |",
+        cells(&|r| format!("{:.1}", r.per_node_kib)),
+        rows.first().map_or(0.0, |r| r.raw.as_secs_f64()),
+        cells(&|r| format!("{:.3} s", r.bare_again().as_secs_f64())),
+        cells(&|r| {
+            format!(
+                "{} ({})",
+                fleet::seconds(r.again),
+                r.restart_ratio()
+                    .map_or_else(|| "–".to_owned(), |x| format!("{x:.2}×"))
+            )
+        }),
+    )
+}
+
 /// Where `--write` puts the table: between these lines of the file, replacing what was
 /// there (the file's other sections are the record of earlier runs and are left alone).
 const LATEST_BEGIN: &str =
@@ -1008,6 +1047,28 @@ fn main() {
     eprintln!("bench: {PACED_STREAMS} paced streams per path");
     let paced_runs: Vec<Paced> = paths.iter().map(|p| runtime.block_on(paced(p))).collect();
 
+    // The data path is measured: its processes go before the fleet's Edges start.
+    for nginx in [&mut nginx1, &mut nginx2] {
+        // TERM lets the master stop its workers; KILL would orphan them.
+        let _ = Command::new("kill")
+            .args(["-TERM", &nginx.id().to_string()])
+            .status();
+        let _ = nginx.wait();
+    }
+    let _ = provider.kill();
+    let _ = provider.wait();
+    drop(node);
+    drop(cluster);
+    eprintln!("bench: {FLEET_NODES} nodes against a restarting Edge, TLS and plaintext");
+    let fleet: Vec<fleet::Row> = runtime.block_on(async {
+        let raw = fleet::raw_connects(FLEET_NODES).await;
+        let mut rows = Vec::new();
+        for link in [Link::Tls, Link::Plaintext] {
+            rows.push(fleet::measure(FLEET_NODES, link, FLEET_JITTER, raw).await);
+        }
+        rows
+    });
+
     let single: Vec<Run> = single.iter().map(|r| med(r)).collect();
     let many: Vec<Run> = many.iter().map(|r| med(r)).collect();
     let sse: Vec<Run> = sse.iter().map(|r| med(r)).collect();
@@ -1162,6 +1223,7 @@ fn main() {
         errors[1],
         errors[2]
     );
+    out!("{}", fleet_rows(&fleet));
 
     if pin {
         let many_pinned: Vec<Run> = many_pinned.iter().map(|r| med(r)).collect();
@@ -1212,18 +1274,6 @@ fn main() {
             Err(err) => eprintln!("bench: cannot write {}: {err}", path.display()),
         }
     }
-
-    for nginx in [&mut nginx1, &mut nginx2] {
-        // TERM lets the master stop its workers; KILL would orphan them.
-        let _ = Command::new("kill")
-            .args(["-TERM", &nginx.id().to_string()])
-            .status();
-        let _ = nginx.wait();
-    }
-    let _ = provider.kill();
-    let _ = provider.wait();
-    drop(node);
-    drop(cluster);
 }
 
 #[cfg(test)]
@@ -1238,6 +1288,33 @@ mod tests {
         };
         assert_eq!(together_share(&run((0, 0))), "–");
         assert_eq!(together_share(&run((2, 3))), "67 %");
+    }
+
+    #[test]
+    fn the_fleet_rows_give_tls_then_plaintext_in_each_cell() {
+        let ms = Duration::from_millis;
+        let row = |link, per_node_kib, again, bare, tls_again| fleet::Row {
+            link,
+            jitter: 0.2,
+            nodes: 1000,
+            cold: Some(ms(100)),
+            again,
+            cold_cpu: ms(0),
+            restart_cpu: ms(0),
+            per_node_kib,
+            raw: ms(42),
+            raw_again: bare,
+            tls_again,
+        };
+        let rows = [
+            row(Link::Tls, 5.74, Some(ms(230)), ms(70), Some(ms(200))),
+            row(Link::Plaintext, 1.5, None, ms(64), None),
+        ];
+        assert_eq!(
+            fleet_rows(&rows),
+            "| Edge memory per idle connected node, 1000 nodes (TLS 1.3 / plaintext) | – | – | 5.7 / 1.5 KiB |\n\
+             | 1000 nodes ready again after an Edge restart (TLS 1.3 / plaintext; direct: bare TCP connects, then bare clients redialling by the same policy) | 0.042 s; 0.200 s / 0.064 s | – | 0.230 s (1.15×) / did not finish in 60 s (–) |"
+        );
     }
 
     #[test]
