@@ -346,8 +346,9 @@ pub struct Row {
     pub cold: Option<Duration>,
     /// All nodes ready again after the Edge was killed and restarted.
     pub again: Option<Duration>,
-    /// The Edge's CPU per registration, cold and after the restart.
+    /// The Edge's CPU per registration from a cold start.
     pub cold_cpu: Duration,
+    /// The restarted Edge's CPU per registration, its own start included.
     pub restart_cpu: Duration,
     /// The Edge's RSS growth per idle connected node, KiB.
     pub per_node_kib: f64,
