@@ -2,8 +2,9 @@
 //! start and again after the Edge restarts, over TLS and over plaintext, each once without
 //! jitter and once with the node's default, beside bare TCP connects and bare clients that
 //! redial by the same policy, in one run. How each row is measured: `iop_blackbox::fleet`
-//! (`bench` puts the rows of the default jitter in its own table). The last column is the
-//! restart over the bare reconnects of the same link.
+//! (`bench` puts the rows of the default jitter in its own table). Each restart figure is
+//! the median of five (`fleet::RESTARTS`); the last column is the restart over the bare
+//! reconnects of the same link.
 //!
 //! Run: `cargo run --release -p iop-blackbox --bin reconnect -- [nodes]` (it builds the Edge and
 //! the Node first).
