@@ -276,7 +276,8 @@ impl Conn {
         }
     }
 
-    /// Reads what the socket has (64 KiB or more) into the buffer; `Ok(0)` at its end.
+    /// Reads what the socket has into the buffer, up to 64 KiB (at least that much in bulk
+    /// mode); `Ok(0)` at its end.
     pub fn poll_read(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
         let read = if self.bulk {
             self.buf.reserve(READ_MAX);
@@ -387,23 +388,43 @@ mod tests {
         std::future::poll_fn(|cx| conn.poll_read(cx)).await.unwrap()
     }
 
+    /// Waits until the socket holds at least `n` unread bytes, so that what one read
+    /// takes does not depend on how the kernel paced the writer.
+    async fn wait_queued(conn: &Conn, n: usize) {
+        let ProviderStream::Plain(plain) = conn.io.inner() else {
+            panic!("the test socket is plain TCP");
+        };
+        let mut probe = vec![0; n];
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+        while plain.inner().peek(&mut probe).await.unwrap() < n {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{n} bytes never queued"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+    }
+
     #[tokio::test]
     async fn a_read_takes_what_arrived_into_a_buffer_of_its_size_and_bulk_skips_the_copy() {
         let (mut conn, mut provider) = socket_pair().await;
         // 3,000 bytes that arrived together: one read, held in exactly 3,000 bytes (a
         // buffer that grew from 1 KiB took three reads and kept 4 KiB).
         provider.write_all(&[7; 3000]).await.unwrap();
+        wait_queued(&conn, 3000).await;
         assert_eq!(read(&mut conn).await, 3000);
         assert!(!conn.bulk);
         assert_eq!(conn.buf.capacity(), 3000);
         let small = conn.buf.split().freeze();
 
-        // More than one read can take, written while the reader waits: the first read
-        // fills the thread's buffer, and the reads after it go straight into the
-        // connection's until one comes back short.
+        // More than one read can take, 64 KiB of it waiting before the first read: that
+        // read fills the thread's buffer, and the reads after it go straight into the
+        // connection's until one comes back short. (Written from a task of its own: the
+        // socket buffers need not hold all of it.)
         let big: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
         let sent = big.clone();
         tokio::spawn(async move { provider.write_all(&sent).await });
+        wait_queued(&conn, READ_MAX).await;
         let mut bulk_reads = 0;
         while read(&mut conn).await > 0 {
             bulk_reads += usize::from(conn.bulk);

@@ -8,8 +8,9 @@
 //! ```
 //!
 //! Under `cargo run` it first builds the `iop-edge` and `iop-node` it measures
-//! (`iop_blackbox::build_binaries`). The table goes to stdout; with `--write`, also into the file's latest-run block (between
-//! `<!-- bench:latest … -->` and `<!-- /bench:latest -->`, appended when the file has none).
+//! (`iop_blackbox::build_binaries`). The table goes to stdout; with `--write`, also into
+//! the file's latest-run block (between `<!-- bench:latest … -->` and
+//! `<!-- /bench:latest -->`, appended when the file has none).
 //!
 //! The Edge and the Node log at INFO, one line per request each, as the tests run them
 //! (`IOP_TEST_RUST_LOG=warn` measures them without those lines); each nginx hop writes

@@ -33,8 +33,9 @@ async fn main() {
     for (link, jitter) in runs {
         let row = fleet::measure(nodes, link, jitter, raw).await;
         println!(
-            "| {} | {jitter} | {} | {} | {:.0} µs (cold) / {:.0} µs (restart) | {:.1} KiB | {:.3} s | {:.3} s | {} | {} |",
+            "| {} | {} | {} | {} | {:.0} µs (cold) / {:.0} µs (restart) | {:.1} KiB | {:.3} s | {:.3} s | {} | {} |",
             row.link_name(),
+            row.jitter,
             seconds(row.cold),
             seconds(row.again),
             row.cold_cpu.as_secs_f64() * 1e6,
