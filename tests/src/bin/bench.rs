@@ -50,7 +50,8 @@
 //!
 //! `IOP_BENCH_EDGE_THREADS=<n>` starts the Edge with `runtime.worker_threads = n` instead
 //! of its default, to compare thread counts; `IOP_BENCH_SERVE=1` keeps every path up
-//! (until stdin closes) for profiling instead of measuring.
+//! (until stdin closes) for profiling instead of measuring, and `bench paced <port>
+//! [pid...]` runs one set of paced streams against one of them.
 
 use std::convert::Infallible;
 use std::path::PathBuf;
@@ -924,6 +925,35 @@ fn main() {
             .and_then(|p| p.parse().ok())
             .expect("bench provider <port>");
         run_provider(port);
+        return;
+    }
+    if args.get(1).map(String::as_str) == Some("paced") {
+        // For profiling beside `IOP_BENCH_SERVE`: one set of paced streams against a port.
+        let port = args
+            .get(2)
+            .and_then(|p| p.parse().ok())
+            .expect("bench paced <port> [pid...]");
+        let pids = args[3..].iter().filter_map(|p| p.parse().ok()).collect();
+        let path = Path3 {
+            name: "paced",
+            port,
+            pids,
+            pair: None,
+        };
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let run = runtime.block_on(paced(&path));
+        println!(
+            "p50 {:.0} µs p99 {:.0} µs errors {} cpu/chunk {:?} busy {:.0} %",
+            run.p50_us,
+            run.p99_us,
+            run.errors,
+            run.cpu_per_chunk_us,
+            run.machine_busy * 100.0
+        );
         return;
     }
     iop_blackbox::build_binaries();
