@@ -52,6 +52,8 @@
 //! of its default, to compare thread counts; `IOP_BENCH_SERVE=1` keeps every path up
 //! (until stdin closes) for profiling instead of measuring, and `bench paced <port>
 //! [pid...]` runs one set of paced streams against one of them.
+//! `IOP_BENCH_PACED_DUMP=<file>` writes every paced chunk's send time and latency, in
+//! microseconds, one chunk a line, to see when a set's slow chunks were sent.
 
 use std::convert::Infallible;
 use std::path::PathBuf;
@@ -631,9 +633,9 @@ struct Paced {
     settle_s: f64,
 }
 
-/// One paced stream over a raw connection: the latency of every chunk, from the
-/// provider's stamp to its arrival here.
-async fn paced_stream(port: u16, body: Bytes) -> Result<Vec<u64>, String> {
+/// One paced stream over a raw connection: every chunk's provider stamp and latency, from
+/// that stamp to its arrival here (µs).
+async fn paced_stream(port: u16, body: Bytes) -> Result<Vec<(u64, u64)>, String> {
     let mut stream = TcpStream::connect(("127.0.0.1", port))
         .await
         .map_err(|e| e.to_string())?;
@@ -679,7 +681,7 @@ async fn paced_stream(port: u16, body: Bytes) -> Result<Vec<u64>, String> {
                 .ok()
                 .and_then(|s| s.parse().ok())
                 .unwrap_or(arrived);
-            latencies.push(arrived.saturating_sub(sent));
+            latencies.push((sent, arrived.saturating_sub(sent)));
             scanned = end;
         }
         if find(&buf[scanned..], b"[DONE]").is_some() {
@@ -739,12 +741,12 @@ async fn paced(path: &Path3) -> Paced {
             paced_stream(port, body).await
         }));
     }
-    let mut all = Vec::new();
+    let mut stamped: Vec<(u64, u64)> = Vec::new();
     let mut errors = 0;
     let mut first_error = None;
     for task in tasks {
         match task.await {
-            Ok(Ok(latencies)) => all.extend(latencies),
+            Ok(Ok(latencies)) => stamped.extend(latencies),
             Ok(Err(e)) => {
                 errors += 1;
                 first_error.get_or_insert(e);
@@ -775,6 +777,16 @@ async fn paced(path: &Path3) -> Paced {
     sampling.store(false, std::sync::atomic::Ordering::Relaxed);
     let _ = sampler.join();
     let peaks = peaks.lock().map(|p| p.clone()).unwrap_or_default();
+    if let Some(file) = std::env::var_os("IOP_BENCH_PACED_DUMP") {
+        let text: String = stamped.iter().map(|(t, l)| format!("{t} {l}\n")).collect();
+        if let Err(err) = std::fs::write(&file, text) {
+            eprintln!(
+                "bench: IOP_BENCH_PACED_DUMP={}: {err}",
+                file.to_string_lossy()
+            );
+        }
+    }
+    let mut all: Vec<u64> = stamped.into_iter().map(|(_, latency)| latency).collect();
     all.sort_unstable();
     let pick = |q: f64| {
         all.get(((all.len() as f64 * q) as usize).min(all.len().saturating_sub(1)))
