@@ -20,8 +20,9 @@ pub const MIN_TOKEN_CHARS: usize = 16;
 /// `token_file`.
 pub const TOKEN_ENV: &str = "IOP_NODE_TOKEN";
 
-/// Default `reconnect.jitter`: each wait is drawn from 80-100% of `interval_sec`.
-pub const DEFAULT_JITTER: f64 = 0.2;
+/// Default `reconnect.jitter`: each wait is drawn from 80-100% of `interval_sec` (the
+/// core's reconnect policy).
+pub use iop_proto_core::reconnect::DEFAULT_JITTER;
 
 /// A secret that never prints.
 #[derive(Clone, PartialEq, Eq)]

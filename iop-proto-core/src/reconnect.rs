@@ -20,6 +20,10 @@ use crate::time::Timestamp;
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 10;
 /// Interval between attempts when `interval_sec` is omitted.
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(10);
+/// The share of the interval a Node takes off its waits at random unless configured
+/// (`reconnect.jitter`; [`Supervisor::with_jitter`]): each wait is drawn from 80-100 % of
+/// the interval, so a fleet that lost the same Edge does not redial it in one burst.
+pub const DEFAULT_JITTER: f64 = 0.2;
 
 /// How many connection attempts the policy allows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -243,10 +243,11 @@ pub async fn raw_connects(n: usize) -> Duration {
         held.push(t.await.expect("task").expect("connect"));
     }
     let took = started.elapsed();
-    // The listener keeps what it accepted (2,000 descriptors, once per process): closing
-    // the connections here made every plaintext registration measured after them slower
-    // (1,000 nodes ready in 0.040-0.049 s instead of 0.025-0.030, restarts 1.33-1.53x the
-    // bare reconnects instead of 1.09-1.27x, 2 December 22:50).
+    // The clients' ends close here, but the listener's task is left running with the
+    // connections it accepted (1,000 descriptors and one port, once per process): closing
+    // those too made every plaintext registration measured after them slower (1,000 nodes
+    // ready in 0.040-0.049 s instead of 0.025-0.030, restarts 1.33-1.53x the bare
+    // reconnects instead of 1.09-1.27x, 2 December 22:50). Dropping the handle detaches it.
     drop(server);
     took
 }

@@ -90,7 +90,7 @@ const PACE_MS: u64 = 20;
 /// Nodes connected to one Edge for the idle-memory and restart rows, and their redial
 /// jitter (the Node's default).
 const FLEET_NODES: usize = 1_000;
-const FLEET_JITTER: f64 = 0.2;
+const FLEET_JITTER: f64 = iop_proto_core::reconnect::DEFAULT_JITTER;
 
 const SMALL: &str = r#"{"model":"fake","messages":[{"role":"user","content":"Say something."}]}"#;
 const STREAM: &str =

@@ -11,6 +11,7 @@
 
 use iop_blackbox::client::Link;
 use iop_blackbox::fleet::{self, raw_connects, seconds};
+use iop_proto_core::reconnect::DEFAULT_JITTER;
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
@@ -26,9 +27,9 @@ async fn main() {
     println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let runs = [
         (Link::Tls, 0.0),
-        (Link::Tls, 0.2),
+        (Link::Tls, DEFAULT_JITTER),
         (Link::Plaintext, 0.0),
-        (Link::Plaintext, 0.2),
+        (Link::Plaintext, DEFAULT_JITTER),
     ];
     for (link, jitter) in runs {
         let row = fleet::measure(nodes, link, jitter, raw).await;
