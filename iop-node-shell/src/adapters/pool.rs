@@ -295,7 +295,12 @@ impl Body for ProviderBody {
             let decoded = match conn.decode(&mut this.framing) {
                 Ok(Some(decoded)) => decoded,
                 Ok(None) => match conn.poll_read(cx) {
-                    Poll::Pending => return Poll::Pending,
+                    Poll::Pending => {
+                        // The provider is mid-response: let the hops downstream run
+                        // before this thread looks at its sockets again.
+                        iop_shell_common::process::note_response_pending();
+                        return Poll::Pending;
+                    }
                     Poll::Ready(Ok(0)) => match this.framing.at_eof() {
                         Ok(end) => {
                             this.keep_alive = false;
@@ -593,6 +598,11 @@ mod tests {
             .into_data()
             .unwrap();
         assert_eq!(&first[..], b"one");
+        // Waiting for the rest, the body tells the runtime a response is mid-stream.
+        let _ = iop_shell_common::process::take_response_pending();
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        assert!(Pin::new(&mut body).poll_frame(&mut cx).is_pending());
+        assert!(iop_shell_common::process::take_response_pending());
         gate.add_permits(2);
         let mut rest = Vec::new();
         while let Some(frame) = body.frame().await {
