@@ -125,11 +125,14 @@ fn main() -> ExitCode {
         );
         return ExitCode::SUCCESS;
     }
-    let runtime =
-        match process::runtime("iop-edge", process::Threads::Workers(config.worker_threads)) {
-            Ok(runtime) => runtime,
-            Err(code) => return code,
-        };
+    let runtime = match process::runtime(
+        "iop-edge",
+        process::Threads::Workers(config.worker_threads),
+        process::BeforePark::Wait,
+    ) {
+        Ok(runtime) => runtime,
+        Err(code) => return code,
+    };
     let result = runtime.block_on(async move {
         let shutdown = CancellationToken::new();
         tokio::spawn(process::cancel_on_signal(shutdown.clone()));

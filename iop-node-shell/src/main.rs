@@ -84,7 +84,14 @@ fn main() -> ExitCode {
             ),
         }
     }
-    let runtime = match process::runtime("iop-node", process::Threads::One) {
+    // Under `SCHED_BATCH` the Node already defers to the process it shares a CPU with;
+    // told to keep its policy, it neither defers nor yields.
+    let before_park = if config.scheduler == Scheduler::Batch {
+        process::BeforePark::YieldMidResponse
+    } else {
+        process::BeforePark::Wait
+    };
+    let runtime = match process::runtime("iop-node", process::Threads::One, before_park) {
         Ok(runtime) => runtime,
         Err(code) => return code,
     };

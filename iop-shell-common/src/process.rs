@@ -19,9 +19,24 @@ pub enum Threads {
     One,
 }
 
+/// What a runtime thread does when it runs out of tasks, before it waits for its sockets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BeforePark {
+    /// Nothing: it waits at once (the Edge, and a Node told to keep its scheduling
+    /// policy, which then must not hand its CPU to others either).
+    Wait,
+    /// If a task noted a response still arriving ([`note_response_pending`]), it first
+    /// lets what else is runnable on its CPU go, once: the Node under `SCHED_BATCH`.
+    YieldMidResponse,
+}
+
 /// The runtime a binary runs on; on failure the message is printed under `program`'s
 /// name and the exit code to return is given back.
-pub fn runtime(program: &str, threads: Threads) -> Result<tokio::runtime::Runtime, ExitCode> {
+pub fn runtime(
+    program: &str,
+    threads: Threads,
+    before_park: BeforePark,
+) -> Result<tokio::runtime::Runtime, ExitCode> {
     let mut builder = match threads {
         Threads::Workers(n) if n.get() > 1 => {
             let mut builder = tokio::runtime::Builder::new_multi_thread();
@@ -31,7 +46,9 @@ pub fn runtime(program: &str, threads: Threads) -> Result<tokio::runtime::Runtim
         Threads::Workers(_) | Threads::One => tokio::runtime::Builder::new_current_thread(),
     };
     builder.event_interval(EVENT_INTERVAL);
-    builder.on_thread_park(before_park);
+    if before_park == BeforePark::YieldMidResponse {
+        builder.on_thread_park(yield_if_response_pending);
+    }
     builder.enable_all().build().map_err(|err| {
         eprintln!("{program}: cannot start the runtime: {err}");
         ExitCode::from(1)
@@ -58,14 +75,16 @@ thread_local! {
 
 /// Tells the runtime of the calling thread that a task waits for the rest of an upstream
 /// response (the Node's provider body, mid-stream). When the thread next runs out of
-/// tasks, before it waits for its sockets, it then lets whatever else is runnable on its
-/// CPU go first (`sched_yield`), once: the hop downstream forwards what it was just sent
+/// tasks, before it waits for its sockets, a runtime built with
+/// [`BeforePark::YieldMidResponse`] then lets whatever else is runnable on its CPU go
+/// first (`sched_yield`), once: the hop downstream forwards what it was just sent
 /// and the provider writes more, so the next read takes several events instead of one.
 /// On a CPU with nothing else to run the yield returns at once, and nothing waits for a
-/// timer. With the bench harness of BENCHMARKS.md, alternating builds: 3-6 % more
-/// unpaced SSE streams at 16 connections and about a fifth fewer provider reads per
-/// stream, with small requests and paced-stream latency unchanged. Yielding at every
-/// park, not only mid-response, gave SSE as much but cost small requests 3-10 %.
+/// timer. With the bench harness of BENCHMARKS.md held up, alternating: up to 6 % (3 %
+/// on average) more unpaced SSE streams at 16 connections and about a fifth fewer
+/// provider reads per stream, with small requests and paced-stream latency unchanged.
+/// Yielding at every park, not only mid-response, gave SSE a little more but cost small
+/// requests 1-12 % of their rate.
 pub fn note_response_pending() {
     MID_RESPONSE.with(|pending| pending.set(true));
 }
@@ -77,9 +96,9 @@ pub fn take_response_pending() -> bool {
     MID_RESPONSE.with(|pending| pending.replace(false))
 }
 
-/// The runtime's hook before a thread waits for its sockets: see
-/// [`note_response_pending`].
-fn before_park() {
+/// The runtime's hook before a thread waits for its sockets, with
+/// [`BeforePark::YieldMidResponse`]: see [`note_response_pending`].
+fn yield_if_response_pending() {
     if take_response_pending() {
         std::thread::yield_now();
     }
@@ -208,7 +227,7 @@ mod tests {
             assert!(!take_response_pending());
             note_response_pending();
             note_response_pending();
-            before_park();
+            yield_if_response_pending();
             // Consumed by one park: the next waits at once.
             assert!(!take_response_pending());
             note_response_pending();
