@@ -23,7 +23,8 @@ pub enum Threads {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BeforePark {
     /// Nothing: it waits at once (the Edge, and a Node told to keep its scheduling
-    /// policy, which then must not hand its CPU to others either).
+    /// policy, which then must not hand its CPU to others either). What tasks note with
+    /// [`note_response_pending`] is then left unread: one flag per thread, overwritten.
     Wait,
     /// If a task noted a response still arriving ([`note_response_pending`]), it first
     /// lets what else is runnable on its CPU go, once: the Node under `SCHED_BATCH`.
