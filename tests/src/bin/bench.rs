@@ -883,7 +883,7 @@ fn fleet_rows(rows: &[fleet::Row]) -> String {
         rows.iter().map(cell).collect::<Vec<_>>().join(" / ")
     };
     let links = cells(&|r| r.link_name().to_owned());
-    let nodes = rows.first().map_or(0, |r| r.nodes);
+    let nodes = count(rows.first().map_or(0, |r| r.nodes));
     format!(
         "| Edge memory per idle connected node, {nodes} nodes ({links}) | – | – | {} KiB |\n\
          | {nodes} nodes ready again after an Edge restart, median of {} ({links}; direct: bare TCP connects, then bare clients redialling by the same policy) | {:.3} s; {} | – | {} |",
@@ -900,6 +900,19 @@ fn fleet_rows(rows: &[fleet::Row]) -> String {
             )
         }),
     )
+}
+
+/// `n` with a comma between thousands, as the issue's table writes counts ("2,000").
+fn count(n: usize) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, digit) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(digit);
+    }
+    out
 }
 
 /// Where `--write` puts the table: between these lines of the file, replacing what was
@@ -1139,7 +1152,8 @@ fn main() {
         }};
     }
     out!(
-        "Measured {date}; medians of {rounds} interleaved rounds of {seconds} s per figure; load from wrk 4.x (1 thread); {PACED_STREAMS} paced streams of {PACED_CHUNKS} chunks every {PACE_MS} ms. Command: `{command}`.\n"
+        "Measured {date}; medians of {rounds} interleaved rounds of {seconds} s per figure; load from wrk 4.x (1 thread); {} paced streams of {PACED_CHUNKS} chunks every {PACE_MS} ms. Command: `{command}`.\n",
+        count(PACED_STREAMS)
     );
     out!("| | direct | nginx, 2 hops | IOP (plaintext link) |");
     out!("|---|---:|---:|---:|");
@@ -1193,7 +1207,8 @@ fn main() {
     );
     let base = &paced_runs[0];
     out!(
-        "| {PACED_STREAMS} streams, {PACE_MS} ms pacing, chunk latency p50 / p99 (added) | {:.0} / {:.0} µs | {:+.1} / {:+.1} ms | {:+.1} / {:+.1} ms |",
+        "| {} streams, {PACE_MS} ms pacing, chunk latency p50 / p99 (added) | {:.0} / {:.0} µs | {:+.1} / {:+.1} ms | {:+.1} / {:+.1} ms |",
+        count(PACED_STREAMS),
         base.p50_us,
         base.p99_us,
         (paced_runs[1].p50_us - base.p50_us) / 1e3,
@@ -1346,6 +1361,15 @@ mod tests {
     }
 
     #[test]
+    fn counts_are_written_with_thousands_separated() {
+        assert_eq!(count(0), "0");
+        assert_eq!(count(999), "999");
+        assert_eq!(count(1_000), "1,000");
+        assert_eq!(count(2_000), "2,000");
+        assert_eq!(count(1_234_567), "1,234,567");
+    }
+
+    #[test]
     fn the_fleet_rows_give_tls_then_plaintext_in_each_cell() {
         let ms = Duration::from_millis;
         let row = |link, per_node_kib, again, bare, tls_again| fleet::Row {
@@ -1367,8 +1391,8 @@ mod tests {
         ];
         assert_eq!(
             fleet_rows(&rows),
-            "| Edge memory per idle connected node, 1000 nodes (TLS 1.3 / plaintext) | – | – | 5.7 / 1.5 KiB |\n\
-             | 1000 nodes ready again after an Edge restart, median of 5 (TLS 1.3 / plaintext; direct: bare TCP connects, then bare clients redialling by the same policy) | 0.042 s; 0.200 s / 0.064 s | – | 0.230 s (1.15×) / did not finish in 60 s (–) |"
+            "| Edge memory per idle connected node, 1,000 nodes (TLS 1.3 / plaintext) | – | – | 5.7 / 1.5 KiB |\n\
+             | 1,000 nodes ready again after an Edge restart, median of 5 (TLS 1.3 / plaintext; direct: bare TCP connects, then bare clients redialling by the same policy) | 0.042 s; 0.200 s / 0.064 s | – | 0.230 s (1.15×) / did not finish in 60 s (–) |"
         );
     }
 
