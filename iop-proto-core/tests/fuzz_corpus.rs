@@ -74,3 +74,11 @@ fn http1_request_corpus_replays() {
         iop_proto_core::testkit::fuzz::http1_request,
     );
 }
+
+#[test]
+fn http1_response_corpus_replays() {
+    replay(
+        "http1_response",
+        iop_proto_core::testkit::fuzz::http1_response,
+    );
+}

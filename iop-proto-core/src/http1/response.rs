@@ -52,8 +52,13 @@ impl HeadReader {
         let mut start = 0;
         loop {
             let Some(end) = find_blank_line(&buf[start..]).map(|at| start + at) else {
-                // Interim answers, and the final head not in yet.
-                return Ok(None);
+                // Interim answers, and the final head not in yet: no more than the limit
+                // is held for it either.
+                return if buf.len() > self.max_head {
+                    Err(HeadError::TooLarge)
+                } else {
+                    Ok(None)
+                };
             };
             if end > self.max_head {
                 return Err(HeadError::TooLarge);
@@ -411,6 +416,15 @@ mod tests {
         );
         assert_eq!(
             HeadReader::new(8).poll_response(&[b'x'; 9], false),
+            Err(HeadError::TooLarge)
+        );
+        // An interim answer, then a final head that does not end within the limit, read
+        // at once (found by the `http1_response` fuzz target: it was held, unrefused).
+        let mut wire = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nx: ".to_vec();
+        assert_eq!(HeadReader::new(64).poll_response(&wire, false), Ok(None));
+        wire.resize(65, b'a');
+        assert_eq!(
+            HeadReader::new(64).poll_response(&wire, false),
             Err(HeadError::TooLarge)
         );
     }

@@ -646,6 +646,164 @@ fn read_requests(data: &[u8], max_head: usize, piece: impl Fn(usize) -> usize) -
     }
 }
 
+/// Untrusted bytes from a provider, read as the responses of one keep-alive HTTP/1.1
+/// connection the way the Node's client reads them: heads by
+/// [`HeadReader::poll_response`] (interim 1xx answers skipped), bodies by their
+/// [`Framing`], a body framed by the connection's close ended by [`Framing::at_eof`]
+/// when the input runs out. The first byte says whether the requests were `HEAD`. Read
+/// once whole and once in uneven pieces, checks that: what is read does not depend on how
+/// the input was split; a head never exceeds the limit and its ranges lie inside it; a
+/// `HEAD`, 204 or 304 answer has no body; only a response whose body's end the framing
+/// gives, on HTTP/1.1, lets the connection carry another; a body never yields more bytes
+/// than the input holds, and a length-framed one exactly its length; an error ends the
+/// connection.
+///
+/// [`HeadReader::poll_response`]: crate::http1::HeadReader::poll_response
+/// [`Framing`]: crate::http1::Framing
+/// [`Framing::at_eof`]: crate::http1::Framing::at_eof
+pub fn http1_response(data: &[u8]) {
+    // A small limit, so that the fuzzer reaches the oversized path cheaply.
+    const MAX_HEAD: usize = 512;
+    let Some((&flags, data)) = data.split_first() else {
+        return;
+    };
+    let head_request = flags & 1 == 1;
+    let whole = read_responses(data, MAX_HEAD, head_request, |_| data.len());
+    let split = read_responses(data, MAX_HEAD, head_request, |i| {
+        1 + usize::from(data.get(i % data.len().max(1)).copied().unwrap_or(0)) % 13
+    });
+    assert_eq!(
+        whole, split,
+        "the reading depends on how the input was split"
+    );
+    let body_bytes: usize = whole.iter().map(|r| r.body.len()).sum();
+    assert!(body_bytes <= data.len(), "more body than input");
+}
+
+/// What reading one response of a connection found.
+#[derive(Debug, PartialEq, Eq)]
+struct ReadResponse {
+    /// The head's length, status and whether it let the connection go on; or why the
+    /// head was refused.
+    head: Result<(usize, u16, bool), crate::http1::HeadError>,
+    body: Vec<u8>,
+    /// How the body ended: `Ok(true)` read to its end, `Ok(false)` the input ran out
+    /// first, `Err` broken framing.
+    ended: Result<bool, crate::http1::BodyError>,
+}
+
+/// Reads `data` as the responses of one connection, fed `piece(i)` bytes at a time.
+fn read_responses(
+    data: &[u8],
+    max_head: usize,
+    head_request: bool,
+    piece: impl Fn(usize) -> usize,
+) -> Vec<ReadResponse> {
+    use crate::http1::{BodyError, Decoded, Framing, HeadReader};
+    let mut fed = 0;
+    let mut reads = 0;
+    let mut buf = BytesMut::new();
+    let mut feed = |buf: &mut BytesMut| -> bool {
+        if fed >= data.len() {
+            return false;
+        }
+        let n = piece(reads).clamp(1, data.len() - fed);
+        reads += 1;
+        buf.extend_from_slice(&data[fed..fed + n]);
+        fed += n;
+        true
+    };
+    let mut out = Vec::new();
+    let mut heads = HeadReader::new(max_head);
+    loop {
+        heads.reset();
+        let head = loop {
+            match heads.poll_response(&buf, head_request) {
+                Ok(Some(head)) => break Ok(head),
+                Ok(None) => {
+                    assert!(
+                        buf.len() <= max_head,
+                        "{} bytes held for an unfinished head",
+                        buf.len()
+                    );
+                    if !feed(&mut buf) {
+                        return out;
+                    }
+                }
+                Err(err) => break Err(err),
+            }
+        };
+        let head = match head {
+            Ok(head) => head,
+            Err(err) => {
+                out.push(ReadResponse {
+                    head: Err(err),
+                    body: Vec::new(),
+                    ended: Ok(false),
+                });
+                return out;
+            }
+        };
+        assert!(head.len <= max_head && head.len <= buf.len(), "{head:?}");
+        assert!((200..=999).contains(&head.status), "{head:?}");
+        for range in head.fields.iter().flat_map(|(n, v)| [n, v]) {
+            assert!(
+                range.start <= range.end && range.end <= head.len,
+                "{range:?}"
+            );
+        }
+        if head_request || head.status == 204 || head.status == 304 {
+            assert_eq!(head.body, Framing::Empty, "{head:?}");
+        }
+        if head.keep_alive {
+            assert!(!head.http10, "{head:?}");
+            assert!(
+                !matches!(head.body, Framing::UntilClose),
+                "a body ended by the close on a connection kept: {head:?}"
+            );
+        }
+        let _ = buf.split_to(head.len);
+        let mut framing = head.body.clone();
+        let declared = framing.remaining();
+        let mut body = Vec::new();
+        let ended = loop {
+            match framing.decode(&mut buf) {
+                Ok(Some(Decoded::Data(data))) => {
+                    assert!(!data.is_empty(), "an empty data step");
+                    body.extend_from_slice(&data);
+                }
+                Ok(Some(Decoded::Trailers(_))) => {}
+                Ok(Some(Decoded::End)) => break Ok(true),
+                Ok(None) if feed(&mut buf) => {}
+                // The provider closed the connection here.
+                Ok(None) => match framing.at_eof() {
+                    Ok(Decoded::End) => break Ok(true),
+                    Ok(step) => panic!("{step:?} at the close"),
+                    Err(BodyError::Incomplete) => break Ok(false),
+                    Err(err) => break Err(err),
+                },
+                Err(err) => break Err(err),
+            }
+        };
+        if let (Some(n), Ok(true)) = (declared, &ended) {
+            assert_eq!(
+                body.len() as u64,
+                n,
+                "a length-framed body of another length"
+            );
+        }
+        let stop = !matches!(ended, Ok(true)) || !head.keep_alive;
+        out.push(ReadResponse {
+            head: Ok((head.len, head.status, head.keep_alive)),
+            body,
+            ended,
+        });
+        if stop {
+            return out;
+        }
+    }
+}
+
 /// Operation lists over the lease ledger and the wait queue, checked against plain
 /// models: each lease is held once, released once, and fencing returns exactly the
 /// leases of its resource; the queue agrees after every step with a list of waiters in
