@@ -525,10 +525,18 @@ pub fn openai_request(data: &[u8]) {
 pub fn http1_request(data: &[u8]) {
     // A small limit, so that the fuzzer reaches the oversized path cheaply.
     const MAX_HEAD: usize = 512;
-    let whole = read_requests(data, MAX_HEAD, |_| data.len());
-    let split = read_requests(data, MAX_HEAD, |i| {
-        1 + usize::from(data.get(i % data.len().max(1)).copied().unwrap_or(0)) % 13
-    });
+    whole_and_split(data, |piece| read_requests(data, MAX_HEAD, piece));
+}
+
+/// Reads `data` with `read` once whole and once in uneven pieces (sizes drawn from the
+/// data) and checks that both read the same, and no more body than the input holds.
+fn whole_and_split<H: PartialEq + std::fmt::Debug>(
+    data: &[u8],
+    read: impl Fn(&dyn Fn(usize) -> usize) -> Vec<ReadMessage<H>>,
+) {
+    let whole = read(&|_| data.len());
+    let split =
+        read(&|i| 1 + usize::from(data.get(i % data.len().max(1)).copied().unwrap_or(0)) % 13);
     assert_eq!(
         whole, split,
         "the reading depends on how the input was split"
@@ -537,56 +545,170 @@ pub fn http1_request(data: &[u8]) {
     assert!(body_bytes <= data.len(), "more body than input");
 }
 
-/// What reading one request of a stream found.
+/// What reading one message of a connection found: its head (what the reader decided
+/// from it, or why it was refused) and its body.
 #[derive(Debug, PartialEq, Eq)]
-struct ReadRequest {
-    head: Result<(usize, std::ops::Range<usize>, bool, bool), crate::http1::HeadError>,
+struct ReadMessage<H> {
+    head: Result<H, crate::http1::HeadError>,
     body: Vec<u8>,
-    /// How the body ended: `Ok(true)` read to its end, `Ok(false)` the input ran out,
-    /// `Err` broken framing.
+    /// How the body ended: `Ok(true)` read to its end, `Ok(false)` the input ran out
+    /// first, `Err` broken framing.
     ended: Result<bool, crate::http1::BodyError>,
 }
 
-/// Reads `data` as pipelined requests, fed `piece(i)` bytes at a time.
-fn read_requests(data: &[u8], max_head: usize, piece: impl Fn(usize) -> usize) -> Vec<ReadRequest> {
-    use crate::http1::{Decoded, Framing, HeadReader};
-    let mut fed = 0;
-    let mut reads = 0;
-    let mut buf = BytesMut::new();
-    let mut feed = |buf: &mut BytesMut| -> bool {
-        if fed >= data.len() {
+/// A request head: its length, target, keep-alive and `Expect: 100-continue`.
+type RequestRead = ReadMessage<(usize, std::ops::Range<usize>, bool, bool)>;
+
+/// A response head: its length, status and whether it let the connection go on.
+type ResponseRead = ReadMessage<(usize, u16, bool)>;
+
+/// Hands out `data` into a buffer, `piece(i)` bytes at the `i`-th read.
+struct Feed<'a, P> {
+    data: &'a [u8],
+    fed: usize,
+    reads: usize,
+    piece: P,
+}
+
+impl<'a, P: Fn(usize) -> usize> Feed<'a, P> {
+    fn new(data: &'a [u8], piece: P) -> Self {
+        Self {
+            data,
+            fed: 0,
+            reads: 0,
+            piece,
+        }
+    }
+
+    /// Appends the next piece to `buf`; `false` once the input is used up.
+    fn feed(&mut self, buf: &mut BytesMut) -> bool {
+        if self.fed >= self.data.len() {
             return false;
         }
-        let n = piece(reads).clamp(1, data.len() - fed);
-        reads += 1;
-        buf.extend_from_slice(&data[fed..fed + n]);
-        fed += n;
+        let n = (self.piece)(self.reads).clamp(1, self.data.len() - self.fed);
+        self.reads += 1;
+        buf.extend_from_slice(&self.data[self.fed..self.fed + n]);
+        self.fed += n;
         true
-    };
-    let mut out = Vec::new();
-    let mut heads = HeadReader::new(max_head);
-    loop {
-        heads.reset();
-        let head = loop {
-            match heads.poll(&buf) {
-                Ok(Some(head)) => break Ok(head),
-                Ok(None) if feed(&mut buf) => {}
-                Ok(None) => return out,
+    }
+}
+
+/// Reads one body framed by `framing` from `buf`, feeding it as needed: the bytes and
+/// how it ended (`Ok(true)` at its end, `Ok(false)` the input ran out first). When the
+/// input runs out, `close_ends` tells the framing the peer closed (a response's body
+/// may end there); otherwise the body is left unfinished (a request's never does).
+fn read_body<P: Fn(usize) -> usize>(
+    mut framing: crate::http1::Framing,
+    buf: &mut BytesMut,
+    input: &mut Feed<'_, P>,
+    close_ends: bool,
+) -> (Vec<u8>, Result<bool, crate::http1::BodyError>) {
+    use crate::http1::{BodyError, Decoded};
+    let declared = framing.remaining();
+    let mut body = Vec::new();
+    let ended = loop {
+        match framing.decode(buf) {
+            Ok(Some(Decoded::Data(data))) => {
+                assert!(!data.is_empty(), "an empty data step");
+                body.extend_from_slice(&data);
+            }
+            Ok(Some(Decoded::Trailers(_))) => {}
+            Ok(Some(Decoded::End)) => break Ok(true),
+            Ok(None) if input.feed(buf) => {}
+            Ok(None) if !close_ends => break Ok(false),
+            Ok(None) => match framing.at_eof() {
+                Ok(Decoded::End) => break Ok(true),
+                Ok(step) => panic!("{step:?} at the close"),
+                Err(BodyError::Incomplete) => break Ok(false),
                 Err(err) => break Err(err),
+            },
+            Err(err) => break Err(err),
+        }
+    };
+    if let (Some(n), Ok(true)) = (declared, &ended) {
+        assert_eq!(
+            body.len() as u64,
+            n,
+            "a length-framed body of another length"
+        );
+    }
+    (body, ended)
+}
+
+/// A complete head as a reader of messages needs it.
+struct Head<H> {
+    /// Its length in the bytes held.
+    len: usize,
+    /// How its body is framed.
+    body: crate::http1::Framing,
+    /// What is recorded of it.
+    read: H,
+    /// Whether the connection carries another message after this one's body.
+    keep: bool,
+}
+
+/// Reads `data` as the messages of one connection, fed `piece(i)` bytes at a time:
+/// `poll_head` gives the next head once the bytes held complete it (checking it), a
+/// body follows it (`close_ends`: see [`read_body`]), and an error or the end of the
+/// input ends the connection.
+fn read_messages<H>(
+    data: &[u8],
+    max_head: usize,
+    piece: impl Fn(usize) -> usize,
+    close_ends: bool,
+    mut poll_head: impl FnMut(&BytesMut) -> Result<Option<Head<H>>, crate::http1::HeadError>,
+) -> Vec<ReadMessage<H>> {
+    let mut input = Feed::new(data, piece);
+    let mut buf = BytesMut::new();
+    let mut out = Vec::new();
+    loop {
+        let head = loop {
+            match poll_head(&buf) {
+                Ok(Some(head)) => break head,
+                Ok(None) => {
+                    assert!(
+                        buf.len() <= max_head,
+                        "{} bytes held for an unfinished head",
+                        buf.len()
+                    );
+                    if !input.feed(&mut buf) {
+                        return out;
+                    }
+                }
+                Err(err) => {
+                    out.push(ReadMessage {
+                        head: Err(err),
+                        body: Vec::new(),
+                        ended: Ok(false),
+                    });
+                    return out;
+                }
             }
         };
-        let head = match head {
-            Ok(head) => head,
-            Err(err) => {
-                out.push(ReadRequest {
-                    head: Err(err),
-                    body: Vec::new(),
-                    ended: Ok(false),
-                });
-                return out;
-            }
+        assert!(head.len <= max_head && head.len <= buf.len());
+        let _ = buf.split_to(head.len);
+        let (body, ended) = read_body(head.body, &mut buf, &mut input, close_ends);
+        let stop = !matches!(ended, Ok(true)) || !head.keep;
+        out.push(ReadMessage {
+            head: Ok(head.read),
+            body,
+            ended,
+        });
+        if stop {
+            return out;
+        }
+    }
+}
+
+/// Reads `data` as pipelined requests, fed `piece(i)` bytes at a time.
+fn read_requests(data: &[u8], max_head: usize, piece: impl Fn(usize) -> usize) -> Vec<RequestRead> {
+    use crate::http1::{Framing, HeadReader};
+    let mut heads = HeadReader::new(max_head);
+    read_messages(data, max_head, piece, false, |buf| {
+        let Some(head) = heads.poll(buf)? else {
+            return Ok(None);
         };
-        assert!(head.len <= max_head && head.len <= buf.len(), "{head:?}");
+        heads.reset();
         for range in [&head.method, &head.target]
             .into_iter()
             .chain(head.fields.iter().flat_map(|(n, v)| [n, v]))
@@ -605,45 +727,18 @@ fn read_requests(data: &[u8], max_head: usize, piece: impl Fn(usize) -> usize) -
             head.body
         );
         assert!(!(head.http10 && matches!(head.body, Framing::Chunked(_))));
-        let _ = buf.split_to(head.len);
-        let mut framing = head.body.clone();
-        let declared = framing.remaining();
-        let mut body = Vec::new();
-        let ended = loop {
-            match framing.decode(&mut buf) {
-                Ok(Some(Decoded::Data(data))) => {
-                    assert!(!data.is_empty(), "an empty data step");
-                    body.extend_from_slice(&data);
-                }
-                Ok(Some(Decoded::Trailers(_))) => {}
-                Ok(Some(Decoded::End)) => break Ok(true),
-                Ok(None) if feed(&mut buf) => {}
-                Ok(None) => break Ok(false),
-                Err(err) => break Err(err),
-            }
-        };
-        if let (Some(n), Ok(true)) = (declared, &ended) {
-            assert_eq!(
-                body.len() as u64,
-                n,
-                "a length-framed body of another length"
-            );
-        }
-        let stop = !matches!(ended, Ok(true));
-        out.push(ReadRequest {
-            head: Ok((
+        Ok(Some(Head {
+            len: head.len,
+            body: head.body.clone(),
+            read: (
                 head.len,
                 head.target.clone(),
                 head.keep_alive,
                 head.expect_continue,
-            )),
-            body,
-            ended,
-        });
-        if stop {
-            return out;
-        }
-    }
+            ),
+            keep: true,
+        }))
+    })
 }
 
 /// Untrusted bytes from a provider, read as the responses of one keep-alive HTTP/1.1
@@ -668,28 +763,9 @@ pub fn http1_response(data: &[u8]) {
         return;
     };
     let head_request = flags & 1 == 1;
-    let whole = read_responses(data, MAX_HEAD, head_request, |_| data.len());
-    let split = read_responses(data, MAX_HEAD, head_request, |i| {
-        1 + usize::from(data.get(i % data.len().max(1)).copied().unwrap_or(0)) % 13
+    whole_and_split(data, |piece| {
+        read_responses(data, MAX_HEAD, head_request, piece)
     });
-    assert_eq!(
-        whole, split,
-        "the reading depends on how the input was split"
-    );
-    let body_bytes: usize = whole.iter().map(|r| r.body.len()).sum();
-    assert!(body_bytes <= data.len(), "more body than input");
-}
-
-/// What reading one response of a connection found.
-#[derive(Debug, PartialEq, Eq)]
-struct ReadResponse {
-    /// The head's length, status and whether it let the connection go on; or why the
-    /// head was refused.
-    head: Result<(usize, u16, bool), crate::http1::HeadError>,
-    body: Vec<u8>,
-    /// How the body ended: `Ok(true)` read to its end, `Ok(false)` the input ran out
-    /// first, `Err` broken framing.
-    ended: Result<bool, crate::http1::BodyError>,
 }
 
 /// Reads `data` as the responses of one connection, fed `piece(i)` bytes at a time.
@@ -698,53 +774,14 @@ fn read_responses(
     max_head: usize,
     head_request: bool,
     piece: impl Fn(usize) -> usize,
-) -> Vec<ReadResponse> {
-    use crate::http1::{BodyError, Decoded, Framing, HeadReader};
-    let mut fed = 0;
-    let mut reads = 0;
-    let mut buf = BytesMut::new();
-    let mut feed = |buf: &mut BytesMut| -> bool {
-        if fed >= data.len() {
-            return false;
-        }
-        let n = piece(reads).clamp(1, data.len() - fed);
-        reads += 1;
-        buf.extend_from_slice(&data[fed..fed + n]);
-        fed += n;
-        true
-    };
-    let mut out = Vec::new();
+) -> Vec<ResponseRead> {
+    use crate::http1::{Framing, HeadReader};
     let mut heads = HeadReader::new(max_head);
-    loop {
+    read_messages(data, max_head, piece, true, |buf| {
+        let Some(head) = heads.poll_response(buf, head_request)? else {
+            return Ok(None);
+        };
         heads.reset();
-        let head = loop {
-            match heads.poll_response(&buf, head_request) {
-                Ok(Some(head)) => break Ok(head),
-                Ok(None) => {
-                    assert!(
-                        buf.len() <= max_head,
-                        "{} bytes held for an unfinished head",
-                        buf.len()
-                    );
-                    if !feed(&mut buf) {
-                        return out;
-                    }
-                }
-                Err(err) => break Err(err),
-            }
-        };
-        let head = match head {
-            Ok(head) => head,
-            Err(err) => {
-                out.push(ReadResponse {
-                    head: Err(err),
-                    body: Vec::new(),
-                    ended: Ok(false),
-                });
-                return out;
-            }
-        };
-        assert!(head.len <= max_head && head.len <= buf.len(), "{head:?}");
         assert!((200..=999).contains(&head.status), "{head:?}");
         for range in head.fields.iter().flat_map(|(n, v)| [n, v]) {
             assert!(
@@ -762,46 +799,13 @@ fn read_responses(
                 "a body ended by the close on a connection kept: {head:?}"
             );
         }
-        let _ = buf.split_to(head.len);
-        let mut framing = head.body.clone();
-        let declared = framing.remaining();
-        let mut body = Vec::new();
-        let ended = loop {
-            match framing.decode(&mut buf) {
-                Ok(Some(Decoded::Data(data))) => {
-                    assert!(!data.is_empty(), "an empty data step");
-                    body.extend_from_slice(&data);
-                }
-                Ok(Some(Decoded::Trailers(_))) => {}
-                Ok(Some(Decoded::End)) => break Ok(true),
-                Ok(None) if feed(&mut buf) => {}
-                // The provider closed the connection here.
-                Ok(None) => match framing.at_eof() {
-                    Ok(Decoded::End) => break Ok(true),
-                    Ok(step) => panic!("{step:?} at the close"),
-                    Err(BodyError::Incomplete) => break Ok(false),
-                    Err(err) => break Err(err),
-                },
-                Err(err) => break Err(err),
-            }
-        };
-        if let (Some(n), Ok(true)) = (declared, &ended) {
-            assert_eq!(
-                body.len() as u64,
-                n,
-                "a length-framed body of another length"
-            );
-        }
-        let stop = !matches!(ended, Ok(true)) || !head.keep_alive;
-        out.push(ReadResponse {
-            head: Ok((head.len, head.status, head.keep_alive)),
-            body,
-            ended,
-        });
-        if stop {
-            return out;
-        }
-    }
+        Ok(Some(Head {
+            len: head.len,
+            body: head.body.clone(),
+            read: (head.len, head.status, head.keep_alive),
+            keep: head.keep_alive,
+        }))
+    })
 }
 
 /// Operation lists over the lease ledger and the wait queue, checked against plain
