@@ -103,7 +103,8 @@ pub fn generate(request: &Request) -> Result<Generated, String> {
 }
 
 fn read(path: &Path) -> Result<String, String> {
-    std::fs::read_to_string(path).map_err(|err| format!("cannot read {}: {err}", path.display()))
+    iop_shell_common::config::read_text(path)
+        .map_err(|err| format!("cannot read {}: {err}", path.display()))
 }
 
 fn write(path: &Path, bytes: &[u8], mode: u32) -> Result<(), String> {

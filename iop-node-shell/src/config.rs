@@ -233,7 +233,7 @@ impl NodeConfig {
             (Some(token), None) => token,
             (None, Some(file)) => {
                 let file = path.parent().map_or(file.clone(), |dir| dir.join(&file));
-                std::fs::read_to_string(&file)
+                iop_shell_common::config::read_text(&file)
                     .map_err(|err| {
                         invalid(
                             "token_file",

@@ -31,13 +31,8 @@ pub fn provider() -> Arc<CryptoProvider> {
 
 /// The certificates of a PEM file, in order (leaf first for a chain).
 pub fn read_certs(key: &str, path: &Path) -> Result<Vec<CertificateDer<'static>>, ConfigError> {
-    let certs = CertificateDer::pem_file_iter(path)
-        .map_err(|err| {
-            invalid(
-                key,
-                format!("cannot read {}: {}", path.display(), pem(&err)),
-            )
-        })?
+    let pem_bytes = read_pem(key, path)?;
+    let certs = CertificateDer::pem_slice_iter(&pem_bytes)
         .collect::<Result<Vec<_>, _>>()
         .map_err(|err| invalid(key, format!("{}: {}", path.display(), pem(&err))))?;
     if certs.is_empty() {
@@ -51,7 +46,8 @@ pub fn read_certs(key: &str, path: &Path) -> Result<Vec<CertificateDer<'static>>
 
 /// The private key of a PEM file (PKCS#8, PKCS#1 or SEC1).
 pub fn read_key(key: &str, path: &Path) -> Result<PrivateKeyDer<'static>, ConfigError> {
-    PrivateKeyDer::from_pem_file(path).map_err(|err| {
+    let pem_bytes = read_pem(key, path)?;
+    PrivateKeyDer::from_pem_slice(&pem_bytes).map_err(|err| {
         invalid(
             key,
             format!(
@@ -61,6 +57,13 @@ pub fn read_key(key: &str, path: &Path) -> Result<PrivateKeyDer<'static>, Config
             ),
         )
     })
+}
+
+/// The bytes of a PEM file named by config `key`, no more than
+/// [`crate::config::MAX_FILE_BYTES`].
+fn read_pem(key: &str, path: &Path) -> Result<Vec<u8>, ConfigError> {
+    crate::config::read_file(path)
+        .map_err(|err| invalid(key, format!("cannot read {}: {err}", path.display())))
 }
 
 fn pem(err: &rustls_pki_types::pem::Error) -> String {
@@ -236,6 +239,32 @@ mod tests {
         let default = rustls::crypto::ring::default_provider().cipher_suites;
         assert_eq!(suites.len(), default.len());
         assert!(suites.contains(&CipherSuite::TLS13_AES_256_GCM_SHA384));
+    }
+
+    #[test]
+    fn pem_files_are_read_within_the_limit_and_errors_name_the_key() {
+        let endless = Path::new("/dev/zero");
+        let err = read_certs("listen.nodes_tls.cert", endless).expect_err("endless");
+        let text = err.to_string();
+        assert!(
+            text.starts_with("listen.nodes_tls.cert: cannot read /dev/zero"),
+            "{text}"
+        );
+        assert!(text.contains("larger than"), "{text}");
+        let err = read_key("listen.nodes_tls.key", endless).expect_err("endless");
+        assert!(err.to_string().contains("larger than"), "{err}");
+        let missing = Path::new("/nonexistent/iop/cert.pem");
+        let err = read_certs("tls.ca", missing).expect_err("missing");
+        assert!(
+            err.to_string()
+                .starts_with("tls.ca: cannot read /nonexistent"),
+            "{err}"
+        );
+        let empty = Path::new("/dev/null");
+        let err = read_certs("tls.ca", empty).expect_err("no certificate");
+        assert!(err.to_string().contains("no PEM certificate"), "{err}");
+        let err = read_key("tls.key", empty).expect_err("no key");
+        assert!(err.to_string().contains("no PEM item"), "{err}");
     }
 
     #[test]
