@@ -50,7 +50,8 @@
 //!
 //! `IOP_BENCH_EDGE_THREADS=<n>` starts the Edge with `runtime.worker_threads = n` instead
 //! of its default, to compare thread counts; `IOP_BENCH_SERVE=1` keeps every path up
-//! (until stdin closes) for profiling instead of measuring, and `bench paced <port>
+//! for profiling until stdin closes (then measures) or SIGINT or SIGTERM comes (then
+//! stops everything it started, logs included), and `bench paced <port>
 //! [pid...]` runs one set of paced streams against one of them.
 //! `IOP_BENCH_PACED_DUMP=<file>` writes every paced chunk's send time and latency, in
 //! microseconds, one chunk a line, to see when a set's slow chunks were sent.
@@ -942,6 +943,49 @@ fn write_report(path: &std::path::Path, report: &str) -> std::io::Result<()> {
 }
 
 #[allow(clippy::too_many_lines)]
+/// How holding the paths up for profiling (`IOP_BENCH_SERVE`) ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Served {
+    /// Stdin closed: measure as usual.
+    StdinClosed,
+    /// SIGINT or SIGTERM: stop everything and exit, so that no process, and none of the
+    /// Edge's and Node's logs (gigabytes after minutes of load), is left behind.
+    Stopped,
+}
+
+async fn serve_until_told() -> Served {
+    use tokio::signal::unix::{SignalKind, signal};
+    let stdin = tokio::task::spawn_blocking(|| {
+        let mut line = String::new();
+        let _ = std::io::stdin().read_line(&mut line);
+    });
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        let _ = stdin.await;
+        return Served::StdinClosed;
+    };
+    tokio::select! {
+        _ = stdin => Served::StdinClosed,
+        _ = term.recv() => Served::Stopped,
+        _ = int.recv() => Served::Stopped,
+    }
+}
+
+/// Stops the nginx hops and the fake provider.
+fn stop_data_path(nginx: &mut [&mut Child], provider: &mut Child) {
+    for nginx in nginx {
+        // TERM lets the master stop its workers; KILL would orphan them.
+        let _ = Command::new("kill")
+            .args(["-TERM", &nginx.id().to_string()])
+            .status();
+        let _ = nginx.wait();
+    }
+    let _ = provider.kill();
+    let _ = provider.wait();
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some("provider") {
@@ -1045,8 +1089,16 @@ fn main() {
             cluster.edge.pid(),
             node.pid()
         );
-        let mut line = String::new();
-        let _ = std::io::stdin().read_line(&mut line);
+        if runtime.block_on(serve_until_told()) == Served::Stopped {
+            // Stopped by a signal: everything started goes, logs included.
+            eprintln!("bench: stopped; stopping the paths");
+            stop_data_path(&mut [&mut nginx1, &mut nginx2], &mut provider);
+            drop(node);
+            drop(cluster);
+            // The stdin reader is still blocked: leave it rather than wait for it.
+            runtime.shutdown_background();
+            return;
+        }
     }
     let paths = [
         Path3 {
@@ -1105,15 +1157,7 @@ fn main() {
     let paced_runs: Vec<Paced> = paths.iter().map(|p| runtime.block_on(paced(p))).collect();
 
     // The data path is measured: its processes go before the fleet's Edges start.
-    for nginx in [&mut nginx1, &mut nginx2] {
-        // TERM lets the master stop its workers; KILL would orphan them.
-        let _ = Command::new("kill")
-            .args(["-TERM", &nginx.id().to_string()])
-            .status();
-        let _ = nginx.wait();
-    }
-    let _ = provider.kill();
-    let _ = provider.wait();
+    stop_data_path(&mut [&mut nginx1, &mut nginx2], &mut provider);
     drop(node);
     drop(cluster);
     eprintln!("bench: {FLEET_NODES} nodes against a restarting Edge, TLS and plaintext");
