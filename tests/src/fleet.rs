@@ -409,6 +409,20 @@ impl Row {
     }
 }
 
+/// `n` with a comma between thousands, as the table writes counts ("1,000").
+#[must_use]
+pub fn count(n: usize) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, digit) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(digit);
+    }
+    out
+}
+
 /// `0.123 s`, or that it did not finish.
 #[must_use]
 pub fn seconds(d: Option<Duration>) -> String {
@@ -539,5 +553,19 @@ pub async fn measure(nodes: usize, link: Link, jitter: f64, raw: Duration) -> Ro
         raw,
         raw_again,
         tls_again,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::count;
+
+    #[test]
+    fn counts_are_written_with_thousands_separated() {
+        assert_eq!(count(0), "0");
+        assert_eq!(count(999), "999");
+        assert_eq!(count(1_000), "1,000");
+        assert_eq!(count(2_000), "2,000");
+        assert_eq!(count(1_234_567), "1,234,567");
     }
 }

@@ -17,27 +17,17 @@ use iop_proto_core::wire::{Header, ProviderHealth};
 /// Builds the shared client. TLS trusts the Mozilla roots, plus the PEM certificates in
 /// `extra_ca` (for providers behind a private CA).
 pub fn client(extra_ca: Option<&Path>) -> Result<HttpClient, String> {
-    use rustls_pki_types::CertificateDer;
-    use rustls_pki_types::pem::PemObject;
-
     let mut roots = rustls::RootCertStore::empty();
     roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
     if let Some(path) = extra_ca {
-        let certs = CertificateDer::pem_file_iter(path)
-            .map_err(|err| format!("tls.ca_file {}: {err}", path.display()))?;
-        let mut added = 0;
-        for cert in certs {
-            let cert = cert.map_err(|err| format!("tls.ca_file {}: {err}", path.display()))?;
+        // Read within the size limit of every file a configuration names; an empty one
+        // is refused.
+        for cert in
+            iop_shell_common::tls::read_certs("tls.ca_file", path).map_err(|err| err.to_string())?
+        {
             roots
                 .add(cert)
                 .map_err(|err| format!("tls.ca_file {}: {err}", path.display()))?;
-            added += 1;
-        }
-        if added == 0 {
-            return Err(format!(
-                "tls.ca_file {}: no certificate found",
-                path.display()
-            ));
         }
     }
     let tls = rustls::ClientConfig::builder_with_provider(Arc::new(
@@ -274,6 +264,19 @@ mod tests {
             name: name.to_owned(),
             value: Bytes::copy_from_slice(value.as_bytes()),
         }
+    }
+
+    #[test]
+    fn a_provider_ca_file_is_read_within_the_limit_and_must_hold_a_certificate() {
+        let err = client(Some(Path::new("/dev/zero"))).expect_err("endless");
+        assert!(
+            err.starts_with("tls.ca_file: cannot read /dev/zero"),
+            "{err}"
+        );
+        assert!(err.contains("larger than"), "{err}");
+        let err = client(Some(Path::new("/dev/null"))).expect_err("empty");
+        assert!(err.contains("no PEM certificate"), "{err}");
+        assert!(client(None).is_ok());
     }
 
     #[test]

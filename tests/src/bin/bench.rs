@@ -70,7 +70,7 @@ use hyper::service::service_fn;
 use hyper::{Request, Response};
 use hyper_util::rt::TokioIo;
 use iop_blackbox::client::{Cluster, Link};
-use iop_blackbox::fleet;
+use iop_blackbox::fleet::{self, count};
 use iop_blackbox::procfs::{
     children, last_cpu, machine_steal_ticks, machine_ticks, tree_cpu as cpu,
     tree_rss_kib as rss_kib,
@@ -903,19 +903,6 @@ fn fleet_rows(rows: &[fleet::Row]) -> String {
     )
 }
 
-/// `n` with a comma between thousands, as the table writes counts ("2,000").
-fn count(n: usize) -> String {
-    let digits = n.to_string();
-    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
-    for (i, digit) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
-            out.push(',');
-        }
-        out.push(digit);
-    }
-    out
-}
-
 /// Where `--write` puts the table: between these lines of the file, replacing what was
 /// there (the file's other sections are the record of earlier runs and are left alone).
 const LATEST_BEGIN: &str =
@@ -942,7 +929,6 @@ fn write_report(path: &std::path::Path, report: &str) -> std::io::Result<()> {
     std::fs::write(path, updated)
 }
 
-#[allow(clippy::too_many_lines)]
 /// How holding the paths up for profiling (`IOP_BENCH_SERVE`) ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Served {
@@ -953,6 +939,7 @@ enum Served {
     Stopped,
 }
 
+/// Waits, with the paths up, until stdin closes or SIGINT or SIGTERM comes.
 async fn serve_until_told() -> Served {
     use tokio::signal::unix::{SignalKind, signal};
     let stdin = tokio::task::spawn_blocking(|| {
@@ -986,6 +973,7 @@ fn stop_data_path(nginx: &mut [&mut Child], provider: &mut Child) {
     let _ = provider.wait();
 }
 
+#[allow(clippy::too_many_lines)]
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some("provider") {
@@ -1402,15 +1390,6 @@ mod tests {
         };
         assert_eq!(together_share(&run((0, 0))), "–");
         assert_eq!(together_share(&run((2, 3))), "67 %");
-    }
-
-    #[test]
-    fn counts_are_written_with_thousands_separated() {
-        assert_eq!(count(0), "0");
-        assert_eq!(count(999), "999");
-        assert_eq!(count(1_000), "1,000");
-        assert_eq!(count(2_000), "2,000");
-        assert_eq!(count(1_234_567), "1,234,567");
     }
 
     #[test]

@@ -10,7 +10,7 @@
 //! the Node first).
 
 use iop_blackbox::client::Link;
-use iop_blackbox::fleet::{self, raw_connects, seconds};
+use iop_blackbox::fleet::{self, count, raw_connects, seconds};
 use iop_proto_core::reconnect::DEFAULT_JITTER;
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -22,7 +22,8 @@ async fn main() {
         .unwrap_or(1000);
     let raw = raw_connects(nodes).await;
     println!(
-        "| node link | node jitter | {nodes} nodes ready, cold start | ready again after an Edge restart | Edge CPU per registration | Edge memory per idle node | bare TCP connects (reference) | bare TCP reconnects after a listener restart, same redial policy (reference) | bare TLS reconnects, same redial policy, certificate and server settings (reference) | restart ÷ bare reconnects over the same link |"
+        "| node link | node jitter | {} nodes ready, cold start | ready again after an Edge restart | Edge CPU per registration | Edge memory per idle node | bare TCP connects (reference) | bare TCP reconnects after a listener restart, same redial policy (reference) | bare TLS reconnects, same redial policy, certificate and server settings (reference) | restart ÷ bare reconnects over the same link |",
+        count(nodes)
     );
     println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let runs = [
