@@ -157,6 +157,55 @@ fn warn_about_exposure(config: &Config) {
     }
 }
 
+/// Longest a reload waits for its files to be read and checked. A file that blocks (a
+/// FIFO nobody writes, a hung network mount) refuses the reload after this long, and the
+/// Edge serves throughout.
+const RELOAD_READ_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// A configuration read that has not finished yet.
+type Reading = tokio::task::JoinHandle<Result<Config, config::ConfigError>>;
+
+/// Reads and checks the configuration at `path` for a reload on a blocking thread, so
+/// the runtime's threads (one, on two CPUs) keep serving while files are opened and read,
+/// certificates parsed and TLS set up; `None` when the reload is refused (logged). A read
+/// still going after `limit` is left in `reading`: until it ends, later reloads are
+/// refused rather than each leaving another thread on the same stuck file.
+async fn load_for_reload(
+    path: &std::path::Path,
+    limit: std::time::Duration,
+    reading: &mut Option<Reading>,
+) -> Option<Config> {
+    if reading.as_ref().is_some_and(|read| !read.is_finished()) {
+        error!(
+            config = %path.display(),
+            "reload refused: an earlier reload is still reading its files; the running configuration stays in force"
+        );
+        return None;
+    }
+    let owned = path.to_owned();
+    let mut read = tokio::task::spawn_blocking(move || Config::load(&owned));
+    match tokio::time::timeout(limit, &mut read).await {
+        Ok(Ok(Ok(config))) => Some(config),
+        Ok(Ok(Err(err))) => {
+            error!(error = %err, "reload refused: the running configuration stays in force");
+            None
+        }
+        Ok(Err(err)) => {
+            error!(error = %err, "reload refused: reading the configuration failed; the running configuration stays in force");
+            None
+        }
+        Err(_) => {
+            error!(
+                config = %path.display(),
+                limit_ms = limit.as_millis() as u64,
+                "reload refused: its files were not read in time (a FIFO or a hung mount?); the running configuration stays in force"
+            );
+            *reading = Some(read);
+            None
+        }
+    }
+}
+
 async fn reload_on_sighup(
     path: PathBuf,
     state: Arc<http::State>,
@@ -168,18 +217,15 @@ async fn reload_on_sighup(
     let Ok(mut hup) = signal(SignalKind::hangup()) else {
         return;
     };
+    let mut reading = None;
     loop {
         tokio::select! {
             () = shutdown.cancelled() => return,
             got = hup.recv() => if got.is_none() { return },
         }
         info!(config = %path.display(), "SIGHUP: reloading configuration");
-        let config = match Config::load(&path) {
-            Ok(config) => config,
-            Err(err) => {
-                error!(error = %err, "reload refused: the running configuration stays in force");
-                continue;
-            }
+        let Some(config) = load_for_reload(&path, RELOAD_READ_LIMIT, &mut reading).await else {
+            continue;
         };
         let pending_frame = config.core.admission.pending_frame_len;
         let (reply, answer) = oneshot::channel();
@@ -229,5 +275,91 @@ async fn reload_on_sighup(
             }
             Err(_) => return,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::time::{Duration, Instant};
+
+    const CONFIG: &str = "[listen]\nhttp = \"127.0.0.1:8080\"\nnodes = \"127.0.0.1:7100\"\nnodes_plaintext = true\n\n[[nodes]]\nid = \"n1\"\ntoken = \"t-0123456789abcdef\"\n[[nodes.adapters]]\nname = \"mock\"\ntype = \"mock\"\ncapacity = 2\ntargets = [\"m\"]\n\n[[models]]\nname = \"chat\"\nproviders = [{ node = \"n1\", adapter = \"mock\", target = \"m\" }]\n";
+
+    /// On the one thread of a current-thread runtime, as the Edge runs on two CPUs: if the
+    /// reload read its files there, nothing else would run until they were read.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_reload_whose_file_never_ends_is_refused_in_time_while_the_edge_runs_on() {
+        let dir = std::env::temp_dir().join(format!("iop-reload-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("dir");
+        let path = dir.join("edge.toml");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&path)
+            .status()
+            .expect("mkfifo runs");
+        assert!(made.success());
+
+        let ticks = Arc::new(AtomicU32::new(0));
+        let ticker = tokio::spawn({
+            let ticks = Arc::clone(&ticks);
+            async move {
+                loop {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    ticks.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        });
+
+        // Nobody writes the FIFO: opening it blocks, on a thread of the blocking pool.
+        let mut reading = None;
+        let started = Instant::now();
+        let limit = Duration::from_millis(300);
+        assert!(load_for_reload(&path, limit, &mut reading).await.is_none());
+        assert!(started.elapsed() >= limit);
+        assert!(
+            ticks.load(Ordering::Relaxed) >= 10,
+            "the runtime's thread ran other tasks meanwhile: {} ticks",
+            ticks.load(Ordering::Relaxed)
+        );
+        assert!(reading.as_ref().is_some_and(|read| !read.is_finished()));
+
+        // A second reload while the first still waits on the file: refused at once, with
+        // no second thread left on it.
+        let again = Instant::now();
+        assert!(load_for_reload(&path, limit, &mut reading).await.is_none());
+        assert!(again.elapsed() < limit, "{:?}", again.elapsed());
+
+        // The writer comes: the stuck read ends (its late result is not applied), and
+        // the next reload reads a regular file as usual.
+        let fifo = path.clone();
+        tokio::task::spawn_blocking(move || std::fs::write(fifo, CONFIG))
+            .await
+            .expect("joined")
+            .expect("written to the FIFO");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !reading
+            .as_ref()
+            .is_some_and(tokio::task::JoinHandle::is_finished)
+        {
+            assert!(Instant::now() < deadline, "the stuck read never ended");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        std::fs::remove_file(&path).expect("fifo removed");
+        std::fs::write(&path, CONFIG).expect("config written");
+        let config = load_for_reload(&path, limit, &mut reading)
+            .await
+            .expect("a regular file reloads");
+        assert_eq!(config.core.nodes.len(), 1);
+
+        // An invalid file is refused without waiting for the limit.
+        std::fs::write(&path, "[listen]\nnot toml").expect("written");
+        assert!(
+            load_for_reload(&path, Duration::from_secs(30), &mut reading)
+                .await
+                .is_none()
+        );
+        ticker.abort();
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -138,6 +138,9 @@ fn main() -> ExitCode {
         tokio::spawn(process::cancel_on_signal(shutdown.clone()));
         iop_edge_shell::run(config, cli.config, shutdown, true).await
     });
+    // Work on the blocking pool is not waited for past a moment: a reload stuck reading
+    // a file that never ends (a FIFO nobody writes) must not keep the Edge from exiting.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {

@@ -275,6 +275,69 @@ async fn sighup_refreshes_nodes_and_an_invalid_file_changes_nothing() {
     assert_eq!(http.status().await["nodes"][0]["applied_revision"], 2);
 }
 
+/// A reload whose file blocks (here a FIFO nobody writes yet) is read off the Edge's
+/// event loop: callers are served and nodes kept meanwhile, and once the file arrives
+/// within the reload's time limit it is applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_waiting_on_its_file_does_not_stop_the_edge() {
+    // One runtime thread, the Edge's default on two CPUs: a read on it would stop all.
+    let head = "[runtime]\nworker_threads = 1\n";
+    let cluster = Cluster::start(head, &body("before", 1));
+    let _node = cluster.node("n1", "tok-1-long-enough-secret");
+    cluster.wait_ready("n1").await;
+    assert!(reply_text(&cluster).await.starts_with("before"));
+
+    std::fs::remove_file(&cluster.edge_config).expect("config removed");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&cluster.edge_config)
+        .status()
+        .expect("mkfifo runs");
+    assert!(made.success());
+    cluster.edge.signal("HUP");
+    assert!(wait_until(Duration::from_secs(5), || cluster
+        .edge
+        .log()
+        .contains("SIGHUP: reloading")));
+
+    // Longer than the node link's heartbeat timeout: a stalled Edge would lose its node.
+    let until = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < until {
+        let reply = tokio::time::timeout(Duration::from_secs(2), reply_text(&cluster))
+            .await
+            .unwrap_or_else(|_| {
+                panic!("not served while the reload waits: {}", cluster.edge.log())
+            });
+        assert!(reply.starts_with("before"));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(
+        !cluster.edge.log().contains("node fenced"),
+        "{}",
+        cluster.edge.log()
+    );
+
+    let text = Cluster::edge_toml(
+        cluster.http_port,
+        cluster.node_port,
+        head,
+        &body("after", 1),
+    );
+    let fifo = cluster.edge_config.clone();
+    tokio::task::spawn_blocking(move || std::fs::write(fifo, text))
+        .await
+        .expect("joined")
+        .expect("written to the FIFO");
+    assert!(
+        wait_until(Duration::from_secs(5), || cluster
+            .edge
+            .log()
+            .contains("configuration reloaded")),
+        "{}",
+        cluster.edge.log()
+    );
+    assert!(reply_text(&cluster).await.starts_with("after"));
+}
+
 fn closed_by_peer(stream: &mut TcpStream) -> bool {
     stream
         .set_read_timeout(Some(Duration::from_secs(5)))
