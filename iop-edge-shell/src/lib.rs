@@ -225,6 +225,7 @@ async fn reload_on_sighup(
         }
         info!(config = %path.display(), "SIGHUP: reloading configuration");
         let Some(config) = load_for_reload(&path, RELOAD_READ_LIMIT, &mut reading).await else {
+            state.metrics.reload(false);
             continue;
         };
         let pending_frame = config.core.admission.pending_frame_len;
@@ -241,6 +242,7 @@ async fn reload_on_sighup(
         }
         match answer.await {
             Ok(Ok(diff)) => {
+                state.metrics.reload(true);
                 pending_frame_len.store(pending_frame, std::sync::atomic::Ordering::Relaxed);
                 // New connections use the reloaded certificates; a listener keeps its
                 // kind (TLS or plaintext) until a restart.
@@ -271,7 +273,8 @@ async fn reload_on_sighup(
                 );
             }
             Ok(Err(err)) => {
-                warn!(error = %err, "reload refused: the running configuration stays in force")
+                state.metrics.reload(false);
+                warn!(error = %err, "reload refused: the running configuration stays in force");
             }
             Err(_) => return,
         }

@@ -70,6 +70,11 @@ struct KindLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabel {
+    result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct DirectionLabel {
     direction: &'static str,
 }
@@ -213,6 +218,12 @@ pub struct Metrics {
     tokens: Family<TokenLabels, Counter>,
     rejected: Family<ReasonLabel, Counter>,
     violations: Family<KindLabel, Counter>,
+    reloads: Family<ResultLabel, Counter>,
+    /// 1 when the last configuration reload was applied (or none was asked for), 0
+    /// when it was refused.
+    reload_ok: Gauge,
+    /// When the running configuration was loaded, in Unix seconds.
+    loaded_at: Gauge,
     fleet: Fleet,
     /// Each public model's series (labels come from configuration or `_unknown`, so
     /// the map is as small as the configured models).
@@ -291,6 +302,26 @@ impl Metrics {
             "Protocol violations by nodes, by kind",
             violations.clone(),
         );
+        let reloads = Family::<ResultLabel, Counter>::default();
+        registry.register(
+            "iop_config_reloads",
+            "Configuration reloads (SIGHUP), by result (applied, refused)",
+            reloads.clone(),
+        );
+        let reload_ok = Gauge::default();
+        reload_ok.set(1);
+        registry.register(
+            "iop_config_last_reload_successful",
+            "1 when the last configuration reload was applied or none was asked for, 0 when it was refused",
+            reload_ok.clone(),
+        );
+        let loaded_at = Gauge::default();
+        loaded_at.set(unix_seconds());
+        registry.register(
+            "iop_config_last_reload_success_timestamp_seconds",
+            "When the running configuration was loaded (start or last applied reload), in Unix seconds",
+            loaded_at.clone(),
+        );
         let fleet = Fleet::default();
         registry.register(
             "iop_queue_depth",
@@ -357,6 +388,9 @@ impl Metrics {
             tokens,
             rejected,
             violations,
+            reloads,
+            reload_ok,
+            loaded_at,
             fleet,
             models: RwLock::default(),
             render: Mutex::new(()),
@@ -407,6 +441,17 @@ impl Metrics {
         self.violations.get_or_create(&KindLabel { kind }).inc();
     }
 
+    /// A configuration reload: applied (the running configuration is now the file's) or
+    /// refused (the running one stays).
+    pub fn reload(&self, applied: bool) {
+        let result = if applied { "applied" } else { "refused" };
+        self.reloads.get_or_create(&ResultLabel { result }).inc();
+        self.reload_ok.set(i64::from(applied));
+        if applied {
+            self.loaded_at.set(unix_seconds());
+        }
+    }
+
     /// The OpenMetrics text exposition, with the fleet gauges taken from `snapshot`.
     #[must_use]
     pub fn render(&self, snapshot: &Snapshot) -> String {
@@ -452,6 +497,12 @@ impl Metrics {
         let _ = encode(&mut out, &self.registry);
         out
     }
+}
+
+fn unix_seconds() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| gauge_value(since.as_secs()))
 }
 
 fn gauge_value(n: u64) -> i64 {
@@ -506,5 +557,42 @@ mod tests {
         );
         let _unused = m.model(&Arc::from("quiet"));
         assert!(!m.render(&Snapshot::default()).contains("quiet"));
+    }
+
+    #[test]
+    fn reloads_are_counted_and_the_last_result_shown() {
+        let m = Metrics::new();
+        let value = |text: &str, name: &str| -> i64 {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+                .unwrap_or_else(|| panic!("no {name} in\n{text}"))
+        };
+        let text = m.render(&Snapshot::default());
+        assert_eq!(value(&text, "iop_config_last_reload_successful"), 1);
+        let loaded = value(&text, "iop_config_last_reload_success_timestamp_seconds");
+        assert!(loaded > 1_700_000_000, "{loaded}");
+        assert!(!text.contains("iop_config_reloads_total"), "{text}");
+
+        m.reload(false);
+        let text = m.render(&Snapshot::default());
+        assert_eq!(value(&text, "iop_config_last_reload_successful"), 0);
+        assert_eq!(
+            value(&text, "iop_config_reloads_total{result=\"refused\"}"),
+            1
+        );
+        assert_eq!(
+            value(&text, "iop_config_last_reload_success_timestamp_seconds"),
+            loaded,
+            "a refused reload leaves when the running configuration was loaded"
+        );
+
+        m.reload(true);
+        let text = m.render(&Snapshot::default());
+        assert_eq!(value(&text, "iop_config_last_reload_successful"), 1);
+        assert_eq!(
+            value(&text, "iop_config_reloads_total{result=\"applied\"}"),
+            1
+        );
+        assert!(value(&text, "iop_config_last_reload_success_timestamp_seconds") >= loaded);
     }
 }

@@ -273,6 +273,19 @@ async fn sighup_refreshes_nodes_and_an_invalid_file_changes_nothing() {
         .contains("reload refused")));
     assert!(reply_text(&cluster).await.starts_with("after"));
     assert_eq!(http.status().await["nodes"][0]["applied_revision"], 2);
+
+    // What a scraper sees: one reload applied, the last one refused.
+    let metrics = String::from_utf8_lossy(&http.get("/metrics").await.body).into_owned();
+    for line in [
+        "iop_config_reloads_total{result=\"applied\"} 1",
+        "iop_config_reloads_total{result=\"refused\"} 1",
+        "iop_config_last_reload_successful 0",
+    ] {
+        assert!(
+            metrics.lines().any(|l| l == line),
+            "missing {line:?} in\n{metrics}"
+        );
+    }
 }
 
 /// A reload whose file blocks (here a FIFO nobody writes yet) is read off the Edge's
