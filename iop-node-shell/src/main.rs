@@ -100,6 +100,9 @@ fn main() -> ExitCode {
             .map_err(|err| process::invalid_config("iop-node", &cli.config, &err))?;
         let shutdown = CancellationToken::new();
         tokio::spawn(process::cancel_on_signal(shutdown.clone()));
+        tokio::spawn(process::ignore_hangup(
+            "a Node's adapters come from the Edge (send the Edge SIGHUP); its own file is read at start only",
+        ));
         Ok(supervisor::run(config, ctx, shutdown).await)
     });
     match reason {

@@ -203,6 +203,20 @@ pub async fn cancel_on_signal(shutdown: CancellationToken) {
     shutdown.cancel();
 }
 
+/// Keeps SIGHUP from ending the process, its default: each one is logged, with `why`
+/// it changes nothing. For a binary with nothing to reload (a terminal hanging up, or a
+/// script that sends every service SIGHUP, must not cut its work off); spawn it once at
+/// start.
+pub async fn ignore_hangup(why: &'static str) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let Ok(mut hup) = signal(SignalKind::hangup()) else {
+        return;
+    };
+    while hup.recv().await.is_some() {
+        tracing::warn!(signal = "SIGHUP", "ignored: {why}");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -351,6 +351,40 @@ async fn a_reload_waiting_on_its_file_does_not_stop_the_edge() {
     assert!(reply_text(&cluster).await.starts_with("after"));
 }
 
+/// A Node has nothing to reload: SIGHUP (a terminal hanging up, a script that sends it
+/// to every service) is logged and changes nothing, where its default would end the
+/// process and every stream on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_given_sighup_keeps_its_streams_and_serves_on() {
+    let cluster = Cluster::start("", &body("one two", 20));
+    let mut node = cluster.node("n1", "tok-1-long-enough-secret");
+    cluster.wait_ready("n1").await;
+    let mut s = cluster
+        .http()
+        .post_stream("/v1/chat/completions", &ask(true))
+        .await;
+    assert!(
+        next_sse(s.body_mut(), Duration::from_secs(5))
+            .await
+            .is_some()
+    );
+    node.signal("HUP");
+    let (events, ended) = read_sse(s.body_mut(), Duration::from_secs(10)).await;
+    assert!(
+        ended && !stream_failed(&events),
+        "{events:?}\n{}",
+        node.log()
+    );
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    assert!(node.running(), "{}", node.log());
+    assert!(
+        wait_until(Duration::from_secs(5), || node.log().contains("SIGHUP")),
+        "{}",
+        node.log()
+    );
+    assert!(reply_text(&cluster).await.starts_with("one two"));
+}
+
 fn closed_by_peer(stream: &mut TcpStream) -> bool {
     stream
         .set_read_timeout(Some(Duration::from_secs(5)))
