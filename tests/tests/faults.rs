@@ -49,6 +49,21 @@ async fn reply_text(cluster: &Cluster) -> String {
         .to_owned()
 }
 
+/// A streamed chat completion whose first event has arrived.
+async fn stream_under_way(cluster: &Cluster) -> http::Response<hyper::body::Incoming> {
+    let mut s = cluster
+        .http()
+        .post_stream("/v1/chat/completions", &ask(true))
+        .await;
+    assert!(
+        next_sse(s.body_mut(), Duration::from_secs(5))
+            .await
+            .is_some(),
+        "no first event"
+    );
+    s
+}
+
 fn stream_failed(events: &[String]) -> bool {
     events.iter().any(|e| e.contains("\"error\"")) && !events.iter().any(|e| e == "[DONE]")
 }
@@ -58,15 +73,7 @@ async fn node_killed_mid_stream_ends_the_stream_with_an_error_and_a_restart_serv
     let cluster = Cluster::start("", &body("one two", 50));
     let mut node = cluster.node("n1", "tok-1-long-enough-secret");
     cluster.wait_ready("n1").await;
-    let mut s = cluster
-        .http()
-        .post_stream("/v1/chat/completions", &ask(true))
-        .await;
-    assert!(
-        next_sse(s.body_mut(), Duration::from_secs(5))
-            .await
-            .is_some()
-    );
+    let mut s = stream_under_way(&cluster).await;
     node.signal("KILL");
     let killed = Instant::now();
     let (events, ended) = read_sse(s.body_mut(), Duration::from_secs(10)).await;
@@ -141,15 +148,7 @@ async fn an_edge_restart_ends_in_flight_requests_and_the_node_reconnects() {
     let mut cluster = Cluster::start("", &body("one", 50));
     let _node = cluster.node("n1", "tok-1-long-enough-secret");
     cluster.wait_ready("n1").await;
-    let mut s = cluster
-        .http()
-        .post_stream("/v1/chat/completions", &ask(true))
-        .await;
-    assert!(
-        next_sse(s.body_mut(), Duration::from_secs(5))
-            .await
-            .is_some()
-    );
+    let mut s = stream_under_way(&cluster).await;
     let restarted = Instant::now();
     cluster.restart_edge();
     let (events, _) = read_sse(s.body_mut(), Duration::from_secs(5)).await;
@@ -359,15 +358,7 @@ async fn a_node_given_sighup_keeps_its_streams_and_serves_on() {
     let cluster = Cluster::start("", &body("one two", 20));
     let mut node = cluster.node("n1", "tok-1-long-enough-secret");
     cluster.wait_ready("n1").await;
-    let mut s = cluster
-        .http()
-        .post_stream("/v1/chat/completions", &ask(true))
-        .await;
-    assert!(
-        next_sse(s.body_mut(), Duration::from_secs(5))
-            .await
-            .is_some()
-    );
+    let mut s = stream_under_way(&cluster).await;
     node.signal("HUP");
     let (events, ended) = read_sse(s.body_mut(), Duration::from_secs(10)).await;
     assert!(
