@@ -141,6 +141,7 @@ struct RawLimits {
     max_streams_per_connection: Option<u32>,
     max_inflight_bytes: Option<usize>,
     sse_keepalive_ms: Option<u64>,
+    shutdown_grace_sec: Option<u64>,
     max_frame_bytes: Option<usize>,
     pending_frame_bytes: Option<usize>,
     max_pending_connections: Option<usize>,
@@ -255,6 +256,9 @@ pub struct HttpSettings {
     pub sse_keepalive: Duration,
     /// Upper bound of one request, queueing included (then 504 and a cancel).
     pub response_timeout: Duration,
+    /// After SIGTERM or SIGINT, how long the requests in flight have to finish before
+    /// the Edge stops anyway (0: stop at once).
+    pub shutdown_grace: Duration,
 }
 
 /// TLS of both listeners, loaded and checked.
@@ -287,6 +291,9 @@ fn addr(key: &str, value: &str) -> Result<SocketAddr, ConfigError> {
         .parse()
         .map_err(|_| invalid(key, format!("must be ip:port, got {value:?}")))
 }
+
+/// Longest `limits.shutdown_grace_sec`: a day.
+const MAX_SHUTDOWN_GRACE_SEC: u64 = 86_400;
 
 fn positive_secs(key: &str, value: Option<u64>, default: u64) -> Result<Duration, ConfigError> {
     match value.unwrap_or(default) {
@@ -539,6 +546,15 @@ impl Config {
             max_inflight_bytes: limits.max_inflight_bytes.unwrap_or(256 << 20),
             sse_keepalive: positive_ms("limits.sse_keepalive_ms", limits.sse_keepalive_ms, 2000)?,
             response_timeout: Duration::from_secs(raw.timeouts.response_sec.unwrap_or(600).max(1)),
+            shutdown_grace: match limits.shutdown_grace_sec.unwrap_or(30) {
+                s @ 0..=MAX_SHUTDOWN_GRACE_SEC => Duration::from_secs(s),
+                _ => {
+                    return Err(invalid(
+                        "limits.shutdown_grace_sec",
+                        format!("must be at most {MAX_SHUTDOWN_GRACE_SEC}"),
+                    ));
+                }
+            },
         };
         let worker_threads = match raw.runtime.worker_threads {
             None => iop_shell_common::process::default_workers(),
@@ -655,6 +671,28 @@ providers = [{ node = "n1", adapter = "mock", target = "m" }]
         assert_eq!(cfg.core.models["chat"].candidates.len(), 1);
         assert!(cfg.http.api_keys.is_empty());
         assert!(cfg.tls.nodes.is_none(), "plaintext as asked");
+    }
+
+    #[test]
+    fn the_shutdown_grace_defaults_to_30_s_may_be_0_and_is_bounded() {
+        let grace = |extra: &str| {
+            Config::parse(&format!("{MINIMAL}\n{extra}\n"), Path::new("edge.toml"))
+                .map(|cfg| cfg.http.shutdown_grace)
+        };
+        assert_eq!(grace("").expect("valid"), Duration::from_secs(30));
+        assert_eq!(
+            grace("[limits]\nshutdown_grace_sec = 0").expect("valid"),
+            Duration::ZERO
+        );
+        assert_eq!(
+            grace("[limits]\nshutdown_grace_sec = 86400").expect("valid"),
+            Duration::from_secs(86_400)
+        );
+        let err = grace("[limits]\nshutdown_grace_sec = 86401").expect_err("too long");
+        assert!(
+            err.to_string().contains("limits.shutdown_grace_sec"),
+            "{err}"
+        );
     }
 
     #[test]

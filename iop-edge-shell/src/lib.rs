@@ -7,11 +7,13 @@
 //! - [`outbox`]: a node connection's outgoing frames, written together by its writer task.
 //! - [`http`]: the OpenAI-compatible HTTP surface, status, metrics and health.
 //! - [`memory`]: the budget of request bodies and buffered response bytes.
+//! - [`drain`]: stopping without cutting the requests in flight off.
 
 #![forbid(unsafe_code)]
 
 pub mod certgen;
 pub mod config;
+pub mod drain;
 pub mod driver;
 pub mod events;
 pub mod http;
@@ -33,12 +35,22 @@ use tracing::{error, info, warn};
 use crate::config::Config;
 use crate::driver::CoreMsg;
 
-/// Runs the Edge until `shutdown`: binds both listeners, then serves. SIGHUP (when
+/// How the Edge is told to stop.
+#[derive(Clone, Debug, Default)]
+pub struct Stop {
+    /// Drain: take no more callers or nodes, let the requests in flight finish within
+    /// `limits.shutdown_grace_sec`, then stop ([`drain`]).
+    pub drain: CancellationToken,
+    /// Stop now, cutting whatever is in flight (also during a drain).
+    pub now: CancellationToken,
+}
+
+/// Runs the Edge until told to `stop`: binds both listeners, then serves. SIGHUP (when
 /// `reload` is set) reloads `config_path`.
 pub async fn run(
     config: Config,
     config_path: PathBuf,
-    shutdown: CancellationToken,
+    stop: Stop,
     reload: bool,
 ) -> std::io::Result<()> {
     let clock = iop_shell_common::clock::Clock::new();
@@ -66,6 +78,10 @@ pub async fn run(
     let node_tls: nodes::TlsSlot = Arc::new(RwLock::new(config.tls.nodes.clone()));
     let http_tls: nodes::TlsSlot = Arc::new(RwLock::new(config.tls.http.clone()));
     let core = driver::Core::new(core, clock, metrics.clone(), events.clone());
+    // The listeners stop when the Edge starts to drain; the node links, the timer and
+    // reloads only once it stops.
+    let stop_accepting = CancellationToken::new();
+    let shutdown = CancellationToken::new();
     let state = Arc::new(http::State {
         core: core.clone(),
         permits: Arc::new(Semaphore::new(config.http.max_concurrent_requests)),
@@ -73,6 +89,7 @@ pub async fn run(
         budget: Arc::new(memory::Budget::new(config.http.max_inflight_bytes)),
         metrics: metrics.clone(),
         events: events.clone(),
+        drain: Arc::default(),
     });
     let timer = tokio::spawn(core.clone().run_timer());
     tokio::spawn(nodes::serve(
@@ -87,6 +104,7 @@ pub async fn run(
                 std::time::Duration::from_secs(10),
                 5,
             )),
+            stop_accepting: stop_accepting.clone(),
             shutdown: shutdown.clone(),
         },
     ));
@@ -94,7 +112,7 @@ pub async fn run(
         http_listener,
         state.clone(),
         http_tls.clone(),
-        shutdown.clone(),
+        stop_accepting.clone(),
     ));
     if reload {
         tokio::spawn(reload_on_sighup(
@@ -105,7 +123,33 @@ pub async fn run(
             shutdown.clone(),
         ));
     }
-    shutdown.cancelled().await;
+    tokio::select! {
+        () = stop.drain.cancelled() => {}
+        () = stop.now.cancelled() => {}
+    }
+    stop_accepting.cancel();
+    state.drain.begin();
+    let open = state.drain.open();
+    if !stop.now.is_cancelled() && open > 0 {
+        let grace = state.settings().shutdown_grace;
+        info!(
+            open,
+            grace_sec = grace.as_secs(),
+            "draining: no new callers or nodes; waiting for the requests in flight (signal again to stop at once)"
+        );
+        tokio::select! {
+            () = state.drain.idle() => info!("drained: every request in flight has ended"),
+            () = tokio::time::sleep(grace) => warn!(
+                open = state.drain.open(),
+                "shutdown grace over: cutting the requests still in flight"
+            ),
+            () = stop.now.cancelled() => warn!(
+                open = state.drain.open(),
+                "stopping at once: cutting the requests still in flight"
+            ),
+        }
+    }
+    shutdown.cancel();
     drop(state);
     timer.abort();
     Ok(())

@@ -7,7 +7,6 @@ use clap::{Parser, Subcommand};
 use iop_edge_shell::config::Config;
 use iop_shell_common::logging::{self, LogFormat};
 use iop_shell_common::process;
-use tokio_util::sync::CancellationToken;
 
 /// jemalloc, whose background thread returns freed memory to the system within seconds;
 /// glibc's malloc kept tens of MiB after a burst of large request bodies (BENCHMARKS.md).
@@ -134,9 +133,12 @@ fn main() -> ExitCode {
         Err(code) => return code,
     };
     let result = runtime.block_on(async move {
-        let shutdown = CancellationToken::new();
-        tokio::spawn(process::cancel_on_signal(shutdown.clone()));
-        iop_edge_shell::run(config, cli.config, shutdown, true).await
+        let stop = iop_edge_shell::Stop::default();
+        tokio::spawn(process::cancel_on_signals(vec![
+            (stop.drain.clone(), "shutdown requested"),
+            (stop.now.clone(), "stop requested at once"),
+        ]));
+        iop_edge_shell::run(config, cli.config, stop, true).await
     });
     // Work on the blocking pool is not waited for past a moment: a reload stuck reading
     // a file that never ends (a FIFO nobody writes) must not keep the Edge from exiting.

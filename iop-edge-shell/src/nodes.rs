@@ -44,18 +44,21 @@ pub struct Listener {
     pub pending_frame_len: Arc<AtomicUsize>,
     /// Bounds the log lines about undecodable input.
     pub decode_errors: Arc<LogLimiter>,
+    /// Stops accepting node connections (the Edge drains: the links it has stay up for
+    /// the requests in flight).
+    pub stop_accepting: CancellationToken,
     /// Stops everything.
     pub shutdown: CancellationToken,
 }
 
-/// Accepts node connections until `shutdown`.
+/// Accepts node connections until `stop_accepting`.
 pub async fn serve(listener: TcpListener, shared: Listener) {
     let accept_errors = LogLimiter::new(Duration::from_secs(10), 3);
     let handshake_errors = Arc::new(LogLimiter::new(Duration::from_secs(10), 5));
     let mut next = 1u64;
     loop {
         let accepted = tokio::select! {
-            () = shared.shutdown.cancelled() => return,
+            () = shared.stop_accepting.cancelled() => return,
             accepted = listener.accept() => accepted,
         };
         match accepted {

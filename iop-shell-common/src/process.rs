@@ -189,6 +189,12 @@ pub fn invalid_config(
 
 /// Cancels `shutdown` on the first SIGTERM or SIGINT. Spawn it once at start.
 pub async fn cancel_on_signal(shutdown: CancellationToken) {
+    cancel_on_signals(vec![(shutdown, "shutdown requested")]).await;
+}
+
+/// Cancels each token of `stages` in turn, one per SIGTERM or SIGINT, logging its words:
+/// for a graceful stop that a second signal cuts short. Spawn it once at start.
+pub async fn cancel_on_signals(stages: Vec<(CancellationToken, &'static str)>) {
     use tokio::signal::unix::{SignalKind, signal};
     let (Ok(mut term), Ok(mut int)) = (
         signal(SignalKind::terminate()),
@@ -196,11 +202,13 @@ pub async fn cancel_on_signal(shutdown: CancellationToken) {
     ) else {
         return;
     };
-    tokio::select! {
-        _ = term.recv() => tracing::info!(signal = "SIGTERM", "shutdown requested"),
-        _ = int.recv() => tracing::info!(signal = "SIGINT", "shutdown requested"),
+    for (token, what) in stages {
+        tokio::select! {
+            _ = term.recv() => tracing::info!(signal = "SIGTERM", "{what}"),
+            _ = int.recv() => tracing::info!(signal = "SIGINT", "{what}"),
+        }
+        token.cancel();
     }
-    shutdown.cancel();
 }
 
 /// Keeps SIGHUP from ending the process, its default: each one is logged, with `why`

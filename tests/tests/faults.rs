@@ -376,6 +376,124 @@ async fn a_node_given_sighup_keeps_its_streams_and_serves_on() {
     assert!(reply_text(&cluster).await.starts_with("one two"));
 }
 
+/// A raw HTTP/1.1 chat completion (not streamed) on `stream`; the response's head and
+/// whatever of its body arrived with it.
+fn raw_completion(stream: &mut TcpStream) -> String {
+    let body = ask(false).to_string();
+    write!(
+        stream,
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: edge\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("request written");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let mut buf = [0u8; 8192];
+    let n = stream.read(&mut buf).expect("response");
+    String::from_utf8_lossy(&buf[..n]).into_owned()
+}
+
+/// SIGTERM: the Edge stops taking callers, refuses a request on a connection it already
+/// had with 503 and closes that connection, lets the stream in flight finish, and exits 0
+/// once it has.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_lets_the_streams_in_flight_finish_before_the_edge_exits() {
+    // 40 tokens 50 ms apart: a stream of about two seconds.
+    let mut cluster = Cluster::start("", &body("one two", 50));
+    let _node = cluster.node("n1", "tok-1-long-enough-secret");
+    cluster.wait_ready("n1").await;
+    let mut kept = TcpStream::connect(("127.0.0.1", cluster.http_port)).expect("connect");
+    let first = raw_completion(&mut kept);
+    assert!(first.starts_with("HTTP/1.1 200"), "{first}");
+    let mut s = stream_under_way(&cluster).await;
+
+    cluster.edge.signal("TERM");
+    assert!(
+        wait_until(Duration::from_secs(5), || cluster
+            .edge
+            .log()
+            .contains("draining")),
+        "{}",
+        cluster.edge.log()
+    );
+    // No new callers: the listener is closed...
+    let port = cluster.http_port;
+    assert!(
+        wait_until(Duration::from_secs(2), || TcpStream::connect((
+            "127.0.0.1",
+            port
+        ))
+        .is_err()),
+        "a draining Edge still takes new connections"
+    );
+    // ...and a request on a connection it already had is refused and the connection closed.
+    let refused = raw_completion(&mut kept);
+    assert!(refused.starts_with("HTTP/1.1 503"), "{refused}");
+    assert!(refused.contains("edge is shutting down"), "{refused}");
+    assert!(
+        refused.to_ascii_lowercase().contains("connection: close"),
+        "{refused}"
+    );
+    assert!(closed_by_peer(&mut kept));
+
+    // The stream in flight finishes whole.
+    let (events, ended) = read_sse(s.body_mut(), Duration::from_secs(10)).await;
+    assert!(ended && !stream_failed(&events), "{events:?}");
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let status = cluster
+        .edge
+        .wait_exit(Duration::from_secs(5))
+        .expect("the Edge exits once drained");
+    assert_eq!(status.code(), Some(0));
+    assert!(
+        cluster.edge.log().contains("drained"),
+        "{}",
+        cluster.edge.log()
+    );
+}
+
+/// A stream longer than `limits.shutdown_grace_sec` is cut when the grace is over; a
+/// second signal does not wait for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shutdown_grace_and_a_second_signal_bound_the_wait() {
+    for second_signal in [false, true] {
+        // 40 tokens 250 ms apart: ten seconds, longer than the grace or the patience.
+        let mut cluster = Cluster::start("[limits]\nshutdown_grace_sec = 1\n", &body("one", 250));
+        let _node = cluster.node("n1", "tok-1-long-enough-secret");
+        cluster.wait_ready("n1").await;
+        let mut s = stream_under_way(&cluster).await;
+        let signalled = Instant::now();
+        cluster.edge.signal("TERM");
+        if second_signal {
+            assert!(wait_until(Duration::from_secs(5), || cluster
+                .edge
+                .log()
+                .contains("draining")));
+            cluster.edge.signal("INT");
+        }
+        let status = cluster
+            .edge
+            .wait_exit(Duration::from_secs(5))
+            .expect("the Edge exits");
+        assert_eq!(status.code(), Some(0));
+        let waited = signalled.elapsed();
+        let log = cluster.edge.log();
+        if second_signal {
+            assert!(log.contains("stopping at once"), "{log}");
+            assert!(waited < Duration::from_millis(900), "{waited:?}\n{log}");
+        } else {
+            assert!(log.contains("shutdown grace over"), "{log}");
+            assert!(waited >= Duration::from_secs(1), "{waited:?}\n{log}");
+        }
+        let (events, ended) = read_sse(s.body_mut(), Duration::from_secs(5)).await;
+        assert!(
+            !events.iter().any(|e| e == "[DONE]"),
+            "the stream was cut, not finished: {events:?} {ended}"
+        );
+    }
+}
+
 fn closed_by_peer(stream: &mut TcpStream) -> bool {
     stream
         .set_read_timeout(Some(Duration::from_secs(5)))

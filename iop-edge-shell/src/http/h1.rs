@@ -221,8 +221,10 @@ pub(super) async fn serve(
         };
         first = false;
         match conn.exchange(head, &state).await {
-            Ok(true) => {}
-            Ok(false) | Err(_) => return,
+            // Also a response that began before the Edge started draining ends its
+            // connection.
+            Ok(true) if !state.drain.is_draining() => {}
+            Ok(_) | Err(_) => return,
         }
     }
 }
@@ -356,7 +358,10 @@ impl Conn {
             read.release();
             done
         };
-        self.respond(response, head_request, http10, keep_alive && body_read)
+        // A draining Edge says so in the response: the caller takes its next request
+        // elsewhere.
+        let keep_alive = keep_alive && body_read && !state.drain.is_draining();
+        self.respond(response, head_request, http10, keep_alive)
             .await
     }
 

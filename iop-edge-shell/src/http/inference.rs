@@ -339,6 +339,11 @@ async fn handle<B: ReqBody>(
         finish.done(refusal.status, None);
         api_error(refusal)
     };
+    // Counted from here to the end of its response, so that a draining Edge waits for
+    // it; one that arrives while the Edge drains is refused.
+    let Some(open) = state.drain.enter() else {
+        return refuse(&finish, &ApiError::shutting_down());
+    };
     // The provider sees the request under the same id as the caller and both logs.
     let headers: Vec<Header> = req
         .headers()
@@ -457,6 +462,7 @@ async fn handle<B: ReqBody>(
         keepalive,
         recorded: false,
         _permit: permit,
+        _open: open,
     }))
     .await
 }
@@ -482,6 +488,7 @@ pub(crate) struct Live {
     keepalive: Duration,
     recorded: bool,
     _permit: tokio::sync::OwnedSemaphorePermit,
+    _open: crate::drain::Open,
 }
 
 impl std::fmt::Debug for Live {

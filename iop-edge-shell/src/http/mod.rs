@@ -110,10 +110,13 @@ pub struct State {
     pub budget: Arc<crate::memory::Budget>,
     /// Lifecycle events for `GET /v1/events`.
     pub events: Arc<crate::events::EventHub>,
+    /// The inference requests open, and whether new ones are taken (not while the Edge
+    /// drains on its way out).
+    pub drain: Arc<crate::drain::Drain>,
 }
 
 impl State {
-    fn settings(&self) -> Arc<HttpSettings> {
+    pub(crate) fn settings(&self) -> Arc<HttpSettings> {
         self.settings
             .read()
             .map(|s| s.clone())

@@ -1,0 +1,112 @@
+//! Stopping without cutting callers off. On the first SIGTERM or SIGINT the Edge stops
+//! accepting connections (callers and nodes), refuses requests that arrive afterwards
+//! with 503 `shutting_down` (and closes each HTTP/1.1 connection once its response is
+//! out), and waits for the requests already in flight, streams included, for up to
+//! `limits.shutdown_grace_sec`; its node links stay up meanwhile, since those requests
+//! run over them. Then it stops, cutting whatever is left. A second signal stops it at
+//! once.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+/// How often a drain looks whether the requests in flight have ended.
+const LOOK_EVERY: Duration = Duration::from_millis(10);
+
+/// Which inference requests are open (from their arrival to the end of their response),
+/// and whether new ones are still taken.
+#[derive(Debug, Default)]
+pub struct Drain {
+    draining: AtomicBool,
+    open: AtomicUsize,
+}
+
+impl Drain {
+    /// A request arrives: counted until the returned guard is dropped, or `None` when the
+    /// Edge is draining (the caller is told it is shutting down).
+    #[must_use]
+    pub fn enter(self: &Arc<Self>) -> Option<Open> {
+        // Counted before the flag is read, and the flag set before the count is read (both
+        // sequentially consistent): a request that arrives as the drain begins is either
+        // refused or waited for, never cut.
+        self.open.fetch_add(1, Ordering::SeqCst);
+        let open = Open(Arc::clone(self));
+        if self.draining.load(Ordering::SeqCst) {
+            return None;
+        }
+        Some(open)
+    }
+
+    /// From now on requests are refused.
+    pub fn begin(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether the Edge is draining.
+    #[must_use]
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
+    /// Requests open now.
+    #[must_use]
+    pub fn open(&self) -> usize {
+        self.open.load(Ordering::SeqCst)
+    }
+
+    /// Returns once no request is open (after [`Drain::begin`], no new one opens).
+    pub async fn idle(&self) {
+        while self.open() > 0 {
+            tokio::time::sleep(LOOK_EVERY).await;
+        }
+    }
+}
+
+/// An open request; dropping it closes it.
+#[derive(Debug)]
+pub struct Open(Arc<Drain>);
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_are_counted_until_dropped_and_refused_once_draining() {
+        let drain = Arc::new(Drain::default());
+        let first = drain.enter().expect("taken");
+        let second = drain.enter().expect("taken");
+        assert_eq!(drain.open(), 2);
+        drop(first);
+        assert_eq!(drain.open(), 1);
+        drain.begin();
+        assert!(drain.is_draining());
+        assert!(drain.enter().is_none(), "refused while draining");
+        assert_eq!(drain.open(), 1, "a refused request is not counted");
+        drop(second);
+        assert_eq!(drain.open(), 0);
+    }
+
+    #[tokio::test]
+    async fn idle_waits_for_the_last_open_request() {
+        let drain = Arc::new(Drain::default());
+        let open = drain.enter().expect("taken");
+        drain.begin();
+        let waiting = tokio::spawn({
+            let drain = Arc::clone(&drain);
+            async move { drain.idle().await }
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(!waiting.is_finished(), "a request is still open");
+        drop(open);
+        tokio::time::timeout(Duration::from_secs(1), waiting)
+            .await
+            .expect("idle once the last request ended")
+            .expect("joined");
+    }
+}
