@@ -71,6 +71,7 @@ pub async fn run(
         "edge listening"
     );
     warn_about_exposure(&config);
+    let start_only = StartOnly::of(&config);
     let pending_frame_len = Arc::new(std::sync::atomic::AtomicUsize::new(
         config.core.admission.pending_frame_len,
     ));
@@ -117,6 +118,7 @@ pub async fn run(
     if reload {
         tokio::spawn(reload_on_sighup(
             config_path,
+            start_only,
             state.clone(),
             [node_tls, http_tls],
             pending_frame_len,
@@ -201,6 +203,59 @@ fn warn_about_exposure(config: &Config) {
     }
 }
 
+/// What a reload cannot change: read at start and in force until a restart (the
+/// listeners' addresses and kinds, and what was sized when they started).
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct StartOnly {
+    http_addr: std::net::SocketAddr,
+    nodes_addr: std::net::SocketAddr,
+    https: bool,
+    nodes_tls: bool,
+    max_concurrent_requests: usize,
+    max_connections: usize,
+    worker_threads: std::num::NonZeroUsize,
+}
+
+impl StartOnly {
+    fn of(config: &Config) -> Self {
+        StartOnly {
+            http_addr: config.http.http_addr,
+            nodes_addr: config.http.nodes_addr,
+            https: config.tls.http.is_some(),
+            nodes_tls: config.tls.nodes.is_some(),
+            max_concurrent_requests: config.http.max_concurrent_requests,
+            max_connections: config.http.max_connections,
+            worker_threads: config.worker_threads,
+        }
+    }
+
+    /// The keys `next` sets otherwise than the running Edge, which keeps its values.
+    fn changed_in(&self, next: &Config) -> Vec<&'static str> {
+        let next = Self::of(next);
+        [
+            (self.http_addr != next.http_addr, "listen.http"),
+            (self.nodes_addr != next.nodes_addr, "listen.nodes"),
+            (self.https != next.https, "listen.http_tls"),
+            (self.nodes_tls != next.nodes_tls, "listen.nodes_plaintext"),
+            (
+                self.max_concurrent_requests != next.max_concurrent_requests,
+                "limits.max_concurrent_requests",
+            ),
+            (
+                self.max_connections != next.max_connections,
+                "limits.max_connections",
+            ),
+            (
+                self.worker_threads != next.worker_threads,
+                "runtime.worker_threads",
+            ),
+        ]
+        .into_iter()
+        .filter_map(|(changed, key)| changed.then_some(key))
+        .collect()
+    }
+}
+
 /// Longest a reload waits for its files to be read and checked. A file that blocks (a
 /// FIFO nobody writes, a hung network mount) refuses the reload after this long, and the
 /// Edge serves throughout.
@@ -252,6 +307,7 @@ async fn load_for_reload(
 
 async fn reload_on_sighup(
     path: PathBuf,
+    start_only: StartOnly,
     state: Arc<http::State>,
     [node_tls, http_tls]: [nodes::TlsSlot; 2],
     pending_frame_len: Arc<std::sync::atomic::AtomicUsize>,
@@ -273,6 +329,7 @@ async fn reload_on_sighup(
             continue;
         };
         let pending_frame = config.core.admission.pending_frame_len;
+        let kept = start_only.changed_in(&config);
         let (reply, answer) = oneshot::channel();
         if state
             .core
@@ -303,10 +360,19 @@ async fn reload_on_sighup(
                 state.budget.set_max(config.http.max_inflight_bytes);
                 if let Ok(mut settings) = state.settings.write() {
                     let mut next = config.http.clone();
-                    // Listeners stay where they are bound.
+                    // Listeners stay where they are bound, and keep what they were sized
+                    // with.
                     next.http_addr = settings.http_addr;
                     next.nodes_addr = settings.nodes_addr;
+                    next.max_concurrent_requests = settings.max_concurrent_requests;
+                    next.max_connections = settings.max_connections;
                     *settings = Arc::new(next);
+                }
+                if !kept.is_empty() {
+                    warn!(
+                        keys = ?kept,
+                        "reload: these settings change only at a restart; their running values stay"
+                    );
                 }
                 info!(
                     added = ?diff.added_nodes,
@@ -332,6 +398,32 @@ mod tests {
     use std::time::{Duration, Instant};
 
     const CONFIG: &str = "[listen]\nhttp = \"127.0.0.1:8080\"\nnodes = \"127.0.0.1:7100\"\nnodes_plaintext = true\n\n[[nodes]]\nid = \"n1\"\ntoken = \"t-0123456789abcdef\"\n[[nodes.adapters]]\nname = \"mock\"\ntype = \"mock\"\ncapacity = 2\ntargets = [\"m\"]\n\n[[models]]\nname = \"chat\"\nproviders = [{ node = \"n1\", adapter = \"mock\", target = \"m\" }]\n";
+
+    #[test]
+    fn a_reload_names_the_settings_that_wait_for_a_restart() {
+        let parse = |text: &str| {
+            Config::parse(text, std::path::Path::new("edge.toml")).expect("valid config")
+        };
+        let running = StartOnly::of(&parse(CONFIG));
+        assert!(running.changed_in(&parse(CONFIG)).is_empty());
+        // What a reload applies is not listed.
+        let applied = format!("{CONFIG}\n[limits]\nmax_body_bytes = 1024\nidle_timeout_sec = 5\n");
+        assert!(running.changed_in(&parse(&applied)).is_empty());
+        let kept = CONFIG
+            .replace("127.0.0.1:8080", "127.0.0.1:8081")
+            .replace("127.0.0.1:7100", "127.0.0.1:7101")
+            + "\n[limits]\nmax_concurrent_requests = 7\nmax_connections = 9\n[runtime]\nworker_threads = 3\n";
+        assert_eq!(
+            running.changed_in(&parse(&kept)),
+            [
+                "listen.http",
+                "listen.nodes",
+                "limits.max_concurrent_requests",
+                "limits.max_connections",
+                "runtime.worker_threads",
+            ]
+        );
+    }
 
     /// On the one thread of a current-thread runtime, as the Edge runs on two CPUs: if the
     /// reload read its files there, nothing else would run until they were read.

@@ -394,6 +394,12 @@ impl Cluster {
         std::fs::write(&self.edge_config, text).expect("rewrite config");
     }
 
+    /// Rewrites the edge config with new extra sections (`head`) and body.
+    pub fn rewrite_head(&mut self, head: &str, body: &str) {
+        self.extra_head = head.to_owned();
+        self.rewrite(body);
+    }
+
     /// Writes raw text as the edge config.
     pub fn write_raw_config(&self, text: &str) {
         std::fs::write(&self.edge_config, text).expect("rewrite config");

@@ -285,6 +285,19 @@ async fn sighup_refreshes_nodes_and_an_invalid_file_changes_nothing() {
             "missing {line:?} in\n{metrics}"
         );
     }
+
+    // A setting sized at start is kept, and the reload says so.
+    cluster.rewrite_head("[limits]\nmax_concurrent_requests = 3\n", &next);
+    cluster.edge.signal("HUP");
+    assert!(
+        wait_until(Duration::from_secs(5), || {
+            let log = cluster.edge.log();
+            log.contains("change only at a restart")
+                && log.contains("limits.max_concurrent_requests")
+        }),
+        "{}",
+        cluster.edge.log()
+    );
 }
 
 /// A reload whose file blocks (here a FIFO nobody writes yet) is read off the Edge's
