@@ -3,12 +3,15 @@
 //! with 503 `shutting_down` (and closes each HTTP/1.1 connection once its response is
 //! out), and waits for the requests already in flight, streams included, for up to
 //! `limits.shutdown_grace_sec`; its node links stay up meanwhile, since those requests
-//! run over them. Then it stops, cutting whatever is left. A second signal stops it at
+//! run over them. Connections waiting for their next request are closed at once (HTTP/2
+//! ones are sent GOAWAY), so that callers take their next request elsewhere. Then it stops, cutting whatever is left. A second signal stops it at
 //! once.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
+
+use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
 
 /// How often a drain looks whether the requests in flight have ended.
 const LOOK_EVERY: Duration = Duration::from_millis(10);
@@ -18,6 +21,8 @@ const LOOK_EVERY: Duration = Duration::from_millis(10);
 #[derive(Debug, Default)]
 pub struct Drain {
     draining: AtomicBool,
+    /// Cancelled when the drain begins, to wake what waits on idle connections.
+    began: CancellationToken,
     open: AtomicUsize,
 }
 
@@ -37,9 +42,16 @@ impl Drain {
         Some(open)
     }
 
-    /// From now on requests are refused.
+    /// From now on requests are refused, and idle connections closed.
     pub fn begin(&self) {
         self.draining.store(true, Ordering::SeqCst);
+        self.began.cancel();
+    }
+
+    /// Resolves once the drain has begun: a connection waiting for its next request
+    /// closes, an HTTP/2 one sends GOAWAY.
+    pub fn began(&self) -> WaitForCancellationFuture<'_> {
+        self.began.cancelled()
     }
 
     /// Whether the Edge is draining.
@@ -97,6 +109,9 @@ mod tests {
         let drain = Arc::new(Drain::default());
         let open = drain.enter().expect("taken");
         drain.begin();
+        tokio::time::timeout(Duration::from_secs(1), drain.began())
+            .await
+            .expect("the drain has begun");
         let waiting = tokio::spawn({
             let drain = Arc::clone(&drain);
             async move { drain.idle().await }

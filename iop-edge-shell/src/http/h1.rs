@@ -198,7 +198,10 @@ pub(super) async fn serve(
     let mut heads = HeadReader::new(settings.max_header_bytes);
     let mut first = true;
     loop {
-        let head = match conn.next_head(&mut heads, first, settings).await {
+        let head = match conn
+            .next_head(&mut heads, first, settings, &state.drain)
+            .await
+        {
             Ok(head) => head,
             Err(NoHead::Gone) => return,
             Err(NoHead::Refused(refusal)) => {
@@ -237,8 +240,12 @@ impl Conn {
         heads: &mut HeadReader,
         first: bool,
         settings: &HttpSettings,
+        drain: &crate::drain::Drain,
     ) -> Result<RequestHead, NoHead> {
         heads.reset();
+        // A connection with no request begun closes when the Edge starts to drain.
+        let began = drain.began();
+        tokio::pin!(began);
         let mut started = first;
         if !first {
             let buffered = !lock(&self.read).buf.is_empty();
@@ -278,14 +285,22 @@ impl Conn {
             let stream = &self.stream;
             let read = &self.read;
             let timer = &mut self.timer;
+            let idle = lock(read).buf.is_empty();
             let outcome = std::future::poll_fn(|cx| {
                 if let Poll::Ready(read) = lock(read).poll_read(stream, cx) {
                     return Poll::Ready(Some(read));
+                }
+                if idle && began.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(None);
                 }
                 timer.as_mut().poll(cx).map(|()| None)
             })
             .await;
             match outcome {
+                None if idle && drain.is_draining() => {
+                    debug!(peer = %self.peer, "closing an idle http connection: the edge is draining");
+                    return Err(NoHead::Gone);
+                }
                 None => {
                     debug!(peer = %self.peer, "closing an http connection: no request in time");
                     return Err(NoHead::Gone);

@@ -298,6 +298,7 @@ async fn serve_connection<S>(
         last_end: std::sync::Mutex::new(Instant::now()),
     });
     let tracked = activity.clone();
+    let drain = state.drain.clone();
     let service = service_fn(move |req| {
         let state = state.clone();
         let active = Active::start(&tracked);
@@ -324,6 +325,11 @@ async fn serve_connection<S>(
         .keep_alive_timeout(Duration::from_secs(20));
     let connection = builder.serve_connection(TokioIo::new(stream), service);
     tokio::pin!(connection);
+    // When the Edge starts to drain: HTTP/2 sends GOAWAY and HTTP/1 closes once the
+    // response in progress is out; requests in flight run to their end.
+    let began = drain.began();
+    tokio::pin!(began);
+    let mut closing = false;
     // The watchdog: a connection that has not sent a first request within the header
     // timeout (an HTTP/2 preface and nothing more), or that sits idle past the idle
     // timeout, is closed. Requests in progress keep it open.
@@ -343,6 +349,10 @@ async fn serve_connection<S>(
                     debug!(%peer, %err, "http connection ended with an error");
                 }
                 return;
+            }
+            () = &mut began, if !closing => {
+                closing = true;
+                connection.as_mut().graceful_shutdown();
             }
             () = tokio::time::sleep_until(since + limit) => {
                 let idle = activity.active.load(Ordering::Acquire) == 0;
