@@ -8,6 +8,7 @@
 //! - [`http`]: the OpenAI-compatible HTTP surface, status, metrics and health.
 //! - [`memory`]: the budget of request bodies and buffered response bytes.
 //! - [`drain`]: stopping without cutting the requests in flight off.
+//! - `reload`: SIGHUP, the configuration read again.
 
 #![forbid(unsafe_code)]
 
@@ -22,18 +23,18 @@ pub mod memory;
 pub mod metrics;
 pub mod nodes;
 pub mod outbox;
+mod reload;
 pub mod tls_link;
 
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
 
 use tokio::net::TcpListener;
-use tokio::sync::{Semaphore, oneshot};
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
-use tracing::{error, info, warn};
+use tracing::{info, warn};
 
 use crate::config::Config;
-use crate::driver::CoreMsg;
 
 /// How the Edge is told to stop.
 #[derive(Clone, Debug, Default)]
@@ -71,7 +72,7 @@ pub async fn run(
         "edge listening"
     );
     warn_about_exposure(&config);
-    let start_only = StartOnly::of(&config);
+    let start_only = reload::StartOnly::of(&config);
     let pending_frame_len = Arc::new(std::sync::atomic::AtomicUsize::new(
         config.core.admission.pending_frame_len,
     ));
@@ -116,7 +117,7 @@ pub async fn run(
         stop_accepting.clone(),
     ));
     if reload {
-        tokio::spawn(reload_on_sighup(
+        tokio::spawn(reload::on_sighup(
             config_path,
             start_only,
             state.clone(),
@@ -200,305 +201,5 @@ fn warn_about_exposure(config: &Config) {
             "API keys travel in clear to the public listener: configure listen.http_tls, or \
              terminate TLS in front of the Edge"
         );
-    }
-}
-
-/// What a reload cannot change: read at start and in force until a restart (the
-/// listeners' addresses and kinds, and what was sized when they started).
-#[derive(Clone, Debug, PartialEq, Eq)]
-struct StartOnly {
-    http_addr: std::net::SocketAddr,
-    nodes_addr: std::net::SocketAddr,
-    https: bool,
-    nodes_tls: bool,
-    max_concurrent_requests: usize,
-    max_connections: usize,
-    worker_threads: std::num::NonZeroUsize,
-}
-
-impl StartOnly {
-    fn of(config: &Config) -> Self {
-        StartOnly {
-            http_addr: config.http.http_addr,
-            nodes_addr: config.http.nodes_addr,
-            https: config.tls.http.is_some(),
-            nodes_tls: config.tls.nodes.is_some(),
-            max_concurrent_requests: config.http.max_concurrent_requests,
-            max_connections: config.http.max_connections,
-            worker_threads: config.worker_threads,
-        }
-    }
-
-    /// The keys `next` sets otherwise than the running Edge, which keeps its values.
-    fn changed_in(&self, next: &Config) -> Vec<&'static str> {
-        let next = Self::of(next);
-        [
-            (self.http_addr != next.http_addr, "listen.http"),
-            (self.nodes_addr != next.nodes_addr, "listen.nodes"),
-            (self.https != next.https, "listen.http_tls"),
-            (self.nodes_tls != next.nodes_tls, "listen.nodes_plaintext"),
-            (
-                self.max_concurrent_requests != next.max_concurrent_requests,
-                "limits.max_concurrent_requests",
-            ),
-            (
-                self.max_connections != next.max_connections,
-                "limits.max_connections",
-            ),
-            (
-                self.worker_threads != next.worker_threads,
-                "runtime.worker_threads",
-            ),
-        ]
-        .into_iter()
-        .filter_map(|(changed, key)| changed.then_some(key))
-        .collect()
-    }
-}
-
-/// Longest a reload waits for its files to be read and checked. A file that blocks (a
-/// FIFO nobody writes, a hung network mount) refuses the reload after this long, and the
-/// Edge serves throughout.
-const RELOAD_READ_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
-
-/// A configuration read that has not finished yet.
-type Reading = tokio::task::JoinHandle<Result<Config, config::ConfigError>>;
-
-/// Reads and checks the configuration at `path` for a reload on a blocking thread, so
-/// the runtime's threads (one, on two CPUs) keep serving while files are opened and read,
-/// certificates parsed and TLS set up; `None` when the reload is refused (logged). A read
-/// still going after `limit` is left in `reading`: until it ends, later reloads are
-/// refused rather than each leaving another thread on the same stuck file.
-async fn load_for_reload(
-    path: &std::path::Path,
-    limit: std::time::Duration,
-    reading: &mut Option<Reading>,
-) -> Option<Config> {
-    if reading.as_ref().is_some_and(|read| !read.is_finished()) {
-        error!(
-            config = %path.display(),
-            "reload refused: an earlier reload is still reading its files; the running configuration stays in force"
-        );
-        return None;
-    }
-    let owned = path.to_owned();
-    let mut read = tokio::task::spawn_blocking(move || Config::load(&owned));
-    match tokio::time::timeout(limit, &mut read).await {
-        Ok(Ok(Ok(config))) => Some(config),
-        Ok(Ok(Err(err))) => {
-            error!(error = %err, "reload refused: the running configuration stays in force");
-            None
-        }
-        Ok(Err(err)) => {
-            error!(error = %err, "reload refused: reading the configuration failed; the running configuration stays in force");
-            None
-        }
-        Err(_) => {
-            error!(
-                config = %path.display(),
-                limit_ms = limit.as_millis() as u64,
-                "reload refused: its files were not read in time (a FIFO or a hung mount?); the running configuration stays in force"
-            );
-            *reading = Some(read);
-            None
-        }
-    }
-}
-
-async fn reload_on_sighup(
-    path: PathBuf,
-    start_only: StartOnly,
-    state: Arc<http::State>,
-    [node_tls, http_tls]: [nodes::TlsSlot; 2],
-    pending_frame_len: Arc<std::sync::atomic::AtomicUsize>,
-    shutdown: CancellationToken,
-) {
-    use tokio::signal::unix::{SignalKind, signal};
-    let Ok(mut hup) = signal(SignalKind::hangup()) else {
-        return;
-    };
-    let mut reading = None;
-    loop {
-        tokio::select! {
-            () = shutdown.cancelled() => return,
-            got = hup.recv() => if got.is_none() { return },
-        }
-        info!(config = %path.display(), "SIGHUP: reloading configuration");
-        let Some(config) = load_for_reload(&path, RELOAD_READ_LIMIT, &mut reading).await else {
-            state.metrics.reload(false);
-            continue;
-        };
-        let pending_frame = config.core.admission.pending_frame_len;
-        let kept = start_only.changed_in(&config);
-        let (reply, answer) = oneshot::channel();
-        if state
-            .core
-            .send(CoreMsg::Reload {
-                config: config.core,
-                reply,
-            })
-            .is_err()
-        {
-            return;
-        }
-        match answer.await {
-            Ok(Ok(diff)) => {
-                state.metrics.reload(true);
-                pending_frame_len.store(pending_frame, std::sync::atomic::Ordering::Relaxed);
-                // New connections use the reloaded certificates; a listener keeps its
-                // kind (TLS or plaintext) until a restart.
-                for (tls, next) in [
-                    (&node_tls, &config.tls.nodes),
-                    (&http_tls, &config.tls.http),
-                ] {
-                    if let (Ok(mut current), Some(next)) = (tls.write(), next)
-                        && current.is_some()
-                    {
-                        *current = Some(next.clone());
-                    }
-                }
-                state.budget.set_max(config.http.max_inflight_bytes);
-                if let Ok(mut settings) = state.settings.write() {
-                    let mut next = config.http.clone();
-                    // Listeners stay where they are bound, and keep what they were sized
-                    // with.
-                    next.http_addr = settings.http_addr;
-                    next.nodes_addr = settings.nodes_addr;
-                    next.max_concurrent_requests = settings.max_concurrent_requests;
-                    next.max_connections = settings.max_connections;
-                    *settings = Arc::new(next);
-                }
-                if !kept.is_empty() {
-                    warn!(
-                        keys = ?kept,
-                        "reload: these settings change only at a restart; their running values stay"
-                    );
-                }
-                info!(
-                    added = ?diff.added_nodes,
-                    removed = ?diff.removed_nodes,
-                    refreshed = ?diff.changed_payloads,
-                    models = ?diff.changed_models,
-                    "configuration reloaded"
-                );
-            }
-            Ok(Err(err)) => {
-                state.metrics.reload(false);
-                warn!(error = %err, "reload refused: the running configuration stays in force");
-            }
-            Err(_) => return,
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::sync::atomic::{AtomicU32, Ordering};
-    use std::time::{Duration, Instant};
-
-    const CONFIG: &str = "[listen]\nhttp = \"127.0.0.1:8080\"\nnodes = \"127.0.0.1:7100\"\nnodes_plaintext = true\n\n[[nodes]]\nid = \"n1\"\ntoken = \"t-0123456789abcdef\"\n[[nodes.adapters]]\nname = \"mock\"\ntype = \"mock\"\ncapacity = 2\ntargets = [\"m\"]\n\n[[models]]\nname = \"chat\"\nproviders = [{ node = \"n1\", adapter = \"mock\", target = \"m\" }]\n";
-
-    #[test]
-    fn a_reload_names_the_settings_that_wait_for_a_restart() {
-        let parse = |text: &str| {
-            Config::parse(text, std::path::Path::new("edge.toml")).expect("valid config")
-        };
-        let running = StartOnly::of(&parse(CONFIG));
-        assert!(running.changed_in(&parse(CONFIG)).is_empty());
-        // What a reload applies is not listed.
-        let applied = format!("{CONFIG}\n[limits]\nmax_body_bytes = 1024\nidle_timeout_sec = 5\n");
-        assert!(running.changed_in(&parse(&applied)).is_empty());
-        let kept = CONFIG
-            .replace("127.0.0.1:8080", "127.0.0.1:8081")
-            .replace("127.0.0.1:7100", "127.0.0.1:7101")
-            + "\n[limits]\nmax_concurrent_requests = 7\nmax_connections = 9\n[runtime]\nworker_threads = 3\n";
-        assert_eq!(
-            running.changed_in(&parse(&kept)),
-            [
-                "listen.http",
-                "listen.nodes",
-                "limits.max_concurrent_requests",
-                "limits.max_connections",
-                "runtime.worker_threads",
-            ]
-        );
-    }
-
-    /// On the one thread of a current-thread runtime, as the Edge runs on two CPUs: if the
-    /// reload read its files there, nothing else would run until they were read.
-    #[tokio::test(flavor = "current_thread")]
-    async fn a_reload_whose_file_never_ends_is_refused_in_time_while_the_edge_runs_on() {
-        let dir = std::env::temp_dir().join(format!("iop-reload-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("dir");
-        let path = dir.join("edge.toml");
-        let made = std::process::Command::new("mkfifo")
-            .arg(&path)
-            .status()
-            .expect("mkfifo runs");
-        assert!(made.success());
-
-        let ticks = Arc::new(AtomicU32::new(0));
-        let ticker = tokio::spawn({
-            let ticks = Arc::clone(&ticks);
-            async move {
-                loop {
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                    ticks.fetch_add(1, Ordering::Relaxed);
-                }
-            }
-        });
-
-        // Nobody writes the FIFO: opening it blocks, on a thread of the blocking pool.
-        let mut reading = None;
-        let started = Instant::now();
-        let limit = Duration::from_millis(300);
-        assert!(load_for_reload(&path, limit, &mut reading).await.is_none());
-        assert!(started.elapsed() >= limit);
-        assert!(
-            ticks.load(Ordering::Relaxed) >= 10,
-            "the runtime's thread ran other tasks meanwhile: {} ticks",
-            ticks.load(Ordering::Relaxed)
-        );
-        assert!(reading.as_ref().is_some_and(|read| !read.is_finished()));
-
-        // A second reload while the first still waits on the file: refused at once, with
-        // no second thread left on it.
-        let again = Instant::now();
-        assert!(load_for_reload(&path, limit, &mut reading).await.is_none());
-        assert!(again.elapsed() < limit, "{:?}", again.elapsed());
-
-        // The writer comes: the stuck read ends (its late result is not applied), and
-        // the next reload reads a regular file as usual.
-        let fifo = path.clone();
-        tokio::task::spawn_blocking(move || std::fs::write(fifo, CONFIG))
-            .await
-            .expect("joined")
-            .expect("written to the FIFO");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !reading
-            .as_ref()
-            .is_some_and(tokio::task::JoinHandle::is_finished)
-        {
-            assert!(Instant::now() < deadline, "the stuck read never ended");
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        std::fs::remove_file(&path).expect("fifo removed");
-        std::fs::write(&path, CONFIG).expect("config written");
-        let config = load_for_reload(&path, limit, &mut reading)
-            .await
-            .expect("a regular file reloads");
-        assert_eq!(config.core.nodes.len(), 1);
-
-        // An invalid file is refused without waiting for the limit.
-        std::fs::write(&path, "[listen]\nnot toml").expect("written");
-        assert!(
-            load_for_reload(&path, Duration::from_secs(30), &mut reading)
-                .await
-                .is_none()
-        );
-        ticker.abort();
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }
