@@ -161,6 +161,21 @@ impl Http {
     }
 }
 
+/// POSTs `body` as JSON to `path` on the Edge at `port` over HTTP/2 with prior knowledge
+/// (h2c), and returns the response once its head is in.
+pub async fn post_h2c(port: u16, path: &str, body: &Value) -> http::Response<Incoming> {
+    let client = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build_http::<Full<Bytes>>();
+    let request = Request::post(format!("http://127.0.0.1:{port}{path}"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .expect("request");
+    let response = client.request(request).await.expect("h2c response");
+    assert_eq!(response.version(), http::Version::HTTP_2);
+    response
+}
+
 /// Reads SSE `data:` payloads until the stream ends or `timeout` passes. Returns the
 /// payloads and whether the stream ended (as opposed to timing out or erroring).
 pub async fn read_sse(body: &mut Incoming, timeout: Duration) -> (Vec<String>, bool) {

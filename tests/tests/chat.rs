@@ -683,23 +683,15 @@ async fn node_commands_report_capabilities_transport_and_read_only_ollama() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_edge_speaks_h2c() {
-    use http_body_util::{BodyExt, Full};
+    use http_body_util::BodyExt;
     let oa = fake::start(Flavor::OpenAi, Behaviour::default()).await;
     let (cluster, _node) = ready_cluster(&oa.url(), &oa.url()).await;
-    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .http2_only(true)
-        .build_http::<Full<bytes::Bytes>>();
-    let request = http::Request::post(format!(
-        "http://127.0.0.1:{}/v1/chat/completions",
-        cluster.http_port
-    ))
-    .header("content-type", "application/json")
-    .body(Full::new(bytes::Bytes::from(
-        chat("mock-chat", false).to_string(),
-    )))
-    .expect("request");
-    let response = client.request(request).await.expect("h2c response");
-    assert_eq!(response.version(), http::Version::HTTP_2);
+    let response = iop_blackbox::client::post_h2c(
+        cluster.http_port,
+        "/v1/chat/completions",
+        &chat("mock-chat", false),
+    )
+    .await;
     assert_eq!(response.status(), 200);
     let body = response
         .into_body()

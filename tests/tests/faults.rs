@@ -5,7 +5,7 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use iop_blackbox::client::{Cluster, next_sse, read_sse};
+use iop_blackbox::client::{Cluster, next_sse, post_h2c, read_sse};
 use iop_blackbox::{free_port, wait_until};
 use serde_json::{Value, json};
 
@@ -462,22 +462,11 @@ async fn sigterm_lets_the_streams_in_flight_finish_before_the_edge_exits() {
 /// in flight on that connection still finishes whole.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_lets_an_http2_stream_finish() {
-    use http_body_util::{BodyExt, Full};
+    use http_body_util::BodyExt;
     let mut cluster = Cluster::start("", &body("one two", 50));
     let _node = cluster.node("n1", "tok-1-long-enough-secret");
     cluster.wait_ready("n1").await;
-    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .http2_only(true)
-        .build_http::<Full<bytes::Bytes>>();
-    let request = http::Request::post(format!(
-        "http://127.0.0.1:{}/v1/chat/completions",
-        cluster.http_port
-    ))
-    .header("content-type", "application/json")
-    .body(Full::new(bytes::Bytes::from(ask(true).to_string())))
-    .expect("request");
-    let response = client.request(request).await.expect("h2c response");
-    assert_eq!(response.version(), http::Version::HTTP_2);
+    let response = post_h2c(cluster.http_port, "/v1/chat/completions", &ask(true)).await;
     let mut body = response.into_body();
     let first = body.frame().await.expect("a first frame").expect("frame");
     assert!(first.data_ref().is_some_and(|d| !d.is_empty()));
