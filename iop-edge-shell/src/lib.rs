@@ -7,6 +7,7 @@
 //! - [`outbox`]: a node connection's outgoing frames, written together by its writer task.
 //! - [`http`]: the OpenAI-compatible HTTP surface, status, metrics and health.
 //! - [`memory`]: the budget of request bodies and buffered response bytes.
+//! - [`limit`]: the concurrency limits a reload may resize.
 //! - [`drain`]: stopping without cutting the requests in flight off.
 //! - `reload`: SIGHUP, the configuration read again.
 
@@ -19,6 +20,7 @@ pub mod driver;
 pub mod events;
 pub mod http;
 pub mod inbox;
+pub mod limit;
 pub mod memory;
 pub mod metrics;
 pub mod nodes;
@@ -30,7 +32,6 @@ use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
 
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -86,7 +87,8 @@ pub async fn run(
     let shutdown = CancellationToken::new();
     let state = Arc::new(http::State {
         core: core.clone(),
-        permits: Arc::new(Semaphore::new(config.http.max_concurrent_requests)),
+        permits: limit::Limit::new(config.http.max_concurrent_requests),
+        connections: limit::Limit::new(config.http.max_connections),
         settings: RwLock::new(Arc::new(config.http.clone())),
         budget: Arc::new(memory::Budget::new(config.http.max_inflight_bytes)),
         metrics: metrics.clone(),

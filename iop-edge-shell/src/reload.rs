@@ -1,9 +1,10 @@
 //! `SIGHUP`: the Edge reloads its configuration file. The file, and every file it names,
 //! is read and checked off the event loop under a time limit; what the core keeps (nodes,
 //! models, adapters, timings) goes to it as one `Reload`, whose answer lists the nodes to
-//! refresh; certificates, keys and limits apply to new connections and requests; what was
-//! sized at start (listeners, runtime, the concurrency semaphores) waits for a restart,
-//! and the reload says so.
+//! refresh; certificates, keys and limits apply to new connections and requests (the
+//! concurrency limits shrink as requests and connections above them end); what was set
+//! up at start (the listeners' addresses and kinds, the runtime's threads) waits for a
+//! restart, and the reload says so.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -17,15 +18,13 @@ use crate::driver::CoreMsg;
 use crate::{http, nodes};
 
 /// What a reload cannot change: read at start and in force until a restart (the
-/// listeners' addresses and kinds, and what was sized when they started).
+/// listeners' addresses and kinds, and the runtime's threads).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct StartOnly {
     http_addr: std::net::SocketAddr,
     nodes_addr: std::net::SocketAddr,
     https: bool,
     nodes_tls: bool,
-    max_concurrent_requests: usize,
-    max_connections: usize,
     worker_threads: std::num::NonZeroUsize,
 }
 
@@ -36,8 +35,6 @@ impl StartOnly {
             nodes_addr: config.http.nodes_addr,
             https: config.tls.http.is_some(),
             nodes_tls: config.tls.nodes.is_some(),
-            max_concurrent_requests: config.http.max_concurrent_requests,
-            max_connections: config.http.max_connections,
             worker_threads: config.worker_threads,
         }
     }
@@ -50,14 +47,6 @@ impl StartOnly {
             (self.nodes_addr != next.nodes_addr, "listen.nodes"),
             (self.https != next.https, "listen.http_tls"),
             (self.nodes_tls != next.nodes_tls, "listen.nodes_plaintext"),
-            (
-                self.max_concurrent_requests != next.max_concurrent_requests,
-                "limits.max_concurrent_requests",
-            ),
-            (
-                self.max_connections != next.max_connections,
-                "limits.max_connections",
-            ),
             (
                 self.worker_threads != next.worker_threads,
                 "runtime.worker_threads",
@@ -171,14 +160,13 @@ pub(crate) async fn on_sighup(
                     }
                 }
                 state.budget.set_max(config.http.max_inflight_bytes);
+                state.permits.set(config.http.max_concurrent_requests);
+                state.connections.set(config.http.max_connections);
                 if let Ok(mut settings) = state.settings.write() {
                     let mut next = config.http.clone();
-                    // Listeners stay where they are bound, and keep what they were sized
-                    // with.
+                    // Listeners stay where they are bound.
                     next.http_addr = settings.http_addr;
                     next.nodes_addr = settings.nodes_addr;
-                    next.max_concurrent_requests = settings.max_concurrent_requests;
-                    next.max_connections = settings.max_connections;
                     *settings = Arc::new(next);
                 }
                 if !kept.is_empty() {
@@ -219,22 +207,18 @@ mod tests {
         };
         let running = StartOnly::of(&parse(CONFIG));
         assert!(running.changed_in(&parse(CONFIG)).is_empty());
-        // What a reload applies is not listed.
-        let applied = format!("{CONFIG}\n[limits]\nmax_body_bytes = 1024\nidle_timeout_sec = 5\n");
+        // What a reload applies is not listed, the concurrency limits included.
+        let applied = format!(
+            "{CONFIG}\n[limits]\nmax_body_bytes = 1024\nidle_timeout_sec = 5\nmax_concurrent_requests = 7\nmax_connections = 9\n"
+        );
         assert!(running.changed_in(&parse(&applied)).is_empty());
         let kept = CONFIG
             .replace("127.0.0.1:8080", "127.0.0.1:8081")
             .replace("127.0.0.1:7100", "127.0.0.1:7101")
-            + "\n[limits]\nmax_concurrent_requests = 7\nmax_connections = 9\n[runtime]\nworker_threads = 3\n";
+            + "\n[runtime]\nworker_threads = 3\n";
         assert_eq!(
             running.changed_in(&parse(&kept)),
-            [
-                "listen.http",
-                "listen.nodes",
-                "limits.max_concurrent_requests",
-                "limits.max_connections",
-                "runtime.worker_threads",
-            ]
+            ["listen.http", "listen.nodes", "runtime.worker_threads"]
         );
     }
 

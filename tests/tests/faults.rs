@@ -286,18 +286,67 @@ async fn sighup_refreshes_nodes_and_an_invalid_file_changes_nothing() {
         );
     }
 
-    // A setting sized at start is kept, and the reload says so.
-    cluster.rewrite_head("[limits]\nmax_concurrent_requests = 3\n", &next);
+    // A setting only a restart changes is kept, and the reload says so.
+    cluster.rewrite_head("[runtime]\nworker_threads = 3\n", &next);
     cluster.edge.signal("HUP");
     assert!(
         wait_until(Duration::from_secs(5), || {
             let log = cluster.edge.log();
-            log.contains("change only at a restart")
-                && log.contains("limits.max_concurrent_requests")
+            log.contains("change only at a restart") && log.contains("runtime.worker_threads")
         }),
         "{}",
         cluster.edge.log()
     );
+}
+
+/// `limits.max_concurrent_requests` follows a reload: raised, the next caller is served;
+/// lowered below what is running, nothing running is cut and the next caller is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_resizes_the_concurrency_limit_without_cutting_anything() {
+    // 40 tokens 100 ms apart: streams of about four seconds.
+    let slow = body("x", 100);
+    let mut cluster = Cluster::start("[limits]\nmax_concurrent_requests = 1\n", &slow);
+    let _node = cluster.node("n1", "tok-1-long-enough-secret");
+    cluster.wait_ready("n1").await;
+    let reload = |cluster: &mut Cluster, limit: u32, times: usize| {
+        cluster.rewrite_head(
+            &format!("[limits]\nmax_concurrent_requests = {limit}\n"),
+            &slow,
+        );
+        cluster.edge.signal("HUP");
+        assert!(
+            wait_until(Duration::from_secs(5), || cluster
+                .edge
+                .log()
+                .matches("configuration reloaded")
+                .count()
+                == times),
+            "{}",
+            cluster.edge.log()
+        );
+    };
+    async fn refused(cluster: &Cluster) -> bool {
+        let r = cluster
+            .http()
+            .post("/v1/chat/completions", &ask(false))
+            .await;
+        r.status == 503 && String::from_utf8_lossy(&r.body).contains("too many concurrent")
+    }
+
+    let mut first = stream_under_way(&cluster).await;
+    assert!(refused(&cluster).await, "one at a time");
+    reload(&mut cluster, 2, 1);
+    let mut second = stream_under_way(&cluster).await;
+    reload(&mut cluster, 1, 2);
+    assert!(refused(&cluster).await, "lowered below the two running");
+    for s in [&mut first, &mut second] {
+        let (events, ended) = read_sse(s.body_mut(), Duration::from_secs(15)).await;
+        assert!(ended && !stream_failed(&events), "{events:?}");
+        assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    }
+    // Both ended: one slot is left, as the limit now says.
+    let _third = stream_under_way(&cluster).await;
+    assert!(refused(&cluster).await, "the limit is one again");
 }
 
 /// A reload whose file blocks (here a FIFO nobody writes yet) is read off the Edge's

@@ -388,7 +388,7 @@ async fn handle<B: ReqBody>(
     };
     // The concurrency permit is taken only once the body is in: slow senders cannot hold
     // the permits every other caller needs.
-    let Ok(permit) = state.permits.clone().try_acquire_owned() else {
+    let Ok(permit) = state.permits.try_take() else {
         return refuse(
             &finish,
             &ApiError::new(
@@ -487,7 +487,7 @@ pub(crate) struct Live {
     last_activity: Instant,
     keepalive: Duration,
     recorded: bool,
-    _permit: tokio::sync::OwnedSemaphorePermit,
+    _permit: crate::limit::Slot,
     _open: crate::drain::Open,
 }
 

@@ -21,7 +21,6 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use iop_proto_core::openai::{ApiError, Endpoint, ErrorType};
 use iop_shell_common::repoll::Repoll;
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
@@ -104,8 +103,11 @@ pub struct State {
     pub settings: RwLock<Arc<HttpSettings>>,
     /// Metrics.
     pub metrics: Arc<Metrics>,
-    /// Bounds concurrent requests.
-    pub permits: Arc<Semaphore>,
+    /// Bounds concurrent requests (`limits.max_concurrent_requests`; a reload resizes it).
+    pub permits: Arc<crate::limit::Limit>,
+    /// Bounds open connections on the public listener (`limits.max_connections`; a
+    /// reload resizes it).
+    pub connections: Arc<crate::limit::Limit>,
     /// Bounds the bytes requests hold.
     pub budget: Arc<crate::memory::Budget>,
     /// Lifecycle events for `GET /v1/events`.
@@ -167,10 +169,9 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) {
     let accept_errors = iop_shell_common::logging::LogLimiter::new(Duration::from_secs(10), 3);
-    let connections = Arc::new(Semaphore::new(state.settings().max_connections));
     let mut backoff = Duration::from_millis(10);
     loop {
-        let Ok(slot) = connections.clone().acquire_owned().await else {
+        let Ok(slot) = state.connections.take().await else {
             return;
         };
         let (stream, peer) = tokio::select! {
