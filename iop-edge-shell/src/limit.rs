@@ -134,6 +134,12 @@ mod tests {
         drop(held);
         assert_eq!(take_all(&limit).len(), 3);
         assert_eq!(Limit::new(0).limit(), 1, "at least one");
+        // A configured limit beyond what a semaphore holds is clamped, not a panic.
+        let huge = Limit::new(usize::MAX);
+        assert_eq!(huge.limit(), Semaphore::MAX_PERMITS);
+        huge.set(1);
+        huge.set(usize::MAX);
+        assert_eq!(huge.limit(), Semaphore::MAX_PERMITS);
     }
 
     #[test]
