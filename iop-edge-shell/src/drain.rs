@@ -1,10 +1,10 @@
 //! Stopping without cutting callers off. On the first SIGTERM or SIGINT the Edge stops
-//! accepting connections (callers and nodes), refuses requests that arrive afterwards
-//! with 503 `shutting_down` (and closes each HTTP/1.1 connection once its response is
-//! out), and waits for the requests already in flight, streams included, for up to
+//! accepting connections (callers and nodes), closes the connections waiting for their
+//! next request (HTTP/2 ones are sent GOAWAY), refuses a request that still arrives with
+//! 503 `edge is shutting down` (closing its HTTP/1.1 connection after the answer), and
+//! waits for the requests already in flight, streams included, for up to
 //! `limits.shutdown_grace_sec`; its node links stay up meanwhile, since those requests
-//! run over them. Connections waiting for their next request are closed at once (HTTP/2
-//! ones are sent GOAWAY), so that callers take their next request elsewhere. Then it stops, cutting whatever is left. A second signal stops it at
+//! run over them. Then it stops, cutting whatever is left. A second signal stops it at
 //! once.
 
 use std::sync::Arc;
@@ -20,6 +20,9 @@ const LOOK_EVERY: Duration = Duration::from_millis(10);
 /// and whether new ones are still taken.
 #[derive(Debug, Default)]
 pub struct Drain {
+    /// Whether the drain has begun. The flag, not the token below, is what a request
+    /// reads against the count (see [`Drain::enter`]): both sides need sequentially
+    /// consistent order, which the token does not promise.
     draining: AtomicBool,
     /// Cancelled when the drain begins, to wake what waits on idle connections.
     began: CancellationToken,

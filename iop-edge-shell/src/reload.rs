@@ -98,7 +98,7 @@ async fn load_for_reload(
         Err(_) => {
             error!(
                 config = %path.display(),
-                limit_ms = limit.as_millis() as u64,
+                limit_ms = u64::try_from(limit.as_millis()).unwrap_or(u64::MAX),
                 "reload refused: its files were not read in time (a FIFO or a hung mount?); the running configuration stays in force"
             );
             *reading = Some(read);
@@ -107,6 +107,9 @@ async fn load_for_reload(
     }
 }
 
+/// Reloads the configuration at `path` on every SIGHUP until `shutdown`: applies what a
+/// reload may change (the core's part through the core, TLS for new connections, limits,
+/// settings) and names what `start_only` keeps until a restart.
 pub(crate) async fn on_sighup(
     path: PathBuf,
     start_only: StartOnly,
@@ -165,8 +168,8 @@ pub(crate) async fn on_sighup(
                 if let Ok(mut settings) = state.settings.write() {
                     let mut next = config.http.clone();
                     // Listeners stay where they are bound.
-                    next.http_addr = settings.http_addr;
-                    next.nodes_addr = settings.nodes_addr;
+                    next.http_addr = start_only.http_addr;
+                    next.nodes_addr = start_only.nodes_addr;
                     *settings = Arc::new(next);
                 }
                 if !kept.is_empty() {

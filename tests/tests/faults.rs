@@ -64,6 +64,14 @@ async fn stream_under_way(cluster: &Cluster) -> http::Response<hyper::body::Inco
     s
 }
 
+/// Reads the stream `s` to its end and checks that it finished whole: it ended, no
+/// error event, `[DONE]` last. `log` is shown when it did not.
+async fn assert_finishes_whole(s: &mut http::Response<hyper::body::Incoming>, log: &str) {
+    let (events, ended) = read_sse(s.body_mut(), Duration::from_secs(15)).await;
+    assert!(ended && !stream_failed(&events), "{events:?}\n{log}");
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{log}");
+}
+
 fn stream_failed(events: &[String]) -> bool {
     events.iter().any(|e| e.contains("\"error\"")) && !events.iter().any(|e| e == "[DONE]")
 }
@@ -340,9 +348,7 @@ async fn a_reload_resizes_the_concurrency_limit_without_cutting_anything() {
     reload(&mut cluster, 1, 2);
     assert!(refused(&cluster).await, "lowered below the two running");
     for s in [&mut first, &mut second] {
-        let (events, ended) = read_sse(s.body_mut(), Duration::from_secs(15)).await;
-        assert!(ended && !stream_failed(&events), "{events:?}");
-        assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+        assert_finishes_whole(s, "").await;
     }
     // Both ended: one slot is left, as the limit now says.
     let _third = stream_under_way(&cluster).await;
@@ -422,13 +428,7 @@ async fn a_node_given_sighup_keeps_its_streams_and_serves_on() {
     cluster.wait_ready("n1").await;
     let mut s = stream_under_way(&cluster).await;
     node.signal("HUP");
-    let (events, ended) = read_sse(s.body_mut(), Duration::from_secs(10)).await;
-    assert!(
-        ended && !stream_failed(&events),
-        "{events:?}\n{}",
-        node.log()
-    );
-    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    assert_finishes_whole(&mut s, &node.log()).await;
     assert!(node.running(), "{}", node.log());
     assert!(
         wait_until(Duration::from_secs(5), || node.log().contains("SIGHUP")),
@@ -492,9 +492,7 @@ async fn sigterm_lets_the_streams_in_flight_finish_before_the_edge_exits() {
     assert!(closed_by_peer(&mut kept));
 
     // The stream in flight finishes whole.
-    let (events, ended) = read_sse(s.body_mut(), Duration::from_secs(10)).await;
-    assert!(ended && !stream_failed(&events), "{events:?}");
-    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    assert_finishes_whole(&mut s, "").await;
     let status = cluster
         .edge
         .wait_exit(Duration::from_secs(5))
@@ -540,8 +538,13 @@ async fn sigterm_lets_an_http2_stream_finish() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_shutdown_grace_and_a_second_signal_bound_the_wait() {
     for second_signal in [false, true] {
-        // 40 tokens 250 ms apart: ten seconds, longer than the grace or the patience.
-        let mut cluster = Cluster::start("[limits]\nshutdown_grace_sec = 1\n", &body("one", 250));
+        // 40 tokens 250 ms apart: ten seconds, longer than a grace of 1 s; a second signal
+        // must not wait out a grace of 60.
+        let grace = if second_signal { 60 } else { 1 };
+        let mut cluster = Cluster::start(
+            &format!("[limits]\nshutdown_grace_sec = {grace}\n"),
+            &body("one", 250),
+        );
         let _node = cluster.node("n1", "tok-1-long-enough-secret");
         cluster.wait_ready("n1").await;
         let mut s = stream_under_way(&cluster).await;
@@ -563,7 +566,7 @@ async fn the_shutdown_grace_and_a_second_signal_bound_the_wait() {
         let log = cluster.edge.log();
         if second_signal {
             assert!(log.contains("stopping at once"), "{log}");
-            assert!(waited < Duration::from_millis(900), "{waited:?}\n{log}");
+            assert!(waited < Duration::from_secs(10), "{waited:?}\n{log}");
         } else {
             assert!(log.contains("shutdown grace over"), "{log}");
             assert!(waited >= Duration::from_secs(1), "{waited:?}\n{log}");
