@@ -180,9 +180,9 @@ pub mod testkit;
 
 pub use edge::{
     AUTH_FAILED, CloseReason, CommandError, CommandId, ConnId, ConnViolation, Dispatch,
-    DispatchShape, EdgeCore, EdgeError, EdgeEvent, Grant, Lifecycle, NodeState, NodeStatus,
-    Outcome, Peer, RefreshFailure, RejectReason, RequestError, RunId, StreamViolation, Submit,
-    SubmitError, Transmit, UsageError, Violation,
+    DispatchShape, DrainReason, EdgeCore, EdgeError, EdgeEvent, Grant, Lifecycle, NodeState,
+    NodeStatus, Outcome, Peer, RefreshFailure, RejectReason, RequestError, RunId, StreamViolation,
+    Submit, SubmitError, Transmit, UsageError, Violation,
 };
 pub use edge_config::{
     Admission, CandidateSpec, ConfigDiff, EdgeConfig, EdgeConfigError, EdgeTiming, ModelSpec,

@@ -267,6 +267,105 @@ fn an_unanswered_refresh_is_sent_three_times_then_the_node_drains() {
 }
 
 #[test]
+fn a_node_stopping_gracefully_gets_no_new_work_and_is_closed_once_its_work_is_done() {
+    let mut h = Harness::with({
+        let mut cfg = config();
+        cfg.timing.heartbeat_interval = std::time::Duration::from_secs(100);
+        cfg.timing.heartbeat_timeout = std::time::Duration::from_secs(300);
+        cfg
+    });
+    let (conn, [(_, a), (_, b)]) = two_runs(&mut h);
+    h.send(
+        conn,
+        Body::NodeDrainRequest(NodeDrainRequest {
+            reason: "local shutdown".into(),
+        }),
+    );
+    let (tx, events) = h.drain();
+    assert!(closed(&tx).is_empty(), "work in flight finishes first");
+    assert!(
+        events.iter().any(|e| matches!(e,
+            EdgeEvent::NodeDraining { reason: DrainReason::Stopping(why), in_flight: 2, .. }
+                if why == "local shutdown")),
+        "{events:?}"
+    );
+    assert!(h.edge.nodes()[0].draining);
+    // No new work goes to it, not even after it applies a refresh that raises its
+    // capacity.
+    let queued = h.submit("solo", 1).expect("queued");
+    assert!(grants(&h.events()).is_empty());
+    let cfg = bigger(&h);
+    h.edge.handle_config(h.now, cfg).expect("valid");
+    let id = refresh_request(&h.transmits(), conn).expect("refresh sent");
+    h.send(
+        conn,
+        Body::NodeConfigRefreshResponse(NodeConfigRefreshResponse {
+            request_id: id,
+            status: RefreshStatus::Applied as i32,
+            message: String::new(),
+            revision: 2,
+        }),
+    );
+    assert!(grants(&h.events()).is_empty(), "still draining");
+    // Its runs end: the connection is closed as drained.
+    for run in [&a, &b] {
+        h.run_event(conn, run, RunEventType::Start, 0);
+        h.run_event(conn, run, RunEventType::Complete, 1);
+    }
+    let (tx, events) = h.drain();
+    assert!(
+        matches!(closed(&tx).as_slice(), [(c, CloseReason::Drained)] if *c == conn),
+        "{tx:?}"
+    );
+    assert!(events.iter().any(|e| matches!(
+        e,
+        EdgeEvent::NodeDisconnected {
+            reason: CloseReason::Drained,
+            ..
+        }
+    )));
+    // The restarted node takes the request that waited.
+    let again = h.open();
+    h.register(again, "n1");
+    h.ready(again, "n1");
+    assert!(
+        grants(&h.events()).iter().any(|g| g.request == queued),
+        "the waiting request went to the new connection"
+    );
+}
+
+#[test]
+fn a_drain_request_before_ready_breaks_the_connection() {
+    let mut h = Harness::new();
+    let conn = h.open();
+    h.register(conn, "n1");
+    h.transmits();
+    h.send(
+        conn,
+        Body::NodeDrainRequest(NodeDrainRequest {
+            reason: String::new(),
+        }),
+    );
+    assert!(matches!(
+        closed(&h.transmits()).as_slice(),
+        [(c, CloseReason::ProtocolViolation(ConnViolation::DrainBeforeReady))] if *c == conn
+    ));
+    // An over-long reason is not a valid message.
+    let conn = h.connect("n1");
+    h.send(
+        conn,
+        Body::NodeDrainRequest(NodeDrainRequest {
+            reason: "x".repeat(MAX_DRAIN_REASON_BYTES + 1),
+        }),
+    );
+    assert!(matches!(
+        closed(&h.transmits()).as_slice(),
+        [(c, CloseReason::ProtocolViolation(ConnViolation::Invalid(_)))] if *c == conn
+    ));
+    assert!(!h.edge.nodes()[0].draining);
+}
+
+#[test]
 fn ollama_commands_go_only_to_ollama_adapters() {
     let mut h = Harness::new();
     h.connect("n1");

@@ -859,6 +859,148 @@ fn shutdown_without_work_closes_at_once() {
     );
 }
 
+/// The `NodeDrainRequest`s among what the session sent.
+fn drain_requests(tx: &[Body]) -> usize {
+    tx.iter()
+        .filter(|b| matches!(b, Body::NodeDrainRequest(_)))
+        .count()
+}
+
+#[test]
+fn a_graceful_stop_asks_the_edge_to_drain_and_serves_work_in_flight_to_its_end() {
+    let mut h = H::ready();
+    h.run("r1", "a", false);
+    h.events();
+    h.tx();
+    let t = h.t();
+    h.s.handle_drain(t).expect("a live session");
+    h.s.handle_drain(t).expect("a second call changes nothing");
+    assert!(h.s.is_draining());
+    let tx = h.tx();
+    assert_eq!(drain_requests(&tx), 1, "asked once: {tx:?}");
+    assert!(h.events().is_empty(), "nothing is cancelled");
+    // Work the Edge dispatched before it read the request is still served.
+    h.tunnel("t1", "a");
+    assert!(matches!(
+        h.events().as_slice(),
+        [SessionEvent::StartTunnel { .. }]
+    ));
+    for (id, output) in [
+        ("r1", RunOutput::Start),
+        (
+            "r1",
+            RunOutput::Complete {
+                usage: None,
+                metadata: BTreeMap::new(),
+            },
+        ),
+    ] {
+        h.s.handle_run_output(t, id, output).expect("in flight");
+    }
+    h.s.handle_work_returned(t, "t1").expect("in flight");
+    assert_eq!(
+        h.s.state(),
+        SessionState::Ready,
+        "the Edge closes, not the node"
+    );
+    // Heartbeats go on meanwhile.
+    h.at((t + Duration::from_secs(2)).as_millis());
+    assert!(h.tx().iter().any(|b| matches!(b, Body::Heartbeat(_))));
+    // The Edge closes the drained connection: a local shutdown, nothing abandoned.
+    let t = h.t();
+    h.s.handle_connection_lost(t, Failure::EdgeClosed("drained".into()))
+        .expect("a live session");
+    assert_eq!(
+        h.drain().last(),
+        Some(&NodeTransmit::Close {
+            end: SessionEnd::LocalShutdown,
+            abandoned: vec![]
+        })
+    );
+    assert_eq!(
+        h.s.end().and_then(SessionEnd::failure),
+        None,
+        "not redialled"
+    );
+}
+
+#[test]
+fn a_graceful_stop_cancels_what_outlives_its_grace_and_a_shutdown_cuts_it_short() {
+    let grace = Duration::from_millis(900);
+    for cut_short in [false, true] {
+        let mut h = H::ready_with(|cfg| cfg.drain_grace = grace);
+        h.run("r1", "a", false);
+        h.events();
+        h.tx();
+        let t = h.t();
+        h.s.handle_drain(t).expect("a live session");
+        if cut_short {
+            h.s.handle_shutdown(t).expect("a live session");
+        } else {
+            h.at((t + grace).as_millis() - 1);
+            assert!(h.events().is_empty(), "still draining");
+            h.at((t + grace).as_millis());
+        }
+        assert!(!h.s.is_draining());
+        assert_eq!(
+            h.events(),
+            vec![SessionEvent::CancelRun {
+                run_id: "r1".into()
+            }],
+            "cut short: {cut_short}"
+        );
+        let t = h.t();
+        h.s.handle_run_output(t, "r1", RunOutput::Start)
+            .expect("in flight");
+        h.s.handle_run_output(t, "r1", RunOutput::Cancelled)
+            .expect("in flight");
+        assert_eq!(
+            h.drain().last(),
+            Some(&NodeTransmit::Close {
+                end: SessionEnd::LocalShutdown,
+                abandoned: vec![]
+            })
+        );
+    }
+}
+
+#[test]
+fn a_graceful_stop_before_ready_closes_at_once_and_a_lost_edge_ends_it_as_a_shutdown() {
+    let mut h = H::new();
+    h.s.handle_connected(h.t()).expect("connecting");
+    let t = h.t();
+    h.s.handle_drain(t).expect("a live session");
+    let out = h.drain();
+    assert_eq!(
+        out.last(),
+        Some(&NodeTransmit::Close {
+            end: SessionEnd::LocalShutdown,
+            abandoned: vec![]
+        })
+    );
+    assert!(
+        !out.iter().any(|t| matches!(t, NodeTransmit::Frame(e) if matches!(e.body, Some(Body::NodeDrainRequest(_))))),
+        "nothing to drain before ready"
+    );
+
+    // An Edge that goes away mid-drain (it crashed): the work is abandoned, and the
+    // node still stops rather than redials.
+    let mut h = H::ready();
+    h.run("r1", "a", false);
+    h.events();
+    let t = h.t();
+    h.s.handle_drain(t).expect("a live session");
+    h.s.handle_connection_lost(t, Failure::Reset)
+        .expect("a live session");
+    assert_eq!(
+        h.drain().last(),
+        Some(&NodeTransmit::Close {
+            end: SessionEnd::LocalShutdown,
+            abandoned: vec!["r1".into()]
+        })
+    );
+}
+
 #[test]
 fn undecodable_bytes_from_the_edge_end_the_session_as_a_violation() {
     let mut h = H::ready();

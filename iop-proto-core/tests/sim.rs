@@ -43,6 +43,7 @@ fn every_seed_keeps_every_invariant() {
     let mut simulated = std::time::Duration::ZERO;
     let (mut requests, mut completed, mut frames, mut unsupported, mut conflicts, mut garbled) =
         (0, 0, 0, 0, 0, 0);
+    let mut drained = 0;
     for seed in 0..seeds() {
         let ops = sim::generate(seed, OPS_PER_SEED);
         match sim::run(seed, &ops, SimOptions::default()) {
@@ -54,6 +55,7 @@ fn every_seed_keeps_every_invariant() {
                 unsupported += stats.unsupported;
                 conflicts += stats.conflicts;
                 garbled += stats.garbled;
+                drained += stats.drained;
             }
             Err(failure) => panic!("{failure}"),
         }
@@ -62,7 +64,7 @@ fn every_seed_keeps_every_invariant() {
     println!(
         "simulated {:.0} s in {:.1} s real ({:.0}x), {requests} requests ({completed} completed, \
          {unsupported} left without a tunnel by a reload), {frames} frames, {conflicts} node-id \
-         conflicts, {garbled} unknown message kinds",
+         conflicts, {garbled} unknown message kinds, {drained} graceful stops drained",
         simulated.as_secs_f64(),
         real.as_secs_f64(),
         simulated.as_secs_f64() / real.as_secs_f64()
@@ -71,6 +73,7 @@ fn every_seed_keeps_every_invariant() {
         completed > requests / 4,
         "the world did too little work to prove anything"
     );
+    assert!(drained > 0, "no graceful stop ran to its end");
 }
 
 #[test]
@@ -115,6 +118,13 @@ fn planted_bugs_are_caught_within_the_default_seeds() {
             "connection closed for one run's unknown message",
             Faults {
                 close_on_unknown_kind: true,
+                ..Faults::default()
+            },
+        ),
+        (
+            "work dispatched to a node that asked to be drained",
+            Faults {
+                ignore_drain: true,
                 ..Faults::default()
             },
         ),

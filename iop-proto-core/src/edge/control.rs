@@ -136,7 +136,7 @@ impl EdgeCore {
             revision: resp.revision,
         });
         if status != RefreshStatus::Applied {
-            self.drain_node(i, RefreshFailure::Answered { status, message });
+            self.drain_node(i, RefreshFailure::Answered { status, message }.into());
             return;
         }
         self.registry.nodes[i].refresh_tries = 0;
@@ -148,10 +148,22 @@ impl EdgeCore {
         }
     }
 
-    /// Node `i` cannot take its configuration: no new work goes to it, and its connection
-    /// closes once its last lease returns, so that it registers again and receives the
-    /// configuration in its `RegisterResponse` (or fails to become ready, visibly).
-    pub(super) fn drain_node(&mut self, i: usize, reason: RefreshFailure) {
+    /// A node stops gracefully: only its ready owner may ask (the connection work is
+    /// dispatched to); from any other registered connection it is a violation.
+    pub(super) fn on_drain_request(&mut self, conn: ConnId, phase: Phase, req: NodeDrainRequest) {
+        let Some((i, _)) = self.ready_owner(conn, phase) else {
+            self.violation(conn, ConnViolation::DrainBeforeReady);
+            return;
+        };
+        self.drain_node(i, DrainReason::Stopping(req.reason));
+    }
+
+    /// Node `i` gets no new work, and its connection closes once its last lease returns:
+    /// it cannot take its configuration (it then registers again and receives the
+    /// configuration in its `RegisterResponse`, or fails to become ready, visibly), or it
+    /// is stopping gracefully (the close tells it that nothing more will come). A node
+    /// already draining keeps its first reason.
+    pub(super) fn drain_node(&mut self, i: usize, reason: DrainReason) {
         let Some(owner) = self.registry.nodes[i].owner else {
             return;
         };
@@ -159,7 +171,14 @@ impl EdgeCore {
             return;
         }
         self.registry.nodes[i].draining = Some(reason.clone());
+        #[cfg(feature = "testkit")]
+        let keep = self.faults.ignore_drain && matches!(reason, DrainReason::Stopping(_));
+        #[cfg(not(feature = "testkit"))]
+        let keep = false;
         for (_, r) in self.registry.nodes[i].resources.clone() {
+            if keep {
+                break;
+            }
             if self.pool.ledger.usage(r).generation == Some(owner.generation) {
                 self.pool.ledger.set_capacity(r, 0, 0);
             }
@@ -187,14 +206,17 @@ impl EdgeCore {
     }
 
     pub(super) fn close_if_drained(&mut self, i: usize) {
-        let Some(failure) = self.registry.nodes[i].draining.clone() else {
+        let Some(drain) = self.registry.nodes[i].draining.clone() else {
             return;
         };
         if self.in_flight_on(i) > 0 {
             return;
         }
         if let Some(owner) = self.registry.nodes[i].owner {
-            let reason = CloseReason::RefreshFailed(failure);
+            let reason = match drain {
+                DrainReason::Refresh(failure) => CloseReason::RefreshFailed(failure),
+                DrainReason::Stopping(_) => CloseReason::Drained,
+            };
             self.close(owner.conn, reason.clone());
             self.fence_owner(i, owner.generation, reason);
         }

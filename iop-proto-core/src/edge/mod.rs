@@ -43,9 +43,10 @@ use crate::tunnel::{TunnelReceiver, TunnelStep, TunnelViolation};
 use crate::wire::{
     AdapterConfig, AdapterType, Body, CancelKind, CancelRequest, Envelope, ErrorDetail, Heartbeat,
     HeartbeatAck, NodeCommandResponse, NodeConfigRefreshRequest, NodeConfigRefreshResponse,
-    NodeReadyRequest, NodeReadyResponse, ProviderHealth, ProviderSnapshot, ProviderStatus,
-    ProviderTunnelFrame, ProviderTunnelRequest, RefreshStatus, RegisterRequest, RegisterResponse,
-    RunEvent, RunEventType, RunRequest, TunnelFrameKind, Validate, ValidationError,
+    NodeDrainRequest, NodeReadyRequest, NodeReadyResponse, ProviderHealth, ProviderSnapshot,
+    ProviderStatus, ProviderTunnelFrame, ProviderTunnelRequest, RefreshStatus, RegisterRequest,
+    RegisterResponse, RunEvent, RunEventType, RunRequest, TunnelFrameKind, Validate,
+    ValidationError,
 };
 
 mod control;
@@ -421,6 +422,7 @@ impl EdgeCore {
             }
             Body::NodeConfigRefreshResponse(resp) => self.on_refresh_response(conn, phase, resp),
             Body::NodeCommandResponse(resp) => self.on_command_response(conn, phase, resp),
+            Body::NodeDrainRequest(req) => self.on_drain_request(conn, phase, req),
             other => self.violation(conn, ConnViolation::WrongDirection(other.kind())),
         }
         Ok(())

@@ -90,7 +90,7 @@ pub(super) struct NodeEntry {
     pub(super) refresh_tries: u32,
     /// The node could not take its configuration: it gets no new work and its
     /// connection is closed once its last lease returns (it then registers afresh).
-    pub(super) draining: Option<RefreshFailure>,
+    pub(super) draining: Option<DrainReason>,
     /// What the node said about itself in its last accepted register (version,
     /// labels); kept while it is offline so an operator sees what was last there.
     pub(super) agent: Option<Box<Agent>>,
@@ -562,13 +562,16 @@ impl EdgeCore {
     /// Brings node `i`'s resources in line with its configuration for `generation`, at
     /// ready and after an applied refresh: enabled adapters come online (or take their new
     /// capacities when already live) and waiters are pumped; removed or disabled adapters
-    /// take no new work while their leases drain (offline ones simply stay offline).
+    /// take no new work while their leases drain (offline ones simply stay offline). A
+    /// draining node takes no new work whatever its configuration says (a refresh it
+    /// applies while draining does not bring its capacity back).
     pub(super) fn sync_resources(&mut self, i: usize, generation: Generation) {
         let Some(spec) = self.registry.nodes[i].spec.clone() else {
             return;
         };
+        let draining = self.registry.nodes[i].draining.is_some();
         for (name, r) in self.registry.nodes[i].resources.clone() {
-            match spec.adapter(&name).filter(|a| a.enabled) {
+            match spec.adapter(&name).filter(|a| a.enabled && !draining) {
                 Some(adapter) => {
                     if self.pool.ledger.usage(r).generation == Some(generation) {
                         self.pool

@@ -103,7 +103,7 @@ impl EdgeCore {
                     if retrying {
                         self.push_refresh(i);
                     } else {
-                        self.drain_node(i, RefreshFailure::Unanswered(MAX_REFRESH_TRIES));
+                        self.drain_node(i, RefreshFailure::Unanswered(MAX_REFRESH_TRIES).into());
                     }
                 }
             }

@@ -85,6 +85,9 @@ pub enum CloseReason {
     /// `RESTART_REQUIRED`, or went unanswered three times): once its work drained, it is
     /// closed so that it registers again and takes the configuration afresh.
     RefreshFailed(RefreshFailure),
+    /// The node asked to be drained (`NodeDrainRequest`, a graceful stop) and its last
+    /// lease has returned: the close tells it that nothing more will come.
+    Drained,
     /// The peer closed the connection (reported by the shell).
     PeerClosed,
 }
@@ -104,6 +107,7 @@ impl CloseReason {
             CloseReason::CredentialsChanged => "credentials_changed",
             CloseReason::TooManyPending => "too_many_pending",
             CloseReason::RefreshFailed(_) => "refresh_failed",
+            CloseReason::Drained => "drained",
             CloseReason::PeerClosed => "peer_closed",
         }
     }
@@ -300,13 +304,14 @@ pub enum EdgeEvent {
         /// Whether the refresh is sent again (else the node is drained).
         retrying: bool,
     },
-    /// A node could not take its configuration: it gets no new work and is closed once
-    /// its last lease returns, so that it registers again with the configuration.
+    /// A node gets no new work and is closed once its last lease returns: it could not
+    /// take its configuration (it then registers again with the configuration), or it
+    /// asked to stop gracefully.
     NodeDraining {
         /// The node being drained.
         node_id: Arc<str>,
-        /// Why it could not take its configuration (a failed apply or refreshes unanswered).
-        reason: RefreshFailure,
+        /// Why.
+        reason: DrainReason,
         /// Leases still held on it.
         in_flight: u32,
     },
@@ -428,6 +433,10 @@ pub enum ConnViolation {
     /// A message only the Edge sends.
     #[error("{0} is not a node-to-edge message")]
     WrongDirection(&'static str),
+    /// A `NodeDrainRequest` from a connection that is not its node's ready owner (a node
+    /// that has not become ready has nothing to drain: it closes instead).
+    #[error("NodeDrainRequest before ready")]
+    DrainBeforeReady,
 }
 
 impl ConnViolation {
@@ -441,6 +450,7 @@ impl ConnViolation {
             ConnViolation::StreamBeforeReady => "stream_before_ready",
             ConnViolation::ReadyForAnotherNode => "ready_for_another_node",
             ConnViolation::WrongDirection(_) => "wrong_direction",
+            ConnViolation::DrainBeforeReady => "drain_before_ready",
         }
     }
 }
@@ -495,6 +505,18 @@ pub enum RefreshFailure {
     /// It left the refresh unanswered this many times.
     #[error("config refresh unanswered {0} times")]
     Unanswered(u32),
+}
+
+/// Why a node gets no new work and is closed once its last lease returns.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DrainReason {
+    /// It could not take its configuration.
+    #[error(transparent)]
+    Refresh(#[from] RefreshFailure),
+    /// It is stopping gracefully (`NodeDrainRequest`), with the reason it gave.
+    #[error("node stopping: {0}")]
+    Stopping(String),
 }
 
 /// The id of a dispatched request on the wire (`run-<n>`), in `RunRequest.run_id`,
@@ -706,8 +728,9 @@ pub struct NodeStatus {
     pub tls: Option<&'static str>,
     /// Whether the owning connection presented a verified client certificate.
     pub client_certificate: bool,
-    /// The node failed to take its configuration and gets no new work until it has
-    /// registered again (see [`CloseReason::RefreshFailed`]).
+    /// The node gets no new work and is closed once its last lease returns: it failed to
+    /// take its configuration (see [`CloseReason::RefreshFailed`]) or asked to stop
+    /// gracefully (see [`CloseReason::Drained`]).
     pub draining: bool,
     /// Software version the node reported in its last accepted register; `None` until
     /// it has registered once.

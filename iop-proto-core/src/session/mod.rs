@@ -17,6 +17,10 @@
 //! - A config refresh is validated and diffed per adapter: `FAILED` keeps the old config,
 //!   `RESTART_REQUIRED` names what cannot change live, `APPLIED` starts, stops or resizes
 //!   adapters. Runs on a removed adapter finish or are cancelled explicitly.
+//! - A local stop is graceful ([`NodeSession::handle_drain`]: the Edge is asked to send
+//!   nothing more, and the work in flight runs to its end) or quick
+//!   ([`NodeSession::handle_shutdown`]: the work in flight is cancelled); either ends in
+//!   [`SessionEnd::LocalShutdown`].
 //!
 //! [`Supervisor`]: crate::reconnect::Supervisor
 
@@ -36,9 +40,9 @@ use crate::tunnel::{DEFAULT_CHUNK_SIZE, TunnelEmitter};
 use crate::wire::{
     AdapterConfig, AdapterType, Body, CancelRequest, Envelope, ErrorDetail, Header, Heartbeat,
     HeartbeatAck, NodeCommandRequest, NodeCommandResponse, NodeConfigPayload,
-    NodeConfigRefreshRequest, NodeConfigRefreshResponse, NodeReadyRequest, ProviderTunnelFrame,
-    ProviderTunnelRequest, RefreshStatus, RegisterRequest, RunEventType, RunRequest, Usage,
-    Validate,
+    NodeConfigRefreshRequest, NodeConfigRefreshResponse, NodeDrainRequest, NodeReadyRequest,
+    ProviderTunnelFrame, ProviderTunnelRequest, RefreshStatus, RegisterRequest, RunEventType,
+    RunRequest, Usage, Validate,
 };
 
 mod config;
@@ -57,8 +61,10 @@ enum SessionTimer {
     Handshake,
     /// Send a heartbeat.
     Ping,
-    /// A shutdown stops waiting for cancelled work at this time.
+    /// A graceful stop stops waiting for the work in flight to end on its own.
     Drain,
+    /// A shutdown stops waiting for cancelled work at this time.
+    Cancel,
 }
 
 impl crate::timer::TimerKey for SessionTimer {
@@ -66,7 +72,8 @@ impl crate::timer::TimerKey for SessionTimer {
         match self {
             SessionTimer::Handshake => "handshake",
             SessionTimer::Ping => "ping",
-            SessionTimer::Drain => "shutdown grace",
+            SessionTimer::Drain => "drain grace",
+            SessionTimer::Cancel => "shutdown grace",
         }
     }
 }
@@ -93,8 +100,10 @@ pub struct NodeSession {
     finished: VecDeque<Arc<str>>,
     finished_set: IdSet<Arc<str>>,
     transmits: VecDeque<NodeTransmit>,
+    /// A graceful stop asked the Edge to send nothing more and waits for it to close.
+    draining: bool,
     /// A local shutdown waits for cancelled work until this.
-    draining: Option<Timestamp>,
+    cancelling: Option<Timestamp>,
     events: VecDeque<SessionEvent>,
     end: Option<SessionEnd>,
 }
@@ -123,7 +132,8 @@ impl NodeSession {
             finished: VecDeque::new(),
             finished_set: IdSet::default(),
             transmits: VecDeque::new(),
-            draining: None,
+            draining: false,
+            cancelling: None,
             events: VecDeque::new(),
             end: None,
         }
@@ -339,6 +349,12 @@ impl NodeSession {
         if matches!(self.state, SessionState::Connecting | SessionState::Closed) {
             return Err(self.wrong_state("connection lost"));
         }
+        // A session that is stopping ends as such: the Edge closes a drained connection,
+        // and whatever else ended it, the node is not to redial.
+        if self.draining || self.cancelling.is_some() {
+            self.close(SessionEnd::LocalShutdown);
+            return Ok(());
+        }
         self.close(SessionEnd::ConnectionLost(failure));
         Ok(())
     }
@@ -366,19 +382,61 @@ impl NodeSession {
     /// Local shutdown. Work in flight is cancelled ([`SessionEvent::CancelRun`] for each
     /// run) and new work is refused; the session closes once the last run has ended in
     /// order, or when [`SessionConfig::shutdown_grace`] passes, whichever is first.
-    /// Without work in flight it closes at once. A second call changes nothing.
+    /// Without work in flight it closes at once. A second call changes nothing; during a
+    /// graceful stop ([`Self::handle_drain`]) it cuts the wait short.
     pub fn handle_shutdown(&mut self, now: Timestamp) -> Result<(), SessionError> {
         self.advance(now);
-        if self.state == SessionState::Closed || self.draining.is_some() {
+        self.cancel_all();
+        Ok(())
+    }
+
+    /// Graceful local stop, for a rolling restart. A ready session asks the Edge to
+    /// dispatch nothing more (`NodeDrainRequest`) and serves the work in flight, and the
+    /// work the Edge dispatched before it read the request, to its end. The Edge closes
+    /// the connection once its last lease on the node has returned, and the session then
+    /// ends with [`SessionEnd::LocalShutdown`] (so does any other loss of the connection
+    /// meanwhile). If [`SessionConfig::drain_grace`] passes first, the session goes on as
+    /// [`Self::handle_shutdown`] does and cancels what is still in flight. Before the
+    /// session is ready nothing has been dispatched to it, and it closes at once. A second
+    /// call changes nothing.
+    pub fn handle_drain(&mut self, now: Timestamp) -> Result<(), SessionError> {
+        self.advance(now);
+        if self.state == SessionState::Closed || self.draining || self.cancelling.is_some() {
             return Ok(());
         }
-        if self.work.is_empty() {
+        if self.state != SessionState::Ready {
             self.close(SessionEnd::LocalShutdown);
             return Ok(());
         }
-        self.draining = Some(self.now + self.config.shutdown_grace);
+        self.draining = true;
+        self.send(Body::NodeDrainRequest(NodeDrainRequest {
+            reason: "local shutdown".to_owned(),
+        }));
         self.timers
-            .set(SessionTimer::Drain, self.now + self.config.shutdown_grace);
+            .set(SessionTimer::Drain, self.now + self.config.drain_grace);
+        Ok(())
+    }
+
+    /// Whether a graceful stop is under way ([`Self::handle_drain`]) and has not yet turned
+    /// into cancelling the work in flight.
+    #[must_use]
+    pub fn is_draining(&self) -> bool {
+        self.draining && self.cancelling.is_none() && self.state != SessionState::Closed
+    }
+
+    /// Cancels the work in flight and closes once it has ended, or at once without any.
+    fn cancel_all(&mut self) {
+        if self.state == SessionState::Closed || self.cancelling.is_some() {
+            return;
+        }
+        self.timers.stop(SessionTimer::Drain);
+        if self.work.is_empty() {
+            self.close(SessionEnd::LocalShutdown);
+            return;
+        }
+        self.cancelling = Some(self.now + self.config.shutdown_grace);
+        self.timers
+            .set(SessionTimer::Cancel, self.now + self.config.shutdown_grace);
         let mut runs: Vec<String> = self.work.keys().cloned().collect();
         runs.sort();
         for run_id in runs {
@@ -387,7 +445,6 @@ impl NodeSession {
             }
             self.events.push_back(SessionEvent::CancelRun { run_id });
         }
-        Ok(())
     }
 
     /// Sends due heartbeats and detects silence and handshake timeouts. A spurious call
@@ -413,6 +470,12 @@ impl NodeSession {
                     }
                 }
                 SessionTimer::Drain => {
+                    self.cancel_all();
+                    if self.state == SessionState::Closed {
+                        return;
+                    }
+                }
+                SessionTimer::Cancel => {
                     self.close(SessionEnd::LocalShutdown);
                     return;
                 }
@@ -675,7 +738,8 @@ impl NodeSession {
         abandoned.sort();
         self.pending_refresh = None;
         self.pending_commands.clear();
-        self.draining = None;
+        self.draining = false;
+        self.cancelling = None;
         self.timers = TimerTable::new();
         self.end = Some(end.clone());
         self.transmits

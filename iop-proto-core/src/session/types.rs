@@ -27,6 +27,9 @@ pub struct SessionConfig {
     /// How long a local shutdown waits for cancelled work to end in order before the
     /// session closes anyway.
     pub shutdown_grace: Duration,
+    /// How long a graceful stop lets the work in flight run to its end before it is
+    /// cancelled ([`NodeSession::handle_drain`](super::NodeSession::handle_drain)).
+    pub drain_grace: Duration,
 }
 
 impl std::fmt::Debug for SessionConfig {
@@ -43,7 +46,8 @@ impl std::fmt::Debug for SessionConfig {
 }
 
 impl SessionConfig {
-    /// Defaults: 10 s handshake, 5 s heartbeats, 3 missed intervals, 64 KiB chunks.
+    /// Defaults: 10 s handshake, 5 s heartbeats, 3 missed intervals, 64 KiB chunks, 5 s
+    /// for cancelled work to end, 30 s for a graceful stop.
     #[must_use]
     pub fn new(node_id: impl Into<String>, token: impl Into<String>) -> Self {
         SessionConfig {
@@ -59,6 +63,7 @@ impl SessionConfig {
             heartbeat_timeout_intervals: 3,
             chunk_size: DEFAULT_CHUNK_SIZE,
             shutdown_grace: Duration::from_secs(5),
+            drain_grace: Duration::from_secs(30),
         }
     }
 }

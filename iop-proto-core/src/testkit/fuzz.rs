@@ -116,8 +116,8 @@ fn structured_envelope(input: &mut Input<'_>) -> Option<Envelope> {
     use prost::Message;
 
     use crate::wire::{
-        Body, CancelRequest, Heartbeat, HeartbeatAck, NodeConfigRefreshResponse, NodeReadyRequest,
-        ProviderTunnelFrame, RegisterRequest, RunEvent,
+        Body, CancelRequest, Heartbeat, HeartbeatAck, NodeConfigRefreshResponse, NodeDrainRequest,
+        NodeReadyRequest, ProviderTunnelFrame, RegisterRequest, RunEvent,
     };
     let node_id = format!("n{}", input.byte() % 4);
     let run_id = format!("run-{}", input.byte() % 16);
@@ -163,6 +163,10 @@ fn structured_envelope(input: &mut Input<'_>) -> Option<Envelope> {
             request_id: format!("refresh-{}", input.byte() % 4),
             status: i32::from(input.byte() % 5),
             ..NodeConfigRefreshResponse::default()
+        }),
+        // A node stopping gracefully, now and then, ready or not.
+        _ if input.byte() % 8 == 0 => Body::NodeDrainRequest(NodeDrainRequest {
+            reason: "local shutdown".into(),
         }),
         _ => Body::CancelRequest(CancelRequest {
             run_id,

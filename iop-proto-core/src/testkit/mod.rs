@@ -40,4 +40,6 @@ pub struct Faults {
     pub hold_cancelled_lease: bool,
     /// Close the whole connection for a message about one run of an unknown kind.
     pub close_on_unknown_kind: bool,
+    /// Take a node's drain request as read but keep its capacity (it gets new work).
+    pub ignore_drain: bool,
 }

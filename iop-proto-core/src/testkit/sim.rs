@@ -31,7 +31,7 @@ use crate::edge::{
 };
 use crate::edge_config::{CandidateSpec, EdgeConfig, EdgeTiming, ModelSpec, NodeSpec, QueueLimits};
 use crate::lease::RequestId;
-use crate::reconnect::{Failure, ReconnectPolicy, Supervisor, SupervisorEvent};
+use crate::reconnect::{ExitReason, Failure, ReconnectPolicy, Supervisor, SupervisorEvent};
 use crate::run::RunTracker;
 use crate::session::{
     NodeSession, NodeTransmit, RunOutput, SessionConfig, SessionEnd, SessionEvent, TunnelOutput,
@@ -94,6 +94,14 @@ pub enum Op {
         /// Node.
         node: u8,
         /// Restart delay.
+        restart_after_ms: u16,
+    },
+    /// The node process stops gracefully (a rolling restart: it asks the Edge to drain
+    /// it and serves its work in flight to the end), then a new one starts.
+    Stop {
+        /// Node.
+        node: u8,
+        /// Restart delay after the process exited.
         restart_after_ms: u16,
     },
     /// The node process stops (no timers, no reads), then resumes.
@@ -167,7 +175,11 @@ pub fn generate(seed: u64, len: usize) -> Vec<Op> {
                 model: u8::try_from(rng.below(MODELS as u64)).unwrap_or(0),
                 count: u8::try_from(rng.range(3, 12)).unwrap_or(3),
             },
-            65..=69 => Op::Crash {
+            65..=67 => Op::Crash {
+                node: node(&mut rng),
+                restart_after_ms: ms(&mut rng, 0, 1500),
+            },
+            68..=69 => Op::Stop {
                 node: node(&mut rng),
                 restart_after_ms: ms(&mut rng, 0, 1500),
             },
@@ -222,6 +234,8 @@ pub struct Stats {
     pub conflicts: u64,
     /// Messages of unknown kinds the nodes sent (each fails one run, never a connection).
     pub garbled: u64,
+    /// Nodes that stopped gracefully and were closed by the Edge once drained.
+    pub drained: u64,
 }
 
 /// A violated invariant, with what is needed to replay it.
@@ -378,6 +392,8 @@ struct NodeProc {
     dial_at: Option<Timestamp>,
     mode: Mode,
     work: BTreeMap<String, Work>,
+    /// Stopping gracefully: restart this long after the process exits.
+    stopping: Option<Duration>,
 }
 
 impl NodeProc {
@@ -400,6 +416,7 @@ impl NodeProc {
             dial_at: None,
             mode: Mode::Normal,
             work: BTreeMap::new(),
+            stopping: None,
         }
     }
 
@@ -450,6 +467,9 @@ struct World {
     full_trace: bool,
     stats: Stats,
     failure: Option<String>,
+    /// Connections whose `NodeDrainRequest` the Edge has read: nothing more is dispatched
+    /// to them.
+    drain_read: BTreeSet<u64>,
 }
 
 macro_rules! check {
@@ -488,7 +508,19 @@ impl World {
             while let Some(transmit) = self.edge.poll_transmit() {
                 progressed = true;
                 match transmit {
-                    Transmit::Frame { conn, envelope } => self.send_to_node(conn, &envelope),
+                    Transmit::Frame { conn, envelope } => {
+                        let work = matches!(
+                            envelope.body,
+                            Some(Body::RunRequest(_) | Body::ProviderTunnelRequest(_))
+                        );
+                        check!(
+                            self,
+                            !work || !self.drain_read.contains(&conn.0),
+                            "work dispatched to conn {} after the edge read its drain request",
+                            conn.0
+                        );
+                        self.send_to_node(conn, &envelope);
+                    }
                     Transmit::FrameLimit {
                         conn,
                         max_frame_len,
@@ -499,6 +531,9 @@ impl World {
                     }
                     Transmit::Close { conn, reason } => {
                         self.log(|| format!("edge closes conn {} ({reason:?})", conn.0));
+                        if reason == CloseReason::Drained {
+                            self.stats.drained += 1;
+                        }
                         if let Some(link) = self.links.get_mut(&conn.0) {
                             link.edge_closed = true;
                         }
@@ -762,8 +797,20 @@ impl World {
                         self.procs[i].dial_at = Some(at);
                     }
                     SupervisorEvent::Exit(reason) => {
-                        check!(self, false, "node process {i} exited: {reason:?}");
+                        let stopped = self.procs[i]
+                            .stopping
+                            .filter(|_| reason == ExitReason::Shutdown);
+                        check!(
+                            self,
+                            stopped.is_some(),
+                            "node process {i} exited: {reason:?}"
+                        );
                         self.procs[i].alive = false;
+                        if let Some(delay) = stopped {
+                            let id = self.procs[i].node_id.clone();
+                            self.log(|| format!("{id} (proc {i}) exited after its stop"));
+                            self.procs[i].restart_at = Some(self.now + delay);
+                        }
                     }
                 }
             }
@@ -858,7 +905,9 @@ impl World {
             link.node_closed = true;
             link.to_node.clear();
         }
-        let _ = match end.failure() {
+        // A process that is stopping exits whatever ended its session, as the shell's
+        // supervisor does once its stop was asked for.
+        let _ = match end.failure().filter(|_| self.procs[i].stopping.is_none()) {
             Some(failure) => self.procs[i].supervisor.handle_failure(now, failure),
             None => {
                 self.procs[i].supervisor.handle_shutdown(now);
@@ -1110,13 +1159,19 @@ impl World {
                             }
                             _ => None,
                         };
+                        if matches!(envelope.body, Some(Body::NodeDrainRequest(_))) {
+                            self.drain_read.insert(conn.0);
+                        }
                         let ready_before = self.edge.owner_of(conn).is_some_and(|o| o.2);
                         let _ = self.edge.handle_envelope(now, conn, envelope);
                         self.drain_edge();
                         if let Some((run_id, terminal)) = about_a_run {
+                            // (Unless its terminal ended a drain: the Edge then closes.)
                             check!(
                                 self,
-                                !ready_before || self.edge.owner_of(conn).is_some(),
+                                !ready_before
+                                    || self.edge.owner_of(conn).is_some()
+                                    || terminal && self.drain_read.contains(&conn.0),
                                 "a message about {run_id} closed its node's connection"
                             );
                             let request = run_id
@@ -1367,6 +1422,23 @@ impl World {
                         Some(now + Duration::from_millis(u64::from(restart_after_ms)));
                 }
             }
+            Op::Stop {
+                node: n,
+                restart_after_ms,
+            } => {
+                let i = node(n);
+                if self.procs[i].runnable(now)
+                    && self.procs[i].stopping.is_none()
+                    && let Some(s) = self.procs[i].session.as_mut()
+                {
+                    let drained = s.handle_drain(now);
+                    check!(self, drained.is_ok(), "drain refused: {drained:?}");
+                    self.procs[i].stopping =
+                        Some(Duration::from_millis(u64::from(restart_after_ms)));
+                    self.log(|| format!("proc {i} stops gracefully"));
+                    self.drain_node(i);
+                }
+            }
             Op::Freeze { node: n, for_ms } => {
                 let i = node(n);
                 self.log(|| format!("proc {i} freezes for {for_ms}ms"));
@@ -1481,13 +1553,21 @@ impl World {
             };
             let usage = ledger.usage(r);
             held += usage.in_flight as usize;
-            if usage.in_flight > usage.capacity && usage.generation.is_some() {
+            // A draining node keeps its leases at capacity 0 (a grant there fails the
+            // grant check).
+            let draining = nodes
+                .iter()
+                .any(|n| n.draining && *n.node_id == *snap.node_id);
+            if usage.in_flight > usage.capacity && usage.generation.is_some() && !draining {
                 problems.push(format!(
                     "{}/{}: in_flight {} > capacity {}",
                     snap.node_id, snap.provider_id, usage.in_flight, usage.capacity
                 ));
             }
-            if usage.long_in_flight > usage.long_capacity && usage.generation.is_some() {
+            if usage.long_in_flight > usage.long_capacity
+                && usage.generation.is_some()
+                && !draining
+            {
                 problems.push(format!(
                     "{}/{}: long_in_flight over long capacity",
                     snap.node_id, snap.provider_id
@@ -1652,6 +1732,7 @@ pub fn run(seed: u64, ops: &[Op], options: SimOptions) -> Result<Stats, SimFailu
         full_trace: options.full_trace,
         stats: Stats::default(),
         failure: None,
+        drain_read: BTreeSet::new(),
     };
     // A machine that panics on a broken internal invariant is a finding too: keep the
     // seed and the trace that led there.

@@ -26,8 +26,8 @@ pub use codec::{
 };
 pub use generated::*;
 pub use validate::{
-    MAX_NODE_ID_BYTES, MAX_REGISTER_ENTRIES, MAX_TOKEN_BYTES, OLLAMA_API_ENDPOINTS, REQUEST_ID_KEY,
-    Validate, ValidationError, is_request_id,
+    MAX_DRAIN_REASON_BYTES, MAX_NODE_ID_BYTES, MAX_REGISTER_ENTRIES, MAX_TOKEN_BYTES,
+    OLLAMA_API_ENDPOINTS, REQUEST_ID_KEY, Validate, ValidationError, is_request_id,
 };
 
 /// The variant carried by an [`Envelope`].
@@ -70,6 +70,7 @@ impl Body {
             Body::NodeCommandResponse(_) => "node_command_response",
             Body::NodeConfigRefreshRequest(_) => "node_config_refresh_request",
             Body::NodeConfigRefreshResponse(_) => "node_config_refresh_response",
+            Body::NodeDrainRequest(_) => "node_drain_request",
         }
     }
 }

@@ -8,9 +8,9 @@
 use super::{
     AdapterConfig, AdapterType, Body, CancelKind, CancelRequest, Envelope, Heartbeat, HeartbeatAck,
     NodeCommandRequest, NodeCommandResponse, NodeCommandType, NodeConfigPayload,
-    NodeConfigRefreshRequest, NodeConfigRefreshResponse, NodeReadyRequest, NodeReadyResponse,
-    ProviderTunnelFrame, ProviderTunnelRequest, RefreshStatus, RegisterRequest, RegisterResponse,
-    RunEvent, RunEventType, RunRequest, TunnelFrameKind,
+    NodeConfigRefreshRequest, NodeConfigRefreshResponse, NodeDrainRequest, NodeReadyRequest,
+    NodeReadyResponse, ProviderTunnelFrame, ProviderTunnelRequest, RefreshStatus, RegisterRequest,
+    RegisterResponse, RunEvent, RunEventType, RunRequest, TunnelFrameKind,
 };
 
 /// The read-only Ollama endpoints an `OLLAMA_API` command may reach.
@@ -202,6 +202,7 @@ impl Validate for Body {
             Body::NodeCommandResponse(m) => m.validate(),
             Body::NodeConfigRefreshRequest(m) => m.validate(),
             Body::NodeConfigRefreshResponse(m) => m.validate(),
+            Body::NodeDrainRequest(m) => m.validate(),
         }
     }
 }
@@ -452,6 +453,22 @@ impl Validate for NodeConfigRefreshResponse {
     fn validate(&self) -> Result<(), ValidationError> {
         non_empty(&self.request_id, "NodeConfigRefreshResponse", "request_id")?;
         specified::<RefreshStatus>(self.status, "NodeConfigRefreshResponse", "status").map(drop)
+    }
+}
+
+/// The longest reason a [`NodeDrainRequest`] may give (it is logged).
+pub const MAX_DRAIN_REASON_BYTES: usize = 256;
+
+impl Validate for NodeDrainRequest {
+    fn validate(&self) -> Result<(), ValidationError> {
+        if self.reason.len() > MAX_DRAIN_REASON_BYTES {
+            return Err(ValidationError::TooLong {
+                message: "NodeDrainRequest",
+                field: "reason",
+                limit: MAX_DRAIN_REASON_BYTES,
+            });
+        }
+        Ok(())
     }
 }
 

@@ -292,6 +292,7 @@ pub fn body() -> impl Strategy<Value = Body> {
                 })
             }
         ),
+        text().prop_map(|reason| Body::NodeDrainRequest(NodeDrainRequest { reason })),
     ]
 }
 
