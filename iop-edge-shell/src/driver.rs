@@ -17,8 +17,8 @@ use iop_proto_core::wire::{
     RunRequest,
 };
 use iop_proto_core::{
-    CloseReason, ConfigDiff, ConnId, Dispatch, DispatchShape, EdgeConfig, EdgeCore, EdgeError,
-    EdgeEvent, Grant, NodeStatus, Outcome, RequestId, SubmitError, Transmit, UsageError,
+    CloseReason, ConfigDiff, ConnId, Dispatch, DispatchShape, DrainReason, EdgeConfig, EdgeCore,
+    EdgeError, EdgeEvent, Grant, NodeStatus, Outcome, RequestId, SubmitError, Transmit, UsageError,
 };
 use tokio::sync::{Notify, oneshot};
 use tokio::time::Instant;
@@ -671,7 +671,11 @@ impl Task {
                 lost,
             } => {
                 self.metrics.node_disconnects.inc();
-                warn!(node_id = %node_id, generation = generation.0, reason = ?reason, lost = lost.len(), "node fenced");
+                if reason == CloseReason::Drained {
+                    info!(node_id = %node_id, generation = generation.0, reason = ?reason, "node drained and gone");
+                } else {
+                    warn!(node_id = %node_id, generation = generation.0, reason = ?reason, lost = lost.len(), "node fenced");
+                }
             }
             EdgeEvent::RefreshAnswered {
                 node_id,
@@ -692,15 +696,22 @@ impl Task {
                 node_id,
                 reason,
                 in_flight,
-            } => {
-                error!(
+            } => match reason {
+                DrainReason::Stopping(why) => info!(
+                    node_id = %node_id,
+                    reason = why,
+                    in_flight,
+                    "node stopping gracefully: no new work; its connection closes once its \
+                     work is done"
+                ),
+                reason => error!(
                     node_id = %node_id,
                     %reason,
                     in_flight,
                     "node cannot take its configuration: no new work; it is closed to register \
                      again once its work is done"
-                );
-            }
+                ),
+            },
             EdgeEvent::CommandAnswered { response, .. } => {
                 if let Some(reply) = self.commands.remove(&response.request_id) {
                     let _ = reply.send(Ok(response));

@@ -157,6 +157,7 @@ struct RawTimeouts {
     handshake_sec: Option<f64>,
     request_sec: Option<f64>,
     shutdown_grace_sec: Option<f64>,
+    drain_grace_sec: Option<f64>,
 }
 
 /// A validated node configuration.
@@ -189,6 +190,9 @@ pub struct NodeConfig {
     pub request_timeout: Duration,
     /// How long shutdown waits for cancelled work to end in order.
     pub shutdown_grace: Duration,
+    /// After `SIGQUIT` (a graceful stop), how long the work in flight may run to its end
+    /// before it is cancelled.
+    pub drain_grace: Duration,
     /// Extra CA certificates (PEM) trusted for `https://` providers.
     pub ca_file: Option<PathBuf>,
     /// How the node asks the kernel to schedule it.
@@ -204,6 +208,21 @@ fn seconds(key: &'static str, value: Option<f64>, default: f64) -> Result<Durati
             format!("must be a positive number of seconds, got {secs}"),
         )),
     }
+}
+
+/// The longest graceful stop a configuration may ask for: a day.
+const MAX_DRAIN_GRACE_SEC: f64 = 86_400.0;
+
+/// `timeouts.drain_grace_sec`: 30 s by default; 0 cancels at once, as `SIGTERM` does.
+fn drain_grace(value: Option<f64>) -> Result<Duration, ConfigError> {
+    let secs = value.unwrap_or(30.0);
+    if !(0.0..=MAX_DRAIN_GRACE_SEC).contains(&secs) {
+        return Err(invalid(
+            "timeouts.drain_grace_sec",
+            format!("must be between 0 and {MAX_DRAIN_GRACE_SEC} seconds, got {secs}"),
+        ));
+    }
+    Ok(Duration::from_secs_f64(secs))
 }
 
 impl NodeConfig {
@@ -323,6 +342,7 @@ impl NodeConfig {
                 raw.timeouts.shutdown_grace_sec,
                 5.0,
             )?,
+            drain_grace: drain_grace(raw.timeouts.drain_grace_sec)?,
             ca_file: raw
                 .tls
                 .ca_file
@@ -489,6 +509,17 @@ mod tests {
     }
 
     #[test]
+    fn a_graceful_stop_waits_30_s_by_default_and_0_cancels_at_once() {
+        let text = "node_id = \"n1\"\nedge_addr = \"a:1\"\ntoken = \"t-0123456789abcdef\"\n";
+        assert_eq!(
+            parse(text).expect("valid").drain_grace,
+            Duration::from_secs(30)
+        );
+        let zero = parse(&format!("{text}[timeouts]\ndrain_grace_sec = 0\n")).expect("valid");
+        assert_eq!(zero.drain_grace, Duration::ZERO);
+    }
+
+    #[test]
     fn errors_name_the_key() {
         let cases = [
             (
@@ -515,6 +546,18 @@ mod tests {
             (
                 "node_id = \"n\"\nedge_addr = \"a:1\"\ntoken = \"t-0123456789abcdef\"\n[timeouts]\nconnect_sec = -2",
                 "timeouts.connect_sec",
+            ),
+            (
+                "node_id = \"n\"\nedge_addr = \"a:1\"\ntoken = \"t-0123456789abcdef\"\n[timeouts]\ndrain_grace_sec = -1",
+                "timeouts.drain_grace_sec",
+            ),
+            (
+                "node_id = \"n\"\nedge_addr = \"a:1\"\ntoken = \"t-0123456789abcdef\"\n[timeouts]\ndrain_grace_sec = 86401",
+                "timeouts.drain_grace_sec",
+            ),
+            (
+                "node_id = \"n\"\nedge_addr = \"a:1\"\ntoken = \"t-0123456789abcdef\"\n[timeouts]\ndrain_grace_sec = nan",
+                "timeouts.drain_grace_sec",
             ),
             (
                 "node_id = \"n\"\nedge_addr = \"a:1\"\ntoken = \"t-0123456789abcdef\"\nadapters = []",

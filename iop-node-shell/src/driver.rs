@@ -23,6 +23,7 @@ use tracing::{debug, error, info, warn};
 
 use crate::adapters::{AdapterHost, HttpClient, Output, Sink};
 use crate::stats::TransportStats;
+use crate::supervisor::Stop;
 use iop_shell_common::clock::Clock;
 use iop_shell_common::misuse;
 
@@ -75,15 +76,16 @@ async fn write_some<W: AsyncWrite + Unpin>(
 }
 
 /// Runs one session over `stream` until it closes and returns why. The session tells
-/// `supervisor` when it is ready (which resets the reconnect attempts). A local shutdown
-/// is handed to the session, which cancels the work in flight and closes once that work
-/// has ended in order or its grace has passed.
+/// `supervisor` when it is ready (which resets the reconnect attempts). A stop is handed
+/// to the session: a graceful one asks the Edge to drain the node and lets the work in
+/// flight run to its end; a quick one (or a graceful one past its grace) cancels that
+/// work and closes once it has ended in order or its grace has passed.
 pub async fn run<S>(
     stream: S,
     config: SessionConfig,
     ctx: &Context,
     supervisor: &mut Supervisor,
-    shutdown: &CancellationToken,
+    stop: &Stop,
 ) -> SessionEnd
 where
     S: AsyncRead + AsyncWrite + Send + 'static,
@@ -97,18 +99,22 @@ where
     let (out_tx, mut out_rx) = mpsc::channel::<Output>(1024);
 
     let node_id = config.node_id.clone();
+    let drain_grace_ms = u64::try_from(config.drain_grace.as_millis()).unwrap_or(u64::MAX);
     let mut session = NodeSession::new(config);
     let mut decoder = FrameDecoder::new();
     let mut host = AdapterHost::new(ctx.http.clone(), ctx.request_timeout);
     let mut tasks: HashMap<String, CancellationToken> = HashMap::new();
-    // Whether the shutdown was handed to the session (so the select stops waiting on it).
+    // Whether each stop was handed to the session (so the select stops waiting on it).
     let mut stop_sent = false;
+    let mut drain_sent = false;
     let mut read_buf = BytesMut::with_capacity(READ_CHUNK);
     misuse("connected", session.handle_connected(ctx.clock.now()));
     let timer = tokio::time::sleep_until(ctx.clock.instant(iop_proto_core::Timestamp::MAX));
     tokio::pin!(timer);
-    let stopping = shutdown.cancelled();
+    let stopping = stop.now.cancelled();
     tokio::pin!(stopping);
+    let draining = stop.drain.cancelled();
+    tokio::pin!(draining);
 
     loop {
         // Drain every output of the machine before waiting again.
@@ -186,6 +192,18 @@ where
                 stop_sent = true;
                 info!(node_id, in_flight = session.in_flight(), "shutting down: cancelling in-flight work");
                 misuse("shutdown", session.handle_shutdown(ctx.clock.now()));
+            }
+            () = &mut draining, if !drain_sent => {
+                drain_sent = true;
+                misuse("drain", session.handle_drain(ctx.clock.now()));
+                if session.is_draining() {
+                    info!(
+                        node_id,
+                        in_flight = session.in_flight(),
+                        grace_ms = drain_grace_ms,
+                        "stopping gracefully: the edge sends no more work, work in flight runs to its end"
+                    );
+                }
             }
             read = reader.read_buf(&mut read_buf) => {
                 on_read(read, &mut read_buf, &mut decoder, &mut session, ctx);

@@ -8,7 +8,6 @@ use iop_node_shell::config::{NodeConfig, Scheduler};
 use iop_node_shell::supervisor;
 use iop_shell_common::logging::{self, LogFormat};
 use iop_shell_common::process;
-use tokio_util::sync::CancellationToken;
 
 /// jemalloc, whose background thread returns freed memory to the system within seconds;
 /// glibc's malloc kept tens of MiB after a burst of large request bodies (BENCHMARKS.md).
@@ -98,12 +97,13 @@ fn main() -> ExitCode {
     let reason = runtime.block_on(async move {
         let ctx = supervisor::context(&config)
             .map_err(|err| process::invalid_config("iop-node", &cli.config, &err))?;
-        let shutdown = CancellationToken::new();
-        tokio::spawn(process::cancel_on_signal(shutdown.clone()));
+        let stop = supervisor::Stop::default();
+        tokio::spawn(process::cancel_on_signal(stop.now.clone()));
+        tokio::spawn(process::cancel_on_quit(stop.drain.clone()));
         tokio::spawn(process::ignore_hangup(
             "a Node's adapters come from the Edge (send the Edge SIGHUP); its own file is read at start only",
         ));
-        Ok(supervisor::run(config, ctx, shutdown).await)
+        Ok(supervisor::run(config, ctx, stop).await)
     });
     match reason {
         Ok(reason) => ExitCode::from(u8::try_from(reason.exit_code()).unwrap_or(1)),

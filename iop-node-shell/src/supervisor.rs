@@ -22,11 +22,38 @@ pub fn session_config(config: &NodeConfig) -> SessionConfig {
     session.labels = config.labels.clone();
     session.handshake_timeout = config.handshake_timeout;
     session.shutdown_grace = config.shutdown_grace;
+    session.drain_grace = config.drain_grace;
     session
 }
 
+/// How the process was asked to stop: one token per way, each cancelled once.
+#[derive(Clone, Debug, Default)]
+pub struct Stop {
+    /// Graceful (`SIGQUIT`): the Edge is asked to send nothing more and the work in flight
+    /// runs to its end, up to `timeouts.drain_grace_sec`.
+    pub drain: CancellationToken,
+    /// Quick (`SIGTERM`, `SIGINT`): the work in flight is cancelled.
+    pub now: CancellationToken,
+}
+
+impl Stop {
+    /// Whether either stop was asked for.
+    #[must_use]
+    pub fn requested(&self) -> bool {
+        self.drain.is_cancelled() || self.now.is_cancelled()
+    }
+
+    /// Waits until either stop is asked for.
+    pub async fn wait(&self) {
+        tokio::select! {
+            () = self.drain.cancelled() => {}
+            () = self.now.cancelled() => {}
+        }
+    }
+}
+
 /// Runs until the supervisor exits; returns why (its `exit_code()` is the process's).
-pub async fn run(config: NodeConfig, ctx: Context, shutdown: CancellationToken) -> ExitReason {
+pub async fn run(config: NodeConfig, ctx: Context, stop: Stop) -> ExitReason {
     let link = match EdgeLink::new(&config.link) {
         Ok(link) => link,
         Err(err) => {
@@ -72,7 +99,7 @@ pub async fn run(config: NodeConfig, ctx: Context, shutdown: CancellationToken) 
                     );
                     let dial = link.connect(&config.edge_addr, config.connect_timeout);
                     let stream = tokio::select! {
-                        () = shutdown.cancelled() => {
+                        () = stop.wait() => {
                             supervisor.handle_shutdown(clock.now());
                             continue;
                         }
@@ -93,15 +120,15 @@ pub async fn run(config: NodeConfig, ctx: Context, shutdown: CancellationToken) 
                             let session = session_config(&config);
                             let end = match stream {
                                 Connection::Plain(tcp) => {
-                                    driver::run(tcp, session, &ctx, &mut supervisor, &shutdown)
-                                        .await
+                                    driver::run(tcp, session, &ctx, &mut supervisor, &stop).await
                                 }
                                 Connection::Tls(tls) => {
-                                    driver::run(*tls, session, &ctx, &mut supervisor, &shutdown)
-                                        .await
+                                    driver::run(*tls, session, &ctx, &mut supervisor, &stop).await
                                 }
                             };
-                            match end.failure() {
+                            // A stop that was asked for ends the process, whatever ended
+                            // the session meanwhile.
+                            match end.failure().filter(|_| !stop.requested()) {
                                 None => supervisor.handle_shutdown(clock.now()),
                                 Some(failure) => {
                                     warn!(failure = %failure, "session ended");
@@ -124,7 +151,7 @@ pub async fn run(config: NodeConfig, ctx: Context, shutdown: CancellationToken) 
             continue;
         };
         tokio::select! {
-            () = shutdown.cancelled() => supervisor.handle_shutdown(clock.now()),
+            () = stop.wait() => supervisor.handle_shutdown(clock.now()),
             () = tokio::time::sleep_until(clock.instant(at)) => supervisor.handle_timeout(clock.now()),
         }
     }

@@ -211,6 +211,21 @@ pub async fn cancel_on_signals(stages: Vec<(CancellationToken, &'static str)>) {
     }
 }
 
+/// Cancels `token` on SIGQUIT (logged), the signal for a graceful stop (as nginx takes it;
+/// a container runtime sends it on stop when the image says `STOPSIGNAL SIGQUIT`).
+/// Installing it also keeps SIGQUIT's default, a core dump, from ending the process.
+/// Spawn it once at start.
+pub async fn cancel_on_quit(token: CancellationToken) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let Ok(mut quit) = signal(SignalKind::quit()) else {
+        return;
+    };
+    while quit.recv().await.is_some() {
+        tracing::info!(signal = "SIGQUIT", "graceful stop requested");
+        token.cancel();
+    }
+}
+
 /// Keeps SIGHUP from ending the process, its default: each one is logged, with `why`
 /// it changes nothing. For a binary with nothing to reload (a terminal hanging up, or a
 /// script that sends every service SIGHUP, must not cut its work off); spawn it once at

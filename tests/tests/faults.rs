@@ -6,7 +6,7 @@ use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use iop_blackbox::client::{Cluster, next_sse, post_h2c, read_sse};
-use iop_blackbox::{free_port, wait_until};
+use iop_blackbox::{Proc, free_port, wait_until};
 use serde_json::{Value, json};
 
 fn body(reply: &str, delay_ms: u32) -> String {
@@ -211,6 +211,34 @@ async fn credentials_exhaustion_and_signals_decide_the_exit_code() {
     good.signal("TERM");
     assert_eq!(
         good.wait_exit(Duration::from_secs(10))
+            .expect("exits")
+            .code(),
+        Some(0)
+    );
+
+    // SIGQUIT with nothing in flight: the Edge closes the drained link at once; exit 0.
+    let mut good = cluster.node("n1", "tok-1-long-enough-secret");
+    cluster.wait_ready("n1").await;
+    good.signal("QUIT");
+    assert_eq!(
+        good.wait_exit(Duration::from_secs(5))
+            .expect("exits")
+            .code(),
+        Some(0)
+    );
+    // SIGQUIT while the Edge cannot be reached: nothing to drain; exit 0.
+    let text = format!(
+        "node_id = \"n1\"\nedge_addr = \"127.0.0.1:{}\"\ntoken = \"exhaust-token-0123456\"\n[reconnect]\nmax_attempts = 0\ninterval_sec = 0.2\n",
+        free_port()
+    );
+    let path = dir.write("away.toml", &text).to_string_lossy().into_owned();
+    let mut away = iop_blackbox::Proc::start("iop-node", &["--config", &path], &dir, "away", &[]);
+    assert!(wait_until(Duration::from_secs(5), || away
+        .log()
+        .contains("dial failed")));
+    away.signal("QUIT");
+    assert_eq!(
+        away.wait_exit(Duration::from_secs(5))
             .expect("exits")
             .code(),
         Some(0)
@@ -454,6 +482,164 @@ fn raw_completion(stream: &mut TcpStream) -> String {
     let mut buf = [0u8; 8192];
     let n = stream.read(&mut buf).expect("response");
     String::from_utf8_lossy(&buf[..n]).into_owned()
+}
+
+/// Two nodes serving `chat`, each with one mock adapter of capacity 2.
+fn two_nodes(reply: &str, delay_ms: u32) -> String {
+    let node = |id: &str| {
+        format!(
+            r#"
+[[nodes]]
+id = "{id}"
+token = "tok-1-long-enough-secret"
+[[nodes.adapters]]
+name = "mock"
+type = "mock"
+capacity = 2
+targets = ["m"]
+[nodes.adapters.options]
+reply = "{reply}"
+tokens = "40"
+token_delay_ms = "{delay_ms}"
+"#
+        )
+    };
+    format!(
+        r#"{}{}
+[[models]]
+name = "chat"
+providers = [{{ node = "n1", adapter = "mock", target = "m" }}, {{ node = "n2", adapter = "mock", target = "m" }}]
+"#,
+        node("n1"),
+        node("n2")
+    )
+}
+
+/// Starts node `node_id` with `timeouts.drain_grace_sec` set.
+fn node_draining_within(cluster: &Cluster, node_id: &str, token: &str, grace: &str) -> Proc {
+    let text = cluster
+        .node_toml(node_id, token, "max_attempts = 0\ninterval_sec = 0.2")
+        .replace(
+            "[timeouts]\n",
+            &format!("[timeouts]\ndrain_grace_sec = {grace}\n"),
+        );
+    let name = format!("node-{node_id}-{}", free_port());
+    let path = cluster.dir.write(&format!("{name}.toml"), &text);
+    Proc::start(
+        "iop-node",
+        &["--config", &path.to_string_lossy()],
+        &cluster.dir,
+        &name,
+        &[],
+    )
+}
+
+/// The state `/v1/status` gives `node_id`.
+async fn node_state(cluster: &Cluster, node_id: &str) -> Value {
+    let status = cluster.admin().status().await;
+    status["nodes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|n| n["node_id"] == node_id)
+        .map_or(Value::Null, |n| n["state"].clone())
+}
+
+/// SIGQUIT stops a node gracefully (a rolling restart): the Edge sends it nothing more
+/// and shows it draining, the other node takes the new callers, the stream in flight on
+/// it finishes whole, and it exits 0 once that stream has ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigquit_drains_a_node_its_stream_finishes_and_the_other_node_serves() {
+    // 40 tokens 100 ms apart: a stream of about four seconds.
+    let cluster = Cluster::start("", &two_nodes("one two", 100));
+    let mut n1 = cluster.node("n1", "tok-1-long-enough-secret");
+    cluster.wait_ready("n1").await;
+    let mut s = stream_under_way(&cluster).await;
+    let _n2 = cluster.node("n2", "tok-1-long-enough-secret");
+    cluster.wait_ready("n2").await;
+
+    n1.signal("QUIT");
+    let mut saw_draining = false;
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < deadline && !saw_draining {
+        saw_draining = node_state(&cluster, "n1").await == "draining";
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(saw_draining, "{}", cluster.edge.log());
+    let n1_mock = cluster.provider("n1", "mock").await;
+    assert_eq!(
+        (&n1_mock["in_flight"], &n1_mock["capacity"]),
+        (&json!(1), &json!(0)),
+        "{n1_mock}"
+    );
+    // New callers go to n2 meanwhile, though n1 had a free slot.
+    let mut more = vec![
+        stream_under_way(&cluster).await,
+        stream_under_way(&cluster).await,
+    ];
+    assert_eq!(cluster.provider("n2", "mock").await["in_flight"], 2);
+    assert_eq!(cluster.provider("n1", "mock").await["in_flight"], 1);
+    assert!(
+        n1.wait_exit(Duration::from_millis(100)).is_none(),
+        "n1 waits for its stream"
+    );
+
+    assert_finishes_whole(&mut s, &n1.log()).await;
+    let status = n1
+        .wait_exit(Duration::from_secs(5))
+        .expect("n1 exits once its stream has ended");
+    assert_eq!(status.code(), Some(0), "{}", n1.log());
+    let log = n1.log();
+    assert!(log.contains("stopping gracefully"), "{log}");
+    assert_eq!(
+        log.matches("dialing the edge").count(),
+        1,
+        "no redial: {log}"
+    );
+    let edge = cluster.edge.log();
+    assert!(
+        edge.contains("node stopping gracefully") && edge.contains("node drained and gone"),
+        "{edge}"
+    );
+    for s in &mut more {
+        assert_finishes_whole(s, "").await;
+    }
+}
+
+/// A stream longer than `timeouts.drain_grace_sec` is cancelled when the grace is over,
+/// and SIGTERM during a graceful stop does not wait for it: either way the caller's
+/// stream ends (with an error) and the node exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_graceful_stop_is_bounded_by_its_grace_and_cut_short_by_sigterm() {
+    for sigterm in [false, true] {
+        // 40 tokens 250 ms apart: ten seconds.
+        let cluster = Cluster::start("", &body("one", 250));
+        let grace = if sigterm { "60" } else { "1" };
+        let mut n1 = node_draining_within(&cluster, "n1", "tok-1-long-enough-secret", grace);
+        cluster.wait_ready("n1").await;
+        let mut s = stream_under_way(&cluster).await;
+        let signalled = Instant::now();
+        n1.signal("QUIT");
+        if sigterm {
+            assert!(wait_until(Duration::from_secs(5), || n1
+                .log()
+                .contains("stopping gracefully")));
+            n1.signal("TERM");
+        }
+        let (events, ended) = read_sse(s.body_mut(), Duration::from_secs(8)).await;
+        assert!(ended, "the stream ends (sigterm: {sigterm})");
+        assert!(
+            !events.iter().any(|e| e == "[DONE]"),
+            "cut short, not finished: {events:?}"
+        );
+        let status = n1.wait_exit(Duration::from_secs(5)).expect("n1 exits");
+        assert_eq!(status.code(), Some(0), "{}", n1.log());
+        assert!(
+            signalled.elapsed() < Duration::from_secs(6),
+            "took {:?} (sigterm: {sigterm})",
+            signalled.elapsed()
+        );
+    }
 }
 
 /// SIGTERM: the Edge stops taking callers, closes a kept connection that has no request

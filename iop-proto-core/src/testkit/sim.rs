@@ -1564,9 +1564,7 @@ impl World {
                     snap.node_id, snap.provider_id, usage.in_flight, usage.capacity
                 ));
             }
-            if usage.long_in_flight > usage.long_capacity
-                && usage.generation.is_some()
-                && !draining
+            if usage.long_in_flight > usage.long_capacity && usage.generation.is_some() && !draining
             {
                 problems.push(format!(
                     "{}/{}: long_in_flight over long capacity",
