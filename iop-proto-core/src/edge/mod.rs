@@ -24,6 +24,9 @@
 //!   owner is answered `ready=true` with no side effect; any other ready gets `ready=false`
 //!   and the connection is closed.
 //! - Every accepted request ends exactly once with [`EdgeEvent::RequestEnded`].
+//! - A ready owner's `NodeDrainRequest` (a graceful stop), like a failed config refresh,
+//!   drains the node: nothing new is dispatched to it, what runs there ends normally, and
+//!   its connection is closed ([`CloseReason::Drained`]) once its last lease returns.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::net::IpAddr;

@@ -398,11 +398,23 @@ pub fn node_session(data: &[u8]) {
                 now += u64::from(input.u16());
                 session.handle_timeout(Timestamp::from_millis(now));
             }
-            _ => {
+            _ => match input.byte() % 8 {
+                // A local stop now and then: graceful, quick, or the link lost.
+                0 => {
+                    let _ = session.handle_drain(t);
+                }
+                1 => {
+                    let _ = session.handle_shutdown(t);
+                }
+                2 => {
+                    let _ = session.handle_connection_lost(t, crate::reconnect::Failure::Reset);
+                }
                 // Answer a pending refresh or command with arbitrary ids.
-                let id = format!("refresh-{}", input.byte() % 4);
-                let _ = session.handle_refresh_applied(t, &id, Ok(()));
-            }
+                _ => {
+                    let id = format!("refresh-{}", input.byte() % 4);
+                    let _ = session.handle_refresh_applied(t, &id, Ok(()));
+                }
+            },
         }
         while session.poll_event().is_some() {}
         while let Some(transmit) = session.poll_transmit() {
