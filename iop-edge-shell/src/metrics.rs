@@ -92,6 +92,7 @@ struct Fleet {
     in_flight: Family<ProviderLabels, Gauge>,
     capacity: Family<ProviderLabels, Gauge>,
     nodes_ready: Gauge,
+    nodes_draining: Gauge,
 }
 
 /// The series one public model's requests record into, each looked up in its family the
@@ -343,6 +344,11 @@ impl Metrics {
             "Nodes that completed the ready handshake",
             fleet.nodes_ready.clone(),
         );
+        registry.register(
+            "iop_nodes_draining",
+            "Ready nodes taking no new work until their requests end (a graceful stop or a failed config refresh)",
+            fleet.nodes_draining.clone(),
+        );
         let counter = |registry: &mut Registry, name: &str, help: &str| {
             let c = Counter::default();
             registry.register(name, help, c.clone());
@@ -492,6 +498,8 @@ impl Metrics {
             .filter(|n| n.state == iop_proto_core::NodeState::Ready)
             .count();
         fleet.nodes_ready.set(gauge_value(ready as u64));
+        let draining = snapshot.nodes.iter().filter(|n| n.draining).count();
+        fleet.nodes_draining.set(gauge_value(draining as u64));
         let mut out = String::new();
         // Writing into a String cannot fail.
         let _ = encode(&mut out, &self.registry);
@@ -542,6 +550,7 @@ mod tests {
             "iop_node_frames_total{direction=\"in\"} 4",
             "iop_node_frames_total{direction=\"out\"} 0",
             "iop_nodes_ready 0",
+            "iop_nodes_draining 0",
             "# TYPE iop_http_requests counter",
             "# EOF",
         ] {

@@ -566,6 +566,12 @@ async fn sigquit_drains_a_node_its_stream_finishes_and_the_other_node_serves() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(saw_draining, "{}", cluster.edge.log());
+    let metrics = cluster.admin().get("/metrics").await;
+    let metrics = String::from_utf8_lossy(&metrics.body);
+    assert!(
+        metrics.lines().any(|l| l == "iop_nodes_draining 1"),
+        "{metrics}"
+    );
     let n1_mock = cluster.provider("n1", "mock").await;
     assert_eq!(
         (&n1_mock["in_flight"], &n1_mock["capacity"]),
