@@ -189,12 +189,18 @@ pub fn invalid_config(
 
 /// Cancels `shutdown` on the first SIGTERM or SIGINT. Spawn it once at start.
 pub async fn cancel_on_signal(shutdown: CancellationToken) {
-    cancel_on_signals(vec![(shutdown, "shutdown requested")]).await;
+    cancel_in_stages(vec![(shutdown, "shutdown requested")], false).await;
 }
 
-/// Cancels each token of `stages` in turn, one per SIGTERM or SIGINT, logging its words:
-/// for a graceful stop that a second signal cuts short. Spawn it once at start.
+/// Cancels each token of `stages` in turn, one per SIGTERM, SIGINT or SIGQUIT, logging
+/// its words: for a graceful stop that a second signal cuts short. SIGQUIT is a stop
+/// signal here too, as for a Node (an operator may send every service the same graceful
+/// signal); its default, a core dump, would cut everything. Spawn it once at start.
 pub async fn cancel_on_signals(stages: Vec<(CancellationToken, &'static str)>) {
+    cancel_in_stages(stages, true).await;
+}
+
+async fn cancel_in_stages(stages: Vec<(CancellationToken, &'static str)>, with_quit: bool) {
     use tokio::signal::unix::{SignalKind, signal};
     let (Ok(mut term), Ok(mut int)) = (
         signal(SignalKind::terminate()),
@@ -202,10 +208,21 @@ pub async fn cancel_on_signals(stages: Vec<(CancellationToken, &'static str)>) {
     ) else {
         return;
     };
+    let mut quit = if with_quit {
+        signal(SignalKind::quit()).ok()
+    } else {
+        None
+    };
     for (token, what) in stages {
         tokio::select! {
             _ = term.recv() => tracing::info!(signal = "SIGTERM", "{what}"),
             _ = int.recv() => tracing::info!(signal = "SIGINT", "{what}"),
+            Some(()) = async {
+                match quit.as_mut() {
+                    Some(quit) => quit.recv().await,
+                    None => std::future::pending().await,
+                }
+            } => tracing::info!(signal = "SIGQUIT", "{what}"),
         }
         token.cancel();
     }

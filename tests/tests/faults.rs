@@ -698,9 +698,10 @@ async fn sigterm_lets_the_streams_in_flight_finish_before_the_edge_exits() {
 }
 
 /// The same over HTTP/2 (h2c, served by hyper): the drain sends GOAWAY, and the stream
-/// in flight on that connection still finishes whole.
+/// in flight on that connection still finishes whole. Started by SIGQUIT, which drains
+/// the Edge as SIGTERM does (and a Node gracefully).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigterm_lets_an_http2_stream_finish() {
+async fn sigquit_like_sigterm_lets_an_http2_stream_finish() {
     use http_body_util::BodyExt;
     let mut cluster = Cluster::start("", &body("one two", 50));
     let _node = cluster.node("n1", "tok-1-long-enough-secret");
@@ -710,7 +711,7 @@ async fn sigterm_lets_an_http2_stream_finish() {
     let first = body.frame().await.expect("a first frame").expect("frame");
     assert!(first.data_ref().is_some_and(|d| !d.is_empty()));
 
-    cluster.edge.signal("TERM");
+    cluster.edge.signal("QUIT");
     let rest = tokio::time::timeout(Duration::from_secs(10), body.collect())
         .await
         .expect("the stream ends")
