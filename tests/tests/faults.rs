@@ -10,10 +10,18 @@ use iop_blackbox::{Proc, free_port, wait_until};
 use serde_json::{Value, json};
 
 fn body(reply: &str, delay_ms: u32) -> String {
-    format!(
-        r#"
+    nodes_body(&["n1"], reply, delay_ms)
+}
+
+/// Nodes `ids` serving `chat`, each with one mock adapter (capacity 2, long 1) that
+/// answers `reply` in 40 tokens `delay_ms` apart.
+fn nodes_body(ids: &[&str], reply: &str, delay_ms: u32) -> String {
+    let mut text = String::new();
+    for id in ids {
+        text.push_str(&format!(
+            r#"
 [[nodes]]
-id = "n1"
+id = "{id}"
 token = "tok-1-long-enough-secret"
 [[nodes.adapters]]
 name = "mock"
@@ -25,12 +33,18 @@ targets = ["m"]
 reply = "{reply}"
 tokens = "40"
 token_delay_ms = "{delay_ms}"
-
-[[models]]
-name = "chat"
-providers = [{{ node = "n1", adapter = "mock", target = "m" }}]
 "#
-    )
+        ));
+    }
+    let providers: Vec<String> = ids
+        .iter()
+        .map(|id| format!(r#"{{ node = "{id}", adapter = "mock", target = "m" }}"#))
+        .collect();
+    text.push_str(&format!(
+        "\n[[models]]\nname = \"chat\"\nproviders = [{}]\n",
+        providers.join(", ")
+    ));
+    text
 }
 
 fn ask(stream: bool) -> Value {
@@ -484,37 +498,6 @@ fn raw_completion(stream: &mut TcpStream) -> String {
     String::from_utf8_lossy(&buf[..n]).into_owned()
 }
 
-/// Two nodes serving `chat`, each with one mock adapter of capacity 2.
-fn two_nodes(reply: &str, delay_ms: u32) -> String {
-    let node = |id: &str| {
-        format!(
-            r#"
-[[nodes]]
-id = "{id}"
-token = "tok-1-long-enough-secret"
-[[nodes.adapters]]
-name = "mock"
-type = "mock"
-capacity = 2
-targets = ["m"]
-[nodes.adapters.options]
-reply = "{reply}"
-tokens = "40"
-token_delay_ms = "{delay_ms}"
-"#
-        )
-    };
-    format!(
-        r#"{}{}
-[[models]]
-name = "chat"
-providers = [{{ node = "n1", adapter = "mock", target = "m" }}, {{ node = "n2", adapter = "mock", target = "m" }}]
-"#,
-        node("n1"),
-        node("n2")
-    )
-}
-
 /// Starts node `node_id` with `timeouts.drain_grace_sec` set.
 fn node_draining_within(cluster: &Cluster, node_id: &str, token: &str, grace: &str) -> Proc {
     let text = cluster
@@ -551,7 +534,7 @@ async fn node_state(cluster: &Cluster, node_id: &str) -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigquit_drains_a_node_its_stream_finishes_and_the_other_node_serves() {
     // 40 tokens 100 ms apart: a stream of about four seconds.
-    let cluster = Cluster::start("", &two_nodes("one two", 100));
+    let cluster = Cluster::start("", &nodes_body(&["n1", "n2"], "one two", 100));
     let mut n1 = cluster.node("n1", "tok-1-long-enough-secret");
     cluster.wait_ready("n1").await;
     let mut s = stream_under_way(&cluster).await;
