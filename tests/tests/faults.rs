@@ -533,8 +533,9 @@ async fn node_state(cluster: &Cluster, node_id: &str) -> Value {
 /// it finishes whole, and it exits 0 once that stream has ended.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigquit_drains_a_node_its_stream_finishes_and_the_other_node_serves() {
-    // 40 tokens 100 ms apart: a stream of about four seconds.
-    let cluster = Cluster::start("", &nodes_body(&["n1", "n2"], "one two", 100));
+    // 40 tokens 200 ms apart: a stream of about eight seconds, long enough for n2 to
+    // start and everything below to be looked at on a loaded machine.
+    let cluster = Cluster::start("", &nodes_body(&["n1", "n2"], "one two", 200));
     let mut n1 = cluster.node("n1", "tok-1-long-enough-secret");
     cluster.wait_ready("n1").await;
     let mut s = stream_under_way(&cluster).await;
