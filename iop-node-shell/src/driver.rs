@@ -516,6 +516,7 @@ fn transport_status(ctx: &Context, session: &NodeSession) -> serde_json::Value {
         "reconnects": TransportStats::get(&s.reconnects),
         "last_heartbeat_rtt_ms": session.last_rtt().map(|d| d.as_millis() as u64),
         "in_flight": session.in_flight(),
+        "draining": session.is_draining(),
     })
 }
 

@@ -655,6 +655,7 @@ async fn node_commands_report_capabilities_transport_and_read_only_ollama() {
 
     let transport = http.get("/v1/nodes/n1/transport").await.json();
     assert_eq!(transport["state"], "ready");
+    assert_eq!(transport["draining"], false);
     assert!(
         transport["frames_in"].as_u64().is_some_and(|n| n >= 3),
         "{transport}"

@@ -550,6 +550,13 @@ async fn sigquit_drains_a_node_its_stream_finishes_and_the_other_node_serves() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(saw_draining, "{}", cluster.edge.log());
+    // The node says so itself too, answering the Edge's query while it drains.
+    let transport = cluster.admin().get("/v1/nodes/n1/transport").await.json();
+    assert_eq!(
+        (&transport["draining"], &transport["in_flight"]),
+        (&json!(true), &json!(1)),
+        "{transport}"
+    );
     let metrics = cluster.admin().get("/metrics").await;
     let metrics = String::from_utf8_lossy(&metrics.body);
     assert!(
