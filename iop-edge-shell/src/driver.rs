@@ -735,6 +735,13 @@ impl Task {
                             conn = conn.0,
                             peer, node_id, "registration held off: the node id is in conflict"
                         );
+                    } else if reason == iop_proto_core::RejectReason::Draining {
+                        info!(
+                            conn = conn.0,
+                            peer,
+                            node_id,
+                            "registration held off until the node id's draining connection has gone"
+                        );
                     } else {
                         warn!(
                             conn = conn.0,

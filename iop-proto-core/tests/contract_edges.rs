@@ -334,6 +334,91 @@ fn a_node_stopping_gracefully_gets_no_new_work_and_is_closed_once_its_work_is_do
     );
 }
 
+/// The `RegisterResponse` sent to `conn`.
+fn register_response(tx: &[Transmit], conn: ConnId) -> Option<RegisterResponse> {
+    frames_to(tx, conn).into_iter().find_map(|b| match b {
+        Body::RegisterResponse(r) => Some(r),
+        _ => None,
+    })
+}
+
+#[test]
+fn a_restarted_node_waits_for_its_draining_connection_instead_of_cutting_it() {
+    let mut h = Harness::with({
+        let mut cfg = config();
+        cfg.timing.heartbeat_interval = std::time::Duration::from_secs(1);
+        cfg.timing.heartbeat_timeout = std::time::Duration::from_secs(300);
+        cfg
+    });
+    let (old, [(ra, a), (rb, b)]) = two_runs(&mut h);
+    h.send(
+        old,
+        Body::NodeDrainRequest(NodeDrainRequest {
+            reason: "local shutdown".into(),
+        }),
+    );
+    h.drain();
+    // The node's restart registers while the old connection, live, still drains.
+    let new = h.open();
+    h.register(new, "n1");
+    let (tx, events) = h.drain();
+    let answer = register_response(&tx, new).expect("answered");
+    assert!(!answer.accepted && answer.retry_after_ms > 0, "{answer:?}");
+    assert!(
+        matches!(closed(&tx).as_slice(), [(c, CloseReason::RegisterRejected(RejectReason::Draining))] if *c == new)
+    );
+    assert!(events.iter().any(|e| matches!(
+        e,
+        EdgeEvent::RegisterRejected {
+            reason: RejectReason::Draining,
+            ..
+        }
+    )));
+    assert_eq!(
+        h.edge.owner_of(old).map(|o| o.0),
+        Some("n1".into()),
+        "the old one still owns it"
+    );
+    // Its runs finish normally; then it is closed and the restart takes over.
+    for run in [&a, &b] {
+        h.run_event(old, run, RunEventType::Start, 0);
+        h.run_event(old, run, RunEventType::Complete, 1);
+    }
+    let (tx, events) = h.drain();
+    assert!(matches!(closed(&tx).as_slice(), [(c, CloseReason::Drained)] if *c == old));
+    let completed = ended(&events)
+        .iter()
+        .filter(|(r, o)| (*r == ra || *r == rb) && *o == Outcome::Completed)
+        .count();
+    assert_eq!(completed, 2, "{events:?}");
+    let again = h.open();
+    h.register(again, "n1");
+    let tx = h.transmits();
+    assert!(register_response(&tx, again).is_some_and(|r| r.accepted));
+
+    // An owner that drains but has gone silent (a frozen process) does not hold its id.
+    let old = again;
+    h.ready(old, "n1");
+    h.drain();
+    h.send(
+        old,
+        Body::NodeDrainRequest(NodeDrainRequest {
+            reason: String::new(),
+        }),
+    );
+    h.drain();
+    let now = h.now.as_millis();
+    h.at(now + 2_500);
+    h.drain();
+    let newer = h.open();
+    h.register(newer, "n1");
+    let tx = h.transmits();
+    assert!(
+        register_response(&tx, newer).is_some_and(|r| r.accepted),
+        "a silent draining owner is superseded"
+    );
+}
+
 #[test]
 fn a_drain_request_before_ready_breaks_the_connection() {
     let mut h = Harness::new();

@@ -603,6 +603,57 @@ async fn sigquit_drains_a_node_its_stream_finishes_and_the_other_node_serves() {
     }
 }
 
+/// A rolling restart with one node id: the new process starts while the old one drains.
+/// It is held off (not superseding the old one, which would cut its stream) and becomes
+/// the node once the old one has gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_restarted_while_the_old_one_drains_takes_over_once_it_has_gone() {
+    // 40 tokens 100 ms apart: a stream of about four seconds.
+    let cluster = Cluster::start("", &body("one two", 100));
+    let mut old = cluster.node("n1", "tok-1-long-enough-secret");
+    cluster.wait_ready("n1").await;
+    let mut s = stream_under_way(&cluster).await;
+    old.signal("QUIT");
+    let drain_seen = wait_until(Duration::from_secs(3), || {
+        cluster.edge.log().contains("node stopping gracefully")
+    });
+    assert!(drain_seen, "{}", cluster.edge.log());
+    let mut new = cluster.node("n1", "tok-1-long-enough-secret");
+    assert!(
+        wait_until(Duration::from_secs(3), || new
+            .log()
+            .contains("refused the node for now")),
+        "{}",
+        new.log()
+    );
+    assert_finishes_whole(&mut s, &cluster.edge.log()).await;
+    assert_eq!(
+        old.wait_exit(Duration::from_secs(5))
+            .expect("the old process exits")
+            .code(),
+        Some(0)
+    );
+    cluster.wait_ready("n1").await;
+    assert!(
+        new.wait_exit(Duration::from_millis(10)).is_none(),
+        "the new one serves on"
+    );
+    let r = cluster
+        .http()
+        .post("/v1/chat/completions", &ask(false))
+        .await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let edge = cluster.edge.log();
+    assert!(
+        edge.contains("registration held off until the node id's draining connection has gone"),
+        "{edge}"
+    );
+    assert!(
+        !edge.contains("Superseded"),
+        "nothing was superseded: {edge}"
+    );
+}
+
 /// A stream longer than `timeouts.drain_grace_sec` is cancelled when the grace is over,
 /// and SIGTERM during a graceful stop does not wait for it: either way the caller's
 /// stream ends (with an error) and the node exits 0.

@@ -27,6 +27,8 @@
 //! - A ready owner's `NodeDrainRequest` (a graceful stop), like a failed config refresh,
 //!   drains the node: nothing new is dispatched to it, what runs there ends normally, and
 //!   its connection is closed ([`CloseReason::Drained`]) once its last lease returns.
+//!   While a node stopping so is live, a newer register for its id is held off
+//!   ([`RejectReason::Draining`]) instead of superseding it.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::net::IpAddr;

@@ -3,6 +3,10 @@
 
 use super::*;
 
+/// How soon a node held off because its node id is draining may register again (its
+/// own redial interval, when longer, wins).
+const DRAINING_RETRY_AFTER: Duration = Duration::from_secs(1);
+
 /// Connections, node ownership by generation, and admission (back-off, pending caps).
 #[derive(Debug)]
 pub(super) struct Registry {
@@ -342,6 +346,38 @@ impl EdgeCore {
                 }
                 _ => Rival::Silent,
             };
+            // A live owner that is stopping gracefully keeps the node id until its
+            // requests have ended: the newcomer is most likely the node's own restart,
+            // and superseding would cut those requests. A silent one is superseded as
+            // any other.
+            let stopping = matches!(
+                self.registry.nodes[i].draining,
+                Some(DrainReason::Stopping(_))
+            );
+            if stopping && rival == Rival::Live {
+                let reason = format!(
+                    "node id {:?} is draining: its current connection is finishing its \
+                     requests",
+                    &*self.registry.nodes[i].id
+                );
+                self.reject_register(
+                    conn,
+                    &req.node_id,
+                    RejectReason::Draining,
+                    &reason,
+                    Some(DRAINING_RETRY_AFTER),
+                );
+                self.out.events.push_back(EdgeEvent::RegisterRejected {
+                    conn,
+                    addr,
+                    node_id: self.registry.nodes[i].id.to_string(),
+                    reason: RejectReason::Draining,
+                    failures: 0,
+                    blocked_for: None,
+                    log: true,
+                });
+                return;
+            }
             match self.registry.nodes[i].flap.contest(self.now, limits, rival) {
                 Contest::HoldOff { retry_after, log } => {
                     let reason = format!(

@@ -41,6 +41,10 @@ pub enum RejectReason {
     Throttled,
     /// Authenticated, but the node id is in conflict and held by another connection.
     Conflict,
+    /// Authenticated, but the node id's live connection is stopping gracefully and still
+    /// finishing its requests: the newcomer (the restarted node) is held off until it has
+    /// gone, instead of superseding it and cutting those requests.
+    Draining,
 }
 
 impl RejectReason {
@@ -53,6 +57,7 @@ impl RejectReason {
             RejectReason::IdentityMismatch => "identity_mismatch",
             RejectReason::Throttled => "throttled",
             RejectReason::Conflict => "conflict",
+            RejectReason::Draining => "draining",
         }
     }
 }
