@@ -43,7 +43,7 @@ fn every_seed_keeps_every_invariant() {
     let mut simulated = std::time::Duration::ZERO;
     let (mut requests, mut completed, mut frames, mut unsupported, mut conflicts, mut garbled) =
         (0, 0, 0, 0, 0, 0);
-    let mut drained = 0;
+    let (mut drained, mut held_off) = (0, 0);
     for seed in 0..seeds() {
         let ops = sim::generate(seed, OPS_PER_SEED);
         match sim::run(seed, &ops, SimOptions::default()) {
@@ -56,6 +56,7 @@ fn every_seed_keeps_every_invariant() {
                 conflicts += stats.conflicts;
                 garbled += stats.garbled;
                 drained += stats.drained;
+                held_off += stats.held_off;
             }
             Err(failure) => panic!("{failure}"),
         }
@@ -64,7 +65,8 @@ fn every_seed_keeps_every_invariant() {
     println!(
         "simulated {:.0} s in {:.1} s real ({:.0}x), {requests} requests ({completed} completed, \
          {unsupported} left without a tunnel by a reload), {frames} frames, {conflicts} node-id \
-         conflicts, {garbled} unknown message kinds, {drained} graceful stops drained",
+         conflicts, {garbled} unknown message kinds, {drained} graceful stops drained, {held_off} restarts held off while their node \
+         drained",
         simulated.as_secs_f64(),
         real.as_secs_f64(),
         simulated.as_secs_f64() / real.as_secs_f64()
@@ -74,6 +76,7 @@ fn every_seed_keeps_every_invariant() {
         "the world did too little work to prove anything"
     );
     assert!(drained > 0, "no graceful stop ran to its end");
+    assert!(held_off > 0, "no restart met its node still draining");
 }
 
 #[test]

@@ -27,7 +27,7 @@ use bytes::Bytes;
 
 use crate::edge::{
     CloseReason, ConnId, Dispatch, DispatchShape, EdgeCore, EdgeEvent, NodeState, Outcome,
-    RequestError, Submit, Transmit,
+    RejectReason, RequestError, Submit, Transmit,
 };
 use crate::edge_config::{CandidateSpec, EdgeConfig, EdgeTiming, ModelSpec, NodeSpec, QueueLimits};
 use crate::lease::RequestId;
@@ -103,6 +103,9 @@ pub enum Op {
         node: u8,
         /// Restart delay after the process exited.
         restart_after_ms: u16,
+        /// The new process starts at once, beside the one still draining (a restart that
+        /// does not wait), and takes over once the old one has exited.
+        overlap: bool,
     },
     /// The node process stops (no timers, no reads), then resumes.
     Freeze {
@@ -182,6 +185,7 @@ pub fn generate(seed: u64, len: usize) -> Vec<Op> {
             68..=69 => Op::Stop {
                 node: node(&mut rng),
                 restart_after_ms: ms(&mut rng, 0, 1500),
+                overlap: rng.chance(50),
             },
             70..=74 => Op::Freeze {
                 node: node(&mut rng),
@@ -236,6 +240,9 @@ pub struct Stats {
     pub garbled: u64,
     /// Nodes that stopped gracefully and were closed by the Edge once drained.
     pub drained: u64,
+    /// Registrations held off because their node id was draining (a restart that did
+    /// not wait for the old process).
+    pub held_off: u64,
 }
 
 /// A violated invariant, with what is needed to replay it.
@@ -394,6 +401,10 @@ struct NodeProc {
     work: BTreeMap<String, Work>,
     /// Stopping gracefully: restart this long after the process exits.
     stopping: Option<Duration>,
+    /// The process started beside this stopping one, which takes its slot once it exits.
+    replacement: Option<usize>,
+    /// Ended and replaced: never restarted.
+    retired: bool,
 }
 
 impl NodeProc {
@@ -417,6 +428,8 @@ impl NodeProc {
             mode: Mode::Normal,
             work: BTreeMap::new(),
             stopping: None,
+            replacement: None,
+            retired: false,
         }
     }
 
@@ -750,6 +763,14 @@ impl World {
                 );
                 self.log(|| format!("node {node_id} in conflict"));
             }
+            EdgeEvent::RegisterRejected {
+                reason: RejectReason::Draining,
+                ref node_id,
+                ..
+            } => {
+                self.stats.held_off += 1;
+                self.log(|| format!("{node_id}: registration held off while it drains"));
+            }
             other => self.log(|| format!("edge event {other:?}")),
         }
     }
@@ -809,7 +830,11 @@ impl World {
                         if let Some(delay) = stopped {
                             let id = self.procs[i].node_id.clone();
                             self.log(|| format!("{id} (proc {i}) exited after its stop"));
-                            self.procs[i].restart_at = Some(self.now + delay);
+                            if self.procs[i].replacement.is_some() {
+                                self.retire(i);
+                            } else {
+                                self.procs[i].restart_at = Some(self.now + delay);
+                            }
                         }
                     }
                 }
@@ -1013,6 +1038,26 @@ impl World {
         if last {
             self.procs[i].work.remove(run_id);
         }
+    }
+
+    /// A process that ended while its restart already runs beside it: the restart takes
+    /// its slot (and its links follow), the ended one stays dead in the other.
+    fn retire(&mut self, i: usize) {
+        let Some(j) = self.procs[i].replacement.take() else {
+            return;
+        };
+        self.procs[i].restart_at = None;
+        self.procs[i].retired = true;
+        self.procs.swap(i, j);
+        for link in self.links.values_mut() {
+            if link.node == i {
+                link.node = j;
+            } else if link.node == j {
+                link.node = i;
+            }
+        }
+        let id = self.procs[i].node_id.clone();
+        self.log(|| format!("{id}: proc {j} takes over slot {i}"));
     }
 
     fn crash(&mut self, i: usize) {
@@ -1418,13 +1463,18 @@ impl World {
                 let i = node(n);
                 if self.procs[i].alive {
                     self.crash(i);
-                    self.procs[i].restart_at =
-                        Some(now + Duration::from_millis(u64::from(restart_after_ms)));
+                    if self.procs[i].replacement.is_some() {
+                        self.retire(i);
+                    } else {
+                        self.procs[i].restart_at =
+                            Some(now + Duration::from_millis(u64::from(restart_after_ms)));
+                    }
                 }
             }
             Op::Stop {
                 node: n,
                 restart_after_ms,
+                overlap,
             } => {
                 let i = node(n);
                 if self.procs[i].runnable(now)
@@ -1437,6 +1487,15 @@ impl World {
                         Some(Duration::from_millis(u64::from(restart_after_ms)));
                     self.log(|| format!("proc {i} stops gracefully"));
                     self.drain_node(i);
+                    if overlap && self.procs[i].alive {
+                        let id = self.procs[i].node_id.clone();
+                        let seed = self.rng.next_u64();
+                        self.procs.push(NodeProc::new(id.clone(), now, false, seed));
+                        let j = self.procs.len() - 1;
+                        self.procs[i].replacement = Some(j);
+                        self.log(|| format!("{id} restarts as proc {j} beside the draining one"));
+                        self.drain_node(j);
+                    }
                 }
             }
             Op::Freeze { node: n, for_ms } => {
@@ -1642,7 +1701,10 @@ impl World {
                 for w in self.procs[i].work.values_mut() {
                     w.next_at = w.next_at.min(now + Duration::from_millis(5));
                 }
-                if !self.procs[i].alive && self.procs[i].restart_at.is_none() {
+                if !self.procs[i].alive
+                    && !self.procs[i].retired
+                    && self.procs[i].restart_at.is_none()
+                {
                     self.procs[i].restart_at = Some(now);
                 }
             }
