@@ -1,4 +1,4 @@
-//! Stopping without cutting callers off. On the first SIGTERM or SIGINT the Edge stops
+//! Stopping without cutting callers off. On the first SIGTERM, SIGINT or SIGQUIT the Edge stops
 //! accepting connections (callers and nodes), closes the connections waiting for their
 //! next request (HTTP/2 ones are sent GOAWAY), refuses a request that still arrives with
 //! 503 `edge is shutting down` (closing its HTTP/1.1 connection after the answer), and

@@ -22,6 +22,22 @@ fn two_runs(h: &mut Harness) -> (ConnId, [(RequestId, String); 2]) {
     (conn, runs)
 }
 
+/// A harness whose Edge pings every `interval` seconds and gives up after `timeout`.
+fn with_heartbeats(interval: u64, timeout: u64) -> Harness {
+    let mut cfg = config();
+    cfg.timing.heartbeat_interval = std::time::Duration::from_secs(interval);
+    cfg.timing.heartbeat_timeout = std::time::Duration::from_secs(timeout);
+    Harness::with(cfg)
+}
+
+/// Node `conn` runs each of `runs` from start to completion.
+fn complete(h: &mut Harness, conn: ConnId, runs: [&String; 2]) {
+    for run in runs {
+        h.run_event(conn, run, RunEventType::Start, 0);
+        h.run_event(conn, run, RunEventType::Complete, 1);
+    }
+}
+
 #[test]
 fn the_terminal_of_a_run_cancelled_for_a_violation_returns_its_lease_at_once() {
     let mut h = Harness::new();
@@ -150,12 +166,7 @@ fn bigger(h: &Harness) -> EdgeConfig {
 
 #[test]
 fn a_failed_refresh_drains_the_node_and_closes_it_when_its_work_is_done() {
-    let mut h = Harness::with({
-        let mut cfg = config();
-        cfg.timing.heartbeat_interval = std::time::Duration::from_secs(100);
-        cfg.timing.heartbeat_timeout = std::time::Duration::from_secs(300);
-        cfg
-    });
+    let mut h = with_heartbeats(100, 300);
     let (conn, [(_, a), (rb, _)]) = two_runs(&mut h);
     let cfg = bigger(&h);
     h.edge.handle_config(h.now, cfg).expect("valid");
@@ -224,12 +235,7 @@ fn grant_id(r: RequestId) -> String {
 
 #[test]
 fn an_unanswered_refresh_is_sent_three_times_then_the_node_drains() {
-    let mut h = Harness::with({
-        let mut cfg = config();
-        cfg.timing.heartbeat_interval = std::time::Duration::from_secs(100);
-        cfg.timing.heartbeat_timeout = std::time::Duration::from_secs(300);
-        cfg
-    });
+    let mut h = with_heartbeats(100, 300);
     let conn = h.connect("n1");
     let cfg = bigger(&h);
     h.edge.handle_config(h.now, cfg).expect("valid");
@@ -268,12 +274,7 @@ fn an_unanswered_refresh_is_sent_three_times_then_the_node_drains() {
 
 #[test]
 fn a_node_stopping_gracefully_gets_no_new_work_and_is_closed_once_its_work_is_done() {
-    let mut h = Harness::with({
-        let mut cfg = config();
-        cfg.timing.heartbeat_interval = std::time::Duration::from_secs(100);
-        cfg.timing.heartbeat_timeout = std::time::Duration::from_secs(300);
-        cfg
-    });
+    let mut h = with_heartbeats(100, 300);
     let (conn, [(_, a), (_, b)]) = two_runs(&mut h);
     h.send(
         conn,
@@ -308,10 +309,7 @@ fn a_node_stopping_gracefully_gets_no_new_work_and_is_closed_once_its_work_is_do
     );
     assert!(grants(&h.events()).is_empty(), "still draining");
     // Its runs end: the connection is closed as drained.
-    for run in [&a, &b] {
-        h.run_event(conn, run, RunEventType::Start, 0);
-        h.run_event(conn, run, RunEventType::Complete, 1);
-    }
+    complete(&mut h, conn, [&a, &b]);
     let (tx, events) = h.drain();
     assert!(
         matches!(closed(&tx).as_slice(), [(c, CloseReason::Drained)] if *c == conn),
@@ -344,12 +342,7 @@ fn register_response(tx: &[Transmit], conn: ConnId) -> Option<RegisterResponse> 
 
 #[test]
 fn a_restarted_node_waits_for_its_draining_connection_instead_of_cutting_it() {
-    let mut h = Harness::with({
-        let mut cfg = config();
-        cfg.timing.heartbeat_interval = std::time::Duration::from_secs(1);
-        cfg.timing.heartbeat_timeout = std::time::Duration::from_secs(300);
-        cfg
-    });
+    let mut h = with_heartbeats(1, 300);
     let (old, [(ra, a), (rb, b)]) = two_runs(&mut h);
     h.send(
         old,
@@ -380,10 +373,7 @@ fn a_restarted_node_waits_for_its_draining_connection_instead_of_cutting_it() {
         "the old one still owns it"
     );
     // Its runs finish normally; then it is closed and the restart takes over.
-    for run in [&a, &b] {
-        h.run_event(old, run, RunEventType::Start, 0);
-        h.run_event(old, run, RunEventType::Complete, 1);
-    }
+    complete(&mut h, old, [&a, &b]);
     let (tx, events) = h.drain();
     assert!(matches!(closed(&tx).as_slice(), [(c, CloseReason::Drained)] if *c == old));
     let completed = ended(&events)

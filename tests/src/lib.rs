@@ -217,6 +217,19 @@ impl Proc {
         None
     }
 
+    /// The exit code once the process has exited, within `timeout`; panics with its log
+    /// when it has not.
+    pub fn exit_code(&mut self, timeout: Duration) -> Option<i32> {
+        match self.wait_exit(timeout) {
+            Some(status) => status.code(),
+            None => panic!(
+                "{} did not exit within {timeout:?}; its log:\n{}",
+                self.name,
+                self.log()
+            ),
+        }
+    }
+
     /// Whether it is still running.
     pub fn running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))

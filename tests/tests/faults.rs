@@ -195,8 +195,7 @@ async fn credentials_exhaustion_and_signals_decide_the_exit_code() {
         "wrong-token-of-enough-length",
         "max_attempts = 0\ninterval_sec = 0.2",
     );
-    let status = bad.wait_exit(Duration::from_secs(10)).expect("exits");
-    assert_eq!(status.code(), Some(1));
+    assert_eq!(bad.exit_code(Duration::from_secs(10)), Some(1));
     let log = bad.log();
     assert_eq!(log.matches("dialing the edge").count(), 1, "{log}");
     assert!(log.contains("authentication failed"), "{log}");
@@ -209,12 +208,7 @@ async fn credentials_exhaustion_and_signals_decide_the_exit_code() {
     );
     let path = dir.write("node.toml", &text).to_string_lossy().into_owned();
     let mut lost = iop_blackbox::Proc::start("iop-node", &["--config", &path], &dir, "lost", &[]);
-    assert_eq!(
-        lost.wait_exit(Duration::from_secs(10))
-            .expect("exits")
-            .code(),
-        Some(1)
-    );
+    assert_eq!(lost.exit_code(Duration::from_secs(10)), Some(1));
     let log = lost.log();
     assert_eq!(log.matches("dialing the edge").count(), 3, "{log}");
     assert!(log.contains("exhausted"), "{log}");
@@ -223,23 +217,13 @@ async fn credentials_exhaustion_and_signals_decide_the_exit_code() {
     let mut good = cluster.node("n1", "tok-1-long-enough-secret");
     cluster.wait_ready("n1").await;
     good.signal("TERM");
-    assert_eq!(
-        good.wait_exit(Duration::from_secs(10))
-            .expect("exits")
-            .code(),
-        Some(0)
-    );
+    assert_eq!(good.exit_code(Duration::from_secs(10)), Some(0));
 
     // SIGQUIT with nothing in flight: the Edge closes the drained link at once; exit 0.
     let mut good = cluster.node("n1", "tok-1-long-enough-secret");
     cluster.wait_ready("n1").await;
     good.signal("QUIT");
-    assert_eq!(
-        good.wait_exit(Duration::from_secs(5))
-            .expect("exits")
-            .code(),
-        Some(0)
-    );
+    assert_eq!(good.exit_code(Duration::from_secs(5)), Some(0));
     // SIGQUIT while the Edge cannot be reached: nothing to drain; exit 0.
     let text = format!(
         "node_id = \"n1\"\nedge_addr = \"127.0.0.1:{}\"\ntoken = \"exhaust-token-0123456\"\n[reconnect]\nmax_attempts = 0\ninterval_sec = 0.2\n",
@@ -251,12 +235,7 @@ async fn credentials_exhaustion_and_signals_decide_the_exit_code() {
         .log()
         .contains("dial failed")));
     away.signal("QUIT");
-    assert_eq!(
-        away.wait_exit(Duration::from_secs(5))
-            .expect("exits")
-            .code(),
-        Some(0)
-    );
+    assert_eq!(away.exit_code(Duration::from_secs(5)), Some(0));
 
     // check-config: a bad file is refused with the key named.
     let bad_cfg = dir.write(
@@ -582,10 +561,12 @@ async fn sigquit_drains_a_node_its_stream_finishes_and_the_other_node_serves() {
     );
 
     assert_finishes_whole(&mut s, &n1.log()).await;
-    let status = n1
-        .wait_exit(Duration::from_secs(5))
-        .expect("n1 exits once its stream has ended");
-    assert_eq!(status.code(), Some(0), "{}", n1.log());
+    assert_eq!(
+        n1.exit_code(Duration::from_secs(5)),
+        Some(0),
+        "{}",
+        n1.log()
+    );
     let log = n1.log();
     assert!(log.contains("stopping gracefully"), "{log}");
     assert_eq!(
@@ -627,12 +608,7 @@ async fn a_node_restarted_while_the_old_one_drains_takes_over_once_it_has_gone()
         new.log()
     );
     assert_finishes_whole(&mut s, &cluster.edge.log()).await;
-    assert_eq!(
-        old.wait_exit(Duration::from_secs(5))
-            .expect("the old process exits")
-            .code(),
-        Some(0)
-    );
+    assert_eq!(old.exit_code(Duration::from_secs(5)), Some(0));
     cluster.wait_ready("n1").await;
     assert!(
         new.wait_exit(Duration::from_millis(10)).is_none(),
@@ -680,8 +656,12 @@ async fn a_graceful_stop_is_bounded_by_its_grace_and_cut_short_by_sigterm() {
             !events.iter().any(|e| e == "[DONE]"),
             "cut short, not finished: {events:?}"
         );
-        let status = n1.wait_exit(Duration::from_secs(5)).expect("n1 exits");
-        assert_eq!(status.code(), Some(0), "{}", n1.log());
+        assert_eq!(
+            n1.exit_code(Duration::from_secs(5)),
+            Some(0),
+            "{}",
+            n1.log()
+        );
         assert!(
             signalled.elapsed() < Duration::from_secs(6),
             "took {:?} (sigterm: {sigterm})",
@@ -727,11 +707,7 @@ async fn sigterm_lets_the_streams_in_flight_finish_before_the_edge_exits() {
 
     // The stream in flight finishes whole.
     assert_finishes_whole(&mut s, "").await;
-    let status = cluster
-        .edge
-        .wait_exit(Duration::from_secs(5))
-        .expect("the Edge exits once drained");
-    assert_eq!(status.code(), Some(0));
+    assert_eq!(cluster.edge.exit_code(Duration::from_secs(5)), Some(0));
     assert!(
         cluster.edge.log().contains("drained"),
         "{}",
@@ -761,11 +737,7 @@ async fn sigquit_like_sigterm_lets_an_http2_stream_finish() {
         .to_bytes();
     let text = String::from_utf8_lossy(&rest);
     assert!(text.contains("data: [DONE]"), "{text}");
-    let status = cluster
-        .edge
-        .wait_exit(Duration::from_secs(5))
-        .expect("the Edge exits once drained");
-    assert_eq!(status.code(), Some(0));
+    assert_eq!(cluster.edge.exit_code(Duration::from_secs(5)), Some(0));
 }
 
 /// A stream longer than `limits.shutdown_grace_sec` is cut when the grace is over; a
@@ -792,11 +764,7 @@ async fn the_shutdown_grace_and_a_second_signal_bound_the_wait() {
                 .contains("draining")));
             cluster.edge.signal("INT");
         }
-        let status = cluster
-            .edge
-            .wait_exit(Duration::from_secs(5))
-            .expect("the Edge exits");
-        assert_eq!(status.code(), Some(0));
+        assert_eq!(cluster.edge.exit_code(Duration::from_secs(5)), Some(0));
         let waited = signalled.elapsed();
         let log = cluster.edge.log();
         if second_signal {

@@ -171,16 +171,16 @@ impl EdgeCore {
             return;
         }
         self.registry.nodes[i].draining = Some(reason.clone());
+        // (A planted bug for the simulation: the drain is taken as read, its capacity kept.)
         #[cfg(feature = "testkit")]
-        let keep = self.faults.ignore_drain && matches!(reason, DrainReason::Stopping(_));
+        let planted = self.faults.ignore_drain && matches!(reason, DrainReason::Stopping(_));
         #[cfg(not(feature = "testkit"))]
-        let keep = false;
-        for (_, r) in self.registry.nodes[i].resources.clone() {
-            if keep {
-                break;
-            }
-            if self.pool.ledger.usage(r).generation == Some(owner.generation) {
-                self.pool.ledger.set_capacity(r, 0, 0);
+        let planted = false;
+        if !planted {
+            for (_, r) in self.registry.nodes[i].resources.clone() {
+                if self.pool.ledger.usage(r).generation == Some(owner.generation) {
+                    self.pool.ledger.set_capacity(r, 0, 0);
+                }
             }
         }
         self.out.events.push_back(EdgeEvent::NodeDraining {

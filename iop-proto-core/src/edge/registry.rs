@@ -7,6 +7,14 @@ use super::*;
 /// own redial interval, when longer, wins).
 const DRAINING_RETRY_AFTER: Duration = Duration::from_secs(1);
 
+/// A register refused for now because another live connection holds the node id.
+struct HeldOff {
+    why: RejectReason,
+    retry_after: Duration,
+    /// Whether the refusal is worth a log line.
+    log: bool,
+}
+
 /// Connections, node ownership by generation, and admission (back-off, pending caps).
 #[derive(Debug)]
 pub(super) struct Registry {
@@ -92,8 +100,9 @@ pub(super) struct NodeEntry {
     pub(super) flap: FlapGuard,
     /// Unanswered pushes of the current revision.
     pub(super) refresh_tries: u32,
-    /// The node could not take its configuration: it gets no new work and its
-    /// connection is closed once its last lease returns (it then registers afresh).
+    /// The node gets no new work and its connection is closed once its last lease
+    /// returns: it could not take its configuration (it then registers afresh), or it is
+    /// stopping gracefully.
     pub(super) draining: Option<DrainReason>,
     /// What the node said about itself in its last accepted register (version,
     /// labels); kept while it is offline so an operator sees what was last there.
@@ -355,52 +364,22 @@ impl EdgeCore {
                 Some(DrainReason::Stopping(_))
             );
             if stopping && rival == Rival::Live {
-                let reason = format!(
-                    "node id {:?} is draining: its current connection is finishing its \
-                     requests",
-                    &*self.registry.nodes[i].id
-                );
-                self.reject_register(
-                    conn,
-                    &req.node_id,
-                    RejectReason::Draining,
-                    &reason,
-                    Some(DRAINING_RETRY_AFTER),
-                );
-                self.out.events.push_back(EdgeEvent::RegisterRejected {
-                    conn,
-                    addr,
-                    node_id: self.registry.nodes[i].id.to_string(),
-                    reason: RejectReason::Draining,
-                    failures: 0,
-                    blocked_for: None,
+                let held = HeldOff {
+                    why: RejectReason::Draining,
+                    retry_after: DRAINING_RETRY_AFTER,
                     log: true,
-                });
+                };
+                self.hold_off(conn, addr, i, &req.node_id, held);
                 return;
             }
             match self.registry.nodes[i].flap.contest(self.now, limits, rival) {
                 Contest::HoldOff { retry_after, log } => {
-                    let reason = format!(
-                        "node id {:?} is in conflict: another live connection holds it \
-                         (two nodes share this id?)",
-                        &*self.registry.nodes[i].id
-                    );
-                    self.reject_register(
-                        conn,
-                        &req.node_id,
-                        RejectReason::Conflict,
-                        &reason,
-                        Some(retry_after),
-                    );
-                    self.out.events.push_back(EdgeEvent::RegisterRejected {
-                        conn,
-                        addr,
-                        node_id: self.registry.nodes[i].id.to_string(),
-                        reason: RejectReason::Conflict,
-                        failures: 0,
-                        blocked_for: None,
+                    let held = HeldOff {
+                        why: RejectReason::Conflict,
+                        retry_after,
                         log,
-                    });
+                    };
+                    self.hold_off(conn, addr, i, &req.node_id, held);
                     return;
                 }
                 Contest::SupersedeAndHold => self.out.events.push_back(EdgeEvent::NodeConflict {
@@ -537,6 +516,38 @@ impl EdgeCore {
             }),
         );
         self.close(conn, CloseReason::RegisterRejected(why));
+    }
+
+    /// Refuses an authenticated register for node `i` for now: its id is held by another
+    /// live connection (in conflict, or draining), and the node may try again later.
+    fn hold_off(
+        &mut self,
+        conn: ConnId,
+        addr: Option<IpAddr>,
+        i: usize,
+        claimed: &str,
+        held: HeldOff,
+    ) {
+        let id = &*self.registry.nodes[i].id;
+        let reason = match held.why {
+            RejectReason::Draining => format!(
+                "node id {id:?} is draining: its current connection is finishing its requests"
+            ),
+            _ => format!(
+                "node id {id:?} is in conflict: another live connection holds it (two nodes \
+                 share this id?)"
+            ),
+        };
+        self.reject_register(conn, claimed, held.why, &reason, Some(held.retry_after));
+        self.out.events.push_back(EdgeEvent::RegisterRejected {
+            conn,
+            addr,
+            node_id: self.registry.nodes[i].id.to_string(),
+            reason: held.why,
+            failures: 0,
+            blocked_for: None,
+            log: held.log,
+        });
     }
 
     pub(super) fn refuse_ready(&mut self, conn: ConnId, reason: &str, close: bool) {

@@ -102,8 +102,9 @@ pub struct NodeSession {
     transmits: VecDeque<NodeTransmit>,
     /// A graceful stop asked the Edge to send nothing more and waits for it to close.
     draining: bool,
-    /// A local shutdown waits for cancelled work until this.
-    cancelling: Option<Timestamp>,
+    /// A local shutdown cancelled the work in flight and waits for it to end (until
+    /// the `Cancel` timer).
+    cancelling: bool,
     events: VecDeque<SessionEvent>,
     end: Option<SessionEnd>,
 }
@@ -133,7 +134,7 @@ impl NodeSession {
             finished_set: IdSet::default(),
             transmits: VecDeque::new(),
             draining: false,
-            cancelling: None,
+            cancelling: false,
             events: VecDeque::new(),
             end: None,
         }
@@ -351,7 +352,7 @@ impl NodeSession {
         }
         // A session that is stopping ends as such: the Edge closes a drained connection,
         // and whatever else ended it, the node is not to redial.
-        if self.draining || self.cancelling.is_some() {
+        if self.draining || self.cancelling {
             self.close(SessionEnd::LocalShutdown);
             return Ok(());
         }
@@ -401,7 +402,7 @@ impl NodeSession {
     /// call changes nothing.
     pub fn handle_drain(&mut self, now: Timestamp) -> Result<(), SessionError> {
         self.advance(now);
-        if self.state == SessionState::Closed || self.draining || self.cancelling.is_some() {
+        if self.state == SessionState::Closed || self.draining || self.cancelling {
             return Ok(());
         }
         if self.state != SessionState::Ready {
@@ -421,12 +422,12 @@ impl NodeSession {
     /// into cancelling the work in flight.
     #[must_use]
     pub fn is_draining(&self) -> bool {
-        self.draining && self.cancelling.is_none() && self.state != SessionState::Closed
+        self.draining && !self.cancelling
     }
 
     /// Cancels the work in flight and closes once it has ended, or at once without any.
     fn cancel_all(&mut self) {
-        if self.state == SessionState::Closed || self.cancelling.is_some() {
+        if self.state == SessionState::Closed || self.cancelling {
             return;
         }
         self.timers.stop(SessionTimer::Drain);
@@ -434,7 +435,7 @@ impl NodeSession {
             self.close(SessionEnd::LocalShutdown);
             return;
         }
-        self.cancelling = Some(self.now + self.config.shutdown_grace);
+        self.cancelling = true;
         self.timers
             .set(SessionTimer::Cancel, self.now + self.config.shutdown_grace);
         let mut runs: Vec<String> = self.work.keys().cloned().collect();
@@ -739,7 +740,7 @@ impl NodeSession {
         self.pending_refresh = None;
         self.pending_commands.clear();
         self.draining = false;
-        self.cancelling = None;
+        self.cancelling = false;
         self.timers = TimerTable::new();
         self.end = Some(end.clone());
         self.transmits

@@ -54,7 +54,7 @@ impl NodeSession {
             self.finished.push_back(run_id);
         }
         // A shutdown waits for the last cancelled run to end in order.
-        if self.cancelling.is_some() && self.work.is_empty() {
+        if self.cancelling && self.work.is_empty() {
             self.close(SessionEnd::LocalShutdown);
         }
     }
@@ -69,7 +69,7 @@ impl NodeSession {
         if self.work.contains_key(run_id) {
             return Err(WorkRefusal::Duplicate(run_id.to_owned()));
         }
-        if self.cancelling.is_some() {
+        if self.cancelling {
             return Err(WorkRefusal::ShuttingDown);
         }
         let gate = self
