@@ -206,4 +206,4 @@ pub use session::{
 };
 pub use time::Timestamp;
 pub use token::{SecretError, TokenVerifier};
-pub use tunnel::{TunnelEmitter, TunnelReceiver, TunnelStep, TunnelViolation};
+pub use tunnel::{BodyFrames, TunnelEmitter, TunnelReceiver, TunnelStep, TunnelViolation};

@@ -261,21 +261,20 @@ impl TunnelEmitter {
     }
 
     /// `BODY` frames for `data`, split into chunks of at most the chunk size. The chunks
-    /// are slices of `data`, not copies.
-    pub fn body(&mut self, data: Bytes) -> Vec<ProviderTunnelFrame> {
-        if self.phase != Phase::Streaming || data.is_empty() {
-            return Vec::new();
+    /// are slices of `data`, not copies, made as the frames are taken: a body that fits one
+    /// chunk, an SSE event's, becomes its frame's body as it is, and nothing is allocated
+    /// to hold the frames. Nothing comes out before `STATUS`, after the end, or for no
+    /// data.
+    pub fn body(&mut self, data: Bytes) -> BodyFrames<'_> {
+        let rest = if self.phase == Phase::Streaming {
+            data
+        } else {
+            Bytes::new()
+        };
+        BodyFrames {
+            emitter: self,
+            rest,
         }
-        let mut frames = Vec::with_capacity(data.len().div_ceil(self.chunk_size));
-        let mut offset = 0;
-        while offset < data.len() {
-            let end = (offset + self.chunk_size).min(data.len());
-            let mut frame = self.frame(TunnelFrameKind::Body);
-            frame.body = data.slice(offset..end);
-            frames.push(frame);
-            offset = end;
-        }
-        frames
     }
 
     /// A `HEADERS` frame (trailers).
@@ -322,6 +321,41 @@ impl TunnelEmitter {
         Some(frame)
     }
 }
+
+/// The `BODY` frames of one body, from [`TunnelEmitter::body`]; each is numbered as it is
+/// taken, so take them all, in order (what is left untaken is never sent, and the frames
+/// taken stay a valid sequence).
+#[derive(Debug)]
+#[must_use = "the frames are made as they are taken"]
+pub struct BodyFrames<'a> {
+    emitter: &'a mut TunnelEmitter,
+    rest: Bytes,
+}
+
+impl Iterator for BodyFrames<'_> {
+    type Item = ProviderTunnelFrame;
+
+    fn next(&mut self) -> Option<ProviderTunnelFrame> {
+        if self.rest.is_empty() {
+            return None;
+        }
+        let body = if self.rest.len() <= self.emitter.chunk_size {
+            std::mem::take(&mut self.rest)
+        } else {
+            self.rest.split_to(self.emitter.chunk_size)
+        };
+        let mut frame = self.emitter.frame(TunnelFrameKind::Body);
+        frame.body = body;
+        Some(frame)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let n = self.rest.len().div_ceil(self.emitter.chunk_size);
+        (n, Some(n))
+    }
+}
+
+impl ExactSizeIterator for BodyFrames<'_> {}
 
 #[cfg(test)]
 mod tests {
@@ -437,7 +471,7 @@ mod tests {
             })
             .expect("error"),
         );
-        assert!(tx.body(Bytes::from_static(b"more")).is_empty());
+        assert_eq!(tx.body(Bytes::from_static(b"more")).count(), 0);
         assert!(tx.end().is_none());
         assert!(tx.error(ErrorDetail::default()).is_none());
         let mut rx = TunnelReceiver::new();
@@ -456,7 +490,7 @@ mod tests {
     #[test]
     fn emitter_refuses_body_before_status() {
         let mut tx = TunnelEmitter::new("t", 8);
-        assert!(tx.body(Bytes::from_static(b"x")).is_empty());
+        assert_eq!(tx.body(Bytes::from_static(b"x")).count(), 0);
         assert!(tx.end().is_none());
         assert_eq!(
             tx.status(1000, Vec::new()).map(|f| f.status_code),

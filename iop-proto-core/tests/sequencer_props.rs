@@ -133,7 +133,7 @@ proptest! {
         for op in ops {
             let frames: Vec<ProviderTunnelFrame> = match op {
                 TunnelOp::Status(code) => emitter.status(code, Vec::new()).into_iter().collect(),
-                TunnelOp::Body(data) => emitter.body(Bytes::from(data)),
+                TunnelOp::Body(data) => emitter.body(Bytes::from(data)).collect(),
                 TunnelOp::Headers => emitter.headers(Vec::new()).into_iter().collect(),
                 TunnelOp::Usage => emitter.usage(Usage::default()).into_iter().collect(),
                 TunnelOp::End => emitter.end().into_iter().collect(),
@@ -152,7 +152,7 @@ proptest! {
     fn chunking_reassembles_the_exact_body(body in vec(any::<u8>(), 0..5000), chunk in 1usize..700) {
         let mut emitter = TunnelEmitter::new("t", chunk);
         emitter.status(200, Vec::new()).expect("status first");
-        let frames = emitter.body(Bytes::from(body.clone()));
+        let frames: Vec<_> = emitter.body(Bytes::from(body.clone())).collect();
         prop_assert_eq!(frames.len(), body.len().div_ceil(chunk));
         let mut joined = Vec::new();
         for (i, frame) in frames.iter().enumerate() {

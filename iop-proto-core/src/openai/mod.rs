@@ -37,7 +37,9 @@
 mod render;
 mod request;
 
-pub use render::{Out, Responder, ResponseOptions, SSE_DONE, SSE_KEEPALIVE, parse_text_tool_calls};
+pub use render::{
+    Out, Responder, ResponseOptions, SSE_DONE, SSE_KEEPALIVE, TunnelPart, parse_text_tool_calls,
+};
 pub use request::{
     RequestFacts, estimate_tokens, for_target, inspect, member_value, nonempty_array, rewrite_model,
 };

@@ -100,6 +100,38 @@ enum Phase {
     Done,
 }
 
+/// A tunnel frame as a response needs it: a `BODY` frame is its bytes alone (an SSE
+/// stream is made of them, and a request's queue holds them without an allocation); any
+/// other frame is kept whole, boxed, as it is rare and large.
+#[derive(Debug)]
+pub enum TunnelPart {
+    /// The bytes of a `BODY` frame.
+    Body(Bytes),
+    /// Any other frame.
+    Frame(Box<ProviderTunnelFrame>),
+}
+
+impl From<ProviderTunnelFrame> for TunnelPart {
+    fn from(frame: ProviderTunnelFrame) -> Self {
+        if frame.kind == TunnelFrameKind::Body as i32 {
+            TunnelPart::Body(frame.body)
+        } else {
+            TunnelPart::Frame(Box::new(frame))
+        }
+    }
+}
+
+impl TunnelPart {
+    /// The body bytes it carries.
+    #[must_use]
+    pub fn body_len(&self) -> usize {
+        match self {
+            TunnelPart::Body(body) => body.len(),
+            TunnelPart::Frame(frame) => frame.body.len(),
+        }
+    }
+}
+
 /// Turns the events of one request into its OpenAI response: feed it what the Edge
 /// machine says about the request (`handle_dispatched`, `handle_run_event`,
 /// `handle_tunnel_frame`, `handle_end`) and what the shell's timers say
@@ -238,6 +270,25 @@ impl Responder {
         }
     }
 
+    /// A tunnel frame as [`TunnelPart::from`] kept it (in sequence order, as for
+    /// [`handle_tunnel_frame`](Self::handle_tunnel_frame)).
+    pub fn handle_tunnel_part(&mut self, part: TunnelPart) {
+        match part {
+            TunnelPart::Body(body) => self.tunnel_body(body),
+            TunnelPart::Frame(frame) => self.handle_tunnel_frame(*frame),
+        }
+    }
+
+    /// A `BODY` frame's bytes: passed through once the head is out.
+    fn tunnel_body(&mut self, body: Bytes) {
+        if let Phase::Tunnel { at_boundary, .. } = &mut self.phase
+            && !body.is_empty()
+        {
+            *at_boundary = body.ends_with(b"\n\n") || body.ends_with(b"\r\n\r\n");
+            self.data(body);
+        }
+    }
+
     /// A tunnel frame of the request, in sequence order (the Edge machine checked it).
     pub fn handle_tunnel_frame(&mut self, frame: ProviderTunnelFrame) {
         let kind = TunnelFrameKind::try_from(frame.kind).ok();
@@ -270,12 +321,7 @@ impl Responder {
                 self.settled = true;
                 self.fail_whole(&ApiError::provider(&frame.error.unwrap_or_default()));
             }
-            (Phase::Tunnel { at_boundary, .. }, Some(TunnelFrameKind::Body))
-                if !frame.body.is_empty() =>
-            {
-                *at_boundary = frame.body.ends_with(b"\n\n") || frame.body.ends_with(b"\r\n\r\n");
-                self.data(frame.body);
-            }
+            (_, Some(TunnelFrameKind::Body)) => self.tunnel_body(frame.body),
             (Phase::Tunnel { .. }, Some(TunnelFrameKind::Error)) => {
                 self.settled = true;
                 let detail = frame.error.unwrap_or_default();

@@ -41,8 +41,8 @@ use crate::wire::{
     AdapterConfig, AdapterType, Body, CancelRequest, Envelope, ErrorDetail, Header, Heartbeat,
     HeartbeatAck, NodeCommandRequest, NodeCommandResponse, NodeConfigPayload,
     NodeConfigRefreshRequest, NodeConfigRefreshResponse, NodeDrainRequest, NodeReadyRequest,
-    ProviderTunnelFrame, ProviderTunnelRequest, RefreshStatus, RegisterRequest, RunEventType,
-    RunRequest, Usage, Validate,
+    ProviderTunnelRequest, RefreshStatus, RegisterRequest, RunEventType, RunRequest, Usage,
+    Validate,
 };
 
 mod config;
@@ -668,28 +668,46 @@ impl NodeSession {
         output: TunnelOutput,
     ) -> Result<(), SessionError> {
         self.advance(now);
-        let work = self.work_in_flight(run_id, "tunnel output")?;
+        if self.state == SessionState::Closed {
+            return Err(self.wrong_state("tunnel output"));
+        }
+        // Borrowed through the field, not `work_in_flight`, so the queue can be too.
+        let work = self
+            .work
+            .get_mut(run_id)
+            .ok_or_else(|| SessionError::UnknownRun(run_id.to_owned()))?;
         let WorkKind::Tunnel(emitter) = &mut work.kind else {
             return Err(SessionError::WrongKind(run_id.to_owned()));
         };
-        let frames: Vec<ProviderTunnelFrame> = match output {
+        // Frames go straight to the transmit queue (no list of them per body chunk).
+        let queue = &mut self.transmits;
+        let mut send = |frame| {
+            queue.push_back(NodeTransmit::Frame(Envelope::new(
+                Body::ProviderTunnelFrame(frame),
+            )));
+        };
+        let sent = match output {
             TunnelOutput::Status { status, headers } => {
-                emitter.status(status, headers).into_iter().collect()
+                emitter.status(status, headers).map(&mut send).is_some()
             }
             TunnelOutput::Body(data) if data.is_empty() => return Ok(()),
-            TunnelOutput::Body(data) => emitter.body(data),
-            TunnelOutput::Trailers(headers) => emitter.headers(headers).into_iter().collect(),
-            TunnelOutput::Usage(usage) => emitter.usage(usage).into_iter().collect(),
-            TunnelOutput::End => emitter.end().into_iter().collect(),
-            TunnelOutput::Error(error) => emitter.error(error).into_iter().collect(),
+            TunnelOutput::Body(data) => {
+                let mut any = false;
+                for frame in emitter.body(data) {
+                    send(frame);
+                    any = true;
+                }
+                any
+            }
+            TunnelOutput::Trailers(headers) => emitter.headers(headers).map(&mut send).is_some(),
+            TunnelOutput::Usage(usage) => emitter.usage(usage).map(&mut send).is_some(),
+            TunnelOutput::End => emitter.end().map(&mut send).is_some(),
+            TunnelOutput::Error(error) => emitter.error(error).map(&mut send).is_some(),
         };
-        if frames.is_empty() {
+        if !sent {
             return Err(SessionError::InvalidTunnelOutput(run_id.to_owned()));
         }
         let ended = emitter.is_ended();
-        for frame in frames {
-            self.send(Body::ProviderTunnelFrame(frame));
-        }
         if ended {
             self.finish(run_id);
         }
