@@ -13,8 +13,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use iop_proto_core::wire::{
-    self, Envelope, Header, ProviderSnapshot, ProviderTunnelFrame, ProviderTunnelRequest, RunEvent,
-    RunRequest,
+    self, Envelope, Header, ProviderSnapshot, ProviderTunnelRequest, RunEvent, RunRequest,
 };
 use iop_proto_core::{
     CloseReason, ConfigDiff, ConnId, Dispatch, DispatchShape, DrainReason, EdgeConfig, EdgeCore,
@@ -30,7 +29,7 @@ use crate::metrics::Metrics;
 use crate::nodes::{ConnHandle, MAX_QUEUED_PER_CONNECTION, STALLED_AFTER};
 use crate::outbox::Outbox;
 pub use iop_proto_core::openai::Endpoint;
-use iop_proto_core::openai::for_target;
+use iop_proto_core::openai::{TunnelPart, for_target};
 use iop_shell_common::clock::Clock;
 use iop_shell_common::misuse;
 
@@ -64,11 +63,11 @@ pub enum ReqEvent {
         /// Adapter instance chosen on it.
         provider_id: Arc<str>,
     },
-    /// A run event (boxed, as the frame: an event waiting in a request's queue takes
-    /// the room of the largest kind).
+    /// A run event (boxed, as a tunnel frame other than a body's: an event waiting in a
+    /// request's queue takes the room of the largest kind).
     Run(Box<RunEvent>),
-    /// A tunnel frame.
-    Frame(Box<ProviderTunnelFrame>),
+    /// A tunnel frame: a body chunk as its bytes alone, nothing allocated for it.
+    Tunnel(TunnelPart),
     /// The end (exactly once).
     Ended(Outcome),
 }
@@ -97,7 +96,7 @@ impl Drop for Events {
 pub fn event_size(event: &ReqEvent) -> usize {
     match event {
         ReqEvent::Run(e) => e.delta.len() + 64,
-        ReqEvent::Frame(f) => f.body.len() + 64,
+        ReqEvent::Tunnel(part) => part.body_len() + 64,
         _ => 0,
     }
 }
@@ -645,7 +644,7 @@ impl Task {
                 self.forward(request, ReqEvent::Run(Box::new(event)));
             }
             EdgeEvent::TunnelFrame { request, frame } => {
-                self.forward(request, ReqEvent::Frame(Box::new(frame)));
+                self.forward(request, ReqEvent::Tunnel(frame.into()));
             }
             EdgeEvent::RequestEnded { request, outcome } => {
                 if let Some(entry) = self.requests.remove(&request) {

@@ -560,9 +560,9 @@ impl Live {
                 self.finish.first_byte();
                 self.responder.handle_run_event(*event);
             }
-            ReqEvent::Frame(frame) => {
+            ReqEvent::Tunnel(part) => {
                 self.finish.first_byte();
-                self.responder.handle_tunnel_frame(*frame);
+                self.responder.handle_tunnel_part(part);
             }
             ReqEvent::Ended(outcome) => self.responder.handle_end(&outcome),
         }

@@ -34,10 +34,13 @@ pub use iop_proto_core::http1::{BodyError, Chunk, Decoded, Framing};
 pub const MAX_HEAD: usize = 64 << 10;
 /// The most one read takes.
 const READ_MAX: usize = 64 << 10;
+/// A connection's buffer that held more than this is let go once it is empty, so a
+/// stream waiting for its next event keeps at most about twice this.
+const KEEP_MAX: usize = 8 << 10;
 
 thread_local! {
     /// What every provider connection of a thread reads into before the bytes it got are
-    /// copied to the connection's own buffer.
+    /// copied to the connection's own buffer, which holds no more than they need.
     ///
     /// A buffer per connection that started small and grew with the traffic (1, 2, then
     /// 4 KiB) took three reads for a 3.7 KiB SSE response that had arrived whole, about one
@@ -240,6 +243,9 @@ pub struct Conn {
     /// The last read took all it could: the response is arriving in bulk, and reads go
     /// straight into `buf`, without a copy, until one comes back short.
     bulk: bool,
+    /// The most `buf` has held since it was new: its room is at most about twice that,
+    /// and past [`KEEP_MAX`] it is let go once empty.
+    peak: usize,
 }
 
 impl Conn {
@@ -249,6 +255,7 @@ impl Conn {
             io: TokioIo::new(stream),
             buf: BytesMut::new(),
             bulk: false,
+            peak: 0,
         }
     }
 
@@ -281,6 +288,7 @@ impl Conn {
     pub fn poll_read(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
         let read = if self.bulk {
             self.buf.reserve(READ_MAX);
+            self.peak = usize::MAX;
             ready!(tokio_util::io::poll_read_buf(
                 Pin::new(&mut self.io),
                 cx,
@@ -291,12 +299,15 @@ impl Conn {
                 let mut room = ReadBuf::new(scratch);
                 ready!(Pin::new(&mut self.io).poll_read(cx, &mut room))?;
                 let read = room.filled();
-                if self.buf.is_empty() {
-                    // Exactly what arrived: the slices taken from it are all that keep it.
-                    self.buf = BytesMut::from(read);
-                } else {
-                    self.buf.extend_from_slice(read);
+                if self.buf.is_empty() && self.peak > KEEP_MAX {
+                    // Room a burst left behind is not held while the stream waits.
+                    self.buf = BytesMut::new();
+                    self.peak = 0;
                 }
+                // Once the slices taken from the buffer have left for the Edge, it is
+                // reused in place: a stream's events are read without an allocation.
+                self.buf.extend_from_slice(read);
+                self.peak = self.peak.max(self.buf.len());
                 Poll::Ready(Ok::<_, io::Error>(read.len()))
             }))?
         };
@@ -320,6 +331,7 @@ impl Conn {
         // Idle, it keeps no buffer (what was read last may still be in use downstream).
         self.buf = BytesMut::new();
         self.bulk = false;
+        self.peak = 0;
         idle
     }
 }
@@ -439,6 +451,42 @@ mod tests {
             &small[..],
             &[7; 3000][..],
             "what was taken before is untouched"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_streams_events_reuse_one_buffer_and_room_a_burst_left_is_let_go() {
+        let (mut conn, mut provider) = socket_pair().await;
+        let event = b"data: {\"choices\":[{\"delta\":{\"content\":\"word\"}}]}\n\n";
+        let mut next = async |conn: &mut Conn, bytes: &[u8]| {
+            provider.write_all(bytes).await.unwrap();
+            wait_queued(conn, bytes.len()).await;
+            assert_eq!(read(conn).await, bytes.len());
+            conn.buf.split().freeze()
+        };
+        let first = next(&mut conn, event).await;
+        let at = first.as_ptr();
+        // Once each event has left (dropped here), the next is read into the same room.
+        drop(first);
+        for _ in 0..10 {
+            let taken = next(&mut conn, event).await;
+            assert_eq!(taken.as_ptr(), at, "an event took a buffer of its own");
+            assert_eq!(&taken[..], &event[..]);
+        }
+        // While an event is still on its way, the next one cannot overwrite it.
+        let held = next(&mut conn, event).await;
+        let after = next(&mut conn, event).await;
+        assert_eq!((&held[..], &after[..]), (&event[..], &event[..]));
+        drop((held, after));
+        // A burst grows the buffer past what a waiting stream keeps: once empty, it goes.
+        let burst = next(&mut conn, &[1; 20 << 10]).await;
+        drop(burst);
+        let small = next(&mut conn, event).await;
+        assert_eq!(&small[..], &event[..]);
+        assert!(
+            conn.buf.capacity() < KEEP_MAX,
+            "{} bytes of room kept after a burst",
+            conn.buf.capacity()
         );
     }
 
