@@ -40,7 +40,8 @@ const KEEP_MAX: usize = 8 << 10;
 
 thread_local! {
     /// What every provider connection of a thread reads into before the bytes it got are
-    /// copied to the connection's own buffer, which holds no more than they need.
+    /// copied to the connection's own buffer (reused while its stream goes on, let go
+    /// once empty if a burst grew it past [`KEEP_MAX`]).
     ///
     /// A buffer per connection that started small and grew with the traffic (1, 2, then
     /// 4 KiB) took three reads for a 3.7 KiB SSE response that had arrived whole, about one
