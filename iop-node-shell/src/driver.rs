@@ -191,10 +191,12 @@ where
             () = &mut stopping, if !stop_sent => {
                 stop_sent = true;
                 info!(node_id, in_flight = session.in_flight(), "shutting down: cancelling in-flight work");
+                supervisor.handle_stop(ctx.clock.now());
                 misuse("shutdown", session.handle_shutdown(ctx.clock.now()));
             }
             () = &mut draining, if !drain_sent => {
                 drain_sent = true;
+                supervisor.handle_stop(ctx.clock.now());
                 misuse("drain", session.handle_drain(ctx.clock.now()));
                 if session.is_draining() {
                     info!(

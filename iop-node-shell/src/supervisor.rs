@@ -37,12 +37,6 @@ pub struct Stop {
 }
 
 impl Stop {
-    /// Whether either stop was asked for.
-    #[must_use]
-    pub fn requested(&self) -> bool {
-        self.drain.is_cancelled() || self.now.is_cancelled()
-    }
-
     /// Waits until either stop is asked for.
     pub async fn wait(&self) {
         tokio::select! {
@@ -126,9 +120,9 @@ pub async fn run(config: NodeConfig, ctx: Context, stop: Stop) -> ExitReason {
                                     driver::run(*tls, session, &ctx, &mut supervisor, &stop).await
                                 }
                             };
-                            // A stop that was asked for ends the process, whatever ended
-                            // the session meanwhile.
-                            match end.failure().filter(|_| !stop.requested()) {
+                            // After a stop (`handle_stop`, from the driver) the core's
+                            // supervisor exits however the session ended.
+                            match end.failure() {
                                 None => supervisor.handle_shutdown(clock.now()),
                                 Some(failure) => {
                                     warn!(failure = %failure, "session ended");

@@ -294,6 +294,9 @@ pub struct Supervisor {
     rng: u64,
     attempts: u32,
     state: SupervisorState,
+    /// A stop was asked for while a session was open: the process exits once it has
+    /// ended, whatever ended it.
+    stop_requested: bool,
     actions: VecDeque<SupervisorEvent>,
     now: Timestamp,
 }
@@ -309,6 +312,7 @@ impl Supervisor {
             rng: 0,
             attempts: 0,
             state: SupervisorState::Idle,
+            stop_requested: false,
             actions: VecDeque::new(),
             now: Timestamp::ZERO,
         }
@@ -432,7 +436,9 @@ impl Supervisor {
     }
 
     /// A dial failed or an established session ended. Fatal failures exit; retryable ones
-    /// retry after the interval while attempts remain.
+    /// retry after the interval while attempts remain. After
+    /// [`handle_stop`](Self::handle_stop) the session's end is the process's, whatever the
+    /// failure.
     pub fn handle_failure(
         &mut self,
         now: Timestamp,
@@ -444,6 +450,10 @@ impl Supervisor {
             SupervisorState::Dialing | SupervisorState::Connected { .. }
         ) {
             return Err(self.invalid("failure"));
+        }
+        if self.stop_requested {
+            self.exit(ExitReason::Shutdown);
+            return Ok(());
         }
         if failure.is_fatal() {
             self.exit(ExitReason::Fatal(failure));
@@ -466,6 +476,18 @@ impl Supervisor {
             until: self.now + delay,
         };
         Ok(())
+    }
+
+    /// A stop was asked for. With a session open it is the session's to wind down (its
+    /// work drained or cancelled): the process exits once the session has ended, however
+    /// it ends, and never redials. With none (idle, dialing, waiting) it exits at once.
+    pub fn handle_stop(&mut self, now: Timestamp) {
+        self.advance(now);
+        if matches!(self.state, SupervisorState::Connected { .. }) {
+            self.stop_requested = true;
+        } else {
+            self.handle_shutdown(now);
+        }
     }
 
     /// Local shutdown: exit 0 from any state (a no-op once exited).
@@ -674,6 +696,41 @@ mod tests {
                 ..
             })]
         ));
+    }
+
+    #[test]
+    fn a_stop_during_a_session_exits_once_it_ends_whatever_ended_it() {
+        let t = Timestamp::from_millis;
+        // Asked for while connected: the session winds down first, then the process
+        // exits 0, even though the session ended in a retryable failure.
+        let mut s = Supervisor::new(policy(0, 1.0));
+        s.handle_start(t(0)).expect("idle");
+        s.handle_connected(t(0)).expect("dialing");
+        s.handle_ready(t(0)).expect("connected");
+        drain(&mut s);
+        s.handle_stop(t(10));
+        assert_eq!(s.state(), SupervisorState::Connected { ready: true });
+        assert!(
+            drain(&mut s).is_empty(),
+            "nothing happens before the session ends"
+        );
+        s.handle_failure(t(20), Failure::Reset).expect("connected");
+        assert_eq!(
+            drain(&mut s),
+            vec![SupervisorEvent::Exit(ExitReason::Shutdown)]
+        );
+        assert_eq!(s.poll_timeout(), None, "no redial");
+        // With no session open (waiting to redial), it exits at once.
+        let mut s = Supervisor::new(policy(0, 1.0));
+        s.handle_start(t(0)).expect("idle");
+        s.handle_failure(t(0), Failure::Refused).expect("dialing");
+        drain(&mut s);
+        s.handle_stop(t(5));
+        assert_eq!(
+            drain(&mut s),
+            vec![SupervisorEvent::Exit(ExitReason::Shutdown)]
+        );
+        assert_eq!(s.state(), SupervisorState::Exited);
     }
 
     #[test]

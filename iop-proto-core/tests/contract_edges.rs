@@ -276,12 +276,7 @@ fn an_unanswered_refresh_is_sent_three_times_then_the_node_drains() {
 fn a_node_stopping_gracefully_gets_no_new_work_and_is_closed_once_its_work_is_done() {
     let mut h = with_heartbeats(100, 300);
     let (conn, [(_, a), (_, b)]) = two_runs(&mut h);
-    h.send(
-        conn,
-        Body::NodeDrainRequest(NodeDrainRequest {
-            reason: "local shutdown".into(),
-        }),
-    );
+    h.drain_request(conn, "local shutdown");
     let (tx, events) = h.drain();
     assert!(closed(&tx).is_empty(), "work in flight finishes first");
     assert!(
@@ -344,12 +339,7 @@ fn register_response(tx: &[Transmit], conn: ConnId) -> Option<RegisterResponse> 
 fn a_restarted_node_waits_for_its_draining_connection_instead_of_cutting_it() {
     let mut h = with_heartbeats(1, 300);
     let (old, [(ra, a), (rb, b)]) = two_runs(&mut h);
-    h.send(
-        old,
-        Body::NodeDrainRequest(NodeDrainRequest {
-            reason: "local shutdown".into(),
-        }),
-    );
+    h.drain_request(old, "local shutdown");
     h.drain();
     // The node's restart registers while the old connection, live, still drains.
     let new = h.open();
@@ -390,12 +380,7 @@ fn a_restarted_node_waits_for_its_draining_connection_instead_of_cutting_it() {
     let old = again;
     h.ready(old, "n1");
     h.drain();
-    h.send(
-        old,
-        Body::NodeDrainRequest(NodeDrainRequest {
-            reason: String::new(),
-        }),
-    );
+    h.drain_request(old, "");
     h.drain();
     let now = h.now.as_millis();
     h.at(now + 2_500);
@@ -415,24 +400,14 @@ fn a_drain_request_before_ready_breaks_the_connection() {
     let conn = h.open();
     h.register(conn, "n1");
     h.transmits();
-    h.send(
-        conn,
-        Body::NodeDrainRequest(NodeDrainRequest {
-            reason: String::new(),
-        }),
-    );
+    h.drain_request(conn, "");
     assert!(matches!(
         closed(&h.transmits()).as_slice(),
         [(c, CloseReason::ProtocolViolation(ConnViolation::DrainBeforeReady))] if *c == conn
     ));
     // An over-long reason is not a valid message.
     let conn = h.connect("n1");
-    h.send(
-        conn,
-        Body::NodeDrainRequest(NodeDrainRequest {
-            reason: "x".repeat(MAX_DRAIN_REASON_BYTES + 1),
-        }),
-    );
+    h.drain_request(conn, "x".repeat(MAX_DRAIN_REASON_BYTES + 1));
     assert!(matches!(
         closed(&h.transmits()).as_slice(),
         [(c, CloseReason::ProtocolViolation(ConnViolation::Invalid(_)))] if *c == conn

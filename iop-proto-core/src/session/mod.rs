@@ -618,7 +618,7 @@ impl NodeSession {
         output: RunOutput,
     ) -> Result<(), SessionError> {
         self.advance(now);
-        let work = self.work_in_flight(run_id, "run output")?;
+        let (work, _) = self.work_in_flight(run_id, "run output")?;
         let WorkKind::Run(emitter, tracker) = &mut work.kind else {
             return Err(SessionError::WrongKind(run_id.to_owned()));
         };
@@ -668,19 +668,11 @@ impl NodeSession {
         output: TunnelOutput,
     ) -> Result<(), SessionError> {
         self.advance(now);
-        if self.state == SessionState::Closed {
-            return Err(self.wrong_state("tunnel output"));
-        }
-        // Borrowed through the field, not `work_in_flight`, so the queue can be too.
-        let work = self
-            .work
-            .get_mut(run_id)
-            .ok_or_else(|| SessionError::UnknownRun(run_id.to_owned()))?;
+        let (work, queue) = self.work_in_flight(run_id, "tunnel output")?;
         let WorkKind::Tunnel(emitter) = &mut work.kind else {
             return Err(SessionError::WrongKind(run_id.to_owned()));
         };
         // Frames go straight to the transmit queue (no list of them per body chunk).
-        let queue = &mut self.transmits;
         let mut send = |frame| {
             queue.push_back(NodeTransmit::Frame(Envelope::new(
                 Body::ProviderTunnelFrame(frame),

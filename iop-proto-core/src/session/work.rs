@@ -21,18 +21,21 @@ pub(super) struct Work {
 pub(super) const FINISHED_MEMORY: usize = 4096;
 
 impl NodeSession {
-    /// The work `run_id` while the session is open and the work has not ended.
+    /// The work `run_id` while the session is open and the work has not ended, with the
+    /// transmit queue its output goes to (borrowed together, so frames need no list).
     pub(super) fn work_in_flight(
         &mut self,
         run_id: &str,
         input: &'static str,
-    ) -> Result<&mut Work, SessionError> {
+    ) -> Result<(&mut Work, &mut VecDeque<NodeTransmit>), SessionError> {
         if self.state == SessionState::Closed {
             return Err(self.wrong_state(input));
         }
-        self.work
+        let work = self
+            .work
             .get_mut(run_id)
-            .ok_or_else(|| SessionError::UnknownRun(run_id.to_owned()))
+            .ok_or_else(|| SessionError::UnknownRun(run_id.to_owned()))?;
+        Ok((work, &mut self.transmits))
     }
 
     pub(super) fn finish(&mut self, run_id: &str) {

@@ -930,9 +930,9 @@ impl World {
             link.node_closed = true;
             link.to_node.clear();
         }
-        // A process that is stopping exits whatever ended its session, as the shell's
-        // supervisor does once its stop was asked for.
-        let _ = match end.failure().filter(|_| self.procs[i].stopping.is_none()) {
+        // A process that was asked to stop exits whatever ended its session: the
+        // supervisor's decision since `handle_stop`.
+        let _ = match end.failure() {
             Some(failure) => self.procs[i].supervisor.handle_failure(now, failure),
             None => {
                 self.procs[i].supervisor.handle_shutdown(now);
@@ -1483,6 +1483,7 @@ impl World {
                 {
                     let drained = s.handle_drain(now);
                     check!(self, drained.is_ok(), "drain refused: {drained:?}");
+                    self.procs[i].supervisor.handle_stop(now);
                     self.procs[i].stopping =
                         Some(Duration::from_millis(u64::from(restart_after_ms)));
                     self.log(|| format!("proc {i} stops gracefully"));

@@ -135,6 +135,16 @@ impl Harness {
         );
     }
 
+    /// `conn`'s node asks to stop gracefully, saying `reason`.
+    pub fn drain_request(&mut self, conn: ConnId, reason: impl Into<String>) {
+        self.send(
+            conn,
+            Body::NodeDrainRequest(NodeDrainRequest {
+                reason: reason.into(),
+            }),
+        );
+    }
+
     /// Opens, registers and readies `node_id`; drains outputs.
     pub fn connect(&mut self, node_id: &str) -> ConnId {
         let conn = self.open();
