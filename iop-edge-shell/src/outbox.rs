@@ -11,12 +11,13 @@
 //! concurrent callers that is 0.19 writes per request instead of one `sendto` each, and
 //! 9 % less CPU per request for the Edge and the Node together (the node reads fewer,
 //! fuller segments); a request alone waits about a microsecond longer for its write
-//! (BENCHMARKS.md). Where the Edge and the Node run on CPUs of their own, a frame waiting
-//! for the rest of its pass is latency the node could have used: with 16 callers that
-//! each wait for their answer, about 5 % of their throughput. Writing the first frame of
-//! a pass at once and leaving only the later ones to the writer kept the microsecond but
-//! cost 10 % more CPU per request at 16 callers sharing a CPU with the node (it woke for
-//! the first frame and again for the rest), and did no better on CPUs of their own.
+//! (docs/benchmarks-history.md). Where the Edge and the Node run on CPUs of their own, a
+//! frame waiting for the rest of its pass is latency the node could have used: with 16
+//! callers that each wait for their answer, about 5 % of their throughput. Writing the
+//! first frame of a pass at once and leaving only the later ones to the writer kept the
+//! microsecond but cost 10 % more CPU per request at 16 callers sharing a CPU with the
+//! node (it woke for the first frame and again for the rest), and did no better on CPUs
+//! of their own.
 //!
 //! Only the writer touches the socket. When the socket does not take everything (the
 //! node reads slowly, a TLS record is half written) the writer waits for it, and kicks

@@ -45,7 +45,7 @@ thread_local! {
     ///
     /// A buffer per connection that started small and grew with the traffic (1, 2, then
     /// 4 KiB) took three reads for a 3.7 KiB SSE response that had arrived whole, about one
-    /// read in five under unpaced streams (BENCHMARKS.md, 2 December 21:40); one that
+    /// read in five under unpaced streams (docs/benchmarks-history.md, 2 December 21:40); one that
     /// started large would be held by every open stream while it waits for its next event.
     /// Copying a read's few hundred bytes costs less than a system call; a read that fills
     /// this buffer puts its connection in bulk mode ([`Conn::poll_read`]), where 64 KiB
