@@ -131,8 +131,8 @@ pub fn default_workers() -> std::num::NonZeroUsize {
 /// Edge and every read from a provider, usually by the very process it then preempts,
 /// which had more of the same work to do: left to run, that process hands over a batch
 /// and the Node takes it in one go (docs/benchmarks-history.md: 5-8 % more small
-/// requests at 16 connections, 5-8 % less CPU per request). It needs no privilege: it only gives up
-/// preempting others.
+/// requests at 16 connections, 5-8 % less CPU per request). It needs no privilege: it
+/// only gives up preempting others.
 pub fn batch_scheduling() -> std::io::Result<bool> {
     #[cfg(target_os = "linux")]
     {

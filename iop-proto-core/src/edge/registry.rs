@@ -7,12 +7,13 @@ use super::*;
 /// own redial interval, when longer, wins).
 const DRAINING_RETRY_AFTER: Duration = Duration::from_secs(1);
 
-/// A register refused for now because another live connection holds the node id.
-struct HeldOff {
-    why: RejectReason,
-    retry_after: Duration,
-    /// Whether the refusal is worth a log line.
-    log: bool,
+/// Why a register is refused for now: another live connection holds the node id.
+enum HeldOff {
+    /// Two live connections claim it; the flap guard says when to try again and whether
+    /// the refusal is worth a log line.
+    Conflict { retry_after: Duration, log: bool },
+    /// The holder is stopping gracefully and still finishing its requests.
+    Draining,
 }
 
 /// Connections, node ownership by generation, and admission (back-off, pending caps).
@@ -364,21 +365,12 @@ impl EdgeCore {
                 Some(DrainReason::Stopping(_))
             );
             if stopping && rival == Rival::Live {
-                let held = HeldOff {
-                    why: RejectReason::Draining,
-                    retry_after: DRAINING_RETRY_AFTER,
-                    log: true,
-                };
-                self.hold_off(conn, addr, i, &req.node_id, held);
+                self.hold_off(conn, addr, i, &req.node_id, HeldOff::Draining);
                 return;
             }
             match self.registry.nodes[i].flap.contest(self.now, limits, rival) {
                 Contest::HoldOff { retry_after, log } => {
-                    let held = HeldOff {
-                        why: RejectReason::Conflict,
-                        retry_after,
-                        log,
-                    };
+                    let held = HeldOff::Conflict { retry_after, log };
                     self.hold_off(conn, addr, i, &req.node_id, held);
                     return;
                 }
@@ -529,24 +521,35 @@ impl EdgeCore {
         held: HeldOff,
     ) {
         let id = &*self.registry.nodes[i].id;
-        let reason = match held.why {
-            RejectReason::Draining => format!(
-                "node id {id:?} is draining: its current connection is finishing its requests"
+        let (why, reason, retry_after, log) = match held {
+            HeldOff::Draining => (
+                RejectReason::Draining,
+                format!(
+                    "node id {id:?} is draining: its current connection is finishing its requests"
+                ),
+                DRAINING_RETRY_AFTER,
+                true,
             ),
-            _ => format!(
-                "node id {id:?} is in conflict: another live connection holds it (two nodes \
-                 share this id?)"
+            HeldOff::Conflict { retry_after, log } => (
+                RejectReason::Conflict,
+                format!(
+                    "node id {id:?} is in conflict: another live connection holds it (two \
+                     nodes share this id?)"
+                ),
+                retry_after,
+                log,
             ),
         };
-        self.reject_register(conn, claimed, held.why, &reason, Some(held.retry_after));
+        let node_id = id.to_string();
+        self.reject_register(conn, claimed, why, &reason, Some(retry_after));
         self.out.events.push_back(EdgeEvent::RegisterRejected {
             conn,
             addr,
-            node_id: self.registry.nodes[i].id.to_string(),
-            reason: held.why,
+            node_id,
+            reason: why,
             failures: 0,
             blocked_for: None,
-            log: held.log,
+            log,
         });
     }
 
