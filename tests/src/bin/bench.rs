@@ -49,7 +49,9 @@
 //! and bare clients redialling by the same policy over the same link.
 //!
 //! `IOP_BENCH_EDGE_THREADS=<n>` starts the Edge with `runtime.worker_threads = n` instead
-//! of its default, to compare thread counts; `IOP_BENCH_SERVE=1` keeps every path up
+//! of its default, to compare thread counts; `IOP_BENCH_SSE_BURST=1` has the fake provider
+//! write an unpaced stream's 20 events together instead of one by one, to see what the
+//! per-event writes cost each path; `IOP_BENCH_SERVE=1` keeps every path up
 //! for profiling until stdin closes (then measures) or SIGINT or SIGTERM comes (then
 //! stops everything it started, logs included), and `bench paced <port>
 //! [pid...]` runs one set of paced streams against one of them.
@@ -132,6 +134,9 @@ enum ProviderBody {
         /// Unpaced: whether this event already yielded once, so hyper flushes each
         /// event on its own as a provider generating tokens does.
         yielded: bool,
+        /// Unpaced, under `IOP_BENCH_SSE_BURST`: never yield, so hyper writes the
+        /// stream's events together, as a provider that had them all at once would.
+        burst: bool,
     },
 }
 
@@ -176,6 +181,7 @@ impl Body for ProviderBody {
                 pace,
                 sleep,
                 yielded,
+                burst,
             } => {
                 if *next >= *total {
                     return Poll::Ready(None);
@@ -186,7 +192,7 @@ impl Body for ProviderBody {
                         return Poll::Pending;
                     }
                     *sleep = None;
-                } else if *next > 0 && !*yielded {
+                } else if *next > 0 && !*yielded && !*burst {
                     *yielded = true;
                     cx.waker().wake_by_ref();
                     return Poll::Pending;
@@ -232,6 +238,7 @@ async fn provide(req: Request<Incoming>) -> Result<Response<ProviderBody>, Infal
         pace,
         sleep: None,
         yielded: false,
+        burst: *SSE_BURST,
     });
     response.headers_mut().insert(
         "content-type",
@@ -239,6 +246,11 @@ async fn provide(req: Request<Incoming>) -> Result<Response<ProviderBody>, Infal
     );
     Ok(response)
 }
+
+/// `IOP_BENCH_SSE_BURST`, read once: the provider writes an unpaced stream's events
+/// together instead of one by one (a diagnostic; the harness's figures use the default).
+static SSE_BURST: std::sync::LazyLock<bool> =
+    std::sync::LazyLock::new(|| std::env::var_os("IOP_BENCH_SSE_BURST").is_some());
 
 fn run_provider(port: u16) {
     let runtime = tokio::runtime::Builder::new_multi_thread()
