@@ -1,8 +1,8 @@
-//! Stopping without cutting callers off. On the first SIGTERM, SIGINT or SIGQUIT the Edge stops
-//! accepting connections (callers and nodes), closes the connections waiting for their
-//! next request (HTTP/2 ones are sent GOAWAY), refuses a request that still arrives with
-//! 503 `edge is shutting down` (closing its HTTP/1.1 connection after the answer), and
-//! waits for the requests already in flight, streams included, for up to
+//! Stopping without cutting callers off. On the first SIGTERM, SIGINT or SIGQUIT the
+//! Edge stops accepting connections (callers and nodes), closes the connections waiting
+//! for their next request (HTTP/2 ones are sent GOAWAY), refuses a request that still
+//! arrives with 503 `edge is shutting down` (closing its HTTP/1.1 connection after the
+//! answer), and waits for the requests already in flight, streams included, for up to
 //! `limits.shutdown_grace_sec`; its node links stay up meanwhile, since those requests
 //! run over them. Then it stops, cutting whatever is left. A second signal stops it at
 //! once.

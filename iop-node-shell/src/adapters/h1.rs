@@ -45,8 +45,9 @@ thread_local! {
     ///
     /// A buffer per connection that started small and grew with the traffic (1, 2, then
     /// 4 KiB) took three reads for a 3.7 KiB SSE response that had arrived whole, about one
-    /// read in five under unpaced streams (docs/benchmarks-history.md, 2 December 21:40); one that
-    /// started large would be held by every open stream while it waits for its next event.
+    /// read in five under unpaced streams (docs/benchmarks-history.md, 2 December 21:40);
+    /// one that started large would be held by every open stream while it waits for its
+    /// next event.
     /// Copying a read's few hundred bytes costs less than a system call; a read that fills
     /// this buffer puts its connection in bulk mode ([`Conn::poll_read`]), where 64 KiB
     /// copies would add to every read's cost.
@@ -244,8 +245,9 @@ pub struct Conn {
     /// The last read took all it could: the response is arriving in bulk, and reads go
     /// straight into `buf`, without a copy, until one comes back short.
     bulk: bool,
-    /// The most `buf` has held since it was new: its room is at most about twice that,
-    /// and past [`KEEP_MAX`] it is let go once empty.
+    /// The most `buf` has held since it was new (`usize::MAX` once a bulk read reserved
+    /// [`READ_MAX`] in it): its room is at most about twice that, and past [`KEEP_MAX`]
+    /// it is let go once empty.
     peak: usize,
 }
 
@@ -289,6 +291,7 @@ impl Conn {
     pub fn poll_read(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
         let read = if self.bulk {
             self.buf.reserve(READ_MAX);
+            // Room for a bulk read is not kept while the stream waits afterwards.
             self.peak = usize::MAX;
             ready!(tokio_util::io::poll_read_buf(
                 Pin::new(&mut self.io),

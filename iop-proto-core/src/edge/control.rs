@@ -171,7 +171,7 @@ impl EdgeCore {
             return;
         }
         self.registry.nodes[i].draining = Some(reason.clone());
-        // (A planted bug for the simulation: the drain is taken as read, its capacity kept.)
+        // (A planted bug for the simulation: the node drains but keeps its capacity.)
         #[cfg(feature = "testkit")]
         let planted = self.faults.ignore_drain && matches!(reason, DrainReason::Stopping(_));
         #[cfg(not(feature = "testkit"))]

@@ -493,8 +493,8 @@ struct Run {
 /// Samples, every 10 ms until dropped, the CPU each of two processes' main threads last
 /// ran on: on two vCPUs, where the kernel puts two single-threaded hops that wake each
 /// other moved SSE throughput at c=16 by up to 16 % (docs/benchmarks-history.md,
-/// 2 December 19:05-19:28), and it carries over from one run to the next. The sampler reads two small
-/// `stat` files every 10 ms.
+/// 2 December 19:05-19:28), and it carries over from one run to the next. The sampler
+/// reads two small `stat` files every 10 ms.
 struct Together {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
     sampler: Option<std::thread::JoinHandle<(u64, u64)>>,
