@@ -20,10 +20,32 @@ pub fn session_config(config: &NodeConfig) -> SessionConfig {
     let mut session = SessionConfig::new(config.node_id.clone(), config.token.expose().to_owned());
     session.version = env!("CARGO_PKG_VERSION").to_owned();
     session.labels = config.labels.clone();
+    session.instance_id = instance_id();
     session.handshake_timeout = config.handshake_timeout;
     session.shutdown_grace = config.shutdown_grace;
     session.drain_grace = config.drain_grace;
     session
+}
+
+/// This process's instance id (see [`SessionConfig::instance_id`]): random, drawn once,
+/// never 0. Not a secret; it only has to differ between two processes.
+fn instance_id() -> u64 {
+    static INSTANCE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *INSTANCE.get_or_init(|| {
+        let mut bytes = [0u8; 8];
+        let random = rustls::crypto::ring::default_provider()
+            .secure_random
+            .fill(&mut bytes);
+        if random.is_err() {
+            // No system randomness: the process id and start time still tell two
+            // processes apart.
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos());
+            bytes = (u64::from(std::process::id()) << 32 ^ nanos as u64).to_le_bytes();
+        }
+        u64::from_le_bytes(bytes).max(1)
+    })
 }
 
 /// How the process was asked to stop: one token per way, each cancelled once.

@@ -7,12 +7,13 @@
 //!   looking at the credentials, so guessing gains nothing. It also decides which failures
 //!   are worth a log line (the 1st, 2nd, 4th, 8th… of a source), so an attack writes a
 //!   handful of lines instead of one per attempt.
-//! - [`FlapGuard`]: one node id that two live connections keep taking from each other
-//!   (a reconnect over a connection gone silent does not count, see [`Rival`]).
-//!   [`ConflictLimits::supersedes`] supersedes within [`ConflictLimits::window`] make it a
-//!   *conflict*: the current owner keeps the node and newcomers are held off for
-//!   [`ConflictLimits::hold_down`], renewed by every refused newcomer, so the conflict
-//!   stays visible for as long as both nodes run.
+//! - [`FlapGuard`]: one node id that two live processes keep taking from each other.
+//!   Each register names its process ([`Instance`]), so a take-back by a process that
+//!   lost the id proves two of them; one process reconnecting, or a restart, never does
+//!   (the rule is on [`FlapGuard`]). [`ConflictLimits::supersedes`] proven hand-overs
+//!   within [`ConflictLimits::window`] make it a *conflict*: the current owner keeps the
+//!   node and newcomers are held off for [`ConflictLimits::hold_down`], renewed by every
+//!   refused newcomer, so the conflict stays visible for as long as both nodes run.
 //!
 //! - [`PendingConnections`]: connections that have not registered yet (still in their
 //!   TLS handshake or before their `RegisterRequest`) are capped, in all and per source,
@@ -252,10 +253,51 @@ pub enum Rival {
     Silent,
 }
 
+/// The process behind a register: its `RegisterRequest.instance_id`, drawn at random
+/// when the process starts; `None` for a node that predates the field (it sends 0).
+pub type Instance = Option<std::num::NonZeroU64>;
+
+/// An authenticated register that would take a node id from its current holder, as
+/// [`FlapGuard::contest`] decides it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Claim {
+    /// The process that registers now.
+    pub newcomer: Instance,
+    /// The process that holds the node id.
+    pub holder: Instance,
+    /// Whether the holder's connection is still heard from.
+    pub rival: Rival,
+}
+
+impl Claim {
+    /// The newcomer is the holder's own process (its old connection is dead to it).
+    #[must_use]
+    pub fn same_process(&self) -> bool {
+        self.newcomer.is_some() && self.newcomer == self.holder
+    }
+}
+
+/// Processes a guard remembers as having lost the node id (a few are enough: two
+/// processes fighting alternate between the same two).
+const MAX_LOSERS: usize = 8;
+
 /// Flap detection for one node id. See the [module documentation](self).
+///
+/// The rule: a node id is in *conflict* when, within [`ConflictLimits::window`], it
+/// changed hands between live connections [`ConflictLimits::supersedes`] times and each
+/// change is *proven* to be two processes fighting: the newcomer is a process that had
+/// lost the id before and takes it back from another live one (a take-back also proves
+/// the change it reverses). What never makes a conflict: one process reconnecting,
+/// however often (same instance); a restart, overlapping the old process or not (a new
+/// instance, and the old one does not come back); any takeover of a silent connection.
+/// A node that sends no instance id (older than the field) is judged by liveness
+/// alone: every supersede of a live connection counts.
 #[derive(Clone, Debug, Default)]
 pub struct FlapGuard {
+    /// Proven live hand-overs within the window, oldest first.
     recent: VecDeque<Timestamp>,
+    /// Processes that lost the node id, and when.
+    losers: VecDeque<(std::num::NonZeroU64, Timestamp)>,
     hold_until: Option<Timestamp>,
     refused: u32,
 }
@@ -267,10 +309,13 @@ impl FlapGuard {
         self.hold_until.is_some_and(|until| until > now)
     }
 
-    /// Decides an authenticated register that would supersede the current owner. Only a
-    /// supersede of a [`Rival::Live`] owner counts towards a conflict: a node that keeps
-    /// losing its link reconnects over a connection gone silent, and is no impostor.
-    pub fn contest(&mut self, now: Timestamp, limits: ConflictLimits, rival: Rival) -> Contest {
+    /// Decides an authenticated register that would supersede the current holder (see
+    /// the rule on [`FlapGuard`]). While the id is in conflict, newcomers are held off,
+    /// except the holder's own process.
+    pub fn contest(&mut self, now: Timestamp, limits: ConflictLimits, claim: Claim) -> Contest {
+        if claim.same_process() {
+            return Contest::Supersede;
+        }
         if self.in_conflict(now) {
             self.hold_until = Some(now + limits.hold_down);
             self.refused = self.refused.saturating_add(1);
@@ -280,20 +325,43 @@ impl FlapGuard {
             };
         }
         self.hold_until = None;
-        if rival == Rival::Silent {
+        let expired = |at: Timestamp| now >= at + limits.window;
+        while self.recent.front().is_some_and(|&at| expired(at)) {
+            self.recent.pop_front();
+        }
+        self.losers.retain(|&(_, at)| !expired(at));
+        let took_back = claim.newcomer.and_then(|newcomer| {
+            let at = self.losers.iter().position(|&(p, _)| p == newcomer)?;
+            self.losers.remove(at).map(|(_, lost_at)| lost_at)
+        });
+        if let Some(holder) = claim.holder {
+            self.losers.retain(|&(p, _)| p != holder);
+            if self.losers.len() == MAX_LOSERS {
+                self.losers.pop_front();
+            }
+            self.losers.push_back((holder, now));
+        }
+        if claim.rival == Rival::Silent {
             return Contest::Supersede;
         }
-        while self
-            .recent
-            .front()
-            .is_some_and(|&at| now >= at + limits.window)
-        {
-            self.recent.pop_front();
+        match (claim.newcomer, took_back) {
+            // A process that predates instance ids: liveness is all there is to go by.
+            (None, _) => {}
+            (Some(_), Some(lost_at)) => {
+                let at = self.recent.partition_point(|&t| t < lost_at);
+                if self.recent.get(at) != Some(&lost_at) {
+                    self.recent.insert(at, lost_at);
+                }
+            }
+            // A new process beside a live one: a restart that overlaps the old process,
+            // or the first move of a second one; only a take-back tells them apart.
+            (Some(_), None) => return Contest::Supersede,
         }
         self.recent.push_back(now);
         let threshold = usize::try_from(limits.supersedes.max(1)).unwrap_or(usize::MAX);
         if self.recent.len() >= threshold {
             self.recent.clear();
+            self.losers.clear();
             self.refused = 0;
             self.hold_until = Some(now + limits.hold_down);
             Contest::SupersedeAndHold
@@ -457,25 +525,42 @@ mod tests {
         assert_eq!(Source::of(Some(mapped)), A);
     }
 
+    fn process(n: u64) -> Instance {
+        std::num::NonZeroU64::new(n)
+    }
+
+    /// `newcomer` takes the id from `holder`, which is live.
+    fn live(newcomer: u64, holder: u64) -> Claim {
+        Claim {
+            newcomer: process(newcomer),
+            holder: process(holder),
+            rival: Rival::Live,
+        }
+    }
+
     #[test]
-    fn three_supersedes_in_the_window_make_a_conflict_that_refused_newcomers_renew() {
+    fn two_processes_taking_the_id_back_make_a_conflict_that_refused_newcomers_renew() {
         let limits = ConflictLimits::default();
         let mut g = FlapGuard::default();
-        assert_eq!(g.contest(at(0), limits, Rival::Live), Contest::Supersede);
+        // A (1) takes it from B (2) at 0 s; B's take-back at 40 s is outside the window,
+        // so it proves nothing yet.
+        assert_eq!(g.contest(at(0), limits, live(1, 2)), Contest::Supersede);
         assert_eq!(
-            g.contest(at(40_000), limits, Rival::Live),
+            g.contest(at(40_000), limits, live(2, 1)),
+            Contest::Supersede
+        );
+        // A takes it back within the window: that proves its own hand-over and the one
+        // at 40 s. B's next take-back is the third proven one.
+        assert_eq!(
+            g.contest(at(41_000), limits, live(1, 2)),
             Contest::Supersede
         );
         assert_eq!(
-            g.contest(at(41_000), limits, Rival::Live),
-            Contest::Supersede
-        );
-        assert_eq!(
-            g.contest(at(42_000), limits, Rival::Live),
+            g.contest(at(42_000), limits, live(2, 1)),
             Contest::SupersedeAndHold
         );
         assert!(g.in_conflict(at(42_001)));
-        let Contest::HoldOff { retry_after, log } = g.contest(at(90_000), limits, Rival::Live)
+        let Contest::HoldOff { retry_after, log } = g.contest(at(90_000), limits, live(2, 1))
         else {
             panic!("held off");
         };
@@ -483,45 +568,109 @@ mod tests {
         assert!(log, "the first refusal is logged");
         // The refused newcomer renewed the hold: still a conflict past the first hold-down.
         assert!(g.in_conflict(at(120_000)));
+        // The holder's own process reconnecting is never held off.
+        assert_eq!(
+            g.contest(at(120_000), limits, live(1, 1)),
+            Contest::Supersede
+        );
         assert!(!g.in_conflict(at(150_000)));
         assert_eq!(
-            g.contest(at(150_000), limits, Rival::Live),
+            g.contest(at(150_000), limits, live(2, 1)),
             Contest::Supersede
         );
     }
 
     #[test]
-    fn reconnects_over_a_silent_connection_never_make_a_conflict() {
+    fn restarts_never_make_a_conflict_however_fast_they_overlap() {
         let limits = ConflictLimits::default();
         let mut g = FlapGuard::default();
+        // Each restart is a new process taking the id from the live (draining) old one.
+        for n in 1..50u64 {
+            assert_eq!(
+                g.contest(at(n * 10), limits, live(n + 1, n)),
+                Contest::Supersede,
+                "restart {n}"
+            );
+        }
+        assert!(!g.in_conflict(at(500)));
+    }
+
+    #[test]
+    fn one_process_reconnecting_never_makes_a_conflict() {
+        let limits = ConflictLimits::default();
+        let mut g = FlapGuard::default();
+        for t in 0..20 {
+            assert_eq!(
+                g.contest(at(t * 10), limits, live(7, 7)),
+                Contest::Supersede
+            );
+            let silent = Claim {
+                rival: Rival::Silent,
+                ..live(7, 7)
+            };
+            assert_eq!(
+                g.contest(at(t * 10 + 5), limits, silent),
+                Contest::Supersede
+            );
+        }
+        assert!(!g.in_conflict(at(200)));
+    }
+
+    #[test]
+    fn nodes_without_an_instance_id_are_judged_by_liveness_alone() {
+        let limits = ConflictLimits::default();
+        let mut g = FlapGuard::default();
+        let old = |rival| Claim {
+            newcomer: None,
+            holder: None,
+            rival,
+        };
         for t in 0..10 {
             assert_eq!(
-                g.contest(at(t * 100), limits, Rival::Silent),
+                g.contest(at(t * 100), limits, old(Rival::Silent)),
                 Contest::Supersede
             );
         }
         assert!(!g.in_conflict(at(1_000)));
-        // Nor do they help live rivals to one: three live supersedes are still needed.
+        // Three live supersedes: a conflict, as before instance ids.
         assert_eq!(
-            g.contest(at(1_100), limits, Rival::Live),
+            g.contest(at(1_100), limits, old(Rival::Live)),
             Contest::Supersede
         );
         assert_eq!(
-            g.contest(at(1_200), limits, Rival::Silent),
+            g.contest(at(1_200), limits, old(Rival::Silent)),
             Contest::Supersede
         );
         assert_eq!(
-            g.contest(at(1_300), limits, Rival::Live),
+            g.contest(at(1_300), limits, old(Rival::Live)),
             Contest::Supersede
         );
         assert_eq!(
-            g.contest(at(1_400), limits, Rival::Live),
+            g.contest(at(1_400), limits, old(Rival::Live)),
             Contest::SupersedeAndHold
         );
         // Once in conflict, a newcomer is held off whatever the owner's state.
         assert!(matches!(
-            g.contest(at(1_500), limits, Rival::Silent),
+            g.contest(at(1_500), limits, old(Rival::Silent)),
             Contest::HoldOff { .. }
         ));
+    }
+
+    #[test]
+    fn a_take_back_over_a_silent_holder_counts_nothing() {
+        let limits = ConflictLimits::default();
+        let mut g = FlapGuard::default();
+        let silent = |newcomer, holder| Claim {
+            rival: Rival::Silent,
+            ..live(newcomer, holder)
+        };
+        for t in 0..10 {
+            let (a, b) = if t % 2 == 0 { (1, 2) } else { (2, 1) };
+            assert_eq!(
+                g.contest(at(t * 100), limits, silent(a, b)),
+                Contest::Supersede
+            );
+        }
+        assert!(!g.in_conflict(at(1_000)));
     }
 }

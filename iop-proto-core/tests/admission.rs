@@ -193,6 +193,67 @@ fn two_nodes_sharing_an_id_become_a_conflict_instead_of_flapping() {
     assert_eq!(h.edge.nodes()[0].state, NodeState::Ready);
 }
 
+/// Takes `node` for a new connection of process `instance` and readies it; returns the
+/// connection and whether the id became a conflict.
+fn take(h: &mut Harness, node: &str, instance: u64) -> (ConnId, bool) {
+    let conn = h.open();
+    h.register_as(conn, node, instance);
+    h.ready(conn, node);
+    let (_, events) = h.drain();
+    let conflict = events
+        .iter()
+        .any(|e| matches!(e, EdgeEvent::NodeConflict { .. }));
+    (conn, conflict)
+}
+
+#[test]
+fn restarts_and_reconnects_of_one_node_are_never_a_conflict() {
+    let mut h = Harness::new();
+    take(&mut h, "n1", 1);
+    // Twenty restarts 100 ms apart, each a new process beside the live old one (a
+    // restart that does not wait, or whose old process's drain request is still on its
+    // way), and each process reconnecting once over its own live connection.
+    for instance in 2..22 {
+        h.at(h.now.as_millis() + 100);
+        let (conn, conflict) = take(&mut h, "n1", instance);
+        assert!(!conflict, "restart {instance} made a conflict");
+        assert_eq!(h.edge.owner_of_node("n1"), Some(conn));
+        h.at(h.now.as_millis() + 10);
+        let (again, conflict) = take(&mut h, "n1", instance);
+        assert!(!conflict, "a reconnect of process {instance} made a conflict");
+        assert_eq!(h.edge.owner_of_node("n1"), Some(again));
+    }
+    assert!(!h.edge.nodes()[0].conflict);
+    assert_eq!(h.edge.nodes()[0].state, NodeState::Ready);
+}
+
+#[test]
+fn two_processes_taking_one_id_back_and_forth_are_a_conflict() {
+    let mut h = Harness::new();
+    let (mut owner, _) = take(&mut h, "n1", 1);
+    let mut caught = None;
+    for round in 1..10u64 {
+        h.at(h.now.as_millis() + 1000);
+        let (conn, conflict) = take(&mut h, "n1", 1 + round % 2);
+        if conflict {
+            caught = Some(round);
+            owner = conn;
+            break;
+        }
+        owner = conn;
+    }
+    // Process 2 takes it (unproven), 1 takes it back (proves both), 2 again: the third.
+    assert_eq!(caught, Some(3));
+    // The holder's own process may still reconnect; the other is held off.
+    let (conn, _) = take(&mut h, "n1", 2);
+    assert_eq!(h.edge.owner_of_node("n1"), Some(conn), "the holder's own process");
+    assert_ne!(conn, owner);
+    let refused = h.open();
+    h.register_as(refused, "n1", 1);
+    let answer = register_answer(&h.transmits(), refused);
+    assert!(!answer.accepted && answer.reason.contains("conflict"));
+}
+
 #[test]
 fn a_changed_token_revokes_the_connection_that_used_the_old_one() {
     let mut h = Harness::new();

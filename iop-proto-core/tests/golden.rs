@@ -15,6 +15,7 @@ fn session() -> NodeSession {
     let mut config = SessionConfig::new("n0", "sim-token");
     config.version = "golden".into();
     config.adapter_types = vec!["mock".into(), "openai_compat".into()];
+    config.instance_id = 7;
     NodeSession::new(config)
 }
 

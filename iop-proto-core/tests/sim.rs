@@ -5,15 +5,15 @@
 //! - `IOP_SIM_SEED=<n>` replays one seed and prints its whole trace;
 //! - a proptest drives the same world with generated operation lists, so a failure
 //!   shrinks to a short list;
-//! - planted bugs must be caught within the default seeds.
+//! - planted bugs must be caught within the default seeds;
+//! - seeds that once broke an invariant stay as regression tests;
+//! - `scripts/sim-sweep <start> <count>` sweeps a wide range in release.
 
 use std::time::Instant;
 
 use iop_proto_core::testkit::Faults;
-use iop_proto_core::testkit::sim::{self, Mode, Op, SimOptions};
+use iop_proto_core::testkit::sim::{self, Mode, OPS_PER_SEED, Op, SimOptions};
 use proptest::prelude::*;
-
-const OPS_PER_SEED: usize = 60;
 
 fn seeds() -> u64 {
     std::env::var("IOP_SIM_SEEDS")
@@ -76,7 +76,38 @@ fn every_seed_keeps_every_invariant() {
         "the world did too little work to prove anything"
     );
     assert!(drained > 0, "no graceful stop ran to its end");
+    assert!(conflicts > 0, "no impostor fighting a node was ever caught");
     assert!(held_off > 0, "no restart met its node still draining");
+}
+
+/// Seeds a wide sweep once found breaking an invariant, each with the rule that was broken.
+#[test]
+fn seeds_that_broke_an_invariant_keep_it_now() {
+    let fixed = [
+        // The harness broke its own driving rule (a shell drains every output before its
+        // next input): a fence freed capacity, the harness dispatched the grant, then
+        // reported an unrelated stale close before that dispatch's frame went out, and
+        // took the frame for the close's doing. Stale closes still must change nothing.
+        (73_015, "stale close after a heartbeat-timeout fence"),
+        (81_970, "stale close after a drain"),
+        (163_085, "stale close after a heartbeat-timeout fence"),
+        // A conflict needs two processes: the flap guard counted every supersede of a
+        // live connection, so a node restarted beside its draining old process (whose
+        // drain request was still on its way), or restarted within two heartbeat
+        // intervals of a crash, made a conflict of one node. Now only a process that
+        // lost the id taking it back proves a second process (`RegisterRequest.instance_id`).
+        (216_981, "overlapping restarts after a crash"),
+        (403_439, "three overlapping restarts in the window"),
+        (
+            475_429,
+            "an overlapping restart, then a crash and a quick restart",
+        ),
+    ];
+    for (seed, what) in fixed {
+        if let Err(failure) = sim::run_seed(seed, SimOptions::default()) {
+            panic!("{what}: {failure}");
+        }
+    }
 }
 
 #[test]

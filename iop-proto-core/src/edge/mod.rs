@@ -36,7 +36,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::edge_config::{EdgeConfig, EdgeConfigError, category_of};
-use crate::guard::{AuthThrottle, Contest, FlapGuard, PendingConnections, Rival, Source};
+use crate::guard::{
+    AuthThrottle, Claim, Contest, FlapGuard, Instance, PendingConnections, Rival, Source,
+};
 use crate::idhash::IdMap;
 use crate::lease::{Generation, Lease, Ledger, Release, RequestId, ResourceId};
 use crate::queue::{Candidate, Ticket, WaitQueue, Waiter};

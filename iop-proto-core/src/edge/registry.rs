@@ -82,6 +82,8 @@ pub(super) struct Owner {
     pub(super) ready: bool,
     /// Revision sent in the `RegisterResponse`.
     pub(super) registered_revision: u64,
+    /// The node process that registered (its `RegisterRequest.instance_id`).
+    pub(super) instance: Instance,
 }
 
 #[derive(Debug)]
@@ -341,6 +343,7 @@ impl EdgeCore {
             }
         };
         self.registry.throttle.record_success(source);
+        let instance = std::num::NonZeroU64::new(req.instance_id);
         // A newer register supersedes the current owner in this same transition, unless
         // the two keep taking the node id from each other.
         if let Some(old) = self.registry.nodes[i].owner {
@@ -360,15 +363,21 @@ impl EdgeCore {
             // requests have ended: the newcomer is most likely the node's own restart,
             // and superseding would cut those requests. A silent one is superseded as
             // any other.
+            let claim = Claim {
+                newcomer: instance,
+                holder: old.instance,
+                rival,
+            };
             let stopping = matches!(
                 self.registry.nodes[i].draining,
                 Some(DrainReason::Stopping(_))
             );
-            if stopping && rival == Rival::Live {
+            // The stopping process itself reconnecting has given its old connection up.
+            if stopping && rival == Rival::Live && !claim.same_process() {
                 self.hold_off(conn, addr, i, &req.node_id, HeldOff::Draining);
                 return;
             }
-            match self.registry.nodes[i].flap.contest(self.now, limits, rival) {
+            match self.registry.nodes[i].flap.contest(self.now, limits, claim) {
                 Contest::HoldOff { retry_after, log } => {
                     let held = HeldOff::Conflict { retry_after, log };
                     self.hold_off(conn, addr, i, &req.node_id, held);
@@ -399,6 +408,7 @@ impl EdgeCore {
             generation,
             ready: false,
             registered_revision: revision,
+            instance,
         });
         self.registry.nodes[i].agent = Some(Box::new(Agent {
             version: req.version.as_str().into(),

@@ -248,6 +248,7 @@ impl NodeSession {
             version: self.config.version.clone(),
             adapter_types: self.config.adapter_types.clone(),
             labels: self.config.labels.clone(),
+            instance_id: self.config.instance_id,
         }));
         Ok(())
     }

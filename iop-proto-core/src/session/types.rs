@@ -16,6 +16,10 @@ pub struct SessionConfig {
     pub adapter_types: Vec<String>,
     /// Informational labels.
     pub labels: BTreeMap<String, String>,
+    /// This process's `RegisterRequest.instance_id`: random, drawn once when the process
+    /// starts and the same for every connection it makes, so the Edge can tell the node's
+    /// own reconnects and restarts from a second process using its id. 0 sends none.
+    pub instance_id: u64,
     /// Register, configure and ready must complete within this time.
     pub handshake_timeout: Duration,
     /// Heartbeat interval until the Edge says otherwise.
@@ -39,6 +43,7 @@ impl std::fmt::Debug for SessionConfig {
             .field("token", &"<redacted>")
             .field("version", &self.version)
             .field("adapter_types", &self.adapter_types)
+            .field("instance_id", &self.instance_id)
             .field("handshake_timeout", &self.handshake_timeout)
             .field("heartbeat_interval", &self.heartbeat_interval)
             .finish_non_exhaustive()
@@ -58,6 +63,7 @@ impl SessionConfig {
                 .map(String::from)
                 .to_vec(),
             labels: BTreeMap::new(),
+            instance_id: 0,
             handshake_timeout: Duration::from_secs(10),
             heartbeat_interval: Duration::from_secs(5),
             heartbeat_timeout_intervals: 3,

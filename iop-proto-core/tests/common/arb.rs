@@ -111,17 +111,26 @@ pub fn config_payload() -> impl Strategy<Value = NodeConfigPayload> {
 /// Any envelope body, every variant reachable.
 pub fn body() -> impl Strategy<Value = Body> {
     prop_oneof![
-        (text(), text(), text(), vec(text(), 0..3), labels()).prop_map(
-            |(node_id, token, version, adapter_types, labels)| {
-                Body::RegisterRequest(RegisterRequest {
-                    node_id,
-                    token,
-                    version,
-                    adapter_types,
-                    labels,
-                })
-            }
-        ),
+        (
+            text(),
+            text(),
+            text(),
+            vec(text(), 0..3),
+            labels(),
+            any::<u64>()
+        )
+            .prop_map(
+                |(node_id, token, version, adapter_types, labels, instance_id)| {
+                    Body::RegisterRequest(RegisterRequest {
+                        node_id,
+                        token,
+                        version,
+                        adapter_types,
+                        labels,
+                        instance_id,
+                    })
+                }
+            ),
         (
             any::<bool>(),
             text(),

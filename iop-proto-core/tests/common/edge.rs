@@ -126,6 +126,19 @@ impl Harness {
         );
     }
 
+    /// Registers `conn` as `node_id` from the node process `instance`.
+    pub fn register_as(&mut self, conn: ConnId, node_id: &str, instance: u64) {
+        self.send(
+            conn,
+            Body::RegisterRequest(RegisterRequest {
+                node_id: node_id.into(),
+                token: TOKEN.into(),
+                instance_id: instance,
+                ..Default::default()
+            }),
+        );
+    }
+
     pub fn ready(&mut self, conn: ConnId, node_id: &str) {
         self.send(
             conn,
