@@ -89,6 +89,7 @@ struct RawHttpTls {
 #[serde(deny_unknown_fields)]
 struct RawAdmission {
     free_failures: Option<u32>,
+    failure_interval_ms: Option<u64>,
     failure_window_sec: Option<u64>,
     max_backoff_sec: Option<u64>,
     conflict_supersedes: Option<u32>,
@@ -369,10 +370,14 @@ impl Config {
                 .is_some_and(|t| t.client_ca_file.is_some()),
             throttle: ThrottleLimits {
                 free_failures: a.free_failures.unwrap_or(5),
+                interval: positive_ms(
+                    "admission.failure_interval_ms",
+                    a.failure_interval_ms,
+                    1000,
+                )?,
+                max_hold: positive_secs("admission.max_backoff_sec", a.max_backoff_sec, 30)?,
                 window: positive_secs("admission.failure_window_sec", a.failure_window_sec, 60)?,
-                base_block: Duration::from_secs(1),
-                max_block: positive_secs("admission.max_backoff_sec", a.max_backoff_sec, 60)?,
-                max_sources: 4096,
+                max_tracked: 4096,
             },
             pending: iop_proto_core::PendingLimits {
                 max_total: raw.limits.max_pending_connections.unwrap_or(1024),

@@ -112,6 +112,8 @@ pub struct Snapshot {
     pub queue_by_model: Vec<(String, usize)>,
     /// Requests accepted and not finished.
     pub open_requests: usize,
+    /// Node ids and addresses whose registrations failed recently.
+    pub registration_failures: iop_proto_core::edge::RegistrationFailures,
 }
 
 /// An input for the core.
@@ -483,6 +485,7 @@ impl Task {
                     providers: self.core.snapshots(),
                     queue_by_model,
                     open_requests: self.core.open_requests(),
+                    registration_failures: self.core.registration_failures(20),
                 });
             }
         }
@@ -720,15 +723,19 @@ impl Task {
                 conn,
                 addr,
                 node_id,
+                known,
                 reason,
                 failures,
-                blocked_for,
+                throttled,
                 log,
             } => {
-                self.metrics.rejected(reason.as_str());
+                self.metrics.rejected(if throttled.is_some() {
+                    "throttled"
+                } else {
+                    reason.as_str()
+                });
                 if log {
                     let peer = addr.map_or_else(|| "-".to_owned(), |a| a.to_string());
-                    let backoff_ms = blocked_for.map(|d| d.as_millis() as u64);
                     if reason == iop_proto_core::RejectReason::Conflict {
                         warn!(
                             conn = conn.0,
@@ -746,10 +753,13 @@ impl Task {
                             conn = conn.0,
                             %peer,
                             node_id,
+                            known,
                             reason = reason.as_str(),
                             failures,
-                            backoff_ms,
-                            "node registration refused (logged at 1, 2, 4, 8... failures per address)"
+                            throttled_by = throttled.map(|t| t.by.as_str()),
+                            hold_ms = throttled.map(|t| t.hold.as_millis() as u64),
+                            "node registration refused (logged at 1, 2, 4, 8... failures of \
+                             a node id and address)"
                         );
                     }
                 }

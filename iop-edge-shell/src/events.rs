@@ -26,8 +26,10 @@ pub const MAX_SUBSCRIBERS: usize = 64;
 /// Events held for subscribers whose fan-out task has not taken them yet.
 const BACKLOG: usize = 1024;
 
-/// Recent events kept for subscribers that resume with `Last-Event-ID`.
-pub const RECENT: usize = 128;
+/// Recent events kept for subscribers that resume with `Last-Event-ID`: enough for a
+/// fleet of a hundred nodes restarting at once (six events each) to leave what happened
+/// just before it in view; a few hundred kilobytes.
+pub const RECENT: usize = 1024;
 
 /// Where lifecycle events are published, and subscribed to.
 #[derive(Debug)]
@@ -288,10 +290,10 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(50)).await;
         let total = RECENT as u64 + 11;
         assert_eq!(
-            ids(&take(&mut resumed, 100)),
+            ids(&take(&mut resumed, 2 * RECENT)),
             (131..=total).collect::<Vec<_>>()
         );
-        let all = ids(&take(&mut everything, 1000));
+        let all = ids(&take(&mut everything, 2 * RECENT));
         assert_eq!(
             all,
             (11..=total).collect::<Vec<_>>(),

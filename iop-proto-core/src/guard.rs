@@ -1,12 +1,17 @@
 //! Registration abuse guards, plain accounting driven by timestamps:
 //!
-//! - [`AuthThrottle`]: per-source failed-registration counts and an exponential back-off.
-//!   A source that fails more than [`ThrottleLimits::free_failures`] times without a quiet
-//!   [`ThrottleLimits::window`] is blocked, for twice as long with each further failure up
-//!   to [`ThrottleLimits::max_block`]. While blocked, its registrations are refused without
-//!   looking at the credentials, so guessing gains nothing. It also decides which failures
-//!   are worth a log line (the 1st, 2nd, 4th, 8th… of a source), so an attack writes a
-//!   handful of lines instead of one per attempt.
+//! - [`AuthThrottle`]: failed registrations, counted where the guesses are: against the
+//!   node id they claimed (known or not, alike, so throttling never tells ids apart) and
+//!   against their source address. Each has a budget of [`ThrottleLimits::free_failures`]
+//!   failures answered at once, refilled by one every [`ThrottleLimits::interval`];
+//!   beyond it, the *answer* to a failure is held back (up to
+//!   [`ThrottleLimits::max_hold`]), so failures from one address, and failures against one
+//!   node id from anywhere, are answered at most one per interval. Nothing is ever refused
+//!   without its credentials being checked, and a right token is accepted at once
+//!   whatever failed before it: a misconfigured node costs its siblings behind the same
+//!   address nothing. A node id's correct token ends its throttle; the address's budget
+//!   refills only with time (so one valid node cannot reset it for a guesser beside it).
+//!   It also decides which failures are worth a log line, so an attack writes a handful.
 //! - [`FlapGuard`]: one node id that two live processes keep taking from each other.
 //!   Each register names its process ([`Instance`]), so a take-back by a process that
 //!   lost the id proves two of them; one process reconnecting, or a restart, never does
@@ -16,15 +21,18 @@
 //!   refused newcomer, so the conflict stays visible for as long as both nodes run.
 //!
 //! - [`PendingConnections`]: connections that have not registered yet (still in their
-//!   TLS handshake or before their `RegisterRequest`) are capped, in all and per source,
-//!   so unauthenticated peers cannot hold an unbounded number of sockets and buffers.
+//!   TLS handshake or before their `RegisterRequest`, or waiting for a held answer) are
+//!   capped, in all and per source, so unauthenticated peers cannot hold an unbounded
+//!   number of sockets and buffers. Together with the held answers this bounds the
+//!   guesses of any number of concurrent connections.
 //!
-//! All are bounded: the throttle tracks at most [`ThrottleLimits::max_sources`] sources
-//! (forgetting quiet ones first, then the oldest), a flap guard keeps at most
-//! `supersedes` timestamps, and the pending table has one entry per source with a
-//! pending connection.
+//! All are bounded: the throttle tracks at most [`ThrottleLimits::max_tracked`] node ids
+//! and as many sources (forgetting settled ones first, then the oldest), a flap guard
+//! keeps a few timestamps, and the pending table has one entry per source with a pending
+//! connection.
 
 use std::collections::{HashMap, VecDeque};
+use std::hash::Hash;
 use std::net::IpAddr;
 use std::time::Duration;
 
@@ -32,7 +40,7 @@ use crate::time::Timestamp;
 
 /// Where registrations come from, as the throttle counts them: an IPv4 address, or the
 /// /64 prefix of an IPv6 address (one host usually owns a whole /64).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Source {
     /// An IPv4 address (or an IPv4-mapped IPv6 one).
     V4([u8; 4]),
@@ -61,29 +69,68 @@ impl Source {
     }
 }
 
-/// Limits of the failed-registration back-off.
+/// `10.0.0.1`, `2001:db8:1:2::/64` or `unknown`.
+impl std::fmt::Display for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Source::V4(octets) => std::net::Ipv4Addr::from(*octets).fmt(f),
+            Source::V6Prefix(prefix) => {
+                let mut octets = [0u8; 16];
+                octets[..8].copy_from_slice(prefix);
+                write!(f, "{}/64", std::net::Ipv6Addr::from(octets))
+            }
+            Source::Unknown => f.write_str("unknown"),
+        }
+    }
+}
+
+/// Limits of the failed-registration throttle.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ThrottleLimits {
-    /// Failures a source may make before it is blocked.
+    /// Failures a node id, and a source, may make in a burst before their answers are
+    /// held back.
     pub free_failures: u32,
-    /// Quiet time after which a source's failures are forgotten.
+    /// Beyond the burst, failures are answered one per interval; the budget refills one
+    /// failure per interval.
+    pub interval: Duration,
+    /// The longest a failed answer is held back (what bounds the guesses of many
+    /// concurrent connections, with the caps on pending connections).
+    pub max_hold: Duration,
+    /// A node id's or a source's failure count (for logs and status) is forgotten after
+    /// this long without one.
     pub window: Duration,
-    /// The first block; each further failure doubles it.
-    pub base_block: Duration,
-    /// The longest block.
-    pub max_block: Duration,
-    /// Sources tracked at once.
-    pub max_sources: usize,
+    /// Node ids tracked at once, and sources tracked at once.
+    pub max_tracked: usize,
 }
 
 impl Default for ThrottleLimits {
     fn default() -> Self {
         ThrottleLimits {
             free_failures: 5,
+            interval: Duration::from_secs(1),
+            max_hold: Duration::from_secs(30),
             window: Duration::from_secs(60),
-            base_block: Duration::from_secs(1),
-            max_block: Duration::from_secs(60),
-            max_sources: 4096,
+            max_tracked: 4096,
+        }
+    }
+}
+
+/// Which budget held a failed answer back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ThrottledBy {
+    /// The claimed node id's (failures against it from anywhere).
+    Node,
+    /// The source address's (failures from it, whatever id they claimed).
+    Source,
+}
+
+impl ThrottledBy {
+    /// A stable name for logs and events.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ThrottledBy::Node => "node_id",
+            ThrottledBy::Source => "source",
         }
     }
 }
@@ -91,26 +138,144 @@ impl Default for ThrottleLimits {
 /// What a recorded failure means.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FailureRecord {
-    /// Failures of this source since it was last quiet for a whole window.
-    pub failures: u32,
-    /// The block this failure started or extended, if any.
-    pub blocked_for: Option<Duration>,
+    /// Failures against the claimed node id since it was last quiet for a window.
+    pub node_failures: u32,
+    /// Failures from the source since it was last quiet for a window.
+    pub source_failures: u32,
+    /// How long the answer is held back; zero within the budgets.
+    pub hold: Duration,
+    /// The budget that holds it (the longer hold, when both do).
+    pub by: Option<ThrottledBy>,
+    /// When the peer should try again: the hold a failure would meet right after this
+    /// answer, at least one interval. Zero within the budgets.
+    pub retry_after: Duration,
     /// Whether this failure is worth a log line.
     pub log: bool,
 }
 
-#[derive(Clone, Copy, Debug)]
-struct Entry {
-    failures: u32,
-    last_failure: Timestamp,
-    blocked_until: Timestamp,
+/// A node id or source with failures within the window, for status pages.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FailingKey<K> {
+    /// The node id claimed, or the source.
+    pub key: K,
+    /// Failures since it was last quiet for a window.
+    pub failures: u32,
+    /// How long a failure now would be held back (zero: within its budget).
+    pub hold: Duration,
+    /// Time since its last failure.
+    pub since_last: Duration,
 }
 
-/// Per-source failed-registration back-off. See the [module documentation](self).
+/// One budget: a count for logs, and a generic cell rate (GCRA) for holds.
+#[derive(Clone, Copy, Debug)]
+struct Budget {
+    failures: u32,
+    last_failure: Timestamp,
+    /// Each failure moves this one interval further; up to `free_failures` intervals
+    /// ahead of now are free, beyond that the answer waits.
+    debt_until: Timestamp,
+    /// When a failure of this key was last worth a log line.
+    logged_at: Option<Timestamp>,
+}
+
+impl Budget {
+    fn allowance(limits: &ThrottleLimits) -> Duration {
+        limits.interval.saturating_mul(limits.free_failures)
+    }
+
+    /// The hold a failure at `now` would meet.
+    fn hold(&self, now: Timestamp, limits: &ThrottleLimits) -> Duration {
+        (self.debt_until.max(now) + limits.interval)
+            .saturating_duration_since(now)
+            .saturating_sub(Self::allowance(limits))
+            .min(limits.max_hold)
+    }
+
+    /// Counts a failure at `now`; returns its hold.
+    fn charge(&mut self, now: Timestamp, limits: &ThrottleLimits) -> Duration {
+        if now >= self.last_failure + limits.window {
+            self.failures = 0;
+        }
+        self.failures = self.failures.saturating_add(1);
+        self.last_failure = now;
+        let hold = self.hold(now, limits);
+        // Capped, so a burst of concurrent failures cannot push recovery far out.
+        self.debt_until = (self.debt_until.max(now) + limits.interval)
+            .min(now + Self::allowance(limits) + limits.max_hold);
+        hold
+    }
+
+    /// Nothing owed and nothing to report: may be forgotten.
+    fn settled(&self, now: Timestamp, limits: &ThrottleLimits) -> bool {
+        self.debt_until <= now && now >= self.last_failure + limits.window
+    }
+}
+
+/// Budgets by key, bounded.
+#[derive(Debug)]
+struct Budgets<K> {
+    entries: HashMap<K, Budget>,
+}
+
+impl<K: Eq + Hash + Clone> Budgets<K> {
+    fn new() -> Self {
+        Budgets {
+            entries: HashMap::new(),
+        }
+    }
+
+    fn get_or_insert(&mut self, now: Timestamp, key: &K, limits: &ThrottleLimits) -> &mut Budget {
+        if !self.entries.contains_key(key) {
+            self.make_room(now, limits);
+        }
+        self.entries.entry(key.clone()).or_insert(Budget {
+            failures: 0,
+            last_failure: now,
+            debt_until: Timestamp::ZERO,
+            logged_at: None,
+        })
+    }
+
+    /// Keeps the table below its bound: forget settled keys, and if none is, the one
+    /// that failed longest ago.
+    fn make_room(&mut self, now: Timestamp, limits: &ThrottleLimits) {
+        let max = limits.max_tracked.max(1);
+        if self.entries.len() < max {
+            return;
+        }
+        self.entries.retain(|_, b| !b.settled(now, limits));
+        if self.entries.len() >= max
+            && let Some(oldest) = self
+                .entries
+                .iter()
+                .min_by_key(|(_, b)| b.last_failure)
+                .map(|(key, _)| key.clone())
+        {
+            self.entries.remove(&oldest);
+        }
+    }
+
+    fn failing(&self, now: Timestamp, limits: &ThrottleLimits) -> Vec<FailingKey<K>> {
+        self.entries
+            .iter()
+            .filter(|(_, b)| now < b.last_failure + limits.window)
+            .map(|(key, b)| FailingKey {
+                key: key.clone(),
+                failures: b.failures,
+                hold: b.hold(now, limits),
+                since_last: now.saturating_duration_since(b.last_failure),
+            })
+            .collect()
+    }
+}
+
+/// Failed-registration throttle by node id and by source. See the
+/// [module documentation](self).
 #[derive(Debug)]
 pub struct AuthThrottle {
     limits: ThrottleLimits,
-    entries: HashMap<Source, Entry>,
+    nodes: Budgets<Box<str>>,
+    sources: Budgets<Source>,
 }
 
 impl AuthThrottle {
@@ -119,7 +284,8 @@ impl AuthThrottle {
     pub fn new(limits: ThrottleLimits) -> Self {
         AuthThrottle {
             limits,
-            entries: HashMap::new(),
+            nodes: Budgets::new(),
+            sources: Budgets::new(),
         }
     }
 
@@ -128,75 +294,96 @@ impl AuthThrottle {
         self.limits = limits;
     }
 
-    /// Sources currently tracked.
+    /// Node ids and sources currently tracked.
     #[must_use]
     pub fn tracked(&self) -> usize {
-        self.entries.len()
+        self.nodes.entries.len() + self.sources.entries.len()
     }
 
-    /// How long `source` stays blocked from `now`, if it is.
-    #[must_use]
-    pub fn blocked(&self, now: Timestamp, source: Source) -> Option<Duration> {
-        let entry = self.entries.get(&source)?;
-        (entry.blocked_until > now).then(|| entry.blocked_until.saturating_duration_since(now))
-    }
-
-    /// Counts a failed registration (also one refused while blocked) of `source`.
-    pub fn record_failure(&mut self, now: Timestamp, source: Source) -> FailureRecord {
-        if !self.entries.contains_key(&source) {
-            self.make_room(now);
-        }
+    /// Counts a failed registration that claimed `node_id` from `source`: both budgets
+    /// are charged, and the answer waits for the longer of their holds.
+    pub fn record_failure(
+        &mut self,
+        now: Timestamp,
+        source: Source,
+        node_id: &str,
+    ) -> FailureRecord {
         let limits = self.limits;
-        let entry = self.entries.entry(source).or_insert(Entry {
-            failures: 0,
-            last_failure: now,
-            blocked_until: Timestamp::ZERO,
-        });
-        if entry.blocked_until <= now && now >= entry.last_failure + limits.window {
-            entry.failures = 0;
+        let key: Box<str> = node_id.into();
+        // A key not logged for a whole window is logged again, so a node that keeps
+        // failing stays visible, about once a window.
+        let quiet = |b: &Budget| b.logged_at.is_none_or(|at| now >= at + limits.window);
+        let node = self.nodes.get_or_insert(now, &key, &limits);
+        let node_hold = node.charge(now, &limits);
+        let node_next = node.hold(now + node_hold, &limits);
+        let (node_failures, node_quiet) = (node.failures, quiet(node));
+        let src = self.sources.get_or_insert(now, &source, &limits);
+        let source_hold = src.charge(now, &limits);
+        let source_next = src.hold(now + source_hold, &limits);
+        let (source_failures, source_quiet) = (src.failures, quiet(src));
+        let (hold, by) = match (node_hold, source_hold) {
+            (Duration::ZERO, Duration::ZERO) => (Duration::ZERO, None),
+            (n, s) if n >= s => (n, Some(ThrottledBy::Node)),
+            (_, s) => (s, Some(ThrottledBy::Source)),
+        };
+        let retry_after = if by.is_some() {
+            node_next.max(source_next).max(limits.interval)
+        } else {
+            Duration::ZERO
+        };
+        // One line at the 1st, 2nd, 4th, 8th... failure where both counts say so (a
+        // spray of ids from one address counts up its source; one id guessed from many
+        // addresses counts up the id), one when a budget first holds an answer, and one
+        // when neither was logged for a window.
+        let starts = |failures: u32| failures == limits.free_failures.saturating_add(1);
+        let log = (node_failures.is_power_of_two() && source_failures.is_power_of_two())
+            || (by.is_some() && (starts(node_failures) || starts(source_failures)))
+            || (node_quiet && source_quiet);
+        if log {
+            for b in [
+                self.nodes.entries.get_mut(node_id),
+                self.sources.entries.get_mut(&source),
+            ]
+            .into_iter()
+            .flatten()
+            {
+                b.logged_at = Some(now);
+            }
         }
-        entry.failures = entry.failures.saturating_add(1);
-        entry.last_failure = now;
-        let over = entry.failures.saturating_sub(limits.free_failures);
-        let blocked_for = (over > 0).then(|| {
-            let block = limits
-                .base_block
-                .saturating_mul(1u32 << (over - 1).min(30))
-                .min(limits.max_block);
-            entry.blocked_until = entry.blocked_until.max(now + block);
-            block
-        });
         FailureRecord {
-            failures: entry.failures,
-            blocked_for,
-            log: entry.failures.is_power_of_two() || over == 1,
+            node_failures,
+            source_failures,
+            hold,
+            by,
+            retry_after,
+            log,
         }
     }
 
-    /// A registration from `source` succeeded: its failures are forgotten.
-    pub fn record_success(&mut self, source: Source) {
-        self.entries.remove(&source);
+    /// A registration claiming `node_id` succeeded: that id's failures are forgotten and
+    /// its throttle ends. The source's budget is left to refill with time, so a valid
+    /// node cannot reset it for a guesser beside it.
+    pub fn record_success(&mut self, node_id: &str) {
+        self.nodes.entries.remove(node_id);
     }
 
-    /// Keeps the table below its bound: forget sources that are neither blocked nor
-    /// recently failing, and if none is, the one that failed longest ago.
-    fn make_room(&mut self, now: Timestamp) {
-        if self.entries.len() < self.limits.max_sources.max(1) {
-            return;
-        }
-        let window = self.limits.window;
-        self.entries
-            .retain(|_, e| e.blocked_until > now || now < e.last_failure + window);
-        if self.entries.len() >= self.limits.max_sources.max(1)
-            && let Some(oldest) = self
-                .entries
-                .iter()
-                .min_by_key(|(_, e)| e.last_failure)
-                .map(|(source, _)| *source)
-        {
-            self.entries.remove(&oldest);
-        }
+    /// Node ids with failures within the window, most failures first, at most `max`.
+    #[must_use]
+    pub fn failing_nodes(&self, now: Timestamp, max: usize) -> Vec<FailingKey<Box<str>>> {
+        top(self.nodes.failing(now, &self.limits), max)
     }
+
+    /// Sources with failures within the window, most failures first, at most `max`.
+    #[must_use]
+    pub fn failing_sources(&self, now: Timestamp, max: usize) -> Vec<FailingKey<Source>> {
+        top(self.sources.failing(now, &self.limits), max)
+    }
+}
+
+fn top<K: Ord>(mut keys: Vec<FailingKey<K>>, max: usize) -> Vec<FailingKey<K>> {
+    keys.sort_by(|a, b| b.failures.cmp(&a.failures).then_with(|| a.key.cmp(&b.key)));
+    keys.truncate(max);
+    keys
 }
 
 /// Limits of node-id flap detection.
@@ -436,62 +623,118 @@ mod tests {
 
     const A: Source = Source::V4([10, 0, 0, 1]);
 
+    const B: Source = Source::V4([10, 0, 0, 2]);
+
     #[test]
-    fn five_failures_are_free_then_blocks_double_up_to_the_cap() {
+    fn five_failures_are_answered_at_once_then_one_per_interval() {
         let mut t = AuthThrottle::new(ThrottleLimits::default());
         for i in 1..=5 {
-            let r = t.record_failure(at(i), A);
-            assert_eq!(r.blocked_for, None, "failure {i}");
-            assert_eq!(t.blocked(at(i), A), None);
+            let r = t.record_failure(at(0), A, "n1");
+            assert_eq!(
+                (r.hold, r.by, r.retry_after),
+                (Duration::ZERO, None, Duration::ZERO),
+                "failure {i}"
+            );
         }
-        let blocks: Vec<u64> = (6..=14)
-            .map(|i| {
-                t.record_failure(at(i), A)
-                    .blocked_for
-                    .expect("blocked")
-                    .as_secs()
-            })
+        // A guesser that waits for each answer gets one per second.
+        let mut now = 0;
+        for _ in 0..20 {
+            let r = t.record_failure(at(now), A, "n1");
+            assert_eq!(r.hold, Duration::from_secs(1));
+            assert_eq!(r.retry_after, Duration::from_secs(1));
+            assert!(r.by.is_some());
+            now += 1000;
+        }
+        // Concurrent guesses queue up behind each other, up to the longest hold.
+        let holds: Vec<u64> = (0..40)
+            .map(|_| t.record_failure(at(now), A, "n1").hold.as_secs())
             .collect();
-        assert_eq!(blocks, [1, 2, 4, 8, 16, 32, 60, 60, 60]);
-        assert!(t.blocked(at(15), A).is_some());
-        assert_eq!(t.blocked(at(15), Source::V4([10, 0, 0, 2])), None);
+        assert_eq!(&holds[..3], &[1, 2, 3]);
+        assert_eq!(holds.iter().max(), Some(&30));
     }
 
     #[test]
-    fn a_quiet_window_forgives_and_a_success_forgets() {
+    fn the_id_and_the_source_are_budgeted_apart() {
         let mut t = AuthThrottle::new(ThrottleLimits::default());
-        for i in 0..5 {
-            t.record_failure(at(i), A);
+        for _ in 0..5 {
+            t.record_failure(at(0), A, "n1");
         }
-        assert_eq!(t.record_failure(at(60_010), A).failures, 1);
-        for i in 0..10 {
-            t.record_failure(at(70_000 + i), A);
+        // The same id from elsewhere: the id's budget holds it.
+        let r = t.record_failure(at(0), B, "n1");
+        assert_eq!(r.by, Some(ThrottledBy::Node));
+        // Other ids from the first address: the address's budget holds them.
+        let r = t.record_failure(at(0), A, "unknown-1");
+        assert_eq!(r.by, Some(ThrottledBy::Source));
+        // Another id from another address is untouched.
+        assert_eq!(t.record_failure(at(0), B, "n2").hold, Duration::ZERO);
+    }
+
+    #[test]
+    fn a_right_token_ends_its_ids_throttle_but_not_its_sources() {
+        let mut t = AuthThrottle::new(ThrottleLimits::default());
+        for _ in 0..10 {
+            t.record_failure(at(0), A, "n1");
         }
-        assert!(t.blocked(at(70_010), A).is_some());
-        t.record_success(A);
-        assert_eq!(t.blocked(at(70_010), A), None);
-        assert_eq!(t.record_failure(at(70_011), A).failures, 1);
+        t.record_success("n1");
+        assert!(t.failing_nodes(at(0), 10).is_empty());
+        let r = t.record_failure(at(0), A, "n1");
+        assert_eq!(r.node_failures, 1, "the id starts afresh");
+        assert_eq!(r.by, Some(ThrottledBy::Source), "the address still owes");
+    }
+
+    #[test]
+    fn the_budget_refills_with_time() {
+        let mut t = AuthThrottle::new(ThrottleLimits::default());
+        for _ in 0..8 {
+            t.record_failure(at(0), A, "n1");
+        }
+        assert!(t.record_failure(at(0), A, "n1").hold > Duration::ZERO);
+        // Ten quiet seconds pay back what was owed and refill the burst.
+        for _ in 0..5 {
+            assert_eq!(t.record_failure(at(10_000), A, "n1").hold, Duration::ZERO);
+        }
+        // A quiet window forgets the count.
+        assert_eq!(t.record_failure(at(80_000), A, "n1").node_failures, 1);
     }
 
     #[test]
     fn log_lines_grow_logarithmically_with_the_failures() {
-        let mut t = AuthThrottle::new(ThrottleLimits::default());
-        let logged = (0..200).filter(|&i| t.record_failure(at(i), A).log).count();
-        // 1, 2, 4, 6 (the block starts), 8, 16, 32, 64, 128.
-        assert_eq!(logged, 9);
+        for ids in [1, 200] {
+            let mut t = AuthThrottle::new(ThrottleLimits::default());
+            let logged = (0..200u64)
+                .filter(|&i| {
+                    let id = format!("n{}", i % ids);
+                    t.record_failure(at(i * 100), A, &id).log
+                })
+                .count();
+            // 1, 2, 4, 6 (answers start to wait), 8, 16, 32, 64, 128.
+            assert_eq!(logged, 9, "{ids} ids");
+        }
     }
 
     #[test]
-    fn the_table_stays_bounded() {
+    fn the_tables_stay_bounded() {
         let limits = ThrottleLimits {
-            max_sources: 16,
+            max_tracked: 16,
             ..ThrottleLimits::default()
         };
         let mut t = AuthThrottle::new(limits);
         for i in 0..1000u32 {
-            t.record_failure(at(u64::from(i)), Source::V4(i.to_be_bytes()));
-            assert!(t.tracked() <= 16);
+            t.record_failure(
+                at(u64::from(i)),
+                Source::V4(i.to_be_bytes()),
+                &i.to_string(),
+            );
+            assert!(t.tracked() <= 32);
         }
+    }
+
+    #[test]
+    fn sources_print_as_an_operator_reads_them() {
+        assert_eq!(A.to_string(), "10.0.0.1");
+        let v6: IpAddr = "2001:db8:1:2::9".parse().expect("v6");
+        assert_eq!(Source::of(Some(v6)).to_string(), "2001:db8:1:2::/64");
+        assert_eq!(Source::Unknown.to_string(), "unknown");
     }
 
     #[test]

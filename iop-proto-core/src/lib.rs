@@ -182,7 +182,7 @@ pub use edge::{
     AUTH_FAILED, CloseReason, CommandError, CommandId, ConnId, ConnViolation, Dispatch,
     DispatchShape, DrainReason, EdgeCore, EdgeError, EdgeEvent, Grant, Lifecycle, NodeState,
     NodeStatus, Outcome, Peer, RefreshFailure, RejectReason, RequestError, RunId, StreamViolation,
-    Submit, SubmitError, Transmit, UsageError, Violation,
+    Submit, SubmitError, TOO_MANY_FAILURES, Transmit, UsageError, Violation,
 };
 pub use edge_config::{
     Admission, CandidateSpec, ConfigDiff, EdgeConfig, EdgeConfigError, EdgeTiming, ModelSpec,

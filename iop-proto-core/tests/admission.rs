@@ -7,6 +7,7 @@ mod common;
 use std::net::IpAddr;
 
 use common::edge::*;
+use iop_proto_core::edge::{TOO_MANY_FAILURES, throttled_reason};
 use iop_proto_core::wire::*;
 use iop_proto_core::*;
 use proptest::prelude::*;
@@ -39,63 +40,185 @@ fn rejections(events: &[EdgeEvent]) -> Vec<(RejectReason, bool)> {
         .collect()
 }
 
-/// Attempts one register of `node` with `token` from `peer`; returns the answer.
+/// Attempts one register of `node` with `token` from `peer`; returns the answer, which
+/// must come at once (no hold).
 fn attempt(h: &mut Harness, peer: Peer, node: &str, token: &str) -> RegisterResponse {
+    let (answer, waited) = attempt_waiting(h, peer, node, token);
+    assert_eq!(waited, 0, "answered at once: {answer:?}");
+    answer
+}
+
+/// Attempts one register and lets time pass until it is answered; returns the answer
+/// and how long it took, in milliseconds.
+fn attempt_waiting(
+    h: &mut Harness,
+    peer: Peer,
+    node: &str,
+    token: &str,
+) -> (RegisterResponse, u64) {
     let conn = h.open_from(peer);
     h.register_with(conn, node, token);
+    let start = h.now.as_millis();
+    loop {
+        let tx = h.transmits();
+        if frames_to(&tx, conn)
+            .iter()
+            .any(|b| matches!(b, Body::RegisterResponse(_)))
+        {
+            return (register_answer(&tx, conn), h.now.as_millis() - start);
+        }
+        let wake = h.edge.poll_timeout().expect("a held answer has a timer");
+        h.at(wake.at.as_millis());
+    }
+}
+
+const ONE_ADDRESS: &str = "203.0.113.7";
+
+#[test]
+fn a_node_guessed_wrong_from_its_address_never_locks_out_its_siblings() {
+    let mut h = Harness::new();
+    // A misconfigured n1 retries once a second from the one address a NAT gives a whole
+    // fleet; its healthy sibling n2, from the same address, registers in between.
+    // n2 restarts every second.
+    let mut reasons = Vec::new();
+    let mut sibling = None;
+    for second in 0..60u64 {
+        h.at(second * 1000);
+        let (bad, _) = attempt_waiting(&mut h, from(ONE_ADDRESS), "n1", "typo");
+        assert!(!bad.accepted);
+        reasons.push(bad.reason);
+        if let Some(conn) = sibling.take() {
+            h.edge.handle_connection_closed(h.now, conn).expect("open");
+        }
+        let conn = h.open_from(from(ONE_ADDRESS));
+        h.register(conn, "n2");
+        let good = register_answer(&h.transmits(), conn);
+        assert!(good.accepted, "second {second}: {good:?}");
+        sibling = Some(conn);
+        h.drain();
+    }
+    assert!(
+        reasons
+            .iter()
+            .all(|r| r == AUTH_FAILED || r.starts_with(TOO_MANY_FAILURES))
+    );
+    // n2 is ready now and sees its own failures only: none.
+    assert!(
+        h.edge
+            .registration_failures(10)
+            .nodes
+            .iter()
+            .all(|n| n.node_id == "n1" && n.known)
+    );
+}
+
+#[test]
+fn guesses_are_answered_at_a_bounded_rate_and_never_succeed() {
+    for known in [true, false] {
+        let mut h = Harness::new();
+        let mut waited = 0;
+        let mut throttled = 0;
+        for i in 0..200 {
+            let node = if known {
+                "n1".to_owned()
+            } else {
+                format!("guess-id-{i}")
+            };
+            let (answer, ms) = attempt_waiting(&mut h, from(ONE_ADDRESS), &node, "guess-token");
+            assert!(!answer.accepted);
+            waited += ms;
+            if answer.reason.starts_with(TOO_MANY_FAILURES) {
+                throttled += 1;
+                assert!(answer.retry_after_ms >= 1000, "{answer:?}");
+                assert_eq!(
+                    answer.reason,
+                    throttled_reason(std::time::Duration::from_millis(u64::from(
+                        answer.retry_after_ms
+                    )))
+                );
+            } else {
+                assert_eq!(answer.reason, AUTH_FAILED);
+                assert_eq!(answer.retry_after_ms, 0, "wrong credentials are final");
+            }
+        }
+        // Five answered at once, then one a second.
+        assert_eq!(throttled, 195, "known id: {known}");
+        assert_eq!(waited, 195_000, "known id: {known}");
+        let events = h.events();
+        let logged = events
+            .iter()
+            .filter(|e| matches!(e, EdgeEvent::RegisterRejected { log: true, .. }))
+            .count();
+        // Powers of two, the first held answer, and one a minute for the 195 s they take.
+        assert!(logged <= 12, "{logged} log lines for 200 guesses");
+        let failing = h.edge.registration_failures(5);
+        assert_eq!(failing.sources.len(), 1);
+        assert_eq!(failing.sources[0].failures, 200);
+        assert_eq!(failing.sources[0].key.to_string(), ONE_ADDRESS);
+        if known {
+            assert_eq!(
+                (failing.nodes[0].node_id.as_str(), failing.nodes[0].known),
+                ("n1", true)
+            );
+        }
+    }
+}
+
+#[test]
+fn concurrent_guesses_wait_for_each_other() {
+    let mut h = Harness::new();
+    let conns: Vec<ConnId> = (0..64)
+        .map(|_| {
+            let conn = h.open_from(from(ONE_ADDRESS));
+            h.register_with(conn, "n1", "guess");
+            conn
+        })
+        .collect();
     let tx = h.transmits();
-    register_answer(&tx, conn)
+    let answered_at_once = conns
+        .iter()
+        .filter(|&&c| !frames_to(&tx, c).is_empty())
+        .count();
+    assert_eq!(answered_at_once, 5);
+    // A held answer keeps its connection pending: with 59 held, the pending cap (64 per
+    // address) leaves room for 5 more connections.
+    for _ in 0..5 {
+        h.open_from(from(ONE_ADDRESS));
+    }
+    let over = h.open_from(from(ONE_ADDRESS));
+    assert_eq!(
+        closed(&h.transmits()),
+        vec![(over, CloseReason::TooManyPending)]
+    );
+    // The rest are answered one a second, up to the longest hold.
+    let mut answered = answered_at_once;
+    for second in 1..=30 {
+        h.at(second * 1000);
+        let now = closed(&h.transmits())
+            .iter()
+            .filter(|(c, _)| conns.contains(c))
+            .count();
+        answered += now;
+        if second < 30 {
+            assert!(now <= 1, "{now} answers in second {second}");
+        }
+    }
+    assert_eq!(answered, 64, "every held answer comes by the longest hold");
+    // Meanwhile the right token, even for the guessed id, gets in at once.
+    assert!(attempt(&mut h, from(ONE_ADDRESS), "n1", TOKEN).accepted);
 }
 
 #[test]
-fn a_source_that_keeps_failing_backs_off_without_its_credentials_being_checked() {
+fn a_right_token_ends_its_ids_throttle() {
     let mut h = Harness::new();
-    let attacker = "203.0.113.7";
-    for i in 0..6 {
-        let answer = attempt(&mut h, from(attacker), "n1", "guess");
-        assert!(!answer.accepted);
-        assert_eq!(answer.reason, AUTH_FAILED, "attempt {i}");
+    for _ in 0..20 {
+        attempt_waiting(&mut h, from("198.51.100.1"), "n1", "guess");
     }
-    // Blocked now: even the right token is refused, with the same reason and a retry hint.
-    let answer = attempt(&mut h, from(attacker), "n1", TOKEN);
-    assert!(
-        !answer.accepted,
-        "credentials are not checked while backing off"
-    );
-    assert_eq!(answer.reason, AUTH_FAILED);
-    assert!(
-        answer.retry_after_ms > 0,
-        "a throttled peer may come back later"
-    );
-    let events = h.events();
-    assert_eq!(
-        rejections(&events).last(),
-        Some(&(RejectReason::Throttled, false))
-    );
-    // Another address is not affected.
+    // From anywhere, the guessed id's own token is never held or refused...
     assert!(attempt(&mut h, from("198.51.100.1"), "n1", TOKEN).accepted);
-    // After the back-off the right token gets in, and the slate is clean.
-    h.at(u64::from(answer.retry_after_ms) + 1);
-    assert!(attempt(&mut h, from(attacker), "n2", TOKEN).accepted);
-    let again = attempt(&mut h, from(attacker), "n1", "guess");
-    assert_eq!(
-        again.retry_after_ms, 0,
-        "failures were forgotten after a success"
-    );
-}
-
-#[test]
-fn two_hundred_guesses_write_a_handful_of_log_lines() {
-    let mut h = Harness::new();
-    for _ in 0..200 {
-        let answer = attempt(&mut h, from("203.0.113.9"), "n1", "guess");
-        assert_eq!(answer.reason, AUTH_FAILED);
-    }
-    let events = h.events();
-    let rejected = rejections(&events);
-    assert_eq!(rejected.len(), 200, "every refusal is counted");
-    let logged = rejected.iter().filter(|(_, log)| *log).count();
-    assert!(logged <= 10, "{logged} log lines for 200 guesses");
+    // ...and it ends the id's throttle: a later typo of n1 elsewhere is answered at once.
+    let (answer, waited) = attempt_waiting(&mut h, from("192.0.2.9"), "n1", "typo");
+    assert_eq!((answer.reason.as_str(), waited), (AUTH_FAILED, 0));
 }
 
 #[test]
@@ -220,7 +343,10 @@ fn restarts_and_reconnects_of_one_node_are_never_a_conflict() {
         assert_eq!(h.edge.owner_of_node("n1"), Some(conn));
         h.at(h.now.as_millis() + 10);
         let (again, conflict) = take(&mut h, "n1", instance);
-        assert!(!conflict, "a reconnect of process {instance} made a conflict");
+        assert!(
+            !conflict,
+            "a reconnect of process {instance} made a conflict"
+        );
         assert_eq!(h.edge.owner_of_node("n1"), Some(again));
     }
     assert!(!h.edge.nodes()[0].conflict);
@@ -246,7 +372,11 @@ fn two_processes_taking_one_id_back_and_forth_are_a_conflict() {
     assert_eq!(caught, Some(3));
     // The holder's own process may still reconnect; the other is held off.
     let (conn, _) = take(&mut h, "n1", 2);
-    assert_eq!(h.edge.owner_of_node("n1"), Some(conn), "the holder's own process");
+    assert_eq!(
+        h.edge.owner_of_node("n1"),
+        Some(conn),
+        "the holder's own process"
+    );
     assert_ne!(conn, owner);
     let refused = h.open();
     h.register_as(refused, "n1", 1);
@@ -361,14 +491,18 @@ struct Try {
 
 fn tries() -> impl Strategy<Value = Vec<Try>> {
     proptest::collection::vec(
-        (0u8..4, 0u8..3, any::<bool>(), 0u32..20_000).prop_map(
-            |(source, node, right_token, advance_ms)| Try {
+        (
+            0u8..4,
+            0u8..3,
+            any::<bool>(),
+            prop_oneof![0u32..500, 0u32..20_000],
+        )
+            .prop_map(|(source, node, right_token, advance_ms)| Try {
                 source,
                 node,
                 right_token,
                 advance_ms,
-            },
-        ),
+            }),
         1..120,
     )
 }
@@ -376,12 +510,13 @@ fn tries() -> impl Strategy<Value = Vec<Try>> {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
 
-    /// Whatever the mix of sources, ids, tokens and timing: every failed registration
-    /// gets the one reason on the wire; a blocked source never gets in; a source that is
-    /// not blocked always gets in with the right credentials (or is held off by a node-id
-    /// conflict); the machine's back-off and log decisions are those of the throttle.
+    /// Whatever the mix of sources, ids, tokens and timing: the right token for a
+    /// configured id is accepted at once (or held off by a node-id conflict), whatever
+    /// failed before it; every failure is refused with one reason, at once within the
+    /// budgets and otherwise after the throttle's hold with the throttled reason; the
+    /// machine's hold and log decisions are the throttle's.
     #[test]
-    fn admission_is_uniform_and_never_lets_a_blocked_source_in(tries in tries()) {
+    fn a_right_token_always_gets_in_and_failures_wait_as_the_throttle_says(tries in tries()) {
         let mut h = Harness::new();
         let mut throttle = AuthThrottle::new(ThrottleLimits::default());
         for t in tries {
@@ -390,30 +525,29 @@ proptest! {
             let source = Source::of(Some(addr));
             let node = ["n1", "n2", "nx"][usize::from(t.node)];
             let token = if t.right_token { TOKEN } else { "guess" };
-            let blocked = throttle.blocked(h.now, source).is_some();
-            let answer = attempt(&mut h, Peer { addr: Some(addr), ..Peer::default() }, node, token);
+            let right = t.right_token && node != "nx";
+            let at = h.now;
+            let (answer, waited) = attempt_waiting(&mut h, Peer { addr: Some(addr), ..Peer::default() }, node, token);
             let events = h.events();
-            let conflict = answer.reason.contains("conflict");
-            if blocked {
-                prop_assert!(!answer.accepted, "a blocked source got in");
-                prop_assert!(answer.retry_after_ms > 0);
-            } else if t.right_token && node != "nx" {
-                prop_assert!(answer.accepted || conflict, "{:?}", answer);
+            if right {
+                prop_assert_eq!(waited, 0);
+                prop_assert!(answer.accepted || answer.reason.contains("conflict"), "{:?}", answer);
+                throttle.record_success(node);
+                continue;
+            }
+            prop_assert!(!answer.accepted);
+            let expected = throttle.record_failure(at, source, node);
+            prop_assert_eq!(u128::from(waited), expected.hold.as_millis());
+            if expected.by.is_some() {
+                prop_assert_eq!(&answer.reason, &throttled_reason(expected.retry_after));
             } else {
-                prop_assert!(!answer.accepted);
-            }
-            if answer.accepted {
-                throttle.record_success(source);
-            } else if !conflict {
                 prop_assert_eq!(&answer.reason, AUTH_FAILED);
-                let expected = throttle.record_failure(h.now, source);
-                let seen = events.iter().find_map(|e| match e {
-                    EdgeEvent::RegisterRejected { failures, blocked_for, log, .. } =>
-                        Some((*failures, *blocked_for, *log)),
-                    _ => None,
-                });
-                prop_assert_eq!(seen, Some((expected.failures, expected.blocked_for, expected.log)));
             }
+            let seen = events.iter().find_map(|e| match e {
+                EdgeEvent::RegisterRejected { throttled, log, .. } => Some((throttled.map(|t| (t.by, t.hold)), *log)),
+                _ => None,
+            });
+            prop_assert_eq!(seen, Some((expected.by.map(|by| (by, expected.hold)), expected.log)));
         }
     }
 }

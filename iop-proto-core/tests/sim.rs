@@ -12,7 +12,7 @@
 use std::time::Instant;
 
 use iop_proto_core::testkit::Faults;
-use iop_proto_core::testkit::sim::{self, Mode, OPS_PER_SEED, Op, SimOptions};
+use iop_proto_core::testkit::sim::{self, Mode, Op, SimOptions};
 use proptest::prelude::*;
 
 fn seeds() -> u64 {
@@ -28,12 +28,12 @@ fn every_seed_keeps_every_invariant() {
         .ok()
         .and_then(|s| s.parse::<u64>().ok())
     {
-        let ops = sim::generate(seed, OPS_PER_SEED);
         let options = SimOptions {
             full_trace: true,
+            no_bad_siblings: std::env::var_os("IOP_SIM_NO_BAD_SIBLINGS").is_some(),
             ..SimOptions::default()
         };
-        match sim::run(seed, &ops, options) {
+        match sim::run_seed(seed, options) {
             Ok(stats) => println!("seed {seed} passed: {stats:?}"),
             Err(failure) => panic!("{failure}"),
         }
@@ -43,10 +43,9 @@ fn every_seed_keeps_every_invariant() {
     let mut simulated = std::time::Duration::ZERO;
     let (mut requests, mut completed, mut frames, mut unsupported, mut conflicts, mut garbled) =
         (0, 0, 0, 0, 0, 0);
-    let (mut drained, mut held_off) = (0, 0);
+    let (mut drained, mut held_off, mut bad_refused, mut bad_throttled) = (0, 0, 0, 0);
     for seed in 0..seeds() {
-        let ops = sim::generate(seed, OPS_PER_SEED);
-        match sim::run(seed, &ops, SimOptions::default()) {
+        match sim::run_seed(seed, SimOptions::default()) {
             Ok(stats) => {
                 simulated += stats.simulated;
                 requests += stats.requests;
@@ -57,6 +56,8 @@ fn every_seed_keeps_every_invariant() {
                 garbled += stats.garbled;
                 drained += stats.drained;
                 held_off += stats.held_off;
+                bad_refused += stats.bad_refused;
+                bad_throttled += stats.bad_throttled;
             }
             Err(failure) => panic!("{failure}"),
         }
@@ -65,8 +66,9 @@ fn every_seed_keeps_every_invariant() {
     println!(
         "simulated {:.0} s in {:.1} s real ({:.0}x), {requests} requests ({completed} completed, \
          {unsupported} left without a tunnel by a reload), {frames} frames, {conflicts} node-id \
-         conflicts, {garbled} unknown message kinds, {drained} graceful stops drained, {held_off} restarts held off while their node \
-         drained",
+         conflicts, {garbled} unknown message kinds, {drained} graceful stops drained, \
+         {held_off} restarts held off while their node drained, {bad_refused} registrations \
+         of misconfigured siblings refused ({bad_throttled} held back)",
         simulated.as_secs_f64(),
         real.as_secs_f64(),
         simulated.as_secs_f64() / real.as_secs_f64()
@@ -77,6 +79,10 @@ fn every_seed_keeps_every_invariant() {
     );
     assert!(drained > 0, "no graceful stop ran to its end");
     assert!(conflicts > 0, "no impostor fighting a node was ever caught");
+    assert!(
+        bad_throttled > 0,
+        "no misconfigured sibling was ever throttled"
+    );
     assert!(held_off > 0, "no restart met its node still draining");
 }
 
@@ -103,8 +109,13 @@ fn seeds_that_broke_an_invariant_keep_it_now() {
             "an overlapping restart, then a crash and a quick restart",
         ),
     ];
+    // The worlds as the sweep found them, before misconfigured siblings joined them.
+    let options = SimOptions {
+        no_bad_siblings: true,
+        ..SimOptions::default()
+    };
     for (seed, what) in fixed {
-        if let Err(failure) = sim::run_seed(seed, SimOptions::default()) {
+        if let Err(failure) = sim::run_seed(seed, options) {
             panic!("{what}: {failure}");
         }
     }
@@ -165,13 +176,11 @@ fn planted_bugs_are_caught_within_the_default_seeds() {
     ];
     for (name, faults) in planted {
         let caught = (0..seeds()).find_map(|seed| {
-            let ops = sim::generate(seed, OPS_PER_SEED);
-            sim::run(
+            sim::run_seed(
                 seed,
-                &ops,
                 SimOptions {
                     faults,
-                    full_trace: false,
+                    ..SimOptions::default()
                 },
             )
             .err()
@@ -197,6 +206,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => node.clone().prop_map(|node| Op::Disconnect { node }),
         1 => (node.clone(), 50u16..1500).prop_map(|(node, for_ms)| Op::Impostor { node, for_ms }),
         1 => Just(Op::Refresh),
+        1 => (prop::option::of(node.clone()), 300u16..4000).prop_map(|(node, for_ms)| Op::BadSibling { node, for_ms }),
         1 => (node, prop_oneof![Just(Mode::Normal), Just(Mode::Slow), Just(Mode::Fail), Just(Mode::Hang)])
             .prop_map(|(node, mode)| Op::Provider { node, mode }),
     ]

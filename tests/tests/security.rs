@@ -395,46 +395,80 @@ async fn register_once(
     }
 }
 
+/// The lifecycle events the Edge still keeps, from the start.
+async fn kept_events(cluster: &Cluster) -> Vec<Value> {
+    let mut stream = cluster
+        .admin()
+        .with_header("last-event-id", "0")
+        .get_stream("/v1/events")
+        .await;
+    let (events, _) =
+        iop_blackbox::client::read_sse(stream.body_mut(), Duration::from_secs(1)).await;
+    events
+        .iter()
+        .filter_map(|e| serde_json::from_str(e).ok())
+        .collect()
+}
+
+/// Failed registrations are answered one per `failure_interval_ms` beyond a burst of 5,
+/// whatever id they claim; the answer says so once they are held back; the right token
+/// still gets in at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_hundred_guessed_tokens_meet_one_reason_a_back_off_and_a_few_log_lines() {
-    let cluster = Cluster::start("", &tunnel_body("http://127.0.0.1:9"));
+async fn two_hundred_guesses_are_answered_at_a_bounded_rate_and_never_get_in() {
+    // A short interval keeps the test short; the default is 1 s.
+    const INTERVAL_MS: u64 = 40;
+    let head = format!("[admission]\nfailure_interval_ms = {INTERVAL_MS}\n");
+    let cluster = Cluster::start(&head, &tunnel_body("http://127.0.0.1:9"));
     let connector =
         iop_blackbox::client::connector_trusting(&cluster.dir.path().join("edge-cert.pem"));
-    let mut reasons = std::collections::BTreeSet::new();
-    let mut deferred = 0;
+    let mut throttled = 0;
+    let started = std::time::Instant::now();
     for i in 0..200 {
         // Half guess tokens of a real node, half guess node ids.
-        let node = if i % 2 == 0 { "n1" } else { "no-such-node" };
+        let node = if i % 2 == 0 {
+            "n1".to_owned()
+        } else {
+            format!("no-such-node-{i}")
+        };
         let answer = register_once(
             &connector,
             cluster.node_port,
-            node,
+            &node,
             &format!("guess-{i:012}"),
         )
         .await;
         assert!(!answer.accepted);
-        reasons.insert(answer.reason);
-        if answer.retry_after_ms > 0 {
-            deferred += 1;
+        if answer
+            .reason
+            .starts_with("too many failed attempts, retry in ")
+        {
+            throttled += 1;
+            assert!(answer.retry_after_ms > 0, "{answer:?}");
+        } else {
+            assert_eq!(
+                answer.reason, "authentication failed",
+                "node ids cannot be told from tokens"
+            );
+            assert_eq!(answer.retry_after_ms, 0, "wrong credentials are final");
         }
     }
-    assert_eq!(
-        reasons.into_iter().collect::<Vec<_>>(),
-        vec!["authentication failed".to_owned()],
-        "one reason for every failure: node ids cannot be told from tokens"
-    );
+    let elapsed = started.elapsed();
+    assert_eq!(throttled, 195, "five answered at once, the rest held back");
+    let floor = Duration::from_millis(195 * INTERVAL_MS);
     assert!(
-        deferred >= 190,
-        "the back-off engaged after a few failures ({deferred})"
+        elapsed >= floor,
+        "200 guesses in {elapsed:?}: faster than one per interval"
     );
-    // Even the right token is refused while the address backs off.
-    let right = register_once(&connector, cluster.node_port, "n1", TOKEN).await;
-    assert!(!right.accepted && right.retry_after_ms > 0);
+    // Meanwhile the right token is never held or refused.
+    let right_at = std::time::Instant::now();
+    let right = register_once(&connector, cluster.node_port, "n2", &format!("{TOKEN}-two")).await;
+    assert!(right.accepted, "{right:?}");
+    assert!(right_at.elapsed() < Duration::from_secs(1));
     let log = cluster.edge.log();
     let lines = log.matches("node registration refused").count();
     assert!(
         (4..=12).contains(&lines),
-        "{lines} log lines for 201 failures:\n{log}"
+        "{lines} log lines for 200 failures:\n{log}"
     );
     assert!(
         log.contains("peer=127.0.0.1"),
@@ -443,9 +477,153 @@ async fn two_hundred_guessed_tokens_meet_one_reason_a_back_off_and_a_few_log_lin
     let metrics = cluster.http().get("/metrics").await;
     let text = String::from_utf8_lossy(&metrics.body).into_owned();
     assert!(
-        text.contains("iop_node_registrations_refused_total{reason=\"throttled\"}"),
+        text.contains("iop_node_registrations_refused_total{reason=\"throttled\"} 195"),
         "{text}"
     );
+    // The operator sees who: the id with its wrong token, and the address.
+    let status = cluster.admin().status().await;
+    let ids = &status["registrations"]["failing_node_ids"];
+    assert!(
+        ids.as_array()
+            .into_iter()
+            .flatten()
+            .any(|f| f["node_id"] == "n1" && f["known"] == true && f["failures"] == 100),
+        "{status}"
+    );
+    let sources = &status["registrations"]["failing_sources"];
+    assert_eq!(sources[0]["source"], "127.0.0.1", "{status}");
+    assert_eq!(sources[0]["failures"], 200, "{status}");
+    let events = kept_events(&cluster).await;
+    assert!(
+        events.iter().any(|e| e["type"] == "register.refused"
+            && e["node_id"] == "n1"
+            && e["known"] == true
+            && e["peer"] == "127.0.0.1"),
+        "{events:?}"
+    );
+}
+
+/// One node with a wrong token, retrying as soon as it is answered (a fifth of a second
+/// later), from the address 50 healthy nodes share (one NAT egress): every healthy node
+/// that restarts comes back as fast as it would alone, and the bad one is refused, slowed
+/// down and named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_with_a_wrong_token_never_locks_out_the_healthy_nodes_beside_it() {
+    const HEALTHY: usize = 50;
+    let mut body = String::new();
+    for i in 0..=HEALTHY {
+        body.push_str(&format!(
+            "[[nodes]]\nid = \"h{i}\"\ntoken = \"{TOKEN}-{i}\"\n[[nodes.adapters]]\nname = \"mock\"\ntype = \"mock\"\ncapacity = 1\ntargets = [\"m\"]\n\n"
+        ));
+    }
+    let cluster = Cluster::start("", &body);
+    // h0 is the misconfigured one: a token with a typo, started again and again.
+    let bad_token = format!("{TOKEN}-0-typo");
+    let mut healthy: Vec<Proc> = (1..=HEALTHY)
+        .map(|i| cluster.node(&format!("h{i}"), &format!("{TOKEN}-{i}")))
+        .collect();
+    let generations = |status: &Value| -> Vec<Option<u64>> {
+        (0..=HEALTHY)
+            .map(|i| {
+                status["nodes"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .find(|n| n["node_id"] == format!("h{i}") && n["connected"] == true)
+                    .and_then(|n| n["generation"].as_u64())
+            })
+            .collect()
+    };
+    let http = cluster.admin();
+    assert!(
+        wait_until(Duration::from_secs(30), || {
+            let status = futures_block(http.status());
+            generations(&status)[1..].iter().all(Option::is_some)
+        }),
+        "the healthy nodes never all became ready: {}",
+        cluster.edge.log()
+    );
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let bad = {
+        let stop = stop.clone();
+        let connector =
+            iop_blackbox::client::connector_trusting(&cluster.dir.path().join("edge-cert.pem"));
+        let port = cluster.node_port;
+        tokio::spawn(async move {
+            let mut answers = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                answers.push(register_once(&connector, port, "h0", &bad_token).await);
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            answers
+        })
+    };
+    // Let the bad node's failures pile up, then restart every healthy node, a few at a
+    // time, while it goes on; each must be back within its normal reconnect time.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let mut worst = Duration::ZERO;
+    for batch in (1..=HEALTHY).collect::<Vec<_>>().chunks(10) {
+        let before = generations(&http.status().await);
+        let restarted_at = std::time::Instant::now();
+        for &i in batch {
+            healthy[i - 1].signal("KILL");
+            let _ = healthy[i - 1].wait_exit(Duration::from_secs(5));
+            healthy[i - 1] = cluster.node(&format!("h{i}"), &format!("{TOKEN}-{i}"));
+        }
+        loop {
+            let now = generations(&http.status().await);
+            let back = batch
+                .iter()
+                .all(|&i| now[i].is_some() && now[i] != before[i]);
+            if back {
+                break;
+            }
+            assert!(
+                restarted_at.elapsed() < Duration::from_secs(10),
+                "restarted nodes {batch:?} not back: {now:?}\n{}",
+                cluster.edge.log()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        worst = worst.max(restarted_at.elapsed());
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let answers = bad.await.expect("the bad node's loop");
+    assert!(answers.len() >= 10, "{} attempts", answers.len());
+    assert!(
+        answers.iter().all(|a| !a.accepted),
+        "the bad node never gets in"
+    );
+    assert!(
+        answers
+            .iter()
+            .any(|a| a.reason.starts_with("too many failed attempts")),
+        "the bad node is told it is throttled: {answers:?}"
+    );
+    eprintln!("restarts of 10 healthy nodes at a time back within {worst:?}");
+    let events = kept_events(&cluster).await;
+    assert!(
+        events
+            .iter()
+            .any(|e| e["type"] == "register.refused" && e["node_id"] == "h0" && e["known"] == true),
+        "the bad node is named in /v1/events: {events:?}"
+    );
+    for node in &healthy {
+        let log = node.log();
+        assert!(
+            !log.contains("authentication failed"),
+            "a healthy node was told its token is wrong: {log}"
+        );
+        assert!(
+            !log.contains("too many failed attempts"),
+            "a healthy node was throttled: {log}"
+        );
+    }
+}
+
+/// Blocks on a future from synchronous code inside the test's runtime.
+fn futures_block<F: std::future::Future>(future: F) -> F::Output {
+    tokio::task::block_in_place(|| tokio::runtime::Handle::current().block_on(future))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -157,11 +157,33 @@ pub(super) async fn status(state: &State) -> Response<ResBody> {
         .iter()
         .map(|(m, n)| (m.clone(), json!(n)))
         .collect();
+    let ms = |d: std::time::Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    let failures = &snapshot.registration_failures;
+    // Who keeps failing to register, so an operator finds the misconfigured machine: the
+    // node ids claimed (`known`: a wrong token; otherwise a wrong id) and the addresses.
+    let registrations = json!({
+        "failing_node_ids": failures.nodes.iter().map(|f| json!({
+            "node_id": f.node_id,
+            "known": f.known,
+            "failures": f.failures,
+            "throttled": !f.hold.is_zero(),
+            "hold_ms": ms(f.hold),
+            "last_failure_ms_ago": ms(f.since_last),
+        })).collect::<Vec<_>>(),
+        "failing_sources": failures.sources.iter().map(|f| json!({
+            "source": f.key.to_string(),
+            "failures": f.failures,
+            "throttled": !f.hold.is_zero(),
+            "hold_ms": ms(f.hold),
+            "last_failure_ms_ago": ms(f.since_last),
+        })).collect::<Vec<_>>(),
+    });
     let body = json!({
         "nodes": nodes,
         "providers": providers,
         "queue": queue,
         "open_requests": snapshot.open_requests,
+        "registrations": registrations,
     });
     json_response(StatusCode::OK, Bytes::from(body.to_string()))
 }

@@ -1,12 +1,12 @@
 //! What the fleet's life looks like to an operator: [`EdgeCore::lifecycle`] reads an
 //! [`EdgeEvent`] and says which [`Lifecycle`] events it means (node registered, ready,
-//! fenced with its reason, disconnected, in conflict, draining; config refresh results;
-//! provider health changes). The shell only numbers, timestamps and fans them out
+//! fenced with its reason, disconnected, in conflict, draining; registrations refused
+//! for their credentials; config refresh results; provider health changes). The shell only numbers, timestamps and fans them out
 //! (`GET /v1/events`); nothing in the machine waits for a subscriber.
 
 use serde::Serialize;
 
-use super::{EdgeCore, EdgeEvent};
+use super::{EdgeCore, EdgeEvent, RejectReason};
 use crate::wire::{ProviderHealth, RefreshStatus};
 
 /// A typed fleet lifecycle event. Serialised with a `type` tag (`node.ready`, …) and the
@@ -82,6 +82,28 @@ pub enum Lifecycle {
         /// The node's message (empty for `timed_out`).
         message: String,
     },
+    /// A node registration was refused for its credentials (emitted at the 1st, 2nd,
+    /// 4th, 8th… failure of its node id and address, and when answers start to be held
+    /// back), so the operator can find the misconfigured machine.
+    #[serde(rename = "register.refused")]
+    RegisterRefused {
+        /// The node id it claimed (at most 64 characters).
+        node_id: String,
+        /// Whether that id is configured: `true` means a wrong token (or certificate).
+        known: bool,
+        /// Its address.
+        peer: String,
+        /// `bad_token`, `unknown_node` or `identity_mismatch`.
+        reason: &'static str,
+        /// Failures of the id or of the address (the larger) since they were last quiet.
+        failures: u32,
+        /// Answers are held back: `node_id` or `source` ran out of failures; absent
+        /// within the budgets.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        throttled: Option<&'static str>,
+        /// When it was told to come back, in milliseconds (0: not held back).
+        retry_after_ms: u64,
+    },
     /// A provider's health changed: `healthy` when its node became ready, `offline` when
     /// the node was fenced.
     #[serde(rename = "provider.health")]
@@ -107,6 +129,7 @@ impl Lifecycle {
             Lifecycle::NodeConflict { .. } => "node.conflict",
             Lifecycle::NodeDraining { .. } => "node.draining",
             Lifecycle::ConfigRefresh { .. } => "config.refresh",
+            Lifecycle::RegisterRefused { .. } => "register.refused",
             Lifecycle::ProviderHealth { .. } => "provider.health",
         }
     }
@@ -133,7 +156,8 @@ fn refresh_word(status: RefreshStatus) -> &'static str {
 
 impl EdgeCore {
     /// The lifecycle events `event` means, in order (none for request traffic, commands,
-    /// refused registrations and violations, which have their own logs and metrics).
+    /// registrations held off by a conflict or drain, and violations, which have their
+    /// own logs and metrics).
     /// Pure: call it with each event as it is polled, before the next input.
     #[must_use]
     pub fn lifecycle(&self, event: &EdgeEvent) -> Vec<Lifecycle> {
@@ -214,6 +238,28 @@ impl EdgeCore {
                 revision: *revision,
                 message: String::new(),
             }],
+            EdgeEvent::RegisterRejected {
+                addr,
+                node_id,
+                known,
+                reason,
+                failures,
+                throttled,
+                log: true,
+                ..
+            } if !matches!(reason, RejectReason::Conflict | RejectReason::Draining) => {
+                vec![Lifecycle::RegisterRefused {
+                    node_id: node_id.clone(),
+                    known: *known,
+                    peer: addr.map_or_else(|| "unknown".to_owned(), |a| a.to_string()),
+                    reason: reason.as_str(),
+                    failures: *failures,
+                    throttled: throttled.map(|t| t.by.as_str()),
+                    retry_after_ms: throttled.map_or(0, |t| {
+                        u64::try_from(t.retry_after.as_millis()).unwrap_or(u64::MAX)
+                    }),
+                }]
+            }
             EdgeEvent::Granted(_)
             | EdgeEvent::RunEvent { .. }
             | EdgeEvent::TunnelFrame { .. }
@@ -285,6 +331,15 @@ mod tests {
                 node_id: text(),
                 provider_id: text(),
                 health: "healthy",
+            },
+            Lifecycle::RegisterRefused {
+                node_id: text(),
+                known: true,
+                peer: text(),
+                reason: "bad_token",
+                failures: 1,
+                throttled: None,
+                retry_after_ms: 0,
             },
         ];
         for event in all {

@@ -38,6 +38,7 @@ use std::time::Duration;
 use crate::edge_config::{EdgeConfig, EdgeConfigError, category_of};
 use crate::guard::{
     AuthThrottle, Claim, Contest, FlapGuard, Instance, PendingConnections, Rival, Source,
+    ThrottledBy,
 };
 use crate::idhash::IdMap;
 use crate::lease::{Generation, Lease, Ledger, Release, RequestId, ResourceId};
@@ -65,6 +66,7 @@ mod timers;
 mod types;
 
 pub use lifecycle::{Lifecycle, health_word};
+pub use registry::throttled_reason;
 pub use types::*;
 
 use dispatch::{Model, ResourceMeta};
@@ -270,6 +272,7 @@ impl EdgeCore {
                 last_rx: self.now,
                 ping: None,
                 rtt: None,
+                held: None,
             },
         );
         let timing = self.config.timing;
@@ -333,6 +336,7 @@ impl EdgeCore {
             TimerKey::Handshake(conn),
             TimerKey::Liveness(conn),
             TimerKey::Ping(conn),
+            TimerKey::Answer(conn),
         ] {
             self.timers.stop(key);
         }
@@ -349,7 +353,7 @@ impl EdgeCore {
     pub fn handle_bytes_received(&mut self, now: Timestamp, conn: ConnId) -> Result<(), EdgeError> {
         self.advance(now);
         let c = self.registry.conn_mut(conn)?;
-        if c.phase != Phase::Stale {
+        if !matches!(c.phase, Phase::Stale | Phase::Held) {
             c.last_rx = self.now;
         }
         Ok(())
@@ -365,6 +369,9 @@ impl EdgeCore {
         self.advance(now);
         let c = self.registry.conn_mut(conn)?;
         let phase = c.phase;
+        if phase == Phase::Held {
+            return Ok(()); // its answer is on its way; nothing it sends matters
+        }
         if phase == Phase::Stale {
             // Rejected or superseded: answer a ready with a refusal, ignore the rest.
             if let Some(Body::NodeReadyRequest(_)) = envelope.body {

@@ -60,6 +60,9 @@ pub(super) enum Phase {
     Owner { node: usize, generation: Generation },
     /// Rejected or superseded; a close was requested. Nothing it sends matters.
     Stale,
+    /// Its register failed while the claimed node id or its source is throttled: the
+    /// refusal is held back until its [`TimerKey::Answer`]. Nothing it sends matters.
+    Held,
 }
 
 #[derive(Debug)]
@@ -73,6 +76,29 @@ pub(super) struct Conn {
     pub(super) ping: Option<(u64, Timestamp)>,
     /// Round-trip time of the last heartbeat the peer answered.
     pub(super) rtt: Option<Duration>,
+    /// The refusal a [`Phase::Held`] connection gets when its hold ends.
+    pub(super) held: Option<Box<HeldAnswer>>,
+}
+
+/// A refusal held back by the throttle.
+#[derive(Debug)]
+pub(super) struct HeldAnswer {
+    /// The node id it claimed (as it is echoed in the answer).
+    pub(super) claimed: String,
+    /// When it may try again.
+    pub(super) retry_after: Duration,
+}
+
+/// The reason a throttled node reads: distinct from [`AUTH_FAILED`] and stable, so a
+/// node can tell it is being slowed down, and when to come back.
+#[must_use]
+pub fn throttled_reason(retry_after: Duration) -> String {
+    let ms = retry_after.as_millis().max(1);
+    if ms < 1000 {
+        format!("{TOO_MANY_FAILURES}, retry in {ms} ms")
+    } else {
+        format!("{TOO_MANY_FAILURES}, retry in {} s", ms.div_ceil(1000))
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -173,6 +199,31 @@ impl EdgeCore {
             .collect();
         out.sort_by(|a, b| a.node_id.cmp(&b.node_id));
         out
+    }
+
+    /// Node ids and sources whose registrations failed within the throttle's window,
+    /// most failures first, at most `max` of each.
+    #[must_use]
+    pub fn registration_failures(&self, max: usize) -> RegistrationFailures {
+        let throttle = &self.registry.throttle;
+        RegistrationFailures {
+            nodes: throttle
+                .failing_nodes(self.now, max)
+                .into_iter()
+                .map(|f| FailingNode {
+                    known: self
+                        .registry
+                        .node_index
+                        .get(&*f.key)
+                        .is_some_and(|&i| self.registry.nodes[i].spec.is_some()),
+                    node_id: f.key.chars().take(64).collect(),
+                    failures: f.failures,
+                    hold: f.hold,
+                    since_last: f.since_last,
+                })
+                .collect(),
+            sources: throttle.failing_sources(self.now, max),
+        }
     }
 
     /// Adopts a validated configuration: nodes, resources and model groups.
@@ -314,35 +365,15 @@ impl EdgeCore {
         let Some(addr) = self.registry.conns.get(&conn).map(|c| c.peer.addr) else {
             return;
         };
-        let source = Source::of(addr);
-        let verdict = match self.registry.throttle.blocked(self.now, source) {
-            Some(_) => Err(RejectReason::Throttled),
-            None => self.authenticate(conn, &req),
-        };
-        let i = match verdict {
+        let i = match self.authenticate(conn, &req) {
             Ok(i) => i,
             Err(reason) => {
-                let record = self.registry.throttle.record_failure(self.now, source);
-                // Refused while backing off: the peer may come back when the back-off is
-                // over. Wrong credentials are final (retry_after 0).
-                let retry_after = match reason {
-                    RejectReason::Throttled => self.registry.throttle.blocked(self.now, source),
-                    _ => None,
-                };
-                self.reject_register(conn, &req.node_id, reason, AUTH_FAILED, retry_after);
-                self.out.events.push_back(EdgeEvent::RegisterRejected {
-                    conn,
-                    addr,
-                    node_id: req.node_id.chars().take(64).collect(),
-                    reason,
-                    failures: record.failures,
-                    blocked_for: record.blocked_for,
-                    log: record.log,
-                });
+                self.refuse_register(conn, addr, &req.node_id, reason);
                 return;
             }
         };
-        self.registry.throttle.record_success(source);
+        // The id's correct token ends its throttle (its source's budget refills with time).
+        self.registry.throttle.record_success(&req.node_id);
         let instance = std::num::NonZeroU64::new(req.instance_id);
         // A newer register supersedes the current owner in this same transition, unless
         // the two keep taking the node id from each other.
@@ -496,6 +527,79 @@ impl EdgeCore {
         Ok(i)
     }
 
+    /// A register with wrong credentials: counted against the claimed node id and the
+    /// source, refused with [`AUTH_FAILED`] at once within their budgets, otherwise held
+    /// back and then refused with [`throttled_reason`]. Credentials are always checked
+    /// first: nothing here can refuse a node whose token is right.
+    fn refuse_register(
+        &mut self,
+        conn: ConnId,
+        addr: Option<IpAddr>,
+        claimed: &str,
+        reason: RejectReason,
+    ) {
+        let source = Source::of(addr);
+        let record = self
+            .registry
+            .throttle
+            .record_failure(self.now, source, claimed);
+        let known = self
+            .registry
+            .node_index
+            .get(claimed)
+            .is_some_and(|&i| self.registry.nodes[i].spec.is_some());
+        self.out.events.push_back(EdgeEvent::RegisterRejected {
+            conn,
+            addr,
+            node_id: claimed.chars().take(64).collect(),
+            known,
+            reason,
+            failures: record.node_failures.max(record.source_failures),
+            throttled: record.by.map(|by| Throttled {
+                by,
+                hold: record.hold,
+                retry_after: record.retry_after,
+            }),
+            log: record.log,
+        });
+        if record.by.is_none() {
+            // Wrong credentials are final (retry_after 0).
+            self.reject_register(conn, claimed, reason, AUTH_FAILED, None);
+            return;
+        }
+        self.timers.stop(TimerKey::Handshake(conn));
+        self.timers.stop(TimerKey::Liveness(conn));
+        self.timers
+            .set(TimerKey::Answer(conn), self.now + record.hold);
+        if let Some(c) = self.registry.conns.get_mut(&conn) {
+            c.phase = Phase::Held;
+            c.held = Some(Box::new(HeldAnswer {
+                claimed: claimed.to_owned(),
+                retry_after: record.retry_after,
+            }));
+        }
+    }
+
+    /// A held refusal is due: answer and close.
+    pub(super) fn answer_held(&mut self, conn: ConnId) {
+        let Some(held) = self
+            .registry
+            .conns
+            .get_mut(&conn)
+            .filter(|c| c.phase == Phase::Held)
+            .and_then(|c| c.held.take())
+        else {
+            return;
+        };
+        self.reject_register(
+            conn,
+            &held.claimed,
+            RejectReason::Throttled,
+            &throttled_reason(held.retry_after),
+            Some(held.retry_after),
+        );
+    }
+
     pub(super) fn reject_register(
         &mut self,
         conn: ConnId,
@@ -556,9 +660,10 @@ impl EdgeCore {
             conn,
             addr,
             node_id,
+            known: true,
             reason: why,
             failures: 0,
-            blocked_for: None,
+            throttled: None,
             log,
         });
     }

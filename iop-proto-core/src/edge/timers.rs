@@ -18,6 +18,8 @@ pub(super) enum TimerKey {
     CancelGrace(RequestId),
     /// A node command must be answered by this.
     Command(u64),
+    /// A held refusal of a failed register is sent then (see `Phase::Held`).
+    Answer(ConnId),
 }
 
 impl crate::timer::TimerKey for TimerKey {
@@ -29,6 +31,7 @@ impl crate::timer::TimerKey for TimerKey {
             TimerKey::Refresh(_) => "refresh answer",
             TimerKey::CancelGrace(_) => "cancel grace",
             TimerKey::Command(_) => "command answer",
+            TimerKey::Answer(_) => "held register answer",
         }
     }
 }
@@ -46,7 +49,7 @@ impl EdgeCore {
                     Phase::Owner { node, .. } => self.registry.nodes[node]
                         .owner
                         .is_some_and(|o| o.conn == conn && !o.ready),
-                    Phase::Stale => false,
+                    Phase::Stale | Phase::Held => false,
                 };
                 if pending {
                     let phase = c.phase;
@@ -108,6 +111,7 @@ impl EdgeCore {
                 }
             }
             TimerKey::Command(seq) => self.fail_command(seq, "the node did not answer in time"),
+            TimerKey::Answer(conn) => self.answer_held(conn),
             TimerKey::CancelGrace(request) => {
                 if let Some(ReqState::Cancelling { lease, .. }) = self.requests.get(&request) {
                     let lease = *lease;

@@ -23,9 +23,14 @@ pub struct Peer {
 }
 
 /// The one rejection reason a failed registration gets on the wire, whatever failed
-/// (unknown node id, wrong token, certificate for another node, back-off), so a peer
-/// cannot tell node ids from tokens. The Edge's own logs get the real [`RejectReason`].
+/// (unknown node id, wrong token, certificate for another node), so a peer cannot tell
+/// node ids from tokens. The Edge's own logs get the real [`RejectReason`].
 pub const AUTH_FAILED: &str = "authentication failed";
+
+/// How the reason of a failed registration starts when its answer was held back because
+/// the claimed node id or the source failed too often (see [`throttled_reason`]): the
+/// same for unknown ids and wrong tokens, and never sent to a node whose token is right.
+pub const TOO_MANY_FAILURES: &str = "too many failed attempts";
 
 /// Why a registration was refused (for the Edge's logs and metrics only).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -37,7 +42,8 @@ pub enum RejectReason {
     BadToken,
     /// Mutual TLS is required and the client certificate does not name the node id.
     IdentityMismatch,
-    /// The source failed too often and is backing off; credentials were not checked.
+    /// The credentials were wrong while the claimed node id or the source had failed
+    /// too often: the refusal was held back, then sent with [`throttled_reason`].
     Throttled,
     /// Authenticated, but the node id is in conflict and held by another connection.
     Conflict,
@@ -328,23 +334,28 @@ pub enum EdgeEvent {
         /// The answer.
         response: NodeCommandResponse,
     },
-    /// A registration was refused (the peer got [`AUTH_FAILED`], or a conflict reason).
-    /// Emitted for every refusal, for metrics; `log` says whether it is worth a log line
-    /// (the 1st, 2nd, 4th, 8th… failure of a source, the start of its back-off, every
-    /// conflict refusal), so an attack cannot flood the log.
+    /// A registration was refused (the peer got [`AUTH_FAILED`], [`TOO_MANY_FAILURES`]
+    /// after a hold, or a conflict or draining reason). Emitted for every refusal, for
+    /// metrics; `log` says whether it is worth a log line (the 1st, 2nd, 4th, 8th…
+    /// failure of a node id and source, the first held answer, every conflict refusal),
+    /// so an attack cannot flood the log.
     RegisterRejected {
-        /// The connection, closed after the refusal was sent.
+        /// The connection (closed once the refusal is sent).
         conn: ConnId,
         /// The peer's address, when known.
         addr: Option<IpAddr>,
         /// The node id claimed (at most 64 characters of it).
         node_id: String,
-        /// Why: bad credentials (the peer only saw [`AUTH_FAILED`]) or a node-id conflict.
+        /// Whether the claimed node id is configured.
+        known: bool,
+        /// Why: bad credentials, or held off by a node-id conflict or drain.
         reason: RejectReason,
-        /// Failures of this source since it was last quiet.
+        /// Failures of the claimed node id or of the source (the larger), since it was
+        /// last quiet.
         failures: u32,
-        /// The back-off this failure started or extended.
-        blocked_for: Option<Duration>,
+        /// The answer is held back: which budget ran out, for how long, and when the
+        /// peer is told to come back.
+        throttled: Option<Throttled>,
         /// Whether to log it.
         log: bool,
     },
@@ -382,6 +393,41 @@ pub enum EdgeEvent {
         /// What happened.
         violation: Violation,
     },
+}
+
+/// Registrations that failed recently, for status pages: who keeps failing.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RegistrationFailures {
+    /// Node ids claimed by failed registrations, most failures first.
+    pub nodes: Vec<FailingNode>,
+    /// Sources of failed registrations, most failures first.
+    pub sources: Vec<crate::guard::FailingKey<Source>>,
+}
+
+/// A node id that failed registrations claimed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FailingNode {
+    /// The id (at most 64 characters of it).
+    pub node_id: String,
+    /// Whether it is configured (a wrong token) or not (a wrong id).
+    pub known: bool,
+    /// Failures since it was last quiet for the throttle's window.
+    pub failures: u32,
+    /// How long a failure now would be held back (zero: within its budget).
+    pub hold: Duration,
+    /// Time since its last failure.
+    pub since_last: Duration,
+}
+
+/// A failed registration whose answer the throttle holds back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Throttled {
+    /// The budget that ran out: the claimed node id's, or the source's.
+    pub by: ThrottledBy,
+    /// How long the answer waits.
+    pub hold: Duration,
+    /// When the peer is told to come back.
+    pub retry_after: Duration,
 }
 
 /// How a node broke the protocol; [`Violation::label`] names it for metrics.

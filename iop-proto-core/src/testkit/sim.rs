@@ -133,6 +133,16 @@ pub enum Op {
         /// Lifetime.
         for_ms: u16,
     },
+    /// A misconfigured process behind the same address as every node (the simulated
+    /// nodes share one source) registers with a wrong token, for a real node id or an
+    /// unknown one, and is restarted in a loop until `for_ms` passes: its siblings with
+    /// the right token must never be refused for its failures.
+    BadSibling {
+        /// The node id it claims (index), or `None` for an id the Edge does not know.
+        node: Option<u8>,
+        /// How long the restart loop lasts.
+        for_ms: u16,
+    },
     /// The Edge reloads a changed configuration (refresh pushed to ready nodes).
     Refresh,
     /// The node sends, for one of its runs, a message this Edge does not know (an event
@@ -161,7 +171,26 @@ pub const OPS_PER_SEED: usize = 60;
 
 /// Runs the world of `seed`: [`OPS_PER_SEED`] operations generated from it.
 pub fn run_seed(seed: u64, options: SimOptions) -> Result<Stats, SimFailure> {
-    run(seed, &generate(seed, OPS_PER_SEED), options)
+    let mut ops = generate(seed, OPS_PER_SEED);
+    if !options.no_bad_siblings {
+        weave_bad_siblings(seed, &mut ops);
+    }
+    run(seed, &ops, options)
+}
+
+/// Adds misconfigured siblings to a third of the worlds, drawn from a stream of their
+/// own so that the rest of a seed's operations stay what [`generate`] makes.
+fn weave_bad_siblings(seed: u64, ops: &mut Vec<Op>) {
+    let mut rng = Rng::new(seed ^ 0xBB67_AE85_84CA_A73B);
+    if !rng.chance(33) {
+        return;
+    }
+    for _ in 0..rng.range(1, 3) {
+        let at = usize::try_from(rng.below(ops.len() as u64 + 1)).unwrap_or(0);
+        let node = (!rng.chance(30)).then(|| u8::try_from(rng.below(NODES as u64)).unwrap_or(0));
+        let for_ms = u16::try_from(rng.range(500, 6000)).unwrap_or(1000);
+        ops.insert(at.min(ops.len()), Op::BadSibling { node, for_ms });
+    }
 }
 
 /// Generates `len` weighted operations from `seed`.
@@ -252,6 +281,10 @@ pub struct Stats {
     /// Registrations held off because their node id was draining (a restart that did
     /// not wait for the old process).
     pub held_off: u64,
+    /// Registrations of misconfigured siblings refused.
+    pub bad_refused: u64,
+    /// Of those, refusals held back by the throttle.
+    pub bad_throttled: u64,
 }
 
 /// A violated invariant, with what is needed to replay it.
@@ -284,9 +317,16 @@ pub struct SimOptions {
     pub faults: Faults,
     /// Keep the whole trace instead of the last steps.
     pub full_trace: bool,
+    /// Leave misconfigured siblings ([`Op::BadSibling`]) out of generated worlds: the
+    /// worlds of seeds found before they joined the generator, exactly.
+    pub no_bad_siblings: bool,
 }
 
 const TOKEN: &str = "sim-token";
+/// What a misconfigured sibling sends instead.
+const BAD_TOKEN: &str = "sim-token-with-a-typo";
+/// The node id a sibling with a wrong id claims.
+const UNKNOWN_ID: &str = "nx";
 
 fn timing() -> EdgeTiming {
     EdgeTiming {
@@ -379,6 +419,15 @@ pub fn world_config(rev: u32) -> EdgeConfig {
                 hold_down: Duration::from_millis(3000),
                 retry_after: Duration::from_millis(500),
             },
+            // Throttle timers scaled too: a bad sibling's answers are held back within
+            // its restart loop.
+            throttle: crate::guard::ThrottleLimits {
+                free_failures: 3,
+                interval: Duration::from_millis(100),
+                max_hold: Duration::from_millis(600),
+                window: Duration::from_millis(2000),
+                max_tracked: 64,
+            },
             ..crate::edge_config::Admission::default()
         },
     }
@@ -401,6 +450,9 @@ struct NodeProc {
     impostor: bool,
     /// The process's `RegisterRequest.instance_id`: a restart is a new process.
     instance: u64,
+    /// Misconfigured: registers with a wrong token, and is restarted in a loop when it
+    /// exits, until its `kill_at`.
+    bad: bool,
     supervisor: Supervisor,
     conn: Option<ConnId>,
     session: Option<NodeSession>,
@@ -430,6 +482,7 @@ impl NodeProc {
             alive: true,
             impostor,
             instance: seed.max(1),
+            bad: false,
             supervisor,
             conn: None,
             session: None,
@@ -780,6 +833,26 @@ impl World {
                 self.log(|| format!("node {node_id} in conflict"));
             }
             EdgeEvent::RegisterRejected {
+                conn,
+                reason,
+                ref node_id,
+                throttled,
+                ..
+            } if !matches!(reason, RejectReason::Draining | RejectReason::Conflict) => {
+                let bad = self
+                    .links
+                    .get(&conn.0)
+                    .is_some_and(|l| self.procs[l.node].bad);
+                check!(
+                    self,
+                    bad,
+                    "a registration with the right token as {node_id} was refused: {reason:?}"
+                );
+                self.stats.bad_refused += 1;
+                self.stats.bad_throttled += u64::from(throttled.is_some());
+                self.log(|| format!("{node_id}: bad sibling refused ({reason:?}, {throttled:?})"));
+            }
+            EdgeEvent::RegisterRejected {
                 reason: RejectReason::Draining,
                 ref node_id,
                 ..
@@ -832,6 +905,16 @@ impl World {
                         let id = self.procs[i].node_id.clone();
                         self.log(|| format!("{id} (proc {i}) dials, attempt {attempt}"));
                         self.procs[i].dial_at = Some(at);
+                    }
+                    SupervisorEvent::Exit(reason) if self.procs[i].bad => {
+                        // Its loop starts it again soon, as systemd's `Restart=always`.
+                        self.procs[i].alive = false;
+                        if self.procs[i].kill_at.is_some() {
+                            let again = self.now + Duration::from_millis(self.rng.range(100, 400));
+                            self.procs[i].restart_at = Some(again);
+                        }
+                        let id = self.procs[i].node_id.clone();
+                        self.log(|| format!("{id} (bad proc {i}) exited: {reason:?}"));
                     }
                     SupervisorEvent::Exit(reason) => {
                         let stopped = self.procs[i]
@@ -938,6 +1021,26 @@ impl World {
                 abandoned.len()
             )
         });
+        let refused = match &end {
+            SessionEnd::Rejected(reason) | SessionEnd::Deferred { reason, .. } => {
+                reason.starts_with(crate::edge::AUTH_FAILED)
+                    || reason.starts_with(crate::edge::TOO_MANY_FAILURES)
+            }
+            _ => false,
+        };
+        if self.procs[i].bad {
+            check!(
+                self,
+                refused || !matches!(end, SessionEnd::Rejected(_) | SessionEnd::Deferred { .. }),
+                "a bad sibling was told {end:?}"
+            );
+        } else {
+            check!(
+                self,
+                !refused,
+                "{id} (proc {i}), whose token is right, was told {end:?}"
+            );
+        }
         self.procs[i].work.clear();
         self.procs[i].session = None;
         if let Some(conn) = self.procs[i].conn.take()
@@ -1320,14 +1423,20 @@ impl World {
         let now = self.now;
         if self.procs[i].kill_at.is_some_and(|t| t <= now) {
             self.procs[i].kill_at = None;
-            self.crash(i);
+            self.procs[i].restart_at = None;
+            if self.procs[i].alive {
+                self.crash(i);
+            }
         }
         if self.procs[i].restart_at.is_some_and(|t| t <= now) {
             self.procs[i].restart_at = None;
             let id = self.procs[i].node_id.clone();
             self.log(|| format!("{id} (proc {i}) restarts"));
             let seed = self.rng.next_u64();
+            let (bad, kill_at) = (self.procs[i].bad, self.procs[i].kill_at);
             self.procs[i] = NodeProc::new(id, now, false, seed);
+            self.procs[i].bad = bad;
+            self.procs[i].kill_at = kill_at;
             self.drain_node(i);
         }
         if !self.procs[i].runnable(now) {
@@ -1358,7 +1467,8 @@ impl World {
             self.log(|| format!("{id} (proc {i}) connected on conn {}", conn.0));
             let p = &mut self.procs[i];
             let _ = p.supervisor.handle_connected(now);
-            let mut config = SessionConfig::new(p.node_id.clone(), TOKEN);
+            let mut config =
+                SessionConfig::new(p.node_id.clone(), if p.bad { BAD_TOKEN } else { TOKEN });
             config.instance_id = p.instance;
             config.heartbeat_interval = timing().heartbeat_interval;
             config.handshake_timeout = Duration::from_millis(1000);
@@ -1560,6 +1670,17 @@ impl World {
                 self.log(|| format!("impostor proc {i} for {id}"));
                 self.drain_node(i);
             }
+            Op::BadSibling { node: n, for_ms } => {
+                let id = n.map_or_else(|| UNKNOWN_ID.to_owned(), |n| format!("n{}", node(n)));
+                let seed = self.rng.next_u64();
+                let mut bad = NodeProc::new(id.clone(), now, false, seed);
+                bad.bad = true;
+                bad.kill_at = Some(now + Duration::from_millis(u64::from(for_ms)));
+                self.procs.push(bad);
+                let i = self.procs.len() - 1;
+                self.log(|| format!("bad sibling proc {i} claims {id} with a wrong token"));
+                self.drain_node(i);
+            }
             Op::Refresh => {
                 self.rev += 1;
                 let rev = self.rev;
@@ -1708,7 +1829,8 @@ impl World {
         self.log(|| "quiesce: no more load, faults heal".into());
         let now = self.now;
         for i in 0..self.procs.len() {
-            if self.procs[i].impostor {
+            if self.procs[i].impostor || self.procs[i].bad {
+                self.procs[i].restart_at = None;
                 if self.procs[i].alive {
                     self.crash(i);
                 }
