@@ -636,9 +636,11 @@ impl World {
     /// Tells the Edge a connection is closed, checking that a connection that no longer
     /// owns its node changes nothing and emits nothing.
     fn edge_closed(&mut self, conn: ConnId, reason: &CloseReason) {
-        // The outputs of earlier inputs go out first (the dispatch this harness made for a
-        // grant that a fence freed, say), as a shell drains every output before its next
-        // input: what the check below sees is then the close's own doing.
+        // What is due before the close happens first, as a shell runs its timers and
+        // drains every output before its next input (a conflict's hold ending at this
+        // instant, or the dispatch of a grant a fence freed): what the check below sees
+        // is then the close's own doing.
+        self.edge.handle_timeout(self.now);
         self.drain_edge();
         let Some(link) = self.links.get_mut(&conn.0) else {
             return;
