@@ -9,15 +9,12 @@
 use foldhash::{HashMap, HashMapExt};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use iop_proto_core::wire::{
-    self, Envelope, Header, ProviderSnapshot, ProviderTunnelRequest, RunEvent, RunRequest,
-};
+use iop_proto_core::wire::{self, Envelope, ProviderSnapshot};
 use iop_proto_core::{
-    CloseReason, ConfigDiff, ConnId, Dispatch, DispatchShape, DrainReason, EdgeConfig, EdgeCore,
-    EdgeError, EdgeEvent, Grant, NodeStatus, Outcome, RequestId, SubmitError, Transmit, UsageError,
+    Cancelled, CloseReason, ConfigDiff, ConnId, DrainReason, EdgeConfig, EdgeCore, EdgeEvent,
+    NodeStatus, Outcome, RequestEvent, RequestId, SubmitError, Transmit,
 };
 use tokio::sync::{Notify, oneshot};
 use tokio::time::Instant;
@@ -29,48 +26,8 @@ use crate::metrics::Metrics;
 use crate::nodes::{ConnHandle, MAX_QUEUED_PER_CONNECTION, STALLED_AFTER};
 use crate::outbox::Outbox;
 pub use iop_proto_core::openai::Endpoint;
-use iop_proto_core::openai::{TunnelPart, for_target};
 use iop_shell_common::clock::Clock;
 use iop_shell_common::misuse;
-
-/// What an HTTP request asks for, kept until it is granted.
-#[derive(Clone, Debug)]
-pub struct Work {
-    /// Endpoint.
-    pub endpoint: Endpoint,
-    /// The body as received.
-    pub raw: Bytes,
-    /// Whether the caller asked for a stream.
-    pub stream: bool,
-    /// Request headers to forward on a tunnel.
-    pub headers: Vec<Header>,
-    /// Upper bound the node applies to the provider call.
-    pub timeout: Duration,
-    /// The caller's `x-request-id` (or the one the Edge gave it): sent to the node in
-    /// the request's metadata so both sides' logs name the same request.
-    pub request_id: Arc<str>,
-}
-
-/// What happens to a request, as its handler sees it.
-#[derive(Debug)]
-pub enum ReqEvent {
-    /// Sent to a node.
-    Dispatched {
-        /// Tunnel or run.
-        shape: DispatchShape,
-        /// Node chosen.
-        node_id: Arc<str>,
-        /// Adapter instance chosen on it.
-        provider_id: Arc<str>,
-    },
-    /// A run event (boxed, as a tunnel frame other than a body's: an event waiting in a
-    /// request's queue takes the room of the largest kind).
-    Run(Box<RunEvent>),
-    /// A tunnel frame: a body chunk as its bytes alone, nothing allocated for it.
-    Tunnel(TunnelPart),
-    /// The end (exactly once).
-    Ended(Outcome),
-}
 
 /// Bytes a request may have waiting for a slow client before it is cancelled.
 pub const MAX_BUFFERED_PER_REQUEST: usize = 16 << 20;
@@ -80,7 +37,7 @@ pub const MAX_BUFFERED_PER_REQUEST: usize = 16 << 20;
 #[derive(Debug)]
 pub struct Events {
     /// Events in order.
-    pub rx: crate::inbox::Inbox<ReqEvent>,
+    pub rx: crate::inbox::Inbox<RequestEvent>,
     /// Body and buffered response bytes (the handler reports what it takes).
     pub memory: Arc<RequestMemory>,
 }
@@ -93,10 +50,10 @@ impl Drop for Events {
 
 /// The size a buffered event counts for.
 #[must_use]
-pub fn event_size(event: &ReqEvent) -> usize {
+pub fn event_size(event: &RequestEvent) -> usize {
     match event {
-        ReqEvent::Run(e) => e.delta.len() + 64,
-        ReqEvent::Tunnel(part) => part.body_len() + 64,
+        RequestEvent::Run(e) => e.delta.len() + 64,
+        RequestEvent::Tunnel(part) => part.body_len() + 64,
         _ => 0,
     }
 }
@@ -147,16 +104,12 @@ pub enum CoreMsg {
         /// Connection.
         conn: ConnId,
     },
-    /// A new request.
+    /// A new request, whole: the core dispatches it.
     Submit {
-        /// Public model name.
-        model: Arc<str>,
-        /// Estimated prompt tokens.
-        prompt_tokens: u64,
-        /// What to dispatch once granted.
-        work: Work,
+        /// The request.
+        submit: iop_proto_core::Submit,
         /// Where its events go.
-        events: crate::inbox::Outlet<ReqEvent>,
+        events: crate::inbox::Outlet<RequestEvent>,
         /// The memory it holds.
         memory: Arc<RequestMemory>,
         /// The id, or why it was refused.
@@ -193,9 +146,8 @@ pub enum CoreMsg {
 }
 
 struct Entry {
-    events: crate::inbox::Outlet<ReqEvent>,
+    events: crate::inbox::Outlet<RequestEvent>,
     memory: Arc<RequestMemory>,
-    work: Option<Work>,
     model: Arc<str>,
     submitted: Instant,
 }
@@ -401,37 +353,19 @@ impl Task {
                 self.conns.remove(&conn);
             }
             CoreMsg::Submit {
-                model,
-                prompt_tokens,
-                work,
+                submit,
                 events,
                 memory,
                 reply,
             } => {
-                let result = self.core.handle_submit(
-                    now,
-                    iop_proto_core::Submit {
-                        model: &model,
-                        prompt_tokens,
-                        tunnel_only: work.endpoint != Endpoint::Chat,
-                    },
-                );
-                let result = match result {
-                    Ok(request) => Ok(request),
-                    Err(EdgeError::Submit(refusal)) => Err(refusal),
-                    Err(other) => {
-                        // Dropping the reply answers the caller 503.
-                        misuse::<(), _>("submit", Err(other));
-                        return;
-                    }
-                };
+                let model = submit.model.clone();
+                let result = self.core.handle_submit(now, submit);
                 if let Ok(request) = result {
                     self.requests.insert(
                         request,
                         Entry {
                             events,
                             memory,
-                            work: Some(work),
                             model,
                             submitted: Instant::now(),
                         },
@@ -440,14 +374,10 @@ impl Task {
                 let _ = reply.send(result);
             }
             CoreMsg::Cancel { request, reason } => {
-                match self.core.handle_cancel(now, request, reason) {
-                    Ok(()) => debug!(request = %request, reason, "request cancelled"),
-                    // The caller left just as its request ended: nothing to cancel.
-                    Err(EdgeError::Usage(UsageError::Ended(_))) => {}
-                    Err(other) => {
-                        misuse::<(), _>("cancel", Err(other));
-                    }
+                if self.core.handle_cancel(now, request, reason) == Cancelled::Now {
+                    debug!(request = %request, reason, "request cancelled");
                 }
+                // Otherwise the caller left just as its request ended: nothing to cancel.
             }
             CoreMsg::Reload { config, reply } => {
                 let result = self
@@ -464,11 +394,8 @@ impl Task {
                 Ok(id) => {
                     self.commands.insert(id.to_string(), reply);
                 }
-                Err(EdgeError::Command(refusal)) => {
+                Err(refusal) => {
                     let _ = reply.send(Err(refusal));
-                }
-                Err(other) => {
-                    misuse::<(), _>("command", Err(other));
                 }
             },
             CoreMsg::Snapshot { reply } => {
@@ -564,6 +491,10 @@ impl Task {
             for (conn, batch) in batches {
                 self.flush(conn, Some(batch));
             }
+            // What it means to an operator, published before it is acted on (never waits).
+            while let Some(lifecycle) = self.core.poll_lifecycle() {
+                self.events.publish(&lifecycle);
+            }
             while let Some(event) = self.core.poll_event() {
                 progressed = true;
                 self.on_event(event);
@@ -609,7 +540,7 @@ impl Task {
         }
     }
 
-    fn forward(&mut self, request: RequestId, event: ReqEvent) {
+    fn forward(&mut self, request: RequestId, event: RequestEvent) {
         let Some(entry) = self.requests.get(&request) else {
             return;
         };
@@ -618,23 +549,13 @@ impl Task {
         if !sent || buffered.is_some_and(|b| b > MAX_BUFFERED_PER_REQUEST) {
             // The caller is gone or not reading: stop the work upstream.
             let now = self.clock.now();
-            let cancelled = self
+            let _ = self
                 .core
                 .handle_cancel(now, request, "caller gone or not reading");
-            if !matches!(
-                cancelled,
-                Ok(()) | Err(EdgeError::Usage(UsageError::Ended(_)))
-            ) {
-                misuse("cancel", cancelled);
-            }
         }
     }
 
     fn on_event(&mut self, event: EdgeEvent) {
-        // What it means to an operator, published before it is acted on (never waits).
-        for lifecycle in self.core.lifecycle(&event) {
-            self.events.publish(&lifecycle);
-        }
         match event {
             EdgeEvent::NodeRegistered {
                 node_id,
@@ -642,22 +563,28 @@ impl Task {
             } => {
                 debug!(node_id = %node_id, generation = generation.0, "node registered");
             }
-            EdgeEvent::Granted(grant) => self.dispatch(&grant),
-            EdgeEvent::RunEvent { request, event } => {
-                self.forward(request, ReqEvent::Run(Box::new(event)));
-            }
-            EdgeEvent::TunnelFrame { request, frame } => {
-                self.forward(request, ReqEvent::Tunnel(frame.into()));
-            }
-            EdgeEvent::RequestEnded { request, outcome } => {
+            EdgeEvent::Request {
+                request,
+                event: RequestEvent::Ended(outcome),
+            } => {
                 if let Some(entry) = self.requests.remove(&request) {
                     if !matches!(outcome, Outcome::Completed) {
                         debug!(request = %request, model = &*entry.model, outcome = ?outcome, "request ended");
                     }
                     let _ = entry
                         .events
-                        .queue(ReqEvent::Ended(outcome), &mut self.wakes);
+                        .queue(RequestEvent::Ended(outcome), &mut self.wakes);
                 }
+            }
+            EdgeEvent::Request { request, event } => {
+                if let RequestEvent::Dispatched { .. } = event
+                    && let Some(entry) = self.requests.get(&request)
+                {
+                    self.metrics
+                        .model(&entry.model)
+                        .queue_wait(entry.submitted.elapsed());
+                }
+                self.forward(request, event);
             }
             EdgeEvent::NodeConnected {
                 node_id,
@@ -815,74 +742,6 @@ impl Task {
             }
         }
     }
-
-    /// Builds the message for a granted request and hands it to the machine.
-    fn dispatch(&mut self, grant: &Grant) {
-        let now = self.clock.now();
-        let Some(entry) = self.requests.get_mut(&grant.request) else {
-            // Granted, so open: the core must take the cancel.
-            misuse(
-                "cancel",
-                self.core
-                    .handle_cancel(now, grant.request, "request vanished"),
-            );
-            return;
-        };
-        self.metrics
-            .model(&entry.model)
-            .queue_wait(entry.submitted.elapsed());
-        let Some(work) = entry.work.take() else {
-            return;
-        };
-        // The core grants requests submitted as `tunnel_only` (every endpoint but chat)
-        // only to tunnel-served providers.
-        debug_assert!(grant.shape == DispatchShape::Tunnel || work.endpoint == Endpoint::Chat);
-        let dispatch = match grant.shape {
-            DispatchShape::Run => Dispatch::Run(RunRequest {
-                input: work.raw,
-                metadata: [
-                    ("model".to_owned(), String::from(&*grant.model)),
-                    (
-                        wire::REQUEST_ID_KEY.to_owned(),
-                        String::from(&*work.request_id),
-                    ),
-                ]
-                .into_iter()
-                .collect(),
-                ..RunRequest::default()
-            }),
-            DispatchShape::Tunnel => {
-                let body = for_target(work.raw, &grant.target);
-                Dispatch::Tunnel(ProviderTunnelRequest {
-                    method: "POST".into(),
-                    path: work.endpoint.path().into(),
-                    headers: work.headers,
-                    body,
-                    stream: work.stream,
-                    timeout_sec: u32::try_from(work.timeout.as_secs()).unwrap_or(u32::MAX),
-                    metadata: [(
-                        wire::REQUEST_ID_KEY.to_owned(),
-                        String::from(&*work.request_id),
-                    )]
-                    .into_iter()
-                    .collect(),
-                    ..ProviderTunnelRequest::default()
-                })
-            }
-        };
-        let _ = entry.events.queue(
-            ReqEvent::Dispatched {
-                shape: grant.shape,
-                node_id: grant.node_id.clone(),
-                provider_id: grant.provider_id.clone(),
-            },
-            &mut self.wakes,
-        );
-        misuse(
-            "dispatch",
-            self.core.handle_dispatch(now, grant.request, dispatch),
-        );
-    }
 }
 
 #[cfg(test)]
@@ -890,6 +749,6 @@ mod tests {
     #[test]
     fn a_request_event_is_small() {
         // Its channel allocates 32 slots at once, for every open request.
-        assert!(std::mem::size_of::<super::ReqEvent>() <= 64);
+        assert!(std::mem::size_of::<super::RequestEvent>() <= 64);
     }
 }

@@ -23,12 +23,12 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use iop_proto_core::openai::{self, Endpoint, Out, Responder, ResponseOptions};
 use iop_proto_core::wire::{
-    self, AdapterConfig, AdapterType, FrameDecoder, NodeRuntimeConfig, RunRequest, Usage,
+    self, AdapterConfig, AdapterType, FrameDecoder, NodeRuntimeConfig, Usage,
 };
 use iop_proto_core::{
-    CandidateSpec, ConnId, Dispatch, EdgeConfig, EdgeCore, EdgeEvent, ModelSpec, NodeSession,
-    NodeSpec, NodeTransmit, Peer, RunOutput, SessionConfig, SessionEvent, Submit, Timestamp,
-    TokenVerifier, Transmit,
+    CandidateSpec, ConnId, EdgeConfig, EdgeCore, EdgeEvent, ModelSpec, NodeSession, NodeSpec,
+    NodeTransmit, Peer, RunOutput, SessionConfig, SessionEvent, Submit, Timestamp, TokenVerifier,
+    Transmit,
 };
 
 const TOKEN: &str = "example-node-token-0123456789";
@@ -185,14 +185,11 @@ fn on_edge_event(
     match event {
         EdgeEvent::NodeConnected { node_id, .. } => {
             println!("edge: {node_id} is ready; submitting the request");
-            let request = edge.handle_submit(
-                now,
-                Submit {
-                    model: &asked.model,
-                    prompt_tokens: asked.prompt_tokens,
-                    tunnel_only: false,
-                },
-            )?;
+            // The whole request: the machine dispatches it itself.
+            let mut submit = Submit::chat(&asked.model, Bytes::copy_from_slice(body));
+            submit.prompt_tokens = asked.prompt_tokens;
+            submit.stream = asked.stream;
+            let request = edge.handle_submit(now, submit)?;
             let run_id = iop_proto_core::edge::run_id_of(request);
             *responder = Some(Responder::new(ResponseOptions::new(
                 asked,
@@ -200,28 +197,9 @@ fn on_edge_event(
                 unix_now(),
             )));
         }
-        EdgeEvent::Granted(grant) => {
-            let input = Bytes::copy_from_slice(body);
-            edge.handle_dispatch(
-                now,
-                grant.request,
-                Dispatch::Run(RunRequest {
-                    input,
-                    ..RunRequest::default()
-                }),
-            )?;
+        EdgeEvent::Request { event, .. } => {
             if let Some(r) = responder.as_mut() {
-                r.handle_dispatched(grant.shape);
-            }
-        }
-        EdgeEvent::RunEvent { event, .. } => {
-            if let Some(r) = responder.as_mut() {
-                r.handle_run_event(event);
-            }
-        }
-        EdgeEvent::RequestEnded { outcome, .. } => {
-            if let Some(r) = responder.as_mut() {
-                r.handle_end(&outcome);
+                r.handle_event(event);
             }
         }
         other => println!("edge: {other:?}"),

@@ -3,8 +3,8 @@
 //!
 //! A resource is one adapter instance on one node, `(node_id, provider_id)`. It is live
 //! only while its node's current connection is ready; its capacity belongs to that
-//! connection's generation. A lease is a token naming the request, the resource and the
-//! generation it was granted in. It is returned exactly once: by [`Ledger::release`], or
+//! connection's generation. A lease is a token naming the run (one dispatch of a
+//! request), the resource and the generation it was granted in. It is returned exactly once: by [`Ledger::release`], or
 //! all at once when the generation is fenced. Anything after that reports
 //! [`Release::Stale`] and changes nothing.
 
@@ -37,11 +37,90 @@ impl std::fmt::Display for RequestId {
     }
 }
 
+/// One dispatch of a request to a provider, and the holder of its lease: a request's
+/// first dispatch is attempt 0, and each retry on another provider is a new run. On the
+/// wire it is the `run_id` of the dispatched message and of every event or frame of its
+/// stream: `run-<request>`, or `run-<request>-<attempt>` for a retry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RunId {
+    /// The request it serves.
+    pub request: RequestId,
+    /// Which dispatch of the request it is, from 0.
+    pub attempt: u32,
+}
+
+impl RunId {
+    /// What every wire run id starts with; the request's number follows in decimal.
+    const PREFIX: &'static str = "run-";
+
+    /// The first run of `request`.
+    #[must_use]
+    pub fn first(request: RequestId) -> Self {
+        RunId {
+            request,
+            attempt: 0,
+        }
+    }
+
+    /// The run a wire run id names, if it is one of this Edge's.
+    #[must_use]
+    pub fn parse(text: &str) -> Option<RunId> {
+        let rest = text.strip_prefix(Self::PREFIX)?;
+        let (request, attempt) = match rest.split_once('-') {
+            Some((request, attempt)) => (request, attempt.parse().ok().filter(|&a| a > 0)?),
+            None => (rest, 0),
+        };
+        // Digits only: `parse` would take a leading `+`, and the wire form has none.
+        if !request.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        Some(RunId {
+            request: RequestId(request.parse().ok()?),
+            attempt,
+        })
+    }
+
+    /// The wire form (as `Display` writes it), without the formatter: it is made once
+    /// per dispatch.
+    #[must_use]
+    pub fn wire(self) -> String {
+        let mut buf = [0u8; 20];
+        let digits = decimal(&mut buf, self.request.0);
+        let mut text = String::with_capacity(Self::PREFIX.len() + digits.len() + 4);
+        text.push_str(Self::PREFIX);
+        text.push_str(digits);
+        if self.attempt > 0 {
+            text.push('-');
+            text.push_str(decimal(&mut buf, u64::from(self.attempt)));
+        }
+        text
+    }
+}
+
+/// `n` in decimal, written into the end of `buf`.
+fn decimal(buf: &mut [u8; 20], n: u64) -> &str {
+    let digits = crate::http1::response::decimal_text(buf, n);
+    // ASCII digits only, so this cannot fail.
+    std::str::from_utf8(digits).unwrap_or_default()
+}
+
+impl std::fmt::Display for RunId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.wire())
+    }
+}
+
+impl From<RequestId> for RunId {
+    fn from(request: RequestId) -> Self {
+        RunId::first(request)
+    }
+}
+
 /// The token of one granted unit of provider capacity.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Lease {
-    /// The request holding the lease (at most one lease per request).
-    pub request: RequestId,
+    /// The run holding the lease (at most one lease per run).
+    pub run: RunId,
     /// The resource whose capacity it holds.
     pub resource: ResourceId,
     /// The generation it was granted in.
@@ -86,15 +165,15 @@ struct Held {
 #[derive(Debug, Default)]
 pub struct Ledger {
     resources: Vec<Resource>,
-    leases: IdMap<RequestId, Held>,
+    leases: IdMap<RunId, Held>,
 }
 
-/// One resource's figures and the requests holding a lease on it (in no particular
-/// order), side by side so an acquire or release touches one place.
+/// One resource's figures and the runs holding a lease on it (in no particular order),
+/// side by side so an acquire or release touches one place.
 #[derive(Debug, Default)]
 struct Resource {
     usage: Usage,
-    holders: Vec<RequestId>,
+    holders: Vec<RunId>,
 }
 
 impl Ledger {
@@ -136,10 +215,10 @@ impl Ledger {
         self.leases.len()
     }
 
-    /// The lease `request` holds, if any.
+    /// The lease `run` holds, if any.
     #[must_use]
-    pub fn lease_of(&self, request: RequestId) -> Option<Lease> {
-        self.leases.get(&request).map(|held| held.lease)
+    pub fn lease_of(&self, run: RunId) -> Option<Lease> {
+        self.leases.get(&run).map(|held| held.lease)
     }
 
     /// Brings `resource` online for `generation` with the given capacities. A resource that
@@ -173,15 +252,15 @@ impl Ledger {
     }
 
     /// Takes `resource` offline and returns every lease held on it, each exactly once,
-    /// in request order. Costs O(leases on `resource`), whatever else is held.
+    /// in run order. Costs O(leases on `resource`), whatever else is held.
     pub fn fence(&mut self, resource: ResourceId) -> Vec<Lease> {
         let holders = std::mem::take(&mut self.resources[resource.index()]).holders;
         let mut returned: Vec<Lease> = holders
             .iter()
-            .filter_map(|request| self.leases.remove(request))
+            .filter_map(|run| self.leases.remove(run))
             .map(|held| held.lease)
             .collect();
-        returned.sort_unstable_by_key(|lease| lease.request);
+        returned.sort_unstable_by_key(|lease| lease.run);
         returned
     }
 
@@ -200,15 +279,16 @@ impl Ledger {
         }
     }
 
-    /// Grants `request` a lease on `resource` if it has a free unit of the right kind.
-    /// Returns `None` when it has none, or when `request` already holds a lease.
+    /// Grants `run` a lease on `resource` if it has a free unit of the right kind.
+    /// Returns `None` when it has none, or when `run` already holds a lease.
     pub fn try_acquire(
         &mut self,
         resource: ResourceId,
-        request: RequestId,
+        run: impl Into<RunId>,
         long: bool,
     ) -> Option<Lease> {
-        if self.free(resource, long) == 0 || self.leases.contains_key(&request) {
+        let run = run.into();
+        if self.free(resource, long) == 0 || self.leases.contains_key(&run) {
             return None;
         }
         let usage = &mut self.resources[resource.index()].usage;
@@ -218,25 +298,25 @@ impl Ledger {
             usage.long_in_flight += 1;
         }
         let lease = Lease {
-            request,
+            run,
             resource,
             generation,
             long,
         };
         let holders = &mut self.resources[resource.index()].holders;
         let at = u32::try_from(holders.len()).expect("capacity is a u32");
-        holders.push(request);
-        self.leases.insert(request, Held { lease, at });
+        holders.push(run);
+        self.leases.insert(run, Held { lease, at });
         Some(lease)
     }
 
     /// Returns a lease. Only the exact token currently held releases capacity.
     pub fn release(&mut self, lease: Lease) -> Release {
-        let held = match self.leases.remove(&lease.request) {
+        let held = match self.leases.remove(&lease.run) {
             Some(held) if held.lease == lease => held,
             Some(other) => {
-                // The request holds a different lease: put it back untouched.
-                self.leases.insert(lease.request, other);
+                // The run holds a different lease: put it back untouched.
+                self.leases.insert(lease.run, other);
                 return Release::Stale;
             }
             None => return Release::Stale,
@@ -355,7 +435,7 @@ mod tests {
         assert_eq!(ledger.release(held[3]), Release::Released);
         assert_eq!(ledger.release(held[3]), Release::Stale);
         assert_eq!(ledger.fence(r), vec![held[1], held[2]]);
-        assert_eq!(ledger.lease_of(RequestId(9)), Some(kept));
+        assert_eq!(ledger.lease_of(RequestId(9).into()), Some(kept));
         assert_eq!(ledger.leases_held(), 1);
         assert_eq!(ledger.fence(other), vec![kept]);
     }

@@ -12,9 +12,10 @@
 //! - [`wire`]: the generated message types, the length-prefixed frame codec and the
 //!   contract validation of each message.
 //! - [`time`]: [`Timestamp`], the only notion of time the machines know.
-//! - [`edge`]: the Edge machine ([`EdgeCore`]): registry, generation fencing, dispatch
-//!   and the streams of dispatched requests, over [`lease`] (the lease ledger) and
-//!   [`queue`] (the provider-pool wait queue), configured by [`edge_config`].
+//! - [`edge`]: the Edge machine ([`EdgeCore`]): registry, generation fencing, and the
+//!   requests it owns from submit to end (dispatch and their streams), over [`lease`]
+//!   (the lease ledger) and [`queue`] (the provider-pool wait queue), configured by
+//!   [`edge_config`].
 //! - [`run`] and [`tunnel`]: the contract sequencers of normalized runs and raw tunnels.
 //! - [`session`]: the Node session machine ([`NodeSession`]), with [`gate`] (per-adapter
 //!   capacity) and [`reconnect`] (the reconnect policy and its [`Supervisor`]).
@@ -37,8 +38,8 @@
 //!   close.
 //! - **outputs** are drained after every input, transmits first: `poll_transmit` until
 //!   `None` (bytes for the socket, in order, including the close), then `poll_event`
-//!   until `None`. Acting on an event may feed the machine again, so drain until both
-//!   are empty.
+//!   until `None` (the Edge also has `poll_lifecycle`, what an operator sees). Acting on
+//!   an event may feed the machine again, so drain until all are empty.
 //! - **time** is a [`Timestamp`] passed in. `poll_timeout` returns the next [`Wake`] (its
 //!   instant and why); call `handle_timeout(now)` once it has passed. A spurious call
 //!   does nothing.
@@ -50,7 +51,7 @@
 //! [`wire::FrameDecoder`] between the two (see `examples/blocking.rs`, which does this
 //! over `std::net` sockets with no async runtime); here envelopes are handed across.
 //! ```
-//! use iop_proto_core::wire::{AdapterConfig, AdapterType, NodeRuntimeConfig, RunRequest};
+//! use iop_proto_core::wire::{AdapterConfig, AdapterType, NodeRuntimeConfig};
 //! use iop_proto_core::*;
 //!
 //! let token = "a-node-token-of-some-length";
@@ -111,14 +112,15 @@
 //!         match event {
 //!             EdgeEvent::NodeConnected { .. } if !submitted => {
 //!                 submitted = true;
-//!                 let submit = Submit { model: "demo", prompt_tokens: 3, tunnel_only: false };
-//!                 edge.handle_submit(now, submit)?;
+//!                 // The whole request: the Edge builds and sends its dispatch itself.
+//!                 let body = bytes::Bytes::from_static(br#"{"model":"demo","messages":[]}"#);
+//!                 edge.handle_submit(now, Submit::chat("demo", body))?;
 //!             }
-//!             EdgeEvent::Granted(grant) => {
-//!                 edge.handle_dispatch(now, grant.request, Dispatch::Run(RunRequest::default()))?;
-//!             }
-//!             EdgeEvent::RunEvent { event, .. } => answer.push_str(&event.delta),
-//!             EdgeEvent::RequestEnded { outcome, .. } => assert_eq!(outcome, Outcome::Completed),
+//!             EdgeEvent::Request { event, .. } => match event {
+//!                 RequestEvent::Run(event) => answer.push_str(&event.delta),
+//!                 RequestEvent::Ended(outcome) => assert_eq!(outcome, Outcome::Completed),
+//!                 _ => {}
+//!             },
 //!             _ => {}
 //!         }
 //!     }
@@ -179,10 +181,10 @@ pub mod wire;
 pub mod testkit;
 
 pub use edge::{
-    AUTH_FAILED, CloseReason, CommandError, CommandId, ConnId, ConnViolation, Dispatch,
-    DispatchShape, DrainReason, EdgeCore, EdgeError, EdgeEvent, Grant, Lifecycle, NodeState,
-    NodeStatus, Outcome, Peer, RefreshFailure, RejectReason, RequestError, RunId, StreamViolation,
-    Submit, SubmitError, TOO_MANY_FAILURES, Transmit, UsageError, Violation,
+    AUTH_FAILED, Cancelled, CloseReason, CommandError, CommandId, ConnId, ConnViolation,
+    DispatchShape, DrainReason, EdgeCore, EdgeEvent, Lifecycle, NodeState, NodeStatus, Outcome,
+    Peer, RefreshFailure, RejectReason, RequestError, RequestEvent, RunId, StreamViolation, Submit,
+    SubmitError, TOO_MANY_FAILURES, Transmit, UsageError, Violation,
 };
 pub use edge_config::{
     Admission, CandidateSpec, ConfigDiff, EdgeConfig, EdgeConfigError, EdgeTiming, ModelSpec,

@@ -3,6 +3,7 @@
 mod common;
 
 use common::edge::*;
+use iop_proto_core::edge::run_id_of;
 use iop_proto_core::wire::*;
 use iop_proto_core::*;
 
@@ -73,7 +74,14 @@ fn ready_from_pending_owner_activates_pumps_and_connects_once() {
     let waiting = h.submit("solo", 10).expect("queued");
     h.ready(conn, "n1");
     let (tx, events) = h.drain();
-    assert_eq!(only_ready_answer(&tx, conn), Some(true));
+    // The ready answer first, then the pumped waiter's dispatch in the same transition.
+    assert!(
+        matches!(
+            frames_to(&tx, conn).as_slice(),
+            [Body::NodeReadyResponse(r), Body::RunRequest(run)] if r.ready && run.run_id == run_id_of(waiting)
+        ),
+        "{tx:?}"
+    );
     let connected = events
         .iter()
         .filter(|e| matches!(e, EdgeEvent::NodeConnected { .. }))
@@ -403,7 +411,7 @@ fn long_requests_count_in_both_capacities() {
     h.connect("n1");
     h.submit("solo", 5000).expect("long granted");
     let g = grants(&h.events()).remove(0);
-    assert!(g.lease.long);
+    assert!(h.lease(&g).long);
     let u = h.usage("n1", "a");
     assert_eq!((u.in_flight, u.long_in_flight), (1, 1));
     let long2 = h.submit("solo", 5000).expect("queued: long capacity is 1");
@@ -427,14 +435,6 @@ fn dispatch_shape_follows_the_adapter_type() {
     h.submit("m", 1).expect("granted");
     let g = grants(&h.events()).remove(0);
     assert_eq!((&*g.node_id, g.shape), ("n2", DispatchShape::Tunnel));
-    assert_eq!(
-        h.edge
-            .handle_dispatch(h.now, g.request, Dispatch::Run(RunRequest::default())),
-        Err(EdgeError::Usage(UsageError::WrongShape {
-            request: g.request,
-            expected: DispatchShape::Tunnel
-        }))
-    );
     let run_id = h.dispatch(&g);
     let tx = h.transmits();
     let Some(Transmit::Frame { envelope, .. }) = tx.first() else {
@@ -491,7 +491,10 @@ fn cancel_sends_cancel_run_and_releases_the_lease_exactly_once() {
     let g = grants(&h.events()).remove(0);
     let run = h.dispatch(&g);
     h.transmits();
-    assert!(h.edge.handle_cancel(h.now, r, "caller left").is_ok());
+    assert_eq!(
+        h.edge.handle_cancel(h.now, r, "caller left"),
+        Cancelled::Now
+    );
     let (tx, events) = h.drain();
     assert_eq!(ended(&events), vec![(r, Outcome::Cancelled)]);
     assert!(matches!(
@@ -505,7 +508,7 @@ fn cancel_sends_cancel_run_and_releases_the_lease_exactly_once() {
     );
     assert_eq!(
         h.edge.handle_cancel(h.now, r, "again"),
-        Err(EdgeError::Usage(UsageError::Ended(r)))
+        Cancelled::AlreadyEnded
     );
     h.run_event(conn, &run, RunEventType::Start, 0);
     h.run_event(conn, &run, RunEventType::Cancelled, 1);
@@ -522,7 +525,7 @@ fn cancel_grace_releases_when_the_node_never_confirms() {
     let r = h.submit("solo", 1).expect("ok");
     let g = grants(&h.events()).remove(0);
     h.dispatch(&g);
-    h.edge.handle_cancel(h.now, r, "caller left").expect("open");
+    h.edge.handle_cancel(h.now, r, "caller left");
     h.at(4999);
     assert_eq!(h.usage("n1", "a").in_flight, 1);
     h.at(5000);
@@ -533,7 +536,7 @@ fn cancel_grace_releases_when_the_node_never_confirms() {
 fn cancelling_a_waiter_leaves_the_queue() {
     let mut h = Harness::new();
     let r = h.submit("solo", 1).expect("queued");
-    assert!(h.edge.handle_cancel(h.now, r, "gone").is_ok());
+    assert_eq!(h.edge.handle_cancel(h.now, r, "gone"), Cancelled::Now);
     assert!(h.edge.queue().is_empty());
     assert_eq!(ended(&h.events()), vec![(r, Outcome::Cancelled)]);
 }
@@ -668,7 +671,7 @@ fn commands_are_validated_first_then_sent_to_ready_nodes_and_answered() {
     // An inadmissible type is refused before the node is even looked up.
     assert!(matches!(
         h.edge.handle_command(h.now, "no-such-node", cmd(5)),
-        Err(EdgeError::Command(CommandError::Invalid(_)))
+        Err(CommandError::Invalid(_))
     ));
     assert_eq!(
         h.edge.handle_command(
@@ -676,14 +679,12 @@ fn commands_are_validated_first_then_sent_to_ready_nodes_and_answered() {
             "no-such-node",
             cmd(NodeCommandType::Capabilities as i32)
         ),
-        Err(EdgeError::Command(CommandError::UnknownNode(
-            "no-such-node".into()
-        )))
+        Err(CommandError::UnknownNode("no-such-node".into()))
     );
     assert_eq!(
         h.edge
             .handle_command(h.now, "n2", cmd(NodeCommandType::Capabilities as i32)),
-        Err(EdgeError::Command(CommandError::NotReady("n2".into())))
+        Err(CommandError::NotReady("n2".into()))
     );
     let id = h
         .edge
@@ -772,13 +773,15 @@ fn a_waiting_tunnel_request_skips_a_provider_that_stopped_tunnelling() {
     h.edge.handle_config(h.now, cfg).expect("valid");
     h.drain();
     // n2/b frees: neither waiter may take it. Both keep waiting for n3/c, in order.
-    assert!(h.edge.handle_cancel(h.now, on_b, "caller left").is_ok());
+    assert_eq!(
+        h.edge.handle_cancel(h.now, on_b, "caller left"),
+        Cancelled::Now
+    );
+    end_tunnel(&mut h, "n2", on_b);
     let events = h.events();
     assert!(grants(&events).is_empty(), "{events:?}");
     assert!(
-        !events
-            .iter()
-            .any(|e| matches!(e, EdgeEvent::RequestEnded { request, .. } if *request != on_b)),
+        ended(&events).iter().all(|(request, _)| *request == on_b),
         "{events:?}"
     );
     assert_eq!(h.edge.queue().ids(), vec![first, second]);
@@ -787,7 +790,11 @@ fn a_waiting_tunnel_request_skips_a_provider_that_stopped_tunnelling() {
     h.submit("t", 1).expect("granted on n2/b");
     assert_eq!(&*grants(&h.events())[0].node_id, "n2");
     // n3/c frees: the older waiter gets it.
-    assert!(h.edge.handle_cancel(h.now, on_c, "caller left").is_ok());
+    assert_eq!(
+        h.edge.handle_cancel(h.now, on_c, "caller left"),
+        Cancelled::Now
+    );
+    end_tunnel(&mut h, "n3", on_c);
     let granted = grants(&h.events());
     assert_eq!(granted.len(), 1);
     assert_eq!((granted[0].request, &*granted[0].node_id), (first, "n3"));
@@ -797,20 +804,36 @@ fn a_waiting_tunnel_request_skips_a_provider_that_stopped_tunnelling() {
     cfg.nodes.get_mut("n3").expect("n3").adapters[0].r#type = AdapterType::Mock as i32;
     h.edge.handle_config(h.now, cfg).expect("valid");
     h.drain();
-    assert!(h.edge.handle_cancel(h.now, first, "caller left").is_ok());
+    assert_eq!(
+        h.edge.handle_cancel(h.now, first, "caller left"),
+        Cancelled::Now
+    );
+    end_tunnel(&mut h, "n3", first);
     let events = h.events();
     assert!(
-        events.iter().any(|e| matches!(
-            e,
-            EdgeEvent::RequestEnded {
-                request,
-                outcome: Outcome::Failed(RequestError::Unsupported { .. }),
-            } if *request == second
-        )),
+        ended(&events)
+            .iter()
+            .any(|(request, outcome)| *request == second
+                && matches!(outcome, Outcome::Failed(RequestError::Unsupported { .. }))),
         "{events:?}"
     );
     assert!(grants(&events).is_empty());
     assert!(h.edge.queue().is_empty());
+}
+
+/// `node` ends the tunnel of `request` (as it does for a cancel): its lease returns.
+fn end_tunnel(h: &mut Harness, node: &str, request: RequestId) {
+    let conn = h.edge.owner_of_node(node).expect("owned");
+    h.send(
+        conn,
+        Body::ProviderTunnelFrame(ProviderTunnelFrame {
+            run_id: run_id_of(request),
+            sequence: 0,
+            kind: TunnelFrameKind::Error as i32,
+            end: true,
+            ..Default::default()
+        }),
+    );
 }
 
 #[test]
@@ -853,10 +876,10 @@ fn a_large_frame_in_transit_keeps_the_node_alive_but_not_a_handshake() {
     assert!(closed_after <= 10_000, "closed after {closed_after} ms");
 }
 
-/// The lifecycle events of everything `h` emitted since the last drain, in order.
+/// The lifecycle events `h` emitted since the last drain, in order.
 fn lifecycle(h: &mut Harness) -> Vec<Lifecycle> {
-    let events = h.events();
-    events.iter().flat_map(|e| h.edge.lifecycle(e)).collect()
+    h.events();
+    std::iter::from_fn(|| h.edge.poll_lifecycle()).collect()
 }
 
 #[test]

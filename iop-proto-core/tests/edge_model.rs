@@ -8,7 +8,7 @@ mod common;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
-use common::edge::{Harness, adapter, candidate, node};
+use common::edge::{Grant, Harness, adapter, candidate, ended, grants, node};
 use iop_proto_core::wire::*;
 use iop_proto_core::*;
 use proptest::prelude::*;
@@ -35,7 +35,6 @@ enum Op {
         model: usize,
         long: bool,
     },
-    Dispatch(usize),
     Complete(usize),
     Violate(usize),
     Cancel(usize),
@@ -53,7 +52,6 @@ fn op() -> impl Strategy<Value = Op> {
         1 => slot.prop_map(Op::Heartbeat),
         2 => (1u64..400).prop_map(Op::Advance),
         5 => (0..3usize, prop::bool::weighted(0.3)).prop_map(|(model, long)| Op::Submit { model, long }),
-        3 => any::<usize>().prop_map(Op::Dispatch),
         3 => any::<usize>().prop_map(Op::Complete),
         1 => any::<usize>().prop_map(Op::Violate),
         1 => any::<usize>().prop_map(Op::Cancel),
@@ -248,23 +246,6 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                     Err(e) => prop_assert!(false, "unexpected refusal {e}"),
                 }
             }
-            Op::Dispatch(i) => {
-                let open: Vec<_> = track
-                    .granted
-                    .keys()
-                    .filter(|r| !track.dispatched.contains_key(r) && !track.ended.contains_key(r))
-                    .copied()
-                    .collect();
-                if let Some(&r) = open.get(i % open.len().max(1)) {
-                    let grant = track.granted[&r].clone();
-                    let run_id = h.dispatch(&grant);
-                    let conn = h
-                        .edge
-                        .owner_of_node(&grant.node_id)
-                        .expect("granted on a ready owner");
-                    track.dispatched.insert(r, (conn, run_id, 0));
-                }
-            }
             Op::Complete(i) | Op::Violate(i) => {
                 let open: Vec<_> = track.dispatched.keys().copied().collect();
                 if let Some(&r) = open.get(i % open.len().max(1)) {
@@ -322,12 +303,24 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                     .copied()
                     .collect();
                 if let Some(&r) = open.get(i % open.len().max(1)) {
-                    prop_assert!(h.edge.handle_cancel(h.now, r, "test").is_ok());
+                    prop_assert_eq!(h.edge.handle_cancel(h.now, r, "test"), Cancelled::Now);
                 }
             }
         }
 
         let (_tx, events) = h.drain();
+        // The machine dispatches what it grants, in the same transition.
+        for g in grants(&events) {
+            prop_assert!(
+                track.granted.insert(g.request, g.clone()).is_none(),
+                "granted twice"
+            );
+            let conn = h
+                .edge
+                .owner_of_node(&g.node_id)
+                .expect("granted on a ready owner");
+            track.dispatched.insert(g.request, (conn, g.run.wire(), 0));
+        }
         if stale_actor {
             // A refused register is reported for logs and metrics, and that is all.
             prop_assert!(
@@ -344,23 +337,12 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 op
             );
         }
-        for event in &events {
-            match event {
-                EdgeEvent::Granted(g) => {
-                    prop_assert!(
-                        track.granted.insert(g.request, g.clone()).is_none(),
-                        "granted twice"
-                    );
-                }
-                EdgeEvent::RequestEnded { request, outcome } => {
-                    prop_assert!(
-                        track.ended.insert(*request, outcome.clone()).is_none(),
-                        "step {step}: {request} ended twice"
-                    );
-                    track.dispatched.remove(request);
-                }
-                _ => {}
-            }
+        for (request, outcome) in ended(&events) {
+            prop_assert!(
+                track.ended.insert(request, outcome).is_none(),
+                "step {step}: {request} ended twice"
+            );
+            track.dispatched.remove(&request);
         }
         check(&h, &model, &track, &events)?;
     }
@@ -374,13 +356,11 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
     }
     h.at(clock + 10_000);
     let (_, events) = h.drain();
-    for event in &events {
-        if let EdgeEvent::RequestEnded { request, outcome } = event {
-            prop_assert!(
-                track.ended.insert(*request, outcome.clone()).is_none(),
-                "ended twice"
-            );
-        }
+    for (request, outcome) in ended(&events) {
+        prop_assert!(
+            track.ended.insert(request, outcome).is_none(),
+            "ended twice"
+        );
     }
     prop_assert_eq!(h.edge.ledger().leases_held(), 0, "every lease returned");
     prop_assert!(h.edge.queue().is_empty());
@@ -433,14 +413,15 @@ fn check(
     prop_assert_eq!(held as usize, ledger.leases_held());
 
     // Nothing granted to a pending or fenced generation.
-    for event in events {
-        if let EdgeEvent::Granted(g) = event
-            && !track.ended.contains_key(&g.request)
-        {
-            let status = nodes.iter().find(|n| n.node_id == g.node_id).expect("node");
-            prop_assert_eq!(status.state, NodeState::Ready);
-            prop_assert_eq!(status.generation, Some(g.lease.generation));
-        }
+    let granted: Vec<(Grant, Lease)> = grants(events)
+        .into_iter()
+        .filter(|g| !track.ended.contains_key(&g.request))
+        .filter_map(|g| Some((g.clone(), ledger.lease_of(g.run)?)))
+        .collect();
+    for (g, lease) in &granted {
+        let status = nodes.iter().find(|n| n.node_id == g.node_id).expect("node");
+        prop_assert_eq!(status.state, NodeState::Ready);
+        prop_assert_eq!(status.generation, Some(lease.generation));
     }
 
     // No waiter waits while one of its candidates could take it, and grants from the
@@ -458,20 +439,16 @@ fn check(
             );
         }
     }
-    for event in events {
-        if let EdgeEvent::Granted(g) = event {
-            for w in queue.waiters() {
-                let id = w.request;
-                if w.long == g.lease.long
-                    && w.candidates.iter().any(|c| c.resource == g.lease.resource)
-                {
-                    prop_assert!(
-                        id > g.request,
-                        "FIFO: {} still waits behind granted {}",
-                        id,
-                        g.request
-                    );
-                }
+    for (g, lease) in &granted {
+        for w in queue.waiters() {
+            let id = w.request;
+            if w.long == lease.long && w.candidates.iter().any(|c| c.resource == lease.resource) {
+                prop_assert!(
+                    id > g.request,
+                    "FIFO: {} still waits behind granted {}",
+                    id,
+                    g.request
+                );
             }
         }
     }

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use iop_proto_core::testkit::harness::{Netem, Pair};
 use iop_proto_core::testkit::sim::world_config;
-use iop_proto_core::wire::{self, RunRequest};
+use iop_proto_core::wire;
 use iop_proto_core::*;
 
 fn session() -> NodeSession {
@@ -19,11 +19,15 @@ fn session() -> NodeSession {
     NodeSession::new(config)
 }
 
-fn dispatch(_: &Grant) -> Dispatch {
-    Dispatch::Run(RunRequest {
-        input: bytes::Bytes::from_static(br#"{"messages":[{"role":"user","content":"hi"}]}"#),
-        ..RunRequest::default()
-    })
+/// The caller's request: the Edge builds its dispatch from it.
+fn call() -> Submit {
+    let mut submit = Submit::chat(
+        "m0",
+        bytes::Bytes::from_static(br#"{"messages":[{"role":"user","content":"hi"}]}"#),
+    );
+    submit.prompt_tokens = 5;
+    submit.request_id = "req-golden".into();
+    submit
 }
 
 #[test]
@@ -35,23 +39,13 @@ fn handshake_transcript_matches_the_golden_file() {
         EdgeCore::new(config).expect("valid"),
         session(),
         Netem::instant(),
-        dispatch,
     );
     // register -> configure -> ready
     pair.connect(ConnId(1), session());
     pair.step();
     // a run to completion
     pair.at(10);
-    pair.edge
-        .handle_submit(
-            pair.now,
-            Submit {
-                model: "m0",
-                prompt_tokens: 5,
-                tunnel_only: false,
-            },
-        )
-        .expect("accepted");
+    pair.edge.handle_submit(pair.now, call()).expect("accepted");
     pair.step();
     let t = pair.now;
     pair.node
@@ -78,27 +72,16 @@ fn handshake_transcript_matches_the_golden_file() {
     pair.step();
     // a run cancelled by its caller
     pair.at(20);
-    let r2 = pair
-        .edge
-        .handle_submit(
-            pair.now,
-            Submit {
-                model: "m0",
-                prompt_tokens: 5,
-                tunnel_only: false,
-            },
-        )
-        .expect("accepted");
+    let r2 = pair.edge.handle_submit(pair.now, call()).expect("accepted");
     pair.step();
     pair.node
         .handle_run_output(pair.now, "run-2", RunOutput::Start)
         .expect("run");
     pair.step();
     pair.at(30);
-    assert!(
-        pair.edge
-            .handle_cancel(pair.now, r2, "caller disconnected")
-            .is_ok()
+    assert_eq!(
+        pair.edge.handle_cancel(pair.now, r2, "caller disconnected"),
+        Cancelled::Now
     );
     pair.step();
     // the connection drops; the node reconnects on a new connection

@@ -133,39 +133,34 @@ fn seeds_that_broke_an_invariant_keep_it_now() {
 
 #[test]
 fn planted_bugs_are_caught_within_the_default_seeds() {
+    // Bugs of a shell driving the machines: what the invariants must catch whoever
+    // breaks the system.
     let planted = [
         (
-            "double release",
+            "dispatch copied to a node that is not ready",
             Faults {
-                double_release: true,
+                dispatch_to_pending: true,
                 ..Faults::default()
             },
         ),
         (
-            "dispatch before ready",
+            "a run's terminal never handed to the Edge (its lease leaks)",
             Faults {
-                dispatch_before_ready: true,
+                swallow_terminal: true,
                 ..Faults::default()
             },
         ),
         (
-            "leaked lease",
+            "a cancelled run's terminal never handed over (its lease held past its end)",
             Faults {
-                leak_lease: true,
+                swallow_cancelled_terminal: true,
                 ..Faults::default()
             },
         ),
         (
-            "tunnel-only request granted to a run-served provider",
+            "tunnel-only request written as a run",
             Faults {
-                ignore_tunnel_only: true,
-                ..Faults::default()
-            },
-        ),
-        (
-            "cancelled run's lease held past its terminal",
-            Faults {
-                hold_cancelled_lease: true,
+                tunnel_as_run: true,
                 ..Faults::default()
             },
         ),
@@ -179,7 +174,14 @@ fn planted_bugs_are_caught_within_the_default_seeds() {
         (
             "work dispatched to a node that asked to be drained",
             Faults {
-                ignore_drain: true,
+                swallow_drain: true,
+                ..Faults::default()
+            },
+        ),
+        (
+            "timers never driven",
+            Faults {
+                skip_timers: true,
                 ..Faults::default()
             },
         ),

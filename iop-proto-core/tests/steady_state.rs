@@ -16,7 +16,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 
 use bytes::{Bytes, BytesMut};
-use iop_proto_core::openai::{Out, Responder, ResponseOptions, TunnelPart};
+use iop_proto_core::openai::{Out, Responder, ResponseOptions};
 use iop_proto_core::wire::*;
 use iop_proto_core::*;
 
@@ -192,8 +192,8 @@ fn an_edge_routes_and_renders_a_body_chunk_allocating_only_the_decoded_run_id() 
                 .expect("open conn");
         }
         while let Some(event) = h.edge.poll_event() {
-            if let EdgeEvent::TunnelFrame { frame, .. } = event {
-                responder.handle_tunnel_part(TunnelPart::from(frame));
+            if let EdgeEvent::Request { event, .. } = event {
+                responder.handle_event(event);
             }
         }
         while let Some(out) = responder.poll_output() {

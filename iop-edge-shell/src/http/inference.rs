@@ -13,11 +13,11 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
 use http_body::Frame;
 use http_body_util::BodyExt;
-use iop_proto_core::RequestId;
 use iop_proto_core::openai::{
     ApiError, Endpoint, ErrorType, Out, Responder, ResponseOptions, inspect,
 };
 use iop_proto_core::wire::{Header, Usage};
+use iop_proto_core::{RequestEvent, RequestId};
 use iop_shell_common::offload;
 use tokio::sync::oneshot;
 use tokio::time::{Instant, Sleep};
@@ -25,7 +25,7 @@ use tracing::{error, info};
 
 use super::{Caller, ReqBody, ResBody, State, api_error, json_response, now_secs};
 use crate::config::HttpSettings;
-use crate::driver::{Core, CoreMsg, Events, ReqEvent, Work};
+use crate::driver::{Core, CoreMsg, Events};
 use crate::memory::RequestMemory;
 use crate::metrics::Metrics;
 
@@ -405,19 +405,18 @@ async fn handle<B: ReqBody>(
     };
 
     let (reply, answer) = oneshot::channel();
-    let work = Work {
-        endpoint,
-        raw,
-        stream: asked.stream,
-        headers,
-        timeout: settings.response_timeout,
-        request_id,
-    };
     let model: Arc<str> = Arc::from(asked.model.as_str());
     let submit = CoreMsg::Submit {
-        model: model.clone(),
-        prompt_tokens: asked.prompt_tokens,
-        work,
+        submit: iop_proto_core::Submit {
+            model: model.clone(),
+            endpoint,
+            body: raw,
+            stream: asked.stream,
+            prompt_tokens: asked.prompt_tokens,
+            headers,
+            request_id,
+            timeout: settings.response_timeout,
+        },
         events: tx,
         memory,
         reply,
@@ -546,26 +545,17 @@ impl Live {
         }
     }
 
-    fn feed(&mut self, event: ReqEvent) {
-        match event {
-            ReqEvent::Dispatched {
-                shape,
+    fn feed(&mut self, event: RequestEvent) {
+        match &event {
+            RequestEvent::Dispatched {
                 node_id,
                 provider_id,
-            } => {
-                self.finish.dispatched(node_id, provider_id);
-                self.responder.handle_dispatched(shape);
-            }
-            ReqEvent::Run(event) => {
-                self.finish.first_byte();
-                self.responder.handle_run_event(*event);
-            }
-            ReqEvent::Tunnel(part) => {
-                self.finish.first_byte();
-                self.responder.handle_tunnel_part(part);
-            }
-            ReqEvent::Ended(outcome) => self.responder.handle_end(&outcome),
+                ..
+            } => self.finish.dispatched(node_id.clone(), provider_id.clone()),
+            RequestEvent::Run(_) | RequestEvent::Tunnel(_) => self.finish.first_byte(),
+            RequestEvent::Ended(_) => {}
         }
+        self.responder.handle_event(event);
     }
 
     /// The response is complete: no cancel once the core ended the request. Its figures

@@ -1,125 +1,218 @@
-//! Control traffic with ready nodes: query commands and config refreshes, and draining
-//! a node that cannot take its configuration.
+//! Control traffic with ready nodes: query commands and config refreshes.
+//!
+//! `Control` keeps what was asked and answers it; what an answer means for the node (a
+//! failed refresh drains it, an applied one changes its capacity) is in `transitions`.
 
+use super::registry::NodeIdx;
 use super::*;
 
-/// Outstanding commands and the sequence of control requests.
+/// Outstanding commands, and each node's config refresh.
 #[derive(Debug)]
 pub(super) struct Control {
-    /// Commands awaiting an answer: sequence → (node, generation, request id).
-    pub(super) commands: std::collections::BTreeMap<u64, (usize, Generation, String)>,
-    pub(super) next_refresh: u64,
+    /// Commands awaiting an answer, by sequence.
+    commands: BTreeMap<u64, Command>,
+    /// The sequence of control requests (commands and refreshes).
+    next: u64,
+    /// Refresh state by node index (grown as nodes are configured).
+    refresh: Vec<Refresh>,
 }
 
 impl Default for Control {
     fn default() -> Self {
         Control {
-            commands: std::collections::BTreeMap::new(),
-            next_refresh: 1,
+            commands: BTreeMap::new(),
+            next: 1,
+            refresh: Vec::new(),
         }
     }
 }
 
-impl EdgeCore {
-    pub(super) fn fail_command(&mut self, seq: u64, why: &str) {
-        self.timers.stop(TimerKey::Command(seq));
-        if let Some((i, _, request_id)) = self.control.commands.remove(&seq) {
-            self.out.events.push_back(EdgeEvent::CommandAnswered {
-                node_id: self.registry.nodes[i].id.clone(),
-                response: NodeCommandResponse {
-                    request_id,
-                    ok: false,
-                    error: why.to_owned(),
-                    payload: bytes::Bytes::new(),
-                },
-            });
+/// The ready owner a command goes to.
+pub(super) struct CommandTarget {
+    pub(super) node: NodeIdx,
+    pub(super) node_id: Arc<str>,
+    pub(super) generation: Generation,
+    pub(super) conn: ConnId,
+}
+
+#[derive(Debug)]
+struct Command {
+    node: NodeIdx,
+    node_id: Arc<str>,
+    generation: Generation,
+    request_id: String,
+}
+
+/// One node's config refresh.
+#[derive(Debug, Default, Clone, Copy)]
+struct Refresh {
+    /// The refresh in flight: (sequence, revision pushed).
+    outstanding: Option<(u64, u64)>,
+    /// Pushes of the current revision left unanswered.
+    tries: u32,
+    /// The last answer.
+    last: Option<RefreshStatus>,
+}
+
+/// What a refresh answer means.
+pub(super) enum Refreshed {
+    /// Not the answer to the refresh in flight: ignored.
+    Stale,
+    /// Applied: the node runs `revision`.
+    Applied { revision: u64 },
+    /// The node could not take it.
+    Failed(RefreshFailure),
+}
+
+impl Control {
+    fn refresh_mut(&mut self, node: NodeIdx) -> &mut Refresh {
+        let at = node_at(node);
+        if self.refresh.len() <= at {
+            self.refresh.resize(at + 1, Refresh::default());
         }
+        &mut self.refresh[at]
     }
 
-    /// The node and generation `conn` owns, if it is that node's current, ready owner.
-    pub(super) fn ready_owner(&self, conn: ConnId, phase: Phase) -> Option<(usize, Generation)> {
-        let Phase::Owner { node, generation } = phase else {
-            return None;
-        };
-        self.registry.nodes[node]
-            .owner
-            .is_some_and(|o| o.conn == conn && o.ready)
-            .then_some((node, generation))
+    /// The last refresh answer of `node`.
+    pub(super) fn last_refresh(&self, node: NodeIdx) -> Option<RefreshStatus> {
+        self.refresh.get(node_at(node)).and_then(|r| r.last)
     }
 
-    pub(super) fn on_command_response(
+    /// A new revision of `node` is to be pushed: unanswered pushes start again from 0.
+    pub(super) fn new_revision(&mut self, node: NodeIdx) {
+        self.refresh_mut(node).tries = 0;
+    }
+
+    /// Sends `request` to `to`, a node's ready owner, answered within `timeout`.
+    pub(super) fn command(
         &mut self,
-        conn: ConnId,
-        phase: Phase,
+        cx: &mut Cx<'_>,
+        to: CommandTarget,
+        mut request: crate::wire::NodeCommandRequest,
+        timeout: Duration,
+    ) -> CommandId {
+        let seq = self.next;
+        self.next += 1;
+        let id = CommandId(seq);
+        request.request_id = id.to_string();
+        self.commands.insert(
+            seq,
+            Command {
+                node: to.node,
+                node_id: to.node_id,
+                generation: to.generation,
+                request_id: request.request_id.clone(),
+            },
+        );
+        cx.out.send(to.conn, Body::NodeCommandRequest(request));
+        cx.timers.set(TimerKey::Command(seq), cx.now + timeout);
+        id
+    }
+
+    /// The id the next command will get (commands are validated with their id set).
+    pub(super) fn next_command(&self) -> CommandId {
+        CommandId(self.next)
+    }
+
+    /// A command answer from `node`'s ready owner in `generation`.
+    pub(super) fn answered(
+        &mut self,
+        cx: &mut Cx<'_>,
+        node: NodeIdx,
+        generation: Generation,
         response: NodeCommandResponse,
     ) {
-        let Some((i, generation)) = self.ready_owner(conn, phase) else {
+        let Some(seq) = CommandId::parse(&response.request_id).map(|id| id.0) else {
             return;
         };
-        let Some(seq) = response
-            .request_id
-            .strip_prefix("cmd-")
-            .and_then(|n| n.parse::<u64>().ok())
-        else {
-            return;
-        };
-        if self
-            .control
+        if !self
             .commands
             .get(&seq)
-            .is_some_and(|(node, g, _)| *node == i && *g == generation)
+            .is_some_and(|c| c.node == node && c.generation == generation)
         {
-            self.control.commands.remove(&seq);
-            self.timers.stop(TimerKey::Command(seq));
-            self.out.events.push_back(EdgeEvent::CommandAnswered {
-                node_id: self.registry.nodes[i].id.clone(),
+            return;
+        }
+        if let Some(command) = self.commands.remove(&seq) {
+            cx.timers.stop(TimerKey::Command(seq));
+            cx.out.event(EdgeEvent::CommandAnswered {
+                node_id: command.node_id,
                 response,
             });
         }
     }
 
-    pub(super) fn push_refresh(&mut self, i: usize) {
-        let Some(owner) = self.registry.nodes[i].owner else {
-            return;
-        };
-        let Some(spec) = &self.registry.nodes[i].spec else {
-            return;
-        };
-        let revision = self.registry.nodes[i].revision;
-        let seq = self.control.next_refresh;
-        self.control.next_refresh += 1;
-        let payload = spec.payload(revision);
-        self.registry.nodes[i].refresh = Some((seq, revision));
-        self.send(
-            owner.conn,
+    /// Command `seq` failed (`why`): its caller is answered `ok=false`.
+    pub(super) fn fail(&mut self, cx: &mut Cx<'_>, seq: u64, why: &str) {
+        cx.timers.stop(TimerKey::Command(seq));
+        if let Some(command) = self.commands.remove(&seq) {
+            cx.out.event(EdgeEvent::CommandAnswered {
+                node_id: command.node_id,
+                response: NodeCommandResponse {
+                    request_id: command.request_id,
+                    ok: false,
+                    error: why.to_owned(),
+                    payload: Bytes::new(),
+                },
+            });
+        }
+    }
+
+    /// `node`'s `generation` is gone: its commands fail and its refresh is dropped.
+    pub(super) fn node_lost(&mut self, cx: &mut Cx<'_>, node: NodeIdx, generation: Generation) {
+        let lost: Vec<u64> = self
+            .commands
+            .iter()
+            .filter(|(_, c)| c.node == node && c.generation == generation)
+            .map(|(seq, _)| *seq)
+            .collect();
+        for seq in lost {
+            self.fail(cx, seq, "the node disconnected");
+        }
+        let refresh = self.refresh_mut(node);
+        refresh.outstanding = None;
+        refresh.tries = 0;
+        cx.timers.stop(TimerKey::Refresh(node));
+    }
+
+    /// Pushes `revision` of `node`'s `payload` to its owner on `conn`.
+    pub(super) fn push_refresh(
+        &mut self,
+        cx: &mut Cx<'_>,
+        node: NodeIdx,
+        conn: ConnId,
+        payload: crate::wire::NodeConfigPayload,
+        timeout: Duration,
+    ) {
+        let seq = self.next;
+        self.next += 1;
+        let revision = payload.revision;
+        self.refresh_mut(node).outstanding = Some((seq, revision));
+        cx.out.send(
+            conn,
             Body::NodeConfigRefreshRequest(NodeConfigRefreshRequest {
                 request_id: format!("refresh-{seq}"),
                 config: Some(payload),
             }),
         );
-        self.timers.set(
-            TimerKey::Refresh(i),
-            self.now + self.config.timing.refresh_timeout,
-        );
+        cx.timers.set(TimerKey::Refresh(node), cx.now + timeout);
     }
 
-    pub(super) fn on_refresh_response(
+    /// A refresh answer from `node`'s ready owner.
+    pub(super) fn refresh_answered(
         &mut self,
-        conn: ConnId,
-        phase: Phase,
+        cx: &mut Cx<'_>,
+        node: NodeIdx,
+        node_id: &Arc<str>,
         resp: NodeConfigRefreshResponse,
-    ) {
-        let Some((i, generation)) = self.ready_owner(conn, phase) else {
-            return;
-        };
-        let Some((seq, revision)) = self.registry.nodes[i].refresh else {
-            return;
+    ) -> Refreshed {
+        let refresh = self.refresh_mut(node);
+        let Some((seq, revision)) = refresh.outstanding else {
+            return Refreshed::Stale;
         };
         if resp.request_id != format!("refresh-{seq}") {
-            return;
+            return Refreshed::Stale;
         }
-        self.registry.nodes[i].refresh = None;
-        self.timers.stop(TimerKey::Refresh(i));
+        refresh.outstanding = None;
         // An unknown status (a newer node) is not an applied configuration.
         let (status, message) = match RefreshStatus::try_from(resp.status) {
             Ok(status) if status != RefreshStatus::Unspecified => (status, resp.message),
@@ -128,97 +221,46 @@ impl EdgeCore {
                 format!("unknown refresh status {}: {}", resp.status, resp.message),
             ),
         };
-        self.registry.nodes[i].last_refresh = Some(status);
-        self.out.events.push_back(EdgeEvent::RefreshAnswered {
-            node_id: self.registry.nodes[i].id.clone(),
+        refresh.last = Some(status);
+        if status == RefreshStatus::Applied {
+            refresh.tries = 0;
+        }
+        cx.timers.stop(TimerKey::Refresh(node));
+        cx.out.event(EdgeEvent::RefreshAnswered {
+            node_id: node_id.clone(),
             status,
             message: message.clone(),
             revision: resp.revision,
         });
-        if status != RefreshStatus::Applied {
-            self.drain_node(i, RefreshFailure::Answered { status, message }.into());
-            return;
-        }
-        self.registry.nodes[i].refresh_tries = 0;
-        self.registry.nodes[i].applied_revision = revision;
-        self.sync_resources(i, generation);
-        // The configuration may have moved on while this refresh was in flight.
-        if self.registry.nodes[i].revision != revision {
-            self.push_refresh(i);
+        if status == RefreshStatus::Applied {
+            Refreshed::Applied { revision }
+        } else {
+            Refreshed::Failed(RefreshFailure::Answered { status, message })
         }
     }
 
-    /// A node stops gracefully: only its ready owner may ask (the connection work is
-    /// dispatched to); from any other registered connection it is a violation.
-    pub(super) fn on_drain_request(&mut self, conn: ConnId, phase: Phase, req: NodeDrainRequest) {
-        let Some((i, _)) = self.ready_owner(conn, phase) else {
-            self.violation(conn, ConnViolation::DrainBeforeReady);
-            return;
-        };
-        self.drain_node(i, DrainReason::Stopping(req.reason));
-    }
-
-    /// Node `i` gets no new work, and its connection closes once its last lease returns:
-    /// it cannot take its configuration (it then registers again and receives the
-    /// configuration in its `RegisterResponse`, or fails to become ready, visibly), or it
-    /// is stopping gracefully (the close tells it that nothing more will come). A node
-    /// already draining keeps its first reason.
-    pub(super) fn drain_node(&mut self, i: usize, reason: DrainReason) {
-        let Some(owner) = self.registry.nodes[i].owner else {
-            return;
-        };
-        if self.registry.nodes[i].draining.is_some() {
-            return;
-        }
-        self.registry.nodes[i].draining = Some(reason.clone());
-        // (A planted bug for the simulation: the node drains but keeps its capacity.)
-        #[cfg(feature = "testkit")]
-        let planted = self.faults.ignore_drain && matches!(reason, DrainReason::Stopping(_));
-        #[cfg(not(feature = "testkit"))]
-        let planted = false;
-        if !planted {
-            for (_, r) in self.registry.nodes[i].resources.clone() {
-                if self.pool.ledger.usage(r).generation == Some(owner.generation) {
-                    self.pool.ledger.set_capacity(r, 0, 0);
-                }
-            }
-        }
-        self.out.events.push_back(EdgeEvent::NodeDraining {
-            node_id: self.registry.nodes[i].id.clone(),
-            reason,
-            in_flight: self.in_flight_on(i),
+    /// `node`'s refresh went unanswered: `Some(retry)` when it was in flight (`retry`:
+    /// push it again; otherwise the node has had its tries and must be drained).
+    pub(super) fn refresh_timed_out(
+        &mut self,
+        cx: &mut Cx<'_>,
+        node: NodeIdx,
+        node_id: &Arc<str>,
+    ) -> Option<bool> {
+        let refresh = self.refresh_mut(node);
+        let (_, revision) = refresh.outstanding.take()?;
+        refresh.tries += 1;
+        let retrying = refresh.tries < MAX_REFRESH_TRIES;
+        cx.out.event(EdgeEvent::RefreshTimedOut {
+            node_id: node_id.clone(),
+            revision,
+            retrying,
         });
-        self.close_if_drained(i);
+        Some(retrying)
     }
+}
 
-    /// Leases held on node `i`'s current generation.
-    pub(super) fn in_flight_on(&self, i: usize) -> u32 {
-        let Some(owner) = self.registry.nodes[i].owner else {
-            return 0;
-        };
-        self.registry.nodes[i]
-            .resources
-            .iter()
-            .map(|(_, r)| self.pool.ledger.usage(*r))
-            .filter(|u| u.generation == Some(owner.generation))
-            .map(|u| u.in_flight)
-            .sum()
-    }
-
-    pub(super) fn close_if_drained(&mut self, i: usize) {
-        let Some(drain) = self.registry.nodes[i].draining.clone() else {
-            return;
-        };
-        if self.in_flight_on(i) > 0 {
-            return;
-        }
-        if let Some(owner) = self.registry.nodes[i].owner {
-            let reason = match drain {
-                DrainReason::Refresh(failure) => CloseReason::RefreshFailed(failure),
-                DrainReason::Stopping(_) => CloseReason::Drained,
-            };
-            self.close(owner.conn, reason.clone());
-            self.fence_owner(i, owner.generation, reason);
-        }
-    }
+/// `node`'s place in a table kept beside the registry's.
+fn node_at(node: NodeIdx) -> usize {
+    node.position()
 }

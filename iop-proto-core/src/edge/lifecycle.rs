@@ -1,12 +1,16 @@
-//! What the fleet's life looks like to an operator: [`EdgeCore::lifecycle`] reads an
-//! [`EdgeEvent`] and says which [`Lifecycle`] events it means (node registered, ready,
-//! fenced with its reason, disconnected, in conflict, draining; registrations refused
-//! for their credentials; config refresh results; provider health changes). The shell only numbers, timestamps and fans them out
-//! (`GET /v1/events`); nothing in the machine waits for a subscriber.
+//! What the fleet's life looks like to an operator: the [`Lifecycle`] events each
+//! [`EdgeEvent`] means (node registered, ready, fenced with its reason, disconnected, in
+//! conflict, draining; registrations refused for their credentials; config refresh
+//! results; provider health changes), handed out by
+//! [`EdgeCore::poll_lifecycle`](super::EdgeCore::poll_lifecycle). The shell only numbers,
+//! timestamps and fans them out (`GET /v1/events`); nothing in the machine waits for a
+//! subscriber.
 
 use serde::Serialize;
 
-use super::{EdgeCore, EdgeEvent, RejectReason};
+use std::collections::VecDeque;
+
+use super::{EdgeEvent, RejectReason};
 use crate::wire::{ProviderHealth, RefreshStatus};
 
 /// A typed fleet lifecycle event. Serialised with a `type` tag (`node.ready`, …) and the
@@ -154,136 +158,107 @@ fn refresh_word(status: RefreshStatus) -> &'static str {
     }
 }
 
-impl EdgeCore {
-    /// The lifecycle events `event` means, in order (none for request traffic, commands,
-    /// registrations held off by a conflict or drain, and violations, which have their
-    /// own logs and metrics).
-    /// Pure: call it with each event as it is polled, before the next input.
-    #[must_use]
-    pub fn lifecycle(&self, event: &EdgeEvent) -> Vec<Lifecycle> {
-        match event {
-            EdgeEvent::NodeRegistered {
-                node_id,
-                generation,
-            } => vec![Lifecycle::NodeRegistered {
+/// The lifecycle events `event` means by itself, in order (none for request traffic,
+/// commands, registrations held off by a conflict or drain, and violations, which have
+/// their own logs and metrics). A node that became ready or was fenced also changes its
+/// providers' health: the transitions add those events, as they alone see the providers.
+pub(super) fn of(event: &EdgeEvent, out: &mut VecDeque<Lifecycle>) {
+    match event {
+        EdgeEvent::NodeRegistered {
+            node_id,
+            generation,
+        } => out.push_back(Lifecycle::NodeRegistered {
+            node_id: node_id.to_string(),
+            generation: generation.0,
+        }),
+        EdgeEvent::NodeConnected {
+            node_id,
+            generation,
+        } => out.push_back(Lifecycle::NodeReady {
+            node_id: node_id.to_string(),
+            generation: generation.0,
+        }),
+        EdgeEvent::NodeDisconnected {
+            node_id,
+            generation,
+            reason,
+            lost,
+        } => {
+            out.push_back(Lifecycle::NodeFenced {
                 node_id: node_id.to_string(),
                 generation: generation.0,
-            }],
-            EdgeEvent::NodeConnected {
-                node_id,
-                generation,
-            } => {
-                let mut out = vec![Lifecycle::NodeReady {
-                    node_id: node_id.to_string(),
-                    generation: generation.0,
-                }];
-                out.extend(self.provider_health(node_id));
-                out
-            }
-            EdgeEvent::NodeDisconnected {
-                node_id,
-                generation,
-                reason,
-                lost,
-            } => {
-                let mut out = vec![
-                    Lifecycle::NodeFenced {
-                        node_id: node_id.to_string(),
-                        generation: generation.0,
-                        reason: reason.label(),
-                        detail: format!("{reason:?}"),
-                        lost: lost.len(),
-                    },
-                    Lifecycle::NodeDisconnected {
-                        node_id: node_id.to_string(),
-                    },
-                ];
-                out.extend(self.provider_health(node_id));
-                out
-            }
-            EdgeEvent::NodeConflict {
-                node_id,
-                supersedes,
-                hold_down,
-            } => vec![Lifecycle::NodeConflict {
+                reason: reason.label(),
+                detail: format!("{reason:?}"),
+                lost: lost.len(),
+            });
+            out.push_back(Lifecycle::NodeDisconnected {
                 node_id: node_id.to_string(),
-                supersedes: *supersedes,
-                hold_down_ms: u64::try_from(hold_down.as_millis()).unwrap_or(u64::MAX),
-            }],
-            EdgeEvent::NodeDraining {
-                node_id,
-                reason,
-                in_flight,
-            } => vec![Lifecycle::NodeDraining {
-                node_id: node_id.to_string(),
-                reason: reason.to_string(),
-                in_flight: *in_flight,
-            }],
-            EdgeEvent::RefreshAnswered {
-                node_id,
-                status,
-                message,
-                revision,
-            } => vec![Lifecycle::ConfigRefresh {
-                node_id: node_id.to_string(),
-                result: refresh_word(*status),
-                revision: *revision,
-                message: message.clone(),
-            }],
-            EdgeEvent::RefreshTimedOut {
-                node_id, revision, ..
-            } => vec![Lifecycle::ConfigRefresh {
-                node_id: node_id.to_string(),
-                result: "timed_out",
-                revision: *revision,
-                message: String::new(),
-            }],
-            EdgeEvent::RegisterRejected {
-                addr,
-                node_id,
-                known,
-                reason,
-                failures,
-                throttled,
-                log: true,
-                ..
-            } if !matches!(reason, RejectReason::Conflict | RejectReason::Draining) => {
-                vec![Lifecycle::RegisterRefused {
-                    node_id: node_id.clone(),
-                    known: *known,
-                    peer: addr.map_or_else(|| "unknown".to_owned(), |a| a.to_string()),
-                    reason: reason.as_str(),
-                    failures: *failures,
-                    throttled: throttled.map(|t| t.by.as_str()),
-                    retry_after_ms: throttled.map_or(0, |t| {
-                        u64::try_from(t.retry_after.as_millis()).unwrap_or(u64::MAX)
-                    }),
-                }]
-            }
-            EdgeEvent::Granted(_)
-            | EdgeEvent::RunEvent { .. }
-            | EdgeEvent::TunnelFrame { .. }
-            | EdgeEvent::RequestEnded { .. }
-            | EdgeEvent::CommandAnswered { .. }
-            | EdgeEvent::RegisterRejected { .. }
-            | EdgeEvent::ConnectionRefused { .. }
-            | EdgeEvent::PeerViolation { .. } => Vec::new(),
+            });
         }
-    }
-
-    /// The health of each enabled provider of `node_id`, as `/v1/status` reports it now.
-    fn provider_health(&self, node_id: &str) -> Vec<Lifecycle> {
-        self.node_snapshots(node_id)
-            .into_iter()
-            .filter(|s| s.status != crate::wire::ProviderStatus::Disabled as i32)
-            .map(|s| Lifecycle::ProviderHealth {
-                node_id: s.node_id,
-                provider_id: s.provider_id,
-                health: health_word(
-                    ProviderHealth::try_from(s.health).unwrap_or(ProviderHealth::Offline),
-                ),
-            })
-            .collect()
+        EdgeEvent::NodeConflict {
+            node_id,
+            supersedes,
+            hold_down,
+        } => out.push_back(Lifecycle::NodeConflict {
+            node_id: node_id.to_string(),
+            supersedes: *supersedes,
+            hold_down_ms: u64::try_from(hold_down.as_millis()).unwrap_or(u64::MAX),
+        }),
+        EdgeEvent::NodeDraining {
+            node_id,
+            reason,
+            in_flight,
+        } => out.push_back(Lifecycle::NodeDraining {
+            node_id: node_id.to_string(),
+            reason: reason.to_string(),
+            in_flight: *in_flight,
+        }),
+        EdgeEvent::RefreshAnswered {
+            node_id,
+            status,
+            message,
+            revision,
+        } => out.push_back(Lifecycle::ConfigRefresh {
+            node_id: node_id.to_string(),
+            result: refresh_word(*status),
+            revision: *revision,
+            message: message.clone(),
+        }),
+        EdgeEvent::RefreshTimedOut {
+            node_id, revision, ..
+        } => out.push_back(Lifecycle::ConfigRefresh {
+            node_id: node_id.to_string(),
+            result: "timed_out",
+            revision: *revision,
+            message: String::new(),
+        }),
+        EdgeEvent::RegisterRejected {
+            addr,
+            node_id,
+            known,
+            reason,
+            failures,
+            throttled,
+            log: true,
+            ..
+        } if !matches!(reason, RejectReason::Conflict | RejectReason::Draining) => {
+            out.push_back(Lifecycle::RegisterRefused {
+                node_id: node_id.clone(),
+                known: *known,
+                peer: addr.map_or_else(|| "unknown".to_owned(), |a| a.to_string()),
+                reason: reason.as_str(),
+                failures: *failures,
+                throttled: throttled.map(|t| t.by.as_str()),
+                retry_after_ms: throttled.map_or(0, |t| {
+                    u64::try_from(t.retry_after.as_millis()).unwrap_or(u64::MAX)
+                }),
+            });
+        }
+        EdgeEvent::Request { .. }
+        | EdgeEvent::CommandAnswered { .. }
+        | EdgeEvent::RegisterRejected { .. }
+        | EdgeEvent::ConnectionRefused { .. }
+        | EdgeEvent::PeerViolation { .. } => {}
     }
 }
 

@@ -1,5 +1,8 @@
 //! Node registry: connections and their phases, node ownership by generation,
-//! registration (credentials, back-off, conflicts), the ready handshake and fencing.
+//! registration (credentials, the throttle, conflicts) and the ready handshake.
+//!
+//! The `Registry` decides who a connection is; what that means for leases and requests
+//! (a superseded owner fenced, a ready node's capacity activated) is in `transitions`.
 
 use super::*;
 
@@ -7,49 +10,30 @@ use super::*;
 /// own redial interval, when longer, wins).
 const DRAINING_RETRY_AFTER: Duration = Duration::from_secs(1);
 
-/// Why a register is refused for now: another live connection holds the node id.
-enum HeldOff {
-    /// Two live connections claim it; the flap guard says when to try again and whether
-    /// the refusal is worth a log line.
-    Conflict { retry_after: Duration, log: bool },
-    /// The holder is stopping gracefully and still finishing its requests.
-    Draining,
+/// The index of a node ever configured (a node removed from the configuration keeps its
+/// entry, with no spec, so its resources and their leases stay addressable).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(super) struct NodeIdx(u32);
+
+impl NodeIdx {
+    /// Its place in the registry's table, and in tables kept beside it.
+    pub(super) fn position(self) -> usize {
+        self.0 as usize
+    }
 }
 
-/// Connections, node ownership by generation, and admission (back-off, pending caps).
+/// Connections, node ownership by generation, and admission (throttle, pending caps).
 #[derive(Debug)]
 pub(super) struct Registry {
-    pub(super) nodes: Vec<NodeEntry>,
-    pub(super) node_index: IdMap<Arc<str>, usize>,
-    pub(super) conns: IdMap<ConnId, Conn>,
-    pub(super) throttle: AuthThrottle,
-    pub(super) pending: PendingConnections,
+    nodes: Vec<NodeEntry>,
+    index: IdMap<Arc<str>, NodeIdx>,
+    conns: IdMap<ConnId, Conn>,
+    throttle: AuthThrottle,
+    pending: PendingConnections,
     /// Connections refused for the pending caps (logged at powers of two).
-    pub(super) refused_pending: u64,
-    pub(super) next_generation: u64,
-    pub(super) next_nonce: u64,
-}
-
-impl Registry {
-    /// The open connection `conn`, or the driver's misuse.
-    pub(super) fn conn_mut(&mut self, conn: ConnId) -> Result<&mut Conn, UsageError> {
-        self.conns
-            .get_mut(&conn)
-            .ok_or(UsageError::UnknownConnection(conn))
-    }
-
-    pub(super) fn new(throttle: crate::guard::ThrottleLimits) -> Self {
-        Registry {
-            nodes: Vec::new(),
-            node_index: IdMap::default(),
-            conns: IdMap::default(),
-            throttle: AuthThrottle::new(throttle),
-            pending: PendingConnections::default(),
-            refused_pending: 0,
-            next_generation: 1,
-            next_nonce: 1,
-        }
-    }
+    refused_pending: u64,
+    next_generation: u64,
+    next_nonce: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,7 +41,10 @@ pub(super) enum Phase {
     /// Opened, no register yet.
     Unregistered,
     /// Accepted register for `node` in `generation` (pending or ready: see the node).
-    Owner { node: usize, generation: Generation },
+    Owner {
+        node: NodeIdx,
+        generation: Generation,
+    },
     /// Rejected or superseded; a close was requested. Nothing it sends matters.
     Stale,
     /// Its register failed while the claimed node id or its source is throttled: the
@@ -67,26 +54,26 @@ pub(super) enum Phase {
 
 #[derive(Debug)]
 pub(super) struct Conn {
-    pub(super) phase: Phase,
-    pub(super) peer: Peer,
+    phase: Phase,
+    peer: Peer,
     /// Counted in [`PendingConnections`] (until it registers, is refused or closes).
-    pub(super) pending: bool,
-    pub(super) last_rx: Timestamp,
+    pending: bool,
+    last_rx: Timestamp,
     /// The Edge's heartbeat still unanswered: (nonce, sent at).
-    pub(super) ping: Option<(u64, Timestamp)>,
+    ping: Option<(u64, Timestamp)>,
     /// Round-trip time of the last heartbeat the peer answered.
-    pub(super) rtt: Option<Duration>,
+    rtt: Option<Duration>,
     /// The refusal a [`Phase::Held`] connection gets when its hold ends.
-    pub(super) held: Option<Box<HeldAnswer>>,
+    held: Option<Box<HeldAnswer>>,
 }
 
 /// A refusal held back by the throttle.
 #[derive(Debug)]
-pub(super) struct HeldAnswer {
+struct HeldAnswer {
     /// The node id it claimed (as it is echoed in the answer).
-    pub(super) claimed: String,
+    claimed: String,
     /// When it may try again.
-    pub(super) retry_after: Duration,
+    retry_after: Duration,
 }
 
 /// The reason a throttled node reads: distinct from [`AUTH_FAILED`] and stable, so a
@@ -109,7 +96,7 @@ pub(super) struct Owner {
     /// Revision sent in the `RegisterResponse`.
     pub(super) registered_revision: u64,
     /// The node process that registered (its `RegisterRequest.instance_id`).
-    pub(super) instance: Instance,
+    instance: Instance,
 }
 
 #[derive(Debug)]
@@ -120,328 +107,437 @@ pub(super) struct NodeEntry {
     pub(super) revision: u64,
     pub(super) applied_revision: u64,
     pub(super) owner: Option<Owner>,
-    /// Outstanding refresh: (request sequence, revision).
-    pub(super) refresh: Option<(u64, u64)>,
-    pub(super) last_refresh: Option<RefreshStatus>,
     /// Adapter instance → resource, for every adapter ever configured on this node.
     pub(super) resources: Vec<(Arc<str>, ResourceId)>,
     /// Supersedes of this node id, to notice two nodes fighting over it.
-    pub(super) flap: FlapGuard,
-    /// Unanswered pushes of the current revision.
-    pub(super) refresh_tries: u32,
+    flap: FlapGuard,
     /// The node gets no new work and its connection is closed once its last lease
     /// returns: it could not take its configuration (it then registers afresh), or it is
     /// stopping gracefully.
     pub(super) draining: Option<DrainReason>,
     /// What the node said about itself in its last accepted register (version,
     /// labels); kept while it is offline so an operator sees what was last there.
-    pub(super) agent: Option<Box<Agent>>,
+    agent: Option<Box<Agent>>,
 }
 
 /// A node's own description of itself, from its `RegisterRequest` (bounded by
 /// validation: see [`crate::wire::Validate`]).
 #[derive(Debug, Clone, Default)]
-pub(super) struct Agent {
-    pub(super) version: Box<str>,
-    pub(super) labels: Box<[(Box<str>, Box<str>)]>,
+struct Agent {
+    version: Box<str>,
+    labels: Box<[(Box<str>, Box<str>)]>,
 }
 
-impl EdgeCore {
-    /// Configured nodes and their readiness, in id order.
-    #[must_use]
-    pub fn nodes(&self) -> Vec<NodeStatus> {
-        let mut out: Vec<NodeStatus> = self
-            .registry
-            .nodes
-            .iter()
-            .filter(|n| n.spec.is_some())
-            .map(|n| {
-                let peer = n
-                    .owner
-                    .and_then(|o| self.registry.conns.get(&o.conn))
-                    .map(|c| &c.peer);
-                NodeStatus {
-                    node_id: n.id.clone(),
-                    state: match n.owner {
-                        None => NodeState::Offline,
-                        Some(o) if o.ready => NodeState::Ready,
-                        Some(_) => NodeState::Pending,
-                    },
-                    generation: n.owner.map(|o| o.generation),
-                    revision: n.revision,
-                    applied_revision: n.applied_revision,
-                    last_refresh: n.last_refresh,
-                    conflict: n.flap.in_conflict(self.now),
-                    tls: peer.and_then(|p| p.tls),
-                    client_certificate: peer.is_some_and(|p| !p.identities.is_empty()),
-                    draining: n.draining.is_some(),
-                    version: n.agent.as_ref().map(|a| a.version.to_string()),
-                    labels: n
-                        .agent
-                        .as_ref()
-                        .map(|a| {
-                            a.labels
-                                .iter()
-                                .map(|(k, v)| (k.to_string(), v.to_string()))
-                                .collect()
-                        })
-                        .unwrap_or_default(),
-                    rtt: n
-                        .owner
-                        .and_then(|o| self.registry.conns.get(&o.conn))
-                        .and_then(|c| c.rtt),
-                    last_seen: n
-                        .owner
-                        .and_then(|o| self.registry.conns.get(&o.conn))
-                        .map(|c| self.now.saturating_duration_since(c.last_rx)),
-                }
-            })
-            .collect();
-        out.sort_by(|a, b| a.node_id.cmp(&b.node_id));
-        out
-    }
+/// What became of a register.
+pub(super) enum Admitted {
+    /// Refused or held off; its answer is sent (or held back). Nothing else to do.
+    Refused,
+    /// A second register on one connection: the connection broke the grammar.
+    Violation(ConnViolation),
+    /// It may take `node`. `superseding` is the owner it takes the node from: already
+    /// told and closed here, for the caller to fence.
+    Take {
+        node: NodeIdx,
+        superseding: Option<Owner>,
+    },
+}
 
-    /// Node ids and sources whose registrations failed within the throttle's window,
-    /// most failures first, at most `max` of each.
-    #[must_use]
-    pub fn registration_failures(&self, max: usize) -> RegistrationFailures {
-        let throttle = &self.registry.throttle;
-        RegistrationFailures {
-            nodes: throttle
-                .failing_nodes(self.now, max)
-                .into_iter()
-                .map(|f| FailingNode {
-                    known: self
-                        .registry
-                        .node_index
-                        .get(&*f.key)
-                        .is_some_and(|&i| self.registry.nodes[i].spec.is_some()),
-                    node_id: f.key.chars().take(64).collect(),
-                    failures: f.failures,
-                    hold: f.hold,
-                    since_last: f.since_last,
-                })
-                .collect(),
-            sources: throttle.failing_sources(self.now, max),
+/// What became of a ready.
+pub(super) enum Readied {
+    /// Refused (and closed when it must be); nothing else to do.
+    Refused,
+    /// The ready owner said it again: answered, no side effect.
+    Duplicate,
+    /// A ready naming another node id: the connection broke the grammar.
+    Violation(ConnViolation),
+    /// The pending owner is ready now.
+    Activated {
+        node: NodeIdx,
+        generation: Generation,
+        /// The revision it registered with (a newer one must be pushed).
+        registered_revision: u64,
+    },
+}
+
+/// Why a register is refused for now: another live connection holds the node id.
+enum HeldOff {
+    /// Two live connections claim it; the flap guard says when to try again and whether
+    /// the refusal is worth a log line.
+    Conflict { retry_after: Duration, log: bool },
+    /// The holder is stopping gracefully and still finishing its requests.
+    Draining,
+}
+
+impl Registry {
+    pub(super) fn new(throttle: crate::guard::ThrottleLimits) -> Self {
+        Registry {
+            nodes: Vec::new(),
+            index: IdMap::default(),
+            conns: IdMap::default(),
+            throttle: AuthThrottle::new(throttle),
+            pending: PendingConnections::default(),
+            refused_pending: 0,
+            next_generation: 1,
+            next_nonce: 1,
         }
     }
 
-    /// Adopts a validated configuration: nodes, resources and model groups.
-    pub(super) fn install(&mut self, config: EdgeConfig) {
-        for node in &mut self.registry.nodes {
-            node.spec = None;
-        }
-        for (node_id, spec) in &config.nodes {
-            let i = match self.registry.node_index.get(node_id.as_str()) {
-                Some(&i) => i,
-                None => {
-                    let id: Arc<str> = node_id.as_str().into();
-                    self.registry.nodes.push(NodeEntry {
-                        id: id.clone(),
-                        spec: None,
-                        revision: 1,
-                        applied_revision: 0,
-                        owner: None,
-                        refresh: None,
-                        last_refresh: None,
-                        resources: Vec::new(),
-                        flap: FlapGuard::default(),
-                        refresh_tries: 0,
-                        draining: None,
-                        agent: None,
-                    });
-                    self.registry
-                        .node_index
-                        .insert(id, self.registry.nodes.len() - 1);
-                    self.registry.nodes.len() - 1
-                }
-            };
-            for adapter in &spec.adapters {
-                let name = adapter.instance_name();
-                if !self.registry.nodes[i]
-                    .resources
-                    .iter()
-                    .any(|(n, _)| &**n == name)
-                {
-                    let r = self.pool.ledger.add_resource();
-                    let provider_id: Arc<str> = name.into();
-                    self.pool.resources.push(ResourceMeta {
-                        node: i,
-                        provider_id: provider_id.clone(),
-                    });
-                    self.registry.nodes[i].resources.push((provider_id, r));
-                }
-            }
-            self.registry.nodes[i].spec = Some(spec.clone());
-        }
-        let mut models = IdMap::default();
-        for (name, spec) in &config.models {
-            let mut long_possible = false;
-            let candidates: Vec<Candidate> = spec
-                .candidates
-                .iter()
-                .filter_map(|c| {
-                    let adapter = config.nodes.get(&c.node_id)?.adapter(&c.provider_id)?;
-                    if !adapter.enabled {
-                        return None;
-                    }
-                    long_possible |= adapter.long_capacity > 0;
-                    Some(Candidate {
-                        resource: self.resource(&c.node_id, &c.provider_id)?,
-                        target: c.target.as_str().into(),
-                    })
-                })
-                .collect();
-            let cursor = self.pool.models.get(name.as_str()).map_or(0, |m| m.cursor);
-            models.insert(
-                Arc::from(name.as_str()),
-                Model {
-                    candidates: candidates.into(),
-                    long_threshold: spec.long_context_threshold,
-                    long_possible,
-                    cursor,
-                },
-            );
-        }
-        self.pool.models = models;
-        self.registry.throttle.set_limits(config.admission.throttle);
-        self.config = config;
+    // ----- lookups -----
+
+    /// The node `id` names, configured now or before.
+    pub(super) fn idx(&self, id: &str) -> Option<NodeIdx> {
+        self.index.get(id).copied()
     }
 
-    pub(super) fn send(&mut self, conn: ConnId, body: Body) {
-        self.out.transmits.push_back(Transmit::Frame {
+    /// The node `id` names, if it is configured now.
+    pub(super) fn configured(&self, id: &str) -> Option<NodeIdx> {
+        self.idx(id).filter(|&i| self.node(i).spec.is_some())
+    }
+
+    pub(super) fn node(&self, i: NodeIdx) -> &NodeEntry {
+        &self.nodes[i.position()]
+    }
+
+    /// Every node ever configured.
+    pub(super) fn indices(&self) -> impl Iterator<Item = NodeIdx> + use<> {
+        (0..u32::try_from(self.nodes.len()).unwrap_or(u32::MAX)).map(NodeIdx)
+    }
+
+    pub(super) fn phase(&self, conn: ConnId) -> Result<Phase, UsageError> {
+        self.conns
+            .get(&conn)
+            .map(|c| c.phase)
+            .ok_or(UsageError::UnknownConnection(conn))
+    }
+
+    pub(super) fn conn_count(&self) -> usize {
+        self.conns.len()
+    }
+
+    /// The node and generation `conn` owns, if it is that node's current, ready owner.
+    pub(super) fn ready_owner(&self, conn: ConnId, phase: Phase) -> Option<(NodeIdx, Generation)> {
+        let Phase::Owner { node, generation } = phase else {
+            return None;
+        };
+        self.node(node)
+            .owner
+            .is_some_and(|o| o.conn == conn && o.ready)
+            .then_some((node, generation))
+    }
+
+    /// The node id a connection owns, for reports.
+    pub(super) fn node_of(&self, conn: ConnId) -> Option<Arc<str>> {
+        match self.conns.get(&conn)?.phase {
+            Phase::Owner { node, .. } => Some(self.node(node).id.clone()),
+            _ => None,
+        }
+    }
+
+    // ----- connections -----
+
+    /// A connection the transport accepted: counted against the pending caps, refused
+    /// (and closed) over them.
+    pub(super) fn open(
+        &mut self,
+        cx: &mut Cx<'_>,
+        conn: ConnId,
+        peer: Peer,
+        config: &EdgeConfig,
+    ) -> Result<(), UsageError> {
+        if self.conns.contains_key(&conn) {
+            return Err(UsageError::DuplicateConnection(conn));
+        }
+        let addr = peer.addr;
+        let admitted = self
+            .pending
+            .admit(Source::of(addr), config.admission.pending);
+        self.conns.insert(
             conn,
-            envelope: Envelope::new(body),
-        });
+            Conn {
+                phase: Phase::Unregistered,
+                pending: admitted,
+                peer,
+                last_rx: cx.now,
+                ping: None,
+                rtt: None,
+                held: None,
+            },
+        );
+        let timing = config.timing;
+        cx.timers
+            .set(TimerKey::Handshake(conn), cx.now + timing.register_timeout);
+        cx.timers
+            .set(TimerKey::Liveness(conn), cx.now + timing.heartbeat_timeout);
+        if !admitted {
+            self.refused_pending += 1;
+            cx.out.event(EdgeEvent::ConnectionRefused {
+                conn,
+                addr,
+                pending: self.pending.total(),
+                refused: self.refused_pending,
+                log: self.refused_pending.is_power_of_two(),
+            });
+            self.close(cx, conn, CloseReason::TooManyPending);
+        }
+        Ok(())
     }
 
-    pub(super) fn close(&mut self, conn: ConnId, reason: CloseReason) {
-        if let Some(c) = self.registry.conns.get_mut(&conn)
+    pub(super) fn secured(
+        &mut self,
+        conn: ConnId,
+        tls: &'static str,
+        identities: Vec<String>,
+    ) -> Result<(), UsageError> {
+        let c = self.conn_mut(conn)?;
+        c.peer.tls = Some(tls);
+        c.peer.identities = identities;
+        Ok(())
+    }
+
+    /// Bytes of a frame not yet whole: liveness counts them.
+    pub(super) fn bytes_received(
+        &mut self,
+        now: Timestamp,
+        conn: ConnId,
+    ) -> Result<(), UsageError> {
+        let c = self.conn_mut(conn)?;
+        if !matches!(c.phase, Phase::Stale | Phase::Held) {
+            c.last_rx = now;
+        }
+        Ok(())
+    }
+
+    /// A whole envelope arrived: the connection is alive.
+    pub(super) fn heard(&mut self, now: Timestamp, conn: ConnId) {
+        if let Some(c) = self.conns.get_mut(&conn) {
+            c.last_rx = now;
+        }
+    }
+
+    /// The transport closed `conn`: forgets it and its timers; returns the phase it had
+    /// (an owner's generation must be fenced).
+    pub(super) fn remove(&mut self, cx: &mut Cx<'_>, conn: ConnId) -> Result<Phase, UsageError> {
+        let c = self
+            .conns
+            .remove(&conn)
+            .ok_or(UsageError::UnknownConnection(conn))?;
+        if c.pending {
+            self.pending.release(Source::of(c.peer.addr));
+        }
+        for key in [
+            TimerKey::Handshake(conn),
+            TimerKey::Liveness(conn),
+            TimerKey::Ping(conn),
+            TimerKey::Answer(conn),
+        ] {
+            cx.timers.stop(key);
+        }
+        Ok(c.phase)
+    }
+
+    /// Asks the transport to close `conn` (once): nothing it sends matters from now on.
+    pub(super) fn close(&mut self, cx: &mut Cx<'_>, conn: ConnId, reason: CloseReason) {
+        if let Some(c) = self.conns.get_mut(&conn)
             && c.phase != Phase::Stale
         {
             c.phase = Phase::Stale;
-            self.out
-                .transmits
-                .push_back(Transmit::Close { conn, reason });
+            cx.out.transmits.push_back(Transmit::Close { conn, reason });
         }
         self.settle_pending(conn);
     }
 
     /// The connection no longer counts as pending (it registered, or is being closed).
-    pub(super) fn settle_pending(&mut self, conn: ConnId) {
-        if let Some(c) = self.registry.conns.get_mut(&conn)
+    fn settle_pending(&mut self, conn: ConnId) {
+        if let Some(c) = self.conns.get_mut(&conn)
             && std::mem::take(&mut c.pending)
         {
-            self.registry.pending.release(Source::of(c.peer.addr));
+            self.pending.release(Source::of(c.peer.addr));
         }
     }
 
-    pub(super) fn node_of(&self, conn: ConnId) -> Option<Arc<str>> {
-        match self.registry.conns.get(&conn)?.phase {
-            Phase::Owner { node, .. } => Some(self.registry.nodes[node].id.clone()),
-            _ => None,
+    fn conn_mut(&mut self, conn: ConnId) -> Result<&mut Conn, UsageError> {
+        self.conns
+            .get_mut(&conn)
+            .ok_or(UsageError::UnknownConnection(conn))
+    }
+
+    /// The answer to the Edge's own heartbeat: only the ping in flight counts, and the
+    /// round trip is timed by the Edge's clock, never the peer's echo.
+    pub(super) fn heartbeat_answered(&mut self, now: Timestamp, conn: ConnId, nonce: u64) {
+        if let Some(c) = self.conns.get_mut(&conn)
+            && let Some((sent_nonce, sent)) = c.ping
+            && sent_nonce == nonce
+        {
+            c.rtt = Some(now.saturating_duration_since(sent));
+            c.ping = None;
         }
     }
 
-    /// The peer broke the protocol at connection level: close it (fencing it if it owns).
-    pub(super) fn violation(&mut self, conn: ConnId, violation: ConnViolation) {
-        self.out.events.push_back(EdgeEvent::PeerViolation {
-            conn,
-            node_id: self.node_of(conn),
-            violation: Violation::Connection(violation.clone()),
-        });
-        let phase = self.registry.conns.get(&conn).map(|c| c.phase);
-        self.close(conn, CloseReason::ProtocolViolation(violation.clone()));
-        if let Some(Phase::Owner { node, generation }) = phase {
-            self.fence_owner(node, generation, CloseReason::ProtocolViolation(violation));
-        }
-    }
-
-    pub(super) fn on_register(&mut self, conn: ConnId, phase: Phase, req: RegisterRequest) {
-        if phase != Phase::Unregistered {
-            self.violation(conn, ConnViolation::SecondRegister);
-            return;
-        }
-        let Some(addr) = self.registry.conns.get(&conn).map(|c| c.peer.addr) else {
+    /// The ping timer of `conn` fired: pings it if it still owns its node.
+    pub(super) fn ping(&mut self, cx: &mut Cx<'_>, conn: ConnId, interval: Duration) {
+        let Some(c) = self.conns.get_mut(&conn) else {
             return;
         };
-        let i = match self.authenticate(conn, &req) {
+        let Phase::Owner { node, .. } = c.phase else {
+            return;
+        };
+        if self.nodes[node.position()]
+            .owner
+            .is_none_or(|o| o.conn != conn)
+        {
+            return;
+        }
+        let nonce = self.next_nonce;
+        self.next_nonce += 1;
+        c.ping = Some((nonce, cx.now));
+        cx.out.send(
+            conn,
+            Body::Heartbeat(Heartbeat {
+                nonce,
+                sent_at_ms: cx.now.as_millis(),
+            }),
+        );
+        cx.timers.set(TimerKey::Ping(conn), cx.now + interval);
+    }
+
+    /// When a connection's handshake (register, then ready) must have completed: still
+    /// unregistered, or the node's pending owner.
+    pub(super) fn handshake_pending(&self, conn: ConnId) -> Option<Phase> {
+        let c = self.conns.get(&conn)?;
+        let pending = match c.phase {
+            Phase::Unregistered => true,
+            Phase::Owner { node, .. } => self
+                .node(node)
+                .owner
+                .is_some_and(|o| o.conn == conn && !o.ready),
+            Phase::Stale | Phase::Held => false,
+        };
+        pending.then_some(c.phase)
+    }
+
+    /// The liveness timer of `conn` fired: `Some(phase)` when it was silent for the whole
+    /// timeout, else the timer is set again from its last receive.
+    pub(super) fn silent(
+        &mut self,
+        cx: &mut Cx<'_>,
+        conn: ConnId,
+        timeout: Duration,
+    ) -> Option<Phase> {
+        let c = self.conns.get(&conn)?;
+        let deadline = c.last_rx + timeout;
+        if deadline > cx.now {
+            cx.timers.set(TimerKey::Liveness(conn), deadline);
+            return None;
+        }
+        Some(c.phase)
+    }
+
+    // ----- registration -----
+
+    /// Decides a register: credentials (always checked first), the throttle, then
+    /// whether the node id may change hands (conflicts, a draining holder).
+    pub(super) fn admit(
+        &mut self,
+        cx: &mut Cx<'_>,
+        conn: ConnId,
+        phase: Phase,
+        req: &RegisterRequest,
+        config: &EdgeConfig,
+    ) -> Admitted {
+        if phase != Phase::Unregistered {
+            return Admitted::Violation(ConnViolation::SecondRegister);
+        }
+        let Some(addr) = self.conns.get(&conn).map(|c| c.peer.addr) else {
+            return Admitted::Refused;
+        };
+        let i = match self.authenticate(conn, req, config) {
             Ok(i) => i,
             Err(reason) => {
-                self.refuse_register(conn, addr, &req.node_id, reason);
-                return;
+                self.refuse(cx, conn, addr, &req.node_id, reason);
+                return Admitted::Refused;
             }
         };
         // The id's correct token ends its throttle (its source's budget refills with time).
-        self.registry.throttle.record_success(&req.node_id);
-        let instance = std::num::NonZeroU64::new(req.instance_id);
-        // A newer register supersedes the current owner in this same transition, unless
-        // the two keep taking the node id from each other.
-        if let Some(old) = self.registry.nodes[i].owner {
-            let limits = self.config.admission.conflict;
-            // Live: heard from within two heartbeat intervals (a node answers every ping
-            // and sends its own at that interval). A node that lost its link gives up
-            // after three silent intervals by default, so its reconnect finds the old
-            // connection silent.
-            let live_within = self.config.timing.heartbeat_interval * 2;
-            let rival = match self.registry.conns.get(&old.conn) {
-                Some(c) if self.now.saturating_duration_since(c.last_rx) < live_within => {
-                    Rival::Live
-                }
-                _ => Rival::Silent,
+        self.throttle.record_success(&req.node_id);
+        let Some(old) = self.node(i).owner else {
+            return Admitted::Take {
+                node: i,
+                superseding: None,
             };
-            // A live owner that is stopping gracefully keeps the node id until its
-            // requests have ended: the newcomer is most likely the node's own restart,
-            // and superseding would cut those requests. A silent one is superseded as
-            // any other.
-            let claim = Claim {
-                newcomer: instance,
-                holder: old.instance,
-                rival,
-            };
-            let stopping = matches!(
-                self.registry.nodes[i].draining,
-                Some(DrainReason::Stopping(_))
-            );
-            // The stopping process itself reconnecting has given its old connection up.
-            if stopping && rival == Rival::Live && !claim.same_process() {
-                self.hold_off(conn, addr, i, &req.node_id, HeldOff::Draining);
-                return;
-            }
-            match self.registry.nodes[i].flap.contest(self.now, limits, claim) {
-                Contest::HoldOff { retry_after, log } => {
-                    let held = HeldOff::Conflict { retry_after, log };
-                    self.hold_off(conn, addr, i, &req.node_id, held);
-                    return;
-                }
-                Contest::SupersedeAndHold => self.out.events.push_back(EdgeEvent::NodeConflict {
-                    node_id: self.registry.nodes[i].id.clone(),
-                    supersedes: limits.supersedes,
-                    hold_down: limits.hold_down,
-                }),
-                Contest::Supersede => {}
-            }
-            self.send(
-                old.conn,
-                Body::NodeReadyResponse(NodeReadyResponse {
-                    ready: false,
-                    reason: "superseded: a newer connection registered this node id".into(),
-                }),
-            );
-            self.close(old.conn, CloseReason::Superseded);
-            self.fence_owner(i, old.generation, CloseReason::Superseded);
+        };
+        // Live: heard from within two heartbeat intervals (a node answers every ping and
+        // sends its own at that interval). A node that lost its link gives up after three
+        // silent intervals by default, so its reconnect finds the old connection silent.
+        let live_within = config.timing.heartbeat_interval * 2;
+        let rival = match self.conns.get(&old.conn) {
+            Some(c) if cx.now.saturating_duration_since(c.last_rx) < live_within => Rival::Live,
+            _ => Rival::Silent,
+        };
+        let claim = Claim {
+            newcomer: std::num::NonZeroU64::new(req.instance_id),
+            holder: old.instance,
+            rival,
+        };
+        // A live owner that is stopping gracefully keeps the node id until its requests
+        // have ended: the newcomer is most likely the node's own restart, and superseding
+        // would cut those requests. The stopping process itself reconnecting has given
+        // its old connection up.
+        let stopping = matches!(self.node(i).draining, Some(DrainReason::Stopping(_)));
+        if stopping && rival == Rival::Live && !claim.same_process() {
+            self.hold_off(cx, conn, addr, i, &req.node_id, HeldOff::Draining);
+            return Admitted::Refused;
         }
-        let generation = Generation(self.registry.next_generation);
-        self.registry.next_generation += 1;
-        let revision = self.registry.nodes[i].revision;
-        self.registry.nodes[i].owner = Some(Owner {
+        let limits = config.admission.conflict;
+        match self.nodes[i.position()].flap.contest(cx.now, limits, claim) {
+            Contest::HoldOff { retry_after, log } => {
+                let held = HeldOff::Conflict { retry_after, log };
+                self.hold_off(cx, conn, addr, i, &req.node_id, held);
+                return Admitted::Refused;
+            }
+            Contest::SupersedeAndHold => cx.out.event(EdgeEvent::NodeConflict {
+                node_id: self.node(i).id.clone(),
+                supersedes: limits.supersedes,
+                hold_down: limits.hold_down,
+            }),
+            Contest::Supersede => {}
+        }
+        cx.out.send(
+            old.conn,
+            Body::NodeReadyResponse(NodeReadyResponse {
+                ready: false,
+                reason: "superseded: a newer connection registered this node id".into(),
+            }),
+        );
+        self.close(cx, old.conn, CloseReason::Superseded);
+        Admitted::Take {
+            node: i,
+            superseding: Some(old),
+        }
+    }
+
+    /// `conn` takes node `i` as its pending owner: a new generation, the full frame
+    /// limit, the `RegisterResponse` with the node's configuration.
+    pub(super) fn take(
+        &mut self,
+        cx: &mut Cx<'_>,
+        conn: ConnId,
+        i: NodeIdx,
+        req: &RegisterRequest,
+        config: &EdgeConfig,
+    ) -> Generation {
+        let generation = Generation(self.next_generation);
+        self.next_generation += 1;
+        let node = &mut self.nodes[i.position()];
+        debug_assert!(node.owner.is_none(), "the old owner was fenced first");
+        let revision = node.revision;
+        node.owner = Some(Owner {
             conn,
             generation,
             ready: false,
             registered_revision: revision,
-            instance,
+            instance: std::num::NonZeroU64::new(req.instance_id),
         });
-        self.registry.nodes[i].agent = Some(Box::new(Agent {
+        node.agent = Some(Box::new(Agent {
             version: req.version.as_str().into(),
             labels: req
                 .labels
@@ -449,64 +545,55 @@ impl EdgeCore {
                 .map(|(k, v)| (k.as_str().into(), v.as_str().into()))
                 .collect(),
         }));
-        let timing = self.config.timing;
-        if let Some(c) = self.registry.conns.get_mut(&conn) {
+        let node_id = node.id.clone();
+        let payload = node.spec.as_ref().map(|spec| spec.payload(revision));
+        if let Some(c) = self.conns.get_mut(&conn) {
             c.phase = Phase::Owner {
                 node: i,
                 generation,
             };
         }
         self.settle_pending(conn);
-        self.out.events.push_back(EdgeEvent::NodeRegistered {
-            node_id: self.registry.nodes[i].id.clone(),
+        cx.out.event(EdgeEvent::NodeRegistered {
+            node_id: node_id.clone(),
             generation,
         });
         // The full frame limit, in force before the node learns it may send large frames.
-        self.out.transmits.push_back(Transmit::FrameLimit {
+        cx.out.transmits.push_back(Transmit::FrameLimit {
             conn,
-            max_frame_len: self.config.admission.max_frame_len,
+            max_frame_len: config.admission.max_frame_len,
         });
-        let payload = self.registry.nodes[i]
-            .spec
-            .as_ref()
-            .map(|spec| spec.payload(revision));
-        self.send(
+        let timing = config.timing;
+        cx.out.send(
             conn,
             Body::RegisterResponse(RegisterResponse {
                 accepted: true,
                 reason: String::new(),
-                node_id: self.registry.nodes[i].id.to_string(),
+                node_id: node_id.to_string(),
                 config: payload,
                 heartbeat_interval_ms: millis(timing.heartbeat_interval),
                 retry_after_ms: 0,
             }),
         );
-        self.timers.set(
-            TimerKey::Handshake(conn),
-            self.now + timing.register_timeout,
-        );
-        self.timers
-            .set(TimerKey::Ping(conn), self.now + timing.heartbeat_interval);
-        #[cfg(feature = "testkit")]
-        if self.faults.dispatch_before_ready {
-            self.sync_resources(i, generation);
-        }
+        cx.timers
+            .set(TimerKey::Handshake(conn), cx.now + timing.register_timeout);
+        cx.timers
+            .set(TimerKey::Ping(conn), cx.now + timing.heartbeat_interval);
+        generation
     }
 
     /// The node a register may claim: a configured id, its token, and (with mutual TLS
     /// required) a client certificate naming it. An unknown id still costs a token check,
     /// so timing does not tell ids from tokens either.
-    pub(super) fn authenticate(
+    fn authenticate(
         &self,
         conn: ConnId,
         req: &RegisterRequest,
-    ) -> Result<usize, RejectReason> {
+        config: &EdgeConfig,
+    ) -> Result<NodeIdx, RejectReason> {
         let node = self
-            .registry
-            .node_index
-            .get(req.node_id.as_str())
-            .copied()
-            .and_then(|i| Some((i, self.registry.nodes[i].spec.as_ref()?)));
+            .configured(&req.node_id)
+            .and_then(|i| Some((i, self.node(i).spec.as_ref()?)));
         let Some((i, spec)) = node else {
             let _ = TokenVerifier::from_secret(b"").verify(req.token.as_bytes());
             return Err(RejectReason::UnknownNode);
@@ -514,9 +601,8 @@ impl EdgeCore {
         if !spec.token.verify(req.token.as_bytes()) {
             return Err(RejectReason::BadToken);
         }
-        if self.config.admission.require_client_identity {
+        if config.admission.require_client_identity {
             let named = self
-                .registry
                 .conns
                 .get(&conn)
                 .is_some_and(|c| c.peer.identities.contains(&req.node_id));
@@ -531,28 +617,21 @@ impl EdgeCore {
     /// source, refused with [`AUTH_FAILED`] at once within their budgets, otherwise held
     /// back and then refused with [`throttled_reason`]. Credentials are always checked
     /// first: nothing here can refuse a node whose token is right.
-    fn refuse_register(
+    fn refuse(
         &mut self,
+        cx: &mut Cx<'_>,
         conn: ConnId,
         addr: Option<IpAddr>,
         claimed: &str,
         reason: RejectReason,
     ) {
         let source = Source::of(addr);
-        let record = self
-            .registry
-            .throttle
-            .record_failure(self.now, source, claimed);
-        let known = self
-            .registry
-            .node_index
-            .get(claimed)
-            .is_some_and(|&i| self.registry.nodes[i].spec.is_some());
-        self.out.events.push_back(EdgeEvent::RegisterRejected {
+        let record = self.throttle.record_failure(cx.now, source, claimed);
+        cx.out.event(EdgeEvent::RegisterRejected {
             conn,
             addr,
             node_id: claimed.chars().take(64).collect(),
-            known,
+            known: self.configured(claimed).is_some(),
             reason,
             failures: record.node_failures.max(record.source_failures),
             throttled: record.by.map(|by| Throttled {
@@ -564,14 +643,13 @@ impl EdgeCore {
         });
         if record.by.is_none() {
             // Wrong credentials are final (retry_after 0).
-            self.reject_register(conn, claimed, reason, AUTH_FAILED, None);
+            self.reject(cx, conn, claimed, reason, AUTH_FAILED, None);
             return;
         }
-        self.timers.stop(TimerKey::Handshake(conn));
-        self.timers.stop(TimerKey::Liveness(conn));
-        self.timers
-            .set(TimerKey::Answer(conn), self.now + record.hold);
-        if let Some(c) = self.registry.conns.get_mut(&conn) {
+        cx.timers.stop(TimerKey::Handshake(conn));
+        cx.timers.stop(TimerKey::Liveness(conn));
+        cx.timers.set(TimerKey::Answer(conn), cx.now + record.hold);
+        if let Some(c) = self.conns.get_mut(&conn) {
             c.phase = Phase::Held;
             c.held = Some(Box::new(HeldAnswer {
                 claimed: claimed.to_owned(),
@@ -581,9 +659,8 @@ impl EdgeCore {
     }
 
     /// A held refusal is due: answer and close.
-    pub(super) fn answer_held(&mut self, conn: ConnId) {
+    pub(super) fn answer_held(&mut self, cx: &mut Cx<'_>, conn: ConnId) {
         let Some(held) = self
-            .registry
             .conns
             .get_mut(&conn)
             .filter(|c| c.phase == Phase::Held)
@@ -591,7 +668,8 @@ impl EdgeCore {
         else {
             return;
         };
-        self.reject_register(
+        self.reject(
+            cx,
             conn,
             &held.claimed,
             RejectReason::Throttled,
@@ -600,15 +678,16 @@ impl EdgeCore {
         );
     }
 
-    pub(super) fn reject_register(
+    fn reject(
         &mut self,
+        cx: &mut Cx<'_>,
         conn: ConnId,
         node_id: &str,
         why: RejectReason,
         reason: &str,
         retry_after: Option<Duration>,
     ) {
-        self.send(
+        cx.out.send(
             conn,
             Body::RegisterResponse(RegisterResponse {
                 accepted: false,
@@ -621,20 +700,21 @@ impl EdgeCore {
                 ..RegisterResponse::default()
             }),
         );
-        self.close(conn, CloseReason::RegisterRejected(why));
+        self.close(cx, conn, CloseReason::RegisterRejected(why));
     }
 
     /// Refuses an authenticated register for node `i` for now: its id is held by another
     /// live connection (in conflict, or draining), and the node may try again later.
     fn hold_off(
         &mut self,
+        cx: &mut Cx<'_>,
         conn: ConnId,
         addr: Option<IpAddr>,
-        i: usize,
+        i: NodeIdx,
         claimed: &str,
         held: HeldOff,
     ) {
-        let id = &*self.registry.nodes[i].id;
+        let id = &*self.node(i).id;
         let (why, reason, retry_after, log) = match held {
             HeldOff::Draining => (
                 RejectReason::Draining,
@@ -655,8 +735,8 @@ impl EdgeCore {
             ),
         };
         let node_id = id.to_string();
-        self.reject_register(conn, claimed, why, &reason, Some(retry_after));
-        self.out.events.push_back(EdgeEvent::RegisterRejected {
+        self.reject(cx, conn, claimed, why, &reason, Some(retry_after));
+        cx.out.event(EdgeEvent::RegisterRejected {
             conn,
             addr,
             node_id,
@@ -668,8 +748,17 @@ impl EdgeCore {
         });
     }
 
-    pub(super) fn refuse_ready(&mut self, conn: ConnId, reason: &str, close: bool) {
-        self.send(
+    // ----- the ready handshake -----
+
+    /// Refuses a ready: answered `ready=false`, and closed when `close`.
+    pub(super) fn refuse_ready(
+        &mut self,
+        cx: &mut Cx<'_>,
+        conn: ConnId,
+        reason: &str,
+        close: bool,
+    ) {
+        cx.out.send(
             conn,
             Body::NodeReadyResponse(NodeReadyResponse {
                 ready: false,
@@ -677,29 +766,41 @@ impl EdgeCore {
             }),
         );
         if close {
-            self.close(conn, CloseReason::ReadyRefused);
+            self.close(cx, conn, CloseReason::ReadyRefused);
         }
     }
 
-    pub(super) fn on_ready(&mut self, conn: ConnId, phase: Phase, req: &NodeReadyRequest) {
+    /// A ready: only the current pending owner becomes ready; the ready owner saying it
+    /// again changes nothing; anyone else is refused.
+    pub(super) fn ready(
+        &mut self,
+        cx: &mut Cx<'_>,
+        conn: ConnId,
+        phase: Phase,
+        req: &NodeReadyRequest,
+    ) -> Readied {
         let Phase::Owner {
             node: i,
             generation,
         } = phase
         else {
-            self.refuse_ready(conn, "ready before an accepted register", true);
-            return;
+            self.refuse_ready(cx, conn, "ready before an accepted register", true);
+            return Readied::Refused;
         };
-        let Some(owner) = self.registry.nodes[i].owner.filter(|o| o.conn == conn) else {
-            self.refuse_ready(conn, "connection is not the node's current owner", true);
-            return;
+        let Some(owner) = self.node(i).owner.filter(|o| o.conn == conn) else {
+            self.refuse_ready(cx, conn, "connection is not the node's current owner", true);
+            return Readied::Refused;
         };
-        if *self.registry.nodes[i].id != *req.node_id {
-            self.refuse_ready(conn, "node_id does not match the registered node", false);
-            self.violation(conn, ConnViolation::ReadyForAnotherNode);
-            return;
+        if *self.node(i).id != *req.node_id {
+            self.refuse_ready(
+                cx,
+                conn,
+                "node_id does not match the registered node",
+                false,
+            );
+            return Readied::Violation(ConnViolation::ReadyForAnotherNode);
         }
-        self.send(
+        cx.out.send(
             conn,
             Body::NodeReadyResponse(NodeReadyResponse {
                 ready: true,
@@ -707,115 +808,239 @@ impl EdgeCore {
             }),
         );
         if owner.ready {
-            return; // duplicate ready from the ready owner: no side effect
+            return Readied::Duplicate;
         }
-        self.timers.stop(TimerKey::Handshake(conn));
-        if let Some(o) = self.registry.nodes[i].owner.as_mut() {
+        cx.timers.stop(TimerKey::Handshake(conn));
+        let node = &mut self.nodes[i.position()];
+        if let Some(o) = node.owner.as_mut() {
             o.ready = true;
         }
-        self.registry.nodes[i].applied_revision = owner.registered_revision;
-        self.out.events.push_back(EdgeEvent::NodeConnected {
-            node_id: self.registry.nodes[i].id.clone(),
+        node.applied_revision = owner.registered_revision;
+        cx.out.event(EdgeEvent::NodeConnected {
+            node_id: node.id.clone(),
             generation,
         });
-        self.sync_resources(i, generation);
-        if self.registry.nodes[i].revision != owner.registered_revision {
-            self.push_refresh(i);
+        Readied::Activated {
+            node: i,
+            generation,
+            registered_revision: owner.registered_revision,
         }
     }
 
-    /// Brings node `i`'s resources in line with its configuration for `generation`, at
-    /// ready and after an applied refresh: enabled adapters come online (or take their new
-    /// capacities when already live) and waiters are pumped; removed or disabled adapters
-    /// take no new work while their leases drain (offline ones simply stay offline). A
-    /// draining node takes no new work whatever its configuration says (a refresh it
-    /// applies while draining does not bring its capacity back).
-    pub(super) fn sync_resources(&mut self, i: usize, generation: Generation) {
-        let Some(spec) = self.registry.nodes[i].spec.clone() else {
-            return;
-        };
-        let draining = self.registry.nodes[i].draining.is_some();
-        for (name, r) in self.registry.nodes[i].resources.clone() {
-            match spec.adapter(&name).filter(|a| a.enabled && !draining) {
-                Some(adapter) => {
-                    if self.pool.ledger.usage(r).generation == Some(generation) {
-                        self.pool
-                            .ledger
-                            .set_capacity(r, adapter.capacity, adapter.long_capacity);
-                    } else {
-                        let returned = self.pool.ledger.activate(
-                            r,
-                            generation,
-                            adapter.capacity,
-                            adapter.long_capacity,
-                        );
-                        debug_assert!(returned.is_empty(), "older generation was not fenced");
-                    }
-                    self.pump(r);
+    // ----- ownership ends -----
+
+    /// Node `i`'s `generation` ends, if it is still the owner: returns that owner (the
+    /// caller fences what it held). Stale: `None`, nothing changes.
+    pub(super) fn end_ownership(&mut self, i: NodeIdx, generation: Generation) -> Option<Owner> {
+        let node = &mut self.nodes[i.position()];
+        let owner = node.owner.filter(|o| o.generation == generation)?;
+        node.owner = None;
+        node.draining = None;
+        Some(owner)
+    }
+
+    /// Node `i` starts draining for `reason`: its owner, unless it has none or already
+    /// drains (then it keeps its first reason).
+    pub(super) fn start_draining(&mut self, i: NodeIdx, reason: &DrainReason) -> Option<Owner> {
+        let node = &mut self.nodes[i.position()];
+        let owner = node.owner?;
+        if node.draining.is_some() {
+            return None;
+        }
+        node.draining = Some(reason.clone());
+        Some(owner)
+    }
+
+    // ----- configuration -----
+
+    /// Adopts the nodes of a validated configuration; returns the adapter instances that
+    /// are new, which need a resource ([`attach`](Self::attach)).
+    pub(super) fn install(&mut self, config: &EdgeConfig) -> Vec<(NodeIdx, Arc<str>)> {
+        for node in &mut self.nodes {
+            node.spec = None;
+        }
+        let mut new = Vec::new();
+        for (node_id, spec) in &config.nodes {
+            let i = match self.idx(node_id) {
+                Some(i) => i,
+                None => {
+                    let id: Arc<str> = node_id.as_str().into();
+                    let i =
+                        NodeIdx(u32::try_from(self.nodes.len()).expect("fewer than 2^32 nodes"));
+                    self.nodes.push(NodeEntry {
+                        id: id.clone(),
+                        spec: None,
+                        revision: 1,
+                        applied_revision: 0,
+                        owner: None,
+                        resources: Vec::new(),
+                        flap: FlapGuard::default(),
+                        draining: None,
+                        agent: None,
+                    });
+                    self.index.insert(id, i);
+                    i
                 }
-                None => self.pool.ledger.set_capacity(r, 0, 0),
+            };
+            for adapter in &spec.adapters {
+                let name = adapter.instance_name();
+                if !self.node(i).resources.iter().any(|(n, _)| &**n == name) {
+                    new.push((i, Arc::from(name)));
+                }
             }
+            self.nodes[i.position()].spec = Some(spec.clone());
         }
+        self.throttle.set_limits(config.admission.throttle);
+        new
     }
 
-    /// Fences node `i`'s `generation` if it is still the owner: leases return once, its
-    /// running requests fail with `NodeLost`, its resources go offline.
-    pub(super) fn fence_owner(&mut self, i: usize, generation: Generation, reason: CloseReason) {
-        let Some(owner) = self.registry.nodes[i]
-            .owner
-            .filter(|o| o.generation == generation)
-        else {
-            return; // stale: changes nothing, emits nothing
-        };
-        self.registry.nodes[i].owner = None;
-        self.registry.nodes[i].refresh = None;
-        self.timers.stop(TimerKey::Refresh(i));
-        self.registry.nodes[i].refresh_tries = 0;
-        self.registry.nodes[i].draining = None;
-        let node_id = self.registry.nodes[i].id.clone();
-        let pending: Vec<u64> = self
-            .control
-            .commands
-            .iter()
-            .filter(|(_, (node, g, _))| *node == i && *g == generation)
-            .map(|(seq, _)| *seq)
+    /// Adapter instance `name` of node `i` is `resource`.
+    pub(super) fn attach(&mut self, i: NodeIdx, name: Arc<str>, resource: ResourceId) {
+        self.nodes[i.position()].resources.push((name, resource));
+    }
+
+    /// Node `i`'s payload changed: a new revision to push.
+    pub(super) fn bump_revision(&mut self, i: NodeIdx) {
+        self.nodes[i.position()].revision += 1;
+    }
+
+    /// Node `i` confirmed `revision` (a refresh applied).
+    pub(super) fn applied(&mut self, i: NodeIdx, revision: u64) {
+        self.nodes[i.position()].applied_revision = revision;
+    }
+
+    // ----- status -----
+
+    /// Configured nodes and their readiness, in id order; `last_refresh` comes from the
+    /// control traffic.
+    pub(super) fn statuses(
+        &self,
+        now: Timestamp,
+        last_refresh: impl Fn(NodeIdx) -> Option<RefreshStatus>,
+    ) -> Vec<NodeStatus> {
+        let mut out: Vec<NodeStatus> = self
+            .indices()
+            .filter(|&i| self.node(i).spec.is_some())
+            .map(|i| {
+                let n = self.node(i);
+                let conn = n.owner.and_then(|o| self.conns.get(&o.conn));
+                NodeStatus {
+                    node_id: n.id.clone(),
+                    state: match n.owner {
+                        None => NodeState::Offline,
+                        Some(o) if o.ready => NodeState::Ready,
+                        Some(_) => NodeState::Pending,
+                    },
+                    generation: n.owner.map(|o| o.generation),
+                    revision: n.revision,
+                    applied_revision: n.applied_revision,
+                    last_refresh: last_refresh(i),
+                    conflict: n.flap.in_conflict(now),
+                    tls: conn.and_then(|c| c.peer.tls),
+                    client_certificate: conn.is_some_and(|c| !c.peer.identities.is_empty()),
+                    draining: n.draining.is_some(),
+                    version: n.agent.as_ref().map(|a| a.version.to_string()),
+                    labels: n
+                        .agent
+                        .as_ref()
+                        .map(|a| {
+                            a.labels
+                                .iter()
+                                .map(|(k, v)| (k.to_string(), v.to_string()))
+                                .collect()
+                        })
+                        .unwrap_or_default(),
+                    rtt: conn.and_then(|c| c.rtt),
+                    last_seen: conn.map(|c| now.saturating_duration_since(c.last_rx)),
+                }
+            })
             .collect();
-        for seq in pending {
-            self.fail_command(seq, "the node disconnected");
+        out.sort_by(|a, b| a.node_id.cmp(&b.node_id));
+        out
+    }
+
+    /// Node ids and sources whose registrations failed within the throttle's window,
+    /// most failures first, at most `max` of each.
+    pub(super) fn failures(&self, now: Timestamp, max: usize) -> RegistrationFailures {
+        RegistrationFailures {
+            nodes: self
+                .throttle
+                .failing_nodes(now, max)
+                .into_iter()
+                .map(|f| FailingNode {
+                    known: self.configured(&f.key).is_some(),
+                    node_id: f.key.chars().take(64).collect(),
+                    failures: f.failures,
+                    hold: f.hold,
+                    since_last: f.since_last,
+                })
+                .collect(),
+            sources: self.throttle.failing_sources(now, max),
         }
-        let mut lost = Vec::new();
-        for (_, r) in self.registry.nodes[i].resources.clone() {
-            for lease in self.pool.ledger.fence(r) {
-                match self.requests.remove(&lease.request) {
-                    Some(ReqState::Granted { .. } | ReqState::Running { .. }) => {
-                        lost.push(lease.request);
-                    }
-                    Some(ReqState::Cancelling { .. }) => {
-                        self.timers.stop(TimerKey::CancelGrace(lease.request));
-                    }
-                    None => {}
-                    Some(state @ ReqState::Waiting { .. }) => {
-                        self.requests.insert(lease.request, state);
-                    }
-                }
-            }
-        }
-        lost.sort_unstable();
-        for &request in &lost {
-            self.out.events.push_back(EdgeEvent::RequestEnded {
-                request,
-                outcome: Outcome::Failed(RequestError::NodeLost {
-                    node_id: node_id.clone(),
-                }),
-            });
-        }
-        if owner.ready {
-            self.out.events.push_back(EdgeEvent::NodeDisconnected {
-                node_id,
-                generation,
-                reason,
-                lost,
-            });
-        }
+    }
+}
+
+/// The queries about nodes and connections, answered by the registry alone.
+impl EdgeCore {
+    /// Node ids and sources whose registrations failed within the throttle's window,
+    /// most failures first, at most `max` of each: who keeps failing to register.
+    #[must_use]
+    pub fn registration_failures(&self, max: usize) -> RegistrationFailures {
+        self.registry.failures(self.now, max)
+    }
+
+    /// Number of open node connections (any phase).
+    #[must_use]
+    pub fn connections(&self) -> usize {
+        self.registry.conn_count()
+    }
+
+    /// The node id and generation a connection owns, and whether it is ready, if it is
+    /// the node's current owner.
+    #[must_use]
+    pub fn owner_of(&self, conn: ConnId) -> Option<(Arc<str>, Generation, bool)> {
+        let Ok(Phase::Owner { node, generation }) = self.registry.phase(conn) else {
+            return None;
+        };
+        let entry = self.registry.node(node);
+        let owner = entry.owner?;
+        (owner.conn == conn).then(|| (entry.id.clone(), generation, owner.ready))
+    }
+
+    /// The connection that currently owns `node_id` (pending or ready).
+    #[must_use]
+    pub fn owner_of_node(&self, node_id: &str) -> Option<ConnId> {
+        let i = self.registry.idx(node_id)?;
+        self.registry.node(i).owner.map(|o| o.conn)
+    }
+
+    /// The resource of `(node_id, provider_id)`, if configured at any time.
+    #[must_use]
+    pub fn resource(&self, node_id: &str, provider_id: &str) -> Option<ResourceId> {
+        let i = self.registry.idx(node_id)?;
+        self.registry
+            .node(i)
+            .resources
+            .iter()
+            .find(|(name, _)| &**name == provider_id)
+            .map(|(_, r)| *r)
+    }
+
+    pub(super) fn open_connection(&mut self, conn: ConnId, peer: Peer) -> Result<(), UsageError> {
+        let mut cx = cx!(self);
+        self.registry.open(&mut cx, conn, peer, &self.config)
+    }
+
+    pub(super) fn secure_connection(
+        &mut self,
+        conn: ConnId,
+        tls: &'static str,
+        identities: Vec<String>,
+    ) -> Result<(), UsageError> {
+        self.registry.secured(conn, tls, identities)
+    }
+
+    pub(super) fn bytes_received(&mut self, conn: ConnId) -> Result<(), UsageError> {
+        self.registry.bytes_received(self.now, conn)
     }
 }

@@ -187,25 +187,6 @@ impl DispatchShape {
     }
 }
 
-/// A lease granted to a request: where and how to dispatch it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Grant {
-    /// The request: dispatch it with [`EdgeCore::handle_dispatch`](crate::EdgeCore::handle_dispatch).
-    pub request: RequestId,
-    /// The lease it holds.
-    pub lease: Lease,
-    /// Public model name requested.
-    pub model: Arc<str>,
-    /// Node chosen.
-    pub node_id: Arc<str>,
-    /// Adapter instance chosen.
-    pub provider_id: Arc<str>,
-    /// Provider-side target to put in the request.
-    pub target: Arc<str>,
-    /// Message to dispatch.
-    pub shape: DispatchShape,
-}
-
 /// Why a request failed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -268,32 +249,16 @@ pub enum EdgeEvent {
         generation: Generation,
         /// Why its generation ended.
         reason: CloseReason,
-        /// Requests that were running on it; each also gets `RequestEnded(NodeLost)`.
+        /// Requests that were running on it; each also ends with
+        /// [`RequestError::NodeLost`].
         lost: Vec<RequestId>,
     },
-    /// A request holds a lease and must now be dispatched with
-    /// [`EdgeCore::handle_dispatch`].
-    Granted(Grant),
-    /// A valid, in-order event of a dispatched run.
-    RunEvent {
-        /// The request the event belongs to (its run id on the wire is [`RunId`]).
+    /// Something happened to a request, for its caller: see [`RequestEvent`].
+    Request {
+        /// The request.
         request: RequestId,
-        /// The event.
-        event: RunEvent,
-    },
-    /// A valid, in-order frame of a dispatched tunnel.
-    TunnelFrame {
-        /// The request the frame belongs to (its run id on the wire is [`RunId`]).
-        request: RequestId,
-        /// The frame.
-        frame: ProviderTunnelFrame,
-    },
-    /// A request ended; emitted exactly once per accepted request.
-    RequestEnded {
-        /// The request: nothing more arrives for it and its lease is back.
-        request: RequestId,
-        /// How it ended, which decides what its caller is answered.
-        outcome: Outcome,
+        /// What happened.
+        event: RequestEvent,
     },
     /// A node answered a config refresh.
     RefreshAnswered {
@@ -570,52 +535,6 @@ pub enum DrainReason {
     Stopping(String),
 }
 
-/// The id of a dispatched request on the wire (`run-<n>`), in `RunRequest.run_id`,
-/// `ProviderTunnelRequest.run_id` and every event or frame of its stream.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct RunId(pub RequestId);
-
-impl RunId {
-    /// What every wire run id starts with; the request's number follows in decimal.
-    const PREFIX: &'static str = "run-";
-
-    /// The request a wire run id names, if it is one of this Edge's.
-    #[must_use]
-    pub fn parse(text: &str) -> Option<RunId> {
-        text.strip_prefix(Self::PREFIX)?
-            .parse()
-            .ok()
-            .map(|n| RunId(RequestId(n)))
-    }
-
-    /// The wire form, `run-<n>` (as `Display` writes it), without the formatter: it is
-    /// made once per dispatch.
-    #[must_use]
-    pub fn wire(self) -> String {
-        let mut buf = [0u8; 20];
-        let digits = self.digits(&mut buf);
-        let mut text = String::with_capacity(Self::PREFIX.len() + digits.len());
-        text.push_str(Self::PREFIX);
-        text.push_str(digits);
-        text
-    }
-
-    /// The request's number in decimal, written into the end of `buf`.
-    fn digits(self, buf: &mut [u8; 20]) -> &str {
-        let digits = crate::http1::response::decimal_text(buf, self.0.0);
-        // ASCII digits only, so this cannot fail.
-        std::str::from_utf8(digits).unwrap_or_default()
-    }
-}
-
-impl std::fmt::Display for RunId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let mut buf = [0u8; 20];
-        f.write_str(Self::PREFIX)?;
-        f.write_str(self.digits(&mut buf))
-    }
-}
-
 /// The id of a node command on the wire (`cmd-<n>`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct CommandId(pub u64);
@@ -632,24 +551,6 @@ impl std::fmt::Display for CommandId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "cmd-{}", self.0)
     }
-}
-
-/// Every refusal of an input of [`EdgeCore`]: its one error type.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum EdgeError {
-    /// The driver misused the machine (a bug in the shell).
-    #[error(transparent)]
-    Usage(#[from] UsageError),
-    /// A request cannot be accepted (the caller's request is at fault, or the queue).
-    #[error(transparent)]
-    Submit(#[from] SubmitError),
-    /// A command cannot be sent.
-    #[error(transparent)]
-    Command(#[from] CommandError),
-    /// A configuration cannot run.
-    #[error(transparent)]
-    Config(#[from] EdgeConfigError),
 }
 
 /// Refusal of a new request.
@@ -682,21 +583,6 @@ pub enum UsageError {
     /// An input for a connection that is not open.
     #[error("connection {0:?} is not open")]
     UnknownConnection(ConnId),
-    /// A dispatch for a request that is not granted (never was, already dispatched, or
-    /// already ended).
-    #[error("request {0} is not waiting for dispatch")]
-    NotGranted(RequestId),
-    /// A dispatch whose message does not match the grant's shape.
-    #[error("request {request} must be dispatched as {expected:?}")]
-    WrongShape {
-        /// The request named in the dispatch.
-        request: RequestId,
-        /// The shape the grant requires.
-        expected: DispatchShape,
-    },
-    /// A cancel for a request that already ended (a race the driver may ignore).
-    #[error("request {0} already ended")]
-    Ended(RequestId),
 }
 
 /// Refusal of a node command.
@@ -723,27 +609,92 @@ pub enum CommandError {
     },
 }
 
-/// The message a granted request is dispatched with. `run_id`, `adapter` and `target`
-/// are filled in by the machine.
+/// A caller's request, handed to the machine whole: from [`EdgeCore::handle_submit`] to
+/// its end the machine owns it, builds the message each dispatch sends (a normalized run
+/// or a raw tunnel, as the chosen provider is served) and answers with
+/// [`RequestEvent`]s.
 #[derive(Clone, Debug, PartialEq)]
-pub enum Dispatch {
-    /// A normalized run.
-    Run(RunRequest),
-    /// A raw provider tunnel.
-    Tunnel(ProviderTunnelRequest),
-}
-
-/// A new request.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Submit<'a> {
-    /// Public model name.
-    pub model: &'a str,
+pub struct Submit {
+    /// Public model name (the model group).
+    pub model: Arc<str>,
+    /// The OpenAI endpoint called. Chat can be served by runs or tunnels; every other
+    /// endpoint is a raw OpenAI call only a tunnel-served provider can answer.
+    pub endpoint: Endpoint,
+    /// The request body as received (JSON). A tunnel carries it with `model` rewritten
+    /// to the provider's target; a run carries it as its input.
+    pub body: Bytes,
+    /// Whether the caller asked for a stream.
+    pub stream: bool,
     /// Estimated prompt tokens, compared with the model's long-context threshold.
     pub prompt_tokens: u64,
-    /// Only tunnel-served providers can answer (embeddings and completions are raw
-    /// OpenAI endpoints a normalized run cannot render); chat sets it false, so no
-    /// candidate is excluded for its type.
-    pub tunnel_only: bool,
+    /// Request headers a tunnel forwards to the provider (allow-listed by the shell, see
+    /// [`crate::tunnel::forwards_request_header`]).
+    pub headers: Vec<Header>,
+    /// The caller's request id (`x-request-id`), sent to the node in each dispatch's
+    /// metadata so both sides' logs name the same request.
+    pub request_id: Arc<str>,
+    /// The longest the node may take over one provider call.
+    pub timeout: Duration,
+}
+
+impl Submit {
+    /// A chat completion request for `model` with `body`, no forwarded headers, a
+    /// minute's provider timeout: what tests and simple embedders need.
+    #[must_use]
+    pub fn chat(model: &str, body: Bytes) -> Self {
+        Submit {
+            model: model.into(),
+            endpoint: Endpoint::Chat,
+            body,
+            stream: false,
+            prompt_tokens: 0,
+            headers: Vec::new(),
+            request_id: Arc::from(""),
+            timeout: Duration::from_secs(60),
+        }
+    }
+
+    /// Only a tunnel-served provider can answer it.
+    #[must_use]
+    pub fn tunnel_only(&self) -> bool {
+        self.endpoint != Endpoint::Chat
+    }
+}
+
+/// What happens to a request, for its caller, in order: `Dispatched` once the provider
+/// that answers it is known, then that run's events or tunnel frames, then `Ended`
+/// exactly once (also without a `Dispatched`, when it never got that far).
+#[derive(Clone, Debug, PartialEq)]
+pub enum RequestEvent {
+    /// The request is answered by this provider, with this shape.
+    Dispatched {
+        /// The dispatch (its `run_id` on the wire).
+        run: RunId,
+        /// Tunnel or run.
+        shape: DispatchShape,
+        /// Node chosen.
+        node_id: Arc<str>,
+        /// Adapter instance chosen on it.
+        provider_id: Arc<str>,
+    },
+    /// A valid, in-order run event (boxed: a request's events queue in the shell, each
+    /// taking the room of the largest kind).
+    Run(Box<RunEvent>),
+    /// A valid, in-order tunnel frame (a body chunk as its bytes alone).
+    Tunnel(TunnelPart),
+    /// The end: nothing more arrives for the request, and its lease is back or on its
+    /// way (a cancelled run keeps it until the node confirms).
+    Ended(Outcome),
+}
+
+/// What a cancel found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cancelled {
+    /// The request was open: it ended now, [`Outcome::Cancelled`].
+    Now,
+    /// It had already ended (or never existed): nothing to do. A caller that leaves just
+    /// as its request ends races the machine; this is that race, not a misuse.
+    AlreadyEnded,
 }
 
 /// Readiness of a configured node.
@@ -793,25 +744,4 @@ pub struct NodeStatus {
     pub rtt: Option<Duration>,
     /// Time since the owning connection last sent anything; `None` when offline.
     pub last_seen: Option<Duration>,
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_run_id_is_written_as_displayed_and_read_back() {
-        for n in [0, 1, 9, 10, 4_096, 1 << 40, u64::MAX] {
-            let run = RunId(RequestId(n));
-            assert_eq!(run.wire(), run.to_string());
-            assert_eq!(RunId::parse(&run.wire()), Some(run));
-        }
-        assert_eq!(RunId(RequestId(4_096)).wire(), "run-4096");
-        assert_eq!(
-            RunId(RequestId(u64::MAX)).to_string(),
-            "run-18446744073709551615"
-        );
-        assert_eq!(RunId::parse("run-"), None);
-        assert_eq!(RunId::parse("req-1"), None);
-    }
 }

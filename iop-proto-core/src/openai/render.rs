@@ -6,7 +6,7 @@ use bytes::Bytes;
 use serde_json::{Value, json};
 
 use super::{ApiError, RequestFacts};
-use crate::edge::{DispatchShape, Outcome, RequestError};
+use crate::edge::{DispatchShape, Outcome, RequestError, RequestEvent};
 use crate::wire::{Header, ProviderTunnelFrame, RunEvent, RunEventType, TunnelFrameKind, Usage};
 
 /// The closing SSE event of a chat stream.
@@ -103,7 +103,7 @@ enum Phase {
 /// A tunnel frame as a response needs it: a `BODY` frame is its bytes alone (an SSE
 /// stream is made of them, and a request's queue holds them without an allocation); any
 /// other frame is kept whole, boxed, as it is rare and large.
-#[derive(Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum TunnelPart {
     /// The bytes of a `BODY` frame.
     Body(Bytes),
@@ -133,8 +133,9 @@ impl TunnelPart {
 }
 
 /// Turns the events of one request into its OpenAI response: feed it what the Edge
-/// machine says about the request (`handle_dispatched`, `handle_run_event`,
-/// `handle_tunnel_frame`, `handle_end`) and what the shell's timers say
+/// machine says about the request ([`handle_event`](Self::handle_event), or its parts
+/// `handle_dispatched`, `handle_run_event`, `handle_tunnel_frame`, `handle_end`) and what
+/// the shell's timers say
 /// (`handle_timeout`, `handle_idle`), and write every [`Out`] from
 /// [`poll_output`](Responder::poll_output) in order until [`is_done`](Responder::is_done).
 ///
@@ -208,7 +209,18 @@ impl Responder {
         self.status
     }
 
-    /// The request was granted and dispatched with `shape`.
+    /// One of the request's events, as the Edge machine hands it out
+    /// ([`crate::EdgeEvent::Request`]).
+    pub fn handle_event(&mut self, event: RequestEvent) {
+        match event {
+            RequestEvent::Dispatched { shape, .. } => self.handle_dispatched(shape),
+            RequestEvent::Run(event) => self.handle_run_event(*event),
+            RequestEvent::Tunnel(part) => self.handle_tunnel_part(part),
+            RequestEvent::Ended(outcome) => self.handle_end(&outcome),
+        }
+    }
+
+    /// The request was dispatched with `shape` to the provider that answers it.
     pub fn handle_dispatched(&mut self, shape: DispatchShape) {
         if !matches!(self.phase, Phase::Waiting) {
             return;

@@ -178,14 +178,14 @@ fn structured_envelope(input: &mut Input<'_>) -> Option<Envelope> {
 }
 
 /// The Edge machine fed arbitrary envelopes from several connections, interleaved with
-/// time, submits, dispatches, cancels and reloads that move adapters between the run and
-/// tunnel shapes. Checks that nothing panics, that the lease accounting stays consistent
-/// after every input, and that no tunnel-only request is granted to a run-served provider.
+/// time, submits, cancels and reloads that move adapters between the run and tunnel
+/// shapes. Checks that nothing panics, that the lease accounting stays consistent after
+/// every input, and that no tunnel-only request is dispatched to a run-served provider.
 pub fn edge_core(data: &[u8]) {
-    use crate::edge::{ConnId, Dispatch, DispatchShape, EdgeCore, EdgeEvent, Submit};
+    use crate::edge::{ConnId, EdgeCore, Submit, Transmit};
     use crate::testkit::sim::world_config;
     use crate::time::Timestamp;
-    use crate::wire::{ProviderTunnelRequest, RunRequest};
+    use crate::wire::Body;
 
     let Ok(mut edge) = EdgeCore::new(world_config(0)) else {
         return;
@@ -232,14 +232,12 @@ pub fn edge_core(data: &[u8]) {
             6 => {
                 let model = format!("m{}", input.byte() % 4);
                 let tunnel_only = input.byte() % 4 == 0;
-                if let Ok(r) = edge.handle_submit(
-                    t,
-                    Submit {
-                        model: &model,
-                        prompt_tokens: u64::from(input.byte()),
-                        tunnel_only,
-                    },
-                ) {
+                let mut submit = Submit::chat(&model, bytes::Bytes::from_static(b"{}"));
+                submit.prompt_tokens = u64::from(input.byte());
+                if tunnel_only {
+                    submit.endpoint = crate::openai::Endpoint::Embeddings;
+                }
+                if let Ok(r) = edge.handle_submit(t, submit) {
                     requests.push(r);
                     if tunnel_only {
                         tunnel_only_requests.insert(r);
@@ -270,28 +268,25 @@ pub fn edge_core(data: &[u8]) {
                 }
             }
         }
-        // Drain like a shell: dispatch grants, forget the rest.
-        let t = Timestamp::from_millis(now);
-        while edge.poll_transmit().is_some() {}
-        while let Some(event) = edge.poll_event() {
-            if let EdgeEvent::Granted(grant) = event {
+        // Drain like a shell: check what is dispatched, forget the rest.
+        while let Some(transmit) = edge.poll_transmit() {
+            if let Transmit::Frame {
+                envelope:
+                    Envelope {
+                        body: Some(Body::RunRequest(run)),
+                    },
+                ..
+            } = transmit
+                && let Some(run) = crate::lease::RunId::parse(&run.run_id)
+            {
                 assert!(
-                    grant.shape == DispatchShape::Tunnel
-                        || !tunnel_only_requests.contains(&grant.request),
-                    "a tunnel-only request was granted to a run-served provider"
+                    !tunnel_only_requests.contains(&run.request),
+                    "a tunnel-only request was dispatched to a run-served provider"
                 );
-                let dispatch = match grant.shape {
-                    DispatchShape::Run => Dispatch::Run(RunRequest::default()),
-                    DispatchShape::Tunnel => Dispatch::Tunnel(ProviderTunnelRequest {
-                        method: "POST".into(),
-                        path: "/".into(),
-                        ..ProviderTunnelRequest::default()
-                    }),
-                };
-                let _ = edge.handle_dispatch(t, grant.request, dispatch);
             }
         }
-        while edge.poll_transmit().is_some() {}
+        while edge.poll_event().is_some() {}
+        while edge.poll_lifecycle().is_some() {}
         let ledger = edge.ledger();
         let held: u32 = edge
             .snapshots()
@@ -869,14 +864,14 @@ pub fn lease_queue(data: &[u8]) {
                     u32::from(input.byte() % 3),
                 );
                 for lease in fenced {
-                    assert_eq!(model.remove(&lease.request.0), Some(lease));
+                    assert_eq!(model.remove(&lease.run.request.0), Some(lease));
                 }
             }
             1 => {
                 let fenced = ledger.fence(r);
                 for lease in &fenced {
                     assert_eq!(lease.resource, r);
-                    assert_eq!(model.remove(&lease.request.0), Some(*lease));
+                    assert_eq!(model.remove(&lease.run.request.0), Some(*lease));
                 }
                 assert!(
                     model.values().all(|l| l.resource != r),
@@ -894,7 +889,7 @@ pub fn lease_queue(data: &[u8]) {
                 let pick = usize::from(input.byte());
                 if let Some(&lease) = model.values().nth(pick % model.len().max(1)) {
                     assert_eq!(ledger.release(lease), Release::Released);
-                    model.remove(&lease.request.0);
+                    model.remove(&lease.run.request.0);
                     released.push(lease);
                 } else if let Some(&old) = released.get(pick % released.len().max(1)) {
                     assert_eq!(

@@ -11,17 +11,18 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 
-use crate::edge::{ConnId, Dispatch, EdgeCore, EdgeEvent, Grant, Peer, Transmit};
+use crate::edge::{ConnId, EdgeCore, EdgeEvent, Peer, RequestEvent, Transmit};
 use crate::session::{NodeSession, NodeTransmit, RunOutput, SessionEvent};
 use crate::testkit::rng::Rng;
 use crate::time::Timestamp;
 use crate::wire::{self, Body, DecodeError, Envelope, FrameDecoder};
 
 /// Everything the Edge machine has to hand out, in the order a shell drains it:
-/// transmits, then events.
+/// transmits, then events (lifecycle events are dropped).
 pub fn drain_edge(edge: &mut EdgeCore) -> (Vec<Transmit>, Vec<EdgeEvent>) {
     let transmits = std::iter::from_fn(|| edge.poll_transmit()).collect();
     let events = std::iter::from_fn(|| edge.poll_event()).collect();
+    while edge.poll_lifecycle().is_some() {}
     (transmits, events)
 }
 
@@ -173,8 +174,6 @@ pub struct Pair {
     pub now: Timestamp,
     /// What happened, one line per frame, close and event.
     pub transcript: String,
-    /// How a granted request is dispatched (the Edge shell's part).
-    pub dispatch: fn(&Grant) -> Dispatch,
     to_edge: Wire,
     to_node: Wire,
     netem: Netem,
@@ -183,12 +182,7 @@ pub struct Pair {
 impl Pair {
     /// A pair with nothing connected yet.
     #[must_use]
-    pub fn new(
-        edge: EdgeCore,
-        node: NodeSession,
-        netem: Netem,
-        dispatch: fn(&Grant) -> Dispatch,
-    ) -> Self {
+    pub fn new(edge: EdgeCore, node: NodeSession, netem: Netem) -> Self {
         let pending = edge.config().admission.pending_frame_len;
         Pair {
             edge,
@@ -196,7 +190,6 @@ impl Pair {
             conn: ConnId(0),
             now: Timestamp::ZERO,
             transcript: String::new(),
-            dispatch,
             to_edge: Wire::new(pending),
             to_node: Wire::new(wire::DEFAULT_MAX_FRAME_LEN),
             netem,
@@ -273,12 +266,6 @@ impl Pair {
             while let Some(event) = self.edge.poll_event() {
                 moved = true;
                 self.log(format_args!("edge event {}", short_edge(&event)));
-                if let EdgeEvent::Granted(grant) = event {
-                    let dispatch = (self.dispatch)(&grant);
-                    self.edge
-                        .handle_dispatch(self.now, grant.request, dispatch)
-                        .expect("granted");
-                }
             }
             if !moved {
                 return any;
@@ -389,10 +376,17 @@ fn short_node(event: &SessionEvent) -> String {
 
 fn short_edge(event: &EdgeEvent) -> String {
     match event {
-        EdgeEvent::Granted(g) => format!(
-            "Granted({} on {}/{} generation {}, {:?})",
-            g.request, g.node_id, g.provider_id, g.lease.generation.0, g.shape
-        ),
+        EdgeEvent::Request {
+            request,
+            event:
+                RequestEvent::Dispatched {
+                    shape,
+                    node_id,
+                    provider_id,
+                    ..
+                },
+        } => format!("Dispatched({request} on {node_id}/{provider_id}, {shape:?})"),
+        EdgeEvent::Request { request, event } => format!("{request} {event:?}"),
         other => format!("{other:?}"),
     }
 }

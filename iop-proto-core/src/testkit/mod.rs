@@ -24,22 +24,24 @@ pub fn adapter(name: &str, kind: AdapterType, capacity: u32, long: u32) -> Adapt
     }
 }
 
-/// Bugs that can be planted in the machines, to prove the simulator catches them.
-/// All off by default; only the `testkit` feature compiles the switches in.
+/// Bugs planted in the simulated Edge shell, to prove the simulator's invariants catch
+/// what a broken driver does to the system (the machines themselves take no test
+/// switches: the faults are the harness's, as quinn's `Pair` drops and reorders on its
+/// side). All off by default.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Faults {
-    /// Release a lease twice when a request ends.
-    pub double_release: bool,
-    /// Activate a node's resources at register instead of at ready.
-    pub dispatch_before_ready: bool,
-    /// Forget to release the lease of a completed run.
-    pub leak_lease: bool,
-    /// Grant a tunnel-only waiter to a provider that stopped tunnelling.
-    pub ignore_tunnel_only: bool,
-    /// Keep a cancelled run's lease until the grace even when the node ended the run.
-    pub hold_cancelled_lease: bool,
+    /// Copy every dispatch to the connections that registered and are not ready yet.
+    pub dispatch_to_pending: bool,
+    /// Never hand the Edge a run's or tunnel's terminal while its caller waits.
+    pub swallow_terminal: bool,
+    /// Never hand the Edge the terminal of a run whose caller left.
+    pub swallow_cancelled_terminal: bool,
+    /// Write a tunnel dispatch as a normalized run.
+    pub tunnel_as_run: bool,
     /// Close the whole connection for a message about one run of an unknown kind.
     pub close_on_unknown_kind: bool,
-    /// Take a node's drain request as read but keep its capacity (it gets new work).
-    pub ignore_drain: bool,
+    /// Read a node's drain request and never hand it over.
+    pub swallow_drain: bool,
+    /// Never drive the Edge's timers.
+    pub skip_timers: bool,
 }

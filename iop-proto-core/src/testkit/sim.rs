@@ -26,11 +26,13 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use crate::edge::{
-    CloseReason, ConnId, Dispatch, DispatchShape, EdgeCore, EdgeEvent, NodeState, Outcome,
-    RejectReason, RequestError, Submit, Transmit,
+    CloseReason, ConnId, DispatchShape, EdgeCore, EdgeEvent, NodeState, Outcome, RejectReason,
+    RequestError, RequestEvent, Submit, Transmit,
 };
 use crate::edge_config::{CandidateSpec, EdgeConfig, EdgeTiming, ModelSpec, NodeSpec, QueueLimits};
 use crate::lease::RequestId;
+use crate::lease::RunId;
+use crate::openai::TunnelPart;
 use crate::reconnect::{ExitReason, Failure, ReconnectPolicy, Supervisor, SupervisorEvent};
 use crate::run::RunTracker;
 use crate::session::{
@@ -41,10 +43,9 @@ use crate::testkit::harness::Wire;
 use crate::testkit::rng::Rng;
 use crate::time::Timestamp;
 use crate::token::TokenVerifier;
-use crate::tunnel::TunnelReceiver;
 use crate::wire::{
     self, AdapterConfig, AdapterType, Body, Envelope, ErrorDetail, NodeCommandResponse,
-    NodeRuntimeConfig, ProviderTunnelFrame, ProviderTunnelRequest, RunEvent, RunRequest, Usage,
+    NodeRuntimeConfig, ProviderTunnelFrame, RunEvent, RunRequest, TunnelFrameKind, Usage,
 };
 
 /// How a simulated provider behaves.
@@ -520,7 +521,38 @@ struct Link {
 #[derive(Debug)]
 enum Checker {
     Run(RunTracker),
-    Tunnel(TunnelReceiver),
+    Tunnel(TunnelOrder),
+}
+
+/// Where a tunnel's frames are as its caller receives them: the status first, then
+/// bodies, headers and usage, then exactly one end or error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TunnelOrder {
+    Head,
+    Body,
+    Done,
+}
+
+impl TunnelOrder {
+    fn observe(&mut self, part: &TunnelPart) -> Result<(), String> {
+        let kind = match part {
+            TunnelPart::Body(_) => TunnelFrameKind::Body,
+            TunnelPart::Frame(frame) => {
+                TunnelFrameKind::try_from(frame.kind).map_err(|_| "unknown frame kind")?
+            }
+        };
+        *self = match (*self, kind) {
+            (TunnelOrder::Head, TunnelFrameKind::Status) => TunnelOrder::Body,
+            (TunnelOrder::Head, TunnelFrameKind::Error) => TunnelOrder::Done,
+            (
+                TunnelOrder::Body,
+                TunnelFrameKind::Body | TunnelFrameKind::Headers | TunnelFrameKind::Usage,
+            ) => TunnelOrder::Body,
+            (TunnelOrder::Body, TunnelFrameKind::End | TunnelFrameKind::Error) => TunnelOrder::Done,
+            (state, kind) => return Err(format!("{kind:?} in state {state:?}")),
+        };
+        Ok(())
+    }
 }
 
 #[derive(Debug)]
@@ -548,6 +580,8 @@ struct World {
     /// Connections whose `NodeDrainRequest` the Edge has read: nothing more is dispatched
     /// to them.
     drain_read: BTreeSet<u64>,
+    /// Bugs planted in the simulated shell.
+    faults: Faults,
 }
 
 macro_rules! check {
@@ -586,19 +620,7 @@ impl World {
             while let Some(transmit) = self.edge.poll_transmit() {
                 progressed = true;
                 match transmit {
-                    Transmit::Frame { conn, envelope } => {
-                        let work = matches!(
-                            envelope.body,
-                            Some(Body::RunRequest(_) | Body::ProviderTunnelRequest(_))
-                        );
-                        check!(
-                            self,
-                            !work || !self.drain_read.contains(&conn.0),
-                            "work dispatched to conn {} after the edge read its drain request",
-                            conn.0
-                        );
-                        self.send_to_node(conn, &envelope);
-                    }
+                    Transmit::Frame { conn, envelope } => self.shell_writes(conn, envelope),
                     Transmit::FrameLimit {
                         conn,
                         max_frame_len,
@@ -623,6 +645,10 @@ impl World {
                 progressed = true;
                 self.on_edge_event(event);
             }
+            while let Some(lifecycle) = self.edge.poll_lifecycle() {
+                progressed = true;
+                self.log(|| format!("lifecycle {}", lifecycle.kind()));
+            }
             // The shell stops reading a connection it closed and reports it closed.
             for (conn, reason) in closes {
                 self.edge_closed(conn, &reason);
@@ -633,6 +659,84 @@ impl World {
         }
     }
 
+    /// The simulated Edge shell writes a frame of the machine's on `conn`: a dispatch is
+    /// checked as it leaves (only to its node's ready owner, within capacity, a
+    /// tunnel-only request only as a tunnel, nothing after a drain request). The planted
+    /// shell bugs act here.
+    fn shell_writes(&mut self, conn: ConnId, mut envelope: Envelope) {
+        if self.faults.tunnel_as_run
+            && let Some(Body::ProviderTunnelRequest(tunnel)) = &envelope.body
+        {
+            envelope.body = Some(Body::RunRequest(RunRequest {
+                run_id: tunnel.run_id.clone(),
+                adapter: tunnel.adapter.clone(),
+                target: tunnel.target.clone(),
+                ..RunRequest::default()
+            }));
+        }
+        let work = match &envelope.body {
+            Some(Body::RunRequest(run)) => Some((run.run_id.clone(), run.adapter.clone(), true)),
+            Some(Body::ProviderTunnelRequest(t)) => {
+                Some((t.run_id.clone(), t.adapter.clone(), false))
+            }
+            _ => None,
+        };
+        if let Some((run_id, adapter, as_run)) = &work {
+            self.check_dispatch(conn, run_id, adapter, *as_run);
+        }
+        self.send_to_node(conn, &envelope);
+        if work.is_some() && self.faults.dispatch_to_pending {
+            // A copy to every connection that registered but is not ready yet.
+            let pending: Vec<ConnId> = self
+                .links
+                .keys()
+                .map(|&c| ConnId(c))
+                .filter(|&c| c != conn && self.edge.owner_of(c).is_some_and(|o| !o.2))
+                .collect();
+            for other in pending {
+                if let Some((run_id, adapter, as_run)) = &work {
+                    self.check_dispatch(other, run_id, adapter, *as_run);
+                }
+                self.send_to_node(other, &envelope);
+            }
+        }
+    }
+
+    /// A dispatch leaving on `conn`.
+    fn check_dispatch(&mut self, conn: ConnId, run_id: &str, adapter: &str, as_run: bool) {
+        check!(
+            self,
+            !self.drain_read.contains(&conn.0),
+            "work dispatched to conn {} after the edge read its drain request",
+            conn.0
+        );
+        let owner = self.edge.owner_of(conn);
+        check!(
+            self,
+            owner.as_ref().is_some_and(|o| o.2),
+            "{run_id} dispatched on conn {} which is not its node's ready owner ({owner:?})",
+            conn.0
+        );
+        if let Some((node_id, ..)) = owner
+            && let Some(r) = self.edge.resource(&node_id, adapter)
+        {
+            let usage = self.edge.ledger().usage(r);
+            check!(
+                self,
+                usage.in_flight <= usage.capacity,
+                "{run_id} dispatched beyond capacity on {node_id}/{adapter}"
+            );
+        }
+        let tunnel_only = RunId::parse(run_id)
+            .and_then(|run| self.clients.get(&run.request))
+            .is_some_and(|c| c.tunnel_only);
+        check!(
+            self,
+            !(as_run && tunnel_only),
+            "tunnel-only {run_id} dispatched as a run on {adapter}"
+        );
+    }
+
     /// Tells the Edge a connection is closed, checking that a connection that no longer
     /// owns its node changes nothing and emits nothing.
     fn edge_closed(&mut self, conn: ConnId, reason: &CloseReason) {
@@ -640,7 +744,9 @@ impl World {
         // drains every output before its next input (a conflict's hold ending at this
         // instant, or the dispatch of a grant a fence freed): what the check below sees
         // is then the close's own doing.
-        self.edge.handle_timeout(self.now);
+        if !self.faults.skip_timers {
+            self.edge.handle_timeout(self.now);
+        }
         self.drain_edge();
         let Some(link) = self.links.get_mut(&conn.0) else {
             return;
@@ -662,7 +768,9 @@ impl World {
         }
         if owner.is_none() {
             let after = live(&self.edge);
-            let quiet = self.edge.poll_event().is_none() && self.edge.poll_transmit().is_none();
+            let quiet = self.edge.poll_event().is_none()
+                && self.edge.poll_transmit().is_none()
+                && self.edge.poll_lifecycle().is_none();
             check!(
                 self,
                 before == after && quiet,
@@ -689,72 +797,28 @@ impl World {
 
     fn on_edge_event(&mut self, event: EdgeEvent) {
         match event {
-            EdgeEvent::Granted(grant) => {
-                // Nothing is dispatched before ready or to a fenced generation.
-                let node = self
-                    .edge
-                    .nodes()
-                    .into_iter()
-                    .find(|n| n.node_id == grant.node_id);
-                let live = node.is_some_and(|n| {
-                    n.state == NodeState::Ready && n.generation == Some(grant.lease.generation)
-                });
-                check!(
-                    self,
-                    live,
-                    "{} granted on {} generation {:?} which is not the ready owner",
-                    grant.request,
-                    grant.node_id,
-                    grant.lease.generation
-                );
-                let usage = self.edge.ledger().usage(grant.lease.resource);
-                check!(
-                    self,
-                    usage.in_flight <= usage.capacity,
-                    "grant beyond capacity on {}/{}",
-                    grant.node_id,
-                    grant.provider_id
-                );
-                let tunnel_only = self
-                    .clients
-                    .get(&grant.request)
-                    .is_some_and(|c| c.tunnel_only);
-                check!(
-                    self,
-                    grant.shape == DispatchShape::Tunnel || !tunnel_only,
-                    "tunnel-only {} granted to run-served {}/{}",
-                    grant.request,
-                    grant.node_id,
-                    grant.provider_id
-                );
-                let dispatch = match grant.shape {
-                    DispatchShape::Run => Dispatch::Run(RunRequest::default()),
-                    DispatchShape::Tunnel => Dispatch::Tunnel(ProviderTunnelRequest {
-                        method: "POST".into(),
-                        path: "/v1/chat/completions".into(),
-                        ..ProviderTunnelRequest::default()
-                    }),
-                };
-                if let Some(client) = self.clients.get_mut(&grant.request) {
-                    client.checker = Some(match grant.shape {
+            EdgeEvent::Request {
+                request,
+                event:
+                    RequestEvent::Dispatched {
+                        shape,
+                        node_id,
+                        provider_id,
+                        ..
+                    },
+            } => {
+                if let Some(client) = self.clients.get_mut(&request) {
+                    client.checker = Some(match shape {
                         DispatchShape::Run => Checker::Run(RunTracker::new()),
-                        DispatchShape::Tunnel => Checker::Tunnel(TunnelReceiver::new()),
+                        DispatchShape::Tunnel => Checker::Tunnel(TunnelOrder::Head),
                     });
                 }
-                self.log(|| {
-                    format!(
-                        "{} granted on {}/{} ({:?})",
-                        grant.request, grant.node_id, grant.provider_id, grant.shape
-                    )
-                });
-                let dispatched = self.edge.handle_dispatch(self.now, grant.request, dispatch);
-                check!(
-                    self,
-                    dispatched.is_ok(),
-                    "dispatch of a fresh grant failed: {dispatched:?}"
-                );
+                self.log(|| format!("{request} dispatched to {node_id}/{provider_id} ({shape:?})"));
             }
-            EdgeEvent::RunEvent { request, event } => {
+            EdgeEvent::Request {
+                request,
+                event: RequestEvent::Run(event),
+            } => {
                 let ok = match self
                     .clients
                     .get_mut(&request)
@@ -771,13 +835,16 @@ impl World {
                     "{request}: invalid run sequence reached the caller: {ok:?}"
                 );
             }
-            EdgeEvent::TunnelFrame { request, frame } => {
+            EdgeEvent::Request {
+                request,
+                event: RequestEvent::Tunnel(part),
+            } => {
                 let ok = match self
                     .clients
                     .get_mut(&request)
                     .and_then(|c| c.checker.as_mut())
                 {
-                    Some(Checker::Tunnel(rx)) => rx.observe(&frame).map_err(|e| e.to_string()),
+                    Some(Checker::Tunnel(order)) => order.observe(&part),
                     _ => Err("tunnel frame for a request that is not a dispatched tunnel".into()),
                 };
                 check!(
@@ -786,7 +853,10 @@ impl World {
                     "{request}: invalid tunnel sequence reached the caller: {ok:?}"
                 );
             }
-            EdgeEvent::RequestEnded { request, outcome } => {
+            EdgeEvent::Request {
+                request,
+                event: RequestEvent::Ended(outcome),
+            } => {
                 self.log(|| format!("{request} ended: {outcome:?}"));
                 match outcome {
                     Outcome::Completed => self.stats.completed += 1,
@@ -1201,7 +1271,9 @@ impl World {
 
     fn next_due(&self) -> Timestamp {
         let mut next = Timestamp::MAX;
-        if let Some(t) = self.edge.poll_timeout().map(|w| w.at) {
+        if let Some(t) = self.edge.poll_timeout().map(|w| w.at)
+            && !self.faults.skip_timers
+        {
             next = next.min(t);
         }
         for link in self.links.values() {
@@ -1265,7 +1337,9 @@ impl World {
         self.stats.steps += 1;
         let now = self.now;
         if self.edge.poll_timeout().is_some_and(|w| w.at <= now) {
-            self.edge.handle_timeout(now);
+            if !self.faults.skip_timers {
+                self.edge.handle_timeout(now);
+            }
             self.drain_edge();
         }
         // Links, in connection order: deliveries to the Edge, then to the node.
@@ -1288,8 +1362,8 @@ impl World {
                 let cancelled = self.edge.handle_cancel(now, request, "client gave up");
                 check!(
                     self,
-                    cancelled.is_ok(),
-                    "cancel of open {request} refused: {cancelled:?}"
+                    cancelled == crate::edge::Cancelled::Now,
+                    "cancel of open {request} found it ended: {cancelled:?}"
                 );
                 self.drain_edge();
             }
@@ -1325,11 +1399,33 @@ impl World {
                             }
                             _ => None,
                         };
-                        if matches!(envelope.body, Some(Body::NodeDrainRequest(_))) {
+                        let drain = matches!(envelope.body, Some(Body::NodeDrainRequest(_)));
+                        if drain {
                             self.drain_read.insert(conn.0);
                         }
                         let ready_before = self.edge.owner_of(conn).is_some_and(|o| o.2);
-                        let _ = self.edge.handle_envelope(now, conn, envelope);
+                        // The planted shell bugs: a frame read and never handed over.
+                        let run = about_a_run.as_ref().and_then(|(id, _)| RunId::parse(id));
+                        let caller_left = run
+                            .and_then(|r| self.clients.get(&r.request))
+                            .is_some_and(|c| c.ended);
+                        let terminal = about_a_run.as_ref().is_some_and(|(_, t)| *t);
+                        let swallowed = (drain && self.faults.swallow_drain)
+                            || (terminal && !caller_left && self.faults.swallow_terminal)
+                            || (terminal && caller_left && self.faults.swallow_cancelled_terminal);
+                        let unknown_kind =
+                            wire::Validate::validate(&envelope).is_err() && about_a_run.is_some();
+                        if unknown_kind && self.faults.close_on_unknown_kind {
+                            self.log(|| {
+                                format!("shell closes conn {} for an unknown kind", conn.0)
+                            });
+                            if let Some(link) = self.links.get_mut(&conn.0) {
+                                link.edge_closed = true;
+                            }
+                            self.edge_closed(conn, &CloseReason::PeerClosed);
+                        } else if !swallowed {
+                            let _ = self.edge.handle_envelope(now, conn, envelope);
+                        }
                         self.drain_edge();
                         if let Some((run_id, terminal)) = about_a_run {
                             // (Unless its terminal ended a drain: the Edge then closes.)
@@ -1340,14 +1436,10 @@ impl World {
                                     || terminal && self.drain_read.contains(&conn.0),
                                 "a message about {run_id} closed its node's connection"
                             );
-                            let request = run_id
-                                .strip_prefix("run-")
-                                .and_then(|n| n.parse().ok())
-                                .map(crate::lease::RequestId);
                             check!(
                                 self,
                                 !terminal
-                                    || request.is_none_or(|r| self
+                                    || RunId::parse(&run_id).is_none_or(|r| self
                                         .edge
                                         .ledger()
                                         .lease_of(r)
@@ -1529,14 +1621,12 @@ impl World {
         tunnel_only: bool,
     ) {
         let name = format!("m{}", usize::from(model) % MODELS);
-        let result = self.edge.handle_submit(
-            self.now,
-            Submit {
-                model: &name,
-                prompt_tokens: if long { 500 } else { 10 },
-                tunnel_only,
-            },
-        );
+        let mut submit = Submit::chat(&name, Bytes::from_static(br#"{"messages":[]}"#));
+        submit.prompt_tokens = if long { 500 } else { 10 };
+        if tunnel_only {
+            submit.endpoint = crate::openai::Endpoint::Embeddings;
+        }
+        let result = self.edge.handle_submit(self.now, submit);
         match result {
             Ok(request) => {
                 self.stats.requests += 1;
@@ -1915,8 +2005,7 @@ fn terminal_frame(frame: &ProviderTunnelFrame) -> bool {
 
 /// Runs `ops` in a world seeded with `seed`.
 pub fn run(seed: u64, ops: &[Op], options: SimOptions) -> Result<Stats, SimFailure> {
-    let mut edge = EdgeCore::new(world_config(0)).expect("the simulated config is valid");
-    edge.set_faults(options.faults);
+    let edge = EdgeCore::new(world_config(0)).expect("the simulated config is valid");
     let mut seeds = Rng::new(seed ^ 0x6A09_E667_F3BC_C909);
     let mut world = World {
         now: Timestamp::ZERO,
@@ -1935,6 +2024,7 @@ pub fn run(seed: u64, ops: &[Op], options: SimOptions) -> Result<Stats, SimFailu
         stats: Stats::default(),
         failure: None,
         drain_read: BTreeSet::new(),
+        faults: options.faults,
     };
     // A machine that panics on a broken internal invariant is a finding too: keep the
     // seed and the trace that led there.

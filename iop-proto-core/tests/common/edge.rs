@@ -180,26 +180,17 @@ impl Harness {
     }
 
     pub fn submit(&mut self, model: &str, prompt_tokens: u64) -> Result<RequestId, SubmitError> {
-        refused(self.edge.handle_submit(
-            self.now,
-            Submit {
-                model,
-                prompt_tokens,
-                tunnel_only: false,
-            },
-        ))
+        let mut submit = Submit::chat(model, bytes::Bytes::from_static(b"{}"));
+        submit.prompt_tokens = prompt_tokens;
+        self.edge.handle_submit(self.now, submit)
     }
 
     /// A request only a tunnel-served provider can answer (embeddings, completions).
     pub fn submit_tunnel(&mut self, model: &str) -> Result<RequestId, SubmitError> {
-        refused(self.edge.handle_submit(
-            self.now,
-            Submit {
-                model,
-                prompt_tokens: 1,
-                tunnel_only: true,
-            },
-        ))
+        let mut submit = Submit::chat(model, bytes::Bytes::from_static(b"{}"));
+        submit.prompt_tokens = 1;
+        submit.endpoint = openai::Endpoint::Embeddings;
+        self.edge.handle_submit(self.now, submit)
     }
 
     pub fn usage(&self, node: &str, provider: &str) -> lease::Usage {
@@ -208,20 +199,17 @@ impl Harness {
             .usage(self.edge.resource(node, provider).expect("configured"))
     }
 
-    /// Dispatches a granted request in the shape its grant requires.
+    /// The wire run id of a dispatched request (the machine sent its dispatch itself).
     pub fn dispatch(&mut self, grant: &Grant) -> String {
-        let dispatch = match grant.shape {
-            DispatchShape::Run => Dispatch::Run(RunRequest::default()),
-            DispatchShape::Tunnel => Dispatch::Tunnel(ProviderTunnelRequest {
-                method: "POST".into(),
-                path: "/v1/chat/completions".into(),
-                ..Default::default()
-            }),
-        };
+        grant.run.wire()
+    }
+
+    /// The lease a dispatched request holds.
+    pub fn lease(&self, grant: &Grant) -> Lease {
         self.edge
-            .handle_dispatch(self.now, grant.request, dispatch)
-            .expect("granted")
-            .to_string()
+            .ledger()
+            .lease_of(grant.run)
+            .expect("a dispatched run holds a lease")
     }
 
     pub fn run_event(&mut self, conn: ConnId, run_id: &str, kind: RunEventType, sequence: u64) {
@@ -237,19 +225,36 @@ impl Harness {
     }
 }
 
-/// A submit's refusal; any other error is a misuse the test did not mean.
-fn refused(result: Result<RequestId, EdgeError>) -> Result<RequestId, SubmitError> {
-    result.map_err(|err| match err {
-        EdgeError::Submit(refusal) => refusal,
-        other => panic!("misuse: {other}"),
-    })
+/// A request the machine dispatched, as its `Dispatched` event says.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Grant {
+    pub request: RequestId,
+    pub run: RunId,
+    pub node_id: std::sync::Arc<str>,
+    pub provider_id: std::sync::Arc<str>,
+    pub shape: DispatchShape,
 }
 
 pub fn grants(events: &[EdgeEvent]) -> Vec<Grant> {
     events
         .iter()
         .filter_map(|e| match e {
-            EdgeEvent::Granted(g) => Some(g.clone()),
+            EdgeEvent::Request {
+                request,
+                event:
+                    RequestEvent::Dispatched {
+                        run,
+                        shape,
+                        node_id,
+                        provider_id,
+                    },
+            } => Some(Grant {
+                request: *request,
+                run: *run,
+                node_id: node_id.clone(),
+                provider_id: provider_id.clone(),
+                shape: *shape,
+            }),
             _ => None,
         })
         .collect()
@@ -259,7 +264,10 @@ pub fn ended(events: &[EdgeEvent]) -> Vec<(RequestId, Outcome)> {
     events
         .iter()
         .filter_map(|e| match e {
-            EdgeEvent::RequestEnded { request, outcome } => Some((*request, outcome.clone())),
+            EdgeEvent::Request {
+                request,
+                event: RequestEvent::Ended(outcome),
+            } => Some((*request, outcome.clone())),
             _ => None,
         })
         .collect()

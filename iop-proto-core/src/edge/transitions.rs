@@ -1,0 +1,851 @@
+//! The rules that cross sub-states, in one place. Each sub-state decides about its own
+//! data (`registry`, `pool`, `requests`, `control`); what one decision means for the
+//! others is written here:
+//!
+//! - **A register takes a node** ([`register`](EdgeCore::register)): a superseded owner's
+//!   generation is fenced before the newcomer owns the node.
+//! - **A ready node serves** ([`ready`](EdgeCore::ready)): its providers go live in its
+//!   generation and the queue is pumped; a revision newer than the one it registered
+//!   with is pushed.
+//! - **A fence ends a generation** ([`fence`](EdgeCore::fence)): leases return at once,
+//!   the requests its runs served fail with `NodeLost`, commands fail, the refresh is
+//!   dropped, providers go offline. Only the current owner's generation can be fenced:
+//!   a stale close or timeout changes nothing.
+//! - **Capacity serves the oldest waiter** ([`release`](EdgeCore::release),
+//!   [`pump`](EdgeCore::pump)): a lease returned exactly once frees a unit, which goes to
+//!   the oldest waiter that fits; a draining node whose last lease returned is closed.
+//! - **A request is dispatched where it was granted** ([`grant`](EdgeCore::grant)): the
+//!   lease is taken and the message built and sent in the same transition; nothing is
+//!   dispatched to a node that is not its ready owner.
+//! - **A stream's end returns its lease** ([`on_stream`](EdgeCore::on_stream)); a broken
+//!   stream fails its request and is cancelled on the node, which keeps the lease until
+//!   it ends the run or the cancel grace passes.
+//! - **Draining** ([`drain_node`](EdgeCore::drain_node)): no new work for the node; it is
+//!   closed once its last lease returns.
+//! - **A configuration takes effect** ([`reconfigure`](EdgeCore::reconfigure)): removed
+//!   nodes and changed tokens fence their owners; changed payloads are pushed.
+
+use super::pool::Model;
+use super::registry::{Admitted, NodeIdx, Phase, Readied};
+use super::requests::{Cancel, Requests, Step, StreamItem};
+use super::*;
+
+impl EdgeCore {
+    // ----- connections -----
+
+    pub(super) fn connection_closed(&mut self, conn: ConnId) -> Result<(), UsageError> {
+        let mut cx = cx!(self);
+        if let Phase::Owner { node, generation } = self.registry.remove(&mut cx, conn)? {
+            self.fence(node, generation, CloseReason::PeerClosed);
+        }
+        Ok(())
+    }
+
+    /// The peer broke the protocol at connection level: close it (fencing it if it owns).
+    pub(super) fn violation(&mut self, conn: ConnId, violation: ConnViolation) {
+        self.out.event(EdgeEvent::PeerViolation {
+            conn,
+            node_id: self.registry.node_of(conn),
+            violation: Violation::Connection(violation.clone()),
+        });
+        let phase = self.registry.phase(conn).ok();
+        let mut cx = cx!(self);
+        self.registry.close(
+            &mut cx,
+            conn,
+            CloseReason::ProtocolViolation(violation.clone()),
+        );
+        if let Some(Phase::Owner { node, generation }) = phase {
+            self.fence(node, generation, CloseReason::ProtocolViolation(violation));
+        }
+    }
+
+    /// An envelope from `conn`, routed by its kind.
+    pub(super) fn on_envelope(
+        &mut self,
+        conn: ConnId,
+        envelope: Envelope,
+    ) -> Result<(), UsageError> {
+        let phase = self.registry.phase(conn)?;
+        match phase {
+            // Its answer is on its way; nothing it sends matters.
+            Phase::Held => return Ok(()),
+            // Rejected or superseded: answer a ready with a refusal, ignore the rest.
+            Phase::Stale => {
+                if let Some(Body::NodeReadyRequest(_)) = envelope.body {
+                    let mut cx = cx!(self);
+                    self.registry.refuse_ready(
+                        &mut cx,
+                        conn,
+                        "connection is not the node's current owner",
+                        false,
+                    );
+                }
+                return Ok(());
+            }
+            Phase::Unregistered | Phase::Owner { .. } => {}
+        }
+        self.registry.heard(self.now, conn);
+        if let Err(err) = envelope.validate() {
+            // A message about one run that is wrong (an unknown event type or frame kind,
+            // as a newer node may send) fails that run, not the connection; a refresh
+            // answer with an unknown status counts as failed. Anything else breaks the
+            // connection's own grammar.
+            match envelope.body {
+                Some(Body::RunEvent(event)) => {
+                    self.bad_stream_item(conn, phase, &event.run_id, err);
+                }
+                Some(Body::ProviderTunnelFrame(frame)) => {
+                    self.bad_stream_item(conn, phase, &frame.run_id, err);
+                }
+                Some(Body::NodeConfigRefreshResponse(resp)) if !resp.request_id.is_empty() => {
+                    self.on_refresh_response(conn, phase, resp);
+                }
+                _ => self.violation(conn, ConnViolation::Invalid(err)),
+            }
+            return Ok(());
+        }
+        let Some(body) = envelope.body else {
+            return Ok(());
+        };
+        match body {
+            Body::RegisterRequest(req) => self.register(conn, phase, &req),
+            Body::NodeReadyRequest(req) => self.ready(conn, phase, &req),
+            Body::Heartbeat(ping) => self.out.send(
+                conn,
+                Body::HeartbeatAck(HeartbeatAck {
+                    nonce: ping.nonce,
+                    echo_sent_at_ms: ping.sent_at_ms,
+                }),
+            ),
+            Body::HeartbeatAck(ack) => self.registry.heartbeat_answered(self.now, conn, ack.nonce),
+            Body::RunEvent(event) => self.on_stream(conn, phase, StreamItem::Run(event)),
+            Body::ProviderTunnelFrame(frame) => {
+                self.on_stream(conn, phase, StreamItem::Frame(frame));
+            }
+            Body::NodeConfigRefreshResponse(resp) => self.on_refresh_response(conn, phase, resp),
+            Body::NodeCommandResponse(resp) => {
+                if let Some((node, generation)) = self.registry.ready_owner(conn, phase) {
+                    let mut cx = cx!(self);
+                    self.control.answered(&mut cx, node, generation, resp);
+                }
+            }
+            Body::NodeDrainRequest(req) => match self.registry.ready_owner(conn, phase) {
+                Some((node, _)) => self.drain_node(node, DrainReason::Stopping(req.reason)),
+                None => self.violation(conn, ConnViolation::DrainBeforeReady),
+            },
+            other => self.violation(conn, ConnViolation::WrongDirection(other.kind())),
+        }
+        Ok(())
+    }
+
+    // ----- registration and the ready handshake -----
+
+    /// A register: a newer register supersedes the current owner in this same
+    /// transition (its generation fenced first), unless the registry holds it off.
+    pub(super) fn register(&mut self, conn: ConnId, phase: Phase, req: &RegisterRequest) {
+        let mut cx = cx!(self);
+        match self.registry.admit(&mut cx, conn, phase, req, &self.config) {
+            Admitted::Refused => {}
+            Admitted::Violation(violation) => self.violation(conn, violation),
+            Admitted::Take { node, superseding } => {
+                if let Some(old) = superseding {
+                    self.fence(node, old.generation, CloseReason::Superseded);
+                }
+                let mut cx = cx!(self);
+                self.registry.take(&mut cx, conn, node, req, &self.config);
+            }
+        }
+    }
+
+    /// A ready: the pending owner's providers go live and the queue is pumped.
+    pub(super) fn ready(&mut self, conn: ConnId, phase: Phase, req: &NodeReadyRequest) {
+        let mut cx = cx!(self);
+        match self.registry.ready(&mut cx, conn, phase, req) {
+            Readied::Refused | Readied::Duplicate => {}
+            Readied::Violation(violation) => self.violation(conn, violation),
+            Readied::Activated {
+                node,
+                generation,
+                registered_revision,
+            } => {
+                self.sync_resources(node, generation);
+                self.health_changed(node);
+                if self.registry.node(node).revision != registered_revision {
+                    self.push_refresh(node);
+                }
+            }
+        }
+    }
+
+    /// Brings node `node`'s resources in line with its configuration for `generation`,
+    /// at ready and after an applied refresh: enabled adapters come online (or take their
+    /// new capacities when already live) and waiters are pumped; removed or disabled
+    /// adapters take no new work while their leases drain (offline ones stay offline). A
+    /// draining node takes no new work whatever its configuration says (a refresh it
+    /// applies while draining does not bring its capacity back).
+    fn sync_resources(&mut self, node: NodeIdx, generation: Generation) {
+        let entry = self.registry.node(node);
+        let Some(spec) = entry.spec.clone() else {
+            return;
+        };
+        let draining = entry.draining.is_some();
+        for (name, r) in entry.resources.clone() {
+            match spec.adapter(&name).filter(|a| a.enabled && !draining) {
+                Some(adapter) => {
+                    let returned =
+                        self.pool
+                            .activate(r, generation, adapter.capacity, adapter.long_capacity);
+                    debug_assert!(returned.is_empty(), "older generation was not fenced");
+                    self.pump(r);
+                }
+                None => self.pool.stop_granting(r, None),
+            }
+        }
+    }
+
+    /// Fences node `node`'s `generation` if it is still the owner: leases return once,
+    /// the requests its runs served fail with `NodeLost`, its commands fail, its
+    /// resources go offline. A stale generation changes nothing and emits nothing.
+    pub(super) fn fence(&mut self, node: NodeIdx, generation: Generation, reason: CloseReason) {
+        let Some(owner) = self.registry.end_ownership(node, generation) else {
+            return;
+        };
+        let mut cx = cx!(self);
+        self.control.node_lost(&mut cx, node, generation);
+        let node_id = self.registry.node(node).id.clone();
+        let mut lost = Vec::new();
+        for (_, r) in self.registry.node(node).resources.clone() {
+            for lease in self.pool.fence(r) {
+                if let Some(request) = self.requests.fenced(&mut cx, lease) {
+                    lost.push(request);
+                }
+            }
+        }
+        lost.sort_unstable();
+        for &request in &lost {
+            let outcome = Outcome::Failed(RequestError::NodeLost {
+                node_id: node_id.clone(),
+            });
+            self.requests.end(&mut cx, request, outcome);
+        }
+        if owner.ready {
+            self.out.event(EdgeEvent::NodeDisconnected {
+                node_id,
+                generation,
+                reason,
+                lost,
+            });
+            self.health_changed(node);
+        }
+    }
+
+    // ----- requests -----
+
+    /// A caller's request: dispatched at once where a candidate has room, else queued.
+    pub(super) fn submit(&mut self, submit: Submit) -> Result<RequestId, SubmitError> {
+        let model = self
+            .pool
+            .model(&submit.model)
+            .ok_or_else(|| SubmitError::UnknownModel(submit.model.to_string()))?;
+        let long = model
+            .long_threshold
+            .is_some_and(|t| submit.prompt_tokens >= t);
+        if long && !model.long_possible {
+            return Err(SubmitError::NoCandidates(submit.model.to_string()));
+        }
+        let candidates: Arc<[Candidate]> = if submit.tunnel_only() {
+            model
+                .candidates
+                .iter()
+                .filter(|c| self.pool.meta(c.resource).shape == DispatchShape::Tunnel)
+                .cloned()
+                .collect()
+        } else {
+            model.candidates.clone()
+        };
+        if candidates.is_empty() {
+            return Err(SubmitError::NoCandidates(submit.model.to_string()));
+        }
+        let name = model.name.clone();
+        let picked = self.pool.pick(&name, &candidates, long);
+        let max_waiting = self.config.queue.max_waiting;
+        if picked.is_none() && self.pool.waiting_for(&name) >= max_waiting {
+            return Err(SubmitError::QueueFull {
+                model: name.to_string(),
+                max_waiting,
+            });
+        }
+        let request = self.requests.accept(submit, name, long, candidates.clone());
+        match picked {
+            Some(candidate) => self.grant(request, &candidate),
+            None => {
+                let deadline = self.now + self.config.queue.wait_timeout;
+                if let Some(waiter) = self.requests.waiter(request, deadline) {
+                    let ticket = self.pool.wait(waiter);
+                    self.requests.queued(request, ticket, candidates);
+                }
+            }
+        }
+        Ok(request)
+    }
+
+    /// `request` takes a lease on `candidate` and is dispatched there, in one transition.
+    fn grant(&mut self, request: RequestId, candidate: &Candidate) {
+        let (Some(run), Some(long)) = (
+            self.requests.next_run(request),
+            self.requests.get(request).map(|r| r.long),
+        ) else {
+            return;
+        };
+        let Some(lease) = self.pool.acquire(candidate.resource, run, long) else {
+            unreachable!("grant without free capacity");
+        };
+        let meta = self.pool.meta(candidate.resource);
+        let node = self.registry.node(meta.node);
+        let Some(owner) = node.owner.filter(|o| o.ready) else {
+            unreachable!("live resource on a node that is not ready");
+        };
+        let mut cx = cx!(self);
+        self.requests.dispatch(
+            &mut cx,
+            lease,
+            owner.conn,
+            meta,
+            &node.id,
+            &candidate.target,
+        );
+    }
+
+    /// Serves waiters listing `resource` while it has free capacity, oldest first.
+    fn pump(&mut self, resource: ResourceId) {
+        while let Some(waiter) = self.pool.next_for(resource) {
+            if self.requests.tunnel_only(waiter.request)
+                && self.pool.meta(resource).shape != DispatchShape::Tunnel
+            {
+                self.requeue_for_tunnel(waiter);
+                continue;
+            }
+            let Some(candidate) = waiter
+                .candidates
+                .iter()
+                .find(|c| c.resource == resource)
+                .cloned()
+            else {
+                return;
+            };
+            self.grant(waiter.request, &candidate);
+        }
+    }
+
+    /// A tunnel-only waiter reached a provider that no longer tunnels (a configuration
+    /// refresh changed its adapter while the request waited). It goes on with its
+    /// candidates that still tunnel: granted at once where one has room, otherwise
+    /// queued again, behind, with its deadline kept; with none left it fails.
+    fn requeue_for_tunnel(&mut self, waiter: Waiter) {
+        let request = waiter.request;
+        let candidates: Arc<[Candidate]> = waiter
+            .candidates
+            .iter()
+            .filter(|c| self.pool.meta(c.resource).shape == DispatchShape::Tunnel)
+            .cloned()
+            .collect();
+        if candidates.is_empty() {
+            let mut cx = cx!(self);
+            let outcome = Outcome::Failed(RequestError::Unsupported {
+                model: waiter.model.clone(),
+            });
+            self.requests.end(&mut cx, request, outcome);
+            return;
+        }
+        if let Some(candidate) = self.pool.pick(&waiter.model, &candidates, waiter.long) {
+            self.grant(request, &candidate);
+            return;
+        }
+        let ticket = self.pool.wait(Waiter {
+            candidates: candidates.clone(),
+            ..waiter
+        });
+        self.requests.queued(request, ticket, candidates);
+    }
+
+    /// Returns a lease: exactly once it frees a unit, which serves the oldest waiter that
+    /// fits; a draining node whose last lease returned is closed.
+    pub(super) fn release(&mut self, lease: Lease) {
+        self.timers.stop(TimerKey::CancelGrace(lease.run));
+        if self.pool.release(lease) == Release::Released {
+            self.pump(lease.resource);
+            self.close_if_drained(self.pool.meta(lease.resource).node);
+        }
+    }
+
+    /// Waiters whose wait timed out end, [`Outcome::Expired`].
+    pub(super) fn expire_waiters(&mut self) {
+        while let Some(waiter) = self.pool.expired(self.now) {
+            let mut cx = cx!(self);
+            self.requests.end(&mut cx, waiter.request, Outcome::Expired);
+        }
+    }
+
+    /// The caller left `request`.
+    pub(super) fn cancel(&mut self, request: RequestId, reason: &str) -> Cancelled {
+        let mut cx = cx!(self);
+        match self.requests.cancel(&mut cx, request) {
+            None => Cancelled::AlreadyEnded,
+            Some(Cancel::Queued(ticket)) => {
+                if let Some(ticket) = ticket {
+                    self.pool.unwait(ticket);
+                }
+                Cancelled::Now
+            }
+            Some(Cancel::Running { run, conn }) => {
+                let grace = self.config.timing.cancel_grace;
+                Requests::cancel_on_node(&mut cx, run, conn, reason.to_owned(), grace);
+                Cancelled::Now
+            }
+        }
+    }
+
+    /// A run event or tunnel frame: only from the current ready owner, for a run on that
+    /// connection; checked against its stream's contract; its end returns its lease.
+    pub(super) fn on_stream(&mut self, conn: ConnId, phase: Phase, item: StreamItem) {
+        if !self.stream_allowed(conn, phase) {
+            return;
+        }
+        let mut cx = cx!(self);
+        let step = self.requests.observe(&mut cx, conn, item);
+        self.after_step(conn, step);
+    }
+
+    /// Whether `conn` may send stream messages; a violation when it may not.
+    fn stream_allowed(&mut self, conn: ConnId, phase: Phase) -> bool {
+        if !matches!(phase, Phase::Owner { .. }) {
+            self.violation(conn, ConnViolation::StreamBeforeRegister);
+            return false;
+        }
+        if self.registry.ready_owner(conn, phase).is_none() {
+            self.violation(conn, ConnViolation::StreamBeforeReady);
+            return false;
+        }
+        true
+    }
+
+    fn after_step(&mut self, conn: ConnId, step: Step) {
+        match step {
+            Step::Ignored | Step::Progress => {}
+            Step::Ended { lease, .. } => self.release(lease),
+            Step::Violated {
+                run,
+                lease,
+                conn: on,
+                terminal,
+                cancel,
+                detail,
+            } => {
+                self.out.event(EdgeEvent::PeerViolation {
+                    conn,
+                    node_id: self.registry.node_of(conn),
+                    violation: Violation::Stream {
+                        run,
+                        violation: detail.clone(),
+                    },
+                });
+                if terminal {
+                    self.release(lease);
+                } else if cancel {
+                    let mut cx = cx!(self);
+                    let grace = self.config.timing.cancel_grace;
+                    let reason = format!("protocol violation: {detail}");
+                    Requests::cancel_on_node(&mut cx, run, on, reason, grace);
+                }
+            }
+        }
+    }
+
+    /// A run event or tunnel frame that breaks the message contract (e.g. an unknown
+    /// type): the run it names fails as for any stream violation; one that names no run
+    /// of this connection is reported and dropped. The connection stays.
+    fn bad_stream_item(
+        &mut self,
+        conn: ConnId,
+        phase: Phase,
+        run_id: &str,
+        error: ValidationError,
+    ) {
+        if !self.stream_allowed(conn, phase) {
+            return;
+        }
+        let Some(run) = self.requests.run_on(conn, run_id) else {
+            self.out.event(EdgeEvent::PeerViolation {
+                conn,
+                node_id: self.registry.node_of(conn),
+                violation: Violation::Stray(error),
+            });
+            return;
+        };
+        let mut cx = cx!(self);
+        if let Some(step) = self
+            .requests
+            .invalid(&mut cx, run, StreamViolation::Invalid(error))
+        {
+            self.after_step(conn, step);
+        }
+    }
+
+    // ----- control traffic -----
+
+    /// A query command for a ready node (see [`EdgeCore::handle_command`]).
+    pub(super) fn command(
+        &mut self,
+        node_id: &str,
+        mut request: crate::wire::NodeCommandRequest,
+    ) -> Result<CommandId, CommandError> {
+        request.request_id = self.control.next_command().to_string();
+        request.validate().map_err(CommandError::Invalid)?;
+        let node = self
+            .registry
+            .configured(node_id)
+            .ok_or_else(|| CommandError::UnknownNode(node_id.to_owned()))?;
+        let entry = self.registry.node(node);
+        if request.r#type == crate::wire::NodeCommandType::OllamaApi as i32 {
+            let ollama = entry
+                .spec
+                .as_ref()
+                .and_then(|spec| spec.adapter(&request.adapter))
+                .is_some_and(|a| a.r#type == AdapterType::Ollama as i32);
+            if !ollama {
+                return Err(CommandError::NotOllama {
+                    node: node_id.to_owned(),
+                    adapter: request.adapter.clone(),
+                });
+            }
+        }
+        let owner = entry
+            .owner
+            .filter(|o| o.ready)
+            .ok_or_else(|| CommandError::NotReady(node_id.to_owned()))?;
+        let to = control::CommandTarget {
+            node,
+            node_id: entry.id.clone(),
+            generation: owner.generation,
+            conn: owner.conn,
+        };
+        let timeout = self.config.timing.refresh_timeout;
+        let mut cx = cx!(self);
+        Ok(self.control.command(&mut cx, to, request, timeout))
+    }
+
+    fn push_refresh(&mut self, node: NodeIdx) {
+        let entry = self.registry.node(node);
+        let (Some(owner), Some(spec)) = (entry.owner, &entry.spec) else {
+            return;
+        };
+        let payload = spec.payload(entry.revision);
+        let timeout = self.config.timing.refresh_timeout;
+        let mut cx = cx!(self);
+        self.control
+            .push_refresh(&mut cx, node, owner.conn, payload, timeout);
+    }
+
+    fn on_refresh_response(&mut self, conn: ConnId, phase: Phase, resp: NodeConfigRefreshResponse) {
+        let Some((node, generation)) = self.registry.ready_owner(conn, phase) else {
+            return;
+        };
+        let node_id = self.registry.node(node).id.clone();
+        let mut cx = cx!(self);
+        match self.control.refresh_answered(&mut cx, node, &node_id, resp) {
+            control::Refreshed::Stale => {}
+            control::Refreshed::Failed(failure) => self.drain_node(node, failure.into()),
+            control::Refreshed::Applied { revision } => {
+                self.registry.applied(node, revision);
+                self.sync_resources(node, generation);
+                // The configuration may have moved on while this refresh was in flight.
+                if self.registry.node(node).revision != revision {
+                    self.push_refresh(node);
+                }
+            }
+        }
+    }
+
+    /// Node `node` gets no new work, and its connection closes once its last lease
+    /// returns: it cannot take its configuration (it then registers again and receives
+    /// the configuration in its `RegisterResponse`, or fails to become ready, visibly),
+    /// or it is stopping gracefully (the close tells it that nothing more will come). A
+    /// node already draining keeps its first reason.
+    pub(super) fn drain_node(&mut self, node: NodeIdx, reason: DrainReason) {
+        let Some(owner) = self.registry.start_draining(node, &reason) else {
+            return;
+        };
+        for (_, r) in self.registry.node(node).resources.clone() {
+            self.pool.stop_granting(r, Some(owner.generation));
+        }
+        self.out.event(EdgeEvent::NodeDraining {
+            node_id: self.registry.node(node).id.clone(),
+            reason,
+            in_flight: self.in_flight_on(node),
+        });
+        self.close_if_drained(node);
+    }
+
+    /// Leases held on node `node`'s current generation.
+    fn in_flight_on(&self, node: NodeIdx) -> u32 {
+        let entry = self.registry.node(node);
+        let Some(owner) = entry.owner else {
+            return 0;
+        };
+        self.pool
+            .in_flight(entry.resources.iter().map(|(_, r)| *r), owner.generation)
+    }
+
+    fn close_if_drained(&mut self, node: NodeIdx) {
+        let entry = self.registry.node(node);
+        let (Some(drain), Some(owner)) = (entry.draining.clone(), entry.owner) else {
+            return;
+        };
+        if self.in_flight_on(node) > 0 {
+            return;
+        }
+        let reason = match drain {
+            DrainReason::Refresh(failure) => CloseReason::RefreshFailed(failure),
+            DrainReason::Stopping(_) => CloseReason::Drained,
+        };
+        let mut cx = cx!(self);
+        self.registry.close(&mut cx, owner.conn, reason.clone());
+        self.fence(node, owner.generation, reason);
+    }
+
+    // ----- configuration -----
+
+    /// Adopts a validated configuration: nodes, resources and model groups.
+    pub(super) fn install(&mut self, config: EdgeConfig) {
+        for (node, name) in self.registry.install(&config) {
+            let shape = self
+                .registry
+                .node(node)
+                .spec
+                .as_ref()
+                .and_then(|s| s.adapter(&name))
+                .map_or(DispatchShape::Run, DispatchShape::for_adapter);
+            let r = self.pool.add_resource(node, name.clone(), shape);
+            self.registry.attach(node, name, r);
+        }
+        // A configuration may serve an adapter another way than before.
+        for node in self.registry.indices() {
+            let entry = self.registry.node(node);
+            let Some(spec) = &entry.spec else { continue };
+            for (name, r) in &entry.resources {
+                if let Some(adapter) = spec.adapter(name) {
+                    self.pool.set_shape(*r, DispatchShape::for_adapter(adapter));
+                }
+            }
+        }
+        let mut models = Vec::new();
+        for (name, spec) in &config.models {
+            let mut long_possible = false;
+            let candidates: Vec<Candidate> = spec
+                .candidates
+                .iter()
+                .filter_map(|c| {
+                    let adapter = config.nodes.get(&c.node_id)?.adapter(&c.provider_id)?;
+                    if !adapter.enabled {
+                        return None;
+                    }
+                    long_possible |= adapter.long_capacity > 0;
+                    Some(Candidate {
+                        resource: self.resource(&c.node_id, &c.provider_id)?,
+                        target: c.target.as_str().into(),
+                    })
+                })
+                .collect();
+            models.push(Model::new(
+                Arc::from(name.as_str()),
+                candidates.into(),
+                spec.long_context_threshold,
+                long_possible,
+            ));
+        }
+        self.pool.install_models(models);
+        self.config = config;
+    }
+
+    /// Replaces the configuration (see [`EdgeCore::handle_config`]).
+    pub(super) fn reconfigure(
+        &mut self,
+        config: EdgeConfig,
+    ) -> Result<crate::edge_config::ConfigDiff, EdgeConfigError> {
+        config.validate()?;
+        let diff = self.config.diff(&config);
+        // A removed node is closed; a changed token revokes the connection that
+        // registered with the old one.
+        let revoked = diff
+            .removed_nodes
+            .iter()
+            .map(|id| (id, CloseReason::NodeRemoved))
+            .chain(
+                diff.changed_tokens
+                    .iter()
+                    .map(|id| (id, CloseReason::CredentialsChanged)),
+            );
+        for (node_id, reason) in revoked.collect::<Vec<_>>() {
+            if let Some(node) = self.registry.idx(node_id)
+                && let Some(owner) = self.registry.node(node).owner
+            {
+                let mut cx = cx!(self);
+                self.registry.close(&mut cx, owner.conn, reason.clone());
+                self.fence(node, owner.generation, reason);
+            }
+        }
+        for node_id in &diff.changed_payloads {
+            if let Some(node) = self.registry.idx(node_id) {
+                self.registry.bump_revision(node);
+                self.control.new_revision(node);
+            }
+        }
+        self.install(config);
+        for node_id in &diff.changed_payloads {
+            if let Some(node) = self.registry.idx(node_id)
+                && self.registry.node(node).owner.is_some_and(|o| o.ready)
+            {
+                self.push_refresh(node);
+            }
+        }
+        Ok(diff)
+    }
+
+    // ----- timers -----
+
+    /// What a timer does when it fires.
+    pub(super) fn fire(&mut self, key: TimerKey) {
+        let timing = self.config.timing;
+        let mut cx = cx!(self);
+        match key {
+            TimerKey::Handshake(conn) => {
+                if let Some(phase) = self.registry.handshake_pending(conn) {
+                    self.registry
+                        .close(&mut cx, conn, CloseReason::HandshakeTimeout);
+                    if let Phase::Owner { node, generation } = phase {
+                        self.fence(node, generation, CloseReason::HandshakeTimeout);
+                    }
+                }
+            }
+            TimerKey::Liveness(conn) => {
+                if let Some(phase) = self
+                    .registry
+                    .silent(&mut cx, conn, timing.heartbeat_timeout)
+                {
+                    self.registry
+                        .close(&mut cx, conn, CloseReason::HeartbeatTimeout);
+                    if let Phase::Owner { node, generation } = phase {
+                        self.fence(node, generation, CloseReason::HeartbeatTimeout);
+                    }
+                }
+            }
+            TimerKey::Ping(conn) => self.registry.ping(&mut cx, conn, timing.heartbeat_interval),
+            TimerKey::Answer(conn) => self.registry.answer_held(&mut cx, conn),
+            TimerKey::Refresh(node) => {
+                let node_id = self.registry.node(node).id.clone();
+                match self.control.refresh_timed_out(&mut cx, node, &node_id) {
+                    None => {}
+                    Some(true) => self.push_refresh(node),
+                    Some(false) => {
+                        self.drain_node(node, RefreshFailure::Unanswered(MAX_REFRESH_TRIES).into())
+                    }
+                }
+            }
+            TimerKey::Command(seq) => {
+                self.control
+                    .fail(&mut cx, seq, "the node did not answer in time");
+            }
+            TimerKey::CancelGrace(run) => {
+                if let Some(lease) = self.requests.grace_over(run) {
+                    self.release(lease);
+                }
+            }
+        }
+    }
+
+    // ----- what crosses sub-states to report -----
+
+    /// One snapshot per configured provider, in node id then configuration order.
+    /// Providers of offline or pending nodes are listed `UNAVAILABLE`/`OFFLINE` with every
+    /// figure 0; disabled ones `DISABLED`/`OFFLINE` with every figure 0.
+    #[must_use]
+    pub fn snapshots(&self) -> Vec<ProviderSnapshot> {
+        let mut order: Vec<NodeIdx> = self
+            .registry
+            .indices()
+            .filter(|&i| self.registry.node(i).spec.is_some())
+            .collect();
+        order.sort_by(|&a, &b| self.registry.node(a).id.cmp(&self.registry.node(b).id));
+        let mut out = Vec::new();
+        for node in order {
+            self.push_snapshots(node, &mut out);
+        }
+        out
+    }
+
+    fn push_snapshots(&self, node: NodeIdx, out: &mut Vec<ProviderSnapshot>) {
+        let entry = self.registry.node(node);
+        let Some(spec) = &entry.spec else { return };
+        let ready = entry.owner.is_some_and(|o| o.ready);
+        for adapter in &spec.adapters {
+            let name = adapter.instance_name();
+            let kind = AdapterType::try_from(adapter.r#type).unwrap_or_default();
+            let mut snap = ProviderSnapshot {
+                node_id: entry.id.to_string(),
+                provider_id: name.to_owned(),
+                category: category_of(kind) as i32,
+                status: ProviderStatus::Unavailable as i32,
+                health: ProviderHealth::Offline as i32,
+                targets: adapter.targets.clone(),
+                ..ProviderSnapshot::default()
+            };
+            let resource = entry
+                .resources
+                .iter()
+                .find(|(n, _)| &**n == name)
+                .map(|(_, r)| *r);
+            let usage = resource.map(|r| self.pool.usage(r)).unwrap_or_default();
+            if !adapter.enabled {
+                snap.status = ProviderStatus::Disabled as i32;
+            } else if ready && usage.generation.is_some() {
+                let (queued, long_queued) = resource.map_or((0, 0), |r| self.pool.queued_at(r));
+                snap.status = ProviderStatus::Available as i32;
+                snap.health = ProviderHealth::Healthy as i32;
+                snap.capacity = usage.capacity;
+                snap.long_capacity = usage.long_capacity;
+                snap.in_flight = usage.in_flight;
+                snap.long_in_flight = usage.long_in_flight;
+                snap.queued = u32::try_from(queued).unwrap_or(u32::MAX);
+                snap.long_queued = u32::try_from(long_queued).unwrap_or(u32::MAX);
+            }
+            out.push(snap);
+        }
+    }
+
+    /// Node `node` became ready or was fenced: each enabled provider's health as
+    /// `/v1/status` reports it now, for operators.
+    fn health_changed(&mut self, node: NodeIdx) {
+        let mut snapshots = Vec::new();
+        self.push_snapshots(node, &mut snapshots);
+        for s in snapshots {
+            if s.status == ProviderStatus::Disabled as i32 {
+                continue;
+            }
+            self.out.lifecycle.push_back(Lifecycle::ProviderHealth {
+                node_id: s.node_id,
+                provider_id: s.provider_id,
+                health: health_word(
+                    ProviderHealth::try_from(s.health).unwrap_or(ProviderHealth::Offline),
+                ),
+            });
+        }
+    }
+
+    /// Configured nodes and their readiness, in id order.
+    #[must_use]
+    pub fn nodes(&self) -> Vec<NodeStatus> {
+        self.registry
+            .statuses(self.now, |node| self.control.last_refresh(node))
+    }
+}
