@@ -71,6 +71,8 @@ pub struct Snapshot {
     pub open_requests: usize,
     /// Node ids and addresses whose registrations failed recently.
     pub registration_failures: iop_proto_core::edge::RegistrationFailures,
+    /// Providers as routing sees them (ejections, recent failures, latency).
+    pub routing: Vec<iop_proto_core::edge::ProviderRouting>,
 }
 
 /// An input for the core.
@@ -124,8 +126,8 @@ pub enum CoreMsg {
     },
     /// A new configuration (SIGHUP).
     Reload {
-        /// The validated core part.
-        config: EdgeConfig,
+        /// The validated core part (boxed: the other messages are small).
+        config: Box<EdgeConfig>,
         /// What changed, or why it was refused.
         reply: oneshot::Sender<Result<ConfigDiff, String>>,
     },
@@ -382,7 +384,7 @@ impl Task {
             CoreMsg::Reload { config, reply } => {
                 let result = self
                     .core
-                    .handle_config(now, config)
+                    .handle_config(now, *config)
                     .map_err(|err| err.to_string());
                 let _ = reply.send(result);
             }
@@ -413,6 +415,7 @@ impl Task {
                     queue_by_model,
                     open_requests: self.core.open_requests(),
                     registration_failures: self.core.registration_failures(20),
+                    routing: self.core.provider_routing(),
                 });
             }
         }
@@ -576,15 +579,51 @@ impl Task {
                         .queue(RequestEvent::Ended(outcome), &mut self.wakes);
                 }
             }
-            EdgeEvent::Request { request, event } => {
-                if let RequestEvent::Dispatched { .. } = event
-                    && let Some(entry) = self.requests.get(&request)
+            EdgeEvent::Request { request, event } => self.forward(request, event),
+            EdgeEvent::Attempt {
+                run,
+                node_id,
+                provider_id,
+                shape,
+            } => {
+                self.metrics.attempts.inc();
+                if run.attempt == 0
+                    && let Some(entry) = self.requests.get(&run.request)
                 {
                     self.metrics
                         .model(&entry.model)
                         .queue_wait(entry.submitted.elapsed());
                 }
-                self.forward(request, event);
+                debug!(run = %run, node_id = %node_id, provider_id = %provider_id, shape = ?shape, "dispatched");
+            }
+            EdgeEvent::Retried {
+                request,
+                run,
+                node_id,
+                provider_id,
+                why,
+            } => {
+                if let Some(entry) = self.requests.get(&request) {
+                    self.metrics.retry(&entry.model, why);
+                }
+                info!(request = %request, run = %run, node_id = %node_id, provider_id = %provider_id, why, "provider failed before the first byte: trying another");
+            }
+            EdgeEvent::ProviderEjected {
+                node_id,
+                provider_id,
+                reason,
+                time,
+            } => {
+                self.metrics
+                    .ejection(&node_id, &provider_id, reason.label());
+                warn!(node_id = %node_id, provider_id = %provider_id, reason = reason.label(), ejected_ms = time.as_millis() as u64, "provider ejected: no requests until its probe");
+            }
+            EdgeEvent::ProviderRestored {
+                node_id,
+                provider_id,
+                after,
+            } => {
+                info!(node_id = %node_id, provider_id = %provider_id, after = after.label(), "provider restored: its probe answered");
             }
             EdgeEvent::NodeConnected {
                 node_id,

@@ -65,6 +65,19 @@ struct ReasonLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RetryLabels {
+    model: Arc<str>,
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EjectionLabels {
+    node: Arc<str>,
+    provider: Arc<str>,
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct KindLabel {
     kind: &'static str,
 }
@@ -93,6 +106,7 @@ struct Fleet {
     capacity: Family<ProviderLabels, Gauge>,
     nodes_ready: Gauge,
     nodes_draining: Gauge,
+    ejected: Family<ProviderLabels, Gauge>,
 }
 
 /// The series one public model's requests record into, each looked up in its family the
@@ -248,6 +262,10 @@ pub struct Metrics {
     pub node_conflicts: Counter,
     /// Node connections whose TLS handshake failed or timed out.
     pub tls_handshake_failures: Counter,
+    retries: Family<RetryLabels, Counter>,
+    ejections: Family<EjectionLabels, Counter>,
+    /// Dispatches of requests to providers (first tries, retries, tries beside a slow one).
+    pub attempts: Counter,
 }
 
 impl Default for Metrics {
@@ -345,6 +363,11 @@ impl Metrics {
             fleet.nodes_ready.clone(),
         );
         registry.register(
+            "iop_provider_ejected",
+            "1 while a provider is out of the rotation (ejected, or waiting for its probe)",
+            fleet.ejected.clone(),
+        );
+        registry.register(
             "iop_nodes_draining",
             "Ready nodes taking no new work until their requests end (a graceful stop or a failed config refresh)",
             fleet.nodes_draining.clone(),
@@ -369,6 +392,23 @@ impl Metrics {
             &mut registry,
             "iop_node_tls_handshake_failures",
             "Node connections whose TLS handshake failed or timed out",
+        );
+        let retries = Family::<RetryLabels, Counter>::default();
+        registry.register(
+            "iop_request_retries",
+            "Requests given another provider before their first byte, by public model and why (error, status_5xx, status_429, status_408, violation, node_lost, first_byte_timeout)",
+            retries.clone(),
+        );
+        let ejections = Family::<EjectionLabels, Counter>::default();
+        registry.register(
+            "iop_provider_ejections",
+            "Providers taken out of the rotation, by node, provider and reason",
+            ejections.clone(),
+        );
+        let attempts = counter(
+            &mut registry,
+            "iop_upstream_attempts",
+            "Dispatches of requests to providers (first tries, retries, tries beside a slow one)",
         );
         let frames = Family::<DirectionLabel, Counter>::default();
         registry.register(
@@ -404,7 +444,31 @@ impl Metrics {
             node_disconnects,
             node_conflicts,
             tls_handshake_failures,
+            retries,
+            ejections,
+            attempts,
         }
+    }
+
+    /// A request of `model` given another provider, and why.
+    pub fn retry(&self, model: &Arc<str>, reason: &'static str) {
+        self.retries
+            .get_or_create(&RetryLabels {
+                model: model.clone(),
+                reason,
+            })
+            .inc();
+    }
+
+    /// A provider taken out of the rotation, and why.
+    pub fn ejection(&self, node: &Arc<str>, provider: &Arc<str>, reason: &'static str) {
+        self.ejections
+            .get_or_create(&EjectionLabels {
+                node: node.clone(),
+                provider: provider.clone(),
+                reason,
+            })
+            .inc();
     }
 
     /// The series `model`'s requests record into.
@@ -478,6 +542,17 @@ impl Metrics {
         }
         fleet.in_flight.clear();
         fleet.capacity.clear();
+        fleet.ejected.clear();
+        for p in &snapshot.routing {
+            let out = p.standing != iop_proto_core::edge::Standing::Live;
+            fleet
+                .ejected
+                .get_or_create(&ProviderLabels {
+                    node: p.node_id.to_string(),
+                    provider: p.provider_id.to_string(),
+                })
+                .set(i64::from(out));
+        }
         for p in &snapshot.providers {
             let labels = ProviderLabels {
                 node: p.node_id.clone(),

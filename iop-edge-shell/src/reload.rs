@@ -139,7 +139,7 @@ pub(crate) async fn on_sighup(
         if state
             .core
             .send(CoreMsg::Reload {
-                config: config.core,
+                config: Box::new(config.core),
                 reply,
             })
             .is_err()

@@ -61,6 +61,11 @@ pub struct ModelSpec {
     pub candidates: Vec<CandidateSpec>,
     /// Requests whose estimated prompt tokens reach this count use long-context capacity.
     pub long_context_threshold: Option<u64>,
+    /// How long a dispatch may go without its first byte before another provider is
+    /// tried beside it; `None`: [`Routing::first_byte_timeout`]. A model whose prefill
+    /// is slow, or whose callers ask for long answers without streaming (a non-streamed
+    /// tunnel's first byte is its whole answer), wants a longer one.
+    pub first_byte_timeout: Option<Duration>,
 }
 
 /// Timers of the Edge's node protocol.
@@ -142,6 +147,106 @@ impl Default for Admission {
     }
 }
 
+/// Which provider failures a request is retried on, on another candidate, before its
+/// first byte reached the caller. A caller's own 4xx (400, 401, 404, 413, 422...) is
+/// never among them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RetryOn {
+    /// The provider could not be reached, or failed before answering (a node reports it
+    /// as a retryable error: connection refused or reset, a timeout upstream).
+    pub connect: bool,
+    /// The provider answered 500-599.
+    pub status_5xx: bool,
+    /// The provider answered 429 (too many requests).
+    pub status_429: bool,
+    /// The provider answered 408 (request timeout).
+    pub status_408: bool,
+    /// The node serving the attempt was lost.
+    pub node_lost: bool,
+}
+
+impl Default for RetryOn {
+    fn default() -> Self {
+        RetryOn {
+            connect: true,
+            status_5xx: true,
+            status_429: true,
+            status_408: true,
+            node_lost: true,
+        }
+    }
+}
+
+impl RetryOn {
+    /// Whether a provider answering `status` failed in a way worth another candidate.
+    #[must_use]
+    pub fn status(&self, status: u32) -> bool {
+        match status {
+            408 => self.status_408,
+            429 => self.status_429,
+            500..=599 => self.status_5xx,
+            _ => false,
+        }
+    }
+}
+
+/// How requests are routed around failing providers: retries before the first byte,
+/// ejection of a provider that keeps failing, and the first-byte deadline.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Routing {
+    /// Dispatches a request may take in all (the first, retries, and tries beside a slow
+    /// one). 1 turns retries off.
+    pub max_attempts: u32,
+    /// Requests being retried may be at most this share (percent) of the requests in
+    /// flight, so that retries cannot multiply an outage...
+    pub retry_budget_percent: u32,
+    /// ...or this many, whichever is more.
+    pub retry_budget_min: u32,
+    /// Which failures are retried.
+    pub retry_on: RetryOn,
+    /// How long a dispatch may go without its first byte (a tunnel's response head, a
+    /// run's first content) before another candidate is tried beside it (see
+    /// [`ModelSpec::first_byte_timeout`]).
+    pub first_byte_timeout: Duration,
+    /// Consecutive failures that eject a provider.
+    pub eject_after_failures: u32,
+    /// A failure share (percent) of the recent outcomes that ejects a provider...
+    pub eject_failure_percent: u32,
+    /// ...once it has this many outcomes within [`eject_window`](Self::eject_window).
+    pub eject_min_requests: u32,
+    /// How far back outcomes count towards the failure share.
+    pub eject_window: Duration,
+    /// The first ejection; each further one in a row doubles it...
+    pub eject_base: Duration,
+    /// ...up to this.
+    pub eject_max: Duration,
+    /// No more than this share (percent) of a model group's providers is ejected at once,
+    /// and never its last live one.
+    pub max_ejected_percent: u32,
+    /// The longest a provider's `Retry-After` cools it down.
+    pub retry_after_max: Duration,
+}
+
+impl Default for Routing {
+    fn default() -> Self {
+        Routing {
+            max_attempts: 3,
+            retry_budget_percent: 20,
+            retry_budget_min: 3,
+            retry_on: RetryOn::default(),
+            first_byte_timeout: Duration::from_secs(10),
+            eject_after_failures: 3,
+            eject_failure_percent: 50,
+            eject_min_requests: 10,
+            eject_window: Duration::from_secs(30),
+            eject_base: Duration::from_secs(5),
+            eject_max: Duration::from_secs(60),
+            max_ejected_percent: 50,
+            retry_after_max: Duration::from_secs(300),
+        }
+    }
+}
+
 /// The Edge's whole configured set.
 #[derive(Clone, Debug, PartialEq, Default)]
 pub struct EdgeConfig {
@@ -155,6 +260,8 @@ pub struct EdgeConfig {
     pub queue: QueueLimits,
     /// Node admission rules.
     pub admission: Admission,
+    /// Retries, ejection and the first-byte deadline.
+    pub routing: Routing,
 }
 
 /// A configuration that cannot run, naming the key at fault.
@@ -284,6 +391,45 @@ impl EdgeConfig {
             return Err(EdgeConfigError::Timing {
                 key: "limits.max_pending_connections",
                 problem: "must be positive, in all and per address",
+            });
+        }
+        let routing = &self.routing;
+        if routing.max_attempts == 0 {
+            return Err(EdgeConfigError::Timing {
+                key: "routing.max_attempts",
+                problem: "must be at least 1 (1 turns retries off)",
+            });
+        }
+        if routing.first_byte_timeout.is_zero()
+            || self
+                .models
+                .values()
+                .any(|m| m.first_byte_timeout.is_some_and(|t| t.is_zero()))
+        {
+            return Err(EdgeConfigError::Timing {
+                key: "routing.first_byte_timeout_sec",
+                problem: "must be positive",
+            });
+        }
+        if routing.eject_base.is_zero() || routing.eject_max < routing.eject_base {
+            return Err(EdgeConfigError::Timing {
+                key: "routing.eject_base_sec",
+                problem: "must be positive and at most routing.eject_max_sec",
+            });
+        }
+        if routing.eject_window.is_zero() || routing.eject_after_failures == 0 {
+            return Err(EdgeConfigError::Timing {
+                key: "routing.eject_window_sec",
+                problem: "routing.eject_window_sec and eject_after_failures must be positive",
+            });
+        }
+        if routing.max_ejected_percent > 100
+            || routing.eject_failure_percent > 100
+            || routing.retry_budget_percent > 100
+        {
+            return Err(EdgeConfigError::Timing {
+                key: "routing",
+                problem: "percentages must be at most 100",
             });
         }
         if self.queue.wait_timeout.is_zero() {
@@ -427,6 +573,7 @@ pub(crate) mod tests {
             ModelSpec {
                 candidates: vec![candidate("n1", "a", "t")],
                 long_context_threshold: None,
+                first_byte_timeout: None,
             },
         );
         cfg

@@ -67,6 +67,7 @@
 //! config.models.insert("demo".into(), ModelSpec {
 //!     candidates: vec![CandidateSpec { node_id: "n1".into(), provider_id: "mock".into(), target: "t".into() }],
 //!     long_context_threshold: None,
+//!     first_byte_timeout: None,
 //! });
 //! let mut edge = EdgeCore::new(config)?;
 //! let mut node = NodeSession::new(SessionConfig::new("n1", token));
@@ -182,13 +183,14 @@ pub mod testkit;
 
 pub use edge::{
     AUTH_FAILED, Cancelled, CloseReason, CommandError, CommandId, ConnId, ConnViolation,
-    DispatchShape, DrainReason, EdgeCore, EdgeEvent, Lifecycle, NodeState, NodeStatus, Outcome,
-    Peer, RefreshFailure, RejectReason, RequestError, RequestEvent, RunId, StreamViolation, Submit,
-    SubmitError, TOO_MANY_FAILURES, Transmit, UsageError, Violation,
+    DispatchShape, DrainReason, EdgeCore, EdgeEvent, Ejection, Lifecycle, NodeState, NodeStatus,
+    Outcome, Peer, ProviderRouting, RefreshFailure, RejectReason, RequestError, RequestEvent,
+    RunId, Standing, StreamViolation, Submit, SubmitError, TOO_MANY_FAILURES, Transmit, UsageError,
+    Violation,
 };
 pub use edge_config::{
     Admission, CandidateSpec, ConfigDiff, EdgeConfig, EdgeConfigError, EdgeTiming, ModelSpec,
-    NodeSpec, QueueLimits,
+    NodeSpec, QueueLimits, RetryOn, Routing,
 };
 pub use gate::{CapacityGate, GateError};
 pub use guard::{

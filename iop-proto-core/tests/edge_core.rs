@@ -758,6 +758,7 @@ fn a_waiting_tunnel_request_skips_a_provider_that_stopped_tunnelling() {
         ModelSpec {
             candidates: vec![candidate("n2", "b"), candidate("n3", "c")],
             long_context_threshold: None,
+            first_byte_timeout: None,
         },
     );
     let mut h = Harness::with(cfg.clone());

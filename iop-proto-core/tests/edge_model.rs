@@ -92,6 +92,7 @@ fn world() -> EdgeConfig {
     let model = |cands: Vec<CandidateSpec>| ModelSpec {
         candidates: cands,
         long_context_threshold: Some(100),
+        first_byte_timeout: None,
     };
     cfg.models.insert(
         "m0".into(),
@@ -424,12 +425,13 @@ fn check(
         prop_assert_eq!(status.generation, Some(lease.generation));
     }
 
-    // No waiter waits while one of its candidates could take it, and grants from the
-    // queue went to the oldest fitting waiter.
+    // No waiter waits while one of its candidates could take it (has room and may be
+    // sent a request: not ejected, not on trial with a request in flight), and grants
+    // from the queue went to the oldest fitting waiter.
     let queue = h.edge.queue();
     for w in queue.waiters() {
         let id = w.request;
-        for c in w.candidates.iter() {
+        for c in w.candidates.iter().filter(|c| h.edge.pickable(c.resource)) {
             prop_assert_eq!(
                 ledger.free(c.resource, w.long),
                 0,

@@ -30,7 +30,7 @@ fn every_seed_keeps_every_invariant() {
     {
         let options = SimOptions {
             full_trace: true,
-            no_bad_siblings: std::env::var_os("IOP_SIM_NO_BAD_SIBLINGS").is_some(),
+            original_ops: std::env::var_os("IOP_SIM_ORIGINAL_OPS").is_some(),
             ..SimOptions::default()
         };
         match sim::run_seed(seed, options) {
@@ -44,6 +44,7 @@ fn every_seed_keeps_every_invariant() {
     let (mut requests, mut completed, mut frames, mut unsupported, mut conflicts, mut garbled) =
         (0, 0, 0, 0, 0, 0);
     let (mut drained, mut held_off, mut bad_refused, mut bad_throttled) = (0, 0, 0, 0);
+    let (mut retries, mut ejections, mut restored) = (0, 0, 0);
     for seed in 0..seeds() {
         match sim::run_seed(seed, SimOptions::default()) {
             Ok(stats) => {
@@ -58,6 +59,9 @@ fn every_seed_keeps_every_invariant() {
                 held_off += stats.held_off;
                 bad_refused += stats.bad_refused;
                 bad_throttled += stats.bad_throttled;
+                retries += stats.retries;
+                ejections += stats.ejections;
+                restored += stats.restored;
             }
             Err(failure) => panic!("{failure}"),
         }
@@ -68,7 +72,9 @@ fn every_seed_keeps_every_invariant() {
          {unsupported} left without a tunnel by a reload), {frames} frames, {conflicts} node-id \
          conflicts, {garbled} unknown message kinds, {drained} graceful stops drained, \
          {held_off} restarts held off while their node drained, {bad_refused} registrations \
-         of misconfigured siblings refused ({bad_throttled} held back)",
+         of misconfigured siblings refused ({bad_throttled} held back), {retries} requests \
+         tried on another provider before their first byte, {ejections} providers ejected, \
+         {restored} restored by a probe",
         simulated.as_secs_f64(),
         real.as_secs_f64(),
         simulated.as_secs_f64() / real.as_secs_f64()
@@ -82,6 +88,11 @@ fn every_seed_keeps_every_invariant() {
     assert!(
         bad_throttled > 0,
         "no misconfigured sibling was ever throttled"
+    );
+    assert!(retries > 0, "no request was ever retried");
+    assert!(
+        ejections > 0 && restored > 0,
+        "no provider was ever ejected and restored"
     );
     assert!(held_off > 0, "no restart met its node still draining");
 }
@@ -121,7 +132,7 @@ fn seeds_that_broke_an_invariant_keep_it_now() {
     }
     // The worlds as the sweep found them, before misconfigured siblings joined them.
     let options = SimOptions {
-        no_bad_siblings: true,
+        original_ops: true,
         ..SimOptions::default()
     };
     for (seed, what) in fixed {
@@ -182,6 +193,13 @@ fn planted_bugs_are_caught_within_the_default_seeds() {
             "timers never driven",
             Faults {
                 skip_timers: true,
+                ..Faults::default()
+            },
+        ),
+        (
+            "a request dispatched again after its first byte",
+            Faults {
+                redispatch_after_first_byte: true,
                 ..Faults::default()
             },
         ),

@@ -232,8 +232,6 @@ pub const HEARTBEAT_TIMEOUT_MS: u64 = 1000;
 /// An Edge (and the Nodes started against it) with temporary configs.
 #[derive(Debug)]
 pub struct Cluster {
-    /// Holds configs and logs.
-    pub dir: TempDir,
     /// Public HTTP port.
     pub http_port: u16,
     /// Node listener port.
@@ -249,6 +247,9 @@ pub struct Cluster {
     link: Link,
     body: String,
     extra_head: String,
+    /// Holds configs and logs (the last field: dropped after the Edge, whose log a
+    /// failing test prints).
+    pub dir: TempDir,
 }
 
 /// Node listener security of a test cluster.

@@ -42,6 +42,8 @@ pub struct Behaviour {
     pub hang: bool,
     /// Answer every request with this status and an error body.
     pub status: Option<u16>,
+    /// With `status`, a `Retry-After` of this many seconds.
+    pub retry_after: Option<u64>,
     /// Answer 400 naming `tools` when a request carries tools.
     pub reject_tools: bool,
     /// Answer requests that carry tools with a native tool call.
@@ -55,6 +57,7 @@ impl Default for Behaviour {
             delay: Duration::from_millis(5),
             hang: false,
             status: None,
+            retry_after: None,
             reject_tools: false,
             tool_calls: false,
         }
@@ -329,12 +332,19 @@ async fn handle(flavor: Flavor, req: Request<Incoming>, state: Arc<State>) -> Re
         std::future::pending::<()>().await;
     }
     if let Some(status) = behaviour.status {
-        return whole(
+        let mut response = whole(
             status,
             "application/json",
             json!({"error": {"message": format!("fake failure {status}"), "type": "fake"}})
                 .to_string(),
         );
+        if let Some(seconds) = behaviour.retry_after {
+            response.headers_mut().insert(
+                "retry-after",
+                http::HeaderValue::from_str(&seconds.to_string()).expect("digits"),
+            );
+        }
+        return response;
     }
     let request: Value = serde_json::from_slice(&body).unwrap_or_default();
     let has_tools = request

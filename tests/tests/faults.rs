@@ -859,13 +859,15 @@ async fn a_link_that_stops_draining_delays_a_stream_and_loses_nothing() {
     cluster.wait_ready("n1").await;
 
     relay.hold(true);
-    let mut s = cluster
-        .http()
-        .post_stream("/v1/chat/completions", &ask(true))
-        .await;
-    // Half the test clusters' heartbeat timeout (1 s): the Edge hears nothing meanwhile.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    relay.hold(false);
+    // The response head waits for the first content (routing may still retry before
+    // it), so the hold ends while the caller waits for it: after half the test
+    // clusters' heartbeat timeout (1 s), during which the Edge hears nothing.
+    let http = cluster.http();
+    let body = ask(true);
+    let (mut s, ()) = tokio::join!(http.post_stream("/v1/chat/completions", &body), async {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        relay.hold(false);
+    });
     let (events, ended) = read_sse(s.body_mut(), Duration::from_secs(60)).await;
     assert!(ended, "the stream must end once the link drains");
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));

@@ -3,8 +3,9 @@
 Starts the quickstart system (examples/edge.toml and examples/node.toml on free ports,
 with an admin key and a short heartbeat), opens /ui, and checks what an operator relies
 on: a wrong key shows the login again; the right key shows the node, its providers and a
-live request; the node killed mid-test turns disconnected within the heartbeat timeout
-and the lifecycle feed says it was fenced. Saves target/dashboard.png. Then, with 1,000
+live request; a broken provider beside a healthy one shows ejected, and the feed says
+so; the node killed mid-test turns disconnected within the heartbeat timeout and the
+lifecycle feed says it was fenced. Saves target/dashboard.png. Then, with 1,000
 configured nodes, paging, search and sort (target/dashboard-1000.png).
 """
 
@@ -61,6 +62,18 @@ def configure(edge):
     # Slow tokens, so a request is in flight across a few dashboard refreshes.
     edge = edge.replace('token_delay_ms = "15"', 'token_delay_ms = "250"')
     assert 'token_delay_ms = "250"' in edge, "the example's mock options changed"
+    # A provider that fails every run right after its start, beside a fast healthy mock in
+    # a model of their own: routing retries its callers on the healthy one and ejects it.
+    broken = ('[[nodes.adapters]]\nname = "fast"\ntype = "mock"\ncapacity = 4\n'
+              'targets = ["mock-small"]\n[nodes.adapters.options]\ntokens = "2"\n'
+              'token_delay_ms = "1"\n\n'
+              '[[nodes.adapters]]\nname = "broken"\ntype = "mock"\ncapacity = 4\n'
+              'targets = ["mock-small"]\n[nodes.adapters.options]\nfail = "always"\n\n'
+              '[[models]]\nname = "half-broken"\nproviders = ['
+              '{ node = "node-1", adapter = "fast", target = "mock-small" }, '
+              '{ node = "node-1", adapter = "broken", target = "mock-small" }]\n\n')
+    assert "\n[[models]]\n" in edge, "the example's models changed"
+    edge = edge.replace("\n[[models]]\n", "\n" + broken + "[[models]]\n", 1)
     return edge
 
 
@@ -167,6 +180,23 @@ def main():
             wait("the request done", done.is_set, 60)
             wait("a request rate above zero", lambda: float(driver.find_element(By.ID, "rate").text) > 0, 10)
 
+        def broken_provider():
+            # Callers of the half-broken model all succeed; its broken provider is ejected
+            # within a few of them, and the dashboard and its feed say so.
+            body = json.dumps({"model": "half-broken",
+                               "messages": [{"role": "user", "content": "Hello"}]}).encode()
+            for _ in range(8):
+                req = urllib.request.Request(f"{base}/v1/chat/completions", data=body,
+                                             headers={"content-type": "application/json"})
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    assert r.status == 200, r.status
+            wait("the broken provider shown ejected", lambda: driver.find_element(
+                By.CSS_SELECTOR, 'tr[data-provider="node-1/broken"] [data-ejected="ejected"]'), 10)
+            wait("the feed says ejected", lambda: driver.find_elements(
+                By.CSS_SELECTOR, '#feed div[data-type="provider.ejected"]'), 5)
+            healthy = driver.find_element(By.CSS_SELECTOR, 'tr[data-provider="node-1/fast"]')
+            assert not healthy.find_elements(By.CSS_SELECTOR, "[data-ejected]"), healthy.text
+
         def node_killed():
             system.node.kill()
             killed = time.time()
@@ -188,6 +218,7 @@ def main():
             ("a wrong key shows the login again", wrong_key),
             ("the admin key shows the node and its providers", fleet),
             ("a live request shows in flight and in the request rate", live_request),
+            ("a broken provider beside a healthy one shows ejected", broken_provider),
             ("screenshot saved to target/dashboard.png", screenshot),
             ("a killed node turns disconnected within the heartbeat timeout", node_killed),
         ]:

@@ -132,11 +132,39 @@ pub(super) async fn status(state: &State) -> Response<ResBody> {
             })
         })
         .collect();
+    let routing = |node: &str, provider: &str| -> Value {
+        use iop_proto_core::edge::Standing;
+        let Some(r) = snapshot
+            .routing
+            .iter()
+            .find(|r| &*r.node_id == node && &*r.provider_id == provider)
+        else {
+            return Value::Null;
+        };
+        let (standing, reason) = match r.standing {
+            Standing::Live => ("live", None),
+            Standing::Ejected { reason, .. } => ("ejected", Some(reason.label())),
+            Standing::ProbeDue => ("probe_due", None),
+            Standing::Probing => ("probing", None),
+        };
+        json!({
+            "standing": standing,
+            "ejected": standing != "live",
+            "ejected_for_ms": r.ejected_for.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            "reason": reason,
+            "consecutive_failures": r.consecutive_failures,
+            "failure_share": (r.failure_share * 1000.0).round() / 1000.0,
+            "first_byte_ms": r.first_byte.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+        })
+    };
     let providers: Vec<Value> = snapshot
         .providers
         .iter()
         .map(|p| {
+            let routing = routing(&p.node_id, &p.provider_id);
             json!({
+                "ejected": routing["ejected"].as_bool().unwrap_or(false),
+                "routing": routing,
                 "node_id": p.node_id,
                 "provider_id": p.provider_id,
                 "category": enum_name(ProviderCategory::try_from(p.category)),

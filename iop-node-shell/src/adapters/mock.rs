@@ -109,7 +109,7 @@ impl Mock {
                 .run(RunOutput::Error(error(
                     "mock_failure",
                     "injected failure",
-                    false,
+                    true,
                 )))
                 .await;
             return;
@@ -200,12 +200,13 @@ impl Mock {
     }
 }
 
-/// The error of `fail = after:N`.
+/// The error of `fail = after:N`: a provider failure, so retryable (what the Edge does
+/// with it depends on whether the caller had bytes already).
 pub(super) fn injected_failure(after: usize) -> ErrorDetail {
     error(
         "mock_failure",
         format!("injected failure after {after} tokens"),
-        false,
+        true,
     )
 }
 

@@ -118,6 +118,14 @@ where
 
 /// A stable error for a terminal event or frame.
 #[must_use]
+/// Whether a provider answering `status` failed in a way another provider may not: a
+/// server error, too many requests or a request timeout (a caller's own 4xx is not).
+pub(crate) fn provider_failed(status: ::http::StatusCode) -> bool {
+    status.is_server_error()
+        || status == ::http::StatusCode::TOO_MANY_REQUESTS
+        || status == ::http::StatusCode::REQUEST_TIMEOUT
+}
+
 pub fn error(code: &str, message: impl Into<String>, retryable: bool) -> ErrorDetail {
     ErrorDetail {
         code: code.into(),

@@ -193,7 +193,7 @@ impl Ollama {
             return RunOutput::Error(error(
                 "upstream_status",
                 format!("ollama answered {}: {}", status.as_u16(), text.trim()),
-                status.is_server_error(),
+                super::provider_failed(status),
             ));
         }
         let mut lines = Lines::default();

@@ -446,7 +446,7 @@ impl OpenAi {
             return Ok(RunOutput::Error(error(
                 "upstream_status",
                 format!("provider answered {}: {}", status.as_u16(), text.trim()),
-                status.is_server_error(),
+                super::provider_failed(status),
             )));
         };
         let mut lines = Lines::default();

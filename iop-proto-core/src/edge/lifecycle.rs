@@ -108,6 +108,29 @@ pub enum Lifecycle {
         /// When it was told to come back, in milliseconds (0: not held back).
         retry_after_ms: u64,
     },
+    /// A provider kept failing before its first byte (or asked callers to come back
+    /// later): it is out of the rotation for `ejected_ms`, then one request probes it.
+    #[serde(rename = "provider.ejected")]
+    ProviderEjected {
+        /// The node.
+        node_id: String,
+        /// The adapter instance.
+        provider_id: String,
+        /// `consecutive_failures`, `failure_rate` or `retry_after`.
+        reason: &'static str,
+        /// How long, in milliseconds.
+        ejected_ms: u64,
+    },
+    /// An ejected provider answered its probe: back in the rotation.
+    #[serde(rename = "provider.restored")]
+    ProviderRestored {
+        /// The node.
+        node_id: String,
+        /// The adapter instance.
+        provider_id: String,
+        /// Why it had been ejected.
+        reason: &'static str,
+    },
     /// A provider's health changed: `healthy` when its node became ready, `offline` when
     /// the node was fenced.
     #[serde(rename = "provider.health")]
@@ -134,6 +157,8 @@ impl Lifecycle {
             Lifecycle::NodeDraining { .. } => "node.draining",
             Lifecycle::ConfigRefresh { .. } => "config.refresh",
             Lifecycle::RegisterRefused { .. } => "register.refused",
+            Lifecycle::ProviderEjected { .. } => "provider.ejected",
+            Lifecycle::ProviderRestored { .. } => "provider.restored",
             Lifecycle::ProviderHealth { .. } => "provider.health",
         }
     }
@@ -254,7 +279,29 @@ pub(super) fn of(event: &EdgeEvent, out: &mut VecDeque<Lifecycle>) {
                 }),
             });
         }
+        EdgeEvent::ProviderEjected {
+            node_id,
+            provider_id,
+            reason,
+            time,
+        } => out.push_back(Lifecycle::ProviderEjected {
+            node_id: node_id.to_string(),
+            provider_id: provider_id.to_string(),
+            reason: reason.label(),
+            ejected_ms: u64::try_from(time.as_millis()).unwrap_or(u64::MAX),
+        }),
+        EdgeEvent::ProviderRestored {
+            node_id,
+            provider_id,
+            after,
+        } => out.push_back(Lifecycle::ProviderRestored {
+            node_id: node_id.to_string(),
+            provider_id: provider_id.to_string(),
+            reason: after.label(),
+        }),
         EdgeEvent::Request { .. }
+        | EdgeEvent::Attempt { .. }
+        | EdgeEvent::Retried { .. }
         | EdgeEvent::CommandAnswered { .. }
         | EdgeEvent::RegisterRejected { .. }
         | EdgeEvent::ConnectionRefused { .. }
@@ -306,6 +353,17 @@ mod tests {
                 node_id: text(),
                 provider_id: text(),
                 health: "healthy",
+            },
+            Lifecycle::ProviderEjected {
+                node_id: text(),
+                provider_id: text(),
+                reason: "consecutive_failures",
+                ejected_ms: 5000,
+            },
+            Lifecycle::ProviderRestored {
+                node_id: text(),
+                provider_id: text(),
+                reason: "consecutive_failures",
             },
             Lifecycle::RegisterRefused {
                 node_id: text(),

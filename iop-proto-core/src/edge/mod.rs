@@ -75,6 +75,7 @@ use crate::wire::{
 };
 
 mod control;
+mod health;
 mod lifecycle;
 mod pool;
 mod registry;
@@ -84,6 +85,7 @@ mod transitions;
 mod types;
 
 pub use crate::lease::RunId;
+pub use health::{Ejection, Standing};
 pub use lifecycle::{Lifecycle, health_word};
 pub use registry::throttled_reason;
 pub use types::*;
@@ -138,16 +140,19 @@ struct Cx<'a> {
     now: Timestamp,
     out: &'a mut Outbox,
     timers: &'a mut TimerTable<TimerKey>,
+    /// The wait queue: a request that ends leaves it.
+    waits: &'a mut WaitQueue,
 }
 
-/// The context of `$core`'s sub-states, borrowing its outbox and timers (a macro, so the
-/// borrow stays on those two fields and the sub-states stay free to borrow).
+/// The context of `$core`'s sub-states, borrowing its outbox, timers and wait queue (a
+/// macro, so the borrow stays on those fields and the sub-states stay free to borrow).
 macro_rules! cx {
     ($core:ident) => {
         crate::edge::Cx {
             now: $core.now,
             out: &mut $core.out,
             timers: &mut $core.timers,
+            waits: &mut $core.pool.queue,
         }
     };
 }

@@ -4,16 +4,27 @@
 //! The `Pool` knows capacity and who waits for it; which request a freed unit serves,
 //! and what is dispatched there, is decided in `transitions`.
 
+use super::health::{Ejection, Health, Passed, Standing};
 use super::registry::NodeIdx;
 use super::*;
+use crate::edge_config::Routing;
 
-/// Provider capacity: resources and their leases, model groups and the wait queue.
+/// Provider capacity: resources and their leases and health, model groups and the wait
+/// queue.
 #[derive(Debug, Default)]
 pub(super) struct Pool {
     ledger: Ledger,
-    resources: Vec<ResourceMeta>,
+    /// What each resource is (a field, so a borrow of it leaves the queue free).
+    pub(super) resources: Vec<ResourceMeta>,
+    health: Vec<Health>,
     models: IdMap<Arc<str>, Model>,
-    queue: WaitQueue,
+    pub(super) queue: WaitQueue,
+}
+
+/// An ejection the pool made.
+pub(super) struct Ejected {
+    pub(super) until: Timestamp,
+    pub(super) reason: Ejection,
 }
 
 /// What the pool keeps of a resource beside its ledger figures.
@@ -76,6 +87,7 @@ impl Pool {
             provider_id,
             shape,
         });
+        self.health.push(Health::default());
         r
     }
 
@@ -162,22 +174,30 @@ impl Pool {
         self.models.get(name)
     }
 
-    /// Picks among `candidates` (the model's, possibly filtered) the live one with the
-    /// most free capacity; ties go round-robin from the model's cursor.
+    /// Picks among `candidates` (the model's, possibly filtered) one that has room, is in
+    /// the rotation (or due its probe, or its trial is free): the cheapest by
+    /// [`Health::cost`] (the most free capacity, weighted by first-byte latency); ties go
+    /// round-robin from the model's cursor.
     pub(super) fn pick(
         &mut self,
+        now: Timestamp,
         model: &str,
         candidates: &[Candidate],
         long: bool,
     ) -> Option<Candidate> {
         let cursor = self.models.get(model)?.cursor;
         let n = candidates.len();
-        let mut best: Option<(usize, u32)> = None;
+        let mut best: Option<(usize, f64)> = None;
         for step in 0..n {
             let index = (cursor + step) % n;
-            let free = self.ledger.free(candidates[index].resource, long);
-            if free > 0 && best.is_none_or(|(_, f)| free > f) {
-                best = Some((index, free));
+            let r = candidates[index].resource;
+            let free = self.ledger.free(r, long);
+            if free == 0 || !self.health[r.index()].pickable(now) {
+                continue;
+            }
+            let cost = self.health[r.index()].cost(free);
+            if best.is_none_or(|(_, c)| cost < c) {
+                best = Some((index, cost));
             }
         }
         let (index, _) = best?;
@@ -185,6 +205,120 @@ impl Pool {
             entry.cursor = (index + 1) % n;
         }
         Some(candidates[index].clone())
+    }
+
+    // ----- health -----
+
+    /// Whether `r` may be sent a request now (live, or due its probe).
+    pub(super) fn pickable(&self, now: Timestamp, r: ResourceId) -> bool {
+        self.health[r.index()].pickable(now)
+    }
+
+    pub(super) fn standing(&self, now: Timestamp, r: ResourceId) -> Standing {
+        self.health[r.index()].standing(now)
+    }
+
+    /// Failures in a row, the failure average and the average first-byte latency of `r`.
+    pub(super) fn health_figures(
+        &self,
+        now: Timestamp,
+        r: ResourceId,
+        routing: &Routing,
+    ) -> (u32, f64, Option<f64>) {
+        self.health[r.index()].figures(now, routing)
+    }
+
+    /// `run` is dispatched to `r` (it may be `r`'s probe).
+    pub(super) fn dispatched(&mut self, now: Timestamp, r: ResourceId, run: RunId) {
+        self.health[r.index()].dispatched(now, run);
+    }
+
+    /// `run` on `r` ended without a verdict on the provider: whether that freed `r`'s
+    /// probe slot.
+    pub(super) fn undecided(&mut self, r: ResourceId, run: RunId) -> bool {
+        self.health[r.index()].undecided(run)
+    }
+
+    /// `run` on `r` reached its first byte after `latency`: the ejection it ends, if it
+    /// was the probe.
+    pub(super) fn succeeded(
+        &mut self,
+        now: Timestamp,
+        routing: &Routing,
+        r: ResourceId,
+        run: RunId,
+        latency: Duration,
+    ) -> Passed {
+        self.health[r.index()].success(now, run, latency, routing)
+    }
+
+    /// `run` on `r` failed before its first byte; `retry_after` is what the provider
+    /// asked for. Returns the ejection made, if the failure proposed one and `r`'s model
+    /// groups can do without it.
+    pub(super) fn failed(
+        &mut self,
+        now: Timestamp,
+        routing: &Routing,
+        r: ResourceId,
+        run: RunId,
+        retry_after: Option<Duration>,
+    ) -> Option<Ejected> {
+        let was_out = matches!(
+            self.health[r.index()].standing(now),
+            Standing::Ejected { .. }
+        );
+        let proposed = self.health[r.index()].failure(now, run, routing);
+        if was_out {
+            // A request sent before the ejection failed late: it says what the ejection
+            // already said (its own `Retry-After` included); the probe decides.
+            return None;
+        }
+        let proposed = match retry_after {
+            Some(asked) => {
+                let asked = asked.min(routing.retry_after_max);
+                match proposed {
+                    Some((time, reason)) if time >= asked => Some((time, reason)),
+                    _ => Some((asked, Ejection::RetryAfter)),
+                }
+            }
+            None => proposed,
+        }?;
+        if !self.may_eject(now, routing, r) {
+            return None;
+        }
+        let (time, reason) = proposed;
+        self.health[r.index()].eject(now, time, reason);
+        Some(Ejected {
+            until: now + time,
+            reason,
+        })
+    }
+
+    /// Whether every model group listing `r` keeps a live provider beside it, and stays
+    /// within the share of its providers that may be out at once.
+    fn may_eject(&self, now: Timestamp, routing: &Routing, r: ResourceId) -> bool {
+        self.models.values().all(|model| {
+            if !model.candidates.iter().any(|c| c.resource == r) {
+                return true;
+            }
+            let live: Vec<ResourceId> = model
+                .candidates
+                .iter()
+                .map(|c| c.resource)
+                .filter(|&c| self.ledger.usage(c).generation.is_some())
+                .collect();
+            let out = live
+                .iter()
+                .filter(|&&c| c != r && self.health[c.index()].out(now))
+                .count()
+                + 1;
+            let others_in = live
+                .iter()
+                .filter(|&&c| c != r && !self.health[c.index()].out(now))
+                .count();
+            let allowed = (model.candidates.len() * routing.max_ejected_percent as usize) / 100;
+            others_in >= 1 && out <= allowed.max(1)
+        })
     }
 
     // ----- the wait queue -----
@@ -198,12 +332,12 @@ impl Pool {
         self.queue.push(waiter)
     }
 
-    pub(super) fn unwait(&mut self, ticket: Ticket) -> Option<Waiter> {
-        self.queue.remove(ticket)
-    }
-
-    /// The oldest waiter that `r`'s free capacity can serve, taken out of the queue.
-    pub(super) fn next_for(&mut self, r: ResourceId) -> Option<Waiter> {
+    /// The oldest waiter that `r`'s free capacity can serve, taken out of the queue; none
+    /// while `r` is out of the rotation.
+    pub(super) fn next_for(&mut self, now: Timestamp, r: ResourceId) -> Option<Waiter> {
+        if !self.health[r.index()].pickable(now) {
+            return None;
+        }
         let short_free = self.ledger.free(r, false) > 0;
         let long_free = self.ledger.free(r, true) > 0;
         let ticket = self.queue.oldest_fitting(r, short_free, long_free)?;

@@ -1,14 +1,25 @@
 //! The requests the Edge owns, from submit to end: each one's call (body included), its
-//! place in the queue or the run serving it, and every run's stream, checked against
+//! place in the queue or the runs serving it, and every run's stream, checked against
 //! the run or tunnel contract before anything reaches the caller.
 //!
 //! A *request* is what a caller asked; a *run* is one dispatch of it to a provider, and
-//! holds that provider's lease. A run outlives its request when the caller leaves: it is
-//! cancelled on its node and keeps its lease until the node ends it or the cancel grace
-//! passes.
+//! holds that provider's lease. A request may have several runs: a retry after a
+//! provider failed, or a second try beside one that is slow to its first byte. Until
+//! one of them *commits* (its first byte: a tunnel's response head, a run's first
+//! content or its end), what they send is held back, so a failed run can be given up and
+//! the request dispatched again without the caller seeing anything. Once a run commits,
+//! its siblings are cancelled and nothing is retried any more.
+//!
+//! A run outlives its request, or its part in it, when it is given up: it is cancelled
+//! on its node and keeps its lease until the node ends it or the cancel grace passes.
 
 use super::pool::ResourceMeta;
 use super::*;
+use crate::edge_config::RetryOn;
+
+/// Events a run may hold before its first byte (a run that only ever says nothing is
+/// committed once it has held this many).
+const MAX_HELD: usize = 32;
 
 /// Requests by id, and the runs holding leases.
 #[derive(Debug)]
@@ -16,6 +27,9 @@ pub(super) struct Requests {
     map: IdMap<RequestId, Request>,
     runs: IdMap<RunId, Run>,
     next: u64,
+    /// Requests being retried (dispatched more than once, or queued again), for the
+    /// retry budget.
+    retrying: usize,
 }
 
 impl Default for Requests {
@@ -24,6 +38,7 @@ impl Default for Requests {
             map: IdMap::default(),
             runs: IdMap::default(),
             next: 1,
+            retrying: 0,
         }
     }
 }
@@ -31,7 +46,8 @@ impl Default for Requests {
 /// A caller's request.
 #[derive(Debug)]
 pub(super) struct Request {
-    /// What the caller sent: every dispatch is built from it.
+    /// What the caller sent: every dispatch is built from it (its body is dropped once a
+    /// run commits: no dispatch follows).
     call: Submit,
     /// Its model group's name.
     pub(super) model: Arc<str>,
@@ -39,17 +55,20 @@ pub(super) struct Request {
     pub(super) long: bool,
     /// The providers that may serve it (the model group's, or its tunnel-served ones).
     pub(super) candidates: Arc<[Candidate]>,
-    pub(super) state: ReqState,
+    /// Where it waits, if it does.
+    ticket: Option<Ticket>,
+    /// Its runs that may still answer it.
+    live: Vec<RunId>,
+    /// The run that answers it, once one reached its first byte.
+    committed: Option<RunId>,
     /// Dispatches so far.
     attempts: u32,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum ReqState {
-    /// Accepted, not dispatched: in the queue once it has a ticket.
-    Queued(Option<Ticket>),
-    /// Served by this run.
-    Running(RunId),
+    /// Providers a run of it failed on: not tried again for it.
+    failed: Vec<ResourceId>,
+    /// What its caller is told if no other run can answer.
+    last_failure: Option<Outcome>,
+    /// Counted in [`Requests::retrying`].
+    retrying: bool,
 }
 
 /// One dispatch: its lease, its connection and its stream.
@@ -58,9 +77,20 @@ pub(super) struct Run {
     pub(super) lease: Lease,
     pub(super) conn: ConnId,
     stream: Stream,
-    /// Its request still waits on it; false once the caller left or the stream broke
-    /// (it is cancelled on the node and waits for the node to end it, or the grace).
+    /// Its request still waits on it; false once given up (the caller left, a sibling
+    /// answered, it failed or broke its stream): it is cancelled on the node, and waits
+    /// for the node to end it or the grace.
     serving: bool,
+    /// It answers its request: what it sends goes to the caller.
+    committed: bool,
+    /// What it sent before its first byte.
+    held: Vec<RequestEvent>,
+    /// Its terminal, held with the rest.
+    held_end: Option<Outcome>,
+    /// How its request is told who answers.
+    dispatched: RequestEvent,
+    /// When it was dispatched (its first-byte latency is measured from here).
+    pub(super) started: Timestamp,
 }
 
 #[derive(Debug)]
@@ -100,6 +130,16 @@ impl StreamItem {
         }
     }
 
+    /// Whether it is a first byte for the caller: a run's content (text or tool calls).
+    fn has_content(&self) -> bool {
+        match self {
+            StreamItem::Run(event) => {
+                !event.delta.is_empty() || event.metadata.contains_key("openai_tool_calls")
+            }
+            StreamItem::Frame(_) => false,
+        }
+    }
+
     fn into_event(self) -> RequestEvent {
         match self {
             StreamItem::Run(event) => RequestEvent::Run(Box::new(event)),
@@ -108,18 +148,64 @@ impl StreamItem {
     }
 }
 
+/// How a run failed before its first byte.
+#[derive(Clone, Debug, PartialEq)]
+pub(super) enum Cause {
+    /// The node reported a retryable error (the provider unreachable, a timeout).
+    Error(ErrorDetail),
+    /// The provider answered this status.
+    Status(u32),
+    /// The run broke its stream's contract.
+    Violation(StreamViolation),
+}
+
+impl Cause {
+    /// What the caller is told if nothing else can answer.
+    pub(super) fn outcome(&self) -> Outcome {
+        match self {
+            Cause::Error(detail) => Outcome::Failed(RequestError::Provider(detail.clone())),
+            Cause::Status(status) => Outcome::Failed(RequestError::Provider(ErrorDetail {
+                code: format!("upstream_status_{status}"),
+                message: format!("the provider answered {status}"),
+                retryable: true,
+            })),
+            Cause::Violation(detail) => Outcome::Failed(RequestError::Violation(detail.clone())),
+        }
+    }
+
+    /// A stable label for events and metrics.
+    pub(super) fn label(&self) -> &'static str {
+        match self {
+            Cause::Error(_) => "error",
+            Cause::Status(408) => "status_408",
+            Cause::Status(429) => "status_429",
+            Cause::Status(_) => "status_5xx",
+            Cause::Violation(_) => "violation",
+        }
+    }
+}
+
 /// What a stream item did, for the transitions to act on.
 pub(super) enum Step {
     /// Not for a run of this connection, or of a stream already broken: ignored.
     Ignored,
-    /// Passed to the caller (or dropped, for a run whose caller left).
+    /// Passed to the caller, held back, or dropped (a run whose caller left).
     Progress,
+    /// The run reached its first byte: [`Requests::commit`] it.
+    FirstByte { run: RunId },
+    /// The run failed before its first byte: either give it up and retry
+    /// ([`Requests::give_up`]), or commit it and let the caller have its answer.
+    Failed {
+        run: RunId,
+        cause: Cause,
+        retry_after: Option<Duration>,
+    },
     /// The run ended: its lease is free (its request, if it still served one, ended
     /// with it).
     Ended { lease: Lease },
-    /// The run broke its stream's contract: its request (if it served one) failed. When
-    /// the item was its terminal the run is done and its lease free; otherwise, when
-    /// `cancel`, it must be cancelled on the node (a run already cancelled waits on).
+    /// The committed run broke its stream's contract: its request failed. When the item
+    /// was its terminal the run is done and its lease free; otherwise, when `cancel`, it
+    /// must be cancelled on the node (a run already cancelled waits on).
     Violated {
         run: RunId,
         lease: Lease,
@@ -130,12 +216,30 @@ pub(super) enum Step {
     },
 }
 
+/// A run committed as its request's answer.
+pub(super) struct Committed {
+    /// The run held its terminal: it is over, and so is its request.
+    pub(super) ended: bool,
+    /// Its siblings, given up: cancel them on their nodes.
+    pub(super) siblings: Vec<(RunId, ConnId)>,
+}
+
 /// What a cancel found.
 pub(super) enum Cancel {
-    /// It waited (in the queue, when it has a ticket).
-    Queued(Option<Ticket>),
-    /// A run served it: cancel it on its node.
-    Running { run: RunId, conn: ConnId },
+    /// It waited, or had not been dispatched yet: it has left the queue.
+    Queued,
+    /// Runs served it: cancel them on their nodes.
+    Running(Vec<(RunId, ConnId)>),
+}
+
+/// A fenced run's part in its request.
+pub(super) enum Fenced {
+    /// It served nothing any more.
+    Nothing,
+    /// It answered its request, which is lost with it.
+    Committed(RequestId),
+    /// It had not reached its first byte: its request may be tried elsewhere.
+    Uncommitted(RequestId),
 }
 
 /// Checks `item` against `stream`'s contract: `None` for a stream already broken, else
@@ -167,13 +271,44 @@ fn observe(
     })
 }
 
+/// A `Retry-After` of whole seconds among `headers` (an HTTP date is not read: the
+/// machine has no calendar).
+fn retry_after(headers: &[Header]) -> Option<Duration> {
+    let header = headers
+        .iter()
+        .find(|h| h.name.eq_ignore_ascii_case("retry-after"))?;
+    let seconds: u64 = std::str::from_utf8(&header.value)
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    Some(Duration::from_secs(seconds))
+}
+
+impl Request {
+    /// Whether it counts as being retried.
+    pub(super) fn retrying(&self) -> bool {
+        self.retrying
+    }
+}
+
 impl Requests {
-    /// Requests open, counting runs whose caller left but whose node has not ended them.
+    /// Requests open, counting runs given up whose node has not ended them.
     pub(super) fn open(&self) -> usize {
         self.map.len() + self.runs.values().filter(|r| !r.serving).count()
     }
 
-    /// Accepts `call` as a new, queued request (not in the queue yet).
+    /// Requests accepted and not ended.
+    pub(super) fn accepted(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Requests being retried now.
+    pub(super) fn retrying(&self) -> usize {
+        self.retrying
+    }
+
+    /// Accepts `call` as a new request, not dispatched nor queued yet.
     pub(super) fn accept(
         &mut self,
         call: Submit,
@@ -190,8 +325,13 @@ impl Requests {
                 model,
                 long,
                 candidates,
-                state: ReqState::Queued(None),
+                ticket: None,
+                live: Vec::new(),
+                committed: None,
                 attempts: 0,
+                failed: Vec::new(),
+                last_failure: None,
+                retrying: false,
             },
         );
         id
@@ -201,27 +341,49 @@ impl Requests {
         self.map.get(&id)
     }
 
+    pub(super) fn run(&self, run: RunId) -> Option<&Run> {
+        self.runs.get(&run)
+    }
+
     /// Whether only a tunnel-served provider can answer `id`.
     pub(super) fn tunnel_only(&self, id: RequestId) -> bool {
         self.map.get(&id).is_some_and(|r| r.call.tunnel_only())
     }
 
+    /// Whether `id` waits in the queue (for its first dispatch, or a retry, or beside a
+    /// slow run).
+    pub(super) fn waiting(&self, id: RequestId) -> bool {
+        self.map.get(&id).is_some_and(|r| r.ticket.is_some())
+    }
+
+    /// The wait of `id` ended without a dispatch (it timed out while a run still tries).
+    pub(super) fn unqueued(&mut self, id: RequestId) {
+        if let Some(r) = self.map.get_mut(&id) {
+            r.ticket = None;
+        }
+    }
+
     /// `id` waits in the queue with `ticket`, serving only `candidates` from now on.
     pub(super) fn queued(&mut self, id: RequestId, ticket: Ticket, candidates: Arc<[Candidate]>) {
         if let Some(r) = self.map.get_mut(&id) {
-            r.state = ReqState::Queued(Some(ticket));
+            r.ticket = Some(ticket);
             r.candidates = candidates;
         }
     }
 
-    /// The wait of `id` as the queue keeps it.
-    pub(super) fn waiter(&self, id: RequestId, deadline: Timestamp) -> Option<Waiter> {
+    /// The wait of `id` as the queue keeps it, among `candidates`.
+    pub(super) fn waiter(
+        &self,
+        id: RequestId,
+        candidates: Arc<[Candidate]>,
+        deadline: Timestamp,
+    ) -> Option<Waiter> {
         let r = self.map.get(&id)?;
         Some(Waiter {
             request: id,
             model: r.model.clone(),
             long: r.long,
-            candidates: r.candidates.clone(),
+            candidates,
             deadline,
         })
     }
@@ -235,8 +397,8 @@ impl Requests {
         })
     }
 
-    /// Dispatches `id` as run `lease.run` on `conn`: builds the message its provider is
-    /// served with, sends it, and tells the caller who answers.
+    /// Dispatches `lease.run` on `conn`: builds the message its provider is served
+    /// with and sends it. The caller learns who answers when the run commits.
     pub(super) fn dispatch(
         &mut self,
         cx: &mut Cx<'_>,
@@ -251,9 +413,20 @@ impl Requests {
             return;
         };
         r.attempts += 1;
-        r.state = ReqState::Running(run);
+        r.ticket = None;
+        r.live.push(run);
+        if r.attempts > 1 && !r.retrying {
+            r.retrying = true;
+            self.retrying += 1;
+        }
         let (body, stream) = message(&r.call, &r.model, run, meta, target, lease.long);
         cx.out.send(conn, body);
+        cx.out.event(EdgeEvent::Attempt {
+            run,
+            node_id: node_id.clone(),
+            provider_id: meta.provider_id.clone(),
+            shape: meta.shape,
+        });
         self.runs.insert(
             run,
             Run {
@@ -261,44 +434,81 @@ impl Requests {
                 conn,
                 stream,
                 serving: true,
-            },
-        );
-        cx.out.request(
-            run.request,
-            RequestEvent::Dispatched {
-                run,
-                shape: meta.shape,
-                node_id: node_id.clone(),
-                provider_id: meta.provider_id.clone(),
+                committed: false,
+                held: Vec::new(),
+                held_end: None,
+                dispatched: RequestEvent::Dispatched {
+                    run,
+                    shape: meta.shape,
+                    node_id: node_id.clone(),
+                    provider_id: meta.provider_id.clone(),
+                },
+                started: cx.now,
             },
         );
     }
 
-    /// `id` ends for its caller with `outcome` (it holds no lease, or its run is done).
+    /// `id` is queued for another provider: it counts as being retried.
+    pub(super) fn retry_queued(&mut self, id: RequestId) {
+        if let Some(r) = self.map.get_mut(&id)
+            && !r.retrying
+        {
+            r.retrying = true;
+            self.retrying += 1;
+        }
+    }
+
+    /// `id` ends for its caller with `outcome` (its runs are done or given up); a wait it
+    /// had (for a provider beside a slow one) ends with it.
     pub(super) fn end(&mut self, cx: &mut Cx<'_>, id: RequestId, outcome: Outcome) {
-        if self.map.remove(&id).is_some() {
+        if let Some(r) = self.map.remove(&id) {
+            if r.retrying {
+                self.retrying -= 1;
+            }
+            if let Some(ticket) = r.ticket {
+                cx.waits.remove(ticket);
+            }
             cx.out.request(id, RequestEvent::Ended(outcome));
         }
+    }
+
+    /// `id` ends with what its last failed run said (or `fallback`).
+    pub(super) fn end_failed(&mut self, cx: &mut Cx<'_>, id: RequestId, fallback: Outcome) {
+        let outcome = self
+            .map
+            .get_mut(&id)
+            .and_then(|r| r.last_failure.take())
+            .unwrap_or(fallback);
+        self.end(cx, id, outcome);
     }
 
     /// The caller left: `id` ends now ([`Outcome::Cancelled`]); what it held is returned
     /// for the transitions to let go.
     pub(super) fn cancel(&mut self, cx: &mut Cx<'_>, id: RequestId) -> Option<Cancel> {
-        let request = self.map.remove(&id)?;
-        cx.out.request(id, RequestEvent::Ended(Outcome::Cancelled));
-        Some(match request.state {
-            ReqState::Queued(ticket) => Cancel::Queued(ticket),
-            ReqState::Running(run) => {
-                let conn = match self.runs.get_mut(&run) {
-                    Some(r) => {
-                        r.serving = false;
-                        r.conn
-                    }
-                    None => return Some(Cancel::Queued(None)),
-                };
-                Cancel::Running { run, conn }
-            }
-        })
+        let request = self.map.get(&id)?;
+        let runs: Vec<RunId> = request
+            .live
+            .iter()
+            .chain(&request.committed)
+            .copied()
+            .collect();
+        self.end(cx, id, Outcome::Cancelled);
+        if runs.is_empty() {
+            return Some(Cancel::Queued);
+        }
+        Some(Cancel::Running(self.give_up_all(&runs)))
+    }
+
+    /// Marks `runs` given up; returns those still running, with their connections.
+    fn give_up_all(&mut self, runs: &[RunId]) -> Vec<(RunId, ConnId)> {
+        runs.iter()
+            .filter_map(|run| {
+                let r = self.runs.get_mut(run)?;
+                r.serving = false;
+                r.held.clear();
+                Some((*run, r.conn))
+            })
+            .collect()
     }
 
     /// Sends `CancelRequest(CANCEL_RUN)` for `run` on `conn` and arms its cancel grace:
@@ -318,15 +528,122 @@ impl Requests {
                 reason,
             }),
         );
+        cx.timers.stop(TimerKey::FirstByte(run));
         cx.timers.set(TimerKey::CancelGrace(run), cx.now + grace);
     }
 
-    /// A fenced lease: its run is gone with its node. Returns its request when the run
-    /// still served one (that request is lost and must end), having dropped the run.
-    pub(super) fn fenced(&mut self, cx: &mut Cx<'_>, lease: Lease) -> Option<RequestId> {
-        let run = self.runs.remove(&lease.run)?;
+    /// `run` reached its first byte: it answers its request. What it held goes to the
+    /// caller, after who answers; its siblings are given up.
+    pub(super) fn commit(&mut self, cx: &mut Cx<'_>, run: RunId) -> Option<Committed> {
+        let r = self.runs.get_mut(&run)?;
+        r.committed = true;
+        let held = std::mem::take(&mut r.held);
+        let end = r.held_end.take();
+        let dispatched = r.dispatched.clone();
+        cx.timers.stop(TimerKey::FirstByte(run));
+        let request = self.map.get_mut(&run.request)?;
+        request.committed = Some(run);
+        request.live.retain(|&l| l != run);
+        if let Some(ticket) = request.ticket.take() {
+            // It waited for a provider beside a slow run, which answered after all.
+            cx.waits.remove(ticket);
+        }
+        let siblings: Vec<RunId> = std::mem::take(&mut request.live);
+        // No dispatch follows: the body is not needed any more.
+        request.call.body = Bytes::new();
+        request.call.headers = Vec::new();
+        cx.out.request(run.request, dispatched);
+        for event in held {
+            cx.out.request(run.request, event);
+        }
+        let siblings = self.give_up_all(&siblings);
+        let ended = end.is_some();
+        if let Some(outcome) = end {
+            self.runs.remove(&run);
+            cx.timers.stop(TimerKey::CancelGrace(run));
+            self.end(cx, run.request, outcome);
+        }
+        Some(Committed { ended, siblings })
+    }
+
+    /// `run` failed before its first byte and another provider may answer: it is given
+    /// up (its request remembers the provider, and `cause` in case nothing else answers).
+    /// Returns its lease and, when it still runs on its node, its connection to cancel.
+    pub(super) fn give_up(&mut self, run: RunId, cause: &Cause) -> Option<(Lease, Option<ConnId>)> {
+        let r = self.runs.get_mut(&run)?;
+        r.serving = false;
+        r.held.clear();
+        let (lease, conn) = (r.lease, r.conn);
+        let ended = r.held_end.take().is_some();
+        if let Some(request) = self.map.get_mut(&run.request) {
+            request.live.retain(|&l| l != run);
+            if !request.failed.contains(&lease.resource) {
+                request.failed.push(lease.resource);
+            }
+            request.last_failure = Some(cause.outcome());
+        }
+        if ended {
+            self.runs.remove(&run);
+            return Some((lease, None));
+        }
+        Some((lease, Some(conn)))
+    }
+
+    /// `run` has not reached its first byte in time: it goes on, but another provider
+    /// may be tried beside it (returns whether it still serves its request, uncommitted).
+    pub(super) fn slow(&mut self, run: RunId) -> bool {
+        let Some(r) = self.runs.get(&run) else {
+            return false;
+        };
+        if !r.serving || r.committed {
+            return false;
+        }
+        if let Some(request) = self.map.get_mut(&run.request)
+            && !request.failed.contains(&r.lease.resource)
+        {
+            request.failed.push(r.lease.resource);
+        }
+        true
+    }
+
+    /// Whether `id` has runs that may still answer it.
+    pub(super) fn has_live(&self, id: RequestId) -> bool {
+        self.map.get(&id).is_some_and(|r| !r.live.is_empty())
+    }
+
+    /// Whether `id` has runs besides `run` that may still answer it.
+    pub(super) fn has_live_besides(&self, id: RequestId, run: RunId) -> bool {
+        self.map
+            .get(&id)
+            .is_some_and(|r| r.live.iter().any(|&l| l != run))
+    }
+
+    /// Dispatches of `id` so far, and the providers it failed on.
+    pub(super) fn attempts(&self, id: RequestId) -> Option<(u32, &[ResourceId])> {
+        self.map.get(&id).map(|r| (r.attempts, r.failed.as_slice()))
+    }
+
+    /// A fenced lease: its run is gone with its node.
+    pub(super) fn fenced(&mut self, cx: &mut Cx<'_>, lease: Lease) -> Fenced {
+        let Some(run) = self.runs.remove(&lease.run) else {
+            return Fenced::Nothing;
+        };
         cx.timers.stop(TimerKey::CancelGrace(lease.run));
-        (run.serving && self.map.contains_key(&lease.run.request)).then_some(lease.run.request)
+        cx.timers.stop(TimerKey::FirstByte(lease.run));
+        let id = lease.run.request;
+        if !run.serving || !self.map.contains_key(&id) {
+            return Fenced::Nothing;
+        }
+        if run.committed {
+            return Fenced::Committed(id);
+        }
+        if let Some(request) = self.map.get_mut(&id) {
+            request.live.retain(|&l| l != lease.run);
+            if !request.failed.contains(&lease.resource) {
+                request.failed.push(lease.resource);
+            }
+        }
+        Fenced::Uncommitted(id)
     }
 
     /// The cancel grace of `run` passed: the run is dropped; its lease to return.
@@ -344,16 +661,23 @@ impl Requests {
         (self.runs.get(&run)?.conn == conn).then_some(run)
     }
 
-    /// A run event or tunnel frame from `conn`: checked against its run's contract and,
-    /// while the run serves its request, passed to the caller.
-    pub(super) fn observe(&mut self, cx: &mut Cx<'_>, conn: ConnId, item: StreamItem) -> Step {
+    /// A run event or tunnel frame from `conn`: checked against its run's contract;
+    /// before the run's first byte held back (and judged: a first byte, or a failure
+    /// worth another provider), after it passed to the caller.
+    pub(super) fn observe(
+        &mut self,
+        cx: &mut Cx<'_>,
+        conn: ConnId,
+        item: StreamItem,
+        retry_on: &RetryOn,
+    ) -> Step {
         let Some(run) = self.run_on(conn, item.run_id()) else {
             return Step::Ignored;
         };
         let Some(r) = self.runs.get_mut(&run) else {
             return Step::Ignored;
         };
-        let (lease, serving) = (r.lease, r.serving);
+        let (lease, serving, committed) = (r.lease, r.serving, r.committed);
         let Some(observed) = observe(&mut r.stream, &item) else {
             // A broken stream: nothing it sends is trusted any more, except that it
             // ended: the node has stopped the run, so its lease returns now, not at the
@@ -366,20 +690,19 @@ impl Requests {
             return Step::Ignored;
         };
         match observed {
-            Ok(None) => {
-                if serving {
-                    cx.out.request(run.request, item.into_event());
+            Err(detail) if serving && !committed => {
+                // Before its first byte a broken stream is a failed provider like any
+                // other: the request may be tried elsewhere.
+                let terminal = item.is_terminal();
+                r.stream = Stream::Broken;
+                if terminal {
+                    r.held_end = Some(Outcome::Failed(RequestError::Violation(detail.clone())));
                 }
-                Step::Progress
-            }
-            Ok(Some(outcome)) => {
-                self.runs.remove(&run);
-                cx.timers.stop(TimerKey::CancelGrace(run));
-                if serving {
-                    cx.out.request(run.request, item.into_event());
-                    self.end(cx, run.request, outcome);
+                Step::Failed {
+                    run,
+                    cause: Cause::Violation(detail),
+                    retry_after: None,
                 }
-                Step::Ended { lease }
             }
             Err(detail) => {
                 let terminal = item.is_terminal();
@@ -409,6 +732,64 @@ impl Requests {
                     detail,
                 }
             }
+            Ok(end) if !serving => {
+                // Given up: what it says goes nowhere; its end frees its lease.
+                if end.is_some() {
+                    self.runs.remove(&run);
+                    cx.timers.stop(TimerKey::CancelGrace(run));
+                    return Step::Ended { lease };
+                }
+                Step::Progress
+            }
+            Ok(end) if committed => {
+                cx.out.request(run.request, item.into_event());
+                match end {
+                    Some(outcome) => {
+                        self.runs.remove(&run);
+                        self.end(cx, run.request, outcome);
+                        Step::Ended { lease }
+                    }
+                    None => Step::Progress,
+                }
+            }
+            Ok(None) => {
+                let status = match &item {
+                    StreamItem::Frame(frame) if frame.kind == TunnelFrameKind::Status as i32 => {
+                        Some((frame.status_code, retry_after(&frame.headers)))
+                    }
+                    _ => None,
+                };
+                let content = item.has_content();
+                r.held.push(item.into_event());
+                match status {
+                    Some((code, retry_after)) if retry_on.status(code) => Step::Failed {
+                        run,
+                        cause: Cause::Status(code),
+                        retry_after,
+                    },
+                    Some(_) => Step::FirstByte { run },
+                    None if content || r.held.len() >= MAX_HELD => Step::FirstByte { run },
+                    None => Step::Progress,
+                }
+            }
+            Ok(Some(outcome)) => {
+                let retryable = match &outcome {
+                    Outcome::Failed(RequestError::Provider(detail)) => {
+                        detail.retryable && retry_on.connect
+                    }
+                    _ => false,
+                };
+                r.held.push(item.into_event());
+                r.held_end = Some(outcome.clone());
+                match outcome {
+                    Outcome::Failed(RequestError::Provider(detail)) if retryable => Step::Failed {
+                        run,
+                        cause: Cause::Error(detail),
+                        retry_after: None,
+                    },
+                    _ => Step::FirstByte { run },
+                }
+            }
         }
     }
 
@@ -421,11 +802,18 @@ impl Requests {
         detail: StreamViolation,
     ) -> Option<Step> {
         let r = self.runs.get_mut(&run)?;
-        let (lease, conn, serving) = (r.lease, r.conn, r.serving);
+        let (lease, conn, serving, committed) = (r.lease, r.conn, r.serving, r.committed);
         if matches!(r.stream, Stream::Broken) {
             return Some(Step::Ignored);
         }
         r.stream = Stream::Broken;
+        if serving && !committed {
+            return Some(Step::Failed {
+                run,
+                cause: Cause::Violation(detail),
+                retry_after: None,
+            });
+        }
         r.serving = false;
         if serving {
             self.end(

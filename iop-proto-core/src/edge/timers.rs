@@ -22,6 +22,11 @@ pub(super) enum TimerKey {
     CancelGrace(RunId),
     /// A node command must be answered by this.
     Command(u64),
+    /// A run that has not reached its first byte by this is slow: another provider may
+    /// be tried beside it.
+    FirstByte(RunId),
+    /// An ejected provider may be probed from this instant: waiters are served again.
+    Probe(ResourceId),
 }
 
 impl crate::timer::TimerKey for TimerKey {
@@ -34,6 +39,8 @@ impl crate::timer::TimerKey for TimerKey {
             TimerKey::Refresh(_) => "refresh answer",
             TimerKey::CancelGrace(_) => "cancel grace",
             TimerKey::Command(_) => "command answer",
+            TimerKey::FirstByte(_) => "first byte",
+            TimerKey::Probe(_) => "probe",
         }
     }
 }

@@ -20,14 +20,25 @@
 //! - **A stream's end returns its lease** ([`on_stream`](EdgeCore::on_stream)); a broken
 //!   stream fails its request and is cancelled on the node, which keeps the lease until
 //!   it ends the run or the cancel grace passes.
+//! - **Nothing reaches the caller before a run's first byte** ([`on_stream`](EdgeCore::on_stream)):
+//!   a run that fails before it (the provider unreachable, 5xx, 429, 408, a broken
+//!   stream, its node lost) is given up and its request dispatched again on another
+//!   provider ([`retry`](EdgeCore::retry)), within `max_attempts` and the retry budget;
+//!   when none can take it, the caller gets the failed run's answer. A run slow to its
+//!   first byte gets another provider tried beside it; the first to answer wins and the
+//!   others are cancelled. A caller's own 4xx is an answer, never a failure.
+//! - **A provider that keeps failing is ejected** ([`provider_failed`](EdgeCore::provider_failed)):
+//!   out of the rotation for a while that grows with repeats, never the last live
+//!   provider of a model group; then one request probes it.
 //! - **Draining** ([`drain_node`](EdgeCore::drain_node)): no new work for the node; it is
 //!   closed once its last lease returns.
 //! - **A configuration takes effect** ([`reconfigure`](EdgeCore::reconfigure)): removed
 //!   nodes and changed tokens fence their owners; changed payloads are pushed.
 
+use super::health::Passed;
 use super::pool::Model;
 use super::registry::{Admitted, NodeIdx, Phase, Readied};
-use super::requests::{Cancel, Requests, Step, StreamItem};
+use super::requests::{Cancel, Cause, Fenced, Requests, Step, StreamItem};
 use super::*;
 
 impl EdgeCore {
@@ -215,19 +226,42 @@ impl EdgeCore {
         self.control.node_lost(&mut cx, node, generation);
         let node_id = self.registry.node(node).id.clone();
         let mut lost = Vec::new();
+        let mut elsewhere = Vec::new();
         for (_, r) in self.registry.node(node).resources.clone() {
             for lease in self.pool.fence(r) {
-                if let Some(request) = self.requests.fenced(&mut cx, lease) {
-                    lost.push(request);
+                // (Offline now: nothing to pump for a probe slot freed.)
+                self.pool.undecided(r, lease.run);
+                let mut cx = cx!(self);
+                match self.requests.fenced(&mut cx, lease) {
+                    Fenced::Nothing => {}
+                    Fenced::Committed(request) => lost.push(request),
+                    Fenced::Uncommitted(request) => elsewhere.push((request, lease)),
                 }
             }
         }
+        // A run lost before its first byte: its request goes on elsewhere when it may.
+        let why = Outcome::Failed(RequestError::NodeLost {
+            node_id: node_id.clone(),
+        });
+        let mut retry = Vec::new();
+        for (request, lease) in elsewhere {
+            if self.config.routing.retry_on.node_lost && self.may_retry(request, None) {
+                self.out.event(EdgeEvent::Retried {
+                    request,
+                    run: lease.run,
+                    node_id: node_id.clone(),
+                    provider_id: self.pool.meta(lease.resource).provider_id.clone(),
+                    why: "node_lost",
+                });
+                retry.push(request);
+            } else if !self.requests.has_live(request) {
+                lost.push(request);
+            }
+        }
         lost.sort_unstable();
+        let mut cx = cx!(self);
         for &request in &lost {
-            let outcome = Outcome::Failed(RequestError::NodeLost {
-                node_id: node_id.clone(),
-            });
-            self.requests.end(&mut cx, request, outcome);
+            self.requests.end_failed(&mut cx, request, why.clone());
         }
         if owner.ready {
             self.out.event(EdgeEvent::NodeDisconnected {
@@ -237,6 +271,9 @@ impl EdgeCore {
                 lost,
             });
             self.health_changed(node);
+        }
+        for request in retry {
+            self.retry(request);
         }
     }
 
@@ -268,7 +305,7 @@ impl EdgeCore {
             return Err(SubmitError::NoCandidates(submit.model.to_string()));
         }
         let name = model.name.clone();
-        let picked = self.pool.pick(&name, &candidates, long);
+        let picked = self.pool.pick(self.now, &name, &candidates, long);
         let max_waiting = self.config.queue.max_waiting;
         if picked.is_none() && self.pool.waiting_for(&name) >= max_waiting {
             return Err(SubmitError::QueueFull {
@@ -279,13 +316,7 @@ impl EdgeCore {
         let request = self.requests.accept(submit, name, long, candidates.clone());
         match picked {
             Some(candidate) => self.grant(request, &candidate),
-            None => {
-                let deadline = self.now + self.config.queue.wait_timeout;
-                if let Some(waiter) = self.requests.waiter(request, deadline) {
-                    let ticket = self.pool.wait(waiter);
-                    self.requests.queued(request, ticket, candidates);
-                }
-            }
+            None => self.wait(request, candidates),
         }
         Ok(request)
     }
@@ -301,7 +332,7 @@ impl EdgeCore {
         let Some(lease) = self.pool.acquire(candidate.resource, run, long) else {
             unreachable!("grant without free capacity");
         };
-        let meta = self.pool.meta(candidate.resource);
+        let meta = &self.pool.resources[candidate.resource.index()];
         let node = self.registry.node(meta.node);
         let Some(owner) = node.owner.filter(|o| o.ready) else {
             unreachable!("live resource on a node that is not ready");
@@ -315,11 +346,285 @@ impl EdgeCore {
             &node.id,
             &candidate.target,
         );
+        self.pool.dispatched(self.now, candidate.resource, run);
+        let model = self.requests.get(request).map(|r| r.model.clone());
+        let deadline = model
+            .and_then(|m| self.config.models.get(&*m))
+            .and_then(|m| m.first_byte_timeout)
+            .unwrap_or(self.config.routing.first_byte_timeout);
+        self.timers
+            .set(TimerKey::FirstByte(run), self.now + deadline);
+    }
+
+    /// `request` waits in the queue for one of `candidates`.
+    fn wait(&mut self, request: RequestId, candidates: Arc<[Candidate]>) {
+        let deadline = self.now + self.config.queue.wait_timeout;
+        if let Some(waiter) = self.requests.waiter(request, candidates.clone(), deadline) {
+            let ticket = self.pool.wait(waiter);
+            self.requests.queued(request, ticket, candidates);
+        }
+    }
+
+    /// Whether `request` may be dispatched once more, on a provider it has not failed on
+    /// (nor `also`): attempts left, room in the retry budget, and such a provider live.
+    fn may_retry(&self, request: RequestId, also: Option<ResourceId>) -> bool {
+        let routing = &self.config.routing;
+        let (Some(r), Some((attempts, failed))) =
+            (self.requests.get(request), self.requests.attempts(request))
+        else {
+            return false;
+        };
+        if attempts >= routing.max_attempts {
+            return false;
+        }
+        let budget = (self.requests.accepted() * routing.retry_budget_percent as usize / 100)
+            .max(routing.retry_budget_min as usize);
+        if !r.retrying() && self.requests.retrying() >= budget {
+            return false;
+        }
+        let tunnel_only = self.requests.tunnel_only(request);
+        r.candidates.iter().any(|c| {
+            Some(c.resource) != also
+                && !failed.contains(&c.resource)
+                && (!tunnel_only || self.pool.meta(c.resource).shape == DispatchShape::Tunnel)
+                && self.pool.usage(c.resource).capacity > 0
+                && self.pool.pickable(self.now, c.resource)
+        })
+    }
+
+    /// The candidates of `request` it has not failed on (and, when only a tunnel can
+    /// answer it, that are served by tunnels now).
+    fn untried(&self, request: RequestId) -> Option<(Arc<str>, bool, Arc<[Candidate]>)> {
+        let r = self.requests.get(request)?;
+        let (_, failed) = self.requests.attempts(request)?;
+        let tunnel_only = self.requests.tunnel_only(request);
+        let candidates = r
+            .candidates
+            .iter()
+            .filter(|c| !failed.contains(&c.resource))
+            .filter(|c| !tunnel_only || self.pool.meta(c.resource).shape == DispatchShape::Tunnel)
+            .cloned()
+            .collect();
+        Some((r.model.clone(), r.long, candidates))
+    }
+
+    /// Dispatches `request` again, on a provider it has not failed on: at once where one
+    /// has room, else it waits in the queue for one; with none left it ends with what its
+    /// last run said. A request with a run still trying is left to it.
+    pub(super) fn retry(&mut self, request: RequestId) {
+        if self.requests.has_live(request) || self.requests.waiting(request) {
+            return;
+        }
+        let Some((model, long, candidates)) = self.untried(request) else {
+            return;
+        };
+        if candidates.is_empty() {
+            let mut cx = cx!(self);
+            let nothing = Outcome::Failed(RequestError::NodeLost {
+                node_id: Arc::from(""),
+            });
+            self.requests.end_failed(&mut cx, request, nothing);
+            return;
+        }
+        match self.pool.pick(self.now, &model, &candidates, long) {
+            Some(candidate) => self.grant(request, &candidate),
+            None => {
+                self.requests.retry_queued(request);
+                self.wait(request, candidates);
+            }
+        }
+    }
+
+    /// `run` on `resource` failed before its first byte: its provider's health takes
+    /// the failure, and an ejection it causes is announced (and probed when it ends).
+    pub(super) fn provider_failed(
+        &mut self,
+        resource: ResourceId,
+        run: RunId,
+        retry_after: Option<Duration>,
+    ) {
+        let routing = self.config.routing;
+        let Some(ejected) = self
+            .pool
+            .failed(self.now, &routing, resource, run, retry_after)
+        else {
+            // Still in the rotation, and a trial slot `run` held is free again.
+            self.pump(resource);
+            return;
+        };
+        self.timers.set(TimerKey::Probe(resource), ejected.until);
+        let meta = self.pool.meta(resource);
+        self.out.event(EdgeEvent::ProviderEjected {
+            node_id: self.registry.node(meta.node).id.clone(),
+            provider_id: meta.provider_id.clone(),
+            reason: ejected.reason,
+            time: ejected.until.saturating_duration_since(self.now),
+        });
+    }
+
+    /// Tells the shell (logs, metrics) that `run` is given up for `why` and its request
+    /// tried elsewhere.
+    fn retried(&mut self, run: RunId, resource: ResourceId, why: &'static str) {
+        let meta = self.pool.meta(resource);
+        self.out.event(EdgeEvent::Retried {
+            request: run.request,
+            run,
+            node_id: self.registry.node(meta.node).id.clone(),
+            provider_id: meta.provider_id.clone(),
+            why,
+        });
+    }
+
+    /// `run` reached its first byte: it answers its request; its siblings are cancelled;
+    /// its provider's health takes the success.
+    fn first_byte(&mut self, run: RunId) {
+        let Some(r) = self.requests.run(run) else {
+            return;
+        };
+        let (lease, started) = (r.lease, r.started);
+        let mut cx = cx!(self);
+        let Some(committed) = self.requests.commit(&mut cx, run) else {
+            return;
+        };
+        let routing = self.config.routing;
+        let latency = self.now.saturating_duration_since(started);
+        match self
+            .pool
+            .succeeded(self.now, &routing, lease.resource, run, latency)
+        {
+            Passed::Nothing => {}
+            Passed::Trial => self.pump(lease.resource),
+            Passed::Restored(after) => {
+                let meta = self.pool.meta(lease.resource);
+                self.out.event(EdgeEvent::ProviderRestored {
+                    node_id: self.registry.node(meta.node).id.clone(),
+                    provider_id: meta.provider_id.clone(),
+                    after,
+                });
+                // Back in the rotation: what waits for it may go.
+                self.pump(lease.resource);
+            }
+        }
+        // A sibling dispatched before this one is one that went past its first-byte
+        // deadline: beaten by a later attempt, it failed. A later one (tried beside a slow
+        // run that then answered) says nothing of its provider.
+        for &(sibling, _) in &committed.siblings {
+            if sibling.attempt < run.attempt
+                && let Some(resource) = self.requests.run(sibling).map(|r| r.lease.resource)
+            {
+                self.provider_failed(resource, sibling, None);
+            }
+        }
+        let grace = self.config.timing.cancel_grace;
+        let mut cx = cx!(self);
+        for (sibling, conn) in committed.siblings {
+            let reason = "another provider answered first".to_owned();
+            Requests::cancel_on_node(&mut cx, sibling, conn, reason, grace);
+        }
+        if committed.ended {
+            self.release(lease);
+        }
+    }
+
+    /// `run` failed before its first byte: given up and its request dispatched again
+    /// when it may, otherwise its answer goes to the caller.
+    fn failed_before_first_byte(
+        &mut self,
+        run: RunId,
+        cause: Cause,
+        retry_after: Option<Duration>,
+    ) {
+        let Some(lease) = self.requests.run(run).map(|r| r.lease) else {
+            return;
+        };
+        if let Cause::Violation(detail) = &cause {
+            self.out.event(EdgeEvent::PeerViolation {
+                conn: self.requests.run(run).map_or(ConnId(0), |r| r.conn),
+                node_id: Some(
+                    self.registry
+                        .node(self.pool.meta(lease.resource).node)
+                        .id
+                        .clone(),
+                ),
+                violation: Violation::Stream {
+                    run,
+                    violation: detail.clone(),
+                },
+            });
+        }
+        self.provider_failed(lease.resource, run, retry_after);
+        let request = run.request;
+        let retry = self.may_retry(request, Some(lease.resource));
+        let alone = !self.requests.has_live_besides(request, run);
+        if !retry && alone && !matches!(cause, Cause::Violation(_)) {
+            // Nothing else can answer: the caller gets this one.
+            self.first_byte(run);
+            return;
+        }
+        if retry {
+            self.retried(run, lease.resource, cause.label());
+        }
+        let Some((lease, conn)) = self.requests.give_up(run, &cause) else {
+            return;
+        };
+        match conn {
+            Some(conn) => {
+                let grace = self.config.timing.cancel_grace;
+                let mut cx = cx!(self);
+                let reason = match &cause {
+                    Cause::Violation(detail) => format!("protocol violation: {detail}"),
+                    _ => "retried on another provider".to_owned(),
+                };
+                Requests::cancel_on_node(&mut cx, run, conn, reason, grace);
+            }
+            None => {
+                self.pool.undecided(lease.resource, run);
+                self.release(lease);
+            }
+        }
+        if retry {
+            self.retry(request);
+        } else if alone {
+            // A broken stream has no answer to give: the request fails with it.
+            let mut cx = cx!(self);
+            self.requests.end_failed(&mut cx, request, cause.outcome());
+        }
+    }
+
+    /// `run` has not reached its first byte in time: another provider is tried beside it
+    /// when the request may, at once where one has room, else the first that has. The
+    /// first of them to answer serves the caller.
+    fn slow_first_byte(&mut self, run: RunId) {
+        let Some(lease) = self.requests.run(run).map(|r| r.lease) else {
+            return;
+        };
+        if !self.requests.slow(run) {
+            return;
+        }
+        // Not a failure yet: it may still answer first (a long answer that is not
+        // streamed has its head only at the end). A later attempt that beats it makes it
+        // one (see `first_byte`).
+        let request = run.request;
+        if !self.may_retry(request, Some(lease.resource)) {
+            return;
+        }
+        let Some((model, long, candidates)) = self.untried(request) else {
+            return;
+        };
+        self.retried(run, lease.resource, "first_byte_timeout");
+        match self.pool.pick(self.now, &model, &candidates, long) {
+            Some(candidate) => self.grant(request, &candidate),
+            None => {
+                // Every other provider is busy: the first one free is tried beside it.
+                self.requests.retry_queued(request);
+                self.wait(request, candidates);
+            }
+        }
     }
 
     /// Serves waiters listing `resource` while it has free capacity, oldest first.
     fn pump(&mut self, resource: ResourceId) {
-        while let Some(waiter) = self.pool.next_for(resource) {
+        while let Some(waiter) = self.pool.next_for(self.now, resource) {
             if self.requests.tunnel_only(waiter.request)
                 && self.pool.meta(resource).shape != DispatchShape::Tunnel
             {
@@ -358,7 +663,10 @@ impl EdgeCore {
             self.requests.end(&mut cx, request, outcome);
             return;
         }
-        if let Some(candidate) = self.pool.pick(&waiter.model, &candidates, waiter.long) {
+        if let Some(candidate) = self
+            .pool
+            .pick(self.now, &waiter.model, &candidates, waiter.long)
+        {
             self.grant(request, &candidate);
             return;
         }
@@ -379,9 +687,14 @@ impl EdgeCore {
         }
     }
 
-    /// Waiters whose wait timed out end, [`Outcome::Expired`].
+    /// Waiters whose wait timed out end, [`Outcome::Expired`]; one that waited beside a
+    /// slow run goes on with that run.
     pub(super) fn expire_waiters(&mut self) {
         while let Some(waiter) = self.pool.expired(self.now) {
+            if self.requests.has_live(waiter.request) {
+                self.requests.unqueued(waiter.request);
+                continue;
+            }
             let mut cx = cx!(self);
             self.requests.end(&mut cx, waiter.request, Outcome::Expired);
         }
@@ -392,15 +705,12 @@ impl EdgeCore {
         let mut cx = cx!(self);
         match self.requests.cancel(&mut cx, request) {
             None => Cancelled::AlreadyEnded,
-            Some(Cancel::Queued(ticket)) => {
-                if let Some(ticket) = ticket {
-                    self.pool.unwait(ticket);
-                }
-                Cancelled::Now
-            }
-            Some(Cancel::Running { run, conn }) => {
+            Some(Cancel::Queued) => Cancelled::Now,
+            Some(Cancel::Running(runs)) => {
                 let grace = self.config.timing.cancel_grace;
-                Requests::cancel_on_node(&mut cx, run, conn, reason.to_owned(), grace);
+                for (run, conn) in runs {
+                    Requests::cancel_on_node(&mut cx, run, conn, reason.to_owned(), grace);
+                }
                 Cancelled::Now
             }
         }
@@ -413,7 +723,8 @@ impl EdgeCore {
             return;
         }
         let mut cx = cx!(self);
-        let step = self.requests.observe(&mut cx, conn, item);
+        let retry_on = self.config.routing.retry_on;
+        let step = self.requests.observe(&mut cx, conn, item, &retry_on);
         self.after_step(conn, step);
     }
 
@@ -433,7 +744,17 @@ impl EdgeCore {
     fn after_step(&mut self, conn: ConnId, step: Step) {
         match step {
             Step::Ignored | Step::Progress => {}
-            Step::Ended { lease, .. } => self.release(lease),
+            Step::FirstByte { run } => self.first_byte(run),
+            Step::Failed {
+                run,
+                cause,
+                retry_after,
+                ..
+            } => self.failed_before_first_byte(run, cause, retry_after),
+            Step::Ended { lease } => {
+                self.pool.undecided(lease.resource, lease.run);
+                self.release(lease);
+            }
             Step::Violated {
                 run,
                 lease,
@@ -758,9 +1079,12 @@ impl EdgeCore {
             }
             TimerKey::CancelGrace(run) => {
                 if let Some(lease) = self.requests.grace_over(run) {
+                    self.pool.undecided(lease.resource, lease.run);
                     self.release(lease);
                 }
             }
+            TimerKey::FirstByte(run) => self.slow_first_byte(run),
+            TimerKey::Probe(resource) => self.pump(resource),
         }
     }
 
@@ -810,8 +1134,15 @@ impl EdgeCore {
                 snap.status = ProviderStatus::Disabled as i32;
             } else if ready && usage.generation.is_some() {
                 let (queued, long_queued) = resource.map_or((0, 0), |r| self.pool.queued_at(r));
+                // Out of the rotation (ejected, or waiting for its probe): degraded.
+                let live = resource
+                    .is_none_or(|r| self.pool.standing(self.now, r) == crate::edge::Standing::Live);
                 snap.status = ProviderStatus::Available as i32;
-                snap.health = ProviderHealth::Healthy as i32;
+                snap.health = if live {
+                    ProviderHealth::Healthy as i32
+                } else {
+                    ProviderHealth::Degraded as i32
+                };
                 snap.capacity = usage.capacity;
                 snap.long_capacity = usage.long_capacity;
                 snap.in_flight = usage.in_flight;
@@ -840,6 +1171,62 @@ impl EdgeCore {
                 ),
             });
         }
+    }
+
+    /// Every configured provider as routing sees it (in the rotation, ejected, probed;
+    /// its recent failures and first-byte latency), in the order of
+    /// [`snapshots`](Self::snapshots).
+    #[must_use]
+    pub fn provider_routing(&self) -> Vec<ProviderRouting> {
+        let mut order: Vec<NodeIdx> = self
+            .registry
+            .indices()
+            .filter(|&i| self.registry.node(i).spec.is_some())
+            .collect();
+        order.sort_by(|&a, &b| self.registry.node(a).id.cmp(&self.registry.node(b).id));
+        let routing = &self.config.routing;
+        let mut out = Vec::new();
+        for node in order {
+            let entry = self.registry.node(node);
+            let Some(spec) = &entry.spec else { continue };
+            for adapter in &spec.adapters {
+                let name = adapter.instance_name();
+                let Some(r) = entry
+                    .resources
+                    .iter()
+                    .find(|(n, _)| &**n == name)
+                    .map(|(_, r)| *r)
+                else {
+                    continue;
+                };
+                let (consecutive_failures, failure_share, latency) =
+                    self.pool.health_figures(self.now, r, routing);
+                let standing = self.pool.standing(self.now, r);
+                out.push(ProviderRouting {
+                    node_id: entry.id.clone(),
+                    provider_id: self.pool.meta(r).provider_id.clone(),
+                    standing,
+                    ejected_for: match standing {
+                        Standing::Ejected { until, .. } => {
+                            Some(until.saturating_duration_since(self.now))
+                        }
+                        _ => None,
+                    },
+                    consecutive_failures,
+                    failure_share,
+                    first_byte: latency.map(Duration::from_secs_f64),
+                });
+            }
+        }
+        out
+    }
+
+    /// Whether a request may be sent to `resource` now: in the rotation and not on trial
+    /// with a request in flight, or due its probe (for tests that check no waiter waits
+    /// while a provider could take it).
+    #[must_use]
+    pub fn pickable(&self, resource: ResourceId) -> bool {
+        self.pool.pickable(self.now, resource)
     }
 
     /// Configured nodes and their readiness, in id order.

@@ -260,6 +260,55 @@ pub enum EdgeEvent {
         /// What happened.
         event: RequestEvent,
     },
+    /// A request was dispatched (its first try, a retry, or a try beside a slow one): for
+    /// logs and metrics; its caller hears of it only if this run answers
+    /// ([`RequestEvent::Dispatched`]).
+    Attempt {
+        /// The run.
+        run: RunId,
+        /// Node chosen.
+        node_id: Arc<str>,
+        /// Adapter instance chosen on it.
+        provider_id: Arc<str>,
+        /// Tunnel or run.
+        shape: DispatchShape,
+    },
+    /// A provider failed a request before its first byte, and the request was given
+    /// another provider (or one was tried beside a provider slow to answer).
+    Retried {
+        /// The request.
+        request: RequestId,
+        /// The run that failed, or is slow.
+        run: RunId,
+        /// Its node.
+        node_id: Arc<str>,
+        /// Its provider.
+        provider_id: Arc<str>,
+        /// Why, as a stable label (`error`, `status_5xx`, `status_429`, `status_408`,
+        /// `violation`, `node_lost`, `first_byte_timeout`).
+        why: &'static str,
+    },
+    /// A provider was taken out of the rotation until its ejection ends and a probe
+    /// succeeds (or, for a `Retry-After`, until the time it asked for).
+    ProviderEjected {
+        /// Its node.
+        node_id: Arc<str>,
+        /// The provider.
+        provider_id: Arc<str>,
+        /// Why.
+        reason: Ejection,
+        /// For how long.
+        time: Duration,
+    },
+    /// An ejected provider answered its probe: it is back in the rotation.
+    ProviderRestored {
+        /// Its node.
+        node_id: Arc<str>,
+        /// The provider.
+        provider_id: Arc<str>,
+        /// Why it had been ejected.
+        after: Ejection,
+    },
     /// A node answered a config refresh.
     RefreshAnswered {
         /// The node that answered.
@@ -382,6 +431,25 @@ pub struct FailingNode {
     pub hold: Duration,
     /// Time since its last failure.
     pub since_last: Duration,
+}
+
+/// A provider as routing sees it, for status pages.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ProviderRouting {
+    /// Its node.
+    pub node_id: Arc<str>,
+    /// The provider.
+    pub provider_id: Arc<str>,
+    /// In the rotation, ejected, or due (or in) its probe.
+    pub standing: Standing,
+    /// How much longer its ejection lasts, while it is ejected.
+    pub ejected_for: Option<Duration>,
+    /// Failures before the first byte in a row.
+    pub consecutive_failures: u32,
+    /// The share of its outcomes within the ejection window that failed, 0 to 1.
+    pub failure_share: f64,
+    /// The average first-byte latency, once it answered.
+    pub first_byte: Option<Duration>,
 }
 
 /// A failed registration whose answer the throttle holds back.

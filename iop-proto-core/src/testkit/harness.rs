@@ -387,6 +387,12 @@ fn short_edge(event: &EdgeEvent) -> String {
                 },
         } => format!("Dispatched({request} on {node_id}/{provider_id}, {shape:?})"),
         EdgeEvent::Request { request, event } => format!("{request} {event:?}"),
+        EdgeEvent::Attempt {
+            run,
+            node_id,
+            provider_id,
+            shape,
+        } => format!("Attempt({run} on {node_id}/{provider_id}, {shape:?})"),
         other => format!("{other:?}"),
     }
 }

@@ -44,4 +44,6 @@ pub struct Faults {
     pub swallow_drain: bool,
     /// Never drive the Edge's timers.
     pub skip_timers: bool,
+    /// Dispatch a request once more after its first bytes reached the caller.
+    pub redispatch_after_first_byte: bool,
 }

@@ -62,6 +62,11 @@ pub enum Mode {
     /// Starts, sends one delta, then says nothing more until cancelled (a reasoning model
     /// thinking, a long prefill).
     Silent,
+    /// Cannot be reached: every request fails at once with a retryable error (a run
+    /// right after its start), before any byte.
+    Refuse,
+    /// Answers 503 with `Retry-After: 1` (a run: a retryable error after its start).
+    Unavailable,
 }
 
 /// One step of a simulation. Generated from a seed by [`generate`], or by proptest.
@@ -173,10 +178,30 @@ pub const OPS_PER_SEED: usize = 60;
 /// Runs the world of `seed`: [`OPS_PER_SEED`] operations generated from it.
 pub fn run_seed(seed: u64, options: SimOptions) -> Result<Stats, SimFailure> {
     let mut ops = generate(seed, OPS_PER_SEED);
-    if !options.no_bad_siblings {
+    if !options.original_ops {
         weave_bad_siblings(seed, &mut ops);
+        weave_broken_providers(seed, &mut ops);
     }
     run(seed, &ops, options)
+}
+
+/// Breaks providers in two fifths of the worlds (unreachable, or answering 503), from a
+/// stream of its own.
+fn weave_broken_providers(seed: u64, ops: &mut Vec<Op>) {
+    let mut rng = Rng::new(seed ^ 0x3C6E_F372_FE94_F82B);
+    if !rng.chance(40) {
+        return;
+    }
+    for _ in 0..rng.range(1, 3) {
+        let at = usize::try_from(rng.below(ops.len() as u64 + 1)).unwrap_or(0);
+        let node = u8::try_from(rng.below(NODES as u64)).unwrap_or(0);
+        let mode = if rng.chance(50) {
+            Mode::Refuse
+        } else {
+            Mode::Unavailable
+        };
+        ops.insert(at.min(ops.len()), Op::Provider { node, mode });
+    }
 }
 
 /// Adds misconfigured siblings to a third of the worlds, drawn from a stream of their
@@ -284,6 +309,12 @@ pub struct Stats {
     pub held_off: u64,
     /// Registrations of misconfigured siblings refused.
     pub bad_refused: u64,
+    /// Requests given another provider before their first byte.
+    pub retries: u64,
+    /// Providers ejected.
+    pub ejections: u64,
+    /// Providers restored by a probe.
+    pub restored: u64,
     /// Of those, refusals held back by the throttle.
     pub bad_throttled: u64,
 }
@@ -318,9 +349,9 @@ pub struct SimOptions {
     pub faults: Faults,
     /// Keep the whole trace instead of the last steps.
     pub full_trace: bool,
-    /// Leave misconfigured siblings ([`Op::BadSibling`]) out of generated worlds: the
-    /// worlds of seeds found before they joined the generator, exactly.
-    pub no_bad_siblings: bool,
+    /// Only the operations [`generate`] makes: no misconfigured siblings
+    /// ([`Op::BadSibling`]) nor broken providers ([`Mode::Refuse`], [`Mode::Unavailable`]).
+    pub original_ops: bool,
 }
 
 const TOKEN: &str = "sim-token";
@@ -383,6 +414,7 @@ pub fn world_config(rev: u32) -> EdgeConfig {
         ModelSpec {
             candidates: vec![candidate(0, "run"), candidate(1, "run")],
             long_context_threshold: Some(100),
+            first_byte_timeout: None,
         },
     );
     models.insert(
@@ -390,6 +422,7 @@ pub fn world_config(rev: u32) -> EdgeConfig {
         ModelSpec {
             candidates: vec![candidate(1, "tun"), candidate(2, "tun")],
             long_context_threshold: Some(100),
+            first_byte_timeout: None,
         },
     );
     models.insert(
@@ -401,6 +434,7 @@ pub fn world_config(rev: u32) -> EdgeConfig {
                 candidate(1, "tun"),
             ],
             long_context_threshold: Some(100),
+            first_byte_timeout: None,
         },
     );
     EdgeConfig {
@@ -430,6 +464,17 @@ pub fn world_config(rev: u32) -> EdgeConfig {
                 max_tracked: 64,
             },
             ..crate::edge_config::Admission::default()
+        },
+        // Routing timers scaled like the others: a provider is ejected and probed again
+        // within a world's life, and a hang is tried around well before a client gives up.
+        routing: crate::edge_config::Routing {
+            first_byte_timeout: Duration::from_millis(600),
+            eject_base: Duration::from_millis(200),
+            eject_max: Duration::from_millis(1600),
+            eject_window: Duration::from_millis(2000),
+            eject_min_requests: 5,
+            retry_after_max: Duration::from_millis(1000),
+            ..crate::edge_config::Routing::default()
         },
     }
 }
@@ -561,6 +606,12 @@ struct Client {
     ended: bool,
     checker: Option<Checker>,
     tunnel_only: bool,
+    /// Dispatches of the request seen on the wire.
+    dispatches: u32,
+    /// Its answer began: a provider was named, bytes may follow.
+    answered: bool,
+    /// Bytes of its answer reached it.
+    got_bytes: bool,
 }
 
 struct World {
@@ -582,6 +633,8 @@ struct World {
     drain_read: BTreeSet<u64>,
     /// Bugs planted in the simulated shell.
     faults: Faults,
+    /// Each request's last dispatch as written (for the planted redispatch).
+    last_dispatch: BTreeMap<RequestId, (ConnId, Envelope)>,
 }
 
 macro_rules! check {
@@ -683,6 +736,12 @@ impl World {
         };
         if let Some((run_id, adapter, as_run)) = &work {
             self.check_dispatch(conn, run_id, adapter, *as_run);
+            if self.faults.redispatch_after_first_byte
+                && let Some(run) = RunId::parse(run_id)
+            {
+                self.last_dispatch
+                    .insert(run.request, (conn, envelope.clone()));
+            }
         }
         self.send_to_node(conn, &envelope);
         if work.is_some() && self.faults.dispatch_to_pending {
@@ -699,6 +758,30 @@ impl World {
                 }
                 self.send_to_node(other, &envelope);
             }
+        }
+    }
+
+    /// Bytes of `request`'s answer reached its caller.
+    fn first_bytes(&mut self, request: RequestId) {
+        let Some(client) = self.clients.get_mut(&request) else {
+            return;
+        };
+        if std::mem::replace(&mut client.got_bytes, true) {
+            return;
+        }
+        // The planted bug: the same request dispatched again, as a new attempt.
+        if let Some((conn, mut envelope)) = self.last_dispatch.remove(&request) {
+            let again = RunId {
+                request,
+                attempt: 9,
+            }
+            .wire();
+            match &mut envelope.body {
+                Some(Body::RunRequest(run)) => run.run_id = again,
+                Some(Body::ProviderTunnelRequest(tunnel)) => tunnel.run_id = again,
+                _ => {}
+            }
+            self.shell_writes(conn, envelope);
         }
     }
 
@@ -735,6 +818,24 @@ impl World {
             !(as_run && tunnel_only),
             "tunnel-only {run_id} dispatched as a run on {adapter}"
         );
+        // Retries: only before the first byte, and within the attempts a request has.
+        let max_attempts = self.edge.config().routing.max_attempts;
+        if let Some(client) =
+            RunId::parse(run_id).and_then(|run| self.clients.get_mut(&run.request))
+        {
+            client.dispatches += 1;
+            let (dispatches, got_bytes) = (client.dispatches, client.got_bytes);
+            check!(
+                self,
+                !got_bytes,
+                "{run_id} dispatched after its request's first byte reached the caller"
+            );
+            check!(
+                self,
+                dispatches <= max_attempts,
+                "{run_id}: {dispatches} dispatches, more than {max_attempts} attempts"
+            );
+        }
     }
 
     /// Tells the Edge a connection is closed, checking that a connection that no longer
@@ -807,7 +908,10 @@ impl World {
                         ..
                     },
             } => {
+                let answered = self.clients.get(&request).is_some_and(|c| c.answered);
+                check!(self, !answered, "{request} answered by two providers");
                 if let Some(client) = self.clients.get_mut(&request) {
+                    client.answered = true;
                     client.checker = Some(match shape {
                         DispatchShape::Run => Checker::Run(RunTracker::new()),
                         DispatchShape::Tunnel => Checker::Tunnel(TunnelOrder::Head),
@@ -819,6 +923,7 @@ impl World {
                 request,
                 event: RequestEvent::Run(event),
             } => {
+                self.first_bytes(request);
                 let ok = match self
                     .clients
                     .get_mut(&request)
@@ -839,6 +944,7 @@ impl World {
                 request,
                 event: RequestEvent::Tunnel(part),
             } => {
+                self.first_bytes(request);
                 let ok = match self
                     .clients
                     .get_mut(&request)
@@ -892,6 +998,34 @@ impl World {
                         lost.len()
                     )
                 });
+            }
+            EdgeEvent::Retried {
+                request, run, why, ..
+            } => {
+                self.stats.retries += 1;
+                self.log(|| format!("{request}: {run} given up ({why}), tried elsewhere"));
+            }
+            EdgeEvent::ProviderEjected {
+                node_id,
+                provider_id,
+                reason,
+                time,
+            } => {
+                self.stats.ejections += 1;
+                self.log(|| {
+                    format!(
+                        "{node_id}/{provider_id} ejected for {}ms ({reason:?})",
+                        time.as_millis()
+                    )
+                });
+            }
+            EdgeEvent::ProviderRestored {
+                node_id,
+                provider_id,
+                ..
+            } => {
+                self.stats.restored += 1;
+                self.log(|| format!("{node_id}/{provider_id} restored"));
             }
             EdgeEvent::NodeConflict { node_id, .. } => {
                 self.stats.conflicts += 1;
@@ -1178,12 +1312,39 @@ impl World {
                 return;
             }
         }
-        let last = cancelled || fail && step >= 1 || step > total;
+        let refuse = mode == Mode::Refuse && !cancelled;
+        let unavailable = mode == Mode::Unavailable && !cancelled;
+        // A run starts before it ends, even a cancelled one (a node session keeps its
+        // capacity slot until the run's terminal).
+        let last = cancelled && (tunnel || step >= 1)
+            || fail && step >= 1
+            || step > total
+            || refuse && (tunnel || step >= 1)
+            || unavailable && step >= if tunnel { 2 } else { 1 };
         let Some(session) = self.procs[i].session.as_mut() else {
             return;
         };
+        let unreachable = || ErrorDetail {
+            code: "upstream_unreachable".into(),
+            message: "connection refused".into(),
+            retryable: true,
+        };
         let _ = if tunnel {
-            let output = if step == 0 && !cancelled {
+            let output = if refuse {
+                TunnelOutput::Error(unreachable())
+            } else if unavailable {
+                match step {
+                    0 => TunnelOutput::Status {
+                        status: 503,
+                        headers: vec![wire::Header {
+                            name: "retry-after".into(),
+                            value: Bytes::from_static(b"1"),
+                        }],
+                    },
+                    1 => TunnelOutput::Body(Bytes::from_static(b"{\"error\":\"busy\"}")),
+                    _ => TunnelOutput::End,
+                }
+            } else if step == 0 && !cancelled {
                 TunnelOutput::Status {
                     status: 200,
                     headers: Vec::new(),
@@ -1209,6 +1370,14 @@ impl World {
         } else {
             let output = if step == 0 {
                 RunOutput::Start
+            } else if refuse {
+                RunOutput::Error(unreachable())
+            } else if unavailable {
+                RunOutput::Error(ErrorDetail {
+                    code: "upstream_status_503".into(),
+                    message: "the provider answered 503".into(),
+                    retryable: true,
+                })
             } else if cancelled {
                 RunOutput::Cancelled
             } else if fail {
@@ -1640,6 +1809,9 @@ impl World {
                         ended: false,
                         checker: None,
                         tunnel_only,
+                        dispatches: 0,
+                        answered: false,
+                        got_bytes: false,
                     },
                 );
                 self.client_timers
@@ -1889,7 +2061,7 @@ impl World {
         for w in self.edge.queue().waiters() {
             if w.candidates
                 .iter()
-                .any(|c| ledger.free(c.resource, w.long) > 0)
+                .any(|c| ledger.free(c.resource, w.long) > 0 && self.edge.pickable(c.resource))
             {
                 problems.push(format!(
                     "{} waits while a candidate has free capacity",
@@ -1984,6 +2156,43 @@ impl World {
             not_ready.is_empty(),
             "nodes not ready after healing: {not_ready:?}"
         );
+        if self.failure.is_some() {
+            return;
+        }
+        // Healed, with every provider answering again: a request to any model group
+        // ends well (ejections from the faults are over and probed by then).
+        let fresh: Vec<RequestId> = (0..MODELS as u8)
+            .filter_map(|model| {
+                let before = self.stats.requests;
+                self.submit(model, false, 4000, None, false);
+                (self.stats.requests > before).then(|| {
+                    *self
+                        .clients
+                        .keys()
+                        .next_back()
+                        .expect("the request just submitted")
+                })
+            })
+            .collect();
+        check!(
+            self,
+            fresh.len() == MODELS,
+            "a healed world refused a request"
+        );
+        let completed = self.stats.completed;
+        self.advance(3000);
+        let works: Vec<(usize, String, Vec<String>)> = self
+            .procs
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| !p.work.is_empty())
+            .map(|(i, p)| (i, p.node_id.clone(), p.work.keys().cloned().collect()))
+            .collect();
+        check!(
+            self,
+            self.stats.completed == completed + fresh.len() as u64,
+            "a healed world did not complete {fresh:?} (work left on the nodes: {works:?})"
+        );
     }
 }
 
@@ -2025,6 +2234,7 @@ pub fn run(seed: u64, ops: &[Op], options: SimOptions) -> Result<Stats, SimFailu
         failure: None,
         drain_read: BTreeSet::new(),
         faults: options.faults,
+        last_dispatch: BTreeMap::new(),
     };
     // A machine that panics on a broken internal invariant is a finding too: keep the
     // seed and the trace that led there.

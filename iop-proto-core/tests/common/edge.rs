@@ -55,6 +55,7 @@ pub fn config() -> EdgeConfig {
         ModelSpec {
             candidates: vec![candidate("n1", "a"), candidate("n2", "b")],
             long_context_threshold: Some(1000),
+            first_byte_timeout: None,
         },
     );
     cfg.models.insert(
@@ -62,6 +63,7 @@ pub fn config() -> EdgeConfig {
         ModelSpec {
             candidates: vec![candidate("n1", "a")],
             long_context_threshold: Some(1000),
+            first_byte_timeout: None,
         },
     );
     cfg
@@ -235,21 +237,18 @@ pub struct Grant {
     pub shape: DispatchShape,
 }
 
+/// The dispatches the machine made (each run it sent).
 pub fn grants(events: &[EdgeEvent]) -> Vec<Grant> {
     events
         .iter()
         .filter_map(|e| match e {
-            EdgeEvent::Request {
-                request,
-                event:
-                    RequestEvent::Dispatched {
-                        run,
-                        shape,
-                        node_id,
-                        provider_id,
-                    },
+            EdgeEvent::Attempt {
+                run,
+                shape,
+                node_id,
+                provider_id,
             } => Some(Grant {
-                request: *request,
+                request: run.request,
                 run: *run,
                 node_id: node_id.clone(),
                 provider_id: provider_id.clone(),

@@ -1,0 +1,434 @@
+//! Scenario tests of resilient routing in the Edge machine: retries before the first
+//! byte, a slow run tried beside, trials and ejections. (The simulation checks the same
+//! rules against random worlds; these pin each one down.)
+
+mod common;
+
+use std::time::Duration;
+
+use common::edge::*;
+use iop_proto_core::wire::*;
+use iop_proto_core::*;
+
+/// Nodes n1 (mock adapter "a") and n2 (mock adapter "b"), capacity one each, both
+/// serving model "m"; a first-byte deadline of one second; heartbeats far apart.
+fn two_providers() -> EdgeConfig {
+    let mut cfg = config();
+    cfg.timing.heartbeat_interval = Duration::from_secs(100);
+    cfg.timing.heartbeat_timeout = Duration::from_secs(300);
+    cfg.nodes.insert(
+        "n1".into(),
+        node(vec![adapter("a", AdapterType::Mock, 1, 0)]),
+    );
+    cfg.nodes.insert(
+        "n2".into(),
+        node(vec![adapter("b", AdapterType::Mock, 1, 0)]),
+    );
+    cfg.models.insert(
+        "m".into(),
+        ModelSpec {
+            candidates: vec![candidate("n1", "a"), candidate("n2", "b")],
+            long_context_threshold: None,
+            first_byte_timeout: None,
+        },
+    );
+    cfg.models.remove("solo");
+    cfg.routing.first_byte_timeout = Duration::from_secs(1);
+    cfg
+}
+
+struct World {
+    h: Harness,
+    conns: [ConnId; 2],
+}
+
+impl World {
+    fn new() -> Self {
+        let mut h = Harness::with(two_providers());
+        let conns = [h.connect("n1"), h.connect("n2")];
+        World { h, conns }
+    }
+
+    fn conn(&self, grant: &Grant) -> ConnId {
+        if &*grant.node_id == "n1" {
+            self.conns[0]
+        } else {
+            self.conns[1]
+        }
+    }
+
+    fn send(&mut self, grant: &Grant, sequence: u64, kind: RunEventType, delta: &str) {
+        self.send_error(grant, sequence, kind, delta, None);
+    }
+
+    fn send_error(
+        &mut self,
+        grant: &Grant,
+        sequence: u64,
+        kind: RunEventType,
+        delta: &str,
+        error: Option<ErrorDetail>,
+    ) {
+        let conn = self.conn(grant);
+        self.h.send(
+            conn,
+            Body::RunEvent(RunEvent {
+                run_id: grant.run.wire(),
+                sequence,
+                r#type: kind as i32,
+                delta: delta.into(),
+                error,
+                ..Default::default()
+            }),
+        );
+    }
+
+    /// A run that answers: start, one delta, complete.
+    fn answer(&mut self, grant: &Grant, text: &str) {
+        self.send(grant, 1, RunEventType::Start, "");
+        self.send(grant, 2, RunEventType::Delta, text);
+        self.send(grant, 3, RunEventType::Complete, "");
+    }
+
+    /// A run that fails right after its start, as an unreachable provider does.
+    fn fail(&mut self, grant: &Grant) {
+        self.send(grant, 1, RunEventType::Start, "");
+        self.send_error(
+            grant,
+            2,
+            RunEventType::Error,
+            "",
+            Some(ErrorDetail {
+                code: "upstream_unreachable".into(),
+                message: "connection refused".into(),
+                retryable: true,
+            }),
+        );
+    }
+
+    fn routing(&self, provider: &str) -> ProviderRouting {
+        self.h
+            .edge
+            .provider_routing()
+            .into_iter()
+            .find(|p| &*p.provider_id == provider)
+            .expect("listed")
+    }
+}
+
+/// What the caller of `request` was told: deltas, in order, and how it ended.
+fn told(events: &[EdgeEvent], request: RequestId) -> (Vec<String>, Option<Outcome>) {
+    let mut deltas = Vec::new();
+    let mut end = None;
+    for e in events {
+        if let EdgeEvent::Request { request: r, event } = e
+            && *r == request
+        {
+            match event {
+                RequestEvent::Run(run) if run.r#type == RunEventType::Delta as i32 => {
+                    deltas.push(run.delta.clone());
+                }
+                RequestEvent::Ended(outcome) => end = Some(outcome.clone()),
+                _ => {}
+            }
+        }
+    }
+    (deltas, end)
+}
+
+fn cancels(transmits: &[Transmit]) -> Vec<String> {
+    transmits
+        .iter()
+        .filter_map(|t| match t {
+            Transmit::Frame { envelope, .. } => match &envelope.body {
+                Some(Body::CancelRequest(c)) => Some(c.run_id.clone()),
+                _ => None,
+            },
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_run_failing_after_its_start_is_retried_elsewhere_and_the_caller_sees_one_answer() {
+    let mut w = World::new();
+    let request = w.h.submit("m", 10).expect("accepted");
+    let (_, events) = w.h.drain();
+    let first = grants(&events).remove(0);
+    w.fail(&first);
+    let (_, events) = w.h.drain();
+    assert!(
+        events
+            .iter()
+            .any(|e| matches!(e, EdgeEvent::Retried { why: "error", .. })),
+        "{events:?}"
+    );
+    let second = grants(&events).remove(0);
+    assert_ne!(
+        second.node_id, first.node_id,
+        "not the provider that just failed"
+    );
+    assert_eq!(second.run.attempt, 1);
+    w.answer(&second, "hello");
+    let (_, more) = w.h.drain();
+    let all: Vec<EdgeEvent> = events.into_iter().chain(more).collect();
+    let (deltas, end) = told(&all, request);
+    assert_eq!(deltas, ["hello"]);
+    assert!(matches!(end, Some(Outcome::Completed)), "{end:?}");
+    // The caller was told who answered once, and nothing of the failed run.
+    let dispatched: Vec<&EdgeEvent> = all
+        .iter()
+        .filter(|e| {
+            matches!(
+                e,
+                EdgeEvent::Request {
+                    event: RequestEvent::Dispatched { .. },
+                    ..
+                }
+            )
+        })
+        .collect();
+    assert_eq!(dispatched.len(), 1, "{dispatched:?}");
+    assert_eq!(w.routing(&first.provider_id).consecutive_failures, 1);
+    assert_eq!(w.routing(&second.provider_id).consecutive_failures, 0);
+}
+
+#[test]
+fn nothing_is_retried_after_the_first_byte() {
+    let mut w = World::new();
+    let request = w.h.submit("m", 10).expect("accepted");
+    let (_, events) = w.h.drain();
+    let run = grants(&events).remove(0);
+    w.send(&run, 1, RunEventType::Start, "");
+    w.send(&run, 2, RunEventType::Delta, "part");
+    w.send_error(
+        &run,
+        3,
+        RunEventType::Error,
+        "",
+        Some(ErrorDetail {
+            code: "upstream_reset".into(),
+            message: "reset".into(),
+            retryable: true,
+        }),
+    );
+    let (_, events) = w.h.drain();
+    assert!(grants(&events).is_empty(), "{events:?}");
+    let (deltas, end) = told(&events, request);
+    assert_eq!(deltas, ["part"]);
+    assert!(matches!(end, Some(Outcome::Failed(_))), "{end:?}");
+}
+
+#[test]
+fn a_slow_run_is_tried_beside_and_a_later_attempt_that_wins_makes_it_a_failure() {
+    let mut w = World::new();
+    let request = w.h.submit("m", 10).expect("accepted");
+    let (_, events) = w.h.drain();
+    let slow = grants(&events).remove(0);
+    w.send(&slow, 1, RunEventType::Start, "");
+    w.h.at(1000);
+    let (_, events) = w.h.drain();
+    assert!(
+        events.iter().any(|e| matches!(
+            e,
+            EdgeEvent::Retried {
+                why: "first_byte_timeout",
+                ..
+            }
+        )),
+        "{events:?}"
+    );
+    let beside = grants(&events).remove(0);
+    assert_ne!(beside.node_id, slow.node_id);
+    // Not held against it yet: it may still answer first.
+    assert_eq!(w.routing(&slow.provider_id).consecutive_failures, 0);
+    w.answer(&beside, "fast");
+    let (transmits, events) = w.h.drain();
+    assert_eq!(
+        cancels(&transmits),
+        [slow.run.wire()],
+        "the slow run is cancelled"
+    );
+    let (deltas, end) = told(&events, request);
+    assert_eq!(deltas, ["fast"]);
+    assert!(matches!(end, Some(Outcome::Completed)));
+    assert_eq!(w.routing(&slow.provider_id).consecutive_failures, 1);
+    // What the cancelled run still says goes nowhere.
+    w.send(&slow, 2, RunEventType::Delta, "late");
+    w.send(&slow, 3, RunEventType::Cancelled, "");
+    let (_, events) = w.h.drain();
+    assert_eq!(told(&events, request), (Vec::new(), None));
+    assert_eq!(w.h.edge.ledger().leases_held(), 0);
+}
+
+#[test]
+fn a_slow_run_that_answers_before_the_run_beside_it_is_a_success_and_the_other_says_nothing() {
+    let mut w = World::new();
+    let request = w.h.submit("m", 10).expect("accepted");
+    let (_, events) = w.h.drain();
+    let slow = grants(&events).remove(0);
+    w.h.at(1000);
+    let (_, events) = w.h.drain();
+    let beside = grants(&events).remove(0);
+    w.h.at(1500);
+    // A long answer that is not streamed: its head comes at its end, after the
+    // deadline; it wins all the same.
+    w.answer(&slow, "long");
+    let (transmits, events) = w.h.drain();
+    assert_eq!(cancels(&transmits), [beside.run.wire()]);
+    assert_eq!(told(&events, request).0, ["long"]);
+    let slow_routing = w.routing(&slow.provider_id);
+    assert_eq!(slow_routing.consecutive_failures, 0);
+    assert_eq!(slow_routing.first_byte, Some(Duration::from_millis(1500)));
+    assert_eq!(w.routing(&beside.provider_id).consecutive_failures, 0);
+}
+
+#[test]
+fn with_the_other_provider_busy_a_slow_run_is_tried_beside_on_the_first_that_frees() {
+    let mut w = World::new();
+    let a = w.h.submit("m", 10).expect("accepted");
+    let b = w.h.submit("m", 10).expect("accepted");
+    let (_, events) = w.h.drain();
+    let runs = grants(&events);
+    assert_eq!(runs.len(), 2, "one on each provider");
+    let (run_a, run_b) = (&runs[0], &runs[1]);
+    assert_eq!(run_a.request, a);
+    // Request a's run is slow; b's answers, but is still streaming at the deadline.
+    w.send(run_b, 1, RunEventType::Start, "");
+    w.send(run_b, 2, RunEventType::Delta, "b");
+    w.h.at(1000);
+    let (_, events) = w.h.drain();
+    assert!(grants(&events).is_empty(), "the other provider is busy");
+    assert_eq!(
+        w.h.edge.queue().len(),
+        1,
+        "a waits for a provider beside its run"
+    );
+    // b ends: its provider frees, and a is tried there.
+    w.send(run_b, 3, RunEventType::Complete, "");
+    let (_, events) = w.h.drain();
+    assert!(matches!(told(&events, b).1, Some(Outcome::Completed)));
+    let beside = grants(&events).remove(0);
+    assert_eq!((beside.request, &beside.node_id), (a, &run_b.node_id));
+    w.answer(&beside, "a");
+    let (transmits, events) = w.h.drain();
+    assert_eq!(cancels(&transmits), [run_a.run.wire()]);
+    assert_eq!(told(&events, a).0, ["a"]);
+}
+
+#[test]
+fn a_slow_run_answering_while_its_request_waits_beside_it_leaves_the_queue() {
+    let mut w = World::new();
+    let a = w.h.submit("m", 10).expect("accepted");
+    let _b = w.h.submit("m", 10).expect("accepted");
+    let (_, events) = w.h.drain();
+    let runs = grants(&events);
+    let (run_a, run_b) = (runs[0].clone(), runs[1].clone());
+    w.send(&run_b, 1, RunEventType::Start, "");
+    w.send(&run_b, 2, RunEventType::Delta, "b");
+    w.h.at(1000);
+    w.h.drain();
+    assert_eq!(w.h.edge.queue().len(), 1);
+    // Its first byte, and it is still streaming: the wait beside it is over already.
+    w.send(&run_a, 1, RunEventType::Start, "");
+    w.send(&run_a, 2, RunEventType::Delta, "a");
+    let (_, events) = w.h.drain();
+    assert_eq!(told(&events, a).0, ["a"]);
+    assert_eq!(w.h.edge.queue().len(), 0, "no wait outlives its need");
+    w.send(&run_a, 3, RunEventType::Complete, "");
+    // The provider that frees later serves no ghost.
+    w.send(&run_b, 3, RunEventType::Complete, "");
+    let (_, events) = w.h.drain();
+    assert!(grants(&events).is_empty(), "{events:?}");
+}
+
+#[test]
+fn a_provider_that_fails_is_on_trial_one_request_at_a_time_then_ejected_and_probed() {
+    let mut cfg = two_providers();
+    // Room for many, so only the trial rule holds the failing one to a single request.
+    cfg.nodes.insert(
+        "n1".into(),
+        node(vec![adapter("a", AdapterType::Mock, 8, 0)]),
+    );
+    cfg.nodes.insert(
+        "n2".into(),
+        node(vec![adapter("b", AdapterType::Mock, 8, 0)]),
+    );
+    cfg.routing.eject_base = Duration::from_secs(5);
+    let mut h = Harness::with(cfg);
+    let conns = [h.connect("n1"), h.connect("n2")];
+    let mut w = World { h, conns };
+    let failing = |g: &Grant| &*g.provider_id == "b";
+    // Requests one at a time: each to "b" fails at once, each to "a" keeps running.
+    let mut to_b = 0;
+    let mut ejected = None;
+    for n in 0..12u64 {
+        w.h.at(n * 10);
+        w.h.submit("m", 10).expect("accepted");
+        let (_, events) = w.h.drain();
+        let mut pending: Vec<Grant> = grants(&events);
+        let mut all = events;
+        while let Some(g) = pending.pop() {
+            if failing(&g) {
+                to_b += 1;
+                assert_eq!(
+                    w.h.usage("n2", "b").in_flight,
+                    1,
+                    "on trial or not, one at a time here"
+                );
+                w.fail(&g);
+                let (_, events) = w.h.drain();
+                pending.extend(grants(&events));
+                all.extend(events);
+            }
+        }
+        if let Some(e) = all
+            .iter()
+            .find(|e| matches!(e, EdgeEvent::ProviderEjected { .. }))
+        {
+            ejected = Some(e.clone());
+            break;
+        }
+    }
+    let Some(EdgeEvent::ProviderEjected {
+        provider_id,
+        reason,
+        time,
+        ..
+    }) = ejected
+    else {
+        panic!("never ejected after {to_b} failures");
+    };
+    assert_eq!(
+        (&*provider_id, reason, time),
+        ("b", Ejection::Consecutive(3), Duration::from_secs(5))
+    );
+    assert_eq!(to_b, 3, "ejected at its third failure");
+    assert!(
+        !w.h.edge
+            .pickable(w.h.edge.resource("n2", "b").expect("configured"))
+    );
+    // Its time is up: the next request is its probe; it answers and b is restored.
+    let now = w.h.now.as_millis();
+    w.h.at(now + 5000);
+    let mut probe = None;
+    for _ in 0..8 {
+        w.h.submit("m", 10).expect("accepted");
+        let (_, events) = w.h.drain();
+        if let Some(g) = grants(&events).into_iter().find(|g| failing(g)) {
+            probe = Some(g);
+            break;
+        }
+    }
+    let probe = probe.expect("the probe goes to b");
+    assert_eq!(w.routing("b").standing, Standing::Probing);
+    w.answer(&probe, "back");
+    let (_, events) = w.h.drain();
+    assert!(
+        events
+            .iter()
+            .any(|e| matches!(e, EdgeEvent::ProviderRestored { provider_id, .. } if &**provider_id == "b")),
+        "{events:?}"
+    );
+    assert_eq!(w.routing("b").standing, Standing::Live);
+}

@@ -1,0 +1,377 @@
+//! Resilient routing through the real binaries: two Nodes serve one model, one healthy
+//! and one broken in each of the ways a provider breaks (it refuses connections, answers
+//! 500, answers 503 with `Retry-After`, accepts and never answers, or is a normalized
+//! run that fails right after its start). Every caller must succeed, streamed or not;
+//! the broken provider is ejected, and seen so in `/v1/status` and `/v1/events`, and
+//! comes back once it recovers. A caller's own 400 is answered as it is and ejects
+//! nothing; with every provider broken, callers get a clear error quickly, and the
+//! attempts stay within their limit.
+
+use std::time::{Duration, Instant};
+
+use iop_blackbox::client::{Cluster, read_sse};
+use iop_blackbox::fake::{self, Behaviour, Flavor};
+use iop_blackbox::free_port;
+use serde_json::{Value, json};
+
+const TOKEN: &str = "routing-token-0123456789";
+
+/// Short routing timers, so a stalled provider and an ejection take a test second.
+const ROUTING: &str =
+    "[routing]\nfirst_byte_timeout_sec = 1\neject_base_sec = 1\neject_max_sec = 2\n";
+
+/// An OpenAI-compatible adapter at `url`.
+fn tunnel_adapter(url: &str) -> String {
+    format!(
+        "[[nodes.adapters]]\nname = \"api\"\ntype = \"openai_compat\"\nbase_url = \"{url}\"\ncapacity = 4\ntargets = [\"m\"]\n"
+    )
+}
+
+/// A mock adapter (served as normalized runs) failing as `fail` says.
+fn mock_adapter(fail: &str) -> String {
+    format!(
+        "[[nodes.adapters]]\nname = \"api\"\ntype = \"mock\"\ncapacity = 4\ntargets = [\"m\"]\n[nodes.adapters.options]\ntokens = \"5\"\ntoken_delay_ms = \"1\"\nfail = \"{fail}\"\n"
+    )
+}
+
+/// Nodes `n1` and `n2` with the given adapters, both serving model `chat`.
+fn two_nodes(n1: &str, n2: &str) -> String {
+    format!(
+        "[[nodes]]\nid = \"n1\"\ntoken = \"{TOKEN}-1\"\n{n1}\n[[nodes]]\nid = \"n2\"\ntoken = \"{TOKEN}-2\"\n{n2}\n\
+         [[models]]\nname = \"chat\"\nproviders = [{{ node = \"n1\", adapter = \"api\", target = \"m\" }}, {{ node = \"n2\", adapter = \"api\", target = \"m\" }}]\n"
+    )
+}
+
+async fn start(n1: &str, n2: &str) -> (Cluster, [iop_blackbox::Proc; 2]) {
+    let cluster = Cluster::start(ROUTING, &two_nodes(n1, n2));
+    let nodes = [
+        cluster.node("n1", &format!("{TOKEN}-1")),
+        cluster.node("n2", &format!("{TOKEN}-2")),
+    ];
+    cluster.wait_ready("n1").await;
+    cluster.wait_ready("n2").await;
+    (cluster, nodes)
+}
+
+fn ask(stream: bool) -> Value {
+    json!({"model": "chat", "stream": stream, "messages": [{"role": "user", "content": "hello"}]})
+}
+
+/// What one caller got.
+#[derive(Debug)]
+enum Got {
+    Ok,
+    Failed(String),
+}
+
+/// One request, plain or streamed, read to its end.
+async fn one(cluster: &Cluster, stream: bool) -> Got {
+    let http = cluster.http();
+    if !stream {
+        let r = http.post("/v1/chat/completions", &ask(false)).await;
+        if r.status == 200 && r.json()["choices"][0]["message"]["content"].is_string() {
+            return Got::Ok;
+        }
+        return Got::Failed(format!("{} {}", r.status, String::from_utf8_lossy(&r.body)));
+    }
+    let mut response = http.post_stream("/v1/chat/completions", &ask(true)).await;
+    let status = response.status().as_u16();
+    let (events, ended) = read_sse(response.body_mut(), Duration::from_secs(30)).await;
+    let errored = events.iter().any(|e| e.contains("\"error\""));
+    if status == 200 && ended && !errored && events.last().is_some_and(|e| e == "[DONE]") {
+        Got::Ok
+    } else {
+        Got::Failed(format!("{status} ended={ended} {events:?}"))
+    }
+}
+
+/// `n` requests (a multiple of four), one in five streamed, four at a time: what
+/// failed.
+async fn load(cluster: &Cluster, n: usize) -> Vec<String> {
+    let mut failed = Vec::new();
+    for i in (0..n).step_by(4) {
+        let stream = |k: usize| (i + k) % 5 == 4;
+        let answers = tokio::join!(
+            one(cluster, stream(0)),
+            one(cluster, stream(1)),
+            one(cluster, stream(2)),
+            one(cluster, stream(3)),
+        );
+        for answer in [answers.0, answers.1, answers.2, answers.3] {
+            if let Got::Failed(why) = answer {
+                failed.push(why);
+            }
+        }
+    }
+    failed
+}
+
+/// `n2`'s provider as `/v1/status` shows it.
+async fn n2_routing(cluster: &Cluster) -> Value {
+    cluster.provider("n2", "api").await
+}
+
+/// The lifecycle events the Edge still keeps.
+async fn kept_events(cluster: &Cluster) -> Vec<Value> {
+    let mut stream = cluster
+        .admin()
+        .with_header("last-event-id", "0")
+        .get_stream("/v1/events")
+        .await;
+    let (events, _) = read_sse(stream.body_mut(), Duration::from_secs(1)).await;
+    events
+        .iter()
+        .filter_map(|e| serde_json::from_str(e).ok())
+        .collect()
+}
+
+/// Survives a broken n2: 100 callers succeed; n2 is seen ejected (with `reason` when
+/// given) in the events, and never n1. Returns the cluster, its Nodes still running.
+async fn survives(n1: &str, n2: &str, reason: Option<&str>) -> (Cluster, [iop_blackbox::Proc; 2]) {
+    let (cluster, nodes) = start(n1, n2).await;
+    let failed = load(&cluster, 100).await;
+    assert!(
+        failed.is_empty(),
+        "{} of 100 failed: {failed:?}\n{}",
+        failed.len(),
+        cluster.edge.log()
+    );
+    let events = kept_events(&cluster).await;
+    let ejected: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["type"] == "provider.ejected" && e["node_id"] == "n2")
+        .collect();
+    assert!(
+        !ejected.is_empty(),
+        "n2 never ejected: {events:?}\n{}",
+        n2_routing(&cluster).await
+    );
+    if let Some(reason) = reason {
+        assert_eq!(ejected[0]["reason"], reason, "{ejected:?}");
+    }
+    assert!(
+        !events
+            .iter()
+            .any(|e| e["type"] == "provider.ejected" && e["node_id"] == "n1"),
+        "the healthy provider was ejected: {events:?}"
+    );
+    // Each ejection announced once: a new one only after the last one's time (1 s here)
+    // ran out and its probe failed.
+    for pair in ejected.windows(2) {
+        let apart = pair[1]["at_ms"].as_u64().unwrap_or(0) - pair[0]["at_ms"].as_u64().unwrap_or(0);
+        assert!(apart >= 900, "ejected twice within {apart} ms: {ejected:?}");
+    }
+    (cluster, nodes)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_refusing_connections_fails_no_caller() {
+    let ok = fake::start(Flavor::OpenAi, Behaviour::default()).await;
+    // A port nothing listens on.
+    let closed = format!("http://127.0.0.1:{}", free_port());
+    survives(&tunnel_adapter(&ok.url()), &tunnel_adapter(&closed), None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_answering_500_fails_no_caller_and_comes_back_once_it_recovers() {
+    let ok = fake::start(Flavor::OpenAi, Behaviour::default()).await;
+    let broken = fake::start(
+        Flavor::OpenAi,
+        Behaviour {
+            status: Some(500),
+            ..Behaviour::default()
+        },
+    )
+    .await;
+    let (cluster, nodes) = start(&tunnel_adapter(&ok.url()), &tunnel_adapter(&broken.url())).await;
+    let failed = load(&cluster, 100).await;
+    assert!(failed.is_empty(), "{failed:?}");
+    // Ejected after a few failures, not after every request tried it.
+    let tried = broken.state.requests().len();
+    assert!(
+        tried < 30,
+        "the broken provider got {tried} of 100 requests"
+    );
+    assert_eq!(n2_routing(&cluster).await["health"], "degraded");
+    // It recovers: the next probe restores it, and it serves again.
+    broken.state.set(|b| b.status = None);
+    let restored = wait_for(&cluster, |e| {
+        e["type"] == "provider.restored" && e["node_id"] == "n2"
+    })
+    .await;
+    assert!(restored, "n2 never restored:\n{}", cluster.edge.log());
+    let before = broken.state.requests().len();
+    assert!(load(&cluster, 40).await.is_empty());
+    assert!(
+        broken.state.requests().len() > before + 5,
+        "the recovered provider takes its share again"
+    );
+    assert_eq!(n2_routing(&cluster).await["routing"]["standing"], "live");
+    drop(nodes);
+}
+
+/// Sends requests until the kept events include one `matches` (at most 20 s).
+async fn wait_for(cluster: &Cluster, matches: impl Fn(&Value) -> bool) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        let _ = one(cluster, false).await;
+        if kept_events(cluster).await.iter().any(&matches) {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    false
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_answering_503_with_retry_after_is_cooled_down() {
+    let ok = fake::start(Flavor::OpenAi, Behaviour::default()).await;
+    let busy = fake::start(
+        Flavor::OpenAi,
+        Behaviour {
+            status: Some(503),
+            retry_after: Some(30),
+            ..Behaviour::default()
+        },
+    )
+    .await;
+    let (cluster, _nodes) = survives(
+        &tunnel_adapter(&ok.url()),
+        &tunnel_adapter(&busy.url()),
+        Some("retry_after"),
+    )
+    .await;
+    // Cooled down for the 30 s it asked for: it gets nothing more meanwhile.
+    let tried = busy.state.requests().len();
+    assert!(load(&cluster, 20).await.is_empty());
+    assert_eq!(
+        busy.state.requests().len(),
+        tried,
+        "asked to wait, it is left alone"
+    );
+    let routing = n2_routing(&cluster).await;
+    assert_eq!(routing["routing"]["standing"], "ejected", "{routing}");
+    assert!(
+        routing["routing"]["ejected_for_ms"].as_u64().unwrap_or(0) > 20_000,
+        "{routing}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_that_never_answers_fails_no_caller() {
+    let ok = fake::start(Flavor::OpenAi, Behaviour::default()).await;
+    let stalled = fake::start(
+        Flavor::OpenAi,
+        Behaviour {
+            hang: true,
+            ..Behaviour::default()
+        },
+    )
+    .await;
+    let started = Instant::now();
+    survives(
+        &tunnel_adapter(&ok.url()),
+        &tunnel_adapter(&stalled.url()),
+        None,
+    )
+    .await;
+    // Tried beside after a second without a first byte, and soon not tried at all.
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_failing_right_after_its_start_fails_no_caller() {
+    survives(&mock_adapter("never"), &mock_adapter("always"), None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_callers_400_is_answered_as_it_is_and_ejects_nothing() {
+    let refusing = |url: &str| tunnel_adapter(url);
+    let a = fake::start(
+        Flavor::OpenAi,
+        Behaviour {
+            reject_tools: true,
+            ..Behaviour::default()
+        },
+    )
+    .await;
+    let b = fake::start(
+        Flavor::OpenAi,
+        Behaviour {
+            reject_tools: true,
+            ..Behaviour::default()
+        },
+    )
+    .await;
+    let (cluster, _nodes) = start(&refusing(&a.url()), &refusing(&b.url())).await;
+    let with_tools = json!({
+        "model": "chat",
+        "messages": [{"role": "user", "content": "hello"}],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    });
+    for _ in 0..10 {
+        let r = cluster
+            .http()
+            .post("/v1/chat/completions", &with_tools)
+            .await;
+        assert_eq!(r.status, 400, "{}", String::from_utf8_lossy(&r.body));
+    }
+    assert_eq!(
+        a.state.requests().len() + b.state.requests().len(),
+        10,
+        "each 400 tried once"
+    );
+    let events = kept_events(&cluster).await;
+    assert!(
+        !events.iter().any(|e| e["type"] == "provider.ejected"),
+        "{events:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_every_provider_broken_callers_get_a_clear_error_quickly_within_the_attempts() {
+    let broken = Behaviour {
+        status: Some(500),
+        ..Behaviour::default()
+    };
+    let a = fake::start(Flavor::OpenAi, broken.clone()).await;
+    let b = fake::start(Flavor::OpenAi, broken).await;
+    let (cluster, _nodes) = start(&tunnel_adapter(&a.url()), &tunnel_adapter(&b.url())).await;
+    let mut slowest = Duration::ZERO;
+    for _ in 0..30 {
+        let started = Instant::now();
+        let r = cluster
+            .http()
+            .post("/v1/chat/completions", &ask(false))
+            .await;
+        slowest = slowest.max(started.elapsed());
+        assert!(
+            r.status >= 500,
+            "{} {}",
+            r.status,
+            String::from_utf8_lossy(&r.body)
+        );
+        assert!(
+            r.json()["error"]["message"].is_string(),
+            "OpenAI-shaped: {:?}",
+            r.json()
+        );
+    }
+    assert!(
+        slowest < Duration::from_secs(2),
+        "slowest failure took {slowest:?}"
+    );
+    let attempts = a.state.requests().len() + b.state.requests().len();
+    // At most one try per provider of the group (two) for each request.
+    assert!(
+        attempts <= 60,
+        "{attempts} upstream attempts for 30 requests"
+    );
+    let metrics = cluster.admin().get("/metrics").await;
+    let text = String::from_utf8_lossy(&metrics.body).into_owned();
+    assert!(text.contains("iop_upstream_attempts_total"), "{text}");
+}
