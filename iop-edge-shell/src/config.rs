@@ -312,8 +312,7 @@ struct RawCandidate {
 /// The default and smallest `limits.max_header_bytes`: hyper's HTTP/1 read buffer cannot
 /// be smaller (it panics below it), and at exactly this size a kept-alive connection's
 /// buffer is reused in place; with a larger limit hyper grows each connection's buffer to
-/// twice this once it has served a request (11 KiB more per open stream;
-/// docs/benchmarks-history.md).
+/// twice this once it has served a request (docs/benchmarks-history.md).
 pub const MIN_HEADER_BYTES: usize = 8192;
 
 /// HTTP-side settings (everything the core does not decide).

@@ -406,7 +406,7 @@ impl Task {
                     .config()
                     .models
                     .keys()
-                    .map(|m| (m.clone(), self.core.queue().waiting_for(m)))
+                    .map(|m| (m.clone(), self.core.waiting(m)))
                     .collect();
                 queue_by_model.sort();
                 let _ = reply.send(Snapshot {

@@ -1,9 +1,9 @@
 //! A request's event queue: one producer (the core's drain, which runs under the core's
 //! lock) and one consumer (the request's response body).
 //!
-//! tokio's unbounded channel allocates its slots in blocks of 32 and keeps a spare block,
-//! about 3.9 KiB for every open request however few events it carries (heaptrack, 2,000
-//! paced streams). This queue is a `VecDeque` behind a mutex that only these two sides
+//! tokio's unbounded channel allocates its slots in blocks of 32 and keeps a spare block
+//! for every open request however few events it carries (its cost per stream:
+//! docs/benchmarks-history.md). This queue is a `VecDeque` behind a mutex that only these two sides
 //! take: empty until the first event, a few slots for a stream whose events are read as
 //! they come, and shrunk again after a burst.
 

@@ -7,17 +7,14 @@
 //! back of the runtime's queue, so it runs after the tasks that were ready with it: the
 //! requests that one read of the callers' sockets made ready each queue their frame, and
 //! all of them leave in one vectored write. (tokio's multi-threaded runtime runs a task
-//! woken by the running one next, so there most passes are one request.) With 16
-//! concurrent callers that is 0.19 writes per request instead of one `sendto` each, and
-//! 9 % less CPU per request for the Edge and the Node together (the node reads fewer,
-//! fuller segments); a request alone waits about a microsecond longer for its write
-//! (docs/benchmarks-history.md). Where the Edge and the Node run on CPUs of their own, a
-//! frame waiting for the rest of its pass is latency the node could have used: with 16
-//! callers that each wait for their answer, about 5 % of their throughput. Writing the
-//! first frame of a pass at once and leaving only the later ones to the writer kept the
-//! microsecond but cost 10 % more CPU per request at 16 callers sharing a CPU with the
-//! node (it woke for the first frame and again for the rest), and did no better on CPUs
-//! of their own.
+//! woken by the running one next, so there most passes are one request.) Under
+//! concurrent callers that is a fraction of a write per request instead of one `sendto`
+//! each, and less CPU for the Edge and the Node together (the node reads fewer, fuller
+//! segments), for a request alone about a microsecond more wait. Where the Edge and the
+//! Node run on CPUs of their own, a frame waiting for the rest of its pass is latency the
+//! node could have used. Writing the first frame of a pass at once and leaving only the
+//! later ones to the writer cost more CPU than it saved (the writer woke twice per pass).
+//! The figures of each variant: docs/benchmarks-history.md.
 //!
 //! Only the writer touches the socket. When the socket does not take everything (the
 //! node reads slowly, a TLS record is half written) the writer waits for it, and kicks

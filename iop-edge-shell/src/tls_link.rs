@@ -1,9 +1,9 @@
 //! A node link's TLS session on rustls's unbuffered API, so that an idle node costs the
 //! Edge no TLS buffers.
 //!
-//! `tokio-rustls` drives rustls's buffered connection, which keeps a 4 KiB receive buffer
-//! for the whole life of every session (heaptrack: a third of what an idle TLS node cost
-//! the Edge). Here the buffers are ours: received records wait in `incoming` only while a
+//! `tokio-rustls` drives rustls's buffered connection, which keeps a receive buffer for
+//! the whole life of every session, the larger part of what an idle TLS node costs the
+//! Edge (docs/benchmarks-history.md). Here the buffers are ours: received records wait in `incoming` only while a
 //! record is incomplete, encrypted output in `outgoing` only until the socket takes it,
 //! and both are released once empty. Nothing cryptographic is done here; rustls decrypts,
 //! encrypts, and runs the handshake and its alerts.

@@ -13,8 +13,8 @@ use std::time::Duration;
 use bytes::{Buf, BytesMut};
 use iop_proto_core::wire::{self, FrameDecoder};
 use iop_proto_core::{
-    Failure, NodeSession, NodeTransmit, RunOutput, SessionConfig, SessionEnd, SessionEvent,
-    Supervisor, TunnelOutput,
+    Failure, NodeSession, NodeTransmit, Returned, SessionConfig, SessionEnd, SessionEvent,
+    Supervisor, WorkStep,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
@@ -75,6 +75,32 @@ async fn write_some<W: AsyncWrite + Unpin>(
     Ok(())
 }
 
+/// One connection's loop state: the session, the bytes it owes the socket, and the
+/// adapter task of each piece of work in flight.
+struct Conn<'a> {
+    ctx: &'a Context,
+    supervisor: &'a mut Supervisor,
+    node_id: String,
+    session: NodeSession,
+    decoder: FrameDecoder,
+    read_buf: BytesMut,
+    host: AdapterHost,
+    /// The task of each piece of work the session has in flight, by run id: cancelled
+    /// when the Edge cancels it or the session closes, forgotten when the session says
+    /// the work ended (or its task returned). The session decides; this only follows.
+    tasks: HashMap<String, CancellationToken>,
+    /// Where adapter tasks send their output.
+    out_tx: mpsc::Sender<Output>,
+    /// Encoded frames not yet taken by the socket, and whether a write awaits its flush.
+    out: BytesMut,
+    unflushed: bool,
+    /// The socket failed: nothing more is written to it.
+    broken: bool,
+    /// Each stop was handed to the session (the loop stops waiting on it).
+    stop_sent: bool,
+    drain_sent: bool,
+}
+
 /// Runs one session over `stream` until it closes and returns why. The session tells
 /// `supervisor` when it is ready (which resets the reconnect attempts). A stop is handed
 /// to the session: a graceful one asks the Edge to drain the node and lets the work in
@@ -91,24 +117,25 @@ where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
     let (mut reader, mut writer) = tokio::io::split(stream);
-    // Encoded frames not yet taken by the socket, and whether a write awaits its flush.
-    let mut out = BytesMut::new();
-    let mut unflushed = false;
-    // Whether the socket failed (nothing more is written to it).
-    let mut broken = false;
     let (out_tx, mut out_rx) = mpsc::channel::<Output>(1024);
-
-    let node_id = config.node_id.clone();
     let drain_grace_ms = u64::try_from(config.drain_grace.as_millis()).unwrap_or(u64::MAX);
-    let mut session = NodeSession::new(config);
-    let mut decoder = FrameDecoder::new();
-    let mut host = AdapterHost::new(ctx.http.clone(), ctx.request_timeout);
-    let mut tasks: HashMap<String, CancellationToken> = HashMap::new();
-    // Whether each stop was handed to the session (so the select stops waiting on it).
-    let mut stop_sent = false;
-    let mut drain_sent = false;
-    let mut read_buf = BytesMut::with_capacity(READ_CHUNK);
-    misuse("connected", session.handle_connected(ctx.clock.now()));
+    let mut c = Conn {
+        ctx,
+        supervisor,
+        node_id: config.node_id.clone(),
+        session: NodeSession::new(config),
+        decoder: FrameDecoder::new(),
+        read_buf: BytesMut::with_capacity(READ_CHUNK),
+        host: AdapterHost::new(ctx.http.clone(), ctx.request_timeout),
+        tasks: HashMap::new(),
+        out_tx,
+        out: BytesMut::new(),
+        unflushed: false,
+        broken: false,
+        stop_sent: false,
+        drain_sent: false,
+    };
+    misuse("connected", c.session.handle_connected(ctx.clock.now()));
     let timer = tokio::time::sleep_until(ctx.clock.instant(iop_proto_core::Timestamp::MAX));
     tokio::pin!(timer);
     let stopping = stop.now.cancelled();
@@ -117,54 +144,15 @@ where
     tokio::pin!(draining);
 
     loop {
-        // Drain every output of the machine before waiting again.
-        let mut closed = None;
-        loop {
-            let mut frames = 0u64;
-            while let Some(transmit) = session.poll_transmit() {
-                match transmit {
-                    NodeTransmit::Frame(envelope) => {
-                        if let Err(err) = wire::encode(&envelope, &mut out) {
-                            warn!(node_id, %err, kind = envelope.kind(), "dropping a frame that cannot be encoded");
-                            continue;
-                        }
-                        frames += 1;
-                    }
-                    NodeTransmit::Close { end, abandoned } => {
-                        info!(node_id, end = %end, abandoned = abandoned.len(), "session closed");
-                        closed = Some(end);
-                    }
-                }
-            }
-            TransportStats::add(&ctx.stats.frames_out, frames);
-            let Some(event) = session.poll_event() else {
-                break;
-            };
-            handle_event(
-                event,
-                &mut session,
-                &mut host,
-                &mut tasks,
-                &out_tx,
-                ctx,
-                supervisor,
-                &node_id,
-            );
-        }
-        if let Some(rtt) = session.last_rtt() {
-            ctx.stats
-                .last_rtt_ms
-                .store(rtt.as_millis() as u64, Ordering::Relaxed);
-        }
-        if let Some(end) = closed {
+        if let Some(end) = c.drain_outputs() {
             // Abandoned work, and anything else still running, stops upstream now.
-            for token in tasks.values() {
+            for token in c.tasks.values() {
                 token.cancel();
             }
-            if !broken {
+            if !c.broken {
                 // Let the last frames (terminal events, the last ack) reach the Edge.
                 let _ = tokio::time::timeout(Duration::from_secs(2), async {
-                    writer.write_all(&out).await?;
+                    writer.write_all(&c.out).await?;
                     writer.flush().await?;
                     writer.shutdown().await
                 })
@@ -173,7 +161,7 @@ where
             return end;
         }
 
-        let deadline = session.poll_timeout().map_or_else(
+        let deadline = c.session.poll_timeout().map_or_else(
             || ctx.clock.instant(iop_proto_core::Timestamp::MAX),
             |wake| ctx.clock.instant(wake.at),
         );
@@ -181,47 +169,45 @@ where
         if timer.deadline() != deadline {
             timer.as_mut().reset(deadline);
         }
-        let accept_output = out.len() < HIGH_WATER;
-        let owed = !broken && (!out.is_empty() || unflushed);
-        if !owed && out.capacity() > OUT_KEEP {
-            out = BytesMut::new();
+        let accept_output = c.out.len() < HIGH_WATER;
+        let owed = !c.broken && (!c.out.is_empty() || c.unflushed);
+        if !owed && c.out.capacity() > OUT_KEEP {
+            c.out = BytesMut::new();
         }
-        read_buf.reserve(READ_CHUNK);
+        c.read_buf.reserve(READ_CHUNK);
         tokio::select! {
-            () = &mut stopping, if !stop_sent => {
-                stop_sent = true;
-                info!(node_id, in_flight = session.in_flight(), "shutting down: cancelling in-flight work");
-                supervisor.handle_stop(ctx.clock.now());
-                misuse("shutdown", session.handle_shutdown(ctx.clock.now()));
+            () = &mut stopping, if !c.stop_sent => {
+                c.stop_sent = true;
+                info!(node_id = c.node_id, in_flight = c.session.in_flight(), "shutting down: cancelling in-flight work");
+                c.supervisor.handle_stop(ctx.clock.now());
+                misuse("shutdown", c.session.handle_shutdown(ctx.clock.now()));
             }
-            () = &mut draining, if !drain_sent => {
-                drain_sent = true;
-                supervisor.handle_stop(ctx.clock.now());
-                misuse("drain", session.handle_drain(ctx.clock.now()));
-                if session.is_draining() {
+            () = &mut draining, if !c.drain_sent => {
+                c.drain_sent = true;
+                c.supervisor.handle_stop(ctx.clock.now());
+                misuse("drain", c.session.handle_drain(ctx.clock.now()));
+                if c.session.is_draining() {
                     info!(
-                        node_id,
-                        in_flight = session.in_flight(),
+                        node_id = c.node_id,
+                        in_flight = c.session.in_flight(),
                         grace_ms = drain_grace_ms,
                         "stopping gracefully: the edge sends no more work, work in flight runs to its end"
                     );
                 }
             }
-            read = reader.read_buf(&mut read_buf) => {
-                on_read(read, &mut read_buf, &mut decoder, &mut session, ctx);
-            }
+            read = reader.read_buf(&mut c.read_buf) => c.on_read(read),
             Some(output) = out_rx.recv(), if accept_output => {
-                apply_output(output, &mut session, &mut tasks, ctx, &node_id);
+                c.apply_output(output);
                 // Take what else the adapters have queued in the same wake: its frames
                 // then go out in one write.
                 for _ in 0..OUTPUT_BATCH {
-                    if out.len() >= HIGH_WATER {
+                    if c.out.len() >= HIGH_WATER {
                         break;
                     }
                     let Ok(output) = out_rx.try_recv() else {
                         break;
                     };
-                    apply_output(output, &mut session, &mut tasks, ctx, &node_id);
+                    c.apply_output(output);
                 }
             }
             () = &mut timer => {
@@ -229,68 +215,259 @@ where
                 // thread was busy must not call a live Edge silent because the timer
                 // won the race against input that was waiting.
                 let early = {
-                    let mut read = std::pin::pin!(reader.read_buf(&mut read_buf));
+                    let mut read = std::pin::pin!(reader.read_buf(&mut c.read_buf));
                     let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
                     read.as_mut().poll(&mut cx)
                 };
                 if let std::task::Poll::Ready(read) = early {
-                    on_read(read, &mut read_buf, &mut decoder, &mut session, ctx);
+                    c.on_read(read);
                 }
-                session.handle_timeout(ctx.clock.now());
+                c.session.handle_timeout(ctx.clock.now());
             }
-            written = write_some(&mut writer, &mut out, &mut unflushed, &ctx.stats), if owed => {
+            written = write_some(&mut writer, &mut c.out, &mut c.unflushed, &ctx.stats), if owed => {
                 if let Err(err) = written {
-                    broken = true;
-                    out.clear();
+                    c.broken = true;
+                    c.out.clear();
                     let failure = Failure::from_io(err.kind(), &err);
-                    misuse("connection lost", session.handle_connection_lost(ctx.clock.now(), failure));
+                    misuse("connection lost", c.session.handle_connection_lost(ctx.clock.now(), failure));
                 }
             }
         }
     }
 }
 
-/// One completed read: liveness, then every whole frame into the session.
-fn on_read(
-    read: std::io::Result<usize>,
-    read_buf: &mut BytesMut,
-    decoder: &mut FrameDecoder,
-    session: &mut NodeSession,
-    ctx: &Context,
-) {
-    let now = ctx.clock.now();
-    match read {
-        Ok(0) => {
-            let failure = Failure::EdgeClosed("edge closed the connection".into());
-            misuse(
-                "connection lost",
-                session.handle_connection_lost(now, failure),
-            );
-        }
-        Ok(n) => {
-            TransportStats::add(&ctx.stats.bytes_in, n as u64);
-            misuse("bytes received", session.handle_bytes_received(now));
-            decoder.push_bytes(read_buf.split().freeze());
-            // Once the session has ended, the rest of the buffer is moot.
-            while session.end().is_none() {
-                match decoder.next_envelope() {
-                    Ok(Some(envelope)) => {
-                        TransportStats::add(&ctx.stats.frames_in, 1);
-                        misuse("envelope", session.handle_envelope(now, envelope));
+impl Conn<'_> {
+    /// Drains every output of the session (acting on an event may feed it again): frames
+    /// into `out`, events handled. `Some(end)` once the session has closed.
+    fn drain_outputs(&mut self) -> Option<SessionEnd> {
+        let mut closed = None;
+        loop {
+            let mut frames = 0u64;
+            while let Some(transmit) = self.session.poll_transmit() {
+                match transmit {
+                    NodeTransmit::Frame(envelope) => {
+                        if let Err(err) = wire::encode(&envelope, &mut self.out) {
+                            warn!(node_id = self.node_id, %err, kind = envelope.kind(), "dropping a frame that cannot be encoded");
+                            continue;
+                        }
+                        frames += 1;
                     }
-                    Ok(None) => break,
-                    Err(err) => {
-                        misuse("undecodable", session.handle_undecodable(now, err));
+                    NodeTransmit::Close { end, abandoned } => {
+                        info!(node_id = self.node_id, end = %end, abandoned = abandoned.len(), "session closed");
+                        closed = Some(end);
                     }
                 }
             }
+            TransportStats::add(&self.ctx.stats.frames_out, frames);
+            let Some(event) = self.session.poll_event() else {
+                break;
+            };
+            self.handle_event(event);
         }
-        Err(err) => {
-            let failure = Failure::from_io(err.kind(), &err);
-            misuse(
-                "connection lost",
-                session.handle_connection_lost(now, failure),
-            );
+        if let Some(rtt) = self.session.last_rtt() {
+            self.ctx
+                .stats
+                .last_rtt_ms
+                .store(rtt.as_millis() as u64, Ordering::Relaxed);
+        }
+        closed
+    }
+
+    /// One completed read: liveness, then every whole frame into the session.
+    fn on_read(&mut self, read: std::io::Result<usize>) {
+        let (ctx, session) = (self.ctx, &mut self.session);
+        let now = ctx.clock.now();
+        match read {
+            Ok(0) => {
+                let failure = Failure::EdgeClosed("edge closed the connection".into());
+                misuse(
+                    "connection lost",
+                    session.handle_connection_lost(now, failure),
+                );
+            }
+            Ok(n) => {
+                TransportStats::add(&ctx.stats.bytes_in, n as u64);
+                misuse("bytes received", session.handle_bytes_received(now));
+                self.decoder.push_bytes(self.read_buf.split().freeze());
+                // Once the session has ended, the rest of the buffer is moot.
+                while session.end().is_none() {
+                    match self.decoder.next_envelope() {
+                        Ok(Some(envelope)) => {
+                            TransportStats::add(&ctx.stats.frames_in, 1);
+                            misuse("envelope", session.handle_envelope(now, envelope));
+                        }
+                        Ok(None) => break,
+                        Err(err) => {
+                            misuse("undecodable", session.handle_undecodable(now, err));
+                        }
+                    }
+                }
+            }
+            Err(err) => {
+                let failure = Failure::from_io(err.kind(), &err);
+                misuse(
+                    "connection lost",
+                    session.handle_connection_lost(now, failure),
+                );
+            }
+        }
+    }
+
+    /// An adapter's output into the session; the work's task is forgotten once the
+    /// session says the work ended.
+    fn apply_output(&mut self, output: Output) {
+        let now = self.ctx.clock.now();
+        let (run_id, step) = match output {
+            Output::Run { run_id, output } => {
+                let step = self.session.handle_run_output(now, &run_id, output);
+                (run_id, step)
+            }
+            Output::Tunnel { run_id, output } => {
+                let step = self.session.handle_tunnel_output(now, &run_id, output);
+                (run_id, step)
+            }
+            Output::Finished { run_id } => {
+                // Its task is over, whatever its work said.
+                self.tasks.remove(&run_id);
+                match self.session.handle_work_returned(now, &run_id) {
+                    Ok(Returned::Done) => {}
+                    Ok(Returned::Unfinished) => {
+                        warn!(
+                            node_id = self.node_id,
+                            run_id, "adapter returned without a terminal event"
+                        );
+                    }
+                    Err(err) => debug!(node_id = self.node_id, %err, "adapter output not sent"),
+                }
+                return;
+            }
+            Output::Command(response) => {
+                if let Err(err) = self.session.handle_command_response(now, response) {
+                    debug!(node_id = self.node_id, %err, "command response not sent");
+                }
+                return;
+            }
+        };
+        match step {
+            Ok(WorkStep::Going) => {}
+            Ok(WorkStep::Ended) => {
+                self.tasks.remove(&*run_id);
+            }
+            Err(err) => debug!(node_id = self.node_id, %err, "adapter output not sent"),
+        }
+    }
+
+    /// Acts on one event of the session.
+    fn handle_event(&mut self, event: SessionEvent) {
+        let now = self.ctx.clock.now();
+        let node_id = self.node_id.as_str();
+        match event {
+            SessionEvent::ApplyConfig { payload } => {
+                let result = self.host.apply(&payload);
+                match &result {
+                    Ok(()) => info!(
+                        node_id,
+                        revision = payload.revision,
+                        adapters = payload.adapters.len(),
+                        "config applied"
+                    ),
+                    Err(err) => warn!(node_id, %err, "config from the edge cannot be applied"),
+                }
+                misuse(
+                    "config applied",
+                    self.session.handle_config_applied(now, result),
+                );
+            }
+            SessionEvent::Ready => {
+                misuse("ready", self.supervisor.handle_ready(now));
+                info!(node_id, "ready: the edge may dispatch work");
+            }
+            SessionEvent::StartRun { request } => {
+                let request_id = request_id_of(&request.metadata);
+                info!(
+                    node_id,
+                    run_id = request.run_id,
+                    request_id,
+                    adapter = request.adapter,
+                    "run started"
+                );
+                // No span around the work: adapters log nothing of their own, and entering
+                // one on every poll of a stream is paid on every event.
+                let (run_id, adapter) = (request.run_id.clone(), request.adapter.clone());
+                spawn_work(
+                    &self.host,
+                    &mut self.tasks,
+                    &self.out_tx,
+                    run_id,
+                    &adapter,
+                    |adapter, sink, token| async move { adapter.run(request, sink, token).await },
+                );
+            }
+            SessionEvent::StartTunnel { request } => {
+                let request_id = request_id_of(&request.metadata);
+                info!(
+                    node_id,
+                    run_id = request.run_id,
+                    request_id,
+                    adapter = request.adapter,
+                    path = request.path,
+                    "tunnel opened"
+                );
+                let (run_id, adapter) = (request.run_id.clone(), request.adapter.clone());
+                spawn_work(
+                    &self.host,
+                    &mut self.tasks,
+                    &self.out_tx,
+                    run_id,
+                    &adapter,
+                    |adapter, sink, token| async move { adapter.tunnel(request, sink, token).await },
+                );
+            }
+            SessionEvent::CancelRun { run_id } => {
+                info!(node_id, run_id, "cancel requested by the edge");
+                if let Some(token) = self.tasks.get(&run_id) {
+                    token.cancel();
+                }
+            }
+            SessionEvent::CancelRejected { run_id, error } => {
+                debug!(node_id, run_id, %error, "cancel ignored")
+            }
+            SessionEvent::Command { request } => {
+                let transport = transport_status(self.ctx, &self.session);
+                // Commands may call a provider: answer from a task, never block the driver.
+                let host = self.host.clone();
+                let tx = self.out_tx.clone();
+                tokio::spawn(async move {
+                    let response = host.command(request, transport).await;
+                    let _ = tx.send(Output::Command(response)).await;
+                });
+            }
+            SessionEvent::RefreshConfig {
+                request_id,
+                payload,
+                diff,
+            } => {
+                let result = self.host.apply(&payload);
+                match &result {
+                    Ok(()) => {
+                        info!(node_id, request_id, revision = payload.revision, added = ?diff.added, removed = ?diff.removed, changed = ?diff.changed, "config refresh applied")
+                    }
+                    Err(err) => {
+                        warn!(node_id, request_id, %err, "config refresh failed; previous adapters stay")
+                    }
+                }
+                misuse(
+                    "refresh applied",
+                    self.session
+                        .handle_refresh_applied(now, &request_id, result),
+                );
+            }
+            SessionEvent::WorkRefused { run_id, reason } => {
+                warn!(node_id, run_id, reason = %reason, "work refused")
+            }
+            SessionEvent::PeerViolation { violation } => {
+                warn!(node_id, violation = %violation, "edge broke the protocol")
+            }
         }
     }
 }
@@ -304,172 +481,11 @@ fn request_id_of(metadata: &std::collections::BTreeMap<String, String>) -> &str 
         .map_or("-", String::as_str)
 }
 
-fn apply_output(
-    output: Output,
-    session: &mut NodeSession,
-    tasks: &mut HashMap<String, CancellationToken>,
-    ctx: &Context,
-    node_id: &str,
-) {
-    let now = ctx.clock.now();
-    let result = match output {
-        Output::Run { run_id, output } => {
-            let terminal = matches!(
-                output,
-                RunOutput::Complete { .. } | RunOutput::Error(_) | RunOutput::Cancelled
-            );
-            let result = session.handle_run_output(now, &run_id, output);
-            if terminal {
-                tasks.remove(&*run_id);
-            }
-            result
-        }
-        Output::Tunnel { run_id, output } => {
-            let terminal = matches!(output, TunnelOutput::End | TunnelOutput::Error(_));
-            let result = session.handle_tunnel_output(now, &run_id, output);
-            if terminal {
-                tasks.remove(&*run_id);
-            }
-            result
-        }
-        Output::Finished { run_id } => {
-            // A task still listed never sent its terminal output.
-            if tasks.remove(&run_id).is_some() {
-                warn!(node_id, run_id, "adapter returned without a terminal event");
-            }
-            session.handle_work_returned(now, &run_id)
-        }
-        Output::Command(response) => session.handle_command_response(now, response),
-    };
-    if let Err(err) = result {
-        debug!(node_id, %err, "adapter output not sent");
-    }
-}
-
-#[allow(clippy::too_many_arguments)]
-fn handle_event(
-    event: SessionEvent,
-    session: &mut NodeSession,
-    host: &mut AdapterHost,
-    tasks: &mut HashMap<String, CancellationToken>,
-    out_tx: &mpsc::Sender<Output>,
-    ctx: &Context,
-    supervisor: &mut Supervisor,
-    node_id: &str,
-) {
-    let now = ctx.clock.now();
-    match event {
-        SessionEvent::ApplyConfig { payload } => {
-            let result = host.apply(&payload);
-            match &result {
-                Ok(()) => info!(
-                    node_id,
-                    revision = payload.revision,
-                    adapters = payload.adapters.len(),
-                    "config applied"
-                ),
-                Err(err) => warn!(node_id, %err, "config from the edge cannot be applied"),
-            }
-            misuse("config applied", session.handle_config_applied(now, result));
-        }
-        SessionEvent::Ready => {
-            misuse("ready", supervisor.handle_ready(now));
-            info!(node_id, "ready: the edge may dispatch work");
-        }
-        SessionEvent::StartRun { request } => {
-            let request_id = request_id_of(&request.metadata);
-            info!(
-                node_id,
-                run_id = request.run_id,
-                request_id,
-                adapter = request.adapter,
-                "run started"
-            );
-            // No span around the work: adapters log nothing of their own, and entering
-            // one on every poll of a stream cost 2-3 % of the Node's CPU.
-            let (run_id, adapter) = (request.run_id.clone(), request.adapter.clone());
-            spawn_work(
-                host,
-                tasks,
-                out_tx,
-                run_id,
-                &adapter,
-                |adapter, sink, token| async move { adapter.run(request, sink, token).await },
-            );
-        }
-        SessionEvent::StartTunnel { request } => {
-            let request_id = request_id_of(&request.metadata);
-            info!(
-                node_id,
-                run_id = request.run_id,
-                request_id,
-                adapter = request.adapter,
-                path = request.path,
-                "tunnel opened"
-            );
-            let (run_id, adapter) = (request.run_id.clone(), request.adapter.clone());
-            spawn_work(
-                host,
-                tasks,
-                out_tx,
-                run_id,
-                &adapter,
-                |adapter, sink, token| async move { adapter.tunnel(request, sink, token).await },
-            );
-        }
-        SessionEvent::CancelRun { run_id } => {
-            info!(node_id, run_id, "cancel requested by the edge");
-            if let Some(token) = tasks.get(&run_id) {
-                token.cancel();
-            }
-        }
-        SessionEvent::CancelRejected { run_id, error } => {
-            debug!(node_id, run_id, %error, "cancel ignored")
-        }
-        SessionEvent::Command { request } => {
-            let transport = transport_status(ctx, session);
-            // Commands may call a provider: answer from a task, never block the driver.
-            let host = host.clone();
-            let tx = out_tx.clone();
-            tokio::spawn(async move {
-                let response = host.command(request, transport).await;
-                let _ = tx.send(Output::Command(response)).await;
-            });
-        }
-        SessionEvent::RefreshConfig {
-            request_id,
-            payload,
-            diff,
-        } => {
-            let result = host.apply(&payload);
-            match &result {
-                Ok(()) => {
-                    info!(node_id, request_id, revision = payload.revision, added = ?diff.added, removed = ?diff.removed, changed = ?diff.changed, "config refresh applied")
-                }
-                Err(err) => {
-                    warn!(node_id, request_id, %err, "config refresh failed; previous adapters stay")
-                }
-            }
-            misuse(
-                "refresh applied",
-                session.handle_refresh_applied(now, &request_id, result),
-            );
-        }
-        SessionEvent::WorkRefused { run_id, reason } => {
-            warn!(node_id, run_id, reason = %reason, "work refused")
-        }
-        SessionEvent::PeerViolation { violation } => {
-            warn!(node_id, violation = %violation, "edge broke the protocol")
-        }
-    }
-}
-
 /// Runs one piece of work on its adapter in its own task (each with tokio's fair
 /// scheduling and cooperative budget: polled together inside this connection's task,
-/// 2,000 paced streams shared one budget and their p99 wait grew elevenfold),
-/// cancellable by `run_id`; when the task
-/// returns or its adapter panics the driver is told, so work that ended without a
-/// terminal is closed.
+/// thousands of paced streams would share one budget and wait on each other),
+/// cancellable by `run_id`; when the task returns or its adapter panics the driver is
+/// told, so work that ended without a terminal is closed.
 fn spawn_work<F, Fut>(
     host: &AdapterHost,
     tasks: &mut HashMap<String, CancellationToken>,
@@ -490,10 +506,10 @@ fn spawn_work<F, Fut>(
     let sink = Sink::new(run_id.clone(), out_tx.clone());
     let done = out_tx.clone();
     // The work's future is made inside the task's: made outside and awaited inside, it
-    // would be stored twice (the captured value and the awaited one), 5.5 KiB a run
-    // instead of 2.7. And it is boxed once, here: tokio moves a task's future into its
-    // cell and its stages by value, and six copies of 2.7 KiB were ~3k instructions (5 %
-    // of the Node's) per small request.
+    // would be stored twice (the captured value and the awaited one). And it is boxed
+    // once, here: tokio moves a task's future into its cell and its stages by value, and
+    // those copies of a large future were a visible share of the Node's instructions per
+    // small request (docs/benchmarks-history.md).
     tokio::spawn(Box::pin(async move {
         // A panicking adapter ends its own work: the session still hears that it
         // returned and closes it, instead of keeping it in flight for good.

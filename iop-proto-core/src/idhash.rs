@@ -5,7 +5,7 @@
 //! Node) by its Edge, which the Node trusts with its whole configuration; never by an
 //! unauthenticated peer. So the flooding resistance of a randomly keyed SipHash buys
 //! nothing, while `foldhash` with a fixed seed is several times faster on the hot path
-//! (a SipHash of a run id cost ~190 instructions) and keeps the machines deterministic:
+//! and keeps the machines deterministic:
 //! the same inputs make the same maps, whatever the process.
 
 /// `HashMap` keyed by machine-chosen ids or configured names.

@@ -9,18 +9,20 @@
 //! around it, and any other runtime (even blocking `std::net`) can drive it the same way.
 //!
 //! ## Modules
+//! What an embedder uses; the machines' internals (the lease ledger, the wait queue, the
+//! registration guards, the Node's capacity gates) are private, and reached by tests,
+//! benches and fuzz targets through `testkit::internals` (feature `testkit`).
 //! - [`wire`]: the generated message types, the length-prefixed frame codec and the
 //!   contract validation of each message.
 //! - [`time`]: [`Timestamp`], the only notion of time the machines know.
-//! - [`edge`]: the Edge machine ([`EdgeCore`]): registry, generation fencing, and the
-//!   requests it owns from submit to end (dispatch and their streams), over [`lease`]
-//!   (the lease ledger) and [`queue`] (the provider-pool wait queue), configured by
-//!   [`edge_config`].
-//! - [`run`] and [`tunnel`]: the contract sequencers of normalized runs and raw tunnels.
-//! - [`session`]: the Node session machine ([`NodeSession`]), with [`gate`] (per-adapter
-//!   capacity) and [`reconnect`] (the reconnect policy and its [`Supervisor`]).
-//! - [`token`]: constant-time credential checks (node tokens, API keys), and [`guard`]:
-//!   the per-source back-off of failed registrations and node-id conflict detection.
+//! - [`edge`]: the Edge machine ([`EdgeCore`]): node registry and generation fencing,
+//!   provider leases and the wait queue, resilient routing, and the requests it owns from
+//!   submit to end; configured by [`edge_config`] ([`EdgeConfig`]).
+//! - [`session`]: the Node session machine ([`NodeSession`]), and [`reconnect`]: the
+//!   reconnect policy and its [`Supervisor`].
+//! - [`run`] and [`tunnel`]: the contract sequencers of normalized runs and raw tunnels
+//!   (what a stream may say in which order, which headers a tunnel forwards).
+//! - [`token`]: constant-time credential checks (node tokens, API keys).
 //! - [`openai`]: the OpenAI surface: request inspection, the token estimate, the one
 //!   error mapping, and the [`openai::Responder`] that renders a request's events.
 //! - [`timer`]: the keyed timer table every machine keeps its deadlines in.
@@ -161,13 +163,19 @@
 
 pub mod edge;
 pub mod edge_config;
-pub mod gate;
-pub mod guard;
+// Internals: public items, reached from outside only through `testkit::internals` (tests,
+// benches, fuzz targets), so in a build without the test kit some are unused.
+#[cfg_attr(not(feature = "testkit"), allow(unreachable_pub, dead_code))]
+mod gate;
+#[cfg_attr(not(feature = "testkit"), allow(unreachable_pub, dead_code))]
+mod guard;
 pub mod http1;
 mod idhash;
-pub mod lease;
+#[cfg_attr(not(feature = "testkit"), allow(unreachable_pub, dead_code))]
+mod lease;
 pub mod openai;
-pub mod queue;
+#[cfg_attr(not(feature = "testkit"), allow(unreachable_pub, dead_code))]
+mod queue;
 pub mod reconnect;
 pub mod run;
 pub mod session;
@@ -192,22 +200,18 @@ pub use edge_config::{
     Admission, CandidateSpec, ConfigDiff, EdgeConfig, EdgeConfigError, EdgeTiming, ModelSpec,
     NodeSpec, QueueLimits, RetryOn, Routing,
 };
-pub use gate::{CapacityGate, GateError};
-pub use guard::{
-    AuthThrottle, ConflictLimits, Contest, FlapGuard, PendingConnections, PendingLimits, Rival,
-    Source, ThrottleLimits,
-};
-pub use lease::{Generation, Lease, Ledger, Release, RequestId, ResourceId};
-pub use queue::{Candidate, Ticket, WaitQueue, Waiter};
+pub use guard::{ConflictLimits, PendingLimits, ThrottleLimits};
+pub use lease::{Generation, RequestId, ResourceId};
 pub use reconnect::{
     Backoff, ExitReason, Failure, MaxAttempts, ReconnectConfigError, ReconnectPolicy, Supervisor,
     SupervisorError, SupervisorEvent, SupervisorState,
 };
-pub use run::{RunEmitter, RunStep, RunTracker, RunViolation};
+pub use run::RunViolation;
 pub use session::{
-    AdapterDiff, CancelError, EdgeViolation, NodeSession, NodeTransmit, RunOutput, SessionConfig,
-    SessionEnd, SessionError, SessionEvent, SessionState, TunnelOutput, WorkRefusal, diff_adapters,
+    AdapterDiff, CancelError, EdgeViolation, NodeSession, NodeTransmit, Returned, RunOutput,
+    SessionConfig, SessionEnd, SessionError, SessionEvent, SessionState, TunnelOutput, WorkRefusal,
+    WorkStep, diff_adapters,
 };
 pub use time::Timestamp;
 pub use token::{SecretError, TokenVerifier};
-pub use tunnel::{BodyFrames, TunnelEmitter, TunnelReceiver, TunnelStep, TunnelViolation};
+pub use tunnel::TunnelViolation;

@@ -4,7 +4,9 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use bytes::Bytes;
+use iop_proto_core::testkit::InspectSession;
 use iop_proto_core::testkit::adapter;
+use iop_proto_core::testkit::internals::*;
 use iop_proto_core::wire::*;
 use iop_proto_core::*;
 
@@ -753,10 +755,13 @@ fn work_whose_adapter_returned_without_a_terminal_ends_with_an_error() {
     h.tunnel("t1", "a");
     h.events();
     let t = h.t();
-    h.s.handle_work_returned(t, "r1").expect("in flight");
-    h.s.handle_work_returned(t, "t1").expect("in flight");
-    h.s.handle_work_returned(t, "r1")
-        .expect("already ended: nothing to do");
+    assert_eq!(h.s.handle_work_returned(t, "r1"), Ok(Returned::Unfinished));
+    assert_eq!(h.s.handle_work_returned(t, "t1"), Ok(Returned::Unfinished));
+    assert_eq!(
+        h.s.handle_work_returned(t, "r1"),
+        Ok(Returned::Done),
+        "already ended: nothing to do"
+    );
     let mut run = RunTracker::new();
     let mut tunnel = TunnelReceiver::new();
     let mut terminals = 0;
@@ -885,17 +890,18 @@ fn a_graceful_stop_asks_the_edge_to_drain_and_serves_work_in_flight_to_its_end()
         h.events().as_slice(),
         [SessionEvent::StartTunnel { .. }]
     ));
-    for (id, output) in [
-        ("r1", RunOutput::Start),
+    for (id, output, step) in [
+        ("r1", RunOutput::Start, WorkStep::Going),
         (
             "r1",
             RunOutput::Complete {
                 usage: None,
                 metadata: BTreeMap::new(),
             },
+            WorkStep::Ended,
         ),
     ] {
-        h.s.handle_run_output(t, id, output).expect("in flight");
+        assert_eq!(h.s.handle_run_output(t, id, output), Ok(step));
     }
     h.s.handle_work_returned(t, "t1").expect("in flight");
     assert_eq!(

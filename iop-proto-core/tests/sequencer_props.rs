@@ -1,6 +1,7 @@
 //! Properties of the run and tunnel sequencers and of the reconnect policy.
 
 use bytes::Bytes;
+use iop_proto_core::testkit::internals::*;
 use iop_proto_core::wire::*;
 use iop_proto_core::*;
 use proptest::collection::vec;

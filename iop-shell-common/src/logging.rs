@@ -199,8 +199,8 @@ pub fn init(format: LogFormat) -> LogGuard {
 
 /// Each line's timestamp as tracing-subscriber's `SystemTime` writes it (RFC 3339 in UTC
 /// with microseconds, `2026-12-01T03:28:07.123456Z`), with the date and time of day worked
-/// out once per second per thread instead of formatted field by field on every line (1 %
-/// of the Edge's CPU at a request log line per request).
+/// out once per second per thread instead of formatted field by field on every line
+/// (a request log line per request makes it hot).
 #[derive(Debug, Clone, Copy)]
 struct Clock;
 
@@ -281,7 +281,8 @@ fn digits(out: &mut [u8], mut value: u64) {
 /// then `name=value` separated by spaces, strings quoted), without its per-character
 /// passes: a string that needs no escaping is copied as it is, the message too. At one
 /// request log line per request, the default's character-by-character escaping and
-/// styling of every field was most of the 8 % of the Edge's CPU its log line cost.
+/// styling of every field was most of what the line cost the Edge
+/// (docs/benchmarks-history.md).
 #[derive(Debug, Default)]
 struct TextFields;
 

@@ -60,12 +60,9 @@ pub fn runtime(
 /// 61). A proxy's tasks are short, and a socket that became ready while a burst of them
 /// ran is work for the next process of the path (the Node's provider, the Edge's
 /// caller): seen after 8 tasks instead of 61, it goes on while this process is still
-/// busy, instead of after it, and less of the machine sits idle between the hops. With
-/// the bench harness of BENCHMARKS.md, alternating builds: 3-12 % more small requests
-/// and 4-6 % more SSE streams at 16 connections, added paced-stream latency p50 +3 ms
-/// instead of +12, and no more CPU per request (the extra looks are `epoll_wait` calls
-/// that return at once). 1 was worse than the default. In the harness's own order, where
-/// the hops mostly share a vCPU after its c=1 run, 8 and 61 measured the same.
+/// busy, instead of after it, and less of the machine sits idle between the hops; the
+/// extra looks are `epoll_wait` calls that return at once. 1 was worse than the default
+/// (the figures, against 61 and 1: docs/benchmarks-history.md).
 const EVENT_INTERVAL: u32 = 8;
 
 thread_local! {
@@ -81,11 +78,8 @@ thread_local! {
 /// first (`sched_yield`), once: the hop downstream forwards what it was just sent
 /// and the provider writes more, so the next read takes several events instead of one.
 /// On a CPU with nothing else to run the yield returns at once, and nothing waits for a
-/// timer. With the bench harness of BENCHMARKS.md held up, alternating: up to 6 % (3 %
-/// on average) more unpaced SSE streams at 16 connections and about a fifth fewer
-/// provider reads per stream, with small requests and paced-stream latency unchanged.
-/// Yielding at every park, not only mid-response, gave SSE a little more but cost small
-/// requests 1-12 % of their rate.
+/// timer. Yielding at every park, not only mid-response, cost small requests more than
+/// it gave streams (the figures: docs/benchmarks-history.md).
 pub fn note_response_pending() {
     MID_RESPONSE.with(|pending| pending.set(true));
 }
@@ -106,11 +100,10 @@ fn yield_if_response_pending() {
 }
 
 /// The default number of worker threads of a runtime that may use several: half the
-/// CPUs this process may run on, at least one. On the 2-CPU machine of BENCHMARKS.md a
-/// second Edge worker cost 10-15 % more CPU per request (0.7 context switches per
-/// request against 0.3: workers waking each other to share the tasks one node link
-/// feeds) and added no throughput; half leaves the rest of a machine to the kernel's
-/// network work and to what shares it.
+/// CPUs this process may run on, at least one. Workers wake each other to share the
+/// tasks one node link feeds, so on a small machine a second one costs CPU per request
+/// and adds no throughput (docs/benchmarks-history.md); half leaves the rest of a
+/// machine to the kernel's network work and to what shares it.
 #[must_use]
 pub fn default_workers() -> std::num::NonZeroUsize {
     let cpus = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
@@ -130,9 +123,8 @@ pub fn default_workers() -> std::num::NonZeroUsize {
 /// interactivity causing extra preemptions"). A Node is woken by every frame from the
 /// Edge and every read from a provider, usually by the very process it then preempts,
 /// which had more of the same work to do: left to run, that process hands over a batch
-/// and the Node takes it in one go (docs/benchmarks-history.md: 5-8 % more small
-/// requests at 16 connections, 5-8 % less CPU per request). It needs no privilege: it
-/// only gives up preempting others.
+/// and the Node takes it in one go (measured in docs/benchmarks-history.md). It needs no
+/// privilege: it only gives up preempting others.
 pub fn batch_scheduling() -> std::io::Result<bool> {
     #[cfg(target_os = "linux")]
     {

@@ -8,8 +8,8 @@
 //! yield: it goes to the back of the run queue and a parked worker is woken to help. On
 //! an Edge answering one request at a time that was one futex wake and one hand-over
 //! between worker threads per request (perf: `Harness::poll` → `schedule_task` →
-//! `notify_parked_local`, 1.0 per request), and the hand-over cost more added latency
-//! than the rest of the Edge's work.
+//! `notify_parked_local`), and the hand-over added more latency than the rest of the
+//! Edge's work.
 //!
 //! [`Repoll`] polls its future again at once when it was woken while being polled, at
 //! most [`MAX_REPOLLS`] times in a row; past that (a future that really keeps itself

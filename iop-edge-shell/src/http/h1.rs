@@ -9,9 +9,10 @@
 //! HTTP/2 preface (h2c with prior knowledge) is handed to hyper with what was read of it;
 //! TLS connections stay hyper's.
 //!
-//! hyper's HTTP/1 connection cost about a fifth of the Edge's instructions per small
-//! request (callgrind): a channel and a task wake between its dispatcher and the handler
-//! for the request body, a watchdog per connection beside it, and its own head buffers.
+//! hyper's HTTP/1 connection puts a channel and a task wake between its dispatcher and
+//! the handler for the request body, a watchdog per connection beside it, and its own
+//! head buffers: a large share of the Edge's instructions per small request
+//! (docs/benchmarks-history.md).
 //! Here a request is parsed where it was read, its body is a slice of the read buffer,
 //! and the response (head and body, or each batch of ready chunks) leaves in one write
 //! from the task that renders it.

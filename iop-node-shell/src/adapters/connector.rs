@@ -1,7 +1,7 @@
 //! The providers' connector: hyper-rustls's, with the TLS session boxed.
 //!
 //! hyper-rustls yields `MaybeHttpsStream`, an enum that holds a TLS session inline
-//! (1.1 KiB) also for a plain `http://` provider, and hyper keeps that stream inside every
+//! (over a kilobyte) also for a plain `http://` provider, and hyper keeps that stream inside every
 //! connection it pools or streams on. [`ProviderStream`] keeps a plain connection at the
 //! size of its socket and puts the TLS session behind a pointer.
 

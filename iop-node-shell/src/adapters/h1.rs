@@ -3,8 +3,9 @@
 //! read buffer, so that body bytes leave as slices of what was read.
 //!
 //! hyper's client connection reserves 8 KiB to read into and 8 KiB for message heads when
-//! it is made, and talks to its caller through a request channel and a body channel; a
-//! Node that streams 2,000 responses held 25-27 KiB per stream, most of it there. Here a
+//! it is made, and talks to its caller through a request channel and a body channel; in
+//! a Node streaming thousands of responses that was most of what each stream held
+//! (docs/benchmarks-history.md). Here a
 //! connection is its socket and what was read from it and not yet taken; a read goes
 //! into one 64 KiB buffer per thread and what it got is copied out, so a read takes all
 //! the socket has however little the connection holds (a response arriving in bulk is
@@ -43,11 +44,10 @@ thread_local! {
     /// copied to the connection's own buffer (reused while its stream goes on, let go
     /// once empty if a burst grew it past [`KEEP_MAX`]).
     ///
-    /// A buffer per connection that started small and grew with the traffic (1, 2, then
-    /// 4 KiB) took three reads for a 3.7 KiB SSE response that had arrived whole, about one
-    /// read in five under unpaced streams (docs/benchmarks-history.md, 2 December 21:40);
-    /// one that started large would be held by every open stream while it waits for its
-    /// next event.
+    /// A buffer per connection that started small and grew with the traffic took several
+    /// reads for a response that had arrived whole (docs/benchmarks-history.md, 2 December
+    /// 21:40); one that started large would be held by every open stream while it waits
+    /// for its next event.
     /// Copying a read's few hundred bytes costs less than a system call; a read that fills
     /// this buffer puts its connection in bulk mode ([`Conn::poll_read`]), where 64 KiB
     /// copies would add to every read's cost.

@@ -58,9 +58,9 @@ impl CallError {
 /// it (a timer per body frame cost a timer-wheel update per chunk).
 ///
 /// Work that is ready is taken without polling the two: they are polled, and so set to
-/// wake the task, only when the work is pending, once for each wait. Polled before every
-/// read of a streamed body as well, they cost about 250 instructions a paced event, 3-4 %
-/// of the Node's (`scripts/instructions`). A cancel or a passed deadline still ends the
+/// wake the task, only when the work is pending, once for each wait (polled before every
+/// read of a streamed body as well, they were a measurable share of a paced event's
+/// cost: docs/benchmarks-history.md). A cancel or a passed deadline still ends the
 /// call before any more work: both are looked at first, by a flag each (the token's, and
 /// the timer's, which the runtime sets when the deadline passes once the timer is
 /// registered; the first call registers it).

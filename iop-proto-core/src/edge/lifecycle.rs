@@ -21,7 +21,7 @@ pub enum Lifecycle {
     /// A connection registered as the node (it is not ready yet).
     #[serde(rename = "node.registered")]
     NodeRegistered {
-        /// The node.
+        /// The node's configured id.
         node_id: String,
         /// The connection generation it holds.
         generation: u64,
@@ -29,15 +29,15 @@ pub enum Lifecycle {
     /// The node completed its ready handshake: its providers take work.
     #[serde(rename = "node.ready")]
     NodeReady {
-        /// The node.
+        /// The node's configured id.
         node_id: String,
-        /// Its generation.
+        /// The node's generation: which of its connections owned it.
         generation: u64,
     },
     /// The node's generation was fenced: why, and how many requests it was serving.
     #[serde(rename = "node.fenced")]
     NodeFenced {
-        /// The node.
+        /// The node's configured id.
         node_id: String,
         /// The fenced generation.
         generation: u64,
@@ -51,7 +51,7 @@ pub enum Lifecycle {
     /// The node is no longer connected (follows `node.fenced`).
     #[serde(rename = "node.disconnected")]
     NodeDisconnected {
-        /// The node.
+        /// The node's configured id.
         node_id: String,
     },
     /// Two connections keep taking the node id from each other: newcomers are held off.
@@ -67,7 +67,7 @@ pub enum Lifecycle {
     /// The node could not take its configuration: no new work, closed once drained.
     #[serde(rename = "node.draining")]
     NodeDraining {
-        /// The node.
+        /// The node's configured id.
         node_id: String,
         /// Why, in words.
         reason: String,
@@ -77,7 +77,7 @@ pub enum Lifecycle {
     /// A node answered a config refresh, or did not in time.
     #[serde(rename = "config.refresh")]
     ConfigRefresh {
-        /// The node.
+        /// The node's configured id.
         node_id: String,
         /// `applied`, `failed`, `restart_required` or `timed_out`.
         result: &'static str,
@@ -95,7 +95,7 @@ pub enum Lifecycle {
         node_id: String,
         /// Whether that id is configured: `true` means a wrong token (or certificate).
         known: bool,
-        /// Its address.
+        /// The connection's remote address.
         peer: String,
         /// `bad_token`, `unknown_node` or `identity_mismatch`.
         reason: &'static str,
@@ -112,7 +112,7 @@ pub enum Lifecycle {
     /// later): it is out of the rotation for `ejected_ms`, then one request probes it.
     #[serde(rename = "provider.ejected")]
     ProviderEjected {
-        /// The node.
+        /// The node's configured id.
         node_id: String,
         /// The adapter instance.
         provider_id: String,
@@ -124,7 +124,7 @@ pub enum Lifecycle {
     /// An ejected provider answered its probe: back in the rotation.
     #[serde(rename = "provider.restored")]
     ProviderRestored {
-        /// The node.
+        /// The node's configured id.
         node_id: String,
         /// The adapter instance.
         provider_id: String,
@@ -135,7 +135,7 @@ pub enum Lifecycle {
     /// the node was fenced.
     #[serde(rename = "provider.health")]
     ProviderHealth {
-        /// The node.
+        /// The node's configured id.
         node_id: String,
         /// The adapter instance.
         provider_id: String,

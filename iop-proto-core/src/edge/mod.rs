@@ -35,14 +35,16 @@
 //!   While a node stopping so is live, a newer register for its id is held off
 //!   ([`RejectReason::Draining`]) instead of superseding it.
 //!
-//! Its state is four sub-states that own their data and their rules (quinn-proto's
-//! `connection/` shape): the node [`Registry`](registry) (connections, ownership,
-//! admission), the provider [`Pool`](pool) (leases, model groups, picking, the wait
-//! queue), the [`Requests`](requests) (each request, its runs and their streams) and the
-//! [`Control`](control) traffic (commands, config refreshes). Each works through a narrow
-//! context: the time, the outbox, the timer table. The rules that cross them (a register
-//! superseding an owner, a fence failing requests, a freed lease serving a waiter) are in
-//! one file, [`transitions`], as a readable list.
+//! Inside (for contributors; none of it is public): its state is four sub-states that
+//! own their data and their rules (quinn-proto's `connection/` shape): the node registry
+//! (`registry.rs`: connections, ownership, admission), the provider pool (`pool.rs` and
+//! `health.rs`: leases, model groups, picking, provider health, the wait queue), the
+//! requests (`requests.rs`: each request, its runs and their streams) and the control
+//! traffic (`control.rs`: commands, config refreshes). Each works through a narrow
+//! context: the time, the outbox, the timer table, the wait queue. The rules that cross
+//! them (a register superseding an owner, a fence failing requests, a freed lease serving
+//! a waiter, a failed run retried elsewhere) are in one file, `transitions.rs`, as a
+//! readable list.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::net::IpAddr;
@@ -83,12 +85,14 @@ mod requests;
 mod timers;
 mod transitions;
 mod types;
+mod violation;
 
 pub use crate::lease::RunId;
 pub use health::{Ejection, Standing};
 pub use lifecycle::{Lifecycle, health_word};
 pub use registry::throttled_reason;
 pub use types::*;
+pub use violation::*;
 
 use timers::TimerKey;
 
@@ -97,7 +101,7 @@ use timers::TimerKey;
 pub struct EdgeCore {
     config: EdgeConfig,
     registry: registry::Registry,
-    pool: pool::Pool,
+    pub(crate) pool: pool::Pool,
     requests: requests::Requests,
     control: control::Control,
     timers: TimerTable<TimerKey>,

@@ -12,13 +12,14 @@ use crate::edge_config::Routing;
 /// Provider capacity: resources and their leases and health, model groups and the wait
 /// queue.
 #[derive(Debug, Default)]
-pub(super) struct Pool {
-    ledger: Ledger,
+pub(crate) struct Pool {
+    /// (Crate-visible, as is `queue`: tests read them through `testkit::Inspect`.)
+    pub(crate) ledger: Ledger,
     /// What each resource is (a field, so a borrow of it leaves the queue free).
     pub(super) resources: Vec<ResourceMeta>,
     health: Vec<Health>,
     models: IdMap<Arc<str>, Model>,
-    pub(super) queue: WaitQueue,
+    pub(crate) queue: WaitQueue,
 }
 
 /// An ejection the pool made.
@@ -357,16 +358,10 @@ impl Pool {
 
 /// The pool's figures, for tests and status pages.
 impl EdgeCore {
-    /// The lease ledger (read-only).
+    /// Requests waiting in the queue for a provider of model group `model`.
     #[must_use]
-    pub fn ledger(&self) -> &Ledger {
-        &self.pool.ledger
-    }
-
-    /// The wait queue (read-only).
-    #[must_use]
-    pub fn queue(&self) -> &WaitQueue {
-        &self.pool.queue
+    pub fn waiting(&self, model: &str) -> usize {
+        self.pool.waiting_for(model)
     }
 
     /// When the oldest waiter's wait ends.

@@ -3,6 +3,11 @@
 //!
 //! The `Registry` decides who a connection is; what that means for leases and requests
 //! (a superseded owner fenced, a ready node's capacity activated) is in `transitions`.
+//!
+//! Longer than the crate's ~800-line norm on purpose: registration is one decision read
+//! top to bottom (pending caps, credentials, the throttle, conflicts, ownership and
+//! generation, the ready handshake), each step gating the next; split, the order of the
+//! gates would hide across files. The guards' own accounting is in `guard.rs`.
 
 use super::*;
 

@@ -12,6 +12,11 @@
 //!
 //! A run outlives its request, or its part in it, when it is given up: it is cancelled
 //! on its node and keeps its lease until the node ends it or the cancel grace passes.
+//!
+//! Longer than the crate's ~800-line norm on purpose: a request and its runs share one
+//! state (what is held, who committed, which runs are given up), and the stream checks
+//! that decide a run's next step read and change that state at once; split, each half
+//! would need the other's internals.
 
 use super::pool::ResourceMeta;
 use super::*;

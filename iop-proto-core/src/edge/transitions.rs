@@ -34,6 +34,11 @@
 //!   closed once its last lease returns.
 //! - **A configuration takes effect** ([`reconfigure`](EdgeCore::reconfigure)): removed
 //!   nodes and changed tokens fence their owners; changed payloads are pushed.
+//!
+//! Longer than the crate's ~800-line norm on purpose: it is the one file where a rule
+//! touches more than one sub-state, so that a reviewer reads every such rule, and every
+//! `self.registry` outside the registry, in one place. What a sub-state decides alone
+//! lives in its own file.
 
 use super::health::Passed;
 use super::pool::Model;

@@ -139,7 +139,7 @@ pub enum Transmit {
     /// (the shell's decoder begins there); the limit rises to the full one just before the
     /// frame that accepts the register, so it is in force before the node can use it.
     FrameLimit {
-        /// The connection.
+        /// The node connection it concerns.
         conn: ConnId,
         /// The new limit.
         max_frame_len: usize,
@@ -193,7 +193,7 @@ impl DispatchShape {
 pub enum RequestError {
     /// The node serving it disconnected or was fenced.
     NodeLost {
-        /// The node.
+        /// The node's configured id.
         node_id: Arc<str>,
     },
     /// The node's stream for it broke the contract.
@@ -255,7 +255,7 @@ pub enum EdgeEvent {
     },
     /// Something happened to a request, for its caller: see [`RequestEvent`].
     Request {
-        /// The request.
+        /// The caller's request it concerns.
         request: RequestId,
         /// What happened.
         event: RequestEvent,
@@ -264,7 +264,7 @@ pub enum EdgeEvent {
     /// logs and metrics; its caller hears of it only if this run answers
     /// ([`RequestEvent::Dispatched`]).
     Attempt {
-        /// The run.
+        /// The dispatch of the request it concerns.
         run: RunId,
         /// Node chosen.
         node_id: Arc<str>,
@@ -276,13 +276,13 @@ pub enum EdgeEvent {
     /// A provider failed a request before its first byte, and the request was given
     /// another provider (or one was tried beside a provider slow to answer).
     Retried {
-        /// The request.
+        /// The caller's request it concerns.
         request: RequestId,
         /// The run that failed, or is slow.
         run: RunId,
-        /// Its node.
+        /// The node's configured id.
         node_id: Arc<str>,
-        /// Its provider.
+        /// The provider on that node (its adapter instance name).
         provider_id: Arc<str>,
         /// Why, as a stable label (`error`, `status_5xx`, `status_429`, `status_408`,
         /// `violation`, `node_lost`, `first_byte_timeout`).
@@ -291,9 +291,9 @@ pub enum EdgeEvent {
     /// A provider was taken out of the rotation until its ejection ends and a probe
     /// succeeds (or, for a `Retry-After`, until the time it asked for).
     ProviderEjected {
-        /// Its node.
+        /// The node's configured id.
         node_id: Arc<str>,
-        /// The provider.
+        /// The provider on that node (its adapter instance name).
         provider_id: Arc<str>,
         /// Why.
         reason: Ejection,
@@ -302,9 +302,9 @@ pub enum EdgeEvent {
     },
     /// An ejected provider answered its probe: it is back in the rotation.
     ProviderRestored {
-        /// Its node.
+        /// The node's configured id.
         node_id: Arc<str>,
-        /// The provider.
+        /// The provider on that node (its adapter instance name).
         provider_id: Arc<str>,
         /// Why it had been ejected.
         after: Ejection,
@@ -345,7 +345,7 @@ pub enum EdgeEvent {
     CommandAnswered {
         /// The node the command was sent to.
         node_id: Arc<str>,
-        /// The answer.
+        /// The node's answer, as it sent it.
         response: NodeCommandResponse,
     },
     /// A registration was refused (the peer got [`AUTH_FAILED`], [`TOO_MANY_FAILURES`]
@@ -436,9 +436,9 @@ pub struct FailingNode {
 /// A provider as routing sees it, for status pages.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ProviderRouting {
-    /// Its node.
+    /// The node's configured id.
     pub node_id: Arc<str>,
-    /// The provider.
+    /// The provider on that node (its adapter instance name).
     pub provider_id: Arc<str>,
     /// In the rotation, ejected, or due (or in) its probe.
     pub standing: Standing,
@@ -463,117 +463,6 @@ pub struct Throttled {
     pub retry_after: Duration,
 }
 
-/// How a node broke the protocol; [`Violation::label`] names it for metrics.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum Violation {
-    /// The connection's own grammar: the connection is closed.
-    #[error("{0}")]
-    Connection(ConnViolation),
-    /// One run's stream: that run fails and is cancelled on the node.
-    #[error("{run}: {violation}")]
-    Stream {
-        /// The run whose stream broke the contract.
-        run: RunId,
-        /// What it broke.
-        violation: StreamViolation,
-    },
-    /// A run event or tunnel frame that names no run of the connection: dropped.
-    #[error("a message for no run of this connection: {0}")]
-    Stray(ValidationError),
-}
-
-impl Violation {
-    /// A stable name for metric labels and logs.
-    #[must_use]
-    pub fn label(&self) -> &'static str {
-        match self {
-            Violation::Connection(v) => v.label(),
-            Violation::Stream { violation, .. } => violation.label(),
-            Violation::Stray(_) => "stray_message",
-        }
-    }
-}
-
-/// How a node broke its connection's grammar (the connection is closed).
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum ConnViolation {
-    /// A message that breaks the message contract (not about one run).
-    #[error("invalid message: {0}")]
-    Invalid(ValidationError),
-    /// A second `RegisterRequest` on one connection.
-    #[error("second RegisterRequest on one connection")]
-    SecondRegister,
-    /// A run event or tunnel frame before the register was accepted.
-    #[error("stream message before register")]
-    StreamBeforeRegister,
-    /// A run event or tunnel frame before the ready handshake completed.
-    #[error("stream message before ready")]
-    StreamBeforeReady,
-    /// A `NodeReadyRequest` naming another node id than the registered one.
-    #[error("ready for another node id")]
-    ReadyForAnotherNode,
-    /// A message only the Edge sends.
-    #[error("{0} is not a node-to-edge message")]
-    WrongDirection(&'static str),
-    /// A `NodeDrainRequest` from a connection that is not its node's ready owner (a node
-    /// that has not become ready has nothing to drain: it closes instead).
-    #[error("NodeDrainRequest before ready")]
-    DrainBeforeReady,
-}
-
-impl ConnViolation {
-    /// A stable name for metric labels and logs.
-    #[must_use]
-    pub fn label(&self) -> &'static str {
-        match self {
-            ConnViolation::Invalid(_) => "invalid_message",
-            ConnViolation::SecondRegister => "second_register",
-            ConnViolation::StreamBeforeRegister => "stream_before_register",
-            ConnViolation::StreamBeforeReady => "stream_before_ready",
-            ConnViolation::ReadyForAnotherNode => "ready_for_another_node",
-            ConnViolation::WrongDirection(_) => "wrong_direction",
-            ConnViolation::DrainBeforeReady => "drain_before_ready",
-        }
-    }
-}
-
-/// How a node broke one run's stream (that run fails; the connection stays).
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum StreamViolation {
-    /// Out of the run event order.
-    #[error(transparent)]
-    Run(RunViolation),
-    /// Out of the tunnel frame order.
-    #[error(transparent)]
-    Tunnel(TunnelViolation),
-    /// A tunnel frame for a normalized run.
-    #[error("tunnel frame for a run")]
-    FrameForRun,
-    /// A run event for a tunnel.
-    #[error("run event for a tunnel")]
-    EventForTunnel,
-    /// A message that breaks the message contract (e.g. an unknown type).
-    #[error("invalid message: {0}")]
-    Invalid(ValidationError),
-}
-
-impl StreamViolation {
-    /// A stable name for metric labels and logs.
-    #[must_use]
-    pub fn label(&self) -> &'static str {
-        match self {
-            StreamViolation::Run(_) => "run_order",
-            StreamViolation::Tunnel(_) => "tunnel_order",
-            StreamViolation::FrameForRun => "frame_for_run",
-            StreamViolation::EventForTunnel => "event_for_tunnel",
-            StreamViolation::Invalid(_) => "invalid_stream_message",
-        }
-    }
-}
-
 /// Why a node could not take its configuration.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -581,7 +470,7 @@ pub enum RefreshFailure {
     /// It answered a refresh with this status (an unknown status counts as `FAILED`).
     #[error("config refresh answered {status:?}: {message}")]
     Answered {
-        /// The status.
+        /// The status the node answered.
         status: RefreshStatus,
         /// The node's message.
         message: String,
@@ -636,7 +525,7 @@ pub enum SubmitError {
     QueueFull {
         /// The model group.
         model: String,
-        /// The limit.
+        /// The queue's limit (`max_waiting`) it hit.
         max_waiting: usize,
     },
 }
@@ -792,7 +681,7 @@ pub struct NodeStatus {
     /// Status of the last config refresh answered.
     pub last_refresh: Option<RefreshStatus>,
     /// Two live connections keep taking this node id from each other: the current owner
-    /// keeps it and newcomers are held off (see [`crate::guard::FlapGuard`]).
+    /// keeps it and newcomers are held off (see [`Admission::conflict`](crate::Admission::conflict)).
     pub conflict: bool,
     /// TLS version of the owning connection; `None` when plaintext or offline.
     pub tls: Option<&'static str>,

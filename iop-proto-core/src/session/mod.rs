@@ -8,7 +8,7 @@
 //!   ends it with a retryable one. Either way control returns to the [`Supervisor`].
 //! - It answers heartbeats, sends its own, and treats Edge silence beyond the heartbeat
 //!   timeout as a lost connection.
-//! - Work (`RunRequest`, `ProviderTunnelRequest`) passes the adapter's [`CapacityGate`];
+//! - Work (`RunRequest`, `ProviderTunnelRequest`) passes the adapter's capacity gate;
 //!   the shell reports progress with [`NodeSession::handle_run_output`] and
 //!   [`NodeSession::handle_tunnel_output`], which number, chunk and check every event
 //!   and frame, so the Edge always receives a valid contract sequence.
@@ -94,7 +94,8 @@ pub struct NodeSession {
     ready_sent: bool,
     pending_refresh: Option<(String, NodeConfigPayload)>,
     pending_commands: IdSet<String>,
-    gates: IdMap<String, CapacityGate>,
+    /// (Crate-visible: tests read a gate through `testkit::InspectSession`.)
+    pub(crate) gates: IdMap<String, CapacityGate>,
     work: IdMap<String, Work>,
     /// Finished run ids, oldest first, and the same ids for lookup (one allocation each).
     finished: VecDeque<Arc<str>>,
@@ -168,12 +169,6 @@ impl NodeSession {
     #[must_use]
     pub fn last_rtt(&self) -> Option<Duration> {
         self.last_rtt
-    }
-
-    /// The capacity gate of an adapter instance.
-    #[must_use]
-    pub fn gate(&self, adapter: &str) -> Option<&CapacityGate> {
-        self.gates.get(adapter)
     }
 
     /// Runs and tunnels in flight.
@@ -617,7 +612,7 @@ impl NodeSession {
         now: Timestamp,
         run_id: &str,
         output: RunOutput,
-    ) -> Result<(), SessionError> {
+    ) -> Result<WorkStep, SessionError> {
         self.advance(now);
         let (work, _) = self.work_in_flight(run_id, "run output")?;
         let WorkKind::Run(emitter, tracker) = &mut work.kind else {
@@ -657,8 +652,9 @@ impl NodeSession {
         self.send(Body::RunEvent(event));
         if ended {
             self.finish(run_id);
+            return Ok(WorkStep::Ended);
         }
-        Ok(())
+        Ok(WorkStep::Going)
     }
 
     /// Progress of a tunnel, from the adapter. Numbered, chunked, checked and sent.
@@ -667,7 +663,7 @@ impl NodeSession {
         now: Timestamp,
         run_id: &str,
         output: TunnelOutput,
-    ) -> Result<(), SessionError> {
+    ) -> Result<WorkStep, SessionError> {
         self.advance(now);
         let (work, queue) = self.work_in_flight(run_id, "tunnel output")?;
         let WorkKind::Tunnel(emitter) = &mut work.kind else {
@@ -683,7 +679,7 @@ impl NodeSession {
             TunnelOutput::Status { status, headers } => {
                 emitter.status(status, headers).map(&mut send).is_some()
             }
-            TunnelOutput::Body(data) if data.is_empty() => return Ok(()),
+            TunnelOutput::Body(data) if data.is_empty() => return Ok(WorkStep::Going),
             TunnelOutput::Body(data) => {
                 let mut any = false;
                 for frame in emitter.body(data) {
@@ -703,8 +699,9 @@ impl NodeSession {
         let ended = emitter.is_ended();
         if ended {
             self.finish(run_id);
+            return Ok(WorkStep::Ended);
         }
-        Ok(())
+        Ok(WorkStep::Going)
     }
 
     /// The adapter task for `run_id` returned. Work it left without a terminal ends here
@@ -714,10 +711,10 @@ impl NodeSession {
         &mut self,
         now: Timestamp,
         run_id: &str,
-    ) -> Result<(), SessionError> {
+    ) -> Result<Returned, SessionError> {
         let tunnel = match self.work.get(run_id).map(|w| &w.kind) {
             // Ended properly: nothing to do.
-            None => return Ok(()),
+            None => return Ok(Returned::Done),
             Some(WorkKind::Tunnel(_)) => true,
             Some(WorkKind::Run(..)) => false,
         };
@@ -727,7 +724,8 @@ impl NodeSession {
             retryable: true,
         };
         if tunnel {
-            self.handle_tunnel_output(now, run_id, TunnelOutput::Error(detail))
+            // An error is a terminal: the work ends here.
+            self.handle_tunnel_output(now, run_id, TunnelOutput::Error(detail))?;
         } else {
             // A run that never started must start before it can end; one that started
             // refuses the second START, which is fine.
@@ -737,8 +735,9 @@ impl NodeSession {
             {
                 debug_assert!(self.work.contains_key(run_id));
             }
-            self.handle_run_output(now, run_id, RunOutput::Error(detail))
+            self.handle_run_output(now, run_id, RunOutput::Error(detail))?;
         }
+        Ok(Returned::Unfinished)
     }
 
     fn close(&mut self, end: SessionEnd) {

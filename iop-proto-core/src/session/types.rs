@@ -215,6 +215,26 @@ pub enum NodeTransmit {
     },
 }
 
+/// Where a piece of work stands after an output of its adapter was taken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WorkStep {
+    /// It goes on: more output is expected.
+    Going,
+    /// That was its terminal: it has left the session (its capacity is free), and the
+    /// shell may forget its task.
+    Ended,
+}
+
+/// What the session made of an adapter task that returned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Returned {
+    /// Its work had already ended properly.
+    Done,
+    /// It returned without a terminal: the session ended its work with an
+    /// `adapter_error` terminal.
+    Unfinished,
+}
+
 /// Something the shell must act on. Deliberately exhaustive: a new event is a compile
 /// error in every shell until it decides what to do with it.
 #[derive(Clone, Debug, PartialEq)]

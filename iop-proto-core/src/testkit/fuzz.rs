@@ -1,9 +1,14 @@
 //! Fuzz entry points. Each takes arbitrary bytes, drives one input surface and panics
 //! only when an invariant breaks. The cargo-fuzz targets under `fuzz/` call these, and
 //! the crate's tests replay the committed corpus through them on stable.
+//!
+//! Over the ~800-line norm on purpose: one flat list of entry points, each independent of
+//! the others and named by its cargo-fuzz target, so a target's harness is found by name
+//! in one file; it ships in no build without the `testkit` feature.
 
 use bytes::{Bytes, BytesMut};
 
+use crate::testkit::Inspect;
 use crate::wire::{self, DecodeError, Envelope, FrameDecoder, Validate};
 
 /// Feeds `data` to a [`FrameDecoder`] in uneven pieces and checks that:

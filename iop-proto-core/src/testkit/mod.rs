@@ -7,6 +7,54 @@ pub mod rng;
 pub mod sim;
 
 use crate::wire::{AdapterConfig, AdapterType};
+use crate::{EdgeCore, NodeSession};
+
+/// The machines' internals, which embedders never touch: the lease ledger, the wait
+/// queue, the registration guards, the Node's capacity gate and the run and tunnel
+/// sequencers. Tests, benches and fuzz targets reach them here.
+pub mod internals {
+    pub use crate::gate::{CapacityGate, GateError};
+    pub use crate::guard::{
+        AuthThrottle, Contest, FlapGuard, Instance, PendingConnections, Rival, Source,
+    };
+    pub use crate::lease::{Lease, Ledger, Release, Usage as LeaseUsage};
+    pub use crate::queue::{Candidate, Ticket, WaitQueue, Waiter};
+    pub use crate::run::{RunEmitter, RunStep, RunTracker};
+    pub use crate::tunnel::{BodyFrames, TunnelEmitter, TunnelReceiver, TunnelStep};
+}
+
+use internals::{CapacityGate, Ledger, WaitQueue};
+
+/// Read access to a machine's internals, for tests that check them against what the
+/// machine reported.
+pub trait Inspect {
+    /// The Edge's lease ledger.
+    fn ledger(&self) -> &Ledger;
+    /// The Edge's wait queue.
+    fn queue(&self) -> &WaitQueue;
+}
+
+impl Inspect for EdgeCore {
+    fn ledger(&self) -> &Ledger {
+        &self.pool.ledger
+    }
+
+    fn queue(&self) -> &WaitQueue {
+        &self.pool.queue
+    }
+}
+
+/// Read access to a Node session's internals.
+pub trait InspectSession {
+    /// The capacity gate of `adapter`, while it is configured.
+    fn gate(&self, adapter: &str) -> Option<&CapacityGate>;
+}
+
+impl InspectSession for NodeSession {
+    fn gate(&self, adapter: &str) -> Option<&CapacityGate> {
+        self.gates.get(adapter)
+    }
+}
 
 /// The adapter every test uses: `kind` named `name`, serving target `"t"` with
 /// `capacity` units of which `long` may be long-context, at a base URL nothing listens on.

@@ -39,6 +39,7 @@ use crate::session::{
     NodeSession, NodeTransmit, RunOutput, SessionConfig, SessionEnd, SessionEvent, TunnelOutput,
 };
 use crate::testkit::Faults;
+use crate::testkit::Inspect;
 use crate::testkit::harness::Wire;
 use crate::testkit::rng::Rng;
 use crate::time::Timestamp;

@@ -5,7 +5,9 @@ use std::time::Duration;
 use iop_proto_core::wire::*;
 use iop_proto_core::*;
 
+pub use iop_proto_core::testkit::Inspect;
 pub use iop_proto_core::testkit::adapter;
+pub use iop_proto_core::testkit::internals::*;
 
 pub const TOKEN: &str = "tok";
 
@@ -195,7 +197,7 @@ impl Harness {
         self.edge.handle_submit(self.now, submit)
     }
 
-    pub fn usage(&self, node: &str, provider: &str) -> lease::Usage {
+    pub fn usage(&self, node: &str, provider: &str) -> LeaseUsage {
         self.edge
             .ledger()
             .usage(self.edge.resource(node, provider).expect("configured"))
