@@ -62,20 +62,22 @@ impl RunId {
         }
     }
 
-    /// The run a wire run id names, if it is one of this Edge's.
+    /// The run a wire run id names, if it is one of this Edge's (one pass over its
+    /// bytes: every frame of a run is looked up by it).
     #[must_use]
     pub fn parse(text: &str) -> Option<RunId> {
-        let rest = text.strip_prefix(Self::PREFIX)?;
-        let (request, attempt) = match rest.split_once('-') {
-            Some((request, attempt)) => (request, attempt.parse().ok().filter(|&a| a > 0)?),
-            None => (rest, 0),
+        let rest = text.strip_prefix(Self::PREFIX)?.as_bytes();
+        let (request, rest) = leading_number(rest)?;
+        let attempt = match rest {
+            [] => 0,
+            [b'-', tail @ ..] => match leading_number(tail)? {
+                (attempt, []) if attempt > 0 => u32::try_from(attempt).ok()?,
+                _ => return None,
+            },
+            _ => return None,
         };
-        // Digits only: `parse` would take a leading `+`, and the wire form has none.
-        if !request.bytes().all(|b| b.is_ascii_digit()) {
-            return None;
-        }
         Some(RunId {
-            request: RequestId(request.parse().ok()?),
+            request: RequestId(request),
             attempt,
         })
     }
@@ -95,6 +97,23 @@ impl RunId {
         }
         text
     }
+}
+
+/// The decimal number `bytes` start with (at least one digit; no sign) and what
+/// follows it; `None` when there is none or it overflows.
+fn leading_number(bytes: &[u8]) -> Option<(u64, &[u8])> {
+    let end = bytes
+        .iter()
+        .position(|b| !b.is_ascii_digit())
+        .unwrap_or(bytes.len());
+    if end == 0 {
+        return None;
+    }
+    let mut n: u64 = 0;
+    for &b in &bytes[..end] {
+        n = n.checked_mul(10)?.checked_add(u64::from(b - b'0'))?;
+    }
+    Some((n, &bytes[end..]))
 }
 
 /// `n` in decimal, written into the end of `buf`.
@@ -350,6 +369,35 @@ mod tests {
                 .is_empty()
         );
         (ledger, r)
+    }
+
+    #[test]
+    fn a_run_id_reads_back_what_it_wrote_and_nothing_else() {
+        for (request, attempt) in [(0, 0), (7, 0), (7, 1), (u64::MAX, u32::MAX)] {
+            let run = RunId {
+                request: RequestId(request),
+                attempt,
+            };
+            assert_eq!(RunId::parse(&run.wire()), Some(run));
+        }
+        for bad in [
+            "",
+            "run-",
+            "run-x",
+            "run--1",
+            "run-1-",
+            "run-1-0",
+            "run-+1",
+            "run-1-+2",
+            "run-1x",
+            "run-1-2-3",
+            "job-1",
+            "run-18446744073709551616",
+            "run-1-4294967296",
+            "RUN-1",
+        ] {
+            assert_eq!(RunId::parse(bad), None, "{bad:?}");
+        }
     }
 
     #[test]

@@ -105,6 +105,7 @@ pub struct EdgeCore {
     requests: requests::Requests,
     control: control::Control,
     timers: TimerTable<TimerKey>,
+    first_bytes: timers::Deadlines,
     out: Outbox,
     now: Timestamp,
 }
@@ -186,6 +187,7 @@ impl EdgeCore {
             requests: requests::Requests::default(),
             control: control::Control::default(),
             timers: TimerTable::new(),
+            first_bytes: timers::Deadlines::default(),
             out: Outbox::default(),
             now: Timestamp::ZERO,
         };
@@ -224,7 +226,11 @@ impl EdgeCore {
     /// it is for.
     #[must_use]
     pub fn poll_timeout(&self) -> Option<Wake> {
-        crate::timer::earliest(self.timers.next(), self.queue_deadline())
+        let earliest = crate::timer::earliest;
+        earliest(
+            earliest(self.timers.next(), self.queue_deadline()),
+            self.first_bytes.next(),
+        )
     }
 
     fn advance(&mut self, now: Timestamp) {
@@ -303,6 +309,9 @@ impl EdgeCore {
         self.advance(now);
         while let Some(key) = self.timers.pop_expired(self.now) {
             self.fire(key);
+        }
+        while let Some(run) = self.first_bytes.pop_due(self.now) {
+            self.slow_first_byte(run);
         }
         self.expire_waiters();
     }

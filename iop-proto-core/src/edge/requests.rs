@@ -26,6 +26,91 @@ use crate::edge_config::RetryOn;
 /// committed once it has held this many).
 const MAX_HELD: usize = 32;
 
+/// A list that keeps its first two items in place: nearly every request has one run, and
+/// a run holds one or two events before its first byte (a run's `START`, a tunnel's
+/// head), so neither allocates.
+#[derive(Debug)]
+pub(super) struct Few<T> {
+    head: [Option<T>; 2],
+    rest: Vec<T>,
+}
+
+impl<T> Default for Few<T> {
+    fn default() -> Self {
+        Few {
+            head: [None, None],
+            rest: Vec::new(),
+        }
+    }
+}
+
+impl<T> Few<T> {
+    fn push(&mut self, item: T) {
+        match &mut self.head {
+            [slot @ None, _] | [Some(_), slot @ None] if self.rest.is_empty() => {
+                *slot = Some(item);
+            }
+            _ => self.rest.push(item),
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.head.iter().flatten().count() + self.rest.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn clear(&mut self) {
+        self.head = [None, None];
+        self.rest.clear();
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &T> {
+        self.head.iter().flatten().chain(&self.rest)
+    }
+
+    /// Every item, in order, taken out.
+    fn drain(&mut self) -> impl Iterator<Item = T> + use<T> {
+        std::mem::take(self).into_iter()
+    }
+
+    /// Keeps the items `keep` says, in order.
+    fn retain(&mut self, mut keep: impl FnMut(&T) -> bool) {
+        if self.rest.is_empty() {
+            for slot in &mut self.head {
+                if slot.as_ref().is_some_and(|item| !keep(item)) {
+                    *slot = None;
+                }
+            }
+            if self.head[0].is_none() {
+                self.head.swap(0, 1);
+            }
+            return;
+        }
+        let kept: Vec<T> = std::mem::take(self)
+            .into_iter()
+            .filter(|item| keep(item))
+            .collect();
+        for item in kept {
+            self.push(item);
+        }
+    }
+}
+
+impl<T> IntoIterator for Few<T> {
+    type Item = T;
+    type IntoIter = std::iter::Chain<
+        std::iter::Flatten<std::array::IntoIter<Option<T>, 2>>,
+        std::vec::IntoIter<T>,
+    >;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.head.into_iter().flatten().chain(self.rest)
+    }
+}
+
 /// Requests by id, and the runs holding leases.
 #[derive(Debug)]
 pub(super) struct Requests {
@@ -63,7 +148,7 @@ pub(super) struct Request {
     /// Where it waits, if it does.
     ticket: Option<Ticket>,
     /// Its runs that may still answer it.
-    live: Vec<RunId>,
+    live: Few<RunId>,
     /// The run that answers it, once one reached its first byte.
     committed: Option<RunId>,
     /// Dispatches so far.
@@ -89,7 +174,7 @@ pub(super) struct Run {
     /// It answers its request: what it sends goes to the caller.
     committed: bool,
     /// What it sent before its first byte.
-    held: Vec<RequestEvent>,
+    held: Few<RequestEvent>,
     /// Its terminal, held with the rest.
     held_end: Option<Outcome>,
     /// How its request is told who answers.
@@ -331,7 +416,7 @@ impl Requests {
                 long,
                 candidates,
                 ticket: None,
-                live: Vec::new(),
+                live: Few::default(),
                 committed: None,
                 attempts: 0,
                 failed: Vec::new(),
@@ -348,6 +433,13 @@ impl Requests {
 
     pub(super) fn run(&self, run: RunId) -> Option<&Run> {
         self.runs.get(&run)
+    }
+
+    /// Whether `run` still serves its request and has not reached its first byte.
+    pub(super) fn awaits_first_byte(&self, run: RunId) -> bool {
+        self.runs
+            .get(&run)
+            .is_some_and(|r| r.serving && !r.committed)
     }
 
     /// Whether only a tunnel-served provider can answer `id`.
@@ -440,7 +532,7 @@ impl Requests {
                 stream,
                 serving: true,
                 committed: false,
-                held: Vec::new(),
+                held: Few::default(),
                 held_end: None,
                 dispatched: RequestEvent::Dispatched {
                     run,
@@ -494,7 +586,7 @@ impl Requests {
         let runs: Vec<RunId> = request
             .live
             .iter()
-            .chain(&request.committed)
+            .chain(request.committed.iter())
             .copied()
             .collect();
         self.end(cx, id, Outcome::Cancelled);
@@ -533,7 +625,6 @@ impl Requests {
                 reason,
             }),
         );
-        cx.timers.stop(TimerKey::FirstByte(run));
         cx.timers.set(TimerKey::CancelGrace(run), cx.now + grace);
     }
 
@@ -545,7 +636,6 @@ impl Requests {
         let held = std::mem::take(&mut r.held);
         let end = r.held_end.take();
         let dispatched = r.dispatched.clone();
-        cx.timers.stop(TimerKey::FirstByte(run));
         let request = self.map.get_mut(&run.request)?;
         request.committed = Some(run);
         request.live.retain(|&l| l != run);
@@ -553,12 +643,12 @@ impl Requests {
             // It waited for a provider beside a slow run, which answered after all.
             cx.waits.remove(ticket);
         }
-        let siblings: Vec<RunId> = std::mem::take(&mut request.live);
+        let siblings: Vec<RunId> = request.live.drain().collect();
         // No dispatch follows: the body is not needed any more.
         request.call.body = Bytes::new();
         request.call.headers = Vec::new();
         cx.out.request(run.request, dispatched);
-        for event in held {
+        for event in held.into_iter() {
             cx.out.request(run.request, event);
         }
         let siblings = self.give_up_all(&siblings);
@@ -634,7 +724,6 @@ impl Requests {
             return Fenced::Nothing;
         };
         cx.timers.stop(TimerKey::CancelGrace(lease.run));
-        cx.timers.stop(TimerKey::FirstByte(lease.run));
         let id = lease.run.request;
         if !run.serving || !self.map.contains_key(&id) {
             return Fenced::Nothing;
@@ -898,5 +987,39 @@ impl EdgeCore {
     #[must_use]
     pub fn open_requests(&self) -> usize {
         self.requests.open()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Few;
+
+    fn items(few: &Few<u32>) -> Vec<u32> {
+        few.iter().copied().collect()
+    }
+
+    #[test]
+    fn a_few_keeps_its_order_through_pushes_removals_and_spills() {
+        let mut few = Few::default();
+        assert!(few.is_empty());
+        for n in 1..=2 {
+            few.push(n);
+        }
+        assert!(few.rest.capacity() == 0, "two items stay in place");
+        few.retain(|&n| n != 1);
+        few.push(3);
+        assert_eq!(items(&few), [2, 3]);
+        for n in 4..=6 {
+            few.push(n);
+        }
+        assert_eq!(items(&few), [2, 3, 4, 5, 6]);
+        few.retain(|&n| n % 2 == 0);
+        assert_eq!(items(&few), [2, 4, 6]);
+        assert_eq!(few.len(), 3);
+        assert_eq!(few.drain().collect::<Vec<_>>(), [2, 4, 6]);
+        assert!(few.is_empty());
+        few.push(7);
+        few.clear();
+        assert!(few.is_empty());
     }
 }

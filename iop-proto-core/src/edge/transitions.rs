@@ -357,8 +357,7 @@ impl EdgeCore {
             .and_then(|m| self.config.models.get(&*m))
             .and_then(|m| m.first_byte_timeout)
             .unwrap_or(self.config.routing.first_byte_timeout);
-        self.timers
-            .set(TimerKey::FirstByte(run), self.now + deadline);
+        self.first_bytes.push(self.now, deadline, run);
     }
 
     /// `request` waits in the queue for one of `candidates`.
@@ -529,6 +528,11 @@ impl EdgeCore {
         if committed.ended {
             self.release(lease);
         }
+        // Its first-byte deadline (and those of runs ahead of it that answered or
+        // failed) need no wake-up.
+        let requests = &self.requests;
+        self.first_bytes
+            .settle(|run| !requests.awaits_first_byte(run));
     }
 
     /// `run` failed before its first byte: given up and its request dispatched again
@@ -599,7 +603,7 @@ impl EdgeCore {
     /// `run` has not reached its first byte in time: another provider is tried beside it
     /// when the request may, at once where one has room, else the first that has. The
     /// first of them to answer serves the caller.
-    fn slow_first_byte(&mut self, run: RunId) {
+    pub(super) fn slow_first_byte(&mut self, run: RunId) {
         let Some(lease) = self.requests.run(run).map(|r| r.lease) else {
             return;
         };
@@ -1088,7 +1092,6 @@ impl EdgeCore {
                     self.release(lease);
                 }
             }
-            TimerKey::FirstByte(run) => self.slow_first_byte(run),
             TimerKey::Probe(resource) => self.pump(resource),
         }
     }
