@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use iop_proto_core::tenant::{Budget, KeyPolicy, Period};
 use iop_proto_core::wire::{AdapterConfig, AdapterType, NodeRuntimeConfig};
 use iop_proto_core::{
     Admission, CandidateSpec, ConflictLimits, EdgeConfig, EdgeTiming, ModelSpec, NodeSpec,
@@ -53,6 +54,8 @@ struct Raw {
     runtime: RawRuntime,
     #[serde(default)]
     routing: RawRouting,
+    #[serde(default)]
+    tracing: RawTracing,
     #[serde(default)]
     nodes: Vec<RawNode>,
     #[serde(default)]
@@ -124,6 +127,154 @@ struct RawQueue {
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
+struct RawTracing {
+    otlp_endpoint: Option<String>,
+    protocol: Option<String>,
+    service_name: Option<String>,
+    sample_ratio: Option<f64>,
+    #[serde(default)]
+    headers: std::collections::BTreeMap<String, String>,
+}
+
+/// Where the Edge exports its spans (`[tracing]`, or the standard `OTEL_EXPORTER_OTLP_*`
+/// environment variables when the file names no endpoint). Read at start only.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TraceExport {
+    /// The collector's traces URL (`http://` or `https://`, path included).
+    pub endpoint: http::Uri,
+    /// Protobuf (`http/protobuf`, the default) or JSON (`http/json`).
+    pub json: bool,
+    /// `service.name` of the spans.
+    pub service_name: String,
+    /// Headers sent with every export (a collector's API key: kept out of logs).
+    pub headers: Vec<(String, String)>,
+    /// The share of traces the Edge starts that it records (0 to 1); a caller's own
+    /// sampling decision is always kept.
+    pub sample_ratio: f64,
+}
+
+impl TraceExport {
+    /// The export `[tracing]` describes, else the one the environment (`get`) describes:
+    /// `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` (the full URL), or
+    /// `OTEL_EXPORTER_OTLP_ENDPOINT` (a base, `/v1/traces` added), with
+    /// `OTEL_EXPORTER_OTLP_PROTOCOL`, `OTEL_EXPORTER_OTLP_HEADERS`, `OTEL_SERVICE_NAME`
+    /// and the ratio of `OTEL_TRACES_SAMPLER=traceidratio` (or
+    /// `parentbased_traceidratio`) in `OTEL_TRACES_SAMPLER_ARG`; none when neither names an endpoint (or `OTEL_SDK_DISABLED`
+    /// is `true`).
+    fn resolve(
+        raw: RawTracing,
+        get: impl Fn(&str) -> Option<String>,
+    ) -> Result<Option<Self>, ConfigError> {
+        let env = |name: &str| get(name).filter(|v| !v.trim().is_empty());
+        let from_file = raw.otlp_endpoint.is_some();
+        let endpoint = match raw.otlp_endpoint {
+            Some(e) if e.is_empty() => return Ok(None),
+            Some(e) => e,
+            None if env("OTEL_SDK_DISABLED").is_some_and(|v| v.eq_ignore_ascii_case("true")) => {
+                return Ok(None);
+            }
+            None => match (
+                env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
+                env("OTEL_EXPORTER_OTLP_ENDPOINT"),
+            ) {
+                (Some(full), _) => full,
+                (None, Some(base)) => format!("{}/v1/traces", base.trim_end_matches('/')),
+                (None, None) => return Ok(None),
+            },
+        };
+        let key = |name: &'static str, var: &'static str| {
+            if from_file {
+                name.to_owned()
+            } else {
+                var.to_owned()
+            }
+        };
+        let uri: http::Uri = endpoint.trim().parse().map_err(|_| {
+            invalid(
+                key("tracing.otlp_endpoint", "OTEL_EXPORTER_OTLP_ENDPOINT"),
+                "must be a URL such as http://127.0.0.1:4318/v1/traces",
+            )
+        })?;
+        if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.host().is_none() {
+            return Err(invalid(
+                key("tracing.otlp_endpoint", "OTEL_EXPORTER_OTLP_ENDPOINT"),
+                "must be an http:// or https:// URL with a host",
+            ));
+        }
+        let protocol = raw
+            .protocol
+            .or_else(|| {
+                (!from_file)
+                    .then(|| env("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"))
+                    .flatten()
+            })
+            .or_else(|| {
+                (!from_file)
+                    .then(|| env("OTEL_EXPORTER_OTLP_PROTOCOL"))
+                    .flatten()
+            });
+        let json = match protocol.as_deref().map(str::trim) {
+            None | Some("http/protobuf") => false,
+            Some("http/json") => true,
+            Some(other) => {
+                return Err(invalid(
+                    key("tracing.protocol", "OTEL_EXPORTER_OTLP_PROTOCOL"),
+                    format!(
+                        "must be \"http/protobuf\" or \"http/json\" (gRPC is not spoken), got {other:?}"
+                    ),
+                ));
+            }
+        };
+        let mut headers: Vec<(String, String)> = raw.headers.into_iter().collect();
+        if !from_file && let Some(list) = env("OTEL_EXPORTER_OTLP_HEADERS") {
+            for pair in list.split(',') {
+                if let Some((k, v)) = pair.split_once('=') {
+                    headers.push((k.trim().to_owned(), v.trim().to_owned()));
+                }
+            }
+        }
+        for (name, value) in &headers {
+            if http::HeaderName::from_bytes(name.as_bytes()).is_err()
+                || http::HeaderValue::from_str(value).is_err()
+            {
+                return Err(invalid(
+                    key("tracing.headers", "OTEL_EXPORTER_OTLP_HEADERS"),
+                    format!("{name:?} is not a valid header"),
+                ));
+            }
+        }
+        let ratio_from_env = || {
+            env("OTEL_TRACES_SAMPLER")
+                .filter(|s| s.ends_with("traceidratio"))
+                .and_then(|_| env("OTEL_TRACES_SAMPLER_ARG"))
+                .and_then(|arg| arg.trim().parse::<f64>().ok())
+        };
+        let sample_ratio = raw
+            .sample_ratio
+            .or_else(|| (!from_file).then(ratio_from_env).flatten())
+            .unwrap_or(1.0);
+        if !(0.0..=1.0).contains(&sample_ratio) {
+            return Err(invalid(
+                key("tracing.sample_ratio", "OTEL_TRACES_SAMPLER_ARG"),
+                "must be between 0 and 1",
+            ));
+        }
+        let service_name = raw
+            .service_name
+            .or_else(|| env("OTEL_SERVICE_NAME"))
+            .unwrap_or_else(|| "iop-edge".to_owned());
+        Ok(Some(TraceExport {
+            endpoint: uri,
+            json,
+            service_name,
+            headers,
+            sample_ratio,
+        }))
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct RawRuntime {
     worker_threads: Option<usize>,
 }
@@ -158,6 +309,25 @@ struct RawAuth {
     api_keys: Vec<String>,
     #[serde(default)]
     admin_keys: Vec<String>,
+    #[serde(default)]
+    admin_loopback: bool,
+    #[serde(default)]
+    keys: Vec<RawKey>,
+    usage_file: Option<String>,
+}
+
+/// One named client key (`[[auth.keys]]`).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawKey {
+    name: String,
+    key: String,
+    models: Option<Vec<String>>,
+    requests_per_minute: Option<u32>,
+    tokens_per_minute: Option<u64>,
+    max_concurrent: Option<u32>,
+    token_budget: Option<u64>,
+    budget_period: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -322,11 +492,19 @@ pub struct HttpSettings {
     pub http_addr: SocketAddr,
     /// Node listener address.
     pub nodes_addr: SocketAddr,
-    /// Client API keys: inference routes and `/v1/models` (empty: those routes are open).
+    /// Client API keys: inference routes and `/v1/models` (with no named key either,
+    /// those routes are open).
     pub api_keys: Vec<TokenVerifier>,
-    /// Admin API keys: status, metrics, node commands (empty: those routes answer
-    /// loopback callers only).
+    /// Named client keys, each with its models, limits and budget (`[[auth.keys]]`).
+    pub keys: Vec<NamedKey>,
+    /// Admin API keys: status, metrics, usage, events, node commands.
     pub admin_keys: Vec<TokenVerifier>,
+    /// With no admin key, the admin routes answer callers on loopback that no proxy
+    /// forwarded (`auth.admin_loopback`, off by default: with no admin key and without
+    /// it they answer nobody).
+    pub admin_loopback: bool,
+    /// Where key windows, budgets and usage are kept across restarts (`None`: nowhere).
+    pub usage_file: Option<PathBuf>,
     /// Largest accepted request body.
     pub max_body_bytes: usize,
     /// Requests served at once; more get 503.
@@ -359,6 +537,132 @@ pub struct HttpSettings {
     pub shutdown_grace: Duration,
 }
 
+/// A named client key: what logs, metrics and the dashboard call it, its secret, and
+/// what it may do.
+#[derive(Clone, Debug)]
+pub struct NamedKey {
+    /// Its name (never the secret).
+    pub name: Arc<str>,
+    /// Its secret, checked in constant time.
+    pub verifier: TokenVerifier,
+    /// Its models, limits and budget.
+    pub policy: KeyPolicy,
+}
+
+impl HttpSettings {
+    /// Whether callers must present a client key for inference and `/v1/models`.
+    #[must_use]
+    pub fn keys_required(&self) -> bool {
+        !self.api_keys.is_empty() || !self.keys.is_empty()
+    }
+
+    /// Every key's name and policy, for the tenants' accounting: named keys with theirs,
+    /// the other keys (and anonymous callers) unlimited.
+    #[must_use]
+    pub fn tenants(&self) -> Vec<(Arc<str>, KeyPolicy)> {
+        let mut out: Vec<(Arc<str>, KeyPolicy)> = self
+            .keys
+            .iter()
+            .map(|k| (k.name.clone(), k.policy.clone()))
+            .collect();
+        out.extend(
+            (0..self.api_keys.len()).map(|i| (legacy_name("api_keys", i), KeyPolicy::default())),
+        );
+        out.extend(
+            (0..self.admin_keys.len())
+                .map(|i| (legacy_name("admin_keys", i), KeyPolicy::default())),
+        );
+        out.push((Arc::from(ANONYMOUS), KeyPolicy::default()));
+        out
+    }
+}
+
+/// What logs and usage call callers when no key is required.
+pub const ANONYMOUS: &str = "anonymous";
+
+/// The name of an unnamed key: where it is in its list (`api_keys[2]`).
+#[must_use]
+pub fn legacy_name(list: &str, i: usize) -> Arc<str> {
+    Arc::from(format!("{list}[{i}]"))
+}
+
+/// Longest key name (it goes into metric labels and log lines).
+const MAX_KEY_NAME: usize = 64;
+
+fn named_keys(
+    raw: Vec<RawKey>,
+    models: &BTreeMap<String, ModelSpec>,
+) -> Result<Vec<NamedKey>, ConfigError> {
+    let mut out: Vec<NamedKey> = Vec::with_capacity(raw.len());
+    for (i, k) in raw.into_iter().enumerate() {
+        let at = |field: &str| format!("auth.keys[{i}].{field}");
+        let name = k.name.trim();
+        if name.is_empty()
+            || name.len() > MAX_KEY_NAME
+            || !name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+        {
+            return Err(invalid(
+                at("name"),
+                format!("must be 1-{MAX_KEY_NAME} letters, digits, '-', '_' or '.'"),
+            ));
+        }
+        if name == ANONYMOUS || name.contains('[') || out.iter().any(|o| &*o.name == name) {
+            return Err(invalid(at("name"), format!("{name:?} is taken")));
+        }
+        let verifier =
+            TokenVerifier::parse_key(&k.key).map_err(|err| invalid(at("key"), err.to_string()))?;
+        if out.iter().any(|o| o.verifier == verifier) {
+            return Err(invalid(at("key"), "is another named key's too"));
+        }
+        if let Some(listed) = &k.models {
+            if let Some(unknown) = listed.iter().find(|m| !models.contains_key(m.as_str())) {
+                return Err(invalid(
+                    at("models"),
+                    format!("{unknown:?} is no [[models]] name"),
+                ));
+            }
+        }
+        let positive = |field: &str, v: Option<u64>| match v {
+            Some(0) => Err(invalid(
+                at(field),
+                "must be positive (omit it for no limit)",
+            )),
+            _ => Ok(()),
+        };
+        positive("requests_per_minute", k.requests_per_minute.map(u64::from))?;
+        positive("tokens_per_minute", k.tokens_per_minute)?;
+        positive("max_concurrent", k.max_concurrent.map(u64::from))?;
+        positive("token_budget", k.token_budget)?;
+        let period = match k.budget_period.as_deref() {
+            None | Some("month") => Period::Month,
+            Some("day") => Period::Day,
+            Some(other) => {
+                return Err(invalid(
+                    at("budget_period"),
+                    format!("{other:?} is not day or month"),
+                ));
+            }
+        };
+        if k.budget_period.is_some() && k.token_budget.is_none() {
+            return Err(invalid(at("budget_period"), "needs token_budget"));
+        }
+        out.push(NamedKey {
+            name: Arc::from(name),
+            verifier,
+            policy: KeyPolicy {
+                models: k.models.map(|m| m.into_iter().map(Arc::from).collect()),
+                requests_per_minute: k.requests_per_minute,
+                tokens_per_minute: k.tokens_per_minute,
+                max_concurrent: k.max_concurrent,
+                budget: k.token_budget.map(|tokens| Budget { tokens, period }),
+            },
+        });
+    }
+    Ok(out)
+}
+
 /// TLS of both listeners, loaded and checked.
 #[derive(Clone, Debug)]
 pub struct TlsSettings {
@@ -382,6 +686,8 @@ pub struct Config {
     /// Threads the runtime polls tasks on (`runtime.worker_threads`; default half the
     /// CPUs, at least one).
     pub worker_threads: std::num::NonZeroUsize,
+    /// Where spans are exported, if anywhere.
+    pub traces: Option<TraceExport>,
 }
 
 fn addr(key: &str, value: &str) -> Result<SocketAddr, ConfigError> {
@@ -628,17 +934,43 @@ impl Config {
         }
         let api_keys = keys("auth.api_keys", raw.auth.api_keys)?;
         let admin_keys = keys("auth.admin_keys", raw.auth.admin_keys)?;
-        if let Some(i) = admin_keys.iter().position(|k| api_keys.contains(k)) {
+        let named = named_keys(raw.auth.keys, &core.models)?;
+        if let Some(i) = admin_keys
+            .iter()
+            .position(|k| api_keys.contains(k) || named.iter().any(|n| n.verifier == *k))
+        {
             return Err(invalid(
                 format!("auth.admin_keys[{i}]"),
                 "is also a client key; give admins their own key",
             ));
         }
+        if let Some(i) = named.iter().position(|n| api_keys.contains(&n.verifier)) {
+            return Err(invalid(
+                format!("auth.keys[{i}].key"),
+                "is also in auth.api_keys; a key has one name",
+            ));
+        }
+        // With no named key there is nothing to keep: no file is written.
+        let usage_file = match raw.auth.usage_file.as_deref() {
+            _ if named.is_empty() => None,
+            Some("") => None,
+            Some(file) => Some(relative(path, Path::new(file))),
+            None => Some(relative(
+                path,
+                Path::new(&format!(
+                    "{}.usage.json",
+                    path.file_stem().and_then(|s| s.to_str()).unwrap_or("edge")
+                )),
+            )),
+        };
         let http = HttpSettings {
             http_addr,
             nodes_addr,
             api_keys,
+            keys: named,
             admin_keys,
+            admin_loopback: raw.auth.admin_loopback,
+            usage_file,
             max_body_bytes: limits.max_body_bytes.unwrap_or(8 << 20),
             max_concurrent_requests: limits.max_concurrent_requests.unwrap_or(1024).max(1),
             header_read_timeout: Duration::from_secs(
@@ -681,11 +1013,13 @@ impl Config {
                 ));
             }
         };
+        let traces = TraceExport::resolve(raw.tracing, |name| std::env::var(name).ok())?;
         Ok(Config {
             core,
             http,
             tls,
             worker_threads,
+            traces,
         })
     }
 }
@@ -806,6 +1140,61 @@ providers = [{ node = "n1", adapter = "mock", target = "m" }]
             err.to_string().contains("limits.shutdown_grace_sec"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn traces_go_where_the_file_or_the_standard_environment_says() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |name: &str| {
+                pairs
+                    .iter()
+                    .find(|(k, _)| *k == name)
+                    .map(|(_, v)| (*v).to_owned())
+            }
+        };
+        let none = TraceExport::resolve(RawTracing::default(), env(&[])).expect("valid");
+        assert_eq!(none, None);
+        let base = TraceExport::resolve(
+            RawTracing::default(),
+            env(&[
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318/"),
+                ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json"),
+                ("OTEL_EXPORTER_OTLP_HEADERS", "x-api-key=abc"),
+            ]),
+        )
+        .expect("valid")
+        .expect("configured");
+        assert_eq!(base.endpoint.to_string(), "http://collector:4318/v1/traces");
+        assert!(base.json);
+        assert_eq!(
+            base.headers,
+            vec![("x-api-key".to_owned(), "abc".to_owned())]
+        );
+        let disabled = TraceExport::resolve(
+            RawTracing::default(),
+            env(&[
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318"),
+                ("OTEL_SDK_DISABLED", "true"),
+            ]),
+        );
+        assert_eq!(disabled.expect("valid"), None);
+        let grpc = TraceExport::resolve(
+            RawTracing {
+                otlp_endpoint: Some("http://collector:4317".into()),
+                protocol: Some("grpc".into()),
+                ..RawTracing::default()
+            },
+            env(&[]),
+        );
+        assert!(grpc.is_err_and(|e| e.to_string().contains("tracing.protocol")));
+        let bad = TraceExport::resolve(
+            RawTracing {
+                otlp_endpoint: Some("collector:4318".into()),
+                ..RawTracing::default()
+            },
+            env(&[]),
+        );
+        assert!(bad.is_err_and(|e| e.to_string().contains("tracing.otlp_endpoint")));
     }
 
     #[test]

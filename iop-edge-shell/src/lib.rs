@@ -26,7 +26,9 @@ pub mod metrics;
 pub mod nodes;
 pub mod outbox;
 mod reload;
+pub mod tenants;
 pub mod tls_link;
+pub mod traces;
 
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
@@ -85,7 +87,23 @@ pub async fn run(
     // reloads only once it stops.
     let stop_accepting = CancellationToken::new();
     let shutdown = CancellationToken::new();
+    let tenants = Arc::new(tenants::TenantBook::new(
+        config.http.tenants(),
+        config
+            .core
+            .models
+            .keys()
+            .map(|m| Arc::from(m.as_str()))
+            .collect(),
+        config.http.usage_file.clone(),
+    ));
+    let tracer = match config.traces.clone() {
+        Some(export) => traces::Tracer::start(export, shutdown.clone()),
+        None => traces::Tracer::disabled(),
+    };
     let state = Arc::new(http::State {
+        tracer,
+        tenants: tenants.clone(),
         core: core.clone(),
         permits: limit::Limit::new(config.http.max_concurrent_requests),
         connections: limit::Limit::new(config.http.max_connections),
@@ -96,6 +114,7 @@ pub async fn run(
         drain: Arc::default(),
     });
     let timer = tokio::spawn(core.clone().run_timer());
+    let kept = tokio::spawn(tenants.keep(shutdown.clone()));
     tokio::spawn(nodes::serve(
         node_listener,
         nodes::Listener {
@@ -157,6 +176,8 @@ pub async fn run(
     shutdown.cancel();
     drop(state);
     timer.abort();
+    // The keys' windows, budgets and usage, written one last time.
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), kept).await;
     Ok(())
 }
 
@@ -190,14 +211,28 @@ fn warn_about_exposure(config: &Config) {
              keys, prompts and completions cross it in clear"
         );
     }
+    if config.http.admin_keys.is_empty() {
+        if config.http.admin_loopback {
+            warn!(
+                "no [auth] admin_keys and admin_loopback = true: status, metrics, usage, events \
+                 and node commands answer any caller on this host without a key (never \
+                 with a proxy on the same host)"
+            );
+        } else {
+            info!(
+                "no [auth] admin_keys: status, metrics, usage, events and node commands answer \
+                 nobody (set admin_keys, or admin_loopback = true for local use)"
+            );
+        }
+    }
     let public = !config.http.http_addr.ip().is_loopback();
-    if public && config.http.api_keys.is_empty() {
+    if public && !config.http.keys_required() {
         warn!(
             http = %config.http.http_addr,
             "no [auth] api_keys: anyone who reaches the public listener can call every model"
         );
     }
-    if public && config.tls.http.is_none() && !config.http.api_keys.is_empty() {
+    if public && config.tls.http.is_none() && config.http.keys_required() {
         warn!(
             http = %config.http.http_addr,
             "API keys travel in clear to the public listener: configure listen.http_tls, or \

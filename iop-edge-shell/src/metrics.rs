@@ -50,6 +50,8 @@ struct TokenLabels {
     model: Arc<str>,
     node: Arc<str>,
     provider: Arc<str>,
+    /// The client key's name (never the key).
+    key: Arc<str>,
     kind: &'static str,
 }
 
@@ -124,9 +126,9 @@ pub struct ModelMetrics {
     latency: ModelHistogram,
     ttfb: ModelHistogram,
     queue_wait: ModelHistogram,
-    /// Prompt and completion token counters by node and adapter (both from
+    /// Prompt and completion token counters by node, adapter and key name (all from
     /// configuration), one lookup for the pair.
-    token_counters: Mutex<HashMap<NodeAdapter, TokenCounters>>,
+    token_counters: Mutex<HashMap<TokenKey, TokenCounters>>,
 }
 
 /// One model's histogram in its family, looked up on first use.
@@ -158,7 +160,7 @@ impl ModelHistogram {
 }
 
 /// A node id and one of its adapters' names.
-type NodeAdapter = (Arc<str>, Arc<str>);
+type TokenKey = (Arc<str>, Arc<str>, Arc<str>);
 
 #[derive(Debug)]
 struct TokenCounters {
@@ -194,13 +196,20 @@ impl ModelMetrics {
     }
 
     /// Token usage a provider reported for one request.
-    pub fn tokens(&self, node: &Arc<str>, provider: &Arc<str>, prompt: u64, completion: u64) {
+    pub fn tokens(
+        &self,
+        node: &Arc<str>,
+        provider: &Arc<str>,
+        key: &Arc<str>,
+        prompt: u64,
+        completion: u64,
+    ) {
         let mut counters = self
             .token_counters
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let pair = counters
-            .entry((node.clone(), provider.clone()))
+            .entry((node.clone(), provider.clone(), key.clone()))
             .or_insert_with(|| {
                 let counter = |kind| {
                     self.tokens
@@ -208,6 +217,7 @@ impl ModelMetrics {
                             model: self.model.clone(),
                             node: node.clone(),
                             provider: provider.clone(),
+                            key: key.clone(),
                             kind,
                         })
                         .clone()
@@ -605,9 +615,10 @@ mod tests {
         let again = m.model(&Arc::from("mock-chat"));
         again.request(200, Duration::from_millis(30));
         again.request(503, Duration::from_millis(1));
-        m.model(&model).tokens(&node, &provider, 5, 7);
-        again.tokens(&node, &provider, 1, 1);
-        again.tokens(&node, &Arc::from("other"), 2, 3);
+        let key: Arc<str> = Arc::from("team-a");
+        m.model(&model).tokens(&node, &provider, &key, 5, 7);
+        again.tokens(&node, &provider, &key, 1, 1);
+        again.tokens(&node, &Arc::from("other"), &key, 2, 3);
         m.model(&model).queue_wait(Duration::from_millis(3));
         m.rejected("throttled");
         m.frames_in.inc_by(4);
@@ -617,9 +628,9 @@ mod tests {
             "iop_http_requests_total{model=\"mock-chat\",status=\"503\"} 1",
             "iop_http_request_duration_seconds_bucket{le=\"0.025\",model=\"mock-chat\"} 2",
             "iop_http_request_duration_seconds_count{model=\"mock-chat\"} 3",
-            "iop_tokens_total{model=\"mock-chat\",node=\"n1\",provider=\"mock\",kind=\"completion\"} 8",
-            "iop_tokens_total{model=\"mock-chat\",node=\"n1\",provider=\"mock\",kind=\"prompt\"} 6",
-            "iop_tokens_total{model=\"mock-chat\",node=\"n1\",provider=\"other\",kind=\"prompt\"} 2",
+            "iop_tokens_total{model=\"mock-chat\",node=\"n1\",provider=\"mock\",key=\"team-a\",kind=\"completion\"} 8",
+            "iop_tokens_total{model=\"mock-chat\",node=\"n1\",provider=\"mock\",key=\"team-a\",kind=\"prompt\"} 6",
+            "iop_tokens_total{model=\"mock-chat\",node=\"n1\",provider=\"other\",key=\"team-a\",kind=\"prompt\"} 2",
             "iop_queue_wait_seconds_count{model=\"mock-chat\"} 1",
             "iop_node_registrations_refused_total{reason=\"throttled\"} 1",
             "iop_node_frames_total{direction=\"in\"} 4",

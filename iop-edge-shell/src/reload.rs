@@ -134,6 +134,12 @@ pub(crate) async fn on_sighup(
             continue;
         };
         let pending_frame = config.core.admission.pending_frame_len;
+        let models: Vec<Arc<str>> = config
+            .core
+            .models
+            .keys()
+            .map(|m| Arc::from(m.as_str()))
+            .collect();
         let kept = start_only.changed_in(&config);
         let (reply, answer) = oneshot::channel();
         if state
@@ -162,6 +168,11 @@ pub(crate) async fn on_sighup(
                         *current = Some(next.clone());
                     }
                 }
+                state.tenants.reconfigure(
+                    config.http.tenants(),
+                    models,
+                    config.http.usage_file.clone(),
+                );
                 state.budget.set_max(config.http.max_inflight_bytes);
                 state.permits.set(config.http.max_concurrent_requests);
                 state.connections.set(config.http.max_connections);

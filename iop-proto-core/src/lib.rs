@@ -22,7 +22,10 @@
 //!   reconnect policy and its [`Supervisor`].
 //! - [`run`] and [`tunnel`]: the contract sequencers of normalized runs and raw tunnels
 //!   (what a stream may say in which order, which headers a tunnel forwards).
-//! - [`token`]: constant-time credential checks (node tokens, API keys).
+//! - [`token`]: constant-time credential checks (node tokens, API keys), and
+//!   [`tenant`]: each client key's models, rate limits, budget and usage.
+//! - [`trace`]: W3C Trace Context (`traceparent`) and the spans the Edge exports over
+//!   OTLP.
 //! - [`openai`]: the OpenAI surface: request inspection, the token estimate, the one
 //!   error mapping, and the [`openai::Responder`] that renders a request's events.
 //! - [`timer`]: the keyed timer table every machine keeps its deadlines in.
@@ -179,8 +182,10 @@ mod queue;
 pub mod reconnect;
 pub mod run;
 pub mod session;
+pub mod tenant;
 pub mod time;
 pub mod timer;
+pub mod trace;
 pub use timer::Wake;
 pub mod token;
 pub mod tunnel;

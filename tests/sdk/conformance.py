@@ -5,7 +5,9 @@ with a client API key and an extra OpenAI-compatible provider for embeddings ser
 tiny local fake), then drives it with the `openai` package: chat completions with and
 without streaming, with tools, embeddings, completions and embeddings on the quickstart's
 own `mock-api` model, model listing, and the SDK's error classes for an unknown model and
-a bad API key.
+a bad API key. A named key limited to one request per minute shows that the SDK, with its
+default retries, reads the Edge's 429 (`Retry-After`, `retry-after-ms`) and succeeds once
+the window opens; that check runs beside the others, as it waits for a minute.
 """
 
 import http.server
@@ -13,6 +15,7 @@ import json
 import pathlib
 import sys
 import threading
+import time
 
 import openai
 
@@ -20,6 +23,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "py"))
 from iop_system import Checks, System  # noqa: E402
 
 KEY = "sk-conformance"
+LIMITED = "sk-conformance-limited"
 
 
 class FakeEmbeddings(http.server.BaseHTTPRequestHandler):
@@ -57,13 +61,57 @@ def main():
             'capacity = 2\ntargets = ["fake-embed"]\n\n[[models]]',
             1,
         )
-        return edge + '\n[[models]]\nname = "embed"\nproviders = [{ node = "node-1", adapter = "embedder", target = "fake-embed" }]\n'
+        return (
+            edge
+            + '\n[[models]]\nname = "embed"\nproviders = [{ node = "node-1", adapter = "embedder", target = "fake-embed" }]\n'
+            + f'\n[[auth.keys]]\nname = "limited"\nkey = "{LIMITED}"\nmodels = ["mock-chat"]\nrequests_per_minute = 1\n'
+        )
 
     system = System(configure, ready_key=KEY)
     checks = Checks()
     try:
         base = f"{system.base}/v1"
         client = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0)
+        hello = [{"role": "user", "content": "Hello"}]
+
+        # One request a minute: the second is refused with the headers the SDK reads,
+        # and the SDK's own retries (two by default) get it answered a minute later.
+        window = {}
+
+        def window_opens():
+            limited = openai.OpenAI(base_url=base, api_key=LIMITED)
+            limited.chat.completions.create(model="mock-chat", messages=hello)
+            try:
+                limited.with_options(max_retries=0).chat.completions.create(model="mock-chat", messages=hello)
+                raise AssertionError("the second request within a minute was answered")
+            except openai.RateLimitError as err:
+                headers = err.response.headers
+                assert err.status_code == 429 and err.code == "rate_limit_exceeded", err
+                assert 0 < int(headers["retry-after"]) <= 60, headers
+                assert int(headers["retry-after-ms"]) > 0, headers
+                assert headers["x-ratelimit-limit-requests"] == "1", headers
+                assert headers["x-ratelimit-remaining-requests"] == "0", headers
+            started = time.monotonic()
+            r = limited.chat.completions.create(model="mock-chat", messages=hello)
+            assert r.choices[0].message.content.startswith("Hello from IOP!"), r
+            waited = time.monotonic() - started
+            assert 30 < waited < 75, f"answered after {waited:.1f} s"
+            assert [m.id for m in limited.models.list()] == ["mock-chat"]
+
+        def run_window():
+            try:
+                window_opens()
+            except Exception as err:  # noqa: BLE001 - reported by the check below
+                window["error"] = err
+
+        waiting = threading.Thread(target=run_window, daemon=True)
+        waiting.start()
+
+        def window_check():
+            waiting.join(timeout=120)
+            assert not waiting.is_alive(), "the limited key's retries never ended"
+            if "error" in window:
+                raise window["error"]
 
         def chat():
             r = client.chat.completions.create(model="mock-chat", messages=[{"role": "user", "content": "Hello"}])
@@ -187,6 +235,8 @@ def main():
             ("models.retrieve", retrieve_model),
             ("NotFoundError for an unknown model", unknown_model),
             ("AuthenticationError for a bad API key", bad_key),
+            ("a key at one request a minute: 429 with Retry-After, then the SDK's retries succeed",
+             window_check),
         ]:
             checks.run(name, fn)
     finally:

@@ -322,6 +322,15 @@ impl Cluster {
             Link::MutualTls => ("", format!("{tls}client_ca_file = \"nodes-ca.pem\"\n")),
             Link::Plaintext => ("nodes_plaintext = true\n", String::new()),
         };
+        // Admin routes stay open to the test on this host unless it sets admin keys
+        // itself: tests read status and metrics from loopback.
+        let head = if !head.contains("[auth]") {
+            format!("{head}\n[auth]\nadmin_loopback = true\n")
+        } else if head.contains("admin_keys") || head.contains("admin_loopback") {
+            head.to_owned()
+        } else {
+            head.replacen("[auth]\n", "[auth]\nadmin_loopback = true\n", 1)
+        };
         format!(
             "[listen]\nhttp = \"127.0.0.1:{http_port}\"\nnodes = \"127.0.0.1:{node_port}\"\n{plaintext}{link}\n\
              [heartbeat]\ninterval_ms = {HEARTBEAT_MS}\ntimeout_ms = {HEARTBEAT_TIMEOUT_MS}\n\n\
@@ -389,6 +398,29 @@ impl Cluster {
             &["--config", &path],
             &self.dir,
             "edge-restarted",
+            &[],
+        );
+        let port = self.http_port;
+        assert!(wait_until(Duration::from_secs(10), || {
+            std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+        }));
+    }
+
+    /// Stops the Edge as an operator does (`SIGTERM`: it drains and writes what it keeps)
+    /// and starts it again on the same ports and config.
+    pub fn restart_edge_gracefully(&mut self) {
+        self.edge.signal("TERM");
+        assert!(
+            self.edge.wait_exit(Duration::from_secs(15)).is_some(),
+            "edge did not stop on SIGTERM: {}",
+            self.edge.log()
+        );
+        let path = self.edge_config.to_string_lossy().into_owned();
+        self.edge = Proc::start(
+            "iop-edge",
+            &["--config", &path],
+            &self.dir,
+            "edge-after-stop",
             &[],
         );
         let port = self.http_port;

@@ -51,6 +51,7 @@ fn edge_toml(link: Link, nodes: usize, http: u16, port: u16) -> String {
         let threads = threads.to_string_lossy();
         text.push_str(&format!("[runtime]\nworker_threads = {threads}\n\n"));
     }
+    text.push_str("[auth]\nadmin_loopback = true\n\n");
     for i in 0..nodes {
         text.push_str(&format!("[[nodes]]\nid = \"n{i}\"\ntoken = \"{TOKEN}\"\n"));
     }

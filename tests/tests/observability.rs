@@ -177,17 +177,17 @@ async fn token_usage_the_providers_report_is_counted_by_model_and_provider() {
     };
     // The fake provider reports 7 prompt tokens and 16 completion tokens per call.
     assert_eq!(
-        value(r#"model="tunnel-chat",node="n1",provider="oa",kind="prompt""#),
+        value(r#"model="tunnel-chat",node="n1",provider="oa",key="anonymous",kind="prompt""#),
         Some(14),
         "{text}"
     );
     assert_eq!(
-        value(r#"model="tunnel-chat",node="n1",provider="oa",kind="completion""#),
+        value(r#"model="tunnel-chat",node="n1",provider="oa",key="anonymous",kind="completion""#),
         Some(2 * Behaviour::default().words as u64),
         "{text}"
     );
     assert_eq!(
-        value(r#"model="mock-chat",node="n1",provider="mock",kind="prompt""#),
+        value(r#"model="mock-chat",node="n1",provider="mock",key="anonymous",kind="prompt""#),
         reported["prompt_tokens"].as_u64(),
         "{text}"
     );

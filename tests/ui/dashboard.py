@@ -4,7 +4,7 @@ Starts the quickstart system (examples/edge.toml and examples/node.toml on free 
 with an admin key and a short heartbeat), opens /ui, and checks what an operator relies
 on: a wrong key shows the login again; the right key shows the node, its providers and a
 live request; a broken provider beside a healthy one shows ejected, and the feed says
-so; the node killed mid-test turns disconnected within the heartbeat timeout and the
+so; the named client key the requests use shows with its limits and today's usage; the node killed mid-test turns disconnected within the heartbeat timeout and the
 lifecycle feed says it was fenced. Saves target/dashboard.png. Then, with 1,000
 configured nodes, paging, search and sort (target/dashboard-1000.png).
 """
@@ -27,6 +27,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "py"))
 from iop_system import ROOT, Checks, System  # noqa: E402
 
 ADMIN = "sk-admin-dashboard-0001"
+CLIENT = "sk-client-dashboard-0001"
 HEARTBEAT_TIMEOUT_S = 1.5
 
 
@@ -57,6 +58,9 @@ def browser():
 
 def configure(edge):
     edge = edge.replace("admin_keys = []", f'admin_keys = ["{ADMIN}"]')
+    # A named client key with limits; every request of this test uses it.
+    edge += (f'\n[[auth.keys]]\nname = "team-ui"\nkey = "{CLIENT}"\nrequests_per_minute = 1000\n'
+             'token_budget = 1000000\nbudget_period = "month"\n')
     edge = edge.replace("interval_ms = 2000\ntimeout_ms = 6000", "interval_ms = 300\ntimeout_ms = 1500")
     assert "timeout_ms = 1500" in edge, "the example's heartbeat section changed"
     # Slow tokens, so a request is in flight across a few dashboard refreshes.
@@ -170,7 +174,8 @@ def main():
 
             def call():
                 req = urllib.request.Request(f"{base}/v1/chat/completions", data=body,
-                                             headers={"content-type": "application/json"})
+                                             headers={"content-type": "application/json",
+                                                      "authorization": f"Bearer {CLIENT}"})
                 with urllib.request.urlopen(req, timeout=60) as r:
                     r.read()
                 done.set()
@@ -187,7 +192,8 @@ def main():
                                "messages": [{"role": "user", "content": "Hello"}]}).encode()
             for _ in range(8):
                 req = urllib.request.Request(f"{base}/v1/chat/completions", data=body,
-                                             headers={"content-type": "application/json"})
+                                             headers={"content-type": "application/json",
+                                                      "authorization": f"Bearer {CLIENT}"})
                 with urllib.request.urlopen(req, timeout=60) as r:
                     assert r.status == 200, r.status
             wait("the broken provider shown ejected", lambda: driver.find_element(
@@ -196,6 +202,12 @@ def main():
                 By.CSS_SELECTOR, '#feed div[data-type="provider.ejected"]'), 5)
             healthy = driver.find_element(By.CSS_SELECTOR, 'tr[data-provider="node-1/fast"]')
             assert not healthy.find_elements(By.CSS_SELECTOR, "[data-ejected]"), healthy.text
+
+        def client_keys():
+            row = lambda: driver.find_element(By.CSS_SELECTOR, 'tr[data-key="team-ui"]')  # noqa: E731
+            wait("today's requests of the key", lambda: int(row().find_elements(By.TAG_NAME, "td")[5].text) >= 9, 10)
+            assert "of 1000" in row().text and "this month" in row().text, row().text
+            assert CLIENT not in driver.page_source
 
         def node_killed():
             system.node.kill()
@@ -219,6 +231,7 @@ def main():
             ("the admin key shows the node and its providers", fleet),
             ("a live request shows in flight and in the request rate", live_request),
             ("a broken provider beside a healthy one shows ejected", broken_provider),
+            ("the named client key shows with its limits and today's usage", client_keys),
             ("screenshot saved to target/dashboard.png", screenshot),
             ("a killed node turns disconnected within the heartbeat timeout", node_killed),
         ]:

@@ -8,7 +8,7 @@ use iop_proto_core::openai::{ApiError, ErrorType};
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
-use super::{ResBody, State, api_error, error, json_response};
+use super::{Caller, ResBody, State, api_error, error, json_response};
 use crate::driver::{CoreMsg, Snapshot};
 
 pub(super) async fn snapshot(state: &State) -> Option<Snapshot> {
@@ -21,13 +21,14 @@ fn model_object(name: &str) -> Value {
     json!({ "id": name, "object": "model", "created": 0, "owned_by": "iop" })
 }
 
-pub(super) async fn models(state: &State) -> Response<ResBody> {
+pub(super) async fn models(state: &State, caller: &Caller) -> Response<ResBody> {
     let Some(snapshot) = snapshot(state).await else {
         return api_error(&ApiError::shutting_down());
     };
     let data: Vec<Value> = snapshot
         .queue_by_model
         .iter()
+        .filter(|(name, _)| state.tenants.may_use(&caller.name, name))
         .map(|(name, _)| model_object(name))
         .collect();
     json_response(
@@ -39,12 +40,14 @@ pub(super) async fn models(state: &State) -> Response<ResBody> {
 /// `GET /v1/models/{id}`: the model object, or OpenAI's 404 `model_not_found`. The id is
 /// the rest of the path, percent-decoded (model names such as `llama3.1:8b` or
 /// `org/model` reach it whole).
-pub(super) async fn model(state: &State, id: &str) -> Response<ResBody> {
+pub(super) async fn model(state: &State, caller: &Caller, id: &str) -> Response<ResBody> {
     let Some(snapshot) = snapshot(state).await else {
         return api_error(&ApiError::shutting_down());
     };
     let id = percent_decode(id);
-    if snapshot.queue_by_model.iter().any(|(name, _)| *name == id) {
+    if snapshot.queue_by_model.iter().any(|(name, _)| *name == id)
+        && state.tenants.may_use(&caller.name, &id)
+    {
         return json_response(StatusCode::OK, Bytes::from(model_object(&id).to_string()));
     }
     error(
@@ -293,4 +296,61 @@ pub(super) async fn node_command<B: super::ReqBody>(
         Ok(Err(refused)) => api_error(&ApiError::from_command(&refused)),
         Err(_) => api_error(&ApiError::shutting_down()),
     }
+}
+
+/// `GET /v1/usage`: every key's limits as they stand and its budget, and usage per key,
+/// model and UTC day (the last 62 days), as providers reported it.
+pub(super) fn usage(state: &State) -> Response<ResBody> {
+    let quota = |q: Option<iop_proto_core::tenant::Quota>| {
+        q.map(|q| {
+            json!({
+                "limit": q.limit,
+                "remaining": q.remaining,
+                "reset_ms": q.reset.as_millis() as u64,
+            })
+        })
+    };
+    let keys: Vec<Value> = state
+        .tenants
+        .report()
+        .into_iter()
+        .map(|k| {
+            json!({
+                "key": &*k.key,
+                "in_flight": k.in_flight,
+                "requests_per_minute": quota(k.limits.requests),
+                "tokens_per_minute": quota(k.limits.tokens),
+                "budget": k.budget.map(|b| json!({
+                    "tokens": b.budget.tokens,
+                    "period": match b.budget.period {
+                        iop_proto_core::tenant::Period::Day => "day",
+                        iop_proto_core::tenant::Period::Month => "month",
+                    },
+                    "spent": b.spent,
+                    "remaining": b.remaining,
+                    "resets_in_ms": b.resets_in.as_millis() as u64,
+                })),
+            })
+        })
+        .collect();
+    let usage: Vec<Value> = state
+        .tenants
+        .usage()
+        .into_iter()
+        .map(|row| {
+            json!({
+                "key": &*row.key,
+                "model": &*row.model,
+                "day": row.day,
+                "requests": row.counts.requests,
+                "prompt_tokens": row.counts.prompt_tokens,
+                "completion_tokens": row.counts.completion_tokens,
+                "total_tokens": row.counts.prompt_tokens + row.counts.completion_tokens,
+            })
+        })
+        .collect();
+    json_response(
+        StatusCode::OK,
+        Bytes::from(json!({ "keys": keys, "usage": usage }).to_string()),
+    )
 }

@@ -7,14 +7,18 @@
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
 use http_body::Frame;
 use http_body_util::BodyExt;
 use iop_proto_core::openai::{
-    ApiError, Endpoint, ErrorType, Out, Responder, ResponseOptions, inspect,
+    ApiError, Endpoint, ErrorType, Out, Responder, ResponseOptions, inspect, rate_limit_headers,
+};
+use iop_proto_core::tenant::{Refusal, TokenUsage};
+use iop_proto_core::trace::{
+    AttrValue, MAX_TRACESTATE, Span, SpanKind, TRACEPARENT, TRACESTATE, TraceContext,
 };
 use iop_proto_core::wire::{Header, Usage};
 use iop_proto_core::{RequestEvent, RequestId};
@@ -28,6 +32,8 @@ use crate::config::HttpSettings;
 use crate::driver::{Core, CoreMsg, Events};
 use crate::memory::RequestMemory;
 use crate::metrics::Metrics;
+use crate::tenants::Ticket;
+use crate::traces::Tracer;
 
 /// Cancels the request when dropped before `disarm` (client gone, write failure, timeout).
 struct CancelGuard {
@@ -67,6 +73,81 @@ struct Finish {
     endpoint: Endpoint,
     /// Node and adapter it was dispatched to, and when.
     dispatched: Option<(Arc<str>, Arc<str>, Duration)>,
+    /// Its key's admission, finished with the usage its provider reported.
+    ticket: Option<Ticket>,
+    /// Its trace, when the caller sent one or spans are exported.
+    trace: Option<RequestTrace>,
+    tracer: Arc<Tracer>,
+}
+
+/// A request's place in a trace.
+struct RequestTrace {
+    /// The trace; `parent_id` is the caller's span (or the request span for a trace the
+    /// Edge started).
+    context: TraceContext,
+    /// Whether the caller started the trace (its span is the request span's parent).
+    from_caller: bool,
+    /// The Edge's spans, when it records them: the whole request, and the dispatch (the
+    /// parent the Node and provider see).
+    spans: Option<([u8; 8], [u8; 8])>,
+    /// When the request arrived, in nanoseconds since the Unix epoch.
+    start_ns: u64,
+}
+
+impl RequestTrace {
+    /// The trace of a request whose headers are `headers`: the caller's, continued; or a
+    /// new one when spans are exported. The `traceparent` (and `tracestate`) to pass on
+    /// go into `forward`.
+    fn begin(
+        headers: &http::HeaderMap,
+        tracer: &Tracer,
+        forward: &mut Vec<Header>,
+    ) -> Option<Self> {
+        let given = headers
+            .get(TRACEPARENT)
+            .and_then(|v| TraceContext::parse(v.as_bytes()));
+        // The caller decided whether its trace is sampled; a new one is sampled at the
+        // configured ratio (and passed on unsampled otherwise, so the hops after agree).
+        let (context, spans) = match given {
+            None if !tracer.enabled() => return None,
+            None => {
+                let request = tracer.span_id();
+                let sampled = tracer.sample();
+                let context = TraceContext::root(tracer.trace_id(), request, sampled)?;
+                (context, sampled.then(|| (request, tracer.span_id())))
+            }
+            Some(caller) if tracer.enabled() && caller.sampled() => {
+                (caller, Some((tracer.span_id(), tracer.span_id())))
+            }
+            Some(caller) => (caller, None),
+        };
+        // The next hop's parent: the dispatch span when the Edge records one, else the
+        // caller's span, as the caller sent it.
+        let onward = spans.map_or(context, |(_, dispatch)| context.child(dispatch));
+        forward.push(Header {
+            name: TRACEPARENT.to_owned(),
+            value: Bytes::from(onward.header()),
+        });
+        if given.is_some()
+            && let Some(state) = headers.get(TRACESTATE).filter(|v| {
+                v.len() <= MAX_TRACESTATE && v.as_bytes().iter().all(|b| (0x20..0x7f).contains(b))
+            })
+        {
+            forward.push(Header {
+                name: TRACESTATE.to_owned(),
+                value: Bytes::copy_from_slice(state.as_bytes()),
+            });
+        }
+        let start_ns = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+        Some(RequestTrace {
+            context,
+            from_caller: given.is_some(),
+            spans,
+            start_ns,
+        })
+    }
 }
 
 impl Finish {
@@ -82,18 +163,44 @@ impl Finish {
         }
     }
 
-    /// Records the request's figures and writes its one log line.
-    fn done(&self, status: u16, usage: Option<&Usage>) {
+    /// Records the request's figures, finishes its key's admission and writes its one
+    /// log line.
+    fn done(&mut self, status: u16, usage: Option<&Usage>) {
         let duration = self.started.elapsed();
         let metrics = self.metrics.model(&self.model);
         metrics.request(status, duration);
         if let (Some(u), Some((node, provider, _))) = (usage, &self.dispatched) {
-            metrics.tokens(node, provider, u.prompt_tokens, u.completion_tokens);
+            metrics.tokens(
+                node,
+                provider,
+                &self.caller.name,
+                u.prompt_tokens,
+                u.completion_tokens,
+            );
+        }
+        if let Some(ticket) = self.ticket.take() {
+            ticket.finish(usage.map(|u| TokenUsage {
+                prompt: u.prompt_tokens,
+                completion: u.completion_tokens,
+            }));
         }
         let (node, provider, queued) = match &self.dispatched {
             Some((node, provider, at)) => (&**node, &**provider, Some(*at)),
             None => ("-", "-", None),
         };
+        let trace_id = self.trace.as_ref().map(|t| t.context.trace_id_hex());
+        if let Some(trace) = &self.trace
+            && let Some((request_span, dispatch_span)) = trace.spans
+        {
+            self.tracer.export(self.spans(
+                trace,
+                request_span,
+                dispatch_span,
+                status,
+                usage,
+                duration,
+            ));
+        }
         // Milliseconds to the microsecond; -1 for a step the request never reached.
         // Through u64: converting the u128 of `as_micros` to f64 is a library call.
         let ms = |d: Option<Duration>| {
@@ -104,6 +211,7 @@ impl Finish {
         info!(
             target: "iop::request",
             request_id = &*self.request_id,
+            trace_id,
             caller = %self.caller,
             endpoint = self.endpoint.path(),
             model = %self.model,
@@ -117,6 +225,98 @@ impl Finish {
             completion_tokens = usage.map(|u| u.completion_tokens),
             "request"
         );
+    }
+}
+
+impl Finish {
+    /// The Edge's spans of a request that ended with `status` after `duration`: the whole
+    /// request, its wait in the queue, its dispatch to a provider (the parent of the
+    /// Node's and the provider's work) and the wait for the first byte.
+    fn spans(
+        &self,
+        trace: &RequestTrace,
+        request_span: [u8; 8],
+        dispatch_span: [u8; 8],
+        status: u16,
+        usage: Option<&Usage>,
+        duration: Duration,
+    ) -> Vec<Span> {
+        let at = |d: Duration| {
+            trace
+                .start_ns
+                .saturating_add(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+        };
+        let end = at(duration);
+        let trace_id = trace.context.trace_id;
+        let text = |s: &str| AttrValue::Str(s.to_owned());
+        let mut attributes = vec![
+            ("http.request.method", text("POST")),
+            ("url.path", text(self.endpoint.path())),
+            (
+                "http.response.status_code",
+                AttrValue::Int(i64::from(status)),
+            ),
+            ("gen_ai.request.model", text(&self.model)),
+            ("iop.request_id", text(&self.request_id)),
+            ("iop.key", text(&self.caller.name)),
+        ];
+        if let Some(u) = usage {
+            let tokens = |n: u64| AttrValue::Int(i64::try_from(n).unwrap_or(i64::MAX));
+            attributes.push(("gen_ai.usage.input_tokens", tokens(u.prompt_tokens)));
+            attributes.push(("gen_ai.usage.output_tokens", tokens(u.completion_tokens)));
+        }
+        let mut spans = Vec::with_capacity(4);
+        if let Some((node, provider, queued)) = &self.dispatched {
+            attributes.push(("iop.node", text(node)));
+            attributes.push(("iop.provider", text(provider)));
+            spans.push(Span {
+                trace_id,
+                span_id: self.tracer.span_id(),
+                parent_id: Some(request_span),
+                name: "queue wait",
+                kind: SpanKind::Internal,
+                start_ns: trace.start_ns,
+                end_ns: at(*queued),
+                attributes: Vec::new(),
+                error: false,
+            });
+            spans.push(Span {
+                trace_id,
+                span_id: dispatch_span,
+                parent_id: Some(request_span),
+                name: "dispatch",
+                kind: SpanKind::Client,
+                start_ns: at(*queued),
+                end_ns: end,
+                attributes: vec![("iop.node", text(node)), ("iop.provider", text(provider))],
+                error: status >= 500,
+            });
+            if let Some(first) = self.first_byte {
+                spans.push(Span {
+                    trace_id,
+                    span_id: self.tracer.span_id(),
+                    parent_id: Some(dispatch_span),
+                    name: "first byte",
+                    kind: SpanKind::Internal,
+                    start_ns: at(*queued),
+                    end_ns: at(first.max(*queued)),
+                    attributes: Vec::new(),
+                    error: false,
+                });
+            }
+        }
+        spans.push(Span {
+            trace_id,
+            span_id: request_span,
+            parent_id: trace.from_caller.then_some(trace.context.parent_id),
+            name: "request",
+            kind: SpanKind::Server,
+            start_ns: trace.start_ns,
+            end_ns: end,
+            attributes,
+            error: status >= 500,
+        });
+        spans
     }
 }
 
@@ -300,8 +500,20 @@ pub(super) async fn inference<B: ReqBody>(
     caller: Caller,
 ) -> Response<ResBody> {
     let id = request_id(req.headers());
-    let mut response = handle(req, state, endpoint, caller, id.clone()).await;
+    let named = caller.named.then(|| caller.name.clone());
+    let mut response = handle(req, state.clone(), endpoint, caller, id.clone()).await;
     let headers = response.headers_mut();
+    // A named key's limits, on every response (a refusal has them already).
+    if let Some(key) = named
+        && !headers.contains_key("x-ratelimit-limit-requests")
+        && !headers.contains_key("x-ratelimit-limit-tokens")
+    {
+        for (name, value) in rate_limit_headers(&state.tenants.limits(&key), None) {
+            if let Ok(value) = HeaderValue::from_str(&value) {
+                headers.insert(name, value);
+            }
+        }
+    }
     // A provider that names the request its own way (OpenAI's `req_…`) keeps its id
     // visible under another name; the caller's id is the one `x-request-id` carries.
     if let Some(upstream) = headers.remove(&REQUEST_ID)
@@ -334,18 +546,21 @@ async fn handle<B: ReqBody>(
         caller,
         endpoint,
         dispatched: None,
+        ticket: None,
+        trace: None,
+        tracer: state.tracer.clone(),
     };
-    let refuse = |finish: &Finish, refusal: &ApiError| {
+    let refuse = |finish: &mut Finish, refusal: &ApiError| {
         finish.done(refusal.status, None);
         api_error(refusal)
     };
     // Counted from here to the end of its response, so that a draining Edge waits for
     // it; one that arrives while the Edge drains is refused.
     let Some(open) = state.drain.enter() else {
-        return refuse(&finish, &ApiError::shutting_down());
+        return refuse(&mut finish, &ApiError::shutting_down());
     };
     // The provider sees the request under the same id as the caller and both logs.
-    let headers: Vec<Header> = req
+    let mut headers: Vec<Header> = req
         .headers()
         .iter()
         .filter(|(name, _)| {
@@ -361,6 +576,7 @@ async fn handle<B: ReqBody>(
             value: Bytes::copy_from_slice(request_id.as_bytes()),
         }))
         .collect();
+    finish.trace = RequestTrace::begin(req.headers(), &state.tracer, &mut headers);
     let content_length = declared_length(req.headers());
     let memory = RequestMemory::new(state.budget.clone());
     // From here the body and everything buffered for the caller count against the budget
@@ -384,13 +600,13 @@ async fn handle<B: ReqBody>(
     .await
     {
         Ok(raw) => raw,
-        Err(refusal) => return refuse(&finish, &refusal),
+        Err(refusal) => return refuse(&mut finish, &refusal),
     };
     // The concurrency permit is taken only once the body is in: slow senders cannot hold
     // the permits every other caller needs.
     let Ok(permit) = state.permits.try_take() else {
         return refuse(
-            &finish,
+            &mut finish,
             &ApiError::new(
                 503,
                 ErrorType::Server,
@@ -401,8 +617,35 @@ async fn handle<B: ReqBody>(
     };
     let asked = match inspect_off_loop(&raw, endpoint).await {
         Ok(asked) => asked,
-        Err(refusal) => return refuse(&finish, &refusal),
+        Err(refusal) => return refuse(&mut finish, &refusal),
     };
+    // The key's models, limits and budget; its usage is counted when the request ends.
+    let estimate = asked
+        .prompt_tokens
+        .saturating_add(asked.max_tokens.unwrap_or(0));
+    match state
+        .tenants
+        .admit(&finish.caller.name, &asked.model, estimate)
+    {
+        Ok(ticket) => finish.ticket = Some(ticket),
+        Err(limited) => {
+            let refusal = ApiError::limited(&limited, &asked.model);
+            let mut response = refuse(&mut finish, &refusal);
+            for (name, value) in rate_limit_headers(&limited.limits, limited.retry_after) {
+                if let Ok(value) = HeaderValue::from_str(&value) {
+                    response.headers_mut().insert(name, value);
+                }
+            }
+            // A spent budget does not come back within a client's retries: the SDKs
+            // read this and give up at once.
+            if limited.refusal == Refusal::Budget {
+                response
+                    .headers_mut()
+                    .insert("x-should-retry", HeaderValue::from_static("false"));
+            }
+            return response;
+        }
+    }
 
     let (reply, answer) = oneshot::channel();
     let model: Arc<str> = Arc::from(asked.model.as_str());
@@ -422,7 +665,7 @@ async fn handle<B: ReqBody>(
         reply,
     };
     if state.core.send(submit).is_err() {
-        return refuse(&finish, &ApiError::shutting_down());
+        return refuse(&mut finish, &ApiError::shutting_down());
     }
     finish.model = model;
     let request = match answer.await {
@@ -432,9 +675,9 @@ async fn handle<B: ReqBody>(
                 // Unknown names are caller input: keep them out of metric labels.
                 finish.model = crate::metrics::unknown_model();
             }
-            return refuse(&finish, &ApiError::from_submit(&refused, endpoint));
+            return refuse(&mut finish, &ApiError::from_submit(&refused, endpoint));
         }
-        Err(_) => return refuse(&finish, &ApiError::shutting_down()),
+        Err(_) => return refuse(&mut finish, &ApiError::shutting_down()),
     };
     let guard = CancelGuard {
         core: state.core.clone(),

@@ -99,6 +99,10 @@ impl Body for ResBody {
 pub struct State {
     /// The core.
     pub core: Core,
+    /// The client keys' limits, budgets and usage.
+    pub tenants: Arc<crate::tenants::TenantBook>,
+    /// Where finished requests' spans go.
+    pub tracer: Arc<crate::traces::Tracer>,
     /// Settings; replaced on reload.
     pub settings: RwLock<Arc<HttpSettings>>,
     /// Metrics.
@@ -388,7 +392,7 @@ fn access(path: &str) -> Access {
     match path {
         // The page holds no data; what it shows it fetches with the admin key.
         "/healthz" | "/ui" => Access::Open,
-        "/metrics" | "/v1/status" | "/v1/events" => Access::Admin,
+        "/metrics" | "/v1/status" | "/v1/events" | "/v1/usage" => Access::Admin,
         p if p.starts_with("/v1/nodes/") => Access::Admin,
         _ => Access::Client,
     }
@@ -438,11 +442,12 @@ async fn route<B: ReqBody>(
             );
             r
         }
-        (Method::GET, "/v1/models") => admin::models(&state).await,
+        (Method::GET, "/v1/models") => admin::models(&state, &caller).await,
         (Method::GET, path) if path.starts_with("/v1/models/") => {
-            admin::model(&state, &path["/v1/models/".len()..]).await
+            admin::model(&state, &caller, &path["/v1/models/".len()..]).await
         }
         (Method::GET, "/v1/status") => admin::status(&state).await,
+        (Method::GET, "/v1/usage") => admin::usage(&state),
         (Method::GET, "/ui") => dashboard(),
         (Method::GET, "/v1/events") => {
             let keepalive = state.settings().sse_keepalive.max(Duration::from_secs(1));
@@ -525,7 +530,8 @@ fn inference_endpoint(path: &str) -> Option<Endpoint> {
 /// The one method a known route answers (`None` for paths that are no route).
 fn allowed_method(path: &str) -> Option<&'static str> {
     match path {
-        "/healthz" | "/metrics" | "/v1/models" | "/v1/status" | "/v1/events" | "/ui" => Some("GET"),
+        "/healthz" | "/metrics" | "/v1/models" | "/v1/status" | "/v1/events" | "/v1/usage"
+        | "/ui" => Some("GET"),
         "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings" => Some("POST"),
         p if p.starts_with("/v1/models/") => Some("GET"),
         _ => {
@@ -555,9 +561,31 @@ fn bearer<B>(req: &Request<B>) -> Option<&str> {
         .filter(|t| !t.is_empty())
 }
 
-/// Who is calling, for request logs: which configured key matched (`api_keys[2]`,
-/// `admin_keys[0]`), never the key itself; `anonymous` where no key is required.
-pub(crate) type Caller = String;
+/// Who is calling: the name of the key that matched (a `[[auth.keys]]` name, or
+/// `api_keys[2]`, `admin_keys[0]` for unnamed keys), never the key itself; `anonymous`
+/// where no key is required.
+#[derive(Clone, Debug)]
+pub(crate) struct Caller {
+    /// The key's name.
+    pub(crate) name: Arc<str>,
+    /// A named key: its models, limits and budget apply.
+    pub(crate) named: bool,
+}
+
+impl std::fmt::Display for Caller {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.name)
+    }
+}
+
+/// Whether a proxy forwarded the request: such a caller is never local, whatever
+/// address the connection came from.
+fn proxied<B>(req: &Request<B>) -> bool {
+    let headers = req.headers();
+    ["forwarded", "x-forwarded-for", "x-real-ip"]
+        .iter()
+        .any(|name| headers.contains_key(*name))
+}
 
 /// The caller when it may use a route of `access`; else the 401 or 403 to answer.
 fn authorize<B>(
@@ -568,17 +596,27 @@ fn authorize<B>(
 ) -> Result<Caller, Box<Response<ResBody>>> {
     use iop_proto_core::TokenVerifier;
     let presented = bearer(req).map(str::as_bytes);
-    let is =
-        |keys: &[TokenVerifier]| presented.is_some_and(|p| TokenVerifier::find(keys, p).is_some());
-    let who = || {
-        let index = |keys: &[TokenVerifier]| presented.and_then(|p| TokenVerifier::find(keys, p));
-        if let Some(i) = index(&settings.api_keys) {
-            format!("api_keys[{i}]")
-        } else if let Some(i) = index(&settings.admin_keys) {
-            format!("admin_keys[{i}]")
-        } else {
-            "anonymous".to_owned()
+    let admin = presented.and_then(|p| TokenVerifier::find(&settings.admin_keys, p));
+    let client = presented.and_then(|p| {
+        if let Some(k) = settings.keys.iter().find(|k| k.verifier.verify(p)) {
+            return Some(Caller {
+                name: k.name.clone(),
+                named: true,
+            });
         }
+        TokenVerifier::find(&settings.api_keys, p).map(|i| Caller {
+            name: crate::config::legacy_name("api_keys", i),
+            named: false,
+        })
+    });
+    let who = || {
+        client.clone().unwrap_or_else(|| Caller {
+            name: admin.map_or_else(
+                || Arc::from(crate::config::ANONYMOUS),
+                |i| crate::config::legacy_name("admin_keys", i),
+            ),
+            named: false,
+        })
     };
     let unauthorized = || {
         let mut r = error(
@@ -602,26 +640,26 @@ fn authorize<B>(
     match access {
         Access::Open => Ok(who()),
         Access::Client => {
-            if settings.api_keys.is_empty() || is(&settings.api_keys) || is(&settings.admin_keys) {
+            if !settings.keys_required() || client.is_some() || admin.is_some() {
                 Ok(who())
             } else {
                 Err(Box::new(unauthorized()))
             }
         }
         Access::Admin if settings.admin_keys.is_empty() => {
-            if peer.ip().is_loopback() {
+            if settings.admin_loopback && peer.ip().is_loopback() && !proxied(req) {
                 Ok(who())
             } else {
                 Err(Box::new(forbidden(
-                    "This route is for operators: configure [auth] admin_keys to reach it \
-                     from another host.",
+                    "This route is for operators and no admin key is configured: set [auth] \
+                     admin_keys (or admin_loopback = true to open it to this host alone).",
                 )))
             }
         }
         Access::Admin => {
-            if is(&settings.admin_keys) {
+            if admin.is_some() {
                 Ok(who())
-            } else if is(&settings.api_keys) {
+            } else if client.is_some() {
                 Err(Box::new(forbidden(
                     "This route needs an admin key, not a client key.",
                 )))

@@ -79,6 +79,34 @@ pub fn forwardable(name: &str) -> bool {
     !HOP_BY_HOP.iter().any(|hop| hop.eq_ignore_ascii_case(name))
 }
 
+/// The trace context a run's metadata carries (`traceparent`, and `tracestate` beside a
+/// valid one), as headers for the provider call; a value that is not a valid one is left
+/// out.
+#[must_use]
+pub fn trace_headers(metadata: &std::collections::BTreeMap<String, String>) -> Vec<Header> {
+    use iop_proto_core::trace::{MAX_TRACESTATE, TRACEPARENT, TRACESTATE, TraceContext};
+    let Some(parent) = metadata
+        .get(TRACEPARENT)
+        .filter(|v| TraceContext::parse(v.as_bytes()).is_some())
+    else {
+        return Vec::new();
+    };
+    let mut out = vec![Header {
+        name: TRACEPARENT.to_owned(),
+        value: Bytes::copy_from_slice(parent.as_bytes()),
+    }];
+    if let Some(state) = metadata
+        .get(TRACESTATE)
+        .filter(|v| v.len() <= MAX_TRACESTATE && v.bytes().all(|b| (0x20..0x7f).contains(&b)))
+    {
+        out.push(Header {
+            name: TRACESTATE.to_owned(),
+            value: Bytes::copy_from_slice(state.as_bytes()),
+        });
+    }
+    out
+}
+
 fn parse_method(method: &str) -> Result<Method, String> {
     Method::from_bytes(method.as_bytes()).map_err(|_| format!("invalid method {method:?}"))
 }

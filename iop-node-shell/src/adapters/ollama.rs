@@ -158,10 +158,11 @@ impl Ollama {
             Ok(body) => body,
             Err(err) => return RunOutput::Error(err),
         };
-        let headers = [Header {
+        let mut headers = vec![Header {
             name: "content-type".into(),
             value: Bytes::from_static(b"application/json"),
         }];
+        headers.extend(super::http::trace_headers(&request.metadata));
         let upstream = match self
             .upstream
             .request("POST", "/api/chat", &headers, Bytes::from(body))

@@ -407,10 +407,11 @@ impl OpenAi {
             Ok(prepared) => prepared,
             Err(err) => return Ok(RunOutput::Error(err)),
         };
-        let headers = [Header {
+        let mut headers = vec![Header {
             name: "content-type".into(),
             value: Bytes::from_static(b"application/json"),
         }];
+        headers.extend(http::trace_headers(&request.metadata));
         let mut fallback = false;
         let response = loop {
             let upstream = self

@@ -947,6 +947,16 @@ fn message(
     match meta.shape {
         DispatchShape::Run => {
             metadata.insert("model".to_owned(), String::from(&**model));
+            // A run's provider call is the Node's to make: the trace context it passes on
+            // travels in the metadata (a tunnel carries it among its headers).
+            for header in &call.headers {
+                if (header.name == crate::trace::TRACEPARENT
+                    || header.name == crate::trace::TRACESTATE)
+                    && let Ok(value) = std::str::from_utf8(&header.value)
+                {
+                    metadata.insert(header.name.clone(), value.to_owned());
+                }
+            }
             (
                 Body::RunRequest(RunRequest {
                     run_id: run.wire(),

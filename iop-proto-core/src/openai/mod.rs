@@ -106,6 +106,49 @@ impl ErrorType {
     }
 }
 
+/// The headers a client key's limits add to every response, as OpenAI sends them and
+/// its SDKs read them: `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` for each
+/// limit the key has, and for a refusal `retry-after` (whole seconds, rounded up) and
+/// `retry-after-ms`.
+#[must_use]
+pub fn rate_limit_headers(
+    limits: &crate::tenant::RateLimits,
+    retry_after: Option<std::time::Duration>,
+) -> Vec<(&'static str, String)> {
+    let mut out = Vec::new();
+    if let Some(q) = limits.requests {
+        out.push(("x-ratelimit-limit-requests", q.limit.to_string()));
+        out.push(("x-ratelimit-remaining-requests", q.remaining.to_string()));
+        out.push(("x-ratelimit-reset-requests", reset_text(q.reset)));
+    }
+    if let Some(q) = limits.tokens {
+        out.push(("x-ratelimit-limit-tokens", q.limit.to_string()));
+        out.push(("x-ratelimit-remaining-tokens", q.remaining.to_string()));
+        out.push(("x-ratelimit-reset-tokens", reset_text(q.reset)));
+    }
+    if let Some(after) = retry_after {
+        let ms = u64::try_from(after.as_millis()).unwrap_or(u64::MAX);
+        out.push(("retry-after", ms.div_ceil(1000).max(1).to_string()));
+        out.push(("retry-after-ms", ms.max(1).to_string()));
+    }
+    out
+}
+
+/// A reset time as OpenAI writes it: `20ms`, `1s`, `6m0s`, `1h2m3s` (seconds rounded
+/// up).
+fn reset_text(d: std::time::Duration) -> String {
+    let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    if ms < 1000 {
+        return format!("{ms}ms");
+    }
+    let s = ms.div_ceil(1000);
+    match (s / 3600, s / 60 % 60, s % 60) {
+        (0, 0, s) => format!("{s}s"),
+        (0, m, s) => format!("{m}m{s}s"),
+        (h, m, s) => format!("{h}h{m}m{s}s"),
+    }
+}
+
 /// An error answer in OpenAI's shape: the HTTP status and the `error` object
 /// (`message`, `type`, `code`). Every way a request can fail maps to one of these here,
 /// so a caller sees the same status and code for the same cause on every route.
@@ -152,6 +195,53 @@ impl ApiError {
             ErrorType::Server,
             "the request timed out",
             Some("timeout"),
+        )
+    }
+
+    /// A request a client key's limits refused ([`crate::tenant`]): 429 with OpenAI's
+    /// codes (`rate_limit_exceeded`, `insufficient_quota` for a spent budget), or the 404
+    /// of an unknown model for one the key may not use (which says nothing of whether
+    /// the model exists).
+    #[must_use]
+    pub fn limited(limited: &crate::tenant::Limited, model: &str) -> Self {
+        use crate::tenant::Refusal;
+        let again = limited
+            .retry_after
+            .map(|d| format!(" Please try again in {}.", reset_text(d)))
+            .unwrap_or_default();
+        let rate = |what: &str, quota: Option<crate::tenant::Quota>| {
+            let limit = quota
+                .map(|q| format!(": limit {}", q.limit))
+                .unwrap_or_default();
+            Self::new(
+                429,
+                ErrorType::RateLimit,
+                format!("Rate limit reached for `{model}` on {what}{limit}.{again}"),
+                Some("rate_limit_exceeded"),
+            )
+        };
+        match limited.refusal {
+            Refusal::Model => Self::model_not_found(model),
+            Refusal::Requests => rate("requests per minute", limited.limits.requests),
+            Refusal::Tokens => rate("tokens per minute", limited.limits.tokens),
+            Refusal::Concurrency => rate("requests at once", None),
+            Refusal::Budget => Self::new(
+                429,
+                ErrorType::RateLimit,
+                format!("You exceeded this key's token budget.{again}"),
+                Some("insufficient_quota"),
+            ),
+        }
+    }
+
+    /// OpenAI's 404 for a model that does not exist, or that the caller may not use.
+    #[must_use]
+    pub fn model_not_found(model: &str) -> Self {
+        Self::new(
+            404,
+            ErrorType::InvalidRequest,
+            format!("The model `{model}` does not exist or you do not have access to it."),
+            Some("model_not_found"),
         )
     }
 
@@ -219,12 +309,7 @@ impl ApiError {
     #[must_use]
     pub fn from_submit(refused: &SubmitError, endpoint: Endpoint) -> Self {
         match refused {
-            SubmitError::UnknownModel(model) => Self::new(
-                404,
-                ErrorType::InvalidRequest,
-                format!("The model `{model}` does not exist or you do not have access to it."),
-                Some("model_not_found"),
-            ),
+            SubmitError::UnknownModel(model) => Self::model_not_found(model),
             SubmitError::QueueFull { .. } => Self::new(
                 429,
                 ErrorType::RateLimit,

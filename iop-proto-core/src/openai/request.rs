@@ -22,6 +22,9 @@ pub struct RequestFacts {
     pub wants_tools: bool,
     /// The prompt's size in tokens, estimated ([`estimate_tokens`]); decides long context.
     pub prompt_tokens: u64,
+    /// The most tokens it may generate (`max_completion_tokens`, else `max_tokens`), when
+    /// it says (a key's tokens per minute count it at admission).
+    pub max_tokens: Option<u64>,
 }
 
 /// The fields decided on, as borrowed raw JSON: no document tree is built, so a body of
@@ -42,6 +45,10 @@ struct Head<'a> {
     input: Option<&'a RawValue>,
     #[serde(borrow)]
     tools: Option<&'a RawValue>,
+    #[serde(borrow)]
+    max_tokens: Option<&'a RawValue>,
+    #[serde(borrow)]
+    max_completion_tokens: Option<&'a RawValue>,
 }
 
 /// A present, non-null field.
@@ -106,12 +113,17 @@ pub fn inspect(raw: &[u8], endpoint: Endpoint) -> Result<RequestFacts, ApiError>
         .and_then(|o| o.include_usage)
         == Some(true);
     let wants_tools = given(head.tools).is_some_and(nonempty_array);
+    // A count that is not one is the provider's to refuse; here it only weighs less.
+    let max_tokens = given(head.max_completion_tokens)
+        .or(given(head.max_tokens))
+        .and_then(|v| v.get().parse::<u64>().ok());
     Ok(RequestFacts {
         model,
         stream,
         include_usage,
         wants_tools,
         prompt_tokens: estimate_text(text),
+        max_tokens,
     })
 }
 
