@@ -495,10 +495,14 @@ pub struct HttpSettings {
     /// Client API keys: inference routes and `/v1/models` (with no named key either,
     /// those routes are open).
     pub api_keys: Vec<TokenVerifier>,
+    /// Their names in logs and usage (`api_keys[i]`), made once.
+    pub api_key_names: Vec<Arc<str>>,
     /// Named client keys, each with its models, limits and budget (`[[auth.keys]]`).
     pub keys: Vec<NamedKey>,
     /// Admin API keys: status, metrics, usage, events, node commands.
     pub admin_keys: Vec<TokenVerifier>,
+    /// Their names in logs and usage (`admin_keys[i]`), made once.
+    pub admin_key_names: Vec<Arc<str>>,
     /// With no admin key, the admin routes answer callers on loopback that no proxy
     /// forwarded (`auth.admin_loopback`, off by default: with no admin key and without
     /// it they answer nobody).
@@ -557,7 +561,8 @@ impl HttpSettings {
     }
 
     /// Every key's name and policy, for the tenants' accounting: named keys with theirs,
-    /// the other keys (and anonymous callers) unlimited.
+    /// the unnamed keys unlimited (their usage is counted all the same). Callers with no
+    /// key are not accounted.
     #[must_use]
     pub fn tenants(&self) -> Vec<(Arc<str>, KeyPolicy)> {
         let mut out: Vec<(Arc<str>, KeyPolicy)> = self
@@ -566,15 +571,21 @@ impl HttpSettings {
             .map(|k| (k.name.clone(), k.policy.clone()))
             .collect();
         out.extend(
-            (0..self.api_keys.len()).map(|i| (legacy_name("api_keys", i), KeyPolicy::default())),
+            self.api_key_names
+                .iter()
+                .chain(&self.admin_key_names)
+                .map(|name| (name.clone(), KeyPolicy::default())),
         );
-        out.extend(
-            (0..self.admin_keys.len())
-                .map(|i| (legacy_name("admin_keys", i), KeyPolicy::default())),
-        );
-        out.push((Arc::from(ANONYMOUS), KeyPolicy::default()));
         out
     }
+}
+
+/// [`ANONYMOUS`] as the one shared name every keyless caller gets (no allocation per
+/// request).
+#[must_use]
+pub fn anonymous() -> Arc<str> {
+    static NAME: std::sync::OnceLock<Arc<str>> = std::sync::OnceLock::new();
+    NAME.get_or_init(|| Arc::from(ANONYMOUS)).clone()
 }
 
 /// What logs and usage call callers when no key is required.
@@ -950,9 +961,9 @@ impl Config {
                 "is also in auth.api_keys; a key has one name",
             ));
         }
-        // With no named key there is nothing to keep: no file is written.
+        // With no key there is nothing to keep: no file is written.
         let usage_file = match raw.auth.usage_file.as_deref() {
-            _ if named.is_empty() => None,
+            _ if named.is_empty() && api_keys.is_empty() && admin_keys.is_empty() => None,
             Some("") => None,
             Some(file) => Some(relative(path, Path::new(file))),
             None => Some(relative(
@@ -966,6 +977,12 @@ impl Config {
         let http = HttpSettings {
             http_addr,
             nodes_addr,
+            api_key_names: (0..api_keys.len())
+                .map(|i| legacy_name("api_keys", i))
+                .collect(),
+            admin_key_names: (0..admin_keys.len())
+                .map(|i| legacy_name("admin_keys", i))
+                .collect(),
             api_keys,
             keys: named,
             admin_keys,

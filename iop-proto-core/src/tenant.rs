@@ -426,8 +426,14 @@ impl Tenants {
             return refuse(k, Refusal::Concurrency, Some(Duration::from_secs(1)));
         }
         k.in_flight += 1;
-        k.requests.add(second, 1);
-        k.tokens.add(second, estimate);
+        // Windows are kept for the limits there are (an unlimited key counts only its
+        // usage); a limit set later starts from an empty window.
+        if policy.requests_per_minute.is_some() {
+            k.requests.add(second, 1);
+        }
+        if policy.tokens_per_minute.is_some() {
+            k.tokens.add(second, estimate);
+        }
         Ok(Admitted {
             key: key.clone(),
             model: model_name,

@@ -89,10 +89,19 @@ impl TokenVerifier {
     /// is checked, so the time taken does not say which one matched.
     #[must_use]
     pub fn find(verifiers: &[TokenVerifier], presented: &[u8]) -> Option<usize> {
-        let digest = sha256(presented);
+        Self::find_digest(verifiers.iter(), &sha256(presented))
+    }
+
+    /// [`find`](Self::find) for a secret already hashed (`digest` is its [`sha256`]), over
+    /// any list of verifiers: one hash for every list a presented key is looked up in.
+    #[must_use]
+    pub fn find_digest<'a>(
+        verifiers: impl IntoIterator<Item = &'a TokenVerifier>,
+        digest: &[u8; 32],
+    ) -> Option<usize> {
         let mut found = None;
-        for (i, verifier) in verifiers.iter().enumerate() {
-            if bool::from(verifier.digest.ct_eq(&digest)) {
+        for (i, verifier) in verifiers.into_iter().enumerate() {
+            if bool::from(verifier.digest.ct_eq(digest)) {
                 found = Some(i);
             }
         }

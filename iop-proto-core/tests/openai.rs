@@ -1218,3 +1218,60 @@ fn the_usage_a_provider_reports_is_observed_for_logs_and_metrics() {
     );
     assert!(r.usage().is_none());
 }
+
+#[test]
+fn rate_limit_headers_read_as_openai_writes_them() {
+    use iop_proto_core::openai::{RATE_LIMIT_HEADERS, rate_limit_headers};
+    use iop_proto_core::tenant::{Quota, RateLimits};
+    use std::time::Duration;
+    let limits = RateLimits {
+        requests: Some(Quota {
+            limit: 60,
+            remaining: 0,
+            reset: Duration::from_millis(59_001),
+        }),
+        tokens: Some(Quota {
+            limit: 150_000,
+            remaining: 149_990,
+            reset: Duration::from_millis(20),
+        }),
+    };
+    let values = rate_limit_headers(&limits, Some(Duration::from_millis(3_723_400)));
+    let got: Vec<(&str, String)> = RATE_LIMIT_HEADERS
+        .iter()
+        .zip(values)
+        .filter_map(|(name, value)| value.map(|v| (*name, v.to_string())))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            ("x-ratelimit-limit-requests", "60".to_owned()),
+            ("x-ratelimit-remaining-requests", "0".to_owned()),
+            ("x-ratelimit-reset-requests", "1m0s".to_owned()),
+            ("x-ratelimit-limit-tokens", "150000".to_owned()),
+            ("x-ratelimit-remaining-tokens", "149990".to_owned()),
+            ("x-ratelimit-reset-tokens", "20ms".to_owned()),
+            ("retry-after", "3724".to_owned()),
+            ("retry-after-ms", "3723400".to_owned()),
+        ]
+    );
+    // Only what is limited is said.
+    let none = rate_limit_headers(&RateLimits::default(), None);
+    assert!(none.iter().all(Option::is_none));
+    // The longest reset still fits.
+    let far = rate_limit_headers(
+        &RateLimits {
+            requests: Some(Quota {
+                limit: u64::MAX,
+                remaining: u64::MAX,
+                reset: Duration::MAX,
+            }),
+            tokens: None,
+        },
+        Some(Duration::MAX),
+    );
+    assert_eq!(far[0].map(|v| v.to_string()), Some(u64::MAX.to_string()));
+    assert!(
+        far[2].is_some_and(|v| v.to_string().ends_with("h59m59s") || v.to_string().ends_with('s'))
+    );
+}

@@ -14,9 +14,10 @@ use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
 use http_body::Frame;
 use http_body_util::BodyExt;
 use iop_proto_core::openai::{
-    ApiError, Endpoint, ErrorType, Out, Responder, ResponseOptions, inspect, rate_limit_headers,
+    ApiError, Endpoint, ErrorType, Out, RATE_LIMIT_HEADERS, Responder, ResponseOptions, inspect,
+    rate_limit_headers,
 };
-use iop_proto_core::tenant::{Refusal, TokenUsage};
+use iop_proto_core::tenant::{RateLimits, Refusal, TokenUsage};
 use iop_proto_core::trace::{
     AttrValue, MAX_TRACESTATE, Span, SpanKind, TRACEPARENT, TRACESTATE, TraceContext,
 };
@@ -103,8 +104,11 @@ impl RequestTrace {
         tracer: &Tracer,
         forward: &mut Vec<Header>,
     ) -> Option<Self> {
+        // Names made once: a `&str` key is parsed into a header name on every lookup.
+        static TRACEPARENT_NAME: HeaderName = HeaderName::from_static(TRACEPARENT);
+        static TRACESTATE_NAME: HeaderName = HeaderName::from_static(TRACESTATE);
         let given = headers
-            .get(TRACEPARENT)
+            .get(&TRACEPARENT_NAME)
             .and_then(|v| TraceContext::parse(v.as_bytes()));
         // The caller decided whether its trace is sampled; a new one is sampled at the
         // configured ratio (and passed on unsampled otherwise, so the hops after agree).
@@ -129,7 +133,7 @@ impl RequestTrace {
             value: Bytes::from(onward.header()),
         });
         if given.is_some()
-            && let Some(state) = headers.get(TRACESTATE).filter(|v| {
+            && let Some(state) = headers.get(&TRACESTATE_NAME).filter(|v| {
                 v.len() <= MAX_TRACESTATE && v.as_bytes().iter().all(|b| (0x20..0x7f).contains(b))
             })
         {
@@ -320,6 +324,34 @@ impl Finish {
     }
 }
 
+/// `limits` (and `retry_after`) as OpenAI's rate-limit headers, each value copied once.
+fn insert_rate_limits(
+    headers: &mut http::HeaderMap,
+    limits: &RateLimits,
+    retry_after: Option<Duration>,
+) {
+    // Names made once; a `&str` name is parsed, and a custom one allocated, per insert.
+    static NAMES: [HeaderName; 8] = [
+        HeaderName::from_static(RATE_LIMIT_HEADERS[0]),
+        HeaderName::from_static(RATE_LIMIT_HEADERS[1]),
+        HeaderName::from_static(RATE_LIMIT_HEADERS[2]),
+        HeaderName::from_static(RATE_LIMIT_HEADERS[3]),
+        HeaderName::from_static(RATE_LIMIT_HEADERS[4]),
+        HeaderName::from_static(RATE_LIMIT_HEADERS[5]),
+        HeaderName::from_static(RATE_LIMIT_HEADERS[6]),
+        HeaderName::from_static(RATE_LIMIT_HEADERS[7]),
+    ];
+    let values = rate_limit_headers(limits, retry_after);
+    headers.reserve(values.iter().flatten().count());
+    for (name, value) in NAMES.iter().zip(values) {
+        if let Some(value) = value
+            && let Ok(value) = HeaderValue::from_str(value.as_str())
+        {
+            headers.insert(name.clone(), value);
+        }
+    }
+}
+
 /// The response header that names a request; the caller may choose the value.
 pub(super) const REQUEST_ID_HEADER: &str = "x-request-id";
 
@@ -500,19 +532,13 @@ pub(super) async fn inference<B: ReqBody>(
     caller: Caller,
 ) -> Response<ResBody> {
     let id = request_id(req.headers());
-    let named = caller.named.then(|| caller.name.clone());
-    let mut response = handle(req, state.clone(), endpoint, caller, id.clone()).await;
+    let mut limits = None;
+    let mut response = handle(req, state, endpoint, caller, id.clone(), &mut limits).await;
     let headers = response.headers_mut();
-    // A named key's limits, on every response (a refusal has them already).
-    if let Some(key) = named
-        && !headers.contains_key("x-ratelimit-limit-requests")
-        && !headers.contains_key("x-ratelimit-limit-tokens")
-    {
-        for (name, value) in rate_limit_headers(&state.tenants.limits(&key), None) {
-            if let Ok(value) = HeaderValue::from_str(&value) {
-                headers.insert(name, value);
-            }
-        }
+    // A limited key's limits as its admission left them, on every response it gets (a
+    // refusal carries its own).
+    if let Some(limits) = limits {
+        insert_rate_limits(headers, &limits, None);
     }
     // A provider that names the request its own way (OpenAI's `req_…`) keeps its id
     // visible under another name; the caller's id is the one `x-request-id` carries.
@@ -533,6 +559,7 @@ async fn handle<B: ReqBody>(
     endpoint: Endpoint,
     caller: Caller,
     request_id: Arc<str>,
+    limits: &mut Option<RateLimits>,
 ) -> Response<ResBody> {
     let started = Instant::now();
     let settings = state.settings();
@@ -620,22 +647,30 @@ async fn handle<B: ReqBody>(
         Err(refusal) => return refuse(&mut finish, &refusal),
     };
     // The key's models, limits and budget; its usage is counted when the request ends.
+    // A caller with no key (no key is required) is not accounted, and pays nothing.
     let estimate = asked
         .prompt_tokens
         .saturating_add(asked.max_tokens.unwrap_or(0));
-    match state
-        .tenants
-        .admit(&finish.caller.name, &asked.model, estimate)
-    {
-        Ok(ticket) => finish.ticket = Some(ticket),
+    let admitted = if finish.caller.keyed {
+        state
+            .tenants
+            .admit(&finish.caller.name, &asked.model, estimate)
+            .map(Some)
+    } else {
+        Ok(None)
+    };
+    match admitted {
+        Ok(ticket) => {
+            *limits = ticket
+                .as_ref()
+                .map(Ticket::limits)
+                .filter(|l| l.requests.is_some() || l.tokens.is_some());
+            finish.ticket = ticket;
+        }
         Err(limited) => {
             let refusal = ApiError::limited(&limited, &asked.model);
             let mut response = refuse(&mut finish, &refusal);
-            for (name, value) in rate_limit_headers(&limited.limits, limited.retry_after) {
-                if let Ok(value) = HeaderValue::from_str(&value) {
-                    response.headers_mut().insert(name, value);
-                }
-            }
+            insert_rate_limits(response.headers_mut(), &limited.limits, limited.retry_after);
             // A spent budget does not come back within a client's retries: the SDKs
             // read this and give up at once.
             if limited.refusal == Refusal::Budget {

@@ -568,8 +568,8 @@ fn bearer<B>(req: &Request<B>) -> Option<&str> {
 pub(crate) struct Caller {
     /// The key's name.
     pub(crate) name: Arc<str>,
-    /// A named key: its models, limits and budget apply.
-    pub(crate) named: bool,
+    /// A key (named or not): its usage is accounted.
+    pub(crate) keyed: bool,
 }
 
 impl std::fmt::Display for Caller {
@@ -595,27 +595,31 @@ fn authorize<B>(
     access: Access,
 ) -> Result<Caller, Box<Response<ResBody>>> {
     use iop_proto_core::TokenVerifier;
-    let presented = bearer(req).map(str::as_bytes);
-    let admin = presented.and_then(|p| TokenVerifier::find(&settings.admin_keys, p));
+    // Hashed once, compared with every configured key in constant time.
+    let presented = bearer(req).map(|p| iop_proto_core::token::sha256(p.as_bytes()));
+    let admin = presented.and_then(|p| TokenVerifier::find_digest(&settings.admin_keys, &p));
     let client = presented.and_then(|p| {
-        if let Some(k) = settings.keys.iter().find(|k| k.verifier.verify(p)) {
+        if let Some(i) = TokenVerifier::find_digest(settings.keys.iter().map(|k| &k.verifier), &p) {
             return Some(Caller {
-                name: k.name.clone(),
-                named: true,
+                name: settings.keys[i].name.clone(),
+                keyed: true,
             });
         }
-        TokenVerifier::find(&settings.api_keys, p).map(|i| Caller {
-            name: crate::config::legacy_name("api_keys", i),
-            named: false,
+        TokenVerifier::find_digest(&settings.api_keys, &p).map(|i| Caller {
+            name: settings.api_key_names[i].clone(),
+            keyed: true,
         })
     });
     let who = || {
-        client.clone().unwrap_or_else(|| Caller {
-            name: admin.map_or_else(
-                || Arc::from(crate::config::ANONYMOUS),
-                |i| crate::config::legacy_name("admin_keys", i),
-            ),
-            named: false,
+        client.clone().unwrap_or_else(|| match admin {
+            Some(i) => Caller {
+                name: settings.admin_key_names[i].clone(),
+                keyed: true,
+            },
+            None => Caller {
+                name: crate::config::anonymous(),
+                keyed: false,
+            },
         })
     };
     let unauthorized = || {

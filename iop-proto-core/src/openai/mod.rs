@@ -106,46 +106,106 @@ impl ErrorType {
     }
 }
 
-/// The headers a client key's limits add to every response, as OpenAI sends them and
-/// its SDKs read them: `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` for each
-/// limit the key has, and for a refusal `retry-after` (whole seconds, rounded up) and
-/// `retry-after-ms`.
+/// The headers that say a key's rate limits as OpenAI's API does, in the order
+/// [`rate_limit_headers`] gives their values: `x-ratelimit-{limit,remaining,reset}-requests`,
+/// the same for `-tokens`, then when to try again (`retry-after` in whole seconds,
+/// `retry-after-ms`), which OpenAI's SDKs read to back off.
+pub const RATE_LIMIT_HEADERS: [&str; 8] = [
+    "x-ratelimit-limit-requests",
+    "x-ratelimit-remaining-requests",
+    "x-ratelimit-reset-requests",
+    "x-ratelimit-limit-tokens",
+    "x-ratelimit-remaining-tokens",
+    "x-ratelimit-reset-tokens",
+    "retry-after",
+    "retry-after-ms",
+];
+
+/// The values of [`RATE_LIMIT_HEADERS`] for `limits` and `retry_after`, each present or
+/// not; written on the stack, so that the shell copies each once, into its header.
 #[must_use]
 pub fn rate_limit_headers(
     limits: &crate::tenant::RateLimits,
     retry_after: Option<std::time::Duration>,
-) -> Vec<(&'static str, String)> {
-    let mut out = Vec::new();
-    if let Some(q) = limits.requests {
-        out.push(("x-ratelimit-limit-requests", q.limit.to_string()));
-        out.push(("x-ratelimit-remaining-requests", q.remaining.to_string()));
-        out.push(("x-ratelimit-reset-requests", reset_text(q.reset)));
-    }
-    if let Some(q) = limits.tokens {
-        out.push(("x-ratelimit-limit-tokens", q.limit.to_string()));
-        out.push(("x-ratelimit-remaining-tokens", q.remaining.to_string()));
-        out.push(("x-ratelimit-reset-tokens", reset_text(q.reset)));
+) -> [Option<HeaderText>; 8] {
+    let mut out = [None; 8];
+    for (at, quota) in [(0, limits.requests), (3, limits.tokens)] {
+        if let Some(q) = quota {
+            out[at] = Some(HeaderText::number(q.limit));
+            out[at + 1] = Some(HeaderText::number(q.remaining));
+            out[at + 2] = Some(HeaderText::reset(q.reset));
+        }
     }
     if let Some(after) = retry_after {
         let ms = u64::try_from(after.as_millis()).unwrap_or(u64::MAX);
-        out.push(("retry-after", ms.div_ceil(1000).max(1).to_string()));
-        out.push(("retry-after-ms", ms.max(1).to_string()));
+        out[6] = Some(HeaderText::number(ms.div_ceil(1000).max(1)));
+        out[7] = Some(HeaderText::number(ms.max(1)));
     }
     out
 }
 
-/// A reset time as OpenAI writes it: `20ms`, `1s`, `6m0s`, `1h2m3s` (seconds rounded
-/// up).
-fn reset_text(d: std::time::Duration) -> String {
-    let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
-    if ms < 1000 {
-        return format!("{ms}ms");
+/// A short header value written without allocating: a number, or a reset time.
+#[derive(Clone, Copy)]
+pub struct HeaderText {
+    buf: [u8; 32],
+    len: u8,
+}
+
+impl HeaderText {
+    fn write(args: std::fmt::Arguments<'_>) -> Self {
+        struct Into<'a>(&'a mut [u8; 32], usize);
+        impl std::fmt::Write for Into<'_> {
+            fn write_str(&mut self, s: &str) -> std::fmt::Result {
+                let end = self.1 + s.len();
+                let slot = self.0.get_mut(self.1..end).ok_or(std::fmt::Error)?;
+                slot.copy_from_slice(s.as_bytes());
+                self.1 = end;
+                Ok(())
+            }
+        }
+        let mut buf = [0u8; 32];
+        let mut into = Into(&mut buf, 0);
+        // Every value written here fits: a u64 is at most 20 digits, a reset text 24.
+        let _ = std::fmt::write(&mut into, args);
+        let len = u8::try_from(into.1).unwrap_or(0);
+        HeaderText { buf, len }
     }
-    let s = ms.div_ceil(1000);
-    match (s / 3600, s / 60 % 60, s % 60) {
-        (0, 0, s) => format!("{s}s"),
-        (0, m, s) => format!("{m}m{s}s"),
-        (h, m, s) => format!("{h}h{m}m{s}s"),
+
+    fn number(n: u64) -> Self {
+        Self::write(format_args!("{n}"))
+    }
+
+    /// A reset time as OpenAI writes it: `20ms`, `1s`, `6m0s`, `1h2m3s` (seconds rounded
+    /// up).
+    fn reset(d: std::time::Duration) -> Self {
+        let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        if ms < 1000 {
+            return Self::write(format_args!("{ms}ms"));
+        }
+        let s = ms.div_ceil(1000);
+        match (s / 3600, s / 60 % 60, s % 60) {
+            (0, 0, s) => Self::write(format_args!("{s}s")),
+            (0, m, s) => Self::write(format_args!("{m}m{s}s")),
+            (h, m, s) => Self::write(format_args!("{h}h{m}m{s}s")),
+        }
+    }
+
+    /// The value's text.
+    #[must_use]
+    pub fn as_str(&self) -> &str {
+        std::str::from_utf8(&self.buf[..usize::from(self.len)]).unwrap_or("")
+    }
+}
+
+impl std::fmt::Debug for HeaderText {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::fmt::Display for HeaderText {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 
@@ -207,7 +267,7 @@ impl ApiError {
         use crate::tenant::Refusal;
         let again = limited
             .retry_after
-            .map(|d| format!(" Please try again in {}.", reset_text(d)))
+            .map(|d| format!(" Please try again in {}.", HeaderText::reset(d)))
             .unwrap_or_default();
         let rate = |what: &str, quota: Option<crate::tenant::Quota>| {
             let limit = quota
