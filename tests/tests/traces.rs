@@ -222,6 +222,19 @@ async fn without_a_collector_the_callers_traceparent_passes_as_it_came() {
         assert_eq!(r.status, 200);
         assert_eq!(seen_traceparent(provider), traceparent, "{model}");
     }
+    // Byte for byte: flags this version does not define, a later version's fields.
+    for given in [
+        format!("00-{TRACE}-{CALLER_SPAN}-03"),
+        format!("cc-{TRACE}-{CALLER_SPAN}-01-what-comes-later"),
+    ] {
+        let r = cluster
+            .http()
+            .with_header("traceparent", &given)
+            .post("/v1/chat/completions", &ask("chat", false))
+            .await;
+        assert_eq!(r.status, 200);
+        assert_eq!(seen_traceparent(&openai), given);
+    }
     // An invalid one is not passed on.
     let r = cluster
         .http()

@@ -107,9 +107,8 @@ impl RequestTrace {
         // Names made once: a `&str` key is parsed into a header name on every lookup.
         static TRACEPARENT_NAME: HeaderName = HeaderName::from_static(TRACEPARENT);
         static TRACESTATE_NAME: HeaderName = HeaderName::from_static(TRACESTATE);
-        let given = headers
-            .get(&TRACEPARENT_NAME)
-            .and_then(|v| TraceContext::parse(v.as_bytes()));
+        let raw = headers.get(&TRACEPARENT_NAME);
+        let given = raw.and_then(|v| TraceContext::parse(v.as_bytes()));
         // The caller decided whether its trace is sampled; a new one is sampled at the
         // configured ratio (and passed on unsampled otherwise, so the hops after agree).
         let (context, spans) = match given {
@@ -125,12 +124,17 @@ impl RequestTrace {
             }
             Some(caller) => (caller, None),
         };
-        // The next hop's parent: the dispatch span when the Edge records one, else the
-        // caller's span, as the caller sent it.
-        let onward = spans.map_or(context, |(_, dispatch)| context.child(dispatch));
+        // The next hop's parent: the dispatch span when the Edge records one; else the
+        // caller's header byte for byte (a later version's fields and flags included),
+        // or the trace the Edge started.
+        let onward = match (spans, raw.filter(|_| given.is_some())) {
+            (Some((_, dispatch)), _) => Bytes::from(context.child(dispatch).header()),
+            (None, Some(raw)) => Bytes::copy_from_slice(raw.as_bytes()),
+            (None, None) => Bytes::from(context.header()),
+        };
         forward.push(Header {
             name: TRACEPARENT.to_owned(),
-            value: Bytes::from(onward.header()),
+            value: onward,
         });
         if given.is_some()
             && let Some(state) = headers.get(&TRACESTATE_NAME).filter(|v| {
