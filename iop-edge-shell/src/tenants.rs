@@ -36,6 +36,8 @@ pub struct TenantBook {
     tenants: Mutex<Tenants>,
     file: Mutex<Option<PathBuf>>,
     dirty: AtomicBool,
+    /// When a failed write was last logged (once a minute while writes fail).
+    warned: Mutex<Option<std::time::Instant>>,
 }
 
 /// The wall clock as the accounting reads it.
@@ -68,6 +70,7 @@ impl TenantBook {
             tenants: Mutex::new(tenants),
             file: Mutex::new(file),
             dirty: AtomicBool::new(false),
+            warned: Mutex::new(None),
         }
     }
 
@@ -158,7 +161,11 @@ impl TenantBook {
         })
         .await;
         if let Ok(Err((path, err))) = written {
-            warn!(file = %path.display(), %err, "usage file not written; tried again later");
+            let mut warned = self.warned.lock().unwrap_or_else(PoisonError::into_inner);
+            if warned.is_none_or(|at| at.elapsed() >= Duration::from_secs(60)) {
+                warn!(file = %path.display(), %err, "usage file not written; tried again every second, said once a minute");
+                *warned = Some(std::time::Instant::now());
+            }
             self.dirty.store(true, Ordering::Relaxed);
         }
     }

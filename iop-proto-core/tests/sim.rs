@@ -130,6 +130,44 @@ fn seeds_that_broke_an_invariant_keep_it_now() {
             panic!("a stale close after a conflict's hold ended: {failure}");
         }
     }
+    // Resilient routing (the sweep after the core took over each request):
+    // - two heartbeat timeouts due at one instant: fencing the first retried its request
+    //   on the second node, silent as long but not yet fenced (its timer next in line), so
+    //   the retry went to a dead connection and the request failed. A node silent past
+    //   its heartbeat timeout now gets no new work (`Registry::heard_within`).
+    // - a tunnel-only request waiting beside its slow run lost its last tunnel provider
+    //   to a reload and ended, while the slow run went on and later answered a request
+    //   that had ended. Such a wait now leaves the slow run to go on alone.
+    let routing = [
+        (
+            67_164,
+            "a retry onto a node whose heartbeat timeout was due",
+        ),
+        (
+            69_681,
+            "a retry onto a node whose heartbeat timeout was due",
+        ),
+        (
+            72_322,
+            "a retry onto a node whose heartbeat timeout was due",
+        ),
+        (
+            98_443,
+            "a retry onto a node whose heartbeat timeout was due",
+        ),
+        (
+            103_649,
+            "a retry onto a node whose heartbeat timeout was due",
+        ),
+        (39_777, "a slow run answering a request ended beside it"),
+        (80_930, "a slow run answering a request ended beside it"),
+        (88_777, "a slow run answering a request ended beside it"),
+    ];
+    for (seed, what) in routing {
+        if let Err(failure) = sim::run_seed(seed, SimOptions::default()) {
+            panic!("{what}: {failure}");
+        }
+    }
     // The worlds as the sweep found them, before misconfigured siblings joined them.
     let options = SimOptions {
         original_ops: true,

@@ -176,15 +176,17 @@ impl Pool {
     }
 
     /// Picks among `candidates` (the model's, possibly filtered) one that has room, is in
-    /// the rotation (or due its probe, or its trial is free): the cheapest by
-    /// [`Health::cost`] (the most free capacity, weighted by first-byte latency); ties go
-    /// round-robin from the model's cursor.
+    /// the rotation (or due its probe, or its trial is free) and whose node is `heard`
+    /// (not silent past its heartbeat timeout, a fence its timer has yet to make): the
+    /// cheapest by [`Health::cost`] (the most free capacity, weighted by first-byte
+    /// latency); ties go round-robin from the model's cursor.
     pub(super) fn pick(
         &mut self,
         now: Timestamp,
         model: &str,
         candidates: &[Candidate],
         long: bool,
+        heard: impl Fn(NodeIdx) -> bool,
     ) -> Option<Candidate> {
         let cursor = self.models.get(model)?.cursor;
         let n = candidates.len();
@@ -193,7 +195,10 @@ impl Pool {
             let index = (cursor + step) % n;
             let r = candidates[index].resource;
             let free = self.ledger.free(r, long);
-            if free == 0 || !self.health[r.index()].pickable(now) {
+            if free == 0
+                || !self.health[r.index()].pickable(now)
+                || !heard(self.resources[r.index()].node)
+            {
                 continue;
             }
             let cost = self.health[r.index()].cost(free);

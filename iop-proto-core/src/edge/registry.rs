@@ -203,6 +203,18 @@ impl Registry {
         &self.nodes[i.position()]
     }
 
+    /// Whether node `i`'s connection was heard from within `timeout` before `now`. One
+    /// silent for longer is as good as fenced: its liveness timer may fire later in the
+    /// same instant (after another timer's work looked for a provider), and no work
+    /// may go to it meanwhile.
+    pub(super) fn heard_within(&self, i: NodeIdx, now: Timestamp, timeout: Duration) -> bool {
+        self.node(i)
+            .owner
+            .as_ref()
+            .and_then(|o| self.conns.get(&o.conn))
+            .is_some_and(|c| now.saturating_duration_since(c.last_rx) < timeout)
+    }
+
     /// Every node ever configured.
     pub(super) fn indices(&self) -> impl Iterator<Item = NodeIdx> + use<> {
         (0..u32::try_from(self.nodes.len()).unwrap_or(u32::MAX)).map(NodeIdx)

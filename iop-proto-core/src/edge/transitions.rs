@@ -310,7 +310,7 @@ impl EdgeCore {
             return Err(SubmitError::NoCandidates(submit.model.to_string()));
         }
         let name = model.name.clone();
-        let picked = self.pool.pick(self.now, &name, &candidates, long);
+        let picked = self.pick(&name, &candidates, long);
         let max_waiting = self.config.queue.max_waiting;
         if picked.is_none() && self.pool.waiting_for(&name) >= max_waiting {
             return Err(SubmitError::QueueFull {
@@ -430,7 +430,7 @@ impl EdgeCore {
             self.requests.end_failed(&mut cx, request, nothing);
             return;
         }
-        match self.pool.pick(self.now, &model, &candidates, long) {
+        match self.pick(&model, &candidates, long) {
             Some(candidate) => self.grant(request, &candidate),
             None => {
                 self.requests.retry_queued(request);
@@ -621,7 +621,7 @@ impl EdgeCore {
             return;
         };
         self.retried(run, lease.resource, "first_byte_timeout");
-        match self.pool.pick(self.now, &model, &candidates, long) {
+        match self.pick(&model, &candidates, long) {
             Some(candidate) => self.grant(request, &candidate),
             None => {
                 // Every other provider is busy: the first one free is tried beside it.
@@ -631,8 +631,25 @@ impl EdgeCore {
         }
     }
 
-    /// Serves waiters listing `resource` while it has free capacity, oldest first.
+    /// `Pool::pick` among nodes heard from within their heartbeat timeout.
+    fn pick(&mut self, model: &str, candidates: &[Candidate], long: bool) -> Option<Candidate> {
+        let (registry, now) = (&self.registry, self.now);
+        let timeout = self.config.timing.heartbeat_timeout;
+        self.pool.pick(now, model, candidates, long, |node| {
+            registry.heard_within(node, now, timeout)
+        })
+    }
+
+    /// Serves waiters listing `resource` while it has free capacity, oldest first (none
+    /// while its node is silent past its heartbeat timeout).
     fn pump(&mut self, resource: ResourceId) {
+        let timeout = self.config.timing.heartbeat_timeout;
+        if !self
+            .registry
+            .heard_within(self.pool.meta(resource).node, self.now, timeout)
+        {
+            return;
+        }
         while let Some(waiter) = self.pool.next_for(self.now, resource) {
             if self.requests.tunnel_only(waiter.request)
                 && self.pool.meta(resource).shape != DispatchShape::Tunnel
@@ -655,7 +672,8 @@ impl EdgeCore {
     /// A tunnel-only waiter reached a provider that no longer tunnels (a configuration
     /// refresh changed its adapter while the request waited). It goes on with its
     /// candidates that still tunnel: granted at once where one has room, otherwise
-    /// queued again, behind, with its deadline kept; with none left it fails.
+    /// queued again, behind, with its deadline kept; with none left it fails, unless it
+    /// waited beside a slow run, which then goes on alone (as when such a wait expires).
     fn requeue_for_tunnel(&mut self, waiter: Waiter) {
         let request = waiter.request;
         let candidates: Arc<[Candidate]> = waiter
@@ -664,6 +682,10 @@ impl EdgeCore {
             .filter(|c| self.pool.meta(c.resource).shape == DispatchShape::Tunnel)
             .cloned()
             .collect();
+        if candidates.is_empty() && self.requests.has_live(request) {
+            self.requests.unqueued(request);
+            return;
+        }
         if candidates.is_empty() {
             let mut cx = cx!(self);
             let outcome = Outcome::Failed(RequestError::Unsupported {
@@ -672,10 +694,7 @@ impl EdgeCore {
             self.requests.end(&mut cx, request, outcome);
             return;
         }
-        if let Some(candidate) = self
-            .pool
-            .pick(self.now, &waiter.model, &candidates, waiter.long)
-        {
+        if let Some(candidate) = self.pick(&waiter.model, &candidates, waiter.long) {
             self.grant(request, &candidate);
             return;
         }
