@@ -138,7 +138,7 @@ struct RawTracing {
 
 /// Where the Edge exports its spans (`[tracing]`, or the standard `OTEL_EXPORTER_OTLP_*`
 /// environment variables when the file names no endpoint). Read at start only.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, PartialEq)]
 pub struct TraceExport {
     /// The collector's traces URL (`http://` or `https://`, path included).
     pub endpoint: http::Uri,
@@ -151,6 +151,26 @@ pub struct TraceExport {
     /// The share of traces the Edge starts that it records (0 to 1); a caller's own
     /// sampling decision is always kept.
     pub sample_ratio: f64,
+}
+
+// The headers may hold a collector's API key: only their names are shown.
+impl std::fmt::Debug for TraceExport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TraceExport")
+            .field("endpoint", &self.endpoint)
+            .field("json", &self.json)
+            .field("service_name", &self.service_name)
+            .field(
+                "headers",
+                &self
+                    .headers
+                    .iter()
+                    .map(|(name, _)| name)
+                    .collect::<Vec<_>>(),
+            )
+            .field("sample_ratio", &self.sample_ratio)
+            .finish()
+    }
 }
 
 impl TraceExport {
@@ -195,6 +215,13 @@ impl TraceExport {
                 "must be a URL such as http://127.0.0.1:4318/v1/traces",
             )
         })?;
+        // Logged at start: credentials belong in the headers, never in the URL.
+        if uri.authority().is_some_and(|a| a.as_str().contains('@')) {
+            return Err(invalid(
+                key("tracing.otlp_endpoint", "OTEL_EXPORTER_OTLP_ENDPOINT"),
+                "must not carry credentials (user:password@); put them in tracing.headers",
+            ));
+        }
         if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.host().is_none() {
             return Err(invalid(
                 key("tracing.otlp_endpoint", "OTEL_EXPORTER_OTLP_ENDPOINT"),
@@ -1187,6 +1214,10 @@ providers = [{ node = "n1", adapter = "mock", target = "m" }]
             base.headers,
             vec![("x-api-key".to_owned(), "abc".to_owned())]
         );
+        assert!(
+            !format!("{base:?}").contains("abc"),
+            "a header's value in Debug"
+        );
         let disabled = TraceExport::resolve(
             RawTracing::default(),
             env(&[
@@ -1212,6 +1243,14 @@ providers = [{ node = "n1", adapter = "mock", target = "m" }]
             env(&[]),
         );
         assert!(bad.is_err_and(|e| e.to_string().contains("tracing.otlp_endpoint")));
+        let userinfo = TraceExport::resolve(
+            RawTracing {
+                otlp_endpoint: Some("https://me:secret@collector:4318/v1/traces".into()),
+                ..RawTracing::default()
+            },
+            env(&[]),
+        );
+        assert!(userinfo.is_err_and(|e| !e.to_string().contains("secret")));
     }
 
     #[test]

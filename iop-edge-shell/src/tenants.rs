@@ -100,12 +100,6 @@ impl TenantBook {
         self.lock().may_use(key, model)
     }
 
-    /// `key`'s rate limits as they stand.
-    #[must_use]
-    pub fn limits(&self, key: &str) -> RateLimits {
-        self.lock().limits(wall(), key)
-    }
-
     /// Every key's state.
     #[must_use]
     pub fn report(&self) -> Vec<KeyReport> {

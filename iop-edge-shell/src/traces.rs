@@ -18,7 +18,7 @@ use http_body_util::Full;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use iop_proto_core::trace::{Span, encode_json, encode_protobuf};
+use iop_proto_core::trace::{IdSource, Span, encode_json, encode_protobuf};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -88,12 +88,6 @@ impl Tracer {
         tracer
     }
 
-    /// Whether spans are exported.
-    #[must_use]
-    pub fn enabled(&self) -> bool {
-        self.tx.is_some()
-    }
-
     fn mixed(&self) -> u64 {
         // SplitMix64 of seed + counter: distinct for 2^64 calls, evenly spread.
         let n = self.next.fetch_add(1, Ordering::Relaxed);
@@ -105,33 +99,6 @@ impl Tracer {
         z ^ (z >> 31)
     }
 
-    /// Whether a trace this Edge starts is sampled (recorded, and passed on as sampled):
-    /// `sample_ratio` of them.
-    #[must_use]
-    pub fn sample(&self) -> bool {
-        self.tx.is_some() && (self.sample_below == u64::MAX || self.mixed() < self.sample_below)
-    }
-
-    /// A new span id (never zero).
-    #[must_use]
-    pub fn span_id(&self) -> [u8; 8] {
-        loop {
-            let id = self.mixed();
-            if id != 0 {
-                return id.to_be_bytes();
-            }
-        }
-    }
-
-    /// A new trace id (never zero).
-    #[must_use]
-    pub fn trace_id(&self) -> [u8; 16] {
-        let mut id = [0u8; 16];
-        id[..8].copy_from_slice(&self.span_id());
-        id[8..].copy_from_slice(&self.span_id());
-        id
-    }
-
     /// Queues one request's spans for export; dropped (and counted) when the queue is
     /// full.
     pub fn export(&self, spans: Vec<Span>) {
@@ -140,6 +107,33 @@ impl Tracer {
         {
             self.dropped.fetch_add(1, Ordering::Relaxed);
         }
+    }
+}
+
+impl IdSource for Tracer {
+    fn recording(&self) -> bool {
+        self.tx.is_some()
+    }
+
+    /// `sample_ratio` of the traces this Edge starts.
+    fn sample(&self) -> bool {
+        self.tx.is_some() && (self.sample_below == u64::MAX || self.mixed() < self.sample_below)
+    }
+
+    fn span_id(&self) -> [u8; 8] {
+        loop {
+            let id = self.mixed();
+            if id != 0 {
+                return id.to_be_bytes();
+            }
+        }
+    }
+
+    fn trace_id(&self) -> [u8; 16] {
+        let mut id = [0u8; 16];
+        id[..8].copy_from_slice(&self.span_id());
+        id[8..].copy_from_slice(&self.span_id());
+        id
     }
 }
 

@@ -487,15 +487,6 @@ impl Tenants {
         }
     }
 
-    /// The rate limits of `key` as they stand at `now`.
-    #[must_use]
-    pub fn limits(&self, now: Timestamp, key: &str) -> RateLimits {
-        self.keys
-            .get(key)
-            .map(|k| limits(k, now.as_millis()))
-            .unwrap_or_default()
-    }
-
     /// Every configured key's state at `now`, by name.
     #[must_use]
     pub fn report(&self, now: Timestamp) -> Vec<KeyReport> {

@@ -121,6 +121,200 @@ impl TraceContext {
     }
 }
 
+/// Whether a `tracestate` value may be passed on: at most [`MAX_TRACESTATE`] visible
+/// ASCII characters (a longer or stranger one is dropped whole).
+#[must_use]
+pub fn tracestate_ok(value: &[u8]) -> bool {
+    value.len() <= MAX_TRACESTATE && value.iter().all(|b| (0x20..0x7f).contains(b))
+}
+
+/// Where a hop's trace ids come from (the shell's source of randomness), and whether it
+/// records spans.
+pub trait IdSource {
+    /// Whether spans are recorded (exported) at all.
+    fn recording(&self) -> bool;
+    /// Whether a trace this hop starts is sampled.
+    fn sample(&self) -> bool;
+    /// A new, non-zero span id.
+    fn span_id(&self) -> [u8; 8];
+    /// A new, non-zero trace id.
+    fn trace_id(&self) -> [u8; 16];
+}
+
+/// The spans a hop records for a request it serves: the whole request, and the dispatch
+/// the next hop sees as its parent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HopSpans {
+    /// The request span.
+    pub request: [u8; 8],
+    /// The dispatch span.
+    pub dispatch: [u8; 8],
+}
+
+/// A request's trace at this hop, decided from what its caller sent.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HopTrace {
+    /// The trace; for a trace the caller started, `parent_id` is the caller's span.
+    pub context: TraceContext,
+    /// Whether the caller started the trace (its span is the request span's parent).
+    pub from_caller: bool,
+    /// The spans this hop records, when it records the trace.
+    pub spans: Option<HopSpans>,
+    /// The `traceparent` to pass on: the dispatch span as parent when this hop records
+    /// one, else the caller's header byte for byte, or the trace this hop started.
+    pub traceparent: Vec<u8>,
+    /// The caller's `tracestate` to pass on with it (when valid).
+    pub tracestate: Option<Vec<u8>>,
+}
+
+/// When a request's steps happened, as offsets from its arrival.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Timing {
+    /// Its arrival, nanoseconds since the Unix epoch.
+    pub start_ns: u64,
+    /// When it was dispatched, if it was.
+    pub dispatched: Option<std::time::Duration>,
+    /// When its first byte came, if it did.
+    pub first_byte: Option<std::time::Duration>,
+    /// When it ended.
+    pub ended: std::time::Duration,
+}
+
+impl HopTrace {
+    /// The trace of a request whose caller sent `traceparent` and `tracestate` (if any):
+    /// the caller's, continued (recorded when the caller sampled it); a new one when
+    /// spans are recorded (sampled as `ids` says, and passed on unsampled otherwise, so
+    /// the hops after agree); none when the caller sent no valid one and nothing is
+    /// recorded.
+    pub fn begin(
+        traceparent: Option<&[u8]>,
+        tracestate: Option<&[u8]>,
+        ids: &impl IdSource,
+    ) -> Option<Self> {
+        let given = traceparent.and_then(TraceContext::parse);
+        let (context, spans) = match given {
+            None if !ids.recording() => return None,
+            None => {
+                let request = ids.span_id();
+                let sampled = ids.sample();
+                let context = TraceContext::root(ids.trace_id(), request, sampled)?;
+                let spans = sampled.then(|| HopSpans {
+                    request,
+                    dispatch: ids.span_id(),
+                });
+                (context, spans)
+            }
+            Some(caller) if ids.recording() && caller.sampled() => {
+                let spans = HopSpans {
+                    request: ids.span_id(),
+                    dispatch: ids.span_id(),
+                };
+                (caller, Some(spans))
+            }
+            Some(caller) => (caller, None),
+        };
+        let traceparent = match (spans, traceparent.filter(|_| given.is_some())) {
+            (Some(s), _) => context.child(s.dispatch).header().into_bytes(),
+            (None, Some(raw)) => raw.to_vec(),
+            (None, None) => context.header().into_bytes(),
+        };
+        let tracestate = tracestate
+            .filter(|v| given.is_some() && tracestate_ok(v))
+            .map(<[u8]>::to_vec);
+        Some(HopTrace {
+            context,
+            from_caller: given.is_some(),
+            spans,
+            traceparent,
+            tracestate,
+        })
+    }
+
+    /// The spans this hop records for the request, none when it records none: the whole
+    /// request (`attributes`; `error` for a failure), its wait in the queue, its dispatch
+    /// (`dispatch_attributes`; the parent of the next hop's work) and the wait for the
+    /// first byte, the last three once it was dispatched.
+    #[must_use]
+    pub fn spans(
+        &self,
+        timing: &Timing,
+        ids: &impl IdSource,
+        attributes: Vec<(&'static str, AttrValue)>,
+        dispatch_attributes: Vec<(&'static str, AttrValue)>,
+        error: bool,
+    ) -> Vec<Span> {
+        let Some(hop) = self.spans else {
+            return Vec::new();
+        };
+        let at = |d: std::time::Duration| {
+            timing
+                .start_ns
+                .saturating_add(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+        };
+        let trace_id = self.context.trace_id;
+        let end = at(timing.ended);
+        let span = |span_id, parent_id, name, kind, start_ns, end_ns| Span {
+            trace_id,
+            span_id,
+            parent_id: Some(parent_id),
+            name,
+            kind,
+            start_ns,
+            end_ns,
+            attributes: Vec::new(),
+            error: false,
+        };
+        let mut out = Vec::with_capacity(4);
+        if let Some(queued) = timing.dispatched {
+            let sent = at(queued);
+            out.push(span(
+                ids.span_id(),
+                hop.request,
+                "queue wait",
+                SpanKind::Internal,
+                timing.start_ns,
+                sent,
+            ));
+            out.push(Span {
+                attributes: dispatch_attributes,
+                error,
+                ..span(
+                    hop.dispatch,
+                    hop.request,
+                    "dispatch",
+                    SpanKind::Client,
+                    sent,
+                    end,
+                )
+            });
+            if let Some(first) = timing.first_byte {
+                out.push(span(
+                    ids.span_id(),
+                    hop.dispatch,
+                    "first byte",
+                    SpanKind::Internal,
+                    sent,
+                    at(first.max(queued)),
+                ));
+            }
+        }
+        out.push(Span {
+            parent_id: self.from_caller.then_some(self.context.parent_id),
+            attributes,
+            error,
+            ..span(
+                hop.request,
+                hop.request,
+                "request",
+                SpanKind::Server,
+                timing.start_ns,
+                end,
+            )
+        });
+        out
+    }
+}
+
 /// Lower-case hex of `bytes`.
 #[must_use]
 pub fn hex(bytes: &[u8]) -> String {
@@ -437,6 +631,88 @@ mod tests {
         ] {
             assert_eq!(TraceContext::parse(bad.as_bytes()), None, "{bad:?}");
         }
+    }
+
+    struct Ids {
+        recording: bool,
+        sampled: bool,
+        next: std::cell::Cell<u8>,
+    }
+
+    impl IdSource for Ids {
+        fn recording(&self) -> bool {
+            self.recording
+        }
+        fn sample(&self) -> bool {
+            self.sampled
+        }
+        fn span_id(&self) -> [u8; 8] {
+            self.next.set(self.next.get() + 1);
+            [self.next.get(); 8]
+        }
+        fn trace_id(&self) -> [u8; 16] {
+            [0xab; 16]
+        }
+    }
+
+    fn ids(recording: bool, sampled: bool) -> Ids {
+        Ids {
+            recording,
+            sampled,
+            next: std::cell::Cell::new(0),
+        }
+    }
+
+    #[test]
+    fn a_hop_continues_starts_or_passes_on_a_trace_as_the_rules_say() {
+        let later = format!("cc{}-more", &GOOD[2..]);
+        // Not recording: the caller's header as it came, tracestate with it; nothing new.
+        let hop = HopTrace::begin(Some(later.as_bytes()), Some(b"v=1"), &ids(false, true))
+            .expect("the caller's");
+        assert_eq!(
+            (hop.traceparent, hop.spans),
+            (later.clone().into_bytes(), None)
+        );
+        assert_eq!(hop.tracestate.as_deref(), Some(&b"v=1"[..]));
+        assert!(HopTrace::begin(None, Some(b"v=1"), &ids(false, true)).is_none());
+        // An invalid header is dropped, never passed on; a bad tracestate too.
+        assert!(HopTrace::begin(Some(b"00-nope-01"), None, &ids(false, true)).is_none());
+        let hop = HopTrace::begin(Some(GOOD.as_bytes()), Some(b"v=\n"), &ids(false, true))
+            .expect("valid");
+        assert_eq!(hop.tracestate, None);
+        // Recording a sampled caller's trace: the dispatch span is the next parent.
+        let hop = HopTrace::begin(Some(GOOD.as_bytes()), None, &ids(true, false)).expect("ok");
+        let spans = hop.spans.expect("recorded");
+        assert_eq!(
+            hop.traceparent,
+            format!("00-{}-{}-01", &GOOD[3..35], hex(&spans.dispatch)).into_bytes()
+        );
+        // ...but not one the caller did not sample.
+        let unsampled = format!("{}00", &GOOD[..53]);
+        let hop =
+            HopTrace::begin(Some(unsampled.as_bytes()), None, &ids(true, true)).expect("passed on");
+        assert_eq!((hop.spans, hop.traceparent), (None, unsampled.into_bytes()));
+        // A new trace: sampled as the source says, passed on marked so either way.
+        let hop = HopTrace::begin(None, Some(b"v=1"), &ids(true, false)).expect("new");
+        assert!(hop.spans.is_none() && hop.traceparent.ends_with(b"-00"));
+        assert_eq!(hop.tracestate, None, "no caller, no state of its");
+        let hop = HopTrace::begin(None, None, &ids(true, true)).expect("new");
+        assert!(!hop.from_caller && hop.traceparent.ends_with(b"-01"));
+        let timing = Timing {
+            start_ns: 1_000,
+            dispatched: Some(std::time::Duration::from_nanos(10)),
+            first_byte: Some(std::time::Duration::from_nanos(30)),
+            ended: std::time::Duration::from_nanos(100),
+        };
+        let spans = hop.spans(&timing, &ids(true, true), Vec::new(), Vec::new(), false);
+        let names: Vec<_> = spans.iter().map(|s| s.name).collect();
+        assert_eq!(names, ["queue wait", "dispatch", "first byte", "request"]);
+        let request = spans.last().expect("request");
+        assert_eq!(
+            (request.parent_id, request.start_ns, request.end_ns),
+            (None, 1_000, 1_100)
+        );
+        assert_eq!(spans[2].parent_id, Some(spans[1].span_id));
     }
 
     #[test]

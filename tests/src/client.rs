@@ -548,6 +548,20 @@ impl Cluster {
         );
     }
 
+    /// The lifecycle events the Edge still keeps, from the start (`Last-Event-ID: 0`).
+    pub async fn kept_events(&self) -> Vec<Value> {
+        let mut stream = self
+            .admin()
+            .with_header("last-event-id", "0")
+            .get_stream("/v1/events")
+            .await;
+        let (events, _) = read_sse(stream.body_mut(), Duration::from_secs(1)).await;
+        events
+            .iter()
+            .filter_map(|e| serde_json::from_str(e).ok())
+            .collect()
+    }
+
     /// The provider snapshot of `node_id/provider`.
     pub async fn provider(&self, node_id: &str, provider: &str) -> Value {
         let status = self.admin().status().await;

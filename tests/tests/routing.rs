@@ -111,20 +111,6 @@ async fn n2_routing(cluster: &Cluster) -> Value {
     cluster.provider("n2", "api").await
 }
 
-/// The lifecycle events the Edge still keeps.
-async fn kept_events(cluster: &Cluster) -> Vec<Value> {
-    let mut stream = cluster
-        .admin()
-        .with_header("last-event-id", "0")
-        .get_stream("/v1/events")
-        .await;
-    let (events, _) = read_sse(stream.body_mut(), Duration::from_secs(1)).await;
-    events
-        .iter()
-        .filter_map(|e| serde_json::from_str(e).ok())
-        .collect()
-}
-
 /// Survives a broken n2: 100 callers succeed; n2 is seen ejected (with `reason` when
 /// given) in the events, and never n1. Returns the cluster, its Nodes still running.
 async fn survives(n1: &str, n2: &str, reason: Option<&str>) -> (Cluster, [iop_blackbox::Proc; 2]) {
@@ -136,7 +122,7 @@ async fn survives(n1: &str, n2: &str, reason: Option<&str>) -> (Cluster, [iop_bl
         failed.len(),
         cluster.edge.log()
     );
-    let events = kept_events(&cluster).await;
+    let events = cluster.kept_events().await;
     let ejected: Vec<&Value> = events
         .iter()
         .filter(|e| e["type"] == "provider.ejected" && e["node_id"] == "n2")
@@ -215,7 +201,7 @@ async fn wait_for(cluster: &Cluster, matches: impl Fn(&Value) -> bool) -> bool {
     let deadline = Instant::now() + Duration::from_secs(20);
     while Instant::now() < deadline {
         let _ = one(cluster, false).await;
-        if kept_events(cluster).await.iter().any(&matches) {
+        if cluster.kept_events().await.iter().any(&matches) {
             return true;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -325,7 +311,7 @@ async fn a_callers_400_is_answered_as_it_is_and_ejects_nothing() {
         10,
         "each 400 tried once"
     );
-    let events = kept_events(&cluster).await;
+    let events = cluster.kept_events().await;
     assert!(
         !events.iter().any(|e| e["type"] == "provider.ejected"),
         "{events:?}"

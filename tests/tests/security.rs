@@ -395,21 +395,6 @@ async fn register_once(
     }
 }
 
-/// The lifecycle events the Edge still keeps, from the start.
-async fn kept_events(cluster: &Cluster) -> Vec<Value> {
-    let mut stream = cluster
-        .admin()
-        .with_header("last-event-id", "0")
-        .get_stream("/v1/events")
-        .await;
-    let (events, _) =
-        iop_blackbox::client::read_sse(stream.body_mut(), Duration::from_secs(1)).await;
-    events
-        .iter()
-        .filter_map(|e| serde_json::from_str(e).ok())
-        .collect()
-}
-
 /// Failed registrations are answered one per `failure_interval_ms` beyond a burst of 5,
 /// whatever id they claim; the answer says so once they are held back; the right token
 /// still gets in at once.
@@ -493,7 +478,7 @@ async fn two_hundred_guesses_are_answered_at_a_bounded_rate_and_never_get_in() {
     let sources = &status["registrations"]["failing_sources"];
     assert_eq!(sources[0]["source"], "127.0.0.1", "{status}");
     assert_eq!(sources[0]["failures"], 200, "{status}");
-    let events = kept_events(&cluster).await;
+    let events = cluster.kept_events().await;
     assert!(
         events.iter().any(|e| e["type"] == "register.refused"
             && e["node_id"] == "n1"
@@ -601,7 +586,7 @@ async fn a_node_with_a_wrong_token_never_locks_out_the_healthy_nodes_beside_it()
         "the bad node is told it is throttled: {answers:?}"
     );
     eprintln!("restarts of 10 healthy nodes at a time back within {worst:?}");
-    let events = kept_events(&cluster).await;
+    let events = cluster.kept_events().await;
     assert!(
         events
             .iter()

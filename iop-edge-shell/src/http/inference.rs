@@ -18,9 +18,7 @@ use iop_proto_core::openai::{
     rate_limit_headers,
 };
 use iop_proto_core::tenant::{RateLimits, Refusal, TokenUsage};
-use iop_proto_core::trace::{
-    AttrValue, MAX_TRACESTATE, Span, SpanKind, TRACEPARENT, TRACESTATE, TraceContext,
-};
+use iop_proto_core::trace::{AttrValue, HopTrace, Span, TRACEPARENT, TRACESTATE, Timing};
 use iop_proto_core::wire::{Header, Usage};
 use iop_proto_core::{RequestEvent, RequestId};
 use iop_shell_common::offload;
@@ -81,24 +79,16 @@ struct Finish {
     tracer: Arc<Tracer>,
 }
 
-/// A request's place in a trace.
+/// A request's place in a trace (the core's decision), and when it arrived.
 struct RequestTrace {
-    /// The trace; `parent_id` is the caller's span (or the request span for a trace the
-    /// Edge started).
-    context: TraceContext,
-    /// Whether the caller started the trace (its span is the request span's parent).
-    from_caller: bool,
-    /// The Edge's spans, when it records them: the whole request, and the dispatch (the
-    /// parent the Node and provider see).
-    spans: Option<([u8; 8], [u8; 8])>,
+    hop: HopTrace,
     /// When the request arrived, in nanoseconds since the Unix epoch.
     start_ns: u64,
 }
 
 impl RequestTrace {
-    /// The trace of a request whose headers are `headers`: the caller's, continued; or a
-    /// new one when spans are exported. The `traceparent` (and `tracestate`) to pass on
-    /// go into `forward`.
+    /// The trace of a request whose headers are `headers` ([`HopTrace::begin`]); the
+    /// `traceparent` (and `tracestate`) to pass on go into `forward`.
     fn begin(
         headers: &http::HeaderMap,
         tracer: &Tracer,
@@ -107,54 +97,28 @@ impl RequestTrace {
         // Names made once: a `&str` key is parsed into a header name on every lookup.
         static TRACEPARENT_NAME: HeaderName = HeaderName::from_static(TRACEPARENT);
         static TRACESTATE_NAME: HeaderName = HeaderName::from_static(TRACESTATE);
-        let raw = headers.get(&TRACEPARENT_NAME);
-        let given = raw.and_then(|v| TraceContext::parse(v.as_bytes()));
-        // The caller decided whether its trace is sampled; a new one is sampled at the
-        // configured ratio (and passed on unsampled otherwise, so the hops after agree).
-        let (context, spans) = match given {
-            None if !tracer.enabled() => return None,
-            None => {
-                let request = tracer.span_id();
-                let sampled = tracer.sample();
-                let context = TraceContext::root(tracer.trace_id(), request, sampled)?;
-                (context, sampled.then(|| (request, tracer.span_id())))
-            }
-            Some(caller) if tracer.enabled() && caller.sampled() => {
-                (caller, Some((tracer.span_id(), tracer.span_id())))
-            }
-            Some(caller) => (caller, None),
-        };
-        // The next hop's parent: the dispatch span when the Edge records one; else the
-        // caller's header byte for byte (a later version's fields and flags included),
-        // or the trace the Edge started.
-        let onward = match (spans, raw.filter(|_| given.is_some())) {
-            (Some((_, dispatch)), _) => Bytes::from(context.child(dispatch).header()),
-            (None, Some(raw)) => Bytes::copy_from_slice(raw.as_bytes()),
-            (None, None) => Bytes::from(context.header()),
-        };
+        // `tracestate` only matters beside a `traceparent`: not looked up without one.
+        let parent = headers.get(&TRACEPARENT_NAME);
+        let state = parent.and_then(|_| headers.get(&TRACESTATE_NAME));
+        let hop = HopTrace::begin(
+            parent.map(HeaderValue::as_bytes),
+            state.map(HeaderValue::as_bytes),
+            tracer,
+        )?;
         forward.push(Header {
             name: TRACEPARENT.to_owned(),
-            value: onward,
+            value: Bytes::from(hop.traceparent.clone()),
         });
-        if given.is_some()
-            && let Some(state) = headers.get(&TRACESTATE_NAME).filter(|v| {
-                v.len() <= MAX_TRACESTATE && v.as_bytes().iter().all(|b| (0x20..0x7f).contains(b))
-            })
-        {
+        if let Some(state) = &hop.tracestate {
             forward.push(Header {
                 name: TRACESTATE.to_owned(),
-                value: Bytes::copy_from_slice(state.as_bytes()),
+                value: Bytes::from(state.clone()),
             });
         }
         let start_ns = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
-        Some(RequestTrace {
-            context,
-            from_caller: given.is_some(),
-            spans,
-            start_ns,
-        })
+        Some(RequestTrace { hop, start_ns })
     }
 }
 
@@ -196,18 +160,12 @@ impl Finish {
             Some((node, provider, at)) => (&**node, &**provider, Some(*at)),
             None => ("-", "-", None),
         };
-        let trace_id = self.trace.as_ref().map(|t| t.context.trace_id_hex());
+        let trace_id = self.trace.as_ref().map(|t| t.hop.context.trace_id_hex());
         if let Some(trace) = &self.trace
-            && let Some((request_span, dispatch_span)) = trace.spans
+            && trace.hop.spans.is_some()
         {
-            self.tracer.export(self.spans(
-                trace,
-                request_span,
-                dispatch_span,
-                status,
-                usage,
-                duration,
-            ));
+            self.tracer
+                .export(self.spans(trace, status, usage, duration));
         }
         // Milliseconds to the microsecond; -1 for a step the request never reached.
         // Through u64: converting the u128 of `as_micros` to f64 is a library call.
@@ -237,25 +195,15 @@ impl Finish {
 }
 
 impl Finish {
-    /// The Edge's spans of a request that ended with `status` after `duration`: the whole
-    /// request, its wait in the queue, its dispatch to a provider (the parent of the
-    /// Node's and the provider's work) and the wait for the first byte.
+    /// The Edge's spans of a request that ended with `status` after `duration`
+    /// ([`HopTrace::spans`]), with what the request's log line says as attributes.
     fn spans(
         &self,
         trace: &RequestTrace,
-        request_span: [u8; 8],
-        dispatch_span: [u8; 8],
         status: u16,
         usage: Option<&Usage>,
         duration: Duration,
     ) -> Vec<Span> {
-        let at = |d: Duration| {
-            trace
-                .start_ns
-                .saturating_add(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
-        };
-        let end = at(duration);
-        let trace_id = trace.context.trace_id;
         let text = |s: &str| AttrValue::Str(s.to_owned());
         let mut attributes = vec![
             ("http.request.method", text("POST")),
@@ -273,58 +221,24 @@ impl Finish {
             attributes.push(("gen_ai.usage.input_tokens", tokens(u.prompt_tokens)));
             attributes.push(("gen_ai.usage.output_tokens", tokens(u.completion_tokens)));
         }
-        let mut spans = Vec::with_capacity(4);
-        if let Some((node, provider, queued)) = &self.dispatched {
-            attributes.push(("iop.node", text(node)));
-            attributes.push(("iop.provider", text(provider)));
-            spans.push(Span {
-                trace_id,
-                span_id: self.tracer.span_id(),
-                parent_id: Some(request_span),
-                name: "queue wait",
-                kind: SpanKind::Internal,
-                start_ns: trace.start_ns,
-                end_ns: at(*queued),
-                attributes: Vec::new(),
-                error: false,
-            });
-            spans.push(Span {
-                trace_id,
-                span_id: dispatch_span,
-                parent_id: Some(request_span),
-                name: "dispatch",
-                kind: SpanKind::Client,
-                start_ns: at(*queued),
-                end_ns: end,
-                attributes: vec![("iop.node", text(node)), ("iop.provider", text(provider))],
-                error: status >= 500,
-            });
-            if let Some(first) = self.first_byte {
-                spans.push(Span {
-                    trace_id,
-                    span_id: self.tracer.span_id(),
-                    parent_id: Some(dispatch_span),
-                    name: "first byte",
-                    kind: SpanKind::Internal,
-                    start_ns: at(*queued),
-                    end_ns: at(first.max(*queued)),
-                    attributes: Vec::new(),
-                    error: false,
-                });
-            }
+        let mut dispatch_attributes = Vec::new();
+        if let Some((node, provider, _)) = &self.dispatched {
+            dispatch_attributes = vec![("iop.node", text(node)), ("iop.provider", text(provider))];
+            attributes.extend(dispatch_attributes.iter().cloned());
         }
-        spans.push(Span {
-            trace_id,
-            span_id: request_span,
-            parent_id: trace.from_caller.then_some(trace.context.parent_id),
-            name: "request",
-            kind: SpanKind::Server,
+        let timing = Timing {
             start_ns: trace.start_ns,
-            end_ns: end,
+            dispatched: self.dispatched.as_ref().map(|(_, _, at)| *at),
+            first_byte: self.first_byte,
+            ended: duration,
+        };
+        trace.hop.spans(
+            &timing,
+            &*self.tracer,
             attributes,
-            error: status >= 500,
-        });
-        spans
+            dispatch_attributes,
+            status >= 500,
+        )
     }
 }
 

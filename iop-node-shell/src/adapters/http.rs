@@ -84,7 +84,7 @@ pub fn forwardable(name: &str) -> bool {
 /// out.
 #[must_use]
 pub fn trace_headers(metadata: &std::collections::BTreeMap<String, String>) -> Vec<Header> {
-    use iop_proto_core::trace::{MAX_TRACESTATE, TRACEPARENT, TRACESTATE, TraceContext};
+    use iop_proto_core::trace::{TRACEPARENT, TRACESTATE, TraceContext, tracestate_ok};
     let Some(parent) = metadata
         .get(TRACEPARENT)
         .filter(|v| TraceContext::parse(v.as_bytes()).is_some())
@@ -97,7 +97,7 @@ pub fn trace_headers(metadata: &std::collections::BTreeMap<String, String>) -> V
     }];
     if let Some(state) = metadata
         .get(TRACESTATE)
-        .filter(|v| v.len() <= MAX_TRACESTATE && v.bytes().all(|b| (0x20..0x7f).contains(&b)))
+        .filter(|v| tracestate_ok(v.as_bytes()))
     {
         out.push(Header {
             name: TRACESTATE.to_owned(),

@@ -1117,17 +1117,23 @@ impl EdgeCore {
 
     // ----- what crosses sub-states to report -----
 
-    /// One snapshot per configured provider, in node id then configuration order.
-    /// Providers of offline or pending nodes are listed `UNAVAILABLE`/`OFFLINE` with every
-    /// figure 0; disabled ones `DISABLED`/`OFFLINE` with every figure 0.
-    #[must_use]
-    pub fn snapshots(&self) -> Vec<ProviderSnapshot> {
+    /// The configured nodes, by node id: the order status pages list them in.
+    fn configured_by_id(&self) -> Vec<NodeIdx> {
         let mut order: Vec<NodeIdx> = self
             .registry
             .indices()
             .filter(|&i| self.registry.node(i).spec.is_some())
             .collect();
         order.sort_by(|&a, &b| self.registry.node(a).id.cmp(&self.registry.node(b).id));
+        order
+    }
+
+    /// One snapshot per configured provider, in node id then configuration order.
+    /// Providers of offline or pending nodes are listed `UNAVAILABLE`/`OFFLINE` with every
+    /// figure 0; disabled ones `DISABLED`/`OFFLINE` with every figure 0.
+    #[must_use]
+    pub fn snapshots(&self) -> Vec<ProviderSnapshot> {
+        let order = self.configured_by_id();
         let mut out = Vec::new();
         for node in order {
             self.push_snapshots(node, &mut out);
@@ -1205,12 +1211,7 @@ impl EdgeCore {
     /// [`snapshots`](Self::snapshots).
     #[must_use]
     pub fn provider_routing(&self) -> Vec<ProviderRouting> {
-        let mut order: Vec<NodeIdx> = self
-            .registry
-            .indices()
-            .filter(|&i| self.registry.node(i).spec.is_some())
-            .collect();
-        order.sort_by(|&a, &b| self.registry.node(a).id.cmp(&self.registry.node(b).id));
+        let order = self.configured_by_id();
         let routing = &self.config.routing;
         let mut out = Vec::new();
         for node in order {
