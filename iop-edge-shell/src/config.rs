@@ -73,6 +73,7 @@ struct RawListen {
     allow_public_plaintext: bool,
     nodes_tls: Option<RawTls>,
     http_tls: Option<RawHttpTls>,
+    upgrade_socket: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -726,6 +727,29 @@ pub struct Config {
     pub worker_threads: std::num::NonZeroUsize,
     /// Where spans are exported, if anywhere.
     pub traces: Option<TraceExport>,
+    /// The Unix socket a successor process asks this one for its listeners on
+    /// (`listen.upgrade_socket`; default [`default_upgrade_socket`]).
+    pub upgrade_socket: PathBuf,
+}
+
+/// Where an Edge whose node listener is `nodes` waits for its successor when
+/// `listen.upgrade_socket` is not set: `$XDG_RUNTIME_DIR/iop-edge-<port>.sock`, else
+/// `/tmp/iop-edge-<uid>-<port>.sock`. Both ends check that the other runs as the same
+/// user, so a socket another user placed there is refused, not obeyed.
+#[must_use]
+pub fn default_upgrade_socket(nodes: SocketAddr) -> PathBuf {
+    let name = |uid: Option<u32>| match uid {
+        Some(uid) => format!("iop-edge-{uid}-{}.sock", nodes.port()),
+        None => format!("iop-edge-{}.sock", nodes.port()),
+    };
+    match std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty()) {
+        Some(dir) => PathBuf::from(dir).join(name(None)),
+        None => {
+            use std::os::unix::fs::MetadataExt;
+            let uid = std::fs::metadata("/proc/self").map_or(0, |m| m.uid());
+            std::env::temp_dir().join(name(Some(uid)))
+        }
+    }
 }
 
 fn addr(key: &str, value: &str) -> Result<SocketAddr, ConfigError> {
@@ -1058,12 +1082,18 @@ impl Config {
             }
         };
         let traces = TraceExport::resolve(raw.tracing, |name| std::env::var(name).ok())?;
+        let upgrade_socket = match raw.listen.upgrade_socket.as_deref() {
+            None => default_upgrade_socket(nodes_addr),
+            Some("") => return Err(invalid("listen.upgrade_socket", "must not be empty")),
+            Some(p) => PathBuf::from(p),
+        };
         Ok(Config {
             core,
             http,
             tls,
             worker_threads,
             traces,
+            upgrade_socket,
         })
     }
 }

@@ -13,6 +13,12 @@ use std::time::Duration;
 
 use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
 
+/// How long a connection may sit idle, waiting for its next request, once the Edge hands
+/// over to a successor: a caller that sends at once is still served here, one that
+/// does not finds the connection closed and connects anew, to the successor. (Closed at
+/// once, a request already on its way would meet the close.)
+pub const HAND_OVER_IDLE: Duration = Duration::from_millis(250);
+
 /// How often a drain looks whether the requests in flight have ended.
 const LOOK_EVERY: Duration = Duration::from_millis(10);
 
@@ -24,7 +30,13 @@ pub struct Drain {
     /// reads against the count (see [`Drain::enter`]): both sides need sequentially
     /// consistent order, which the token does not promise.
     draining: AtomicBool,
-    /// Cancelled when the drain begins, to wake what waits on idle connections.
+    /// A successor serves on the listeners now ([`Drain::hand_over`]): requests are still
+    /// taken, but every connection closes after its response, and an idle one soon.
+    handing_over: AtomicBool,
+    /// Where connections move to when a successor took over (not set: they close).
+    mover: std::sync::OnceLock<crate::upgrade::Mover>,
+    /// Cancelled when the drain or the hand-over begins, to wake what waits on idle
+    /// connections.
     began: CancellationToken,
     open: AtomicUsize,
 }
@@ -49,6 +61,46 @@ impl Drain {
     pub fn begin(&self) {
         self.draining.store(true, Ordering::SeqCst);
         self.began.cancel();
+    }
+
+    /// A successor serves on the listeners now: requests on the connections still open
+    /// here are still taken, but each connection closes after its response (the caller's
+    /// next request reaches the successor), and one that sits idle closes after
+    /// [`HAND_OVER_IDLE`].
+    ///
+    /// With a `mover`, a plaintext HTTP/1.1 connection instead moves to the successor as
+    /// soon as it waits for its next request (see [`crate::upgrade`]); only connections
+    /// that cannot move (TLS, HTTP/2) close.
+    pub fn hand_over(&self, mover: Option<crate::upgrade::Mover>) {
+        if let Some(mover) = mover {
+            let _ = self.mover.set(mover);
+        }
+        self.handing_over.store(true, Ordering::SeqCst);
+        self.began.cancel();
+    }
+
+    /// Where connections move to, once a successor took over.
+    #[must_use]
+    pub fn mover(&self) -> Option<&crate::upgrade::Mover> {
+        self.mover.get()
+    }
+
+    /// Whether a connection should close after its response: draining, or handing over
+    /// with nowhere to move it.
+    #[must_use]
+    pub fn is_closing(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+            || (self.handing_over.load(Ordering::Relaxed) && self.mover.get().is_none())
+    }
+
+    /// Whether the Edge hands over to a successor ([`Drain::hand_over`]) with nowhere to
+    /// move connections, and is not draining on its way out as well: idle connections
+    /// linger a moment, then close.
+    #[must_use]
+    pub fn is_handing_over(&self) -> bool {
+        self.handing_over.load(Ordering::Relaxed)
+            && !self.draining.load(Ordering::Relaxed)
+            && self.mover.get().is_none()
     }
 
     /// Resolves once the drain has begun: a connection waiting for its next request

@@ -145,6 +145,14 @@ pub enum CoreMsg {
         /// Answer.
         reply: oneshot::Sender<Snapshot>,
     },
+    /// A successor process holds the listeners now: re-home the nodes
+    /// ([`EdgeCore::handle_rehome`]).
+    Rehome,
+    /// How many requests wait for capacity, in all.
+    Waiting {
+        /// Answer.
+        reply: oneshot::Sender<usize>,
+    },
 }
 
 struct Entry {
@@ -400,6 +408,17 @@ impl Task {
                     let _ = reply.send(Err(refusal));
                 }
             },
+            CoreMsg::Rehome => self.core.handle_rehome(now),
+            CoreMsg::Waiting { reply } => {
+                let waiting = self
+                    .core
+                    .config()
+                    .models
+                    .keys()
+                    .map(|m| self.core.waiting(m))
+                    .sum();
+                let _ = reply.send(waiting);
+            }
             CoreMsg::Snapshot { reply } => {
                 let mut queue_by_model: Vec<(String, usize)> = self
                     .core
@@ -671,6 +690,13 @@ impl Task {
                     in_flight,
                     "node stopping gracefully: no new work; its connection closes once its \
                      work is done"
+                ),
+                DrainReason::HandingOver { told } => info!(
+                    node_id = %node_id,
+                    told_to_rehome = told,
+                    in_flight,
+                    "handing over: no new work for this node here; its connection closes once \
+                     its work is done"
                 ),
                 reason => error!(
                     node_id = %node_id,

@@ -10,6 +10,7 @@
 //! - [`limit`]: the concurrency limits a reload may resize.
 //! - [`drain`]: stopping without cutting the requests in flight off.
 //! - `reload`: SIGHUP, the configuration read again.
+//! - [`upgrade`]: handing the listeners to a successor process (`--takeover`).
 
 #![forbid(unsafe_code)]
 
@@ -29,7 +30,9 @@ mod reload;
 pub mod tenants;
 pub mod tls_link;
 pub mod traces;
+pub mod upgrade;
 
+use std::os::fd::AsFd;
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
 
@@ -49,20 +52,58 @@ pub struct Stop {
     pub now: CancellationToken,
 }
 
-/// Runs the Edge until told to `stop`: binds both listeners, then serves. SIGHUP (when
-/// `reload` is set) reloads `config_path`.
+/// Runs the Edge until told to `stop`: binds both listeners (or, with `takeover`, takes
+/// them from the Edge running on `listen.upgrade_socket`, see [`upgrade`]), then serves,
+/// until told to stop or until a successor takes over. SIGHUP (when `reload` is set)
+/// reloads `config_path`.
 pub async fn run(
     config: Config,
     config_path: PathBuf,
     stop: Stop,
     reload: bool,
+    takeover: bool,
 ) -> std::io::Result<()> {
     let clock = iop_shell_common::clock::Clock::new();
     let metrics = Arc::new(metrics::Metrics::default());
     let core = iop_proto_core::EdgeCore::new(config.core.clone())
         .map_err(|err| std::io::Error::other(err.to_string()))?;
-    let node_listener = bind("listen.nodes", config.http.nodes_addr)?;
-    let http_listener = bind("listen.http", config.http.http_addr)?;
+    let taken = if takeover {
+        let path = config.upgrade_socket.clone();
+        let taken = tokio::task::spawn_blocking(move || upgrade::take(&path))
+            .await
+            .map_err(std::io::Error::other)?
+            .map_err(|err| {
+                std::io::Error::new(
+                    err.kind(),
+                    format!(
+                        "taking over from the edge on {}: {err}",
+                        config.upgrade_socket.display()
+                    ),
+                )
+            })?;
+        if taken.is_none() {
+            info!(socket = %config.upgrade_socket.display(), "no running edge to take over from: starting afresh");
+        }
+        taken
+    } else {
+        None
+    };
+    let (node_listener, http_listener, taken) = match taken {
+        Some(taken) => {
+            let nodes = adopt("listen.nodes", config.http.nodes_addr, &taken.nodes)?;
+            let http = adopt("listen.http", config.http.http_addr, &taken.http)?;
+            (nodes, http, Some(taken))
+        }
+        None => (
+            bind("listen.nodes", config.http.nodes_addr)?,
+            bind("listen.http", config.http.http_addr)?,
+            None,
+        ),
+    };
+    let offered = [
+        http_listener.as_fd().try_clone_to_owned()?,
+        node_listener.as_fd().try_clone_to_owned()?,
+    ];
     info!(
         http = %http_listener.local_addr()?,
         https = config.tls.http.is_some(),
@@ -114,11 +155,11 @@ pub async fn run(
         drain: Arc::default(),
     });
     let timer = tokio::spawn(core.clone().run_timer());
-    let kept = tokio::spawn(tenants.keep(shutdown.clone()));
-    tokio::spawn(nodes::serve(
+    let kept = tokio::spawn(tenants.clone().keep(shutdown.clone()));
+    let node_accepting = tokio::spawn(nodes::serve(
         node_listener,
         nodes::Listener {
-            core,
+            core: core.clone(),
             metrics: metrics.clone(),
             tls: node_tls.clone(),
             handshake_timeout: config.core.timing.register_timeout,
@@ -131,12 +172,29 @@ pub async fn run(
             shutdown: shutdown.clone(),
         },
     ));
-    tokio::spawn(http::serve(
+    let http_accepting = tokio::spawn(http::serve(
         http_listener,
         state.clone(),
         http_tls.clone(),
         stop_accepting.clone(),
     ));
+    if let Some(taken) = taken {
+        // Serving: the process taken over from stops accepting, then the keys' state it
+        // wrote last is read (it writes no more).
+        match tokio::task::spawn_blocking(move || taken.ready()).await {
+            Ok(Ok(arrivals)) => {
+                info!("took over: the previous edge no longer accepts");
+                receive_moved(arrivals, state.clone());
+            }
+            Ok(Err(err)) => {
+                warn!(%err, "the previous edge did not confirm the hand-over (gone?); serving on")
+            }
+            Err(err) => warn!(%err, "hand-over task failed; serving on"),
+        }
+        tenants.reload();
+    }
+    let mut offer = Box::pin(upgrade::offer(config.upgrade_socket.clone(), offered));
+    let mut upgradable = true;
     if reload {
         tokio::spawn(reload::on_sighup(
             config_path,
@@ -147,11 +205,47 @@ pub async fn run(
             shutdown.clone(),
         ));
     }
-    tokio::select! {
-        () = stop.drain.cancelled() => {}
-        () = stop.now.cancelled() => {}
-    }
+    let successor = loop {
+        tokio::select! {
+            () = stop.drain.cancelled() => break None,
+            () = stop.now.cancelled() => break None,
+            successor = &mut offer, if upgradable => match successor {
+                Some(successor) => break Some(successor),
+                None => upgradable = false,
+            },
+        }
+    };
+    // Its copies of the listeners close with it: a stopping Edge refuses connections.
+    drop(offer);
     stop_accepting.cancel();
+    let handed_over = successor.is_some();
+    if let Some(successor) = successor {
+        // The successor serves on the listeners: stop accepting on them, then let it go
+        // on. Connections still open here finish their request and close.
+        let _ = node_accepting.await;
+        let _ = http_accepting.await;
+        tenants.hand_over().await;
+        state.drain.hand_over(Some(successor.done()));
+        info!("handing over: the successor accepts now; requests in flight here run to their end");
+        // Requests still arriving on connections open here are served while the nodes
+        // stay: until no connection is idle and nothing waits for capacity, for a moment
+        // at most. Then the nodes re-home and this process drains.
+        let quiet_by = tokio::time::Instant::now() + HAND_OVER_QUIET;
+        while tokio::time::Instant::now() < quiet_by && !stop.now.is_cancelled() {
+            let (reply, waiting) = tokio::sync::oneshot::channel();
+            let _ = core.send(driver::CoreMsg::Waiting { reply });
+            let waiting = waiting.await.unwrap_or(0);
+            if waiting == 0 && state.connections.held() <= state.drain.open() {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        let _ = core.send(driver::CoreMsg::Rehome);
+        info!(
+            open = state.drain.open(),
+            "nodes told to re-home to the successor"
+        );
+    }
     state.drain.begin();
     let open = state.drain.open();
     if !stop.now.is_cancelled() && open > 0 {
@@ -173,12 +267,60 @@ pub async fn run(
             ),
         }
     }
+    if !handed_over && upgradable {
+        // No successor will listen there.
+        let _ = std::fs::remove_file(&config.upgrade_socket);
+    }
     shutdown.cancel();
     drop(state);
     timer.abort();
     // The keys' windows, budgets and usage, written one last time.
     let _ = tokio::time::timeout(std::time::Duration::from_secs(5), kept).await;
     Ok(())
+}
+
+/// Serves the connections the process taken over from moves here, as they arrive (a
+/// thread receives them: the exchange blocks).
+fn receive_moved(arrivals: upgrade::Arrivals, state: Arc<http::State>) {
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<upgrade::Moved>();
+    let spawned = std::thread::Builder::new()
+        .name("iop-edge-arrivals".into())
+        .spawn(move || arrivals.receive(|moved| drop(tx.send(moved))));
+    if let Err(err) = spawned {
+        warn!(%err, "cannot receive the previous edge's connections");
+        return;
+    }
+    tokio::spawn(async move {
+        let mut count = 0u64;
+        while let Some(moved) = rx.recv().await {
+            count += 1;
+            http::serve_moved(moved, state.clone()).await;
+        }
+        info!(
+            connections = count,
+            "the previous edge has moved its last connection"
+        );
+    });
+}
+
+/// How long a process handing over to a successor keeps its nodes for requests that
+/// still arrive on its open connections before it re-homes them.
+const HAND_OVER_QUIET: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// An inherited listener, checked against the address the configuration names: a new
+/// address in the configuration is bound afresh (the inherited one closes with the
+/// process it came from).
+fn adopt(
+    key: &str,
+    addr: std::net::SocketAddr,
+    inherited: &std::net::TcpListener,
+) -> std::io::Result<TcpListener> {
+    let local = inherited.local_addr()?;
+    if local != addr && addr.port() != 0 {
+        warn!(key, inherited = %local, configured = %addr, "the configuration names another address: binding it afresh");
+        return bind(key, addr);
+    }
+    TcpListener::from_std(inherited.try_clone()?)
 }
 
 /// Connections the kernel queues before accept. A restarted Edge meets its whole fleet

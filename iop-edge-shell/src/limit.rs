@@ -72,6 +72,13 @@ impl Limit {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// Slots held now (about: a limit being lowered counts what it still takes back).
+    #[must_use]
+    pub fn held(&self) -> usize {
+        let free = self.slots.available_permits() + self.owed.load(Ordering::Acquire);
+        self.limit().saturating_sub(free)
+    }
+
     /// Changes the limit to `next` (at least one).
     pub fn set(&self, next: usize) {
         let next = next.clamp(1, Semaphore::MAX_PERMITS);

@@ -23,6 +23,11 @@ struct Cli {
     /// Log format on stderr.
     #[arg(long, global = true, value_enum, default_value = "text")]
     log_format: LogFormat,
+    /// Take the listeners over from the Edge running with the same upgrade socket
+    /// (`listen.upgrade_socket`) instead of binding them: an upgrade or restart that
+    /// drops no request. Without a running Edge it starts as usual.
+    #[arg(long, global = true)]
+    takeover: bool,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -138,7 +143,7 @@ fn main() -> ExitCode {
             (stop.drain.clone(), "shutdown requested"),
             (stop.now.clone(), "stop requested at once"),
         ]));
-        iop_edge_shell::run(config, cli.config, stop, true).await
+        iop_edge_shell::run(config, cli.config, stop, true, cli.takeover).await
     });
     // Work on the blocking pool is not waited for past a moment: a reload stuck reading
     // a file that never ends (a FIFO nobody writes) must not keep the Edge from exiting.

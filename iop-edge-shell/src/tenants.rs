@@ -164,6 +164,31 @@ impl TenantBook {
         }
     }
 
+    /// A successor took over: the file is written one last time, durably, and never
+    /// again by this process (the successor reads it and goes on from there). What
+    /// requests still in flight here use afterwards is not carried over.
+    pub async fn hand_over(self: &Arc<Self>) {
+        self.dirty.store(true, Ordering::Relaxed);
+        self.save_if_changed(true).await;
+        *self.file.lock().unwrap_or_else(PoisonError::into_inner) = None;
+    }
+
+    /// Reads the file again (the process taken over from wrote it last), replacing what
+    /// this process counted meanwhile for the keys it names.
+    pub fn reload(&self) {
+        let file = self
+            .file
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        if let Some(path) = file
+            && let Some(saved) = load(&path)
+            && self.lock().restore(wall(), saved)
+        {
+            info!(file = %path.display(), "key windows, budgets and usage taken over");
+        }
+    }
+
     /// Writes the file every [`SAVE_EVERY`] while keys are used, and once more when
     /// `stop` is cancelled.
     pub async fn keep(self: Arc<Self>, stop: CancellationToken) {

@@ -11,13 +11,13 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use bytes::{Buf, BytesMut};
-use iop_proto_core::wire::{self, FrameDecoder};
+use iop_proto_core::wire::{self, AdapterLoad, FrameDecoder};
 use iop_proto_core::{
     Failure, NodeSession, NodeTransmit, Returned, SessionConfig, SessionEnd, SessionEvent,
     Supervisor, WorkStep,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
@@ -49,6 +49,10 @@ pub struct Context {
     pub request_timeout: Duration,
     /// When the process started (for `TRANSPORT_STATUS`).
     pub started: tokio::time::Instant,
+    /// How long a graceful stop lets work run on (for its log line).
+    pub drain_grace: Duration,
+    /// What re-homed sessions still hold.
+    pub elsewhere: Elsewhere,
 }
 
 /// Writes what the socket takes of `out` now, then flushes once `out` is empty.
@@ -77,9 +81,8 @@ async fn write_some<W: AsyncWrite + Unpin>(
 
 /// One connection's loop state: the session, the bytes it owes the socket, and the
 /// adapter task of each piece of work in flight.
-struct Conn<'a> {
-    ctx: &'a Context,
-    supervisor: &'a mut Supervisor,
+struct Conn {
+    ctx: Context,
     node_id: String,
     session: NodeSession,
     decoder: FrameDecoder,
@@ -99,29 +102,123 @@ struct Conn<'a> {
     /// Each stop was handed to the session (the loop stops waiting on it).
     stop_sent: bool,
     drain_sent: bool,
+    /// The session became ready / was told to re-home, not yet told to the supervisor.
+    became_ready: bool,
+    rehome: bool,
+    /// Once re-homed: this session's key in [`Elsewhere`], and the load last published.
+    elsewhere: Option<(u64, Vec<AdapterLoad>)>,
+}
+
+/// What the node's work for re-homed, draining sessions holds, summed by adapter: each
+/// draining session publishes its own, and every new session reports the sum to its Edge
+/// ([`NodeSession::handle_held_elsewhere`]).
+#[derive(Clone, Debug)]
+pub struct Elsewhere {
+    each: Arc<std::sync::Mutex<std::collections::BTreeMap<u64, Vec<AdapterLoad>>>>,
+    sum: watch::Sender<Vec<AdapterLoad>>,
+    next: Arc<std::sync::atomic::AtomicU64>,
+    /// Draining sessions still running (the process waits for them before it exits).
+    running: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Default for Elsewhere {
+    fn default() -> Self {
+        Elsewhere {
+            each: Arc::default(),
+            sum: watch::Sender::new(Vec::new()),
+            next: Arc::default(),
+            running: Arc::default(),
+        }
+    }
+}
+
+impl Elsewhere {
+    /// Draining sessions still running.
+    #[must_use]
+    pub fn running(&self) -> usize {
+        self.running.load(Ordering::SeqCst)
+    }
+
+    fn enter(&self) -> u64 {
+        self.running.fetch_add(1, Ordering::SeqCst);
+        self.next.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Session `key` holds `load` now (`None`: it ended).
+    fn publish(&self, key: u64, load: Option<Vec<AdapterLoad>>) {
+        let mut each = self
+            .each
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match load {
+            Some(load) => each.insert(key, load),
+            None => {
+                self.running.fetch_sub(1, Ordering::SeqCst);
+                each.remove(&key)
+            }
+        };
+        let mut sum: std::collections::BTreeMap<&str, (u32, u32)> = Default::default();
+        for load in each.values().flatten() {
+            let entry = sum.entry(load.adapter.as_str()).or_default();
+            entry.0 = entry.0.saturating_add(load.in_flight);
+            entry.1 = entry.1.saturating_add(load.long_in_flight);
+        }
+        let sum: Vec<AdapterLoad> = sum
+            .into_iter()
+            .map(|(adapter, (in_flight, long_in_flight))| AdapterLoad {
+                adapter: adapter.to_owned(),
+                in_flight,
+                long_in_flight,
+            })
+            .collect();
+        self.sum.send_if_modified(|current| {
+            let changed = *current != sum;
+            *current = sum;
+            changed
+        });
+    }
+}
+
+/// How [`run`] ended.
+#[derive(Debug)]
+pub enum Ended {
+    /// The session closed, for this reason.
+    Closed(SessionEnd),
+    /// The Edge told it to re-home: it goes on draining in a task of its own and the
+    /// supervisor dials again.
+    Rehomed,
+}
+
+/// A connection's halves and channels, beside its loop state.
+struct Link<S> {
+    reader: tokio::io::ReadHalf<S>,
+    writer: tokio::io::WriteHalf<S>,
+    out_rx: mpsc::Receiver<Output>,
+    held: watch::Receiver<Vec<AdapterLoad>>,
 }
 
 /// Runs one session over `stream` until it closes and returns why. The session tells
 /// `supervisor` when it is ready (which resets the reconnect attempts). A stop is handed
 /// to the session: a graceful one asks the Edge to drain the node and lets the work in
 /// flight run to its end; a quick one (or a graceful one past its grace) cancels that
-/// work and closes once it has ended in order or its grace has passed.
+/// work and closes once it has ended in order or its grace has passed. When the Edge
+/// tells the session to re-home, it goes on in a task of its own until the Edge closes
+/// it after its last piece of work, publishing what it holds to `ctx.elsewhere`, and
+/// this returns [`Ended::Rehomed`].
 pub async fn run<S>(
     stream: S,
     config: SessionConfig,
     ctx: &Context,
     supervisor: &mut Supervisor,
     stop: &Stop,
-) -> SessionEnd
+) -> Ended
 where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
-    let (mut reader, mut writer) = tokio::io::split(stream);
-    let (out_tx, mut out_rx) = mpsc::channel::<Output>(1024);
-    let drain_grace_ms = u64::try_from(config.drain_grace.as_millis()).unwrap_or(u64::MAX);
+    let (reader, writer) = tokio::io::split(stream);
+    let (out_tx, out_rx) = mpsc::channel::<Output>(1024);
     let mut c = Conn {
-        ctx,
-        supervisor,
+        ctx: ctx.clone(),
         node_id: config.node_id.clone(),
         session: NodeSession::new(config),
         decoder: FrameDecoder::new(),
@@ -134,17 +231,84 @@ where
         broken: false,
         stop_sent: false,
         drain_sent: false,
+        became_ready: false,
+        rehome: false,
+        elsewhere: None,
     };
+    let mut link = Link {
+        reader,
+        writer,
+        out_rx,
+        held: ctx.elsewhere.sum.subscribe(),
+    };
+    let held = link.held.borrow_and_update().clone();
+    misuse(
+        "held elsewhere",
+        c.session.handle_held_elsewhere(ctx.clock.now(), held),
+    );
     misuse("connected", c.session.handle_connected(ctx.clock.now()));
+    match drive(&mut c, &mut link, Some(supervisor), stop).await {
+        Some(end) => Ended::Closed(end),
+        None => {
+            let key = ctx.elsewhere.enter();
+            c.elsewhere = Some((key, Vec::new()));
+            c.publish_load();
+            info!(
+                node_id = c.node_id,
+                in_flight = c.session.in_flight(),
+                "re-homing: this session finishes its work while the node dials again"
+            );
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                let end = drive(&mut c, &mut link, None, &stop).await;
+                info!(node_id = c.node_id, end = ?end, "re-homed session over");
+                c.ctx.elsewhere.publish(key, None);
+            });
+            Ended::Rehomed
+        }
+    }
+}
+
+/// The connection's loop, until its session closes (`Some`) or, with a `supervisor`,
+/// until the Edge tells it to re-home (`None`).
+async fn drive<S>(
+    c: &mut Conn,
+    link: &mut Link<S>,
+    mut supervisor: Option<&mut Supervisor>,
+    stop: &Stop,
+) -> Option<SessionEnd>
+where
+    S: AsyncRead + AsyncWrite + Send + 'static,
+{
+    let ctx = c.ctx.clone();
+    let drain_grace_ms = u64::try_from(ctx.drain_grace.as_millis()).unwrap_or(u64::MAX);
     let timer = tokio::time::sleep_until(ctx.clock.instant(iop_proto_core::Timestamp::MAX));
     tokio::pin!(timer);
     let stopping = stop.now.cancelled();
     tokio::pin!(stopping);
     let draining = stop.drain.cancelled();
     tokio::pin!(draining);
+    let Link {
+        reader,
+        writer,
+        out_rx,
+        held,
+    } = link;
 
     loop {
-        if let Some(end) = c.drain_outputs() {
+        let closed = c.drain_outputs();
+        if let Some(supervisor) = supervisor.as_deref_mut() {
+            if std::mem::take(&mut c.became_ready) {
+                misuse("ready", supervisor.handle_ready(ctx.clock.now()));
+            }
+            if closed.is_none() && std::mem::take(&mut c.rehome) {
+                misuse("rehome", supervisor.handle_rehome(ctx.clock.now()));
+                return None;
+            }
+        } else {
+            c.publish_load();
+        }
+        if let Some(end) = closed {
             // Abandoned work, and anything else still running, stops upstream now.
             for token in c.tasks.values() {
                 token.cancel();
@@ -158,7 +322,7 @@ where
                 })
                 .await;
             }
-            return end;
+            return Some(end);
         }
 
         let deadline = c.session.poll_timeout().map_or_else(
@@ -175,16 +339,21 @@ where
             c.out = BytesMut::new();
         }
         c.read_buf.reserve(READ_CHUNK);
+        let tracks_held = c.elsewhere.is_none();
         tokio::select! {
             () = &mut stopping, if !c.stop_sent => {
                 c.stop_sent = true;
                 info!(node_id = c.node_id, in_flight = c.session.in_flight(), "shutting down: cancelling in-flight work");
-                c.supervisor.handle_stop(ctx.clock.now());
+                if let Some(supervisor) = supervisor.as_deref_mut() {
+                    supervisor.handle_stop(ctx.clock.now());
+                }
                 misuse("shutdown", c.session.handle_shutdown(ctx.clock.now()));
             }
             () = &mut draining, if !c.drain_sent => {
                 c.drain_sent = true;
-                c.supervisor.handle_stop(ctx.clock.now());
+                if let Some(supervisor) = supervisor.as_deref_mut() {
+                    supervisor.handle_stop(ctx.clock.now());
+                }
                 misuse("drain", c.session.handle_drain(ctx.clock.now()));
                 if c.session.is_draining() {
                     info!(
@@ -194,6 +363,10 @@ where
                         "stopping gracefully: the edge sends no more work, work in flight runs to its end"
                     );
                 }
+            }
+            Ok(()) = held.changed(), if tracks_held => {
+                let now_held = held.borrow_and_update().clone();
+                misuse("held elsewhere", c.session.handle_held_elsewhere(ctx.clock.now(), now_held));
             }
             read = reader.read_buf(&mut c.read_buf) => c.on_read(read),
             Some(output) = out_rx.recv(), if accept_output => {
@@ -224,7 +397,7 @@ where
                 }
                 c.session.handle_timeout(ctx.clock.now());
             }
-            written = write_some(&mut writer, &mut c.out, &mut c.unflushed, &ctx.stats), if owed => {
+            written = write_some(writer, &mut c.out, &mut c.unflushed, &ctx.stats), if owed => {
                 if let Err(err) = written {
                     c.broken = true;
                     c.out.clear();
@@ -236,7 +409,19 @@ where
     }
 }
 
-impl Conn<'_> {
+impl Conn {
+    /// A re-homed session publishes what its work holds whenever that changes.
+    fn publish_load(&mut self) {
+        let Some((key, last)) = &mut self.elsewhere else {
+            return;
+        };
+        let load = self.session.load();
+        if load != *last {
+            last.clone_from(&load);
+            self.ctx.elsewhere.publish(*key, Some(load));
+        }
+    }
+
     /// Drains every output of the session (acting on an event may feed it again): frames
     /// into `out`, events handled. `Some(end)` once the session has closed.
     fn drain_outputs(&mut self) -> Option<SessionEnd> {
@@ -275,7 +460,7 @@ impl Conn<'_> {
 
     /// One completed read: liveness, then every whole frame into the session.
     fn on_read(&mut self, read: std::io::Result<usize>) {
-        let (ctx, session) = (self.ctx, &mut self.session);
+        let (ctx, session) = (&self.ctx, &mut self.session);
         let now = ctx.clock.now();
         match read {
             Ok(0) => {
@@ -379,8 +564,12 @@ impl Conn<'_> {
                 );
             }
             SessionEvent::Ready => {
-                misuse("ready", self.supervisor.handle_ready(now));
+                self.became_ready = true;
                 info!(node_id, "ready: the edge may dispatch work");
+            }
+            SessionEvent::Rehome { reason } => {
+                info!(node_id, reason, "the edge is handing over: re-homing");
+                self.rehome = true;
             }
             SessionEvent::StartRun { request } => {
                 let request_id = request_id_of(&request.metadata);
@@ -433,7 +622,7 @@ impl Conn<'_> {
                 debug!(node_id, run_id, %error, "cancel ignored")
             }
             SessionEvent::Command { request } => {
-                let transport = transport_status(self.ctx, &self.session);
+                let transport = transport_status(&self.ctx, &self.session);
                 // Commands may call a provider: answer from a task, never block the driver.
                 let host = self.host.clone();
                 let tx = self.out_tx.clone();

@@ -24,6 +24,7 @@ pub fn session_config(config: &NodeConfig) -> SessionConfig {
     session.handshake_timeout = config.handshake_timeout;
     session.shutdown_grace = config.shutdown_grace;
     session.drain_grace = config.drain_grace;
+    session.rehome = true;
     session
 }
 
@@ -104,6 +105,11 @@ pub async fn run(config: NodeConfig, ctx: Context, stop: Stop) -> ExitReason {
                             error!(failure = %failure, "giving up: fatal error")
                         }
                     }
+                    // Sessions re-homed away from an earlier Edge process finish their
+                    // work first (each bounded by its own drain or shutdown grace).
+                    while ctx.elsewhere.running() > 0 {
+                        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                    }
                     return reason;
                 }
                 SupervisorEvent::Dial { attempt } => {
@@ -141,6 +147,11 @@ pub async fn run(config: NodeConfig, ctx: Context, stop: Stop) -> ExitReason {
                                 Connection::Tls(tls) => {
                                     driver::run(*tls, session, &ctx, &mut supervisor, &stop).await
                                 }
+                            };
+                            let end = match end {
+                                driver::Ended::Closed(end) => end,
+                                // The supervisor dials again at once.
+                                driver::Ended::Rehomed => continue,
                             };
                             // After a stop (`handle_stop`, from the driver) the core's
                             // supervisor exits however the session ended.
@@ -181,5 +192,7 @@ pub fn context(config: &NodeConfig) -> Result<Context, String> {
         http: crate::adapters::http::client(config.ca_file.as_deref())?,
         request_timeout: config.request_timeout,
         started: tokio::time::Instant::now(),
+        drain_grace: config.drain_grace,
+        elsewhere: driver::Elsewhere::default(),
     })
 }

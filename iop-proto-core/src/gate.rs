@@ -30,6 +30,9 @@ pub struct CapacityGate {
     long_capacity: u32,
     in_flight: u32,
     long_in_flight: u32,
+    /// Units the node's work for another (draining) session holds.
+    held: u32,
+    long_held: u32,
     open: bool,
 }
 
@@ -42,8 +45,17 @@ impl CapacityGate {
             long_capacity: long_capacity.min(capacity),
             in_flight: 0,
             long_in_flight: 0,
+            held: 0,
+            long_held: 0,
             open: true,
         }
+    }
+
+    /// Units the node's work for another session holds (a re-homed node's draining
+    /// session to an earlier Edge process): taken, beside this session's own work.
+    pub fn set_held(&mut self, held: u32, long_held: u32) {
+        self.held = held;
+        self.long_held = long_held.min(held);
     }
 
     /// Work in flight.
@@ -75,12 +87,12 @@ impl CapacityGate {
         if !self.open {
             return Err(GateError::Closed);
         }
-        if self.in_flight >= self.capacity {
+        if self.in_flight.saturating_add(self.held) >= self.capacity {
             return Err(GateError::Full {
                 capacity: self.capacity,
             });
         }
-        if long && self.long_in_flight >= self.long_capacity {
+        if long && self.long_in_flight.saturating_add(self.long_held) >= self.long_capacity {
             return Err(GateError::LongFull {
                 long_capacity: self.long_capacity,
             });

@@ -171,6 +171,12 @@ pub struct Usage {
     pub in_flight: u32,
     /// Long-context leases held (also counted in `in_flight`).
     pub long_in_flight: u32,
+    /// Units the node's work for an earlier Edge process still holds (a re-homed node's
+    /// draining session: `NodeReadyRequest.held_elsewhere`, `NodeLoadReport`): taken,
+    /// though no lease of this ledger holds them.
+    pub held_elsewhere: u32,
+    /// Of those, long-context units.
+    pub long_held_elsewhere: u32,
 }
 
 /// A held lease and its place in its resource's holder list.
@@ -270,6 +276,20 @@ impl Ledger {
         }
     }
 
+    /// Records the units of live `resource` that work outside this ledger holds (see
+    /// [`Usage::held_elsewhere`]); a later call replaces the figures. Whether any unit
+    /// came free is the return value. Offline resources keep none.
+    pub fn set_held(&mut self, resource: ResourceId, held: u32, long_held: u32) -> bool {
+        let usage = &mut self.resources[resource.index()].usage;
+        if usage.generation.is_none() {
+            return false;
+        }
+        let freed = held < usage.held_elsewhere || long_held < usage.long_held_elsewhere;
+        usage.held_elsewhere = held;
+        usage.long_held_elsewhere = long_held.min(held);
+        freed
+    }
+
     /// Takes `resource` offline and returns every lease held on it, each exactly once,
     /// in run order. Costs O(leases on `resource`), whatever else is held.
     pub fn fence(&mut self, resource: ResourceId) -> Vec<Lease> {
@@ -290,9 +310,17 @@ impl Ledger {
         if usage.generation.is_none() {
             return 0;
         }
-        let free = usage.capacity.saturating_sub(usage.in_flight);
+        let free = usage
+            .capacity
+            .saturating_sub(usage.in_flight)
+            .saturating_sub(usage.held_elsewhere);
         if long {
-            free.min(usage.long_capacity.saturating_sub(usage.long_in_flight))
+            free.min(
+                usage
+                    .long_capacity
+                    .saturating_sub(usage.long_in_flight)
+                    .saturating_sub(usage.long_held_elsewhere),
+            )
         } else {
             free
         }

@@ -493,6 +493,24 @@ impl Supervisor {
         }
     }
 
+    /// The Edge process is handing over and told the ready session to re-home: the
+    /// session goes on draining beside the supervisor, which dials again at once (the
+    /// same address reaches the successor), with a fresh attempt count. After
+    /// [`handle_stop`](Self::handle_stop) the process stops instead.
+    pub fn handle_rehome(&mut self, now: Timestamp) -> Result<(), SupervisorError> {
+        self.advance(now);
+        if self.state != (SupervisorState::Connected { ready: true }) {
+            return Err(self.invalid("rehome"));
+        }
+        if self.stop_requested {
+            self.exit(ExitReason::Shutdown);
+            return Ok(());
+        }
+        self.attempts = 0;
+        self.dial();
+        Ok(())
+    }
+
     /// Local shutdown: exit 0 from any state (a no-op once exited).
     pub fn handle_shutdown(&mut self, now: Timestamp) {
         self.advance(now);

@@ -89,6 +89,7 @@ impl H {
             config: Some(payload(1, adapters)),
             heartbeat_interval_ms: 1000,
             retry_after_ms: 0,
+            load_reports: true,
         }));
     }
 

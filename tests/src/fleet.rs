@@ -106,6 +106,7 @@ async fn session<S: AsyncRead + AsyncWrite + Unpin>(
                         &mut stream,
                         Body::NodeReadyRequest(NodeReadyRequest {
                             node_id: node.into(),
+                            held_elsewhere: Vec::new(),
                         }),
                     )
                     .await?;

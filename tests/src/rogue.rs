@@ -95,6 +95,7 @@ impl Rogue {
         assert!(answer.accepted, "register refused: {answer:?}");
         rogue.send(Body::NodeReadyRequest(NodeReadyRequest {
             node_id: node_id.into(),
+            held_elsewhere: Vec::new(),
         }));
         match rogue
             .recv_until(|b| matches!(b, Body::NodeReadyResponse(_)))

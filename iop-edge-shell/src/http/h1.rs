@@ -177,6 +177,8 @@ enum NoHead {
     Refused(HeadError),
     /// The client speaks HTTP/2 with prior knowledge: hand the connection to hyper.
     H2,
+    /// A successor took over: the connection moves there, with what was read of it.
+    Move,
 }
 
 /// Serves a plaintext connection until the client closes it, a limit closes it, or a
@@ -187,9 +189,36 @@ pub(super) async fn serve(
     state: Arc<State>,
     settings: &HttpSettings,
 ) {
+    serve_from(stream, peer, state, settings, None).await;
+}
+
+/// [`serve`] a connection that served requests in another Edge process, which read
+/// `buffered` of it (see [`crate::upgrade`]).
+pub(super) async fn serve_moved(
+    stream: TcpStream,
+    peer: SocketAddr,
+    state: Arc<State>,
+    settings: &HttpSettings,
+    buffered: Bytes,
+) {
+    serve_from(stream, peer, state, settings, Some(buffered)).await;
+}
+
+async fn serve_from(
+    stream: TcpStream,
+    peer: SocketAddr,
+    state: Arc<State>,
+    settings: &HttpSettings,
+    moved: Option<Bytes>,
+) {
+    let mut read = ReadSide::new();
+    let first = moved.is_none();
+    if let Some(bytes) = moved {
+        read.buf.extend_from_slice(&bytes);
+    }
     let mut conn = Conn {
         stream,
-        read: Mutex::new(ReadSide::new()),
+        read: Mutex::new(read),
         out: Vec::new(),
         peer,
         timer: Box::pin(tokio::time::sleep_until(
@@ -197,7 +226,7 @@ pub(super) async fn serve(
         )),
     };
     let mut heads = HeadReader::new(settings.max_header_bytes);
-    let mut first = true;
+    let mut first = first;
     loop {
         let head = match conn
             .next_head(&mut heads, first, settings, &state.drain)
@@ -205,6 +234,10 @@ pub(super) async fn serve(
         {
             Ok(head) => head,
             Err(NoHead::Gone) => return,
+            Err(NoHead::Move) => {
+                conn.move_on(&state);
+                return;
+            }
             Err(NoHead::Refused(refusal)) => {
                 conn.refuse(refusal).await;
                 return;
@@ -225,9 +258,13 @@ pub(super) async fn serve(
         };
         first = false;
         match conn.exchange(head, &state).await {
-            // Also a response that began before the Edge started draining ends its
-            // connection.
-            Ok(true) if !state.drain.is_draining() => {}
+            // Also a response that began before the Edge started draining (or handing
+            // over) ends its connection.
+            Ok(true) if state.drain.mover().is_some() => {
+                conn.move_on(&state);
+                return;
+            }
+            Ok(true) if !state.drain.is_closing() => {}
             Ok(_) | Err(_) => return,
         }
     }
@@ -244,15 +281,22 @@ impl Conn {
         drain: &crate::drain::Drain,
     ) -> Result<RequestHead, NoHead> {
         heads.reset();
+        if !first && drain.mover().is_some() {
+            return Err(NoHead::Move);
+        }
         // A connection with no request begun closes when the Edge starts to drain.
         let began = drain.began();
         tokio::pin!(began);
         let mut started = first;
+        // Handing over: the idle wait is cut short once, not closed at once.
+        let mut lingering = drain.is_handing_over();
         if !first {
             let buffered = !lock(&self.read).buf.is_empty();
             let limit = if buffered {
                 started = true;
                 settings.header_read_timeout
+            } else if drain.is_handing_over() {
+                settings.idle_timeout.min(crate::drain::HAND_OVER_IDLE)
             } else {
                 settings.idle_timeout
             };
@@ -291,13 +335,26 @@ impl Conn {
                 if let Poll::Ready(read) = lock(read).poll_read(stream, cx) {
                     return Poll::Ready(Some(read));
                 }
-                if idle && began.as_mut().poll(cx).is_ready() {
+                if (idle || drain.mover().is_some())
+                    && !lingering
+                    && began.as_mut().poll(cx).is_ready()
+                {
                     return Poll::Ready(None);
                 }
                 timer.as_mut().poll(cx).map(|()| None)
             })
             .await;
             match outcome {
+                None if drain.mover().is_some() && !lingering => return Err(NoHead::Move),
+                None if idle && drain.is_handing_over() && !lingering => {
+                    // A successor serves now: this connection waits a moment longer for a
+                    // request already on its way, then closes.
+                    lingering = true;
+                    let by = Instant::now() + crate::drain::HAND_OVER_IDLE;
+                    if self.timer.deadline() > by {
+                        self.timer.as_mut().reset(by);
+                    }
+                }
                 None if idle && drain.is_draining() => {
                     debug!(peer = %self.peer, "closing an idle http connection: the edge is draining");
                     return Err(NoHead::Gone);
@@ -320,6 +377,32 @@ impl Conn {
                 }
                 Some(Ok(_)) => {}
             }
+        }
+    }
+
+    /// Moves this connection, between requests, to the successor that took over (with
+    /// the bytes of its next request read so far); closes it when it cannot move.
+    fn move_on(self, state: &State) {
+        let Some(mover) = state.drain.mover() else {
+            return;
+        };
+        let read = self
+            .read
+            .into_inner()
+            .unwrap_or_else(PoisonError::into_inner);
+        if read.eof || read.buf.len() > crate::upgrade::MAX_MOVED_BYTES {
+            return;
+        }
+        let Ok(stream) = self.stream.into_std() else {
+            return;
+        };
+        let moved = crate::upgrade::Moved {
+            stream,
+            peer: self.peer,
+            buffered: read.buf.freeze(),
+        };
+        if mover.send(moved).is_err() {
+            debug!(peer = %self.peer, "connection not moved: the successor went away");
         }
     }
 
@@ -376,7 +459,7 @@ impl Conn {
         };
         // A draining Edge says so in the response: the caller takes its next request
         // elsewhere.
-        let keep_alive = keep_alive && body_read && !state.drain.is_draining();
+        let keep_alive = keep_alive && body_read && !state.drain.is_closing();
         self.respond(response, head_request, http10, keep_alive)
             .await
     }

@@ -222,6 +222,35 @@ pub async fn serve(
     }
 }
 
+/// Serves a plaintext HTTP/1.1 connection that moved here from the Edge process this
+/// one took over from ([`crate::upgrade`]), counted against `max_connections` like any.
+pub async fn serve_moved(moved: crate::upgrade::Moved, state: Arc<State>) {
+    let crate::upgrade::Moved {
+        stream,
+        peer,
+        buffered,
+    } = moved;
+    let stream = match stream
+        .set_nonblocking(true)
+        .and_then(|()| tokio::net::TcpStream::from_std(stream))
+    {
+        Ok(stream) => stream,
+        Err(err) => {
+            debug!(%peer, %err, "a moved connection cannot be served");
+            return;
+        }
+    };
+    let _ = stream.set_nodelay(true);
+    let Ok(slot) = state.connections.take().await else {
+        return;
+    };
+    tokio::spawn(async move {
+        let _slot = slot;
+        let settings = state.settings();
+        h1::serve_moved(stream, peer, state, &settings, buffered).await;
+    });
+}
+
 async fn serve_tls(
     acceptor: tokio_rustls::TlsAcceptor,
     stream: tokio::net::TcpStream,

@@ -68,12 +68,12 @@ use crate::timer::{TimerTable, Wake};
 use crate::token::TokenVerifier;
 use crate::tunnel::{TunnelReceiver, TunnelStep, TunnelViolation};
 use crate::wire::{
-    AdapterConfig, AdapterType, Body, CancelKind, CancelRequest, Envelope, ErrorDetail, Header,
-    Heartbeat, HeartbeatAck, NodeCommandResponse, NodeConfigRefreshRequest,
-    NodeConfigRefreshResponse, NodeReadyRequest, NodeReadyResponse, ProviderHealth,
-    ProviderSnapshot, ProviderStatus, ProviderTunnelFrame, ProviderTunnelRequest, RefreshStatus,
-    RegisterRequest, RegisterResponse, RunEvent, RunEventType, RunRequest, TunnelFrameKind,
-    Validate, ValidationError,
+    AdapterConfig, AdapterLoad, AdapterType, Body, CancelKind, CancelRequest, Envelope,
+    ErrorDetail, Header, Heartbeat, HeartbeatAck, NodeCommandResponse, NodeConfigRefreshRequest,
+    NodeConfigRefreshResponse, NodeReadyRequest, NodeReadyResponse, NodeRehomeRequest,
+    ProviderHealth, ProviderSnapshot, ProviderStatus, ProviderTunnelFrame, ProviderTunnelRequest,
+    RefreshStatus, RegisterRequest, RegisterResponse, RunEvent, RunEventType, RunRequest,
+    TunnelFrameKind, Validate, ValidationError,
 };
 
 mod control;
@@ -326,6 +326,29 @@ impl EdgeCore {
     ) -> Result<RequestId, SubmitError> {
         self.advance(now);
         self.submit(submit)
+    }
+
+    /// This Edge process hands over to a successor that already holds its listeners (an
+    /// upgrade or a restart): from now on nothing is dispatched here. Each ready node
+    /// that can re-home (`RegisterRequest.rehome`) is sent `NodeRehomeRequest` and dials
+    /// the successor at once, reporting to it the capacity its work here still holds;
+    /// every ready node drains: what runs here goes on to its end and its connection is
+    /// closed after its last lease returns ([`CloseReason::Drained`]). Pending and later
+    /// registrations are refused with a retry at once ([`RejectReason::HandingOver`]),
+    /// requests still waiting for capacity end with [`RequestError::HandingOver`] and
+    /// later submits fail with [`SubmitError::HandingOver`]; both are safe to retry,
+    /// since nothing reached a provider. A second call changes nothing.
+    pub fn handle_rehome(&mut self, now: Timestamp) {
+        self.advance(now);
+        if !self.registry.handing_over {
+            self.rehome();
+        }
+    }
+
+    /// Whether [`handle_rehome`](Self::handle_rehome) was called.
+    #[must_use]
+    pub fn is_handing_over(&self) -> bool {
+        self.registry.handing_over
     }
 
     /// The caller gave up on `request` (disconnect, response timeout, write failure).

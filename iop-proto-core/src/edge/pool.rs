@@ -123,6 +123,11 @@ impl Pool {
         }
     }
 
+    /// The units of `r` that work outside this Edge process holds; whether any came free.
+    pub(super) fn set_held(&mut self, r: ResourceId, held: u32, long_held: u32) -> bool {
+        self.ledger.set_held(r, held, long_held)
+    }
+
     /// `r` takes no new work; what it holds stays held.
     pub(super) fn stop_granting(&mut self, r: ResourceId, generation: Option<Generation>) {
         if generation.is_none() || self.ledger.usage(r).generation == generation {

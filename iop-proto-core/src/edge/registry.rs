@@ -15,6 +15,10 @@ use super::*;
 /// own redial interval, when longer, wins).
 const DRAINING_RETRY_AFTER: Duration = Duration::from_secs(1);
 
+/// How soon a node refused by an Edge process that is handing over dials again: at
+/// once, in effect; the listener already leads to the successor.
+const HANDING_OVER_RETRY_AFTER: Duration = Duration::from_millis(50);
+
 /// The index of a node ever configured (a node removed from the configuration keeps its
 /// entry, with no spec, so its resources and their leases stay addressable).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -39,6 +43,9 @@ pub(super) struct Registry {
     refused_pending: u64,
     next_generation: u64,
     next_nonce: u64,
+    /// This Edge process is handing over ([`EdgeCore::handle_rehome`]): registers are
+    /// held off so that nodes reach the successor.
+    pub(super) handing_over: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -102,6 +109,8 @@ pub(super) struct Owner {
     pub(super) registered_revision: u64,
     /// The node process that registered (its `RegisterRequest.instance_id`).
     instance: Instance,
+    /// The node can re-home (`RegisterRequest.rehome`).
+    pub(super) rehome: bool,
 }
 
 #[derive(Debug)]
@@ -171,6 +180,8 @@ enum HeldOff {
     Conflict { retry_after: Duration, log: bool },
     /// The holder is stopping gracefully and still finishing its requests.
     Draining,
+    /// This Edge process is handing over: try again at once, reaching its successor.
+    HandingOver,
 }
 
 impl Registry {
@@ -184,6 +195,7 @@ impl Registry {
             refused_pending: 0,
             next_generation: 1,
             next_nonce: 1,
+            handing_over: false,
         }
     }
 
@@ -476,6 +488,10 @@ impl Registry {
         };
         // The id's correct token ends its throttle (its source's budget refills with time).
         self.throttle.record_success(&req.node_id);
+        if self.handing_over {
+            self.hold_off(cx, conn, addr, i, &req.node_id, HeldOff::HandingOver);
+            return Admitted::Refused;
+        }
         let Some(old) = self.node(i).owner else {
             return Admitted::Take {
                 node: i,
@@ -553,6 +569,7 @@ impl Registry {
             ready: false,
             registered_revision: revision,
             instance: std::num::NonZeroU64::new(req.instance_id),
+            rehome: req.rehome,
         });
         node.agent = Some(Box::new(Agent {
             version: req.version.as_str().into(),
@@ -590,6 +607,7 @@ impl Registry {
                 config: payload,
                 heartbeat_interval_ms: millis(timing.heartbeat_interval),
                 retry_after_ms: 0,
+                load_reports: true,
             }),
         );
         cx.timers
@@ -740,6 +758,12 @@ impl Registry {
                 ),
                 DRAINING_RETRY_AFTER,
                 true,
+            ),
+            HeldOff::HandingOver => (
+                RejectReason::HandingOver,
+                "this edge process is handing over to its successor: dial again".to_owned(),
+                HANDING_OVER_RETRY_AFTER,
+                false,
             ),
             HeldOff::Conflict { retry_after, log } => (
                 RejectReason::Conflict,

@@ -150,6 +150,10 @@ impl EdgeCore {
                 Some((node, _)) => self.drain_node(node, DrainReason::Stopping(req.reason)),
                 None => self.violation(conn, ConnViolation::DrainBeforeReady),
             },
+            Body::NodeLoadReport(report) => match self.registry.ready_owner(conn, phase) {
+                Some((node, _)) => self.held_elsewhere(node, &report.held_elsewhere, true),
+                None => self.violation(conn, ConnViolation::LoadBeforeReady),
+            },
             other => self.violation(conn, ConnViolation::WrongDirection(other.kind())),
         }
         Ok(())
@@ -185,7 +189,7 @@ impl EdgeCore {
                 generation,
                 registered_revision,
             } => {
-                self.sync_resources(node, generation);
+                self.sync_resources(node, generation, Some(&req.held_elsewhere));
                 self.health_changed(node);
                 if self.registry.node(node).revision != registered_revision {
                     self.push_refresh(node);
@@ -200,7 +204,15 @@ impl EdgeCore {
     /// adapters take no new work while their leases drain (offline ones stay offline). A
     /// draining node takes no new work whatever its configuration says (a refresh it
     /// applies while draining does not bring its capacity back).
-    fn sync_resources(&mut self, node: NodeIdx, generation: Generation) {
+    ///
+    /// At ready, `held` is what the node's work for an earlier Edge process still holds
+    /// (`NodeReadyRequest.held_elsewhere`): counted as taken before any waiter is served.
+    fn sync_resources(
+        &mut self,
+        node: NodeIdx,
+        generation: Generation,
+        held: Option<&[AdapterLoad]>,
+    ) {
         let entry = self.registry.node(node);
         let Some(spec) = entry.spec.clone() else {
             return;
@@ -213,10 +225,76 @@ impl EdgeCore {
                         self.pool
                             .activate(r, generation, adapter.capacity, adapter.long_capacity);
                     debug_assert!(returned.is_empty(), "older generation was not fenced");
+                    if let Some(held) = held {
+                        let (n, long) = load_of(held, &name);
+                        self.pool.set_held(r, n, long);
+                    }
                     self.pump(r);
                 }
                 None => self.pool.stop_granting(r, None),
             }
+        }
+    }
+
+    /// What node `node`'s work for an earlier Edge process holds now, by adapter (an
+    /// adapter left out holds nothing): its resources count it as taken, and a unit that
+    /// came free serves waiters (when `pump`).
+    fn held_elsewhere(&mut self, node: NodeIdx, held: &[AdapterLoad], pump: bool) {
+        for (name, r) in self.registry.node(node).resources.clone() {
+            let (n, long) = load_of(held, &name);
+            if self.pool.set_held(r, n, long) && pump {
+                self.pump(r);
+            }
+        }
+    }
+
+    /// This Edge process hands over to a successor that now holds its listeners: every
+    /// ready node that can re-home is told to (`NodeRehomeRequest`) and every ready node
+    /// drains, so nothing more is dispatched here while what runs goes on to its end and
+    /// each connection closes after its last lease; pending registrations are closed
+    /// (they dial again and reach the successor), as is every later one; requests still
+    /// waiting for capacity end, retryable, and later submits are refused.
+    pub(super) fn rehome(&mut self) {
+        self.registry.handing_over = true;
+        for node in self.registry.indices().collect::<Vec<_>>() {
+            let Some(owner) = self.registry.node(node).owner else {
+                continue;
+            };
+            if !owner.ready {
+                let mut cx = cx!(self);
+                self.registry.close(
+                    &mut cx,
+                    owner.conn,
+                    CloseReason::RegisterRejected(RejectReason::HandingOver),
+                );
+                self.fence(
+                    node,
+                    owner.generation,
+                    CloseReason::RegisterRejected(RejectReason::HandingOver),
+                );
+                continue;
+            }
+            if self.registry.node(node).draining.is_some() {
+                continue;
+            }
+            if owner.rehome {
+                self.out.send(
+                    owner.conn,
+                    Body::NodeRehomeRequest(NodeRehomeRequest {
+                        reason: "edge handing over to a new process".to_owned(),
+                    }),
+                );
+            }
+            self.drain_node(node, DrainReason::HandingOver { told: owner.rehome });
+        }
+        for request in self.pool.queue.ids() {
+            if self.requests.has_live(request) {
+                // Waiting beside a slow run: that run goes on alone (when the wait expires).
+                continue;
+            }
+            let mut cx = cx!(self);
+            self.requests
+                .end(&mut cx, request, Outcome::Failed(RequestError::HandingOver));
         }
     }
 
@@ -286,6 +364,9 @@ impl EdgeCore {
 
     /// A caller's request: dispatched at once where a candidate has room, else queued.
     pub(super) fn submit(&mut self, submit: Submit) -> Result<RequestId, SubmitError> {
+        if self.registry.handing_over {
+            return Err(SubmitError::HandingOver);
+        }
         let model = self
             .pool
             .model(&submit.model)
@@ -422,7 +503,7 @@ impl EdgeCore {
         let Some((model, long, candidates)) = self.untried(request) else {
             return;
         };
-        if candidates.is_empty() {
+        if candidates.is_empty() || self.registry.handing_over {
             let mut cx = cx!(self);
             let nothing = Outcome::Failed(RequestError::NodeLost {
                 node_id: Arc::from(""),
@@ -907,7 +988,7 @@ impl EdgeCore {
             control::Refreshed::Failed(failure) => self.drain_node(node, failure.into()),
             control::Refreshed::Applied { revision } => {
                 self.registry.applied(node, revision);
-                self.sync_resources(node, generation);
+                self.sync_resources(node, generation, None);
                 // The configuration may have moved on while this refresh was in flight.
                 if self.registry.node(node).revision != revision {
                     self.push_refresh(node);
@@ -956,7 +1037,7 @@ impl EdgeCore {
         }
         let reason = match drain {
             DrainReason::Refresh(failure) => CloseReason::RefreshFailed(failure),
-            DrainReason::Stopping(_) => CloseReason::Drained,
+            DrainReason::Stopping(_) | DrainReason::HandingOver { .. } => CloseReason::Drained,
         };
         let mut cx = cx!(self);
         self.registry.close(&mut cx, owner.conn, reason.clone());
@@ -1263,4 +1344,11 @@ impl EdgeCore {
         self.registry
             .statuses(self.now, |node| self.control.last_refresh(node))
     }
+}
+
+/// The units `held` names for adapter `name`: (requests, long-context requests).
+fn load_of(held: &[AdapterLoad], name: &str) -> (u32, u32) {
+    held.iter()
+        .find(|l| l.adapter == name)
+        .map_or((0, 0), |l| (l.in_flight, l.long_in_flight))
 }

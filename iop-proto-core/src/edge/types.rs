@@ -51,6 +51,10 @@ pub enum RejectReason {
     /// finishing its requests: the newcomer (the restarted node) is held off until it has
     /// gone, instead of superseding it and cutting those requests.
     Draining,
+    /// Authenticated, but this Edge process is handing its listeners to a successor
+    /// ([`crate::EdgeCore::handle_rehome`]): the node is told to try again at once, which
+    /// reaches the successor.
+    HandingOver,
 }
 
 impl RejectReason {
@@ -64,6 +68,7 @@ impl RejectReason {
             RejectReason::Throttled => "throttled",
             RejectReason::Conflict => "conflict",
             RejectReason::Draining => "draining",
+            RejectReason::HandingOver => "handing_over",
         }
     }
 }
@@ -96,8 +101,9 @@ pub enum CloseReason {
     /// `RESTART_REQUIRED`, or went unanswered three times): once its work drained, it is
     /// closed so that it registers again and takes the configuration afresh.
     RefreshFailed(RefreshFailure),
-    /// The node asked to be drained (`NodeDrainRequest`, a graceful stop) and its last
-    /// lease has returned: the close tells it that nothing more will come.
+    /// The node asked to be drained (`NodeDrainRequest`, a graceful stop), or this Edge
+    /// handed over to a successor, and its last lease has returned: the close tells it
+    /// that nothing more will come.
     Drained,
     /// The peer closed the connection (reported by the shell).
     PeerClosed,
@@ -207,6 +213,10 @@ pub enum RequestError {
         /// The model group.
         model: Arc<str>,
     },
+    /// It was still waiting for capacity when this Edge process handed its nodes to a
+    /// successor ([`crate::EdgeCore::handle_rehome`]); nothing was sent to a provider, so
+    /// the caller may retry at once.
+    HandingOver,
 }
 
 /// How a request ended.
@@ -490,6 +500,14 @@ pub enum DrainReason {
     /// It is stopping gracefully (`NodeDrainRequest`), with the reason it gave.
     #[error("node stopping: {0}")]
     Stopping(String),
+    /// This Edge process is handing over to a successor ([`crate::EdgeCore::handle_rehome`]);
+    /// `told` when the node was sent `NodeRehomeRequest` (it already dials the successor),
+    /// otherwise it learns from the close once its work has ended.
+    #[error("edge handing over (node told to re-home: {told})")]
+    HandingOver {
+        /// Whether the node was sent `NodeRehomeRequest`.
+        told: bool,
+    },
 }
 
 /// The id of a node command on the wire (`cmd-<n>`).
@@ -528,6 +546,11 @@ pub enum SubmitError {
         /// The queue's limit (`max_waiting`) it hit.
         max_waiting: usize,
     },
+    /// This Edge process has handed its nodes to a successor
+    /// ([`crate::EdgeCore::handle_rehome`]) and dispatches nothing more; the caller may
+    /// retry at once (the listener leads to the successor).
+    #[error("the edge is handing over to a new process; retry")]
+    HandingOver,
 }
 
 /// Misuse of the machine by its driver.

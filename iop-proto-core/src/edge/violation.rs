@@ -63,6 +63,9 @@ pub enum ConnViolation {
     /// that has not become ready has nothing to drain: it closes instead).
     #[error("NodeDrainRequest before ready")]
     DrainBeforeReady,
+    /// A `NodeLoadReport` from a connection that is not its node's ready owner.
+    #[error("NodeLoadReport before ready")]
+    LoadBeforeReady,
 }
 
 impl ConnViolation {
@@ -77,6 +80,7 @@ impl ConnViolation {
             ConnViolation::ReadyForAnotherNode => "ready_for_another_node",
             ConnViolation::WrongDirection(_) => "wrong_direction",
             ConnViolation::DrainBeforeReady => "drain_before_ready",
+            ConnViolation::LoadBeforeReady => "load_before_ready",
         }
     }
 }

@@ -346,6 +346,7 @@ impl ApiError {
                 format!("no provider of model `{model}` serves this endpoint any more"),
                 Some("unsupported_endpoint"),
             ),
+            Outcome::Failed(RequestError::HandingOver) => Self::handing_over(),
             Outcome::Failed(RequestError::Violation(why)) => Self::new(
                 502,
                 ErrorType::Server,
@@ -386,7 +387,20 @@ impl ApiError {
                 refused.to_string(),
                 Some("no_provider"),
             ),
+            SubmitError::HandingOver => Self::handing_over(),
         }
+    }
+
+    /// A request this Edge process could not take because it handed over to its
+    /// successor: nothing reached a provider, and a retry (on a new connection) reaches
+    /// the successor.
+    fn handing_over() -> Self {
+        Self::new(
+            503,
+            ErrorType::Server,
+            "the edge is handing over to a new process; retry",
+            Some("edge_handing_over"),
+        )
     }
 
     /// How a node command the Edge machine refused is answered.

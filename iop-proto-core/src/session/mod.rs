@@ -38,11 +38,11 @@ use crate::run::{RunEmitter, RunTracker, RunViolation};
 use crate::time::Timestamp;
 use crate::tunnel::{DEFAULT_CHUNK_SIZE, TunnelEmitter};
 use crate::wire::{
-    AdapterConfig, AdapterType, Body, CancelRequest, Envelope, ErrorDetail, Header, Heartbeat,
-    HeartbeatAck, NodeCommandRequest, NodeCommandResponse, NodeConfigPayload,
-    NodeConfigRefreshRequest, NodeConfigRefreshResponse, NodeDrainRequest, NodeReadyRequest,
-    ProviderTunnelRequest, RefreshStatus, RegisterRequest, RunEventType, RunRequest, Usage,
-    Validate,
+    AdapterConfig, AdapterLoad, AdapterType, Body, CancelRequest, Envelope, ErrorDetail, Header,
+    Heartbeat, HeartbeatAck, NodeCommandRequest, NodeCommandResponse, NodeConfigPayload,
+    NodeConfigRefreshRequest, NodeConfigRefreshResponse, NodeDrainRequest, NodeLoadReport,
+    NodeReadyRequest, ProviderTunnelRequest, RefreshStatus, RegisterRequest, RunEventType,
+    RunRequest, Usage, Validate,
 };
 
 mod config;
@@ -103,6 +103,13 @@ pub struct NodeSession {
     transmits: VecDeque<NodeTransmit>,
     /// A graceful stop asked the Edge to send nothing more and waits for it to close.
     draining: bool,
+    /// The Edge said it is handing over (`NodeRehomeRequest`): nothing new comes here.
+    rehomed: bool,
+    /// The Edge takes `NodeLoadReport` (`RegisterResponse.load_reports`).
+    load_reports: bool,
+    /// What the node's work for other, draining sessions holds, by adapter (sorted, no
+    /// empty entries): in the `NodeReadyRequest`, in the gates, and reported on change.
+    held_elsewhere: Vec<AdapterLoad>,
     /// A local shutdown cancelled the work in flight and waits for it to end (until
     /// the `Cancel` timer).
     cancelling: bool,
@@ -135,6 +142,9 @@ impl NodeSession {
             finished_set: IdSet::default(),
             transmits: VecDeque::new(),
             draining: false,
+            rehomed: false,
+            load_reports: false,
+            held_elsewhere: Vec::new(),
             cancelling: false,
             events: VecDeque::new(),
             end: None,
@@ -244,6 +254,7 @@ impl NodeSession {
             adapter_types: self.config.adapter_types.clone(),
             labels: self.config.labels.clone(),
             instance_id: self.config.instance_id,
+            rehome: self.config.rehome,
         }));
         Ok(())
     }
@@ -270,8 +281,10 @@ impl NodeSession {
                 );
                 self.applied = Some(payload);
                 self.ready_sent = true;
+                self.apply_held();
                 self.send(Body::NodeReadyRequest(NodeReadyRequest {
                     node_id: self.config.node_id.clone(),
+                    held_elsewhere: self.held_elsewhere.clone(),
                 }));
             }
             Err(why) => self.close(SessionEnd::ConfigNotApplied(why)),
@@ -300,6 +313,7 @@ impl NodeSession {
             Ok(()) => {
                 let old = self.applied.clone().unwrap_or_default();
                 self.install_gates(&payload, &diff_adapters(&old, &payload));
+                self.apply_held();
                 let revision = payload.revision;
                 self.applied = Some(payload);
                 NodeConfigRefreshResponse {
@@ -412,6 +426,70 @@ impl NodeSession {
         self.timers
             .set(SessionTimer::Drain, self.now + self.config.drain_grace);
         Ok(())
+    }
+
+    /// What the node's work for other sessions holds now, by adapter: the whole picture
+    /// (an adapter left out holds nothing), from the shell, whenever a draining session's
+    /// work changes. The gates count it as taken; the Edge learns it in the
+    /// `NodeReadyRequest`, or, once that is sent, in a `NodeLoadReport` (only to an Edge
+    /// that takes them). Entries with nothing held are dropped; an unchanged picture
+    /// sends nothing.
+    pub fn handle_held_elsewhere(
+        &mut self,
+        now: Timestamp,
+        mut held: Vec<AdapterLoad>,
+    ) -> Result<(), SessionError> {
+        self.advance(now);
+        held.retain(|l| l.in_flight > 0);
+        held.sort_by(|a, b| a.adapter.cmp(&b.adapter));
+        held.dedup_by(|a, b| a.adapter == b.adapter);
+        if held == self.held_elsewhere || self.state == SessionState::Closed {
+            return Ok(());
+        }
+        self.held_elsewhere = held;
+        self.apply_held();
+        if self.ready_sent && self.load_reports {
+            self.send(Body::NodeLoadReport(NodeLoadReport {
+                held_elsewhere: self.held_elsewhere.clone(),
+            }));
+        }
+        Ok(())
+    }
+
+    /// The gates count what other sessions hold.
+    fn apply_held(&mut self) {
+        for (name, gate) in &mut self.gates {
+            let (n, long) = self
+                .held_elsewhere
+                .iter()
+                .find(|l| l.adapter == *name)
+                .map_or((0, 0), |l| (l.in_flight, l.long_in_flight));
+            gate.set_held(n, long);
+        }
+    }
+
+    /// What this session's work in flight holds, by adapter (sorted; adapters with none
+    /// left out): what a re-homed session reports to its successor session.
+    #[must_use]
+    pub fn load(&self) -> Vec<AdapterLoad> {
+        let mut load: Vec<AdapterLoad> = self
+            .gates
+            .iter()
+            .filter(|(_, g)| g.in_flight() > 0)
+            .map(|(name, g)| AdapterLoad {
+                adapter: name.clone(),
+                in_flight: g.in_flight(),
+                long_in_flight: g.long_in_flight(),
+            })
+            .collect();
+        load.sort_by(|a, b| a.adapter.cmp(&b.adapter));
+        load
+    }
+
+    /// Whether the Edge told this session to re-home ([`SessionEvent::Rehome`]).
+    #[must_use]
+    pub fn is_rehomed(&self) -> bool {
+        self.rehomed
     }
 
     /// Whether a graceful stop is under way ([`Self::handle_drain`]) and has not yet turned
@@ -548,6 +626,7 @@ impl NodeSession {
                         .set(SessionTimer::Ping, self.now + self.heartbeat_interval);
                 }
                 self.state = SessionState::Configuring;
+                self.load_reports = resp.load_reports;
                 self.pending_apply = Some(payload.clone());
                 self.events.push_back(SessionEvent::ApplyConfig { payload });
             }
@@ -592,6 +671,15 @@ impl NodeSession {
             }
             Body::NodeConfigRefreshRequest(req) if self.state == SessionState::Ready => {
                 self.on_refresh(req);
+            }
+            Body::NodeRehomeRequest(req)
+                if self.state == SessionState::Ready && self.config.rehome =>
+            {
+                if !self.rehomed {
+                    self.rehomed = true;
+                    self.events
+                        .push_back(SessionEvent::Rehome { reason: req.reason });
+                }
             }
             other => {
                 let violation = EdgeViolation::Unexpected {

@@ -34,6 +34,10 @@ pub struct SessionConfig {
     /// How long a graceful stop lets the work in flight run to its end before it is
     /// cancelled ([`NodeSession::handle_drain`](super::NodeSession::handle_drain)).
     pub drain_grace: Duration,
+    /// Whether this node can re-home (`RegisterRequest.rehome`): when an Edge process
+    /// hands over it sends `NodeRehomeRequest`, and the shell keeps this session running
+    /// its work to the end while a new one dials ([`SessionEvent::Rehome`]).
+    pub rehome: bool,
 }
 
 impl std::fmt::Debug for SessionConfig {
@@ -70,6 +74,7 @@ impl SessionConfig {
             chunk_size: DEFAULT_CHUNK_SIZE,
             shutdown_grace: Duration::from_secs(5),
             drain_grace: Duration::from_secs(30),
+            rehome: false,
         }
     }
 }
@@ -198,6 +203,9 @@ pub enum WorkRefusal {
     /// The node is shutting down.
     #[error("the node is shutting down")]
     ShuttingDown,
+    /// The Edge told this session to re-home and promised to dispatch nothing more on it.
+    #[error("this session was told to re-home: it takes no new work")]
+    Rehomed,
 }
 
 /// An output to hand to the transport, in order.
@@ -282,6 +290,15 @@ pub enum SessionEvent {
         payload: NodeConfigPayload,
         /// What changes.
         diff: AdapterDiff,
+    },
+    /// The Edge process is handing over to a successor (`NodeRehomeRequest`): dial again
+    /// at once (the same address reaches the successor) and keep this session running
+    /// until the Edge closes it after its last piece of work; report what it holds
+    /// ([`NodeSession::load`]) to the new session with
+    /// [`NodeSession::handle_held_elsewhere`]. Nothing new arrives on this session.
+    Rehome {
+        /// The Edge's reason, for the log.
+        reason: String,
     },
     /// Work was refused at once (unknown adapter or capacity); the Edge was told.
     WorkRefused {

@@ -75,6 +75,9 @@ impl NodeSession {
         if self.cancelling {
             return Err(WorkRefusal::ShuttingDown);
         }
+        if self.rehomed {
+            return Err(WorkRefusal::Rehomed);
+        }
         let gate = self
             .gates
             .get_mut(adapter)

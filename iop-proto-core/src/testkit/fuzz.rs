@@ -117,6 +117,18 @@ impl Input<'_> {
     }
 }
 
+/// A `held_elsewhere` list: usually small and sane, sometimes over capacity, unknown,
+/// duplicated or with more long-context requests than requests.
+fn loads(input: &mut Input<'_>) -> Vec<crate::wire::AdapterLoad> {
+    (0..input.byte() % 3)
+        .map(|_| crate::wire::AdapterLoad {
+            adapter: ["a", "b", "zz", ""][usize::from(input.byte() % 4)].into(),
+            in_flight: u32::from(input.byte() % 6),
+            long_in_flight: u32::from(input.byte() % 4),
+        })
+        .collect()
+}
+
 fn structured_envelope(input: &mut Input<'_>) -> Option<Envelope> {
     use prost::Message;
 
@@ -140,7 +152,10 @@ fn structured_envelope(input: &mut Input<'_>) -> Option<Envelope> {
             },
             ..RegisterRequest::default()
         }),
-        2 => Body::NodeReadyRequest(NodeReadyRequest { node_id }),
+        2 => Body::NodeReadyRequest(NodeReadyRequest {
+            node_id,
+            held_elsewhere: loads(input),
+        }),
         3 => Body::Heartbeat(Heartbeat {
             nonce: u64::from(input.byte()),
             sent_at_ms: u64::from(input.u16()),
@@ -172,6 +187,10 @@ fn structured_envelope(input: &mut Input<'_>) -> Option<Envelope> {
         // A node stopping gracefully, now and then, ready or not.
         _ if input.byte() % 8 == 0 => Body::NodeDrainRequest(NodeDrainRequest {
             reason: "local shutdown".into(),
+        }),
+        // A re-homed node's load elsewhere, ready or not, right or wrong.
+        _ if input.byte() % 8 == 0 => Body::NodeLoadReport(crate::wire::NodeLoadReport {
+            held_elsewhere: loads(input),
         }),
         _ => Body::CancelRequest(CancelRequest {
             run_id,

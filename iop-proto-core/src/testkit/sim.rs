@@ -1211,6 +1211,7 @@ impl World {
                 }
             }
             SessionEvent::CancelRejected { .. }
+            | SessionEvent::Rehome { .. }
             | SessionEvent::WorkRefused { .. }
             | SessionEvent::PeerViolation { .. } => {
                 self.log(|| format!("node {i} event {event_text}"));

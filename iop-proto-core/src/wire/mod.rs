@@ -26,8 +26,9 @@ pub use codec::{
 };
 pub use generated::*;
 pub use validate::{
-    MAX_DRAIN_REASON_BYTES, MAX_NODE_ID_BYTES, MAX_REGISTER_ENTRIES, MAX_TOKEN_BYTES,
-    OLLAMA_API_ENDPOINTS, REQUEST_ID_KEY, Validate, ValidationError, is_request_id,
+    MAX_DRAIN_REASON_BYTES, MAX_LOAD_ENTRIES, MAX_NODE_ID_BYTES, MAX_REGISTER_ENTRIES,
+    MAX_TOKEN_BYTES, OLLAMA_API_ENDPOINTS, REQUEST_ID_KEY, Validate, ValidationError,
+    is_request_id,
 };
 
 /// The variant carried by an [`Envelope`].
@@ -71,6 +72,8 @@ impl Body {
             Body::NodeConfigRefreshRequest(_) => "node_config_refresh_request",
             Body::NodeConfigRefreshResponse(_) => "node_config_refresh_response",
             Body::NodeDrainRequest(_) => "node_drain_request",
+            Body::NodeRehomeRequest(_) => "node_rehome_request",
+            Body::NodeLoadReport(_) => "node_load_report",
         }
     }
 }

@@ -6,11 +6,12 @@
 //! message and field at fault.
 
 use super::{
-    AdapterConfig, AdapterType, Body, CancelKind, CancelRequest, Envelope, Heartbeat, HeartbeatAck,
-    NodeCommandRequest, NodeCommandResponse, NodeCommandType, NodeConfigPayload,
+    AdapterConfig, AdapterLoad, AdapterType, Body, CancelKind, CancelRequest, Envelope, Heartbeat,
+    HeartbeatAck, NodeCommandRequest, NodeCommandResponse, NodeCommandType, NodeConfigPayload,
     NodeConfigRefreshRequest, NodeConfigRefreshResponse, NodeDrainRequest, NodeReadyRequest,
-    NodeReadyResponse, ProviderTunnelFrame, ProviderTunnelRequest, RefreshStatus, RegisterRequest,
-    RegisterResponse, RunEvent, RunEventType, RunRequest, TunnelFrameKind,
+    NodeReadyResponse, NodeRehomeRequest, ProviderTunnelFrame, ProviderTunnelRequest,
+    RefreshStatus, RegisterRequest, RegisterResponse, RunEvent, RunEventType, RunRequest,
+    TunnelFrameKind,
 };
 
 /// The read-only Ollama endpoints an `OLLAMA_API` command may reach.
@@ -203,6 +204,8 @@ impl Validate for Body {
             Body::NodeConfigRefreshRequest(m) => m.validate(),
             Body::NodeConfigRefreshResponse(m) => m.validate(),
             Body::NodeDrainRequest(m) => m.validate(),
+            Body::NodeRehomeRequest(m) => m.validate(),
+            Body::NodeLoadReport(m) => validate_loads(&m.held_elsewhere, "NodeLoadReport"),
         }
     }
 }
@@ -267,8 +270,48 @@ impl Validate for RegisterResponse {
 
 impl Validate for NodeReadyRequest {
     fn validate(&self) -> Result<(), ValidationError> {
-        non_empty(&self.node_id, "NodeReadyRequest", "node_id")
+        non_empty(&self.node_id, "NodeReadyRequest", "node_id")?;
+        validate_loads(&self.held_elsewhere, "NodeReadyRequest")
     }
+}
+
+/// Most entries of a `held_elsewhere` list (one per adapter instance a node runs).
+pub const MAX_LOAD_ENTRIES: usize = 1024;
+
+/// A `held_elsewhere` list: bounded, each adapter named (at most
+/// [`MAX_NODE_ID_BYTES`]) once, and no more long-context requests than requests.
+fn validate_loads(loads: &[AdapterLoad], message: &'static str) -> Result<(), ValidationError> {
+    let field = "held_elsewhere";
+    if loads.len() > MAX_LOAD_ENTRIES {
+        return Err(ValidationError::TooLong {
+            message,
+            field,
+            limit: MAX_LOAD_ENTRIES,
+        });
+    }
+    let mut names: Vec<&str> = Vec::with_capacity(loads.len());
+    for load in loads {
+        if load.adapter.is_empty() || load.adapter.len() > MAX_NODE_ID_BYTES {
+            return Err(ValidationError::InvalidAdapter {
+                adapter: load.adapter.chars().take(64).collect(),
+                problem: "held_elsewhere names no adapter, or one longer than 256 bytes",
+            });
+        }
+        if load.long_in_flight > load.in_flight {
+            return Err(ValidationError::InvalidAdapter {
+                adapter: load.adapter.clone(),
+                problem: "held_elsewhere counts more long-context requests than requests",
+            });
+        }
+        names.push(&load.adapter);
+    }
+    names.sort_unstable();
+    if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
+        return Err(ValidationError::DuplicateAdapter {
+            name: w[0].to_owned(),
+        });
+    }
+    Ok(())
 }
 
 impl Validate for NodeReadyResponse {
@@ -464,6 +507,19 @@ impl Validate for NodeDrainRequest {
         if self.reason.len() > MAX_DRAIN_REASON_BYTES {
             return Err(ValidationError::TooLong {
                 message: "NodeDrainRequest",
+                field: "reason",
+                limit: MAX_DRAIN_REASON_BYTES,
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Validate for NodeRehomeRequest {
+    fn validate(&self) -> Result<(), ValidationError> {
+        if self.reason.len() > MAX_DRAIN_REASON_BYTES {
+            return Err(ValidationError::TooLong {
+                message: "NodeRehomeRequest",
                 field: "reason",
                 limit: MAX_DRAIN_REASON_BYTES,
             });

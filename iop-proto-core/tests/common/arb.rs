@@ -117,10 +117,11 @@ pub fn body() -> impl Strategy<Value = Body> {
             text(),
             vec(text(), 0..3),
             labels(),
-            any::<u64>()
+            any::<u64>(),
+            any::<bool>()
         )
             .prop_map(
-                |(node_id, token, version, adapter_types, labels, instance_id)| {
+                |(node_id, token, version, adapter_types, labels, instance_id, rehome)| {
                     Body::RegisterRequest(RegisterRequest {
                         node_id,
                         token,
@@ -128,6 +129,7 @@ pub fn body() -> impl Strategy<Value = Body> {
                         adapter_types,
                         labels,
                         instance_id,
+                        rehome,
                     })
                 }
             ),
@@ -137,10 +139,19 @@ pub fn body() -> impl Strategy<Value = Body> {
             text(),
             option::of(config_payload()),
             any::<u32>(),
-            any::<u32>()
+            any::<u32>(),
+            any::<bool>()
         )
             .prop_map(
-                |(accepted, reason, node_id, config, heartbeat_interval_ms, retry_after_ms)| {
+                |(
+                    accepted,
+                    reason,
+                    node_id,
+                    config,
+                    heartbeat_interval_ms,
+                    retry_after_ms,
+                    load_reports,
+                )| {
                     Body::RegisterResponse(RegisterResponse {
                         accepted,
                         reason,
@@ -148,10 +159,19 @@ pub fn body() -> impl Strategy<Value = Body> {
                         config,
                         heartbeat_interval_ms,
                         retry_after_ms,
+                        load_reports,
                     })
                 }
             ),
-        text().prop_map(|node_id| Body::NodeReadyRequest(NodeReadyRequest { node_id })),
+        (text(), vec(load(), 0..3)).prop_map(|(node_id, held_elsewhere)| Body::NodeReadyRequest(
+            NodeReadyRequest {
+                node_id,
+                held_elsewhere
+            }
+        )),
+        vec(load(), 0..3)
+            .prop_map(|held_elsewhere| Body::NodeLoadReport(NodeLoadReport { held_elsewhere })),
+        text().prop_map(|reason| Body::NodeRehomeRequest(NodeRehomeRequest { reason })),
         (any::<bool>(), text()).prop_map(|(ready, reason)| Body::NodeReadyResponse(
             NodeReadyResponse { ready, reason }
         )),
@@ -307,4 +327,15 @@ pub fn body() -> impl Strategy<Value = Body> {
 
 pub fn envelope() -> impl Strategy<Value = Envelope> {
     body().prop_map(Envelope::new)
+}
+
+/// Any `AdapterLoad`.
+pub fn load() -> impl Strategy<Value = AdapterLoad> {
+    (text(), any::<u32>(), any::<u32>()).prop_map(|(adapter, in_flight, long_in_flight)| {
+        AdapterLoad {
+            adapter,
+            in_flight,
+            long_in_flight,
+        }
+    })
 }

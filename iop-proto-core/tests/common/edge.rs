@@ -148,6 +148,7 @@ impl Harness {
             conn,
             Body::NodeReadyRequest(NodeReadyRequest {
                 node_id: node_id.into(),
+                held_elsewhere: Vec::new(),
             }),
         );
     }
