@@ -186,7 +186,6 @@ fn a_load_report_that_breaks_the_contract_is_refused() {
 }
 
 mod node_side {
-    use iop_proto_core::testkit::internals::*;
     use iop_proto_core::wire::*;
     use iop_proto_core::*;
 
