@@ -291,3 +291,63 @@ proptest! {
         }
     }
 }
+
+/// The upgrade world (`testkit::upgrade`): Edge processes replaced one after another
+/// under load, nodes re-homing with a draining session beside the new one.
+#[test]
+fn every_upgrade_seed_keeps_every_invariant() {
+    use iop_proto_core::testkit::upgrade::{UpgradeFaults, run_upgrade_seed};
+    let (mut requests, mut completed, mut handovers, mut killed, mut rehomed, mut beside) =
+        (0, 0, 0, 0, 0, 0);
+    for seed in 0..seeds() {
+        match run_upgrade_seed(seed, UpgradeFaults::default()) {
+            Ok(stats) => {
+                requests += stats.requests;
+                completed += stats.completed;
+                handovers += stats.handovers;
+                killed += stats.killed;
+                rehomed += stats.rehomed;
+                beside += stats.beside_old;
+            }
+            Err(failure) => panic!("{failure}"),
+        }
+    }
+    println!(
+        "upgrade worlds: {requests} requests, {completed} completed, {handovers} handovers \
+         ({killed} killed midway), {rehomed} re-homes, {beside} dispatches beside an old session"
+    );
+    // The worlds exercise what they claim to.
+    assert!(handovers >= seeds() && rehomed > seeds() && killed > 0);
+    assert!(
+        beside > 0,
+        "new edges dispatched while old sessions still worked"
+    );
+    assert!(completed * 2 > requests, "{completed} of {requests}");
+}
+
+#[test]
+fn a_planted_dispatch_to_a_rehomed_session_is_caught() {
+    use iop_proto_core::testkit::upgrade::{UpgradeFaults, run_upgrade_seed};
+    let faults = UpgradeFaults {
+        rehome_behind_the_core: true,
+        ..UpgradeFaults::default()
+    };
+    let caught = (0..seeds()).find_map(|seed| run_upgrade_seed(seed, faults).err());
+    let failure = caught.expect("a dispatch to a session told to re-home is caught");
+    assert!(failure.contains("after telling it to re-home"), "{failure}");
+}
+
+#[test]
+fn a_planted_hidden_old_session_load_is_caught() {
+    use iop_proto_core::testkit::upgrade::{UpgradeFaults, run_upgrade_seed};
+    let faults = UpgradeFaults {
+        hide_held_elsewhere: true,
+        ..UpgradeFaults::default()
+    };
+    let caught = (0..seeds()).find_map(|seed| run_upgrade_seed(seed, faults).err());
+    let failure = caught.expect("oversubscription is caught");
+    assert!(
+        failure.contains("above capacity") || failure.contains("oversubscribed"),
+        "{failure}"
+    );
+}

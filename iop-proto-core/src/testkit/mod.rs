@@ -5,6 +5,7 @@ pub mod fuzz;
 pub mod harness;
 pub mod rng;
 pub mod sim;
+pub mod upgrade;
 
 use crate::wire::{AdapterConfig, AdapterType};
 use crate::{EdgeCore, NodeSession};
