@@ -87,6 +87,7 @@ async fn session<S: AsyncRead + AsyncWrite + Unpin>(
         Body::RegisterRequest(RegisterRequest {
             node_id: node.into(),
             token: TOKEN.into(),
+            rehome: true,
             ..RegisterRequest::default()
         }),
     )
@@ -124,11 +125,21 @@ async fn session<S: AsyncRead + AsyncWrite + Unpin>(
                     )
                     .await?;
                 }
+                // A re-home: this idle session has nothing to finish; dial again now.
+                Some(Body::NodeRehomeRequest(_)) => {
+                    REHOMED.with(|r| r.set(true));
+                    return Ok(());
+                }
                 Some(Body::RegisterResponse(_) | Body::NodeReadyResponse(_)) => return Ok(()),
                 _ => {}
             }
         }
     }
+}
+
+tokio::task_local! {
+    /// Set by a node's session when the Edge told it to re-home.
+    static REHOMED: std::cell::Cell<bool>;
 }
 
 /// Dials the listener on `port` from node `i`'s address and runs `connection` on each
@@ -169,7 +180,19 @@ where
             continue;
         };
         supervisor.handle_connected(now()).expect("dialing");
-        connection(tcp).await;
+        let rehomed = REHOMED
+            .scope(std::cell::Cell::new(false), async {
+                connection(tcp).await;
+                REHOMED.with(std::cell::Cell::get)
+            })
+            .await;
+        if rehomed {
+            // As `iop-node` does: dial again at once (the same address reaches the
+            // successor).
+            supervisor.handle_ready(now()).expect("connected");
+            supervisor.handle_rehome(now()).expect("ready");
+            continue;
+        }
         supervisor
             .handle_failure(now(), Failure::Reset)
             .expect("connected");
@@ -555,6 +578,108 @@ pub async fn measure(nodes: usize, link: Link, jitter: f64, raw: Duration) -> Ro
         raw,
         raw_again,
         tls_again,
+    }
+}
+
+/// Edge handovers per handover run; the median is reported.
+pub const HANDOVERS: usize = 5;
+
+/// What a handover run measured: all nodes ready from a cold start, and all nodes ready
+/// on the successor after `iop-edge --takeover` started (the median of [`HANDOVERS`]),
+/// each from the start of the Edge process.
+#[derive(Debug, Clone)]
+pub struct Handover {
+    /// The node link.
+    pub link: Link,
+    /// Nodes in the fleet.
+    pub nodes: usize,
+    /// From the Edge process's start (nodes already redialling) until all are ready.
+    pub cold: Option<Duration>,
+    /// From the successor's start until all nodes are ready on it (median).
+    pub handover: Option<Duration>,
+    /// Every handover, in order.
+    pub each: Vec<Option<Duration>>,
+}
+
+/// Runs a fleet of `nodes` over `link` (the node's default jitter), measures a cold
+/// start, then hands the Edge over [`HANDOVERS`] times to a successor started with
+/// `--takeover`, each time until every node is ready on it.
+pub async fn handover(nodes: usize, link: Link, jitter: f64) -> Handover {
+    let dir = TempDir::new("handover");
+    let (http, port) = (free_port(), free_port());
+    let connector = (link == Link::Tls).then(|| {
+        gen_cert(&dir, "edge-cert", &["localhost"], &[]);
+        connector_trusting(&dir.path().join("edge-cert.pem"))
+    });
+    let mut text = edge_toml(link, nodes, http, port);
+    text = text.replacen(
+        "[listen]\n",
+        &format!(
+            "[listen]\nupgrade_socket = \"{}\"\n",
+            dir.path().join("upgrade.sock").display()
+        ),
+        1,
+    );
+    let config = dir.write("edge.toml", &text);
+    let config = config.to_string_lossy().into_owned();
+    let ready = Arc::new(AtomicUsize::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    // The fleet redials from the start: a cold start is the Edge's start until all ready.
+    for i in 0..nodes {
+        tokio::spawn(node(
+            i,
+            port,
+            connector.clone(),
+            jitter,
+            ready.clone(),
+            stop.clone(),
+        ));
+    }
+    let start = |name: &str, takeover: bool| {
+        let mut args = vec!["--config", config.as_str()];
+        if takeover {
+            args.push("--takeover");
+        }
+        tokio::task::block_in_place(|| {
+            Proc::start("iop-edge", &args, &dir, name, &[("RUST_LOG", "warn")])
+        })
+    };
+    let started = Instant::now();
+    let mut edge = start("edge", false);
+    let cold = until(&ready, nodes, Duration::from_secs(60))
+        .await
+        .map(|_| started.elapsed());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut each = Vec::with_capacity(HANDOVERS);
+    for round in 0..HANDOVERS {
+        ready.store(0, Ordering::SeqCst);
+        let started = Instant::now();
+        let successor = start(&format!("edge-{round}"), true);
+        each.push(
+            until(&ready, nodes, Duration::from_secs(60))
+                .await
+                .map(|_| started.elapsed()),
+        );
+        let mut old = std::mem::replace(&mut edge, successor);
+        tokio::task::block_in_place(|| {
+            assert!(
+                old.wait_exit(Duration::from_secs(10)).is_some(),
+                "the old edge did not exit: {}",
+                old.log()
+            );
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    stop.store(true, Ordering::SeqCst);
+    tokio::task::block_in_place(|| drop(edge));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let handover = each.iter().copied().collect::<Option<Vec<_>>>().map(median);
+    Handover {
+        link,
+        nodes,
+        cold,
+        handover,
+        each,
     }
 }
 
