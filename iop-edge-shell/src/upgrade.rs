@@ -19,7 +19,8 @@
 //! request (the socket, and the bytes of that request already read): a caller's kept
 //! connection never closes under it, so no request meets a close. Each is a 4-byte
 //! big-endian length with the socket attached, then that many bytes: the peer address,
-//! a newline, and the bytes already read. Both ends check that the other runs as the
+//! `fresh` or `kept` (whether a request was served on it yet), a newline, and the bytes
+//! already read. Both ends check that the other runs as the
 //! same user (`SO_PEERCRED`), and the socket file is made readable by its owner only:
 //! another user can neither take the listeners nor pose as an Edge to a successor.
 
@@ -146,6 +147,8 @@ pub struct Moved {
     pub peer: std::net::SocketAddr,
     /// Bytes read from it and not yet answered.
     pub buffered: bytes::Bytes,
+    /// No request was read whole from it yet: its first bytes may still say HTTP/2.
+    pub fresh: bool,
 }
 
 /// Most bytes a moved connection carries (a head being read; more is not moved).
@@ -217,9 +220,10 @@ impl Arrivals {
                 "moved connection without its peer",
             )
         })?;
-        let peer = std::str::from_utf8(&payload[..split])
+        let (peer, fresh) = std::str::from_utf8(&payload[..split])
             .ok()
-            .and_then(|p| p.parse().ok())
+            .and_then(|line| line.split_once(' '))
+            .and_then(|(peer, fresh)| Some((peer.parse().ok()?, fresh == "fresh")))
             .ok_or_else(|| {
                 std::io::Error::new(
                     std::io::ErrorKind::InvalidData,
@@ -231,6 +235,7 @@ impl Arrivals {
             stream: std::net::TcpStream::from(fd),
             peer,
             buffered,
+            fresh,
         }))
     }
 }
@@ -281,7 +286,8 @@ impl Mover {
 }
 
 fn send_moved(channel: &mut UnixStream, moved: &Moved) -> std::io::Result<()> {
-    let mut payload = format!("{}\n", moved.peer).into_bytes();
+    let fresh = if moved.fresh { "fresh" } else { "kept" };
+    let mut payload = format!("{} {fresh}\n", moved.peer).into_bytes();
     payload.extend_from_slice(&moved.buffered);
     let len = u32::try_from(payload.len())
         .map_err(|_| std::io::Error::other("moved connection too large"))?
@@ -491,6 +497,7 @@ mod tests {
                 stream: held,
                 peer,
                 buffered: bytes::Bytes::from_static(b"GET / HTTP/1.1\r\n"),
+                fresh: true,
             })
             .expect("moved");
         drop(mover);
@@ -498,6 +505,7 @@ mod tests {
         let receiving = std::thread::spawn(move || arrivals.receive(|m| tx.send(m).unwrap()));
         let moved = rx.recv_timeout(Duration::from_secs(5)).expect("arrived");
         assert_eq!(moved.peer, peer);
+        assert!(moved.fresh);
         assert_eq!(&moved.buffered[..], b"GET / HTTP/1.1\r\n");
         // The rest of the request reaches the successor's socket, and its answer the caller.
         caller.write_all(b"Host: x\r\n\r\n").unwrap();

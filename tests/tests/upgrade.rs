@@ -193,6 +193,15 @@ async fn replacing_the_edge_twice_under_load_loses_no_request_and_no_stream() {
     // The same binary and configuration.
     let mut first = take_over(&mut cluster, "edge-2");
     nodes_rehomed(&cluster, &[&n1, &n2], 1).await;
+    // The streams still running for the old process hold capacity the new one counts.
+    let status = cluster.admin().status().await;
+    let held: u64 = status["providers"]
+        .as_array()
+        .expect("providers")
+        .iter()
+        .map(|p| p["held_elsewhere"].as_u64().unwrap_or(0))
+        .sum();
+    assert!(held > 0, "no capacity held elsewhere: {status}");
     // Its last stream began less than 3 s before the hand-over.
     assert!(
         first.wait_exit(Duration::from_secs(15)).is_some(),
@@ -321,5 +330,47 @@ async fn killing_the_old_edge_mid_handover_cuts_its_streams_and_the_new_one_serv
             n1.log().contains("re-homed session over") && n2.log().contains("re-homed session over")
         }),
         "the nodes' sessions to the killed edge ended"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_idle_kept_connection_moves_to_the_successor_and_an_http2_stream_finishes() {
+    let mut cluster = Cluster::start("", &body("one two", 30));
+    let _n1 = cluster.node("n1", "tok-n1-long-enough-secret");
+    let _n2 = cluster.node("n2", "tok-n2-long-enough-secret");
+    cluster.wait_ready("n1").await;
+    cluster.wait_ready("n2").await;
+    // One kept HTTP/1.1 connection, idle at the handover.
+    let kept = cluster.http();
+    let ask = json!({"model": "chat", "messages": [{"role": "user", "content": "x"}]});
+    assert_eq!(kept.post("/v1/chat/completions", &ask).await.status, 200);
+    // One HTTP/2 stream under way.
+    let long =
+        json!({"model": "long", "stream": true, "messages": [{"role": "user", "content": "x"}]});
+    let mut h2 =
+        iop_blackbox::client::post_h2c(cluster.http_port, "/v1/chat/completions", &long).await;
+    assert_eq!(h2.status(), 200);
+
+    let mut old = take_over(&mut cluster, "edge-2");
+    // The kept connection carries on, now to the successor: the old process moved it.
+    for _ in 0..3 {
+        let r = kept.post("/v1/chat/completions", &ask).await;
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    }
+    let (events, ended) = read_sse(h2.body_mut(), Duration::from_secs(15)).await;
+    assert!(
+        ended && events.last().map(String::as_str) == Some("[DONE]"),
+        "the HTTP/2 stream finishes whole on the old process: {events:?}\n{}",
+        old.log()
+    );
+    assert!(
+        old.wait_exit(Duration::from_secs(10)).is_some(),
+        "{}",
+        old.log()
+    );
+    let log = old.log();
+    assert!(
+        log.contains("connections moved to the successor") && !log.contains("moved=0"),
+        "the idle connection moved: {log}"
     );
 }

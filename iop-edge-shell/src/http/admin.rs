@@ -177,6 +177,12 @@ pub(super) async fn status(state: &State) -> Response<ResBody> {
                 "long_capacity": p.long_capacity,
                 "in_flight": p.in_flight,
                 "long_in_flight": p.long_in_flight,
+                // Units a re-homed node's work for the previous Edge process still holds.
+                "held_elsewhere": snapshot
+                    .routing
+                    .iter()
+                    .find(|r| *r.node_id == *p.node_id && *r.provider_id == *p.provider_id)
+                    .map_or(0, |r| r.held_elsewhere),
                 "queued": p.queued,
                 "long_queued": p.long_queued,
                 "targets": p.targets,

@@ -200,8 +200,9 @@ pub(super) async fn serve_moved(
     state: Arc<State>,
     settings: &HttpSettings,
     buffered: Bytes,
+    fresh: bool,
 ) {
-    serve_from(stream, peer, state, settings, Some(buffered)).await;
+    serve_from(stream, peer, state, settings, Some((buffered, fresh))).await;
 }
 
 async fn serve_from(
@@ -209,11 +210,11 @@ async fn serve_from(
     peer: SocketAddr,
     state: Arc<State>,
     settings: &HttpSettings,
-    moved: Option<Bytes>,
+    moved: Option<(Bytes, bool)>,
 ) {
     let mut read = ReadSide::new();
-    let first = moved.is_none();
-    if let Some(bytes) = moved {
+    let first = moved.as_ref().is_none_or(|(_, fresh)| *fresh);
+    if let Some((bytes, _)) = moved {
         read.buf.extend_from_slice(&bytes);
     }
     let mut conn = Conn {
@@ -235,7 +236,7 @@ async fn serve_from(
             Ok(head) => head,
             Err(NoHead::Gone) => return,
             Err(NoHead::Move) => {
-                conn.move_on(&state);
+                conn.move_on(&state, first);
                 return;
             }
             Err(NoHead::Refused(refusal)) => {
@@ -261,7 +262,7 @@ async fn serve_from(
             // Also a response that began before the Edge started draining (or handing
             // over) ends its connection.
             Ok(true) if state.drain.mover().is_some() => {
-                conn.move_on(&state);
+                conn.move_on(&state, false);
                 return;
             }
             Ok(true) if !state.drain.is_closing() => {}
@@ -382,7 +383,7 @@ impl Conn {
 
     /// Moves this connection, between requests, to the successor that took over (with
     /// the bytes of its next request read so far); closes it when it cannot move.
-    fn move_on(self, state: &State) {
+    fn move_on(self, state: &State, fresh: bool) {
         let Some(mover) = state.drain.mover() else {
             return;
         };
@@ -400,6 +401,7 @@ impl Conn {
             stream,
             peer: self.peer,
             buffered: read.buf.freeze(),
+            fresh,
         };
         if mover.send(moved).is_err() {
             debug!(peer = %self.peer, "connection not moved: the successor went away");

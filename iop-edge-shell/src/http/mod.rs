@@ -229,6 +229,7 @@ pub async fn serve_moved(moved: crate::upgrade::Moved, state: Arc<State>) {
         stream,
         peer,
         buffered,
+        fresh,
     } = moved;
     let stream = match stream
         .set_nonblocking(true)
@@ -247,7 +248,7 @@ pub async fn serve_moved(moved: crate::upgrade::Moved, state: Arc<State>) {
     tokio::spawn(async move {
         let _slot = slot;
         let settings = state.settings();
-        h1::serve_moved(stream, peer, state, &settings, buffered).await;
+        h1::serve_moved(stream, peer, state, &settings, buffered, fresh).await;
     });
 }
 

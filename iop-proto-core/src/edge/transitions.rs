@@ -1324,6 +1324,7 @@ impl EdgeCore {
                     consecutive_failures,
                     failure_share,
                     first_byte: latency.map(Duration::from_secs_f64),
+                    held_elsewhere: self.pool.usage(r).held_elsewhere,
                 });
             }
         }

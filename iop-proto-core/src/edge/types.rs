@@ -460,6 +460,9 @@ pub struct ProviderRouting {
     pub failure_share: f64,
     /// The average first-byte latency, once it answered.
     pub first_byte: Option<Duration>,
+    /// Units its node's work for an earlier Edge process still holds (a re-homed node's
+    /// draining session), counted as taken here.
+    pub held_elsewhere: u32,
 }
 
 /// A failed registration whose answer the throttle holds back.
