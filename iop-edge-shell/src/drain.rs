@@ -39,6 +39,8 @@ pub struct Drain {
     /// connections.
     began: CancellationToken,
     open: AtomicUsize,
+    /// Of those, the ones not yet handed to the core (their body still being read).
+    arriving: AtomicUsize,
 }
 
 impl Drain {
@@ -50,7 +52,11 @@ impl Drain {
         // sequentially consistent): a request that arrives as the drain begins is either
         // refused or waited for, never cut.
         self.open.fetch_add(1, Ordering::SeqCst);
-        let open = Open(Arc::clone(self));
+        self.arriving.fetch_add(1, Ordering::SeqCst);
+        let open = Open {
+            drain: Arc::clone(self),
+            arriving: true,
+        };
         if self.draining.load(Ordering::SeqCst) {
             return None;
         }
@@ -121,6 +127,13 @@ impl Drain {
         self.open.load(Ordering::SeqCst)
     }
 
+    /// Requests open now and not yet handed to the core ([`Open::submitted`]): an Edge
+    /// handing over keeps its nodes until there are none.
+    #[must_use]
+    pub fn arriving(&self) -> usize {
+        self.arriving.load(Ordering::SeqCst)
+    }
+
     /// Returns once no request is open (after [`Drain::begin`], no new one opens).
     pub async fn idle(&self) {
         while self.open() > 0 {
@@ -131,11 +144,24 @@ impl Drain {
 
 /// An open request; dropping it closes it.
 #[derive(Debug)]
-pub struct Open(Arc<Drain>);
+pub struct Open {
+    drain: Arc<Drain>,
+    arriving: bool,
+}
+
+impl Open {
+    /// The request was handed to the core (accepted or refused): no longer arriving.
+    pub fn submitted(&mut self) {
+        if std::mem::take(&mut self.arriving) {
+            self.drain.arriving.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
 
 impl Drop for Open {
     fn drop(&mut self) {
-        self.0.open.fetch_sub(1, Ordering::SeqCst);
+        self.submitted();
+        self.drain.open.fetch_sub(1, Ordering::SeqCst);
     }
 }
 

@@ -228,14 +228,18 @@ pub async fn run(
         state.drain.hand_over(Some(successor.done()));
         info!("handing over: the successor accepts now; requests in flight here run to their end");
         // Requests still arriving on connections open here are served while the nodes
-        // stay: until no connection is idle and nothing waits for capacity, for a moment
-        // at most. Then the nodes re-home and this process drains.
+        // stay: until every connection has moved or is busy, every request has reached
+        // the core and nothing waits for capacity, for a moment at most. Then the nodes
+        // re-home and this process drains.
         let quiet_by = tokio::time::Instant::now() + HAND_OVER_QUIET;
         while tokio::time::Instant::now() < quiet_by && !stop.now.is_cancelled() {
             let (reply, waiting) = tokio::sync::oneshot::channel();
             let _ = core.send(driver::CoreMsg::Waiting { reply });
             let waiting = waiting.await.unwrap_or(0);
-            if waiting == 0 && state.connections.held() <= state.drain.open() {
+            if waiting == 0
+                && state.drain.arriving() == 0
+                && state.connections.held() <= state.drain.open()
+            {
                 break;
             }
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;

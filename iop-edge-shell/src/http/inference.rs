@@ -501,7 +501,7 @@ async fn handle<B: ReqBody>(
     };
     // Counted from here to the end of its response, so that a draining Edge waits for
     // it; one that arrives while the Edge drains is refused.
-    let Some(open) = state.drain.enter() else {
+    let Some(mut open) = state.drain.enter() else {
         return refuse(&mut finish, &ApiError::shutting_down());
     };
     // The provider sees the request under the same id as the caller and both logs.
@@ -621,7 +621,9 @@ async fn handle<B: ReqBody>(
         return refuse(&mut finish, &ApiError::shutting_down());
     }
     finish.model = model;
-    let request = match answer.await {
+    let answer = answer.await;
+    open.submitted();
+    let request = match answer {
         Ok(Ok(request)) => request,
         Ok(Err(refused)) => {
             if matches!(refused, iop_proto_core::SubmitError::UnknownModel(_)) {
