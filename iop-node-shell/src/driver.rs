@@ -150,12 +150,10 @@ impl Elsewhere {
             .each
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let ended = load.is_none();
         match load {
             Some(load) => each.insert(key, load),
-            None => {
-                self.running.fetch_sub(1, Ordering::SeqCst);
-                each.remove(&key)
-            }
+            None => each.remove(&key),
         };
         let mut sum: std::collections::BTreeMap<&str, (u32, u32)> = Default::default();
         for load in each.values().flatten() {
@@ -176,6 +174,11 @@ impl Elsewhere {
             *current = sum;
             changed
         });
+        // Counted out only once its last figures are sent: a session that sees none
+        // running still finds them (`Receiver::has_changed`).
+        if ended {
+            self.running.fetch_sub(1, Ordering::SeqCst);
+        }
     }
 }
 
@@ -339,7 +342,10 @@ where
             c.out = BytesMut::new();
         }
         c.read_buf.reserve(READ_CHUNK);
-        let tracks_held = c.elsewhere.is_none();
+        // Only while some re-homed session runs, or its last figures wait: the branch
+        // costs a poll on every wake otherwise.
+        let tracks_held = c.elsewhere.is_none()
+            && (ctx.elsewhere.running() > 0 || held.has_changed().unwrap_or(false));
         tokio::select! {
             () = &mut stopping, if !c.stop_sent => {
                 c.stop_sent = true;
