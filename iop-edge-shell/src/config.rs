@@ -655,13 +655,13 @@ fn named_keys(
         if out.iter().any(|o| o.verifier == verifier) {
             return Err(invalid(at("key"), "is another named key's too"));
         }
-        if let Some(listed) = &k.models {
-            if let Some(unknown) = listed.iter().find(|m| !models.contains_key(m.as_str())) {
-                return Err(invalid(
-                    at("models"),
-                    format!("{unknown:?} is no [[models]] name"),
-                ));
-            }
+        if let Some(listed) = &k.models
+            && let Some(unknown) = listed.iter().find(|m| !models.contains_key(m.as_str()))
+        {
+            return Err(invalid(
+                at("models"),
+                format!("{unknown:?} is no [[models]] name"),
+            ));
         }
         let positive = |field: &str, v: Option<u64>| match v {
             Some(0) => Err(invalid(

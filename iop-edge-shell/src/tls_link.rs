@@ -301,10 +301,10 @@ impl TlsLink {
             if matches!(next, Some(Next::PeerClosed)) {
                 self.read_closed = true;
             }
-            if self.plain.len() - self.plain_at > had || self.read_closed {
-                if let Some(reader) = self.read_waker.take() {
-                    reader.wake();
-                }
+            if (self.plain.len() - self.plain_at > had || self.read_closed)
+                && let Some(reader) = self.read_waker.take()
+            {
+                reader.wake();
             }
         }
         Err(tls_error("TLS session cannot send application data"))

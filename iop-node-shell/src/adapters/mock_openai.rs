@@ -416,10 +416,10 @@ async fn whole(sink: &Sink, status: u32, body: Bytes, usage: Option<Usage>) {
     {
         return;
     }
-    if let Some(usage) = usage {
-        if !sink.tunnel(TunnelOutput::Usage(usage)).await {
-            return;
-        }
+    if let Some(usage) = usage
+        && !sink.tunnel(TunnelOutput::Usage(usage)).await
+    {
+        return;
     }
     let _ = sink.tunnel(TunnelOutput::End).await;
 }

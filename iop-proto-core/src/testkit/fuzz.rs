@@ -29,7 +29,7 @@ pub fn frame_decoder(data: &[u8]) {
         while !rest.is_empty() {
             let size = 1 + usize::from(data[i % data.len()]) % 7;
             let (piece, tail) = rest.split_at(size.min(rest.len()));
-            if i % 2 == 0 {
+            if i.is_multiple_of(2) {
                 decoder.push(piece);
             } else {
                 decoder.push_bytes(Bytes::copy_from_slice(piece));
@@ -145,7 +145,7 @@ fn structured_envelope(input: &mut Input<'_>) -> Option<Envelope> {
         }
         1 => Body::RegisterRequest(RegisterRequest {
             node_id,
-            token: if input.byte() % 4 == 0 {
+            token: if input.byte().is_multiple_of(4) {
                 "bad".into()
             } else {
                 "sim-token".into()
@@ -185,11 +185,11 @@ fn structured_envelope(input: &mut Input<'_>) -> Option<Envelope> {
             ..NodeConfigRefreshResponse::default()
         }),
         // A node stopping gracefully, now and then, ready or not.
-        _ if input.byte() % 8 == 0 => Body::NodeDrainRequest(NodeDrainRequest {
+        _ if input.byte().is_multiple_of(8) => Body::NodeDrainRequest(NodeDrainRequest {
             reason: "local shutdown".into(),
         }),
         // A re-homed node's load elsewhere, ready or not, right or wrong.
-        _ if input.byte() % 8 == 0 => Body::NodeLoadReport(crate::wire::NodeLoadReport {
+        _ if input.byte().is_multiple_of(8) => Body::NodeLoadReport(crate::wire::NodeLoadReport {
             held_elsewhere: loads(input),
         }),
         _ => Body::CancelRequest(CancelRequest {
