@@ -374,3 +374,58 @@ async fn an_idle_kept_connection_moves_to_the_successor_and_an_http2_stream_fini
         "the idle connection moved: {log}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn killing_the_old_edge_as_soon_as_the_successor_serves_loses_only_its_streams() {
+    let mut cluster = Cluster::start("", &body("one two", 80));
+    let _n1 = cluster.node("n1", "tok-n1-long-enough-secret");
+    let _n2 = cluster.node("n2", "tok-n2-long-enough-secret");
+    cluster.wait_ready("n1").await;
+    cluster.wait_ready("n2").await;
+    let ask =
+        json!({"model": "long", "stream": true, "messages": [{"role": "user", "content": "x"}]});
+    let mut streams = Vec::new();
+    for _ in 0..6 {
+        let mut s = cluster
+            .http()
+            .post_stream("/v1/chat/completions", &ask)
+            .await;
+        assert_eq!(s.status(), 200);
+        assert!(
+            iop_blackbox::client::next_sse(s.body_mut(), Duration::from_secs(5))
+                .await
+                .is_some()
+        );
+        streams.push(s);
+    }
+    // Killed before its nodes can have re-homed: they find their link gone and redial.
+    let old = take_over(&mut cluster, "edge-2");
+    old.signal("KILL");
+    let killed = Instant::now();
+    for s in &mut streams {
+        let (events, ended) = read_sse(s.body_mut(), Duration::from_secs(10)).await;
+        assert!(killed.elapsed() < Duration::from_secs(5), "a stream hung");
+        assert!(!(ended && events.last().map(String::as_str) == Some("[DONE]")));
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let status = cluster.admin().status().await;
+        let ready = status["nodes"]
+            .as_array()
+            .is_some_and(|n| n.iter().all(|n| n["connected"] == json!(true)));
+        if ready {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "nodes not back: {status}\n{}",
+            cluster.edge.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let small = json!({"model": "chat", "messages": [{"role": "user", "content": "x"}]});
+    for _ in 0..10 {
+        let r = cluster.http().post("/v1/chat/completions", &small).await;
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    }
+}
