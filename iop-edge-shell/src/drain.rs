@@ -13,12 +13,6 @@ use std::time::Duration;
 
 use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
 
-/// How long a connection may sit idle, waiting for its next request, once the Edge hands
-/// over to a successor: a caller that sends at once is still served here, one that
-/// does not finds the connection closed and connects anew, to the successor. (Closed at
-/// once, a request already on its way would meet the close.)
-pub const HAND_OVER_IDLE: Duration = Duration::from_millis(250);
-
 /// How often a drain looks whether the requests in flight have ended.
 const LOOK_EVERY: Duration = Duration::from_millis(10);
 
@@ -30,13 +24,10 @@ pub struct Drain {
     /// reads against the count (see [`Drain::enter`]): both sides need sequentially
     /// consistent order, which the token does not promise.
     draining: AtomicBool,
-    /// A successor serves on the listeners now ([`Drain::hand_over`]): requests are still
-    /// taken, but every connection closes after its response, and an idle one soon.
-    handing_over: AtomicBool,
-    /// Where connections move to when a successor took over (not set: they close).
+    /// Where connections move to once a successor took over ([`Drain::hand_over`]).
     mover: std::sync::OnceLock<crate::upgrade::Mover>,
     /// Cancelled when the drain or the hand-over begins, to wake what waits on idle
-    /// connections.
+    /// connections (they close, or move).
     began: CancellationToken,
     open: AtomicUsize,
     /// Of those, the ones not yet handed to the core (their body still being read).
@@ -70,18 +61,11 @@ impl Drain {
     }
 
     /// A successor serves on the listeners now: requests on the connections still open
-    /// here are still taken, but each connection closes after its response (the caller's
-    /// next request reaches the successor), and one that sits idle closes after
-    /// [`HAND_OVER_IDLE`].
-    ///
-    /// With a `mover`, a plaintext HTTP/1.1 connection instead moves to the successor as
-    /// soon as it waits for its next request (see [`crate::upgrade`]); only connections
-    /// that cannot move (TLS, HTTP/2) close.
-    pub fn hand_over(&self, mover: Option<crate::upgrade::Mover>) {
-        if let Some(mover) = mover {
-            let _ = self.mover.set(mover);
-        }
-        self.handing_over.store(true, Ordering::SeqCst);
+    /// here are still taken, and each plaintext HTTP/1.1 connection moves to `mover` as
+    /// soon as it waits for its next request (see [`crate::upgrade`]); connections that
+    /// cannot move (TLS, HTTP/2) close as in a drain.
+    pub fn hand_over(&self, mover: crate::upgrade::Mover) {
+        let _ = self.mover.set(mover);
         self.began.cancel();
     }
 
@@ -89,24 +73,6 @@ impl Drain {
     #[must_use]
     pub fn mover(&self) -> Option<&crate::upgrade::Mover> {
         self.mover.get()
-    }
-
-    /// Whether a connection should close after its response: draining, or handing over
-    /// with nowhere to move it.
-    #[must_use]
-    pub fn is_closing(&self) -> bool {
-        self.draining.load(Ordering::Relaxed)
-            || (self.handing_over.load(Ordering::Relaxed) && self.mover.get().is_none())
-    }
-
-    /// Whether the Edge hands over to a successor ([`Drain::hand_over`]) with nowhere to
-    /// move connections, and is not draining on its way out as well: idle connections
-    /// linger a moment, then close.
-    #[must_use]
-    pub fn is_handing_over(&self) -> bool {
-        self.handing_over.load(Ordering::Relaxed)
-            && !self.draining.load(Ordering::Relaxed)
-            && self.mover.get().is_none()
     }
 
     /// Resolves once the drain has begun: a connection waiting for its next request

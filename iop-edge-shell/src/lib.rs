@@ -225,7 +225,7 @@ pub async fn run(
         let _ = node_accepting.await;
         let _ = http_accepting.await;
         tenants.hand_over().await;
-        state.drain.hand_over(Some(successor.done()));
+        state.drain.hand_over(successor.done());
         info!("handing over: the successor accepts now; requests in flight here run to their end");
         // Requests still arriving on connections open here are served while the nodes
         // stay: until every connection has moved or is busy, every request has reached

@@ -155,20 +155,7 @@ impl Elsewhere {
             Some(load) => each.insert(key, load),
             None => each.remove(&key),
         };
-        let mut sum: std::collections::BTreeMap<&str, (u32, u32)> = Default::default();
-        for load in each.values().flatten() {
-            let entry = sum.entry(load.adapter.as_str()).or_default();
-            entry.0 = entry.0.saturating_add(load.in_flight);
-            entry.1 = entry.1.saturating_add(load.long_in_flight);
-        }
-        let sum: Vec<AdapterLoad> = sum
-            .into_iter()
-            .map(|(adapter, (in_flight, long_in_flight))| AdapterLoad {
-                adapter: adapter.to_owned(),
-                in_flight,
-                long_in_flight,
-            })
-            .collect();
+        let sum = iop_proto_core::sum_loads(each.values().flatten());
         self.sum.send_if_modified(|current| {
             let changed = *current != sum;
             *current = sum;

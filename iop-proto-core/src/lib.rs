@@ -215,7 +215,7 @@ pub use run::RunViolation;
 pub use session::{
     AdapterDiff, CancelError, EdgeViolation, NodeSession, NodeTransmit, Returned, RunOutput,
     SessionConfig, SessionEnd, SessionError, SessionEvent, SessionState, TunnelOutput, WorkRefusal,
-    WorkStep, diff_adapters,
+    WorkStep, diff_adapters, sum_loads,
 };
 pub use time::Timestamp;
 pub use token::{SecretError, TokenVerifier};

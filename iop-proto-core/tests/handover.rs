@@ -215,6 +215,19 @@ mod node_side {
         out
     }
 
+    /// The Edge answers the ready: the session takes work.
+    fn readied(s: &mut NodeSession) {
+        s.handle_envelope(
+            Timestamp::ZERO,
+            Envelope::new(Body::NodeReadyResponse(NodeReadyResponse {
+                ready: true,
+                reason: String::new(),
+            })),
+        )
+        .unwrap();
+        while s.poll_event().is_some() {}
+    }
+
     fn session(load_reports: bool) -> NodeSession {
         let mut config = SessionConfig::new("n1", "tok");
         config.rehome = true;
@@ -263,15 +276,7 @@ mod node_side {
             }
             other => panic!("{other:?}"),
         }
-        s.handle_envelope(
-            t,
-            Envelope::new(Body::NodeReadyResponse(NodeReadyResponse {
-                ready: true,
-                reason: String::new(),
-            })),
-        )
-        .unwrap();
-        while s.poll_event().is_some() {}
+        readied(&mut s);
         // One unit is held elsewhere: the gate takes one run, then refuses.
         for (i, id) in ["r1", "r2"].into_iter().enumerate() {
             s.handle_envelope(
@@ -303,6 +308,21 @@ mod node_side {
     }
 
     #[test]
+    fn loads_of_several_old_sessions_sum_by_adapter() {
+        let load = |adapter: &str, n, long| AdapterLoad {
+            adapter: adapter.into(),
+            in_flight: n,
+            long_in_flight: long,
+        };
+        let a = [load("b", 2, 1), load("a", 1, 0)];
+        let b = [load("a", 3, 1), load("c", 0, 0)];
+        assert_eq!(
+            sum_loads(a.iter().chain(&b)),
+            vec![load("a", 4, 1), load("b", 2, 1)]
+        );
+    }
+
+    #[test]
     fn an_edge_that_takes_no_reports_gets_none() {
         let mut s = session(false);
         let t = Timestamp::ZERO;
@@ -316,15 +336,7 @@ mod node_side {
         let mut s = session(true);
         let t = Timestamp::ZERO;
         let _ = frames(&mut s);
-        s.handle_envelope(
-            t,
-            Envelope::new(Body::NodeReadyResponse(NodeReadyResponse {
-                ready: true,
-                reason: String::new(),
-            })),
-        )
-        .unwrap();
-        while s.poll_event().is_some() {}
+        readied(&mut s);
         for _ in 0..2 {
             s.handle_envelope(
                 t,

@@ -153,27 +153,59 @@ fn take_over(cluster: &mut Cluster, name: &str) -> Proc {
 /// Both nodes are ready on the process that now answers the listener, each having
 /// re-homed (or connected afresh) `times` times in all.
 async fn nodes_rehomed(cluster: &Cluster, nodes: &[&Proc], times: usize) {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let rehomed = nodes.iter().all(|n| {
+    let rehomed = || {
+        nodes.iter().all(|n| {
             n.log()
                 .matches("the edge is handing over: re-homing")
                 .count()
                 >= times
-        });
-        let status = cluster.admin().status().await;
-        let ready = status["nodes"].as_array().is_some_and(|nodes| {
-            nodes.len() == 2 && nodes.iter().all(|n| n["connected"] == json!(true))
-        });
-        if rehomed && ready {
-            return;
-        }
+        })
+    };
+    assert!(
+        wait_until(Duration::from_secs(5), rehomed) && all_connected(cluster).await,
+        "nodes not on the new edge within 5 s\n--- edge\n{}\n--- node\n{}",
+        cluster.edge.log(),
+        nodes[0].log()
+    );
+}
+
+/// `n` streams of the `long` model, each with its first event read.
+async fn streams_under_way(
+    cluster: &Cluster,
+    n: usize,
+) -> Vec<http::Response<hyper::body::Incoming>> {
+    let ask =
+        json!({"model": "long", "stream": true, "messages": [{"role": "user", "content": "x"}]});
+    let mut streams = Vec::with_capacity(n);
+    for _ in 0..n {
+        let mut s = cluster
+            .http()
+            .post_stream("/v1/chat/completions", &ask)
+            .await;
+        assert_eq!(s.status(), 200);
         assert!(
-            Instant::now() < deadline,
-            "nodes not on the new edge within 5 s: {status}\n--- edge\n{}\n--- node\n{}",
-            cluster.edge.log(),
-            nodes[0].log()
+            iop_blackbox::client::next_sse(s.body_mut(), Duration::from_secs(5))
+                .await
+                .is_some()
         );
+        streams.push(s);
+    }
+    streams
+}
+
+/// Both nodes ready on the process that answers the listener, within 5 s.
+async fn all_connected(cluster: &Cluster) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let status = cluster.admin().status().await;
+        if status["nodes"].as_array().is_some_and(|nodes| {
+            nodes.len() == 2 && nodes.iter().all(|n| n["connected"] == json!(true))
+        }) {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -265,22 +297,7 @@ async fn killing_the_old_edge_mid_handover_cuts_its_streams_and_the_new_one_serv
     let n2 = cluster.node("n2", "tok-n2-long-enough-secret");
     cluster.wait_ready("n1").await;
     cluster.wait_ready("n2").await;
-    let ask =
-        json!({"model": "long", "stream": true, "messages": [{"role": "user", "content": "x"}]});
-    let mut streams = Vec::new();
-    for _ in 0..10 {
-        let mut s = cluster
-            .http()
-            .post_stream("/v1/chat/completions", &ask)
-            .await;
-        assert_eq!(s.status(), 200);
-        assert!(
-            iop_blackbox::client::next_sse(s.body_mut(), Duration::from_secs(5))
-                .await
-                .is_some()
-        );
-        streams.push(s);
-    }
+    let mut streams = streams_under_way(&cluster, 10).await;
 
     let mut old = take_over(&mut cluster, "edge-2");
     assert!(
@@ -383,22 +400,7 @@ async fn killing_the_old_edge_as_soon_as_the_successor_serves_loses_only_its_str
     let _n2 = cluster.node("n2", "tok-n2-long-enough-secret");
     cluster.wait_ready("n1").await;
     cluster.wait_ready("n2").await;
-    let ask =
-        json!({"model": "long", "stream": true, "messages": [{"role": "user", "content": "x"}]});
-    let mut streams = Vec::new();
-    for _ in 0..6 {
-        let mut s = cluster
-            .http()
-            .post_stream("/v1/chat/completions", &ask)
-            .await;
-        assert_eq!(s.status(), 200);
-        assert!(
-            iop_blackbox::client::next_sse(s.body_mut(), Duration::from_secs(5))
-                .await
-                .is_some()
-        );
-        streams.push(s);
-    }
+    let mut streams = streams_under_way(&cluster, 6).await;
     // Killed before its nodes can have re-homed: they find their link gone and redial.
     let old = take_over(&mut cluster, "edge-2");
     old.signal("KILL");
@@ -408,22 +410,11 @@ async fn killing_the_old_edge_as_soon_as_the_successor_serves_loses_only_its_str
         assert!(killed.elapsed() < Duration::from_secs(5), "a stream hung");
         assert!(!(ended && events.last().map(String::as_str) == Some("[DONE]")));
     }
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let status = cluster.admin().status().await;
-        let ready = status["nodes"]
-            .as_array()
-            .is_some_and(|n| n.iter().all(|n| n["connected"] == json!(true)));
-        if ready {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "nodes not back: {status}\n{}",
-            cluster.edge.log()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    assert!(
+        all_connected(&cluster).await,
+        "nodes not back: {}",
+        cluster.edge.log()
+    );
     let small = json!({"model": "chat", "messages": [{"role": "user", "content": "x"}]});
     for _ in 0..10 {
         let r = cluster.http().post("/v1/chat/completions", &small).await;

@@ -265,7 +265,7 @@ async fn serve_from(
                 conn.move_on(&state, false);
                 return;
             }
-            Ok(true) if !state.drain.is_closing() => {}
+            Ok(true) if !state.drain.is_draining() => {}
             Ok(_) | Err(_) => return,
         }
     }
@@ -289,15 +289,11 @@ impl Conn {
         let began = drain.began();
         tokio::pin!(began);
         let mut started = first;
-        // Handing over: the idle wait is cut short once, not closed at once.
-        let mut lingering = drain.is_handing_over();
         if !first {
             let buffered = !lock(&self.read).buf.is_empty();
             let limit = if buffered {
                 started = true;
                 settings.header_read_timeout
-            } else if drain.is_handing_over() {
-                settings.idle_timeout.min(crate::drain::HAND_OVER_IDLE)
             } else {
                 settings.idle_timeout
             };
@@ -336,26 +332,15 @@ impl Conn {
                 if let Poll::Ready(read) = lock(read).poll_read(stream, cx) {
                     return Poll::Ready(Some(read));
                 }
-                if (idle || drain.mover().is_some())
-                    && !lingering
-                    && began.as_mut().poll(cx).is_ready()
-                {
+                if (idle || drain.mover().is_some()) && began.as_mut().poll(cx).is_ready() {
                     return Poll::Ready(None);
                 }
                 timer.as_mut().poll(cx).map(|()| None)
             })
             .await;
             match outcome {
-                None if drain.mover().is_some() && !lingering => return Err(NoHead::Move),
-                None if idle && drain.is_handing_over() && !lingering => {
-                    // A successor serves now: this connection waits a moment longer for a
-                    // request already on its way, then closes.
-                    lingering = true;
-                    let by = Instant::now() + crate::drain::HAND_OVER_IDLE;
-                    if self.timer.deadline() > by {
-                        self.timer.as_mut().reset(by);
-                    }
-                }
+                // A successor took over: the connection moves, with what was read.
+                None if drain.mover().is_some() => return Err(NoHead::Move),
                 None if idle && drain.is_draining() => {
                     debug!(peer = %self.peer, "closing an idle http connection: the edge is draining");
                     return Err(NoHead::Gone);
@@ -461,7 +446,7 @@ impl Conn {
         };
         // A draining Edge says so in the response: the caller takes its next request
         // elsewhere.
-        let keep_alive = keep_alive && body_read && !state.drain.is_closing();
+        let keep_alive = keep_alive && body_read && !state.drain.is_draining();
         self.respond(response, head_request, http10, keep_alive)
             .await
     }

@@ -505,8 +505,12 @@ impl EdgeCore {
         };
         if candidates.is_empty() || self.registry.handing_over {
             let mut cx = cx!(self);
-            let nothing = Outcome::Failed(RequestError::NodeLost {
-                node_id: Arc::from(""),
+            let nothing = Outcome::Failed(if self.registry.handing_over {
+                RequestError::HandingOver
+            } else {
+                RequestError::NodeLost {
+                    node_id: Arc::from(""),
+                }
             });
             self.requests.end_failed(&mut cx, request, nothing);
             return;

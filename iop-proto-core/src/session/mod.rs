@@ -50,6 +50,27 @@ mod types;
 mod work;
 
 pub use config::{AdapterDiff, diff_adapters};
+
+/// What several sessions' work holds, summed by adapter: the `held_elsewhere` a node's
+/// current session reports when more than one session drains beside it (each from
+/// [`NodeSession::load`]). Sorted by adapter; adapters holding nothing left out.
+#[must_use]
+pub fn sum_loads<'a>(loads: impl IntoIterator<Item = &'a AdapterLoad>) -> Vec<AdapterLoad> {
+    let mut sum: BTreeMap<&str, (u32, u32)> = BTreeMap::new();
+    for load in loads {
+        let entry = sum.entry(load.adapter.as_str()).or_default();
+        entry.0 = entry.0.saturating_add(load.in_flight);
+        entry.1 = entry.1.saturating_add(load.long_in_flight);
+    }
+    sum.into_iter()
+        .filter(|(_, (n, _))| *n > 0)
+        .map(|(adapter, (in_flight, long_in_flight))| AdapterLoad {
+            adapter: adapter.to_owned(),
+            in_flight,
+            long_in_flight,
+        })
+        .collect()
+}
 pub use types::*;
 
 use work::{Work, WorkKind};

@@ -537,22 +537,13 @@ impl World {
         let Some(current) = node.sessions.iter().rposition(|s| !s.rehomed) else {
             return;
         };
-        let mut held: BTreeMap<String, (u32, u32)> = BTreeMap::new();
-        for s in node.sessions.iter().filter(|s| s.rehomed) {
-            for load in s.session.load() {
-                let entry = held.entry(load.adapter).or_default();
-                entry.0 += load.in_flight;
-                entry.1 += load.long_in_flight;
-            }
-        }
-        let held: Vec<AdapterLoad> = held
-            .into_iter()
-            .map(|(adapter, (in_flight, long_in_flight))| AdapterLoad {
-                adapter,
-                in_flight,
-                long_in_flight,
-            })
+        let loads: Vec<Vec<AdapterLoad>> = node
+            .sessions
+            .iter()
+            .filter(|s| s.rehomed)
+            .map(|s| s.session.load())
             .collect();
+        let held = crate::session::sum_loads(loads.iter().flatten());
         if held != node.reported {
             node.reported.clone_from(&held);
             let _ = node.sessions[current]
