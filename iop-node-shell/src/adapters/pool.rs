@@ -6,9 +6,13 @@
 //! chunk of it, crosses back, one wake each. Here the task that sends a request reads its
 //! connection (the head, then the body from [`ProviderBody`], see [`super::h1`]), so a
 //! chunk read from the provider's socket is in the adapter's hands in the same poll.
-//! Finished connections wait in a small per-provider idle list (most recently used
-//! first) and are checked for a close before they are reused; a request that a reused
-//! connection failed to take is sent once more on a new connection.
+//! Finished connections wait in a per-provider idle list (most recently used first) and
+//! are checked for a close before they are reused; a request that a reused connection
+//! failed to take is sent once more on a new connection. The list keeps a few warm
+//! connections for long and, above them, as many as a burst of concurrent requests left
+//! for a short while ([`Keep`]): a provider busy with hundreds of requests at once keeps
+//! its connections instead of dialling one per request, and a burst's leftovers close
+//! within seconds of its end.
 
 use std::collections::VecDeque;
 use std::future::{Future, poll_fn};
@@ -28,8 +32,24 @@ use tokio::time::Instant;
 use super::connector::ProviderConnector;
 use super::h1::{Conn, Decoded, Framing, H1Error, RawHead, encode_request, trailer_fields};
 
-/// How often idle connections are swept for closes and age.
+/// How often idle connections are swept for closes and age while none is above the warm
+/// few, and while some are.
 const SWEEP_EVERY: Duration = Duration::from_secs(10);
+const SWEEP_SURPLUS_EVERY: Duration = Duration::from_secs(1);
+
+/// How many idle connections a client keeps per provider, and for how long.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Keep {
+    /// The warm few: the most recently used `warm` idle connections stay for `warm_for`.
+    pub warm: usize,
+    /// How long a warm connection may stay idle.
+    pub warm_for: Duration,
+    /// Idle connections kept at most, warm ones included; a connection finished beyond
+    /// it closes the least recently used one.
+    pub most: usize,
+    /// How long an idle connection above the warm few stays.
+    pub surplus_for: Duration,
+}
 
 /// Why a request got no response.
 #[derive(Debug, thiserror::Error)]
@@ -67,9 +87,10 @@ pub struct HttpClient {
 struct Inner {
     connector: ProviderConnector,
     idle: Mutex<HashMap<Arc<str>, VecDeque<Idle>>>,
-    idle_timeout: Duration,
-    max_idle: usize,
+    keep: Keep,
     sweeping: AtomicBool,
+    /// Wakes the sweeper from its long sleep when a list grows above the warm few.
+    surplus: Arc<tokio::sync::Notify>,
 }
 
 #[derive(Debug)]
@@ -79,17 +100,17 @@ struct Idle {
 }
 
 impl HttpClient {
-    /// A client that connects with `connector`, keeps at most `max_idle` idle connections
-    /// per provider, each for at most `idle_timeout`.
+    /// A client that connects with `connector` and keeps idle connections per provider
+    /// as `keep` says.
     #[must_use]
-    pub fn new(connector: ProviderConnector, max_idle: usize, idle_timeout: Duration) -> Self {
+    pub fn new(connector: ProviderConnector, keep: Keep) -> Self {
         HttpClient {
             inner: Arc::new(Inner {
                 connector,
                 idle: Mutex::new(HashMap::new()),
-                idle_timeout,
-                max_idle,
+                keep,
                 sweeping: AtomicBool::new(false),
+                surplus: Arc::default(),
             }),
         }
     }
@@ -188,7 +209,7 @@ impl HttpClient {
         let list = idle.get_mut(key)?;
         let mut found = None;
         while let Some(mut entry) = list.pop_back() {
-            if entry.since.elapsed() < self.inner.idle_timeout && entry.conn.reusable() {
+            if entry.since.elapsed() < self.inner.keep.warm_for && entry.conn.reusable() {
                 found = Some(entry.conn);
                 break;
             }
@@ -227,39 +248,68 @@ impl Inner {
             return;
         };
         let list = idle.entry(key).or_default();
-        if list.len() >= self.max_idle {
-            list.pop_front();
-        }
+        // Dropped outside the lock.
+        let oldest = (list.len() >= self.keep.most.max(1))
+            .then(|| list.pop_front())
+            .flatten();
         list.push_back(Idle {
             conn,
             since: Instant::now(),
         });
+        let surplus = list.len() > self.keep.warm;
         drop(idle);
+        drop(oldest);
         if !self.sweeping.swap(true, Ordering::Relaxed)
             && let Ok(runtime) = tokio::runtime::Handle::try_current()
         {
-            runtime.spawn(sweep(Arc::downgrade(self)));
+            runtime.spawn(sweep(Arc::downgrade(self), self.surplus.clone()));
         }
+        if surplus {
+            self.surplus.notify_one();
+        }
+    }
+
+    /// Takes out of `list` (oldest first) what should close now: connections idle past
+    /// their time or closed by the provider. Of the rest, the most recently used
+    /// `keep.warm` stay for `keep.warm_for`, the older ones for `keep.surplus_for`.
+    /// True if some of what stays is above the warm few.
+    fn sweep_list(&self, list: &mut VecDeque<Idle>, closing: &mut Vec<Idle>) -> bool {
+        for mut entry in std::mem::take(list) {
+            if entry.since.elapsed() < self.keep.warm_for && entry.conn.reusable() {
+                list.push_back(entry);
+            } else {
+                closing.push(entry);
+            }
+        }
+        while list.len() > self.keep.warm
+            && list
+                .front()
+                .is_some_and(|e| e.since.elapsed() >= self.keep.surplus_for)
+        {
+            closing.extend(list.pop_front());
+        }
+        list.len() > self.keep.warm
     }
 }
 
 /// Closes idle connections that aged out or that their provider closed, until the
-/// client is dropped.
-async fn sweep(pool: Weak<Inner>) {
+/// client is dropped: every [`SWEEP_EVERY`], or every [`SWEEP_SURPLUS_EVERY`] while a list
+/// holds more than the warm few.
+async fn sweep(pool: Weak<Inner>, woken: Arc<tokio::sync::Notify>) {
+    let mut surplus = false;
     loop {
-        tokio::time::sleep(SWEEP_EVERY).await;
+        if surplus {
+            tokio::time::sleep(SWEEP_SURPLUS_EVERY).await;
+        } else {
+            let _ = tokio::time::timeout(SWEEP_EVERY, woken.notified()).await;
+        }
         let Some(inner) = pool.upgrade() else { return };
         // Dropped outside the lock.
         let mut closing = Vec::new();
+        surplus = false;
         if let Ok(mut idle) = inner.idle.lock() {
             idle.retain(|_, list| {
-                for mut entry in std::mem::take(list) {
-                    if entry.since.elapsed() < inner.idle_timeout && entry.conn.reusable() {
-                        list.push_back(entry);
-                    } else {
-                        closing.push(entry);
-                    }
-                }
+                surplus |= inner.sweep_list(list, &mut closing);
                 !list.is_empty()
             });
         }
@@ -629,6 +679,58 @@ mod tests {
             assert!(fetch(&client, &url).await.unwrap() == chunks.concat());
         }
         assert_eq!(accepted.load(Ordering::SeqCst), 1);
+    }
+
+    /// Idle connections of `client`, all providers.
+    fn idle(client: &HttpClient) -> usize {
+        client
+            .inner
+            .idle
+            .lock()
+            .unwrap()
+            .values()
+            .map(VecDeque::len)
+            .sum()
+    }
+
+    #[tokio::test]
+    async fn a_burst_keeps_its_connections_for_a_while_then_the_warm_few() {
+        let gate = Arc::new(Semaphore::new(0));
+        let (url, accepted) = provider(&["a", "b"], Some(gate.clone()), After::KeepAlive).await;
+        let keep = Keep {
+            warm: 1,
+            warm_for: Duration::from_secs(60),
+            most: 3,
+            surplus_for: Duration::from_millis(500),
+        };
+        let client = crate::adapters::http::client_keeping(None, keep).unwrap();
+        // `n` requests at once, each held by the provider until all have their heads.
+        let burst = |n: usize| {
+            let (client, url, gate) = (client.clone(), url.clone(), gate.clone());
+            async move {
+                let mut bodies = Vec::new();
+                for _ in 0..n {
+                    bodies.push(open(&client, &url).await);
+                }
+                gate.add_permits(n);
+                for body in bodies {
+                    assert_eq!(&body.collect().await.unwrap().to_bytes()[..], b"ab");
+                }
+            }
+        };
+        burst(4).await;
+        assert_eq!(accepted.load(Ordering::SeqCst), 4);
+        // Four finished; three are kept, above the one warm connection.
+        assert_eq!(idle(&client), 3);
+        // A burst right after reuses them all.
+        burst(3).await;
+        assert_eq!(accepted.load(Ordering::SeqCst), 4);
+        // Once the surplus time has passed (and the sweeper's second), only the warm
+        // one is left, and the next burst dials for the rest.
+        tokio::time::sleep(Duration::from_millis(2_000)).await;
+        assert_eq!(idle(&client), 1);
+        burst(3).await;
+        assert_eq!(accepted.load(Ordering::SeqCst), 6);
     }
 
     #[tokio::test]
