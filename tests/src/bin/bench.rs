@@ -1,7 +1,9 @@
 //! The data path beside a reverse proxy, in one run: the same requests straight to a fast
 //! fake provider, through two chained nginx hops (client → nginx → nginx → provider, the
-//! fair peer of client → Edge → Node → provider), and through IOP, interleaved round by
-//! round so that machine noise hits every path alike. Loopback only, bounded in time.
+//! fair peer of client → Edge → Node → provider), and through IOP twice, over the node
+//! link as deployed by default (TLS 1.3) and over plaintext, interleaved round by round so
+//! that machine noise hits every path alike. Small requests run at 1, 16, 64 and 256
+//! concurrent callers, unpaced streams at 16. Loopback only, bounded in time.
 //!
 //! ```text
 //! cargo run --release -p iop-blackbox --bin bench -- [seconds per run] [rounds] [--write BENCHMARKS.md]
@@ -57,6 +59,12 @@
 //! [pid...]` runs one set of paced streams against one of them.
 //! `IOP_BENCH_PACED_DUMP=<file>` writes every paced chunk's send time and latency, in
 //! microseconds, one chunk a line, to see when a set's slow chunks were sent.
+//!
+//! `bench scheduler [rounds]` measures something else: paced-stream latency through two
+//! IOP paths (TLS link) whose Nodes differ only in `runtime.scheduler` (`batch`, the
+//! default, and `inherit`), and straight to the provider, on an otherwise idle machine and
+//! then beside a process that keeps every CPU busy at the default priority, as an
+//! inference engine's busy loop does (`bench burn`).
 
 use std::convert::Infallible;
 use std::path::PathBuf;
@@ -81,6 +89,9 @@ use iop_blackbox::{Proc, TempDir, free_port};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
+/// Callers of the small-request runs: one for the added latency, then more and more for
+/// throughput.
+const SMALL_CONCURRENCY: [usize; 4] = [1, 16, 64, 256];
 /// Words in every completion.
 const WORDS: usize = 16;
 /// SSE events in a streamed completion: role, words, finish, usage, `[DONE]`.
@@ -302,13 +313,20 @@ impl Path3 {
     }
 }
 
-/// The cells of a proxy CPU row: nginx's figure, IOP's, and IOP's as a multiple of
-/// nginx's, each figure with `decimals` decimals.
-fn cpu_cells(nginx_us: f64, iop_us: f64, decimals: usize) -> String {
-    format!(
-        "{nginx_us:.decimals$} µs | {iop_us:.decimals$} µs ({:.2}× nginx)",
-        iop_us / nginx_us
-    )
+/// The cells of a proxy CPU row from a figure per path (direct, nginx, then IOP's): "–"
+/// for direct, nginx's figure, and each of IOP's with it as a multiple of nginx's, each
+/// figure with `decimals` decimals.
+fn cpu_cells(per_path_us: &[f64], decimals: usize) -> Vec<String> {
+    let nginx = per_path_us.get(1).copied().unwrap_or(0.0);
+    per_path_us
+        .iter()
+        .enumerate()
+        .map(|(i, us)| match i {
+            0 => "–".to_owned(),
+            1 => format!("{us:.decimals$} µs"),
+            _ => format!("{us:.decimals$} µs ({:.2}× nginx)", us / nginx),
+        })
+        .collect()
 }
 
 /// Binds every thread of `pid` to `cpus` (a `taskset` list: "1", "0-1").
@@ -887,23 +905,31 @@ providers = [{{ node = "n1", adapter = "oa", target = "fake" }}]
     )
 }
 
-/// The fleet's two rows of the table (TLS / plaintext in each cell): the Edge's memory
-/// per idle connected node, and the time until every node is ready again after the Edge
-/// restarts, with the bare references in the direct column and the restart over the bare
-/// reconnects of the same link in IOP's (`iop_blackbox::fleet`).
+/// The fleet's two rows of the table, each link's figure in its own IOP column (TLS, then
+/// plaintext): the Edge's memory per idle connected node, and the time until every node
+/// is ready again after the Edge restarts, with the bare references (TCP connects, then
+/// bare clients redialling over TLS / plaintext) in the direct column and the restart
+/// over the bare reconnects of the same link in IOP's (`iop_blackbox::fleet`).
 fn fleet_rows(rows: &[fleet::Row]) -> String {
     let cells = |cell: &dyn Fn(&fleet::Row) -> String| {
-        rows.iter().map(cell).collect::<Vec<_>>().join(" / ")
+        rows.iter().map(cell).collect::<Vec<_>>().join(" | ")
     };
-    let links = cells(&|r| r.link_name().to_owned());
+    let links = rows
+        .iter()
+        .map(|r| r.link_name())
+        .collect::<Vec<_>>()
+        .join(" / ");
     let nodes = count(rows.first().map_or(0, |r| r.nodes));
     format!(
-        "| Edge memory per idle connected node, {nodes} nodes ({links}) | – | – | {} KiB |\n\
-         | {nodes} nodes ready again after an Edge restart, median of {} ({links}; direct: bare TCP connects, then bare clients redialling by the same policy) | {:.3} s; {} | – | {} |",
-        cells(&|r| format!("{:.1}", r.per_node_kib)),
+        "| Edge memory per idle connected node, {nodes} nodes | – | – | {} |\n\
+         | {nodes} nodes ready again after an Edge restart, median of {} (direct: bare TCP connects; then bare clients redialling by the same policy, {links}) | {:.3} s; {} | – | {} |",
+        cells(&|r| format!("{:.1} KiB", r.per_node_kib)),
         fleet::RESTARTS,
         rows.first().map_or(0.0, |r| r.raw.as_secs_f64()),
-        cells(&|r| format!("{:.3} s", r.bare_again().as_secs_f64())),
+        rows.iter()
+            .map(|r| format!("{:.3} s", r.bare_again().as_secs_f64()))
+            .collect::<Vec<_>>()
+            .join(" / "),
         cells(&|r| {
             format!(
                 "{} ({})",
@@ -939,6 +965,140 @@ fn write_report(path: &std::path::Path, report: &str) -> std::io::Result<()> {
         _ => format!("{text}\n{block}\n"),
     };
     std::fs::write(path, updated)
+}
+
+/// Keeps every CPU this process may use busy until killed, at the default priority, as
+/// an inference engine's busy-polling loop does (vLLM's and llama.cpp's keep their cores
+/// at 100 % while they generate).
+fn burn() {
+    let threads = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    let spinners: Vec<_> = (0..threads)
+        .map(|_| {
+            std::thread::spawn(|| {
+                let mut x = 0u64;
+                loop {
+                    x = std::hint::black_box(x.wrapping_mul(6_364_136_223_846_793_005) + 1);
+                }
+            })
+        })
+        .collect();
+    for spinner in spinners {
+        let _ = spinner.join();
+    }
+}
+
+/// `bench scheduler [rounds]`: paced-stream latency through two IOP paths that differ
+/// only in the Node's `runtime.scheduler` (`batch`, the default, and `inherit`), and
+/// straight to the provider, first on an otherwise idle machine and then beside a
+/// process that keeps every CPU busy (`burn`), interleaved round by round. Writes a table
+/// of medians to stdout.
+fn scheduler(rounds: usize) {
+    iop_blackbox::build_binaries();
+    let provider_port = free_port();
+    let mut provider = Command::new(std::env::current_exe().expect("self"))
+        .args(["provider", &provider_port.to_string()])
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("provider starts");
+    wait_port(provider_port);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let head = "[limits]\nmax_connections = 8192\nmax_concurrent_requests = 8192\n\n[queue]\nmax_waiting = 8192\n";
+    let policies = ["batch", "inherit"];
+    let clusters: Vec<(Cluster, Proc)> = policies
+        .iter()
+        .map(|policy| {
+            let cluster = Cluster::start_with(Link::Tls, head, &iop_body(provider_port));
+            let node = cluster.node_extra(
+                "n1",
+                "bench-node-token-0123456789",
+                "max_attempts = 0\ninterval_sec = 0.2",
+                &format!("[runtime]\nscheduler = \"{policy}\"\n"),
+            );
+            runtime.block_on(cluster.wait_ready("n1"));
+            (cluster, node)
+        })
+        .collect();
+    let mut paths = vec![Path3 {
+        name: "direct",
+        port: provider_port,
+        pids: vec![],
+        pair: None,
+    }];
+    for (policy, (cluster, node)) in policies.iter().zip(&clusters) {
+        paths.push(Path3 {
+            name: policy,
+            port: cluster.http_port,
+            pids: vec![cluster.edge.pid(), node.pid()],
+            pair: None,
+        });
+    }
+    // latencies[busy][path]: (p50, p99) of each round.
+    let mut latencies = vec![vec![Vec::new(); paths.len()]; 2];
+    for round in 0..rounds {
+        for busy in [false, true] {
+            eprintln!(
+                "bench scheduler: round {} of {rounds}, {}",
+                round + 1,
+                if busy {
+                    "beside a busy provider"
+                } else {
+                    "idle machine"
+                }
+            );
+            let mut burner = busy.then(|| {
+                Command::new(std::env::current_exe().expect("self"))
+                    .arg("burn")
+                    .spawn()
+                    .expect("burner starts")
+            });
+            std::thread::sleep(Duration::from_millis(500));
+            for (i, path) in paths.iter().enumerate() {
+                let run = runtime.block_on(paced(path));
+                if run.errors > 0 {
+                    eprintln!(
+                        "bench scheduler: {}: {} streams failed",
+                        path.name, run.errors
+                    );
+                }
+                latencies[usize::from(busy)][i].push((run.p50_us, run.p99_us));
+            }
+            if let Some(burner) = &mut burner {
+                let _ = burner.kill();
+                let _ = burner.wait();
+            }
+        }
+    }
+    drop(clusters);
+    let _ = provider.kill();
+    let _ = provider.wait();
+    println!(
+        "{} paced streams of {PACED_CHUNKS} chunks every {PACE_MS} ms over the TLS link; medians of {rounds} rounds.\n",
+        count(PACED_STREAMS)
+    );
+    println!(
+        "| chunk latency p50 / p99 | direct | IOP, Node `batch` (added) | IOP, Node `inherit` (added) |"
+    );
+    println!("|---|---:|---:|---:|");
+    for (busy, label) in [
+        (0, "idle machine"),
+        (1, "beside a process keeping every CPU busy"),
+    ] {
+        let p50 = |i: usize| median(latencies[busy][i].iter().map(|l| l.0).collect());
+        let p99 = |i: usize| median(latencies[busy][i].iter().map(|l| l.1).collect());
+        println!(
+            "| {label} | {:.1} / {:.1} ms | {:+.1} / {:+.1} ms | {:+.1} / {:+.1} ms |",
+            p50(0) / 1e3,
+            p99(0) / 1e3,
+            (p50(1) - p50(0)) / 1e3,
+            (p99(1) - p99(0)) / 1e3,
+            (p50(2) - p50(0)) / 1e3,
+            (p99(2) - p99(0)) / 1e3,
+        );
+    }
 }
 
 /// How holding the paths up for profiling (`IOP_BENCH_SERVE`) ended.
@@ -994,6 +1154,15 @@ fn main() {
             .and_then(|p| p.parse().ok())
             .expect("bench provider <port>");
         run_provider(port);
+        return;
+    }
+    if args.get(1).map(String::as_str) == Some("burn") {
+        burn();
+        return;
+    }
+    if args.get(1).map(String::as_str) == Some("scheduler") {
+        let rounds = args.get(2).and_then(|r| r.parse().ok()).unwrap_or(3);
+        scheduler(rounds);
         return;
     }
     if args.get(1).map(String::as_str) == Some("paced") {
@@ -1077,29 +1246,41 @@ fn main() {
         edge_threads = threads.parse().unwrap_or(0);
         head.push_str(&format!("\n[runtime]\nworker_threads = {threads}\n"));
     }
-    let cluster = Cluster::start_with(Link::Plaintext, &head, &iop_body(provider_port));
-    let node: Proc = cluster.node("n1", "bench-node-token-0123456789");
-    runtime.block_on(cluster.wait_ready("n1"));
+    // IOP twice: over the node link as deployed by default (TLS), and over plaintext.
+    let tls = Cluster::start_with(Link::Tls, &head, &iop_body(provider_port));
+    let tls_node: Proc = tls.node("n1", "bench-node-token-0123456789");
+    runtime.block_on(tls.wait_ready("n1"));
+    let plain = Cluster::start_with(Link::Plaintext, &head, &iop_body(provider_port));
+    let plain_node: Proc = plain.node("n1", "bench-node-token-0123456789");
+    runtime.block_on(plain.wait_ready("n1"));
 
     if std::env::var_os("IOP_BENCH_SERVE").is_some() {
         // For profiling: keep everything up and say where it is.
         println!(
-            "provider {provider_port} nginx {hop1} iop {} edge pid {} node pid {}",
-            cluster.http_port,
-            cluster.edge.pid(),
-            node.pid()
+            "provider {provider_port} nginx {hop1} iop-tls {} (edge pid {} node pid {}) iop-plaintext {} (edge pid {} node pid {})",
+            tls.http_port,
+            tls.edge.pid(),
+            tls_node.pid(),
+            plain.http_port,
+            plain.edge.pid(),
+            plain_node.pid()
         );
         if runtime.block_on(serve_until_told()) == Served::Stopped {
             // Stopped by a signal: everything started goes, logs included.
             eprintln!("bench: stopped; stopping the paths");
             stop_data_path(&mut [&mut nginx1, &mut nginx2], &mut provider);
-            drop(node);
-            drop(cluster);
+            drop((tls_node, plain_node, tls, plain));
             // The stdin reader is still blocked: leave it rather than wait for it.
             runtime.shutdown_background();
             return;
         }
     }
+    let iop_path = |name, cluster: &Cluster, node: &Proc| Path3 {
+        name,
+        port: cluster.http_port,
+        pids: vec![cluster.edge.pid(), node.pid()],
+        pair: (edge_threads == 1).then(|| (cluster.edge.pid(), node.pid())),
+    };
     let paths = [
         Path3 {
             name: "direct",
@@ -1113,20 +1294,16 @@ fn main() {
             pids: vec![nginx1.id(), nginx2.id()],
             pair: None,
         },
-        Path3 {
-            name: "IOP (plaintext link)",
-            port: cluster.http_port,
-            pids: vec![cluster.edge.pid(), node.pid()],
-            pair: (edge_threads == 1).then(|| (cluster.edge.pid(), node.pid())),
-        },
+        iop_path("IOP, TLS link (default)", &tls, &tls_node),
+        iop_path("IOP, plaintext link", &plain, &plain_node),
     ];
     // Warm every path up.
     for path in &paths {
         wrk(&dir, path, SMALL, 4, 1);
     }
 
-    let mut single = vec![Vec::new(); paths.len()];
-    let mut many = vec![Vec::new(); paths.len()];
+    // small[k][path]: the runs at SMALL_CONCURRENCY[k], one per round.
+    let mut small = vec![vec![Vec::new(); paths.len()]; SMALL_CONCURRENCY.len()];
     let mut sse = vec![Vec::new(); paths.len()];
     // The proxies again with their event loops pinned (`place`): where the scheduler puts
     // two single-threaded hops that talk to each other decides c=16 throughput here.
@@ -1137,8 +1314,9 @@ fn main() {
     for round in 0..rounds {
         eprintln!("bench: round {} of {rounds}", round + 1);
         for (i, path) in paths.iter().enumerate() {
-            single[i].push(wrk(&dir, path, SMALL, 1, seconds));
-            many[i].push(wrk(&dir, path, SMALL, 16, seconds));
+            for (k, &connections) in SMALL_CONCURRENCY.iter().enumerate() {
+                small[k][i].push(wrk(&dir, path, SMALL, connections, seconds));
+            }
             sse[i].push(wrk(&dir, path, STREAM, 16, seconds));
         }
         for (i, path) in paths.iter().enumerate().skip(1).filter(|_| pin) {
@@ -1158,8 +1336,7 @@ fn main() {
 
     // The data path is measured: its processes go before the fleet's Edges start.
     stop_data_path(&mut [&mut nginx1, &mut nginx2], &mut provider);
-    drop(node);
-    drop(cluster);
+    drop((tls_node, plain_node, tls, plain));
     eprintln!("bench: {FLEET_NODES} nodes against a restarting Edge, TLS and plaintext");
     // If it fails, the data path's figures are still reported.
     let fleet = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -1173,9 +1350,18 @@ fn main() {
         })
     }));
 
-    let single: Vec<Run> = single.iter().map(|r| med(r)).collect();
-    let many: Vec<Run> = many.iter().map(|r| med(r)).collect();
+    let small: Vec<Vec<Run>> = small
+        .iter()
+        .map(|runs| runs.iter().map(|r| med(r)).collect())
+        .collect();
     let sse: Vec<Run> = sse.iter().map(|r| med(r)).collect();
+    let at = |connections: usize| {
+        let k = SMALL_CONCURRENCY
+            .iter()
+            .position(|c| *c == connections)
+            .expect("a measured concurrency");
+        &small[k]
+    };
 
     let date = String::from_utf8_lossy(
         &Command::new("date")
@@ -1195,70 +1381,117 @@ fn main() {
             let _ = writeln!(report, $($arg)*);
         }};
     }
+    // One table row: its label and a cell per path.
+    let row = |label: &str, cells: Vec<String>| format!("| {label} | {} |", cells.join(" | "));
+    // A cell per path from `cell`, "–" for those `cell` skips.
+    let cells = |cell: &dyn Fn(usize) -> Option<String>| -> Vec<String> {
+        (0..paths.len())
+            .map(|i| cell(i).unwrap_or_else(|| "–".to_owned()))
+            .collect()
+    };
     out!(
         "Measured {date}; medians of {rounds} interleaved rounds of {seconds} s per figure; load from wrk 4.x (1 thread); {} paced streams of {PACED_CHUNKS} chunks every {PACE_MS} ms. Command: `{command}`.\n",
         count(PACED_STREAMS)
     );
-    out!("| | direct | nginx, 2 hops | IOP (plaintext link) |");
-    out!("|---|---:|---:|---:|");
-    let added = |run: &Run, base: &Run| {
-        format!(
-            "{:+.0} / {:+.0} µs",
-            run.p50_us - base.p50_us,
-            run.p99_us - base.p99_us
+    out!(
+        "| | {} |",
+        paths.iter().map(|p| p.name).collect::<Vec<_>>().join(" | ")
+    );
+    out!("|---{}|", "|---:".repeat(paths.len()));
+    let single = at(1);
+    out!(
+        "{}",
+        row(
+            "small request, c=1, p50 / p99 (added)",
+            cells(&|i| Some(if i == 0 {
+                format!("{:.0} / {:.0} µs", single[0].p50_us, single[0].p99_us)
+            } else {
+                format!(
+                    "{:+.0} / {:+.0} µs",
+                    single[i].p50_us - single[0].p50_us,
+                    single[i].p99_us - single[0].p99_us
+                )
+            }))
         )
-    };
-    out!(
-        "| small request, c=1, p50 / p99 (added) | {:.0} / {:.0} µs | {} | {} |",
-        single[0].p50_us,
-        single[0].p99_us,
-        added(&single[1], &single[0]),
-        added(&single[2], &single[0])
     );
-    out!(
-        "| small requests, c=16, req/s (ratio to direct) | {:.0} (1.00) | {:.0} ({:.2}) | {:.0} ({:.2}) |",
-        many[0].rps,
-        many[1].rps,
-        many[1].rps / many[0].rps,
-        many[2].rps,
-        many[2].rps / many[0].rps
-    );
-    out!(
-        "| proxy CPU per small request (c=16) | – | {} |",
-        cpu_cells(many[1].cpu_us, many[2].cpu_us, 1)
-    );
+    for &connections in &SMALL_CONCURRENCY[1..] {
+        let runs = at(connections);
+        out!(
+            "{}",
+            row(
+                &format!("small requests, c={connections}, req/s (ratio to direct; p99)"),
+                cells(&|i| Some(format!(
+                    "{:.0} ({:.2}; {:.1} ms)",
+                    runs[i].rps,
+                    runs[i].rps / runs[0].rps,
+                    runs[i].p99_us / 1e3
+                )))
+            )
+        );
+    }
+    for connections in [16, 64] {
+        let runs = at(connections);
+        out!(
+            "{}",
+            row(
+                &format!("proxy CPU per small request (c={connections})"),
+                cpu_cells(&runs.iter().map(|r| r.cpu_us).collect::<Vec<_>>(), 1)
+            )
+        );
+    }
     let chunks = |run: &Run| run.rps * SSE_EVENTS as f64;
     out!(
-        "| unpaced SSE, c=16, chunks/s (ratio to direct) | {:.0} (1.00) | {:.0} ({:.2}) | {:.0} ({:.2}) |",
-        chunks(&sse[0]),
-        chunks(&sse[1]),
-        chunks(&sse[1]) / chunks(&sse[0]),
-        chunks(&sse[2]),
-        chunks(&sse[2]) / chunks(&sse[0])
-    );
-    out!(
-        "| proxy CPU per SSE chunk | – | {} |",
-        cpu_cells(
-            sse[1].cpu_us / SSE_EVENTS as f64,
-            sse[2].cpu_us / SSE_EVENTS as f64,
-            2
+        "{}",
+        row(
+            "unpaced SSE, c=16, chunks/s (ratio to direct)",
+            cells(&|i| Some(format!(
+                "{:.0} ({:.2})",
+                chunks(&sse[i]),
+                chunks(&sse[i]) / chunks(&sse[0])
+            )))
         )
     );
     out!(
-        "| IOP's Edge and Node on the same CPU, share of the c=16 runs (small / SSE) | – | – | {} / {} |",
-        together_share(&many[2]),
-        together_share(&sse[2])
+        "{}",
+        row(
+            "proxy CPU per SSE chunk",
+            cpu_cells(
+                &sse.iter()
+                    .map(|r| r.cpu_us / SSE_EVENTS as f64)
+                    .collect::<Vec<_>>(),
+                2
+            )
+        )
+    );
+    out!(
+        "{}",
+        row(
+            "IOP's Edge and Node on the same CPU, share of the c=16 runs (small / SSE)",
+            cells(&|i| paths[i].pair.map(|_| format!(
+                "{} / {}",
+                together_share(&at(16)[i]),
+                together_share(&sse[i])
+            )))
+        )
     );
     let base = &paced_runs[0];
     out!(
-        "| {} streams, {PACE_MS} ms pacing, chunk latency p50 / p99 (added) | {:.0} / {:.0} µs | {:+.1} / {:+.1} ms | {:+.1} / {:+.1} ms |",
-        count(PACED_STREAMS),
-        base.p50_us,
-        base.p99_us,
-        (paced_runs[1].p50_us - base.p50_us) / 1e3,
-        (paced_runs[1].p99_us - base.p99_us) / 1e3,
-        (paced_runs[2].p50_us - base.p50_us) / 1e3,
-        (paced_runs[2].p99_us - base.p99_us) / 1e3
+        "{}",
+        row(
+            &format!(
+                "{} streams, {PACE_MS} ms pacing, chunk latency p50 / p99 (added)",
+                count(PACED_STREAMS)
+            ),
+            cells(&|i| Some(if i == 0 {
+                format!("{:.0} / {:.0} µs", base.p50_us, base.p99_us)
+            } else {
+                format!(
+                    "{:+.1} / {:+.1} ms",
+                    (paced_runs[i].p50_us - base.p50_us) / 1e3,
+                    (paced_runs[i].p99_us - base.p99_us) / 1e3
+                )
+            }))
+        )
     );
     // Figures of each process of a path, as "a + b".
     let joined = |values: &[f64]| {
@@ -1268,78 +1501,81 @@ fn main() {
             .collect::<Vec<_>>()
             .join(" + ")
     };
-    let per_stream = |p: &Paced| joined(&p.per_stream_kib);
-    let per_chunk = |p: &Paced| {
-        format!(
-            "{} (busiest {:.2} cores)",
-            joined(&p.cpu_per_chunk_us),
-            p.busiest_cores
+    out!(
+        "{}",
+        row(
+            "paced streams: CPU per chunk, µs (per process)",
+            cells(&|i| (i > 0).then(|| format!(
+                "{} (busiest {:.2} cores)",
+                joined(&paced_runs[i].cpu_per_chunk_us),
+                paced_runs[i].busiest_cores
+            )))
         )
-    };
-    out!(
-        "| paced streams: CPU per chunk, µs (per process) | – | {} | {} |",
-        per_chunk(&paced_runs[1]),
-        per_chunk(&paced_runs[2])
     );
     out!(
-        "| paced streams: whole machine's CPU busy meanwhile | {:.0} % | {:.0} % | {:.0} % |",
-        paced_runs[0].machine_busy * 100.0,
-        paced_runs[1].machine_busy * 100.0,
-        paced_runs[2].machine_busy * 100.0
-    );
-    let stolen = |i: usize| {
-        format!(
-            "{:.0} % / {:.0} %",
-            stolen_share(&[&single[i], &many[i], &sse[i]]) * 100.0,
-            paced_runs[i].machine_stolen * 100.0
+        "{}",
+        row(
+            "paced streams: whole machine's CPU busy meanwhile",
+            cells(&|i| Some(format!("{:.0} %", paced_runs[i].machine_busy * 100.0)))
         )
-    };
-    out!(
-        "| machine's CPU stolen by the hypervisor (wrk runs / paced streams) | {} | {} | {} |",
-        stolen(0),
-        stolen(1),
-        stolen(2)
     );
     out!(
-        "| memory per paced stream, KiB (per process) | – | {} | {} |",
-        per_stream(&paced_runs[1]),
-        per_stream(&paced_runs[2])
-    );
-    let settled = |p: &Paced| {
-        format!(
-            "{} ({:.1} s)",
-            if p.settled { "yes" } else { "no" },
-            p.settle_s
+        "{}",
+        row(
+            "machine's CPU stolen by the hypervisor (wrk runs / paced streams)",
+            cells(&|i| {
+                let mut runs: Vec<&Run> = small.iter().map(|runs| &runs[i]).collect();
+                runs.push(&sse[i]);
+                Some(format!(
+                    "{:.0} % / {:.0} %",
+                    stolen_share(&runs) * 100.0,
+                    paced_runs[i].machine_stolen * 100.0
+                ))
+            })
         )
-    };
-    out!(
-        "| RSS back within 2× of idle after the streams | – | {} | {} |",
-        settled(&paced_runs[1]),
-        settled(&paced_runs[2])
     );
-    let errors: Vec<String> = (0..paths.len())
-        .map(|i| {
-            (single[i].errors + many[i].errors + sse[i].errors + paced_runs[i].errors as u64)
-                .to_string()
-        })
-        .collect();
     out!(
-        "| errors (all runs) | {} | {} | {} |",
-        errors[0],
-        errors[1],
-        errors[2]
+        "{}",
+        row(
+            "memory per paced stream, KiB (per process)",
+            cells(&|i| (i > 0).then(|| joined(&paced_runs[i].per_stream_kib)))
+        )
+    );
+    out!(
+        "{}",
+        row(
+            "RSS back within 2× of idle after the streams",
+            cells(&|i| (i > 0).then(|| format!(
+                "{} ({:.1} s)",
+                if paced_runs[i].settled { "yes" } else { "no" },
+                paced_runs[i].settle_s
+            )))
+        )
+    );
+    out!(
+        "{}",
+        row(
+            "errors (all runs)",
+            cells(&|i| Some(
+                (small.iter().map(|runs| runs[i].errors).sum::<u64>()
+                    + sse[i].errors
+                    + paced_runs[i].errors as u64)
+                    .to_string()
+            ))
+        )
     );
     match &fleet {
         Ok(rows) => out!("{}", fleet_rows(rows)),
         Err(_) => {
             // The panic's message and place are already on stderr.
             out!(
-                "| Edge memory per idle connected node; {FLEET_NODES} nodes ready again after an Edge restart | – | – | the fleet run failed (see stderr) |"
+                "| Edge memory per idle connected node; {FLEET_NODES} nodes ready again after an Edge restart | – | – | the fleet run failed (see stderr) | – |"
             );
         }
     }
 
     if pin {
+        let many = at(16);
         let many_pinned: Vec<Run> = many_pinned.iter().map(|r| med(r)).collect();
         let sse_pinned: Vec<Run> = sse_pinned.iter().map(|r| med(r)).collect();
         out!(
@@ -1348,39 +1584,74 @@ fn main() {
             cpus[1],
             cpus.len()
         );
-        out!("| | nginx, 2 hops, pinned | IOP, pinned |");
-        out!("|---|---:|---:|");
+        let proxies = 1..paths.len();
+        let pinned_row = |label: &str, cell: &dyn Fn(usize) -> String| {
+            format!(
+                "| {label} | {} |",
+                proxies.clone().map(cell).collect::<Vec<_>>().join(" | ")
+            )
+        };
         out!(
-            "| small requests, c=16, req/s (ratio to nginx pinned; to the same path unpinned) | {:.0} (1.00; {:.2}) | {:.0} ({:.2}; {:.2}) |",
-            many_pinned[1].rps,
-            many_pinned[1].rps / many[1].rps,
-            many_pinned[2].rps,
-            many_pinned[2].rps / many_pinned[1].rps,
-            many_pinned[2].rps / many[2].rps
+            "| | {} |",
+            proxies
+                .clone()
+                .map(|i| format!("{}, pinned", paths[i].name))
+                .collect::<Vec<_>>()
+                .join(" | ")
         );
+        out!("|---{}|", "|---:".repeat(proxies.len()));
         out!(
-            "| proxy CPU per small request (c=16) | {} |",
-            cpu_cells(many_pinned[1].cpu_us, many_pinned[2].cpu_us, 1)
-        );
-        out!(
-            "| unpaced SSE, c=16, chunks/s (ratio to direct) | {:.0} ({:.2}) | {:.0} ({:.2}) |",
-            chunks(&sse_pinned[1]),
-            chunks(&sse_pinned[1]) / chunks(&sse[0]),
-            chunks(&sse_pinned[2]),
-            chunks(&sse_pinned[2]) / chunks(&sse[0])
-        );
-        out!(
-            "| proxy CPU per SSE chunk | {} |",
-            cpu_cells(
-                sse_pinned[1].cpu_us / SSE_EVENTS as f64,
-                sse_pinned[2].cpu_us / SSE_EVENTS as f64,
-                2
+            "{}",
+            pinned_row(
+                "small requests, c=16, req/s (ratio to nginx pinned; to the same path unpinned)",
+                &|i| format!(
+                    "{:.0} ({:.2}; {:.2})",
+                    many_pinned[i].rps,
+                    many_pinned[i].rps / many_pinned[1].rps,
+                    many_pinned[i].rps / many[i].rps
+                )
             )
         );
-        let errors = |i: usize| many_pinned[i].errors + sse_pinned[i].errors;
-        out!("| errors (pinned runs) | {} | {} |", errors(1), errors(2));
+        out!(
+            "{}",
+            row(
+                "proxy CPU per small request (c=16)",
+                cpu_cells(&many_pinned.iter().map(|r| r.cpu_us).collect::<Vec<_>>(), 1)
+                    .split_off(1)
+            )
+        );
+        out!(
+            "{}",
+            pinned_row(
+                "unpaced SSE, c=16, chunks/s (ratio to direct)",
+                &|i| format!(
+                    "{:.0} ({:.2})",
+                    chunks(&sse_pinned[i]),
+                    chunks(&sse_pinned[i]) / chunks(&sse[0])
+                )
+            )
+        );
+        out!(
+            "{}",
+            row(
+                "proxy CPU per SSE chunk",
+                cpu_cells(
+                    &sse_pinned
+                        .iter()
+                        .map(|r| r.cpu_us / SSE_EVENTS as f64)
+                        .collect::<Vec<_>>(),
+                    2
+                )
+                .split_off(1)
+            )
+        );
+        out!(
+            "{}",
+            pinned_row("errors (pinned runs)", &|i| (many_pinned[i].errors
+                + sse_pinned[i].errors)
+                .to_string())
+        );
     }
-
     print!("{report}");
     if let Some(path) = &write_to {
         match write_report(path, &report) {
@@ -1405,7 +1676,7 @@ mod tests {
     }
 
     #[test]
-    fn the_fleet_rows_give_tls_then_plaintext_in_each_cell() {
+    fn the_fleet_rows_give_tls_then_plaintext_in_their_columns() {
         let ms = Duration::from_millis;
         let row = |link, per_node_kib, again, bare, tls_again| fleet::Row {
             link,
@@ -1426,15 +1697,21 @@ mod tests {
         ];
         assert_eq!(
             fleet_rows(&rows),
-            "| Edge memory per idle connected node, 1,000 nodes (TLS 1.3 / plaintext) | – | – | 5.7 / 1.5 KiB |\n\
-             | 1,000 nodes ready again after an Edge restart, median of 5 (TLS 1.3 / plaintext; direct: bare TCP connects, then bare clients redialling by the same policy) | 0.042 s; 0.200 s / 0.064 s | – | 0.230 s (1.15×) / did not finish in 60 s (–) |"
+            "| Edge memory per idle connected node, 1,000 nodes | – | – | 5.7 KiB | 1.5 KiB |\n\
+             | 1,000 nodes ready again after an Edge restart, median of 5 (direct: bare TCP connects; then bare clients redialling by the same policy, TLS 1.3 / plaintext) | 0.042 s; 0.200 s / 0.064 s | – | 0.230 s (1.15×) | did not finish in 60 s (–) |"
         );
     }
 
     #[test]
-    fn cpu_rows_read_as_before() {
-        assert_eq!(cpu_cells(31.4, 29.9, 1), "31.4 µs | 29.9 µs (0.95× nginx)");
-        assert_eq!(cpu_cells(3.41, 3.3, 2), "3.41 µs | 3.30 µs (0.97× nginx)");
+    fn cpu_rows_give_every_iop_path_against_nginx() {
+        assert_eq!(
+            cpu_cells(&[0.0, 31.4, 29.9, 27.0], 1).join(" | "),
+            "– | 31.4 µs | 29.9 µs (0.95× nginx) | 27.0 µs (0.86× nginx)"
+        );
+        assert_eq!(
+            cpu_cells(&[0.0, 3.41, 3.3], 2).join(" | "),
+            "– | 3.41 µs | 3.30 µs (0.97× nginx)"
+        );
     }
 
     #[test]
