@@ -164,6 +164,7 @@
 #![warn(missing_docs)]
 #![cfg_attr(not(test), warn(clippy::unwrap_used))]
 
+pub mod cluster;
 pub mod edge;
 pub mod edge_config;
 // Internals: public items, reached from outside only through `testkit::internals` (tests,

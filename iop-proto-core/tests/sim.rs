@@ -351,3 +351,44 @@ fn a_planted_hidden_old_session_load_is_caught() {
         "{failure}"
     );
 }
+
+/// The cluster world (`testkit::cluster`): three Edges coordinated through a simulated etcd,
+/// with partitions, lost answers, killed Edges and invalid configurations.
+#[test]
+fn every_cluster_seed_keeps_every_invariant() {
+    use iop_proto_core::testkit::cluster::{ClusterFaults, run_cluster_seed};
+    let mut total = iop_proto_core::testkit::cluster::ClusterStats::default();
+    for seed in 0..seeds() {
+        match run_cluster_seed(seed, ClusterFaults::default()) {
+            Ok(stats) => {
+                total.admitted += stats.admitted;
+                total.held_by += stats.held_by;
+                total.unavailable += stats.unavailable;
+                total.fenced += stats.fenced;
+                total.left += stats.left;
+                total.killed += stats.killed;
+                total.partitions += stats.partitions;
+                total.refused_configs += stats.refused_configs;
+            }
+            Err(failure) => panic!("seed {seed}: {failure}"),
+        }
+    }
+    println!("cluster worlds: {total:?}");
+    // The worlds exercise what they claim to.
+    assert!(total.admitted > seeds() * 10 && total.held_by > seeds());
+    assert!(total.left > 0 && total.fenced > 0 && total.killed > seeds());
+    assert!(total.partitions > seeds() && total.refused_configs > seeds());
+}
+
+#[test]
+fn a_planted_member_serving_past_its_lease_is_caught() {
+    use iop_proto_core::testkit::cluster::{ClusterFaults, run_cluster_seed};
+    let planted = ClusterFaults {
+        ignore_fences: true,
+    };
+    let caught = (0..200).any(|seed| run_cluster_seed(seed, planted).is_err());
+    assert!(
+        caught,
+        "a member that keeps serving after its lease is lost goes unseen"
+    );
+}

@@ -1,6 +1,7 @@
 //! Test support shared by the crate's tests, the simulator and the fuzz targets.
 //! Compiled only with the `testkit` feature; it adds no dependencies.
 
+pub mod cluster;
 pub mod fuzz;
 pub mod harness;
 pub mod rng;

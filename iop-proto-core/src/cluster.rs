@@ -1,0 +1,1016 @@
+//! One Edge's part in a cluster of Edges coordinated through etcd (docs/cluster.md).
+//!
+//! [`ClusterMember`] decides what an Edge asks etcd and what it makes of the answers: its
+//! lease and member key, the shared configuration it applies, and whether a node id may be
+//! served here. It never talks to etcd itself: it hands out typed requests
+//! ([`poll_transmit`](ClusterMember::poll_transmit)), the shell performs them and feeds the
+//! answers back ([`handle_reply`](ClusterMember::handle_reply)) with what the watch on the
+//! cluster's prefix delivers ([`handle_watch`](ClusterMember::handle_watch)).
+//!
+//! The rules it keeps:
+//! - **Membership** is a lease and a key under `<prefix>/members/` attached to it, renewed
+//!   every `keepalive_every`. The lease counts as lost once `lease_ttl` has passed since the
+//!   Edge *sent* the last keep-alive etcd confirmed: etcd cannot have expired it earlier, so
+//!   the Edge always stops first.
+//! - **A node id is owned once.** Its owner is the instance named by one key,
+//!   `<prefix>/nodes/<node id>` = instance, created only if absent and attached to a lease
+//!   of its own, the *node lease*, that every Edge serving the instance keeps alive. An Edge
+//!   serves an instance only while it has confirmed, within the last TTL, a keep-alive of
+//!   that lease sent by itself: the key cannot have expired meanwhile, so no other instance
+//!   can have created it again. When the last Edge serving the instance stops renewing,
+//!   the lease and the key go, and another instance may take the id. (A first design gave
+//!   each Edge a claim key of its own and made the oldest claim the owner; the simulation
+//!   found a claim written and then refused by an Edge killed midway that became the
+//!   oldest once the claims before it went, while a newer one was being served.)
+//! - **A lease runs out:** the Edge's own lease lost fences every instance served here
+//!   ([`ClusterEvent::Fence`]) and it stops being a member; a node lease it could not renew
+//!   in time fences that instance.
+//! - **Configuration** comes from `<prefix>/config`; each revision is offered once, in order
+//!   ([`ClusterEvent::Configure`]), the shell validates and applies it as a reload and says
+//!   how it went ([`handle_configured`](ClusterMember::handle_configured)), and the outcome
+//!   is written under `<prefix>/status/<edge id>` for `iop-edge config push` to read.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::time::Duration;
+
+use crate::time::Timestamp;
+
+/// An etcd lease, as etcd numbered it.
+pub type LeaseId = i64;
+
+/// Tells a request's answer from another's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Tag(pub u64);
+
+/// A pending [`ClusterMember::claim_node`], answered by [`ClusterEvent::Claim`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ClaimTicket(pub u64);
+
+/// What a member is and how often it speaks to etcd.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClusterConfig {
+    /// This Edge's id, unique in the cluster (a key name: no `/`).
+    pub edge_id: String,
+    /// The cluster's key prefix, without a trailing `/`.
+    pub prefix: String,
+    /// What this Edge publishes under its member key (its addresses, version), opaque here.
+    pub member_info: Vec<u8>,
+    /// The lease's time to live.
+    pub lease_ttl: Duration,
+    /// How often the lease is renewed: well under `lease_ttl`, so that a lost keep-alive
+    /// or two does not lose it.
+    pub keepalive_every: Duration,
+    /// How long after a failed request it is asked again.
+    pub retry_after: Duration,
+}
+
+impl ClusterConfig {
+    /// A member with etcd's usual timing for such leases: 10 s to live, renewed every 3 s,
+    /// failed requests retried after 1 s.
+    #[must_use]
+    pub fn new(edge_id: &str, prefix: &str, member_info: Vec<u8>) -> Self {
+        ClusterConfig {
+            edge_id: edge_id.to_owned(),
+            prefix: prefix.trim_end_matches('/').to_owned(),
+            member_info,
+            lease_ttl: Duration::from_secs(10),
+            keepalive_every: Duration::from_secs(3),
+            retry_after: Duration::from_secs(1),
+        }
+    }
+}
+
+/// Why a [`ClusterConfig`] cannot run.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ClusterConfigError {
+    /// The edge id is empty or holds a `/`.
+    #[error("cluster.edge_id {0:?} must be a non-empty name without '/'")]
+    EdgeId(String),
+    /// The keep-alive interval does not fit three times into the lease's time to live.
+    #[error("the lease must be renewed at least three times per TTL (every {every:?} for {ttl:?})")]
+    KeepAlive {
+        /// The lease's time to live.
+        ttl: Duration,
+        /// The renewal interval asked for.
+        every: Duration,
+    },
+}
+
+/// A request for etcd; the shell performs it and answers with the matching [`Reply`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EtcdRequest {
+    /// Grant a lease of `ttl` (answer: [`Reply::Granted`]).
+    Grant {
+        /// Its time to live.
+        ttl: Duration,
+    },
+    /// Renew `lease` once (answer: [`Reply::KeptAlive`]).
+    KeepAlive {
+        /// The lease.
+        lease: LeaseId,
+    },
+    /// Put `value` at `key`, attached to `lease` (answer: [`Reply::Put`]).
+    Put {
+        /// The key.
+        key: String,
+        /// The value.
+        value: Vec<u8>,
+        /// The lease the key lives with.
+        lease: LeaseId,
+    },
+    /// Claim a node id in one step: grant a lease of `ttl`, then, in one transaction,
+    /// create `key` = `value` attached to it if `key` is absent, and read `key` (answer:
+    /// [`Reply::Claimed`]). If the key was there, the new lease is revoked.
+    Claim {
+        /// The node id's key.
+        key: String,
+        /// The instance, in decimal.
+        value: Vec<u8>,
+        /// The node lease's time to live.
+        ttl: Duration,
+    },
+    /// Read every key under `prefix` and the store's revision, then watch the prefix from
+    /// the next revision on (answer: [`Reply::Synced`], then [`ClusterMember::handle_watch`]
+    /// calls until the watch breaks).
+    Sync {
+        /// The cluster's prefix, with its trailing `/`.
+        prefix: String,
+    },
+}
+
+/// One request to perform.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Transmit {
+    /// Given back with the answer.
+    pub tag: Tag,
+    /// What to ask.
+    pub request: EtcdRequest,
+}
+
+/// A key as etcd holds it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KeyValue {
+    /// The key.
+    pub key: String,
+    /// Its value.
+    pub value: Vec<u8>,
+    /// The revision that created it.
+    pub create_revision: u64,
+    /// The revision that last changed it.
+    pub mod_revision: u64,
+    /// The lease it lives with (0: none).
+    pub lease: LeaseId,
+}
+
+/// etcd's answer to a [`Transmit`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Reply {
+    /// The lease was granted.
+    Granted {
+        /// Its id.
+        lease: LeaseId,
+        /// The time to live etcd granted.
+        ttl: Duration,
+    },
+    /// The lease was renewed; a `ttl` of zero means it had already expired.
+    KeptAlive {
+        /// What etcd says it has left.
+        ttl: Duration,
+    },
+    /// The key was written at `revision`.
+    Put {
+        /// The store's revision after the write.
+        revision: u64,
+    },
+    /// The node id's key after the claim: created by it (`created`), or as it was.
+    Claimed {
+        /// The key.
+        holder: KeyValue,
+        /// Whether this claim created it.
+        created: bool,
+    },
+    /// Every key under the prefix at `revision`.
+    Synced {
+        /// The store's revision the read saw.
+        revision: u64,
+        /// The keys.
+        kvs: Vec<KeyValue>,
+    },
+    /// The request failed or timed out: etcd could not be asked, or did not answer.
+    Failed,
+}
+
+/// A change the watch delivered.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum WatchEvent {
+    /// A key was written.
+    Put(KeyValue),
+    /// A key was deleted (or its lease expired) at `revision`.
+    Delete {
+        /// The key.
+        key: String,
+        /// The revision of the deletion.
+        revision: u64,
+    },
+}
+
+/// Another Edge of the cluster, or this one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Member {
+    /// Its id.
+    pub edge_id: String,
+    /// What it published.
+    pub info: Vec<u8>,
+}
+
+/// The outcome of [`ClusterMember::claim_node`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClaimDecision {
+    /// Serve it. `fence` is the create revision of the node id's key: the same for every
+    /// Edge that serves this instance, and greater for any later owner.
+    Admitted {
+        /// The key's create revision.
+        fence: u64,
+    },
+    /// Another instance owns the node id; refuse the register and let it retry later.
+    HeldBy {
+        /// The owning instance.
+        instance: u64,
+    },
+    /// This Edge cannot decide now (not a member, etcd did not answer): refuse, retry later.
+    Unavailable,
+}
+
+/// Why this Edge stopped being a member.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LeftReason {
+    /// A lease TTL passed without a confirmed keep-alive.
+    LeaseExpired,
+    /// etcd said the lease no longer exists.
+    LeaseRevoked,
+}
+
+/// What the shell acts on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ClusterEvent {
+    /// This Edge is a member: its lease and member key are written and it has read the
+    /// cluster. It may admit nodes and answer `/healthz`.
+    Joined,
+    /// This Edge is no longer a member: stop admitting nodes, answer `/healthz` with 503.
+    /// Every instance served here gets a [`ClusterEvent::Fence`] first.
+    Left(LeftReason),
+    /// The members, as the watch shows them now (sorted by edge id).
+    Members(Vec<Member>),
+    /// A configuration to validate and apply; answer with
+    /// [`ClusterMember::handle_configured`].
+    Configure {
+        /// Its revision.
+        revision: u64,
+        /// The shared configuration's text.
+        text: Vec<u8>,
+    },
+    /// A claim was decided.
+    Claim {
+        /// The claim's ticket.
+        ticket: ClaimTicket,
+        /// What to do with the register.
+        decision: ClaimDecision,
+    },
+    /// Stop serving this instance of the node id: drain its sessions and close them.
+    Fence {
+        /// The node id.
+        node_id: String,
+        /// The instance.
+        instance: u64,
+    },
+}
+
+/// Misuse of [`ClusterMember`]'s API.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ClusterUsageError {
+    /// A reply for a tag that was not handed out or was answered already.
+    #[error("no request {0:?} is waiting for an answer")]
+    UnknownTag(Tag),
+    /// A node id that cannot be a key name.
+    #[error("node id {0:?} cannot be a key name")]
+    NodeId(String),
+}
+
+#[derive(Clone, Debug)]
+enum Pending {
+    Grant,
+    KeepAlive {
+        sent: Timestamp,
+        lease: LeaseId,
+    },
+    MemberKey {
+        lease: LeaseId,
+    },
+    Status,
+    Claim {
+        ticket: ClaimTicket,
+        node_id: String,
+        instance: u64,
+        sent: Timestamp,
+    },
+    /// A keep-alive of a node lease; with a ticket, the admission waiting for it.
+    NodeKeepAlive {
+        node_id: String,
+        instance: u64,
+        lease: LeaseId,
+        sent: Timestamp,
+        admit: Option<(ClaimTicket, u64)>,
+    },
+    Sync,
+}
+
+/// One Edge's membership, configuration and node-id claims (module docs).
+#[derive(Debug)]
+pub struct ClusterMember {
+    config: ClusterConfig,
+    last_now: Timestamp,
+    next_tag: u64,
+    next_ticket: u64,
+    pending: HashMap<Tag, Pending>,
+    transmits: VecDeque<Transmit>,
+    events: VecDeque<ClusterEvent>,
+    /// The lease, once granted, and until it is lost.
+    lease: Option<LeaseId>,
+    /// The lease counts as live until then (the send time of the last confirmed
+    /// keep-alive, or of the grant, plus its TTL).
+    valid_until: Timestamp,
+    /// When the last grant was asked for.
+    grant_sent: Timestamp,
+    member_key_written: bool,
+    joined: bool,
+    /// Whether a keep-alive is in flight (one at a time).
+    keeping_alive: bool,
+    next_keepalive: Option<Timestamp>,
+    retry_at: Option<Timestamp>,
+    /// What to ask again at `retry_at`.
+    retry_grant: bool,
+    retry_member_key: bool,
+    retry_sync: bool,
+    /// The store as the watch shows it, under the prefix.
+    synced: bool,
+    syncing: bool,
+    revision: u64,
+    view: BTreeMap<String, KeyValue>,
+    members_seen: Vec<Member>,
+    /// The configuration revision last offered to the shell.
+    offered_config: u64,
+    /// Instances served here, by node id.
+    serving: HashMap<String, Served>,
+    /// Node ids being claimed from here: no second claim meanwhile.
+    claiming: HashMap<String, u64>,
+}
+
+/// An instance served here, and its node lease.
+#[derive(Clone, Copy, Debug)]
+struct Served {
+    instance: u64,
+    fence: u64,
+    lease: LeaseId,
+    /// Served until then unless a keep-alive sent before it is confirmed.
+    valid_until: Timestamp,
+    renewing: bool,
+}
+
+impl ClusterMember {
+    /// A member that is not joined yet; its first transmit asks for a lease.
+    ///
+    /// # Errors
+    /// [`ClusterConfigError`] for an edge id that cannot be a key name, or a keep-alive
+    /// interval that does not fit three times into the lease's TTL.
+    pub fn new(config: ClusterConfig, now: Timestamp) -> Result<Self, ClusterConfigError> {
+        if config.edge_id.is_empty() || config.edge_id.contains('/') {
+            return Err(ClusterConfigError::EdgeId(config.edge_id));
+        }
+        if config.keepalive_every.is_zero() || config.keepalive_every * 3 > config.lease_ttl {
+            return Err(ClusterConfigError::KeepAlive {
+                ttl: config.lease_ttl,
+                every: config.keepalive_every,
+            });
+        }
+        let mut member = ClusterMember {
+            config,
+            last_now: now,
+            next_tag: 0,
+            next_ticket: 0,
+            pending: HashMap::new(),
+            transmits: VecDeque::new(),
+            events: VecDeque::new(),
+            lease: None,
+            valid_until: Timestamp::ZERO,
+            grant_sent: now,
+            member_key_written: false,
+            joined: false,
+            keeping_alive: false,
+            next_keepalive: None,
+            retry_at: None,
+            retry_grant: false,
+            retry_member_key: false,
+            retry_sync: false,
+            synced: false,
+            syncing: false,
+            revision: 0,
+            view: BTreeMap::new(),
+            members_seen: Vec::new(),
+            offered_config: 0,
+            serving: HashMap::new(),
+            claiming: HashMap::new(),
+        };
+        member.grant();
+        member.sync();
+        Ok(member)
+    }
+
+    // ----- getters -----
+
+    /// Whether this Edge is a member now: it may admit nodes, and `/healthz` says so.
+    #[must_use]
+    pub fn is_member(&self) -> bool {
+        self.joined
+    }
+
+    /// The lease held, if any.
+    #[must_use]
+    pub fn lease(&self) -> Option<LeaseId> {
+        self.lease
+    }
+
+    /// Until when the lease counts as live here; meaningful while one is held.
+    #[must_use]
+    pub fn valid_until(&self) -> Timestamp {
+        self.valid_until
+    }
+
+    /// The instance served here for `node_id`, with its fence.
+    #[must_use]
+    pub fn serving(&self, node_id: &str) -> Option<(u64, u64)> {
+        self.serving.get(node_id).map(|s| (s.instance, s.fence))
+    }
+
+    /// Every instance served here: node id, instance, fence.
+    pub fn served(&self) -> impl Iterator<Item = (&str, u64, u64)> {
+        self.serving
+            .iter()
+            .map(|(node, s)| (node.as_str(), s.instance, s.fence))
+    }
+
+    /// The revision of the configuration last offered to the shell (0: none yet).
+    #[must_use]
+    pub fn config_revision(&self) -> u64 {
+        self.offered_config
+    }
+
+    // ----- inputs -----
+
+    /// etcd's answer to the request tagged `tag`.
+    ///
+    /// # Errors
+    /// [`ClusterUsageError::UnknownTag`] for a tag not waiting for an answer.
+    pub fn handle_reply(
+        &mut self,
+        now: Timestamp,
+        tag: Tag,
+        reply: Reply,
+    ) -> Result<(), ClusterUsageError> {
+        self.advance(now);
+        let pending = self
+            .pending
+            .remove(&tag)
+            .ok_or(ClusterUsageError::UnknownTag(tag))?;
+        match (pending, reply) {
+            // A second grant cannot be asked for while a lease is held; if one came, its
+            // lease is left to expire.
+            (Pending::Grant, Reply::Granted { .. }) if self.lease.is_some() => {}
+            (Pending::Grant, Reply::Granted { lease, ttl }) => {
+                self.lease = Some(lease);
+                // Counted from when the grant was asked for: etcd granted it later.
+                self.valid_until = self
+                    .grant_sent
+                    .saturating_add(self.config.lease_ttl.min(ttl));
+                self.next_keepalive = Some(now.saturating_add(self.config.keepalive_every));
+                self.write_member_key();
+            }
+            (Pending::Grant, _) => self.retry(|m| m.retry_grant = true),
+            (Pending::KeepAlive { sent, lease }, Reply::KeptAlive { ttl }) => {
+                self.keeping_alive = false;
+                if self.lease != Some(lease) {
+                    return Ok(());
+                }
+                if ttl.is_zero() {
+                    self.lose_lease(LeftReason::LeaseRevoked);
+                } else {
+                    self.valid_until = self
+                        .valid_until
+                        .max(sent.saturating_add(self.config.lease_ttl.min(ttl)));
+                }
+            }
+            (Pending::KeepAlive { .. }, _) => {
+                // The next renewal tries again; the expiry timer decides if it is too late.
+                self.keeping_alive = false;
+            }
+            (Pending::MemberKey { lease }, Reply::Put { .. }) => {
+                if self.lease == Some(lease) {
+                    self.member_key_written = true;
+                    self.maybe_join();
+                }
+            }
+            (Pending::MemberKey { lease }, _) => {
+                if self.lease == Some(lease) {
+                    self.retry(|m| m.retry_member_key = true);
+                }
+            }
+            (Pending::Status, _) => {}
+            (
+                Pending::Claim {
+                    ticket,
+                    node_id,
+                    instance,
+                    sent,
+                },
+                reply,
+            ) => self.decide_claim(ticket, node_id, instance, sent, reply),
+            (
+                Pending::NodeKeepAlive {
+                    node_id,
+                    instance,
+                    lease,
+                    sent,
+                    admit,
+                },
+                reply,
+            ) => self.node_renewed(node_id, instance, lease, sent, admit, reply),
+            (Pending::Sync, Reply::Synced { revision, kvs }) => {
+                self.syncing = false;
+                self.synced = true;
+                self.revision = revision;
+                self.view = kvs.into_iter().map(|kv| (kv.key.clone(), kv)).collect();
+                self.view_changed();
+                self.maybe_join();
+            }
+            (Pending::Sync, _) => {
+                self.syncing = false;
+                self.retry(|m| m.retry_sync = true);
+            }
+        }
+        Ok(())
+    }
+
+    /// Changes the watch delivered, all from one revision or in revision order. Changes at
+    /// or below the revision already seen (a watch restarted by the shell) are skipped.
+    pub fn handle_watch(&mut self, now: Timestamp, events: Vec<WatchEvent>) {
+        self.advance(now);
+        if !self.synced {
+            return;
+        }
+        let mut changed = false;
+        for event in events {
+            match event {
+                WatchEvent::Put(kv) if kv.mod_revision > self.revision => {
+                    self.revision = kv.mod_revision;
+                    self.view.insert(kv.key.clone(), kv);
+                    changed = true;
+                }
+                WatchEvent::Delete { key, revision } if revision > self.revision => {
+                    self.revision = revision;
+                    self.view.remove(&key);
+                    changed = true;
+                }
+                _ => {}
+            }
+        }
+        if changed {
+            self.view_changed();
+        }
+    }
+
+    /// The watch broke (or its connection did): read the prefix again and watch on.
+    pub fn handle_watch_lost(&mut self, now: Timestamp) {
+        self.advance(now);
+        self.synced = false;
+        self.sync();
+    }
+
+    /// How the configuration of `revision` went: `Ok` applied, `Err` refused with a reason
+    /// (the running configuration stays). Written to the status key for the pusher.
+    pub fn handle_configured(
+        &mut self,
+        now: Timestamp,
+        revision: u64,
+        outcome: Result<(), String>,
+    ) {
+        self.advance(now);
+        let Some(lease) = self.lease else { return };
+        let value = match outcome {
+            Ok(()) => format!("{revision} ok"),
+            Err(reason) => format!("{revision} refused: {reason}"),
+        };
+        let key = format!("{}/status/{}", self.config.prefix, self.config.edge_id);
+        self.send(
+            EtcdRequest::Put {
+                key,
+                value: value.into_bytes(),
+                lease,
+            },
+            Pending::Status,
+        );
+    }
+
+    /// Runs what is due at `now`; a spurious call is a no-op.
+    pub fn handle_timeout(&mut self, now: Timestamp) {
+        self.advance(now);
+        if self.lease.is_some() && now >= self.valid_until {
+            self.lose_lease(LeftReason::LeaseExpired);
+        }
+        let mut expired: Vec<(String, u64)> = self
+            .serving
+            .iter()
+            .filter(|(_, s)| now >= s.valid_until)
+            .map(|(node, s)| (node.clone(), s.instance))
+            .collect();
+        expired.sort();
+        for (node_id, instance) in expired {
+            self.serving.remove(&node_id);
+            self.events
+                .push_back(ClusterEvent::Fence { node_id, instance });
+        }
+        if let (Some(lease), Some(at)) = (self.lease, self.next_keepalive)
+            && now >= at
+        {
+            self.next_keepalive = Some(now.saturating_add(self.config.keepalive_every));
+            if !self.keeping_alive {
+                self.keeping_alive = true;
+                self.send(
+                    EtcdRequest::KeepAlive { lease },
+                    Pending::KeepAlive { sent: now, lease },
+                );
+            }
+            // The node leases of what is served here, on the same beat.
+            let mut due: Vec<(String, Served)> = self
+                .serving
+                .iter_mut()
+                .filter(|(_, s)| !s.renewing)
+                .map(|(node, s)| {
+                    s.renewing = true;
+                    (node.clone(), *s)
+                })
+                .collect();
+            due.sort_by(|a, b| a.0.cmp(&b.0));
+            for (node_id, served) in due {
+                self.send(
+                    EtcdRequest::KeepAlive {
+                        lease: served.lease,
+                    },
+                    Pending::NodeKeepAlive {
+                        node_id,
+                        instance: served.instance,
+                        lease: served.lease,
+                        sent: now,
+                        admit: None,
+                    },
+                );
+            }
+        }
+        if self.retry_at.is_some_and(|at| now >= at) {
+            self.retry_at = None;
+            if std::mem::take(&mut self.retry_grant) && self.lease.is_none() {
+                self.grant();
+            }
+            if std::mem::take(&mut self.retry_member_key) {
+                self.write_member_key();
+            }
+            if std::mem::take(&mut self.retry_sync) && !self.synced {
+                self.sync();
+            }
+        }
+    }
+
+    // ----- mutators -----
+
+    /// Asks whether `instance` of `node_id` may be served here; answered by a
+    /// [`ClusterEvent::Claim`] with the returned ticket (at once when it can be decided
+    /// without etcd).
+    ///
+    /// # Errors
+    /// [`ClusterUsageError::NodeId`] for a node id that cannot be a key name.
+    pub fn claim_node(
+        &mut self,
+        now: Timestamp,
+        node_id: &str,
+        instance: u64,
+    ) -> Result<ClaimTicket, ClusterUsageError> {
+        self.advance(now);
+        if node_id.is_empty() || node_id.contains('/') {
+            return Err(ClusterUsageError::NodeId(node_id.to_owned()));
+        }
+        let ticket = ClaimTicket(self.next_ticket);
+        self.next_ticket += 1;
+        let decided = |decision| ClusterEvent::Claim { ticket, decision };
+        let Some(lease) = self.lease.filter(|_| self.joined) else {
+            self.events.push_back(decided(ClaimDecision::Unavailable));
+            return Ok(ticket);
+        };
+        match self.serving.get(node_id) {
+            Some(served) if served.instance == instance => {
+                let fence = served.fence;
+                self.events
+                    .push_back(decided(ClaimDecision::Admitted { fence }));
+                return Ok(ticket);
+            }
+            Some(served) => {
+                let held = served.instance;
+                self.events
+                    .push_back(decided(ClaimDecision::HeldBy { instance: held }));
+                return Ok(ticket);
+            }
+            None => {}
+        }
+        if self.claiming.contains_key(node_id) {
+            self.events.push_back(decided(ClaimDecision::Unavailable));
+            return Ok(ticket);
+        }
+        let _ = lease;
+        self.claiming.insert(node_id.to_owned(), instance);
+        self.send(
+            EtcdRequest::Claim {
+                key: format!("{}/nodes/{node_id}", self.config.prefix),
+                value: instance.to_string().into_bytes(),
+                ttl: self.config.lease_ttl,
+            },
+            Pending::Claim {
+                ticket,
+                node_id: node_id.to_owned(),
+                instance,
+                sent: now,
+            },
+        );
+        Ok(ticket)
+    }
+
+    /// The last session of `instance` of `node_id` here ended: this Edge stops renewing
+    /// its node lease, which runs out once no Edge renews it.
+    pub fn release_node(&mut self, now: Timestamp, node_id: &str, instance: u64) {
+        self.advance(now);
+        if self
+            .serving
+            .get(node_id)
+            .is_some_and(|s| s.instance == instance)
+        {
+            self.serving.remove(node_id);
+        }
+    }
+
+    // ----- outputs -----
+
+    /// The next request for etcd.
+    #[must_use]
+    pub fn poll_transmit(&mut self) -> Option<Transmit> {
+        self.transmits.pop_front()
+    }
+
+    /// The next thing for the shell to act on.
+    #[must_use]
+    pub fn poll_event(&mut self) -> Option<ClusterEvent> {
+        self.events.pop_front()
+    }
+
+    /// When [`ClusterMember::handle_timeout`] is next due.
+    #[must_use]
+    pub fn poll_timeout(&self) -> Option<Timestamp> {
+        [
+            self.lease.map(|_| self.valid_until),
+            self.lease.and(self.next_keepalive),
+            self.retry_at,
+            self.serving.values().map(|s| s.valid_until).min(),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+    }
+
+    // ----- internals -----
+
+    fn advance(&mut self, now: Timestamp) {
+        debug_assert!(now >= self.last_now, "time went backwards");
+        self.last_now = self.last_now.max(now);
+    }
+
+    fn send(&mut self, request: EtcdRequest, pending: Pending) {
+        let tag = Tag(self.next_tag);
+        self.next_tag += 1;
+        if matches!(pending, Pending::Grant) {
+            self.grant_sent = self.last_now;
+        }
+        self.pending.insert(tag, pending);
+        self.transmits.push_back(Transmit { tag, request });
+    }
+
+    fn grant(&mut self) {
+        self.send(
+            EtcdRequest::Grant {
+                ttl: self.config.lease_ttl,
+            },
+            Pending::Grant,
+        );
+    }
+
+    fn sync(&mut self) {
+        if self.syncing {
+            return;
+        }
+        self.syncing = true;
+        let prefix = format!("{}/", self.config.prefix);
+        self.send(EtcdRequest::Sync { prefix }, Pending::Sync);
+    }
+
+    fn retry(&mut self, what: impl FnOnce(&mut Self)) {
+        what(self);
+        let at = self.last_now.saturating_add(self.config.retry_after);
+        self.retry_at = Some(self.retry_at.map_or(at, |t| t.min(at)));
+    }
+
+    fn write_member_key(&mut self) {
+        let Some(lease) = self.lease else { return };
+        let key = format!("{}/members/{}", self.config.prefix, self.config.edge_id);
+        self.send(
+            EtcdRequest::Put {
+                key,
+                value: self.config.member_info.clone(),
+                lease,
+            },
+            Pending::MemberKey { lease },
+        );
+    }
+
+    fn maybe_join(&mut self) {
+        if !self.joined && self.lease.is_some() && self.member_key_written && self.synced {
+            self.joined = true;
+            self.events.push_back(ClusterEvent::Joined);
+        }
+    }
+
+    fn decide_claim(
+        &mut self,
+        ticket: ClaimTicket,
+        node_id: String,
+        instance: u64,
+        sent: Timestamp,
+        reply: Reply,
+    ) {
+        self.claiming.remove(&node_id);
+        let decision = match reply {
+            // Not a member any more: decide nothing (a lease it created runs out alone).
+            Reply::Claimed { .. } if !self.joined => ClaimDecision::Unavailable,
+            Reply::Claimed { holder, created } => match parse_instance(&holder.value) {
+                Some(owner) if owner != instance => ClaimDecision::HeldBy { instance: owner },
+                None => ClaimDecision::Unavailable,
+                // Created now: its lease was granted after `sent`.
+                Some(_) if created => {
+                    self.serve(
+                        &node_id,
+                        instance,
+                        holder.create_revision,
+                        holder.lease,
+                        sent,
+                    );
+                    ClaimDecision::Admitted {
+                        fence: holder.create_revision,
+                    }
+                }
+                // Another Edge's: serve once a renewal of its lease is confirmed.
+                Some(_) => {
+                    self.claiming.insert(node_id.clone(), instance);
+                    self.send(
+                        EtcdRequest::KeepAlive {
+                            lease: holder.lease,
+                        },
+                        Pending::NodeKeepAlive {
+                            node_id,
+                            instance,
+                            lease: holder.lease,
+                            sent: self.last_now,
+                            admit: Some((ticket, holder.create_revision)),
+                        },
+                    );
+                    return;
+                }
+            },
+            _ => ClaimDecision::Unavailable,
+        };
+        self.events
+            .push_back(ClusterEvent::Claim { ticket, decision });
+    }
+
+    fn serve(&mut self, node_id: &str, instance: u64, fence: u64, lease: LeaseId, sent: Timestamp) {
+        self.serving.insert(
+            node_id.to_owned(),
+            Served {
+                instance,
+                fence,
+                lease,
+                valid_until: sent.saturating_add(self.config.lease_ttl),
+                renewing: false,
+            },
+        );
+    }
+
+    fn node_renewed(
+        &mut self,
+        node_id: String,
+        instance: u64,
+        lease: LeaseId,
+        sent: Timestamp,
+        admit: Option<(ClaimTicket, u64)>,
+        reply: Reply,
+    ) {
+        let alive = matches!(reply, Reply::KeptAlive { ttl } if !ttl.is_zero());
+        if let Some((ticket, fence)) = admit {
+            self.claiming.remove(&node_id);
+            let decision = if alive && self.joined && !self.serving.contains_key(&node_id) {
+                self.serve(&node_id, instance, fence, lease, sent);
+                ClaimDecision::Admitted { fence }
+            } else {
+                ClaimDecision::Unavailable
+            };
+            self.events
+                .push_back(ClusterEvent::Claim { ticket, decision });
+            return;
+        }
+        let Some(served) = self
+            .serving
+            .get_mut(&node_id)
+            .filter(|s| s.lease == lease && s.instance == instance)
+        else {
+            return;
+        };
+        served.renewing = false;
+        if alive {
+            served.valid_until = served
+                .valid_until
+                .max(sent.saturating_add(self.config.lease_ttl));
+        } else if matches!(reply, Reply::KeptAlive { .. }) {
+            // etcd says the lease is gone: the key went with it.
+            self.serving.remove(&node_id);
+            self.events
+                .push_back(ClusterEvent::Fence { node_id, instance });
+        }
+    }
+
+    fn lose_lease(&mut self, reason: LeftReason) {
+        self.lease = None;
+        self.next_keepalive = None;
+        self.member_key_written = false;
+        let mut fenced: Vec<(String, u64)> = self
+            .serving
+            .drain()
+            .map(|(node, s)| (node, s.instance))
+            .collect();
+        fenced.sort();
+        for (node_id, instance) in fenced {
+            self.events
+                .push_back(ClusterEvent::Fence { node_id, instance });
+        }
+        if std::mem::take(&mut self.joined) {
+            self.events.push_back(ClusterEvent::Left(reason));
+        }
+        // Join again: a new lease, a new member key.
+        self.grant();
+    }
+
+    fn view_changed(&mut self) {
+        let members_prefix = format!("{}/members/", self.config.prefix);
+        let members: Vec<Member> = self
+            .view
+            .range(members_prefix.clone()..)
+            .take_while(|(key, _)| key.starts_with(&members_prefix))
+            .map(|(key, kv)| Member {
+                edge_id: key[members_prefix.len()..].to_owned(),
+                info: kv.value.clone(),
+            })
+            .collect();
+        if members != self.members_seen {
+            self.members_seen.clone_from(&members);
+            self.events.push_back(ClusterEvent::Members(members));
+        }
+        let config_key = format!("{}/config", self.config.prefix);
+        if let Some(kv) = self.view.get(&config_key)
+            && kv.mod_revision > self.offered_config
+        {
+            self.offered_config = kv.mod_revision;
+            self.events.push_back(ClusterEvent::Configure {
+                revision: kv.mod_revision,
+                text: kv.value.clone(),
+            });
+        }
+    }
+}
+
+/// The instance a node id's key names; `None` for a value that is not one.
+fn parse_instance(value: &[u8]) -> Option<u64> {
+    std::str::from_utf8(value).ok()?.parse().ok()
+}

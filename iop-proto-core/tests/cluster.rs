@@ -1,0 +1,388 @@
+//! `ClusterMember`: membership, node-id ownership and configuration, one Edge's side
+//! (docs/cluster.md). The three-Edge world with a simulated etcd is in `tests/sim.rs`.
+
+use std::time::Duration;
+
+use iop_proto_core::Timestamp;
+use iop_proto_core::cluster::{
+    ClaimDecision, ClusterConfig, ClusterConfigError, ClusterEvent, ClusterMember,
+    ClusterUsageError, EtcdRequest, KeyValue, LeftReason, Reply, Tag, Transmit, WatchEvent,
+};
+
+fn at(ms: u64) -> Timestamp {
+    Timestamp::from_millis(ms)
+}
+
+fn transmits(member: &mut ClusterMember) -> Vec<Transmit> {
+    std::iter::from_fn(|| member.poll_transmit()).collect()
+}
+
+fn events(member: &mut ClusterMember) -> Vec<ClusterEvent> {
+    std::iter::from_fn(|| member.poll_event()).collect()
+}
+
+fn kv(key: &str, value: &str, create: u64, lease: i64) -> KeyValue {
+    KeyValue {
+        key: key.to_owned(),
+        value: value.as_bytes().to_vec(),
+        create_revision: create,
+        mod_revision: create,
+        lease,
+    }
+}
+
+/// A member of `/iop` that has joined at t=100ms with lease 7, the store at revision 5
+/// holding `kvs`.
+fn joined(kvs: Vec<KeyValue>) -> ClusterMember {
+    let config = ClusterConfig::new("e1", "/iop/", b"127.0.0.1:7100".to_vec());
+    let mut member = ClusterMember::new(config, at(0)).unwrap();
+    let sent = transmits(&mut member);
+    assert!(
+        matches!(sent[0].request, EtcdRequest::Grant { ttl } if ttl == Duration::from_secs(10))
+    );
+    assert!(matches!(&sent[1].request, EtcdRequest::Sync { prefix } if prefix == "/iop/"));
+    member
+        .handle_reply(
+            at(50),
+            sent[0].tag,
+            Reply::Granted {
+                lease: 7,
+                ttl: Duration::from_secs(10),
+            },
+        )
+        .unwrap();
+    let put = transmits(&mut member);
+    assert!(matches!(
+        &put[0].request,
+        EtcdRequest::Put { key, lease: 7, .. } if key == "/iop/members/e1"
+    ));
+    member
+        .handle_reply(at(60), put[0].tag, Reply::Put { revision: 4 })
+        .unwrap();
+    assert!(
+        !member.is_member(),
+        "a member once it has read the cluster too"
+    );
+    member
+        .handle_reply(at(100), sent[1].tag, Reply::Synced { revision: 5, kvs })
+        .unwrap();
+    assert!(member.is_member());
+    member
+}
+
+#[test]
+fn a_member_joins_once_its_lease_key_and_view_are_in() {
+    let mut member = joined(vec![
+        kv("/iop/members/e1", "127.0.0.1:7100", 4, 7),
+        kv("/iop/members/e2", "127.0.0.1:7200", 2, 3),
+    ]);
+    let seen = events(&mut member);
+    assert!(seen.contains(&ClusterEvent::Joined));
+    let members = seen.iter().find_map(|e| match e {
+        ClusterEvent::Members(m) => Some(m.iter().map(|m| m.edge_id.clone()).collect::<Vec<_>>()),
+        _ => None,
+    });
+    assert_eq!(members.unwrap(), ["e1", "e2"]);
+    // The lease is renewed every 3 s.
+    assert_eq!(member.poll_timeout(), Some(at(3_050)));
+}
+
+#[test]
+fn the_lease_counts_as_lost_a_ttl_after_the_last_confirmed_renewal_was_sent() {
+    let mut member = joined(vec![]);
+    let _ = events(&mut member);
+    member.handle_timeout(at(3_050));
+    let renew = transmits(&mut member);
+    assert!(matches!(
+        renew[0].request,
+        EtcdRequest::KeepAlive { lease: 7 }
+    ));
+    // Confirmed late: counted from when it was sent, not when the answer came.
+    member
+        .handle_reply(
+            at(5_000),
+            renew[0].tag,
+            Reply::KeptAlive {
+                ttl: Duration::from_secs(10),
+            },
+        )
+        .unwrap();
+    assert_eq!(member.valid_until(), at(13_050));
+    // Every later renewal fails: the member stops at 13.05 s, before etcd can expire it.
+    let mut now = 6_050;
+    while now < 13_050 {
+        member.handle_timeout(at(now));
+        for t in transmits(&mut member) {
+            member
+                .handle_reply(at(now + 10), t.tag, Reply::Failed)
+                .unwrap();
+        }
+        assert!(member.is_member(), "still a member at {now} ms");
+        now += 1_000;
+    }
+    member.handle_timeout(at(13_050));
+    assert!(!member.is_member());
+    assert!(events(&mut member).contains(&ClusterEvent::Left(LeftReason::LeaseExpired)));
+    // It asks for a new lease at once.
+    assert!(
+        transmits(&mut member)
+            .iter()
+            .any(|t| matches!(t.request, EtcdRequest::Grant { .. }))
+    );
+}
+
+/// Claims `node` for `instance` at `now` and answers with `reply`; the decision, if made.
+fn claim(
+    member: &mut ClusterMember,
+    now: u64,
+    node: &str,
+    instance: u64,
+    reply: Reply,
+) -> Vec<ClusterEvent> {
+    let ticket = member.claim_node(at(now), node, instance).unwrap();
+    let sent = transmits(member);
+    assert!(matches!(
+        &sent[0].request,
+        EtcdRequest::Claim { key, value, .. } if key == &format!("/iop/nodes/{node}") && value == instance.to_string().as_bytes()
+    ));
+    member
+        .handle_reply(at(now + 10), sent[0].tag, reply)
+        .unwrap();
+    let seen = events(member);
+    assert!(
+        seen.iter()
+            .all(|e| !matches!(e, ClusterEvent::Claim { ticket: t, .. } if *t != ticket))
+    );
+    seen
+}
+
+#[test]
+fn the_first_claim_serves_and_another_instance_is_refused() {
+    let mut member = joined(vec![]);
+    let _ = events(&mut member);
+    let won = claim(
+        &mut member,
+        200,
+        "n1",
+        41,
+        Reply::Claimed {
+            holder: kv("/iop/nodes/n1", "41", 9, 21),
+            created: true,
+        },
+    );
+    assert!(matches!(
+        won[..],
+        [ClusterEvent::Claim {
+            decision: ClaimDecision::Admitted { fence: 9 },
+            ..
+        }]
+    ));
+    assert_eq!(member.serving("n1"), Some((41, 9)));
+    // Another instance of n1, here: refused without asking etcd.
+    let ticket = member.claim_node(at(300), "n1", 42).unwrap();
+    assert!(transmits(&mut member).is_empty());
+    assert_eq!(
+        events(&mut member),
+        [ClusterEvent::Claim {
+            ticket,
+            decision: ClaimDecision::HeldBy { instance: 41 }
+        }]
+    );
+    // n2 is held by another instance through another Edge.
+    let lost = claim(
+        &mut member,
+        400,
+        "n2",
+        51,
+        Reply::Claimed {
+            holder: kv("/iop/nodes/n2", "52", 11, 30),
+            created: false,
+        },
+    );
+    assert!(matches!(
+        lost[..],
+        [ClusterEvent::Claim {
+            decision: ClaimDecision::HeldBy { instance: 52 },
+            ..
+        }]
+    ));
+    assert_eq!(member.serving("n2"), None);
+}
+
+#[test]
+fn an_instance_another_edge_claimed_is_served_once_its_lease_is_renewed_from_here() {
+    let mut member = joined(vec![]);
+    let _ = events(&mut member);
+    let pending = claim(
+        &mut member,
+        200,
+        "n1",
+        41,
+        Reply::Claimed {
+            holder: kv("/iop/nodes/n1", "41", 9, 21),
+            created: false,
+        },
+    );
+    assert!(pending.is_empty(), "not decided before the renewal");
+    let renew = transmits(&mut member);
+    assert!(matches!(
+        renew[0].request,
+        EtcdRequest::KeepAlive { lease: 21 }
+    ));
+    member
+        .handle_reply(
+            at(240),
+            renew[0].tag,
+            Reply::KeptAlive {
+                ttl: Duration::from_secs(10),
+            },
+        )
+        .unwrap();
+    assert!(matches!(
+        events(&mut member)[..],
+        [ClusterEvent::Claim {
+            decision: ClaimDecision::Admitted { fence: 9 },
+            ..
+        }]
+    ));
+    // A lease that had run out is not served.
+    let _ = claim(
+        &mut member,
+        300,
+        "n2",
+        51,
+        Reply::Claimed {
+            holder: kv("/iop/nodes/n2", "51", 12, 22),
+            created: false,
+        },
+    );
+    let renew = transmits(&mut member);
+    member
+        .handle_reply(
+            at(340),
+            renew[0].tag,
+            Reply::KeptAlive {
+                ttl: Duration::ZERO,
+            },
+        )
+        .unwrap();
+    assert!(matches!(
+        events(&mut member)[..],
+        [ClusterEvent::Claim {
+            decision: ClaimDecision::Unavailable,
+            ..
+        }]
+    ));
+}
+
+#[test]
+fn an_instance_whose_node_lease_cannot_be_renewed_is_fenced_in_time() {
+    let mut member = joined(vec![]);
+    let _ = events(&mut member);
+    let _ = claim(
+        &mut member,
+        200,
+        "n1",
+        41,
+        Reply::Claimed {
+            holder: kv("/iop/nodes/n1", "41", 9, 21),
+            created: true,
+        },
+    );
+    // The node lease was granted after 200 ms: served until 10.2 s at most. The member's
+    // own lease is renewed meanwhile; the node lease's renewals fail.
+    let mut now = 3_050;
+    while now < 10_200 {
+        member.handle_timeout(at(now));
+        for t in transmits(&mut member) {
+            let reply = match t.request {
+                EtcdRequest::KeepAlive { lease: 7 } => Reply::KeptAlive {
+                    ttl: Duration::from_secs(10),
+                },
+                _ => Reply::Failed,
+            };
+            member.handle_reply(at(now + 5), t.tag, reply).unwrap();
+        }
+        now = member.poll_timeout().unwrap().as_millis();
+    }
+    assert_eq!(now, 10_200);
+    member.handle_timeout(at(now));
+    assert_eq!(
+        events(&mut member),
+        [ClusterEvent::Fence {
+            node_id: "n1".into(),
+            instance: 41
+        }]
+    );
+    assert!(member.is_member(), "the member itself is fine");
+    assert_eq!(member.serving("n1"), None);
+}
+
+#[test]
+fn configurations_are_offered_once_each_in_order_and_the_outcome_is_written() {
+    let mut member = joined(vec![kv("/iop/config", "first", 3, 0)]);
+    assert!(events(&mut member).contains(&ClusterEvent::Configure {
+        revision: 3,
+        text: b"first".to_vec()
+    }));
+    member.handle_configured(at(150), 3, Err("models: unknown node".into()));
+    let status = transmits(&mut member);
+    assert!(matches!(
+        &status[0].request,
+        EtcdRequest::Put { key, value, .. } if key == "/iop/status/e1" && value == b"3 refused: models: unknown node"
+    ));
+    // A later revision is offered; a replayed older one is not.
+    member.handle_watch(
+        at(200),
+        vec![WatchEvent::Put(kv("/iop/config", "second", 3, 0)).clone()],
+    );
+    assert!(events(&mut member).is_empty());
+    let mut second = kv("/iop/config", "second", 3, 0);
+    second.mod_revision = 8;
+    member.handle_watch(at(210), vec![WatchEvent::Put(second.clone())]);
+    member.handle_watch(at(220), vec![WatchEvent::Put(second)]);
+    assert_eq!(
+        events(&mut member),
+        [ClusterEvent::Configure {
+            revision: 8,
+            text: b"second".to_vec()
+        }]
+    );
+}
+
+#[test]
+fn misuse_is_a_typed_error() {
+    let config = ClusterConfig::new("a/b", "/iop", vec![]);
+    assert!(matches!(
+        ClusterMember::new(config, at(0)),
+        Err(ClusterConfigError::EdgeId(_))
+    ));
+    let mut config = ClusterConfig::new("e1", "/iop", vec![]);
+    config.keepalive_every = Duration::from_secs(5);
+    assert!(matches!(
+        ClusterMember::new(config, at(0)),
+        Err(ClusterConfigError::KeepAlive { .. })
+    ));
+    let mut member = joined(vec![]);
+    assert_eq!(
+        member.handle_reply(at(200), Tag(999), Reply::Failed),
+        Err(ClusterUsageError::UnknownTag(Tag(999)))
+    );
+    assert!(matches!(
+        member.claim_node(at(200), "x/y", 1),
+        Err(ClusterUsageError::NodeId(_))
+    ));
+    // Not a member: no claim goes to etcd.
+    let config = ClusterConfig::new("e2", "/iop", vec![]);
+    let mut fresh = ClusterMember::new(config, at(0)).unwrap();
+    let _ = transmits(&mut fresh);
+    let ticket = fresh.claim_node(at(10), "n1", 1).unwrap();
+    assert!(transmits(&mut fresh).is_empty());
+    assert_eq!(
+        events(&mut fresh),
+        [ClusterEvent::Claim {
+            ticket,
+            decision: ClaimDecision::Unavailable
+        }]
+    );
+}
