@@ -139,7 +139,8 @@ pub enum EtcdRequest {
     },
 }
 
-/// One request to perform.
+/// One request to perform. Every one must be answered, in any order: with what etcd said,
+/// or with [`Reply::Failed`] once the shell gives up on it (a timeout, a lost connection).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Transmit {
     /// Given back with the answer.
@@ -711,10 +712,10 @@ impl ClusterMember {
         let ticket = ClaimTicket(self.next_ticket);
         self.next_ticket += 1;
         let decided = |decision| ClusterEvent::Claim { ticket, decision };
-        let Some(lease) = self.lease.filter(|_| self.joined) else {
+        if self.lease.is_none() || !self.joined {
             self.events.push_back(decided(ClaimDecision::Unavailable));
             return Ok(ticket);
-        };
+        }
         match self.serving.get(node_id) {
             Some(served) if served.instance == instance => {
                 let fence = served.fence;
@@ -734,7 +735,6 @@ impl ClusterMember {
             self.events.push_back(decided(ClaimDecision::Unavailable));
             return Ok(ticket);
         }
-        let _ = lease;
         self.claiming.insert(node_id.to_owned(), instance);
         self.send(
             EtcdRequest::Claim {

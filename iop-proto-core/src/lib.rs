@@ -20,6 +20,9 @@
 //!   submit to end; configured by [`edge_config`] ([`EdgeConfig`]).
 //! - [`session`]: the Node session machine ([`NodeSession`]), and [`reconnect`]: the
 //!   reconnect policy and its [`Supervisor`].
+//! - [`cluster`]: one Edge's part in a cluster of Edges coordinated through etcd
+//!   ([`cluster::ClusterMember`]: membership by lease, the shared configuration, a node id
+//!   owned once cluster-wide); designed and simulated, not yet driven by `iop-edge`.
 //! - [`run`] and [`tunnel`]: the contract sequencers of normalized runs and raw tunnels
 //!   (what a stream may say in which order, which headers a tunnel forwards).
 //! - [`token`]: constant-time credential checks (node tokens, API keys), and
