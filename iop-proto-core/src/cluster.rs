@@ -34,6 +34,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::Duration;
 
 use crate::time::Timestamp;
+use crate::timer::TimerTable;
 
 /// An etcd lease, as etcd numbered it.
 pub type LeaseId = i64;
@@ -299,6 +300,31 @@ pub enum ClusterUsageError {
     NodeId(String),
 }
 
+/// The member's deadlines, in its [`TimerTable`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+enum Timer {
+    /// The member's lease runs out unless a renewal sent before it is confirmed. First at
+    /// equal times, so a renewal due then is not sent for a lease already lost.
+    Expiry,
+    /// Renew the member's lease and the node leases of what is served here.
+    KeepAlive,
+    /// Ask again for what failed: a lease, the member key, a read of the cluster.
+    Retry,
+    /// The node lease of the instance in this slot runs out.
+    Node(u64),
+}
+
+impl crate::timer::TimerKey for Timer {
+    fn reason(&self) -> &'static str {
+        match self {
+            Timer::Expiry => "member lease",
+            Timer::KeepAlive => "keep-alive",
+            Timer::Retry => "retry",
+            Timer::Node(_) => "node lease",
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 enum Pending {
     Grant,
@@ -339,18 +365,17 @@ pub struct ClusterMember {
     events: VecDeque<ClusterEvent>,
     /// The lease, once granted, and until it is lost.
     lease: Option<LeaseId>,
-    /// The lease counts as live until then (the send time of the last confirmed
-    /// keep-alive, or of the grant, plus its TTL).
-    valid_until: Timestamp,
+    /// Deadlines: the lease counts as live until `Timer::Expiry` (the send time of the
+    /// last confirmed keep-alive, or of the grant, plus its TTL), and each served instance
+    /// until its `Timer::Node`.
+    timers: TimerTable<Timer>,
     /// When the last grant was asked for.
     grant_sent: Timestamp,
     member_key_written: bool,
     joined: bool,
     /// Whether a keep-alive is in flight (one at a time).
     keeping_alive: bool,
-    next_keepalive: Option<Timestamp>,
-    retry_at: Option<Timestamp>,
-    /// What to ask again at `retry_at`.
+    /// What to ask again when `Timer::Retry` fires.
     retry_grant: bool,
     retry_member_key: bool,
     retry_sync: bool,
@@ -362,8 +387,10 @@ pub struct ClusterMember {
     members_seen: Vec<Member>,
     /// The configuration revision last offered to the shell.
     offered_config: u64,
-    /// Instances served here, by node id.
+    /// Instances served here, by node id, and the node id of each timer slot.
     serving: HashMap<String, Served>,
+    slots: HashMap<u64, String>,
+    next_slot: u64,
     /// Node ids being claimed from here: no second claim meanwhile.
     claiming: HashMap<String, u64>,
 }
@@ -374,8 +401,8 @@ struct Served {
     instance: u64,
     fence: u64,
     lease: LeaseId,
-    /// Served until then unless a keep-alive sent before it is confirmed.
-    valid_until: Timestamp,
+    /// Its `Timer::Node`: served until then unless a renewal sent before is confirmed.
+    slot: u64,
     renewing: bool,
 }
 
@@ -404,13 +431,11 @@ impl ClusterMember {
             transmits: VecDeque::new(),
             events: VecDeque::new(),
             lease: None,
-            valid_until: Timestamp::ZERO,
+            timers: TimerTable::new(),
             grant_sent: now,
             member_key_written: false,
             joined: false,
             keeping_alive: false,
-            next_keepalive: None,
-            retry_at: None,
             retry_grant: false,
             retry_member_key: false,
             retry_sync: false,
@@ -421,6 +446,8 @@ impl ClusterMember {
             members_seen: Vec::new(),
             offered_config: 0,
             serving: HashMap::new(),
+            slots: HashMap::new(),
+            next_slot: 0,
             claiming: HashMap::new(),
         };
         member.grant();
@@ -445,7 +472,7 @@ impl ClusterMember {
     /// Until when the lease counts as live here; meaningful while one is held.
     #[must_use]
     pub fn valid_until(&self) -> Timestamp {
-        self.valid_until
+        self.timers.get(Timer::Expiry).unwrap_or(Timestamp::ZERO)
     }
 
     /// The instance served here for `node_id`, with its fence.
@@ -491,10 +518,14 @@ impl ClusterMember {
             (Pending::Grant, Reply::Granted { lease, ttl }) => {
                 self.lease = Some(lease);
                 // Counted from when the grant was asked for: etcd granted it later.
-                self.valid_until = self
+                let until = self
                     .grant_sent
                     .saturating_add(self.config.lease_ttl.min(ttl));
-                self.next_keepalive = Some(now.saturating_add(self.config.keepalive_every));
+                self.timers.set(Timer::Expiry, until);
+                self.timers.set(
+                    Timer::KeepAlive,
+                    now.saturating_add(self.config.keepalive_every),
+                );
                 self.write_member_key();
             }
             (Pending::Grant, _) => self.retry(|m| m.retry_grant = true),
@@ -506,9 +537,8 @@ impl ClusterMember {
                 if ttl.is_zero() {
                     self.lose_lease(LeftReason::LeaseRevoked);
                 } else {
-                    self.valid_until = self
-                        .valid_until
-                        .max(sent.saturating_add(self.config.lease_ttl.min(ttl)));
+                    let until = sent.saturating_add(self.config.lease_ttl.min(ttl));
+                    self.extend(Timer::Expiry, until);
                 }
             }
             (Pending::KeepAlive { .. }, _) => {
@@ -625,69 +655,75 @@ impl ClusterMember {
     /// Runs what is due at `now`; a spurious call is a no-op.
     pub fn handle_timeout(&mut self, now: Timestamp) {
         self.advance(now);
-        if self.lease.is_some() && now >= self.valid_until {
-            self.lose_lease(LeftReason::LeaseExpired);
+        while let Some(timer) = self.timers.pop_expired(now) {
+            match timer {
+                Timer::Expiry => {
+                    if self.lease.is_some() {
+                        self.lose_lease(LeftReason::LeaseExpired);
+                    }
+                }
+                Timer::Node(slot) => {
+                    if let Some(node_id) = self.slots.get(&slot).cloned() {
+                        self.fence(node_id);
+                    }
+                }
+                Timer::KeepAlive => self.renew(now),
+                Timer::Retry => self.ask_again(),
+            }
         }
-        let mut expired: Vec<(String, u64)> = self
+    }
+
+    /// Renews the member's lease and the node leases of what is served here, one request
+    /// each in flight at most.
+    fn renew(&mut self, now: Timestamp) {
+        let Some(lease) = self.lease else { return };
+        self.timers.set(
+            Timer::KeepAlive,
+            now.saturating_add(self.config.keepalive_every),
+        );
+        if !self.keeping_alive {
+            self.keeping_alive = true;
+            self.send(
+                EtcdRequest::KeepAlive { lease },
+                Pending::KeepAlive { sent: now, lease },
+            );
+        }
+        let mut due: Vec<(String, Served)> = self
             .serving
-            .iter()
-            .filter(|(_, s)| now >= s.valid_until)
-            .map(|(node, s)| (node.clone(), s.instance))
+            .iter_mut()
+            .filter(|(_, s)| !s.renewing)
+            .map(|(node, s)| {
+                s.renewing = true;
+                (node.clone(), *s)
+            })
             .collect();
-        expired.sort();
-        for (node_id, instance) in expired {
-            self.serving.remove(&node_id);
-            self.events
-                .push_back(ClusterEvent::Fence { node_id, instance });
+        due.sort_by(|a, b| a.0.cmp(&b.0));
+        for (node_id, served) in due {
+            self.send(
+                EtcdRequest::KeepAlive {
+                    lease: served.lease,
+                },
+                Pending::NodeKeepAlive {
+                    node_id,
+                    instance: served.instance,
+                    lease: served.lease,
+                    sent: now,
+                    admit: None,
+                },
+            );
         }
-        if let (Some(lease), Some(at)) = (self.lease, self.next_keepalive)
-            && now >= at
-        {
-            self.next_keepalive = Some(now.saturating_add(self.config.keepalive_every));
-            if !self.keeping_alive {
-                self.keeping_alive = true;
-                self.send(
-                    EtcdRequest::KeepAlive { lease },
-                    Pending::KeepAlive { sent: now, lease },
-                );
-            }
-            // The node leases of what is served here, on the same beat.
-            let mut due: Vec<(String, Served)> = self
-                .serving
-                .iter_mut()
-                .filter(|(_, s)| !s.renewing)
-                .map(|(node, s)| {
-                    s.renewing = true;
-                    (node.clone(), *s)
-                })
-                .collect();
-            due.sort_by(|a, b| a.0.cmp(&b.0));
-            for (node_id, served) in due {
-                self.send(
-                    EtcdRequest::KeepAlive {
-                        lease: served.lease,
-                    },
-                    Pending::NodeKeepAlive {
-                        node_id,
-                        instance: served.instance,
-                        lease: served.lease,
-                        sent: now,
-                        admit: None,
-                    },
-                );
-            }
+    }
+
+    /// Asks again for what failed.
+    fn ask_again(&mut self) {
+        if std::mem::take(&mut self.retry_grant) && self.lease.is_none() {
+            self.grant();
         }
-        if self.retry_at.is_some_and(|at| now >= at) {
-            self.retry_at = None;
-            if std::mem::take(&mut self.retry_grant) && self.lease.is_none() {
-                self.grant();
-            }
-            if std::mem::take(&mut self.retry_member_key) {
-                self.write_member_key();
-            }
-            if std::mem::take(&mut self.retry_sync) && !self.synced {
-                self.sync();
-            }
+        if std::mem::take(&mut self.retry_member_key) {
+            self.write_member_key();
+        }
+        if std::mem::take(&mut self.retry_sync) && !self.synced {
+            self.sync();
         }
     }
 
@@ -760,8 +796,10 @@ impl ClusterMember {
             .serving
             .get(node_id)
             .is_some_and(|s| s.instance == instance)
+            && let Some(served) = self.serving.remove(node_id)
         {
-            self.serving.remove(node_id);
+            self.timers.stop(Timer::Node(served.slot));
+            self.slots.remove(&served.slot);
         }
     }
 
@@ -782,15 +820,7 @@ impl ClusterMember {
     /// When [`ClusterMember::handle_timeout`] is next due.
     #[must_use]
     pub fn poll_timeout(&self) -> Option<Timestamp> {
-        [
-            self.lease.map(|_| self.valid_until),
-            self.lease.and(self.next_keepalive),
-            self.retry_at,
-            self.serving.values().map(|s| s.valid_until).min(),
-        ]
-        .into_iter()
-        .flatten()
-        .min()
+        self.timers.next().map(|wake| wake.at)
     }
 
     // ----- internals -----
@@ -831,7 +861,8 @@ impl ClusterMember {
     fn retry(&mut self, what: impl FnOnce(&mut Self)) {
         what(self);
         let at = self.last_now.saturating_add(self.config.retry_after);
-        self.retry_at = Some(self.retry_at.map_or(at, |t| t.min(at)));
+        let at = self.timers.get(Timer::Retry).map_or(at, |t| t.min(at));
+        self.timers.set(Timer::Retry, at);
     }
 
     fn write_member_key(&mut self) {
@@ -907,16 +938,42 @@ impl ClusterMember {
     }
 
     fn serve(&mut self, node_id: &str, instance: u64, fence: u64, lease: LeaseId, sent: Timestamp) {
+        let slot = self.next_slot;
+        self.next_slot += 1;
+        self.slots.insert(slot, node_id.to_owned());
+        self.timers.set(
+            Timer::Node(slot),
+            sent.saturating_add(self.config.lease_ttl),
+        );
         self.serving.insert(
             node_id.to_owned(),
             Served {
                 instance,
                 fence,
                 lease,
-                valid_until: sent.saturating_add(self.config.lease_ttl),
+                slot,
                 renewing: false,
             },
         );
+    }
+
+    /// Stops serving `node_id`'s instance: its timer goes, and the shell is told.
+    fn fence(&mut self, node_id: String) {
+        if let Some(served) = self.serving.remove(&node_id) {
+            self.timers.stop(Timer::Node(served.slot));
+            self.slots.remove(&served.slot);
+            self.events.push_back(ClusterEvent::Fence {
+                node_id,
+                instance: served.instance,
+            });
+        }
+    }
+
+    /// Moves `timer` to `until` if that is later.
+    fn extend(&mut self, timer: Timer, until: Timestamp) {
+        if self.timers.get(timer).is_some_and(|at| at < until) {
+            self.timers.set(timer, until);
+        }
     }
 
     fn node_renewed(
@@ -949,31 +1006,27 @@ impl ClusterMember {
             return;
         };
         served.renewing = false;
+        let slot = served.slot;
         if alive {
-            served.valid_until = served
-                .valid_until
-                .max(sent.saturating_add(self.config.lease_ttl));
+            self.extend(
+                Timer::Node(slot),
+                sent.saturating_add(self.config.lease_ttl),
+            );
         } else if matches!(reply, Reply::KeptAlive { .. }) {
             // etcd says the lease is gone: the key went with it.
-            self.serving.remove(&node_id);
-            self.events
-                .push_back(ClusterEvent::Fence { node_id, instance });
+            self.fence(node_id);
         }
     }
 
     fn lose_lease(&mut self, reason: LeftReason) {
         self.lease = None;
-        self.next_keepalive = None;
+        self.timers.stop(Timer::Expiry);
+        self.timers.stop(Timer::KeepAlive);
         self.member_key_written = false;
-        let mut fenced: Vec<(String, u64)> = self
-            .serving
-            .drain()
-            .map(|(node, s)| (node, s.instance))
-            .collect();
+        let mut fenced: Vec<String> = self.serving.keys().cloned().collect();
         fenced.sort();
-        for (node_id, instance) in fenced {
-            self.events
-                .push_back(ClusterEvent::Fence { node_id, instance });
+        for node_id in fenced {
+            self.fence(node_id);
         }
         if std::mem::take(&mut self.joined) {
             self.events.push_back(ClusterEvent::Left(reason));
