@@ -3,7 +3,10 @@
 //! fair peer of client → Edge → Node → provider), and through IOP twice, over the node
 //! link as deployed by default (TLS 1.3) and over plaintext, interleaved round by round so
 //! that machine noise hits every path alike. Small requests run at 1, 16, 64 and 256
-//! concurrent callers, unpaced streams at 16. Loopback only, bounded in time.
+//! concurrent callers, unpaced streams at 16. rathole, a one-hop TCP tunnel whose client
+//! dials out to its server as IOP's Node dials the Edge, runs beside them as the next mark
+//! (`rathole_binary`: installed with cargo when missing and allowed). Loopback only,
+//! bounded in time.
 //!
 //! ```text
 //! cargo run --release -p iop-blackbox --bin bench -- [seconds per run] [rounds] [--write BENCHMARKS.md]
@@ -67,7 +70,7 @@
 //! inference engine's busy loop does (`bench burn`).
 
 use std::convert::Infallible;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::process::{Child, Command, Stdio};
 use std::task::{Context, Poll};
@@ -479,6 +482,90 @@ http {{
         .stderr(Stdio::null())
         .spawn()
         .expect("nginx starts")
+}
+
+/// rathole's binary: on the PATH, built earlier into `target/bench-tools`, or installed
+/// there now with cargo (plain TCP transport only; a few minutes, once) unless
+/// `IOP_BENCH_NO_INSTALL` forbids it. `None` leaves rathole out of the run.
+fn rathole_binary() -> Option<PathBuf> {
+    if let Some(path) = which("rathole") {
+        return Some(path);
+    }
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/bench-tools");
+    let bin = root.join("bin/rathole");
+    if bin.exists() {
+        return Some(bin);
+    }
+    if std::env::var_os("IOP_BENCH_NO_INSTALL").is_some() {
+        eprintln!("bench: rathole not found and IOP_BENCH_NO_INSTALL is set: no rathole column");
+        return None;
+    }
+    eprintln!(
+        "bench: installing rathole with cargo into {}",
+        root.display()
+    );
+    let installed = Command::new("cargo")
+        .args(["install", "rathole", "--version", "0.5.0"])
+        .args([
+            "--no-default-features",
+            "--features",
+            "server,client",
+            "--root",
+        ])
+        .arg(&root)
+        .env("CARGO_TARGET_DIR", root.join("build"))
+        .status()
+        .is_ok_and(|s| s.success());
+    if installed && bin.exists() {
+        Some(bin)
+    } else {
+        eprintln!("bench: rathole did not install: no rathole column");
+        None
+    }
+}
+
+/// rathole between `port` and the provider: its server (the public side, where callers
+/// connect) and its client (beside the provider, dialling out to the server, as IOP's Node
+/// does), plain TCP. One hop that forwards bytes without reading them: the next mark
+/// issue 56 set.
+fn start_rathole(bin: &Path, dir: &TempDir, port: u16, provider: u16) -> (Child, Child) {
+    let control = free_port();
+    let root = dir.path().join("rathole");
+    std::fs::create_dir_all(&root).expect("rathole dir");
+    let token = "iop-bench-rathole-token";
+    let server = root.join("server.toml");
+    std::fs::write(
+        &server,
+        format!(
+            "[server]\nbind_addr = \"127.0.0.1:{control}\"\n[server.transport]\ntype = \"tcp\"\n[server.transport.tcp]\nnodelay = true\n[server.services.p]\ntoken = \"{token}\"\nbind_addr = \"127.0.0.1:{port}\"\nnodelay = true\n"
+        ),
+    )
+    .expect("rathole server.toml");
+    let client = root.join("client.toml");
+    std::fs::write(
+        &client,
+        format!(
+            "[client]\nremote_addr = \"127.0.0.1:{control}\"\n[client.transport]\ntype = \"tcp\"\n[client.transport.tcp]\nnodelay = true\n[client.services.p]\ntoken = \"{token}\"\nlocal_addr = \"127.0.0.1:{provider}\"\nnodelay = true\n"
+        ),
+    )
+    .expect("rathole client.toml");
+    let start = |flag: &str, config: &Path| {
+        Command::new(bin)
+            .arg(flag)
+            .arg(config)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("rathole starts")
+    };
+    let server = start("-s", &server);
+    wait_port(control);
+    let client = start("-c", &client);
+    wait_port(port);
+    // The client registers its service over the control channel after connecting.
+    std::thread::sleep(Duration::from_millis(500));
+    (server, client)
 }
 
 fn wait_port(port: u16) {
@@ -910,7 +997,7 @@ providers = [{{ node = "n1", adapter = "oa", target = "fake" }}]
 /// is ready again after the Edge restarts, with the bare references (TCP connects, then
 /// bare clients redialling over TLS / plaintext) in the direct column and the restart
 /// over the bare reconnects of the same link in IOP's (`iop_blackbox::fleet`).
-fn fleet_rows(rows: &[fleet::Row]) -> String {
+fn fleet_rows(rows: &[fleet::Row], trailing: usize) -> String {
     let cells = |cell: &dyn Fn(&fleet::Row) -> String| {
         rows.iter().map(cell).collect::<Vec<_>>().join(" | ")
     };
@@ -939,6 +1026,10 @@ fn fleet_rows(rows: &[fleet::Row]) -> String {
             )
         }),
     )
+    .lines()
+    .map(|line| format!("{line}{}", " – |".repeat(trailing)))
+    .collect::<Vec<_>>()
+    .join("\n")
 }
 
 /// Where `--write` puts the table: between these lines of the file, replacing what was
@@ -1132,6 +1223,16 @@ async fn serve_until_told() -> Served {
     }
 }
 
+/// Stops rathole's server and client, if it ran.
+fn stop_rathole(rathole: Option<&mut (Child, Child)>) {
+    if let Some((server, client)) = rathole {
+        for child in [server, client] {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 /// Stops the nginx hops and the fake provider.
 fn stop_data_path(nginx: &mut [&mut Child], provider: &mut Child) {
     for nginx in nginx {
@@ -1230,6 +1331,9 @@ fn main() {
     let mut nginx1 = start_nginx(&dir, "hop1", hop1, hop2);
     wait_port(hop2);
     wait_port(hop1);
+    let rathole_port = free_port();
+    let mut rathole =
+        rathole_binary().map(|bin| start_rathole(&bin, &dir, rathole_port, provider_port));
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -1257,7 +1361,7 @@ fn main() {
     if std::env::var_os("IOP_BENCH_SERVE").is_some() {
         // For profiling: keep everything up and say where it is.
         println!(
-            "provider {provider_port} nginx {hop1} iop-tls {} (edge pid {} node pid {}) iop-plaintext {} (edge pid {} node pid {})",
+            "provider {provider_port} nginx {hop1} rathole {rathole_port} iop-tls {} (edge pid {} node pid {}) iop-plaintext {} (edge pid {} node pid {})",
             tls.http_port,
             tls.edge.pid(),
             tls_node.pid(),
@@ -1269,6 +1373,7 @@ fn main() {
             // Stopped by a signal: everything started goes, logs included.
             eprintln!("bench: stopped; stopping the paths");
             stop_data_path(&mut [&mut nginx1, &mut nginx2], &mut provider);
+            stop_rathole(rathole.as_mut());
             drop((tls_node, plain_node, tls, plain));
             // The stdin reader is still blocked: leave it rather than wait for it.
             runtime.shutdown_background();
@@ -1296,7 +1401,15 @@ fn main() {
         },
         iop_path("IOP, TLS link (default)", &tls, &tls_node),
         iop_path("IOP, plaintext link", &plain, &plain_node),
-    ];
+    ]
+    .into_iter()
+    .chain(rathole.as_ref().map(|(server, client)| Path3 {
+        name: "rathole, 1 TCP hop",
+        port: rathole_port,
+        pids: vec![server.id(), client.id()],
+        pair: None,
+    }))
+    .collect::<Vec<_>>();
     // Warm every path up.
     for path in &paths {
         wrk(&dir, path, SMALL, 4, 1);
@@ -1336,6 +1449,7 @@ fn main() {
 
     // The data path is measured: its processes go before the fleet's Edges start.
     stop_data_path(&mut [&mut nginx1, &mut nginx2], &mut provider);
+    stop_rathole(rathole.as_mut());
     drop((tls_node, plain_node, tls, plain));
     eprintln!("bench: {FLEET_NODES} nodes against a restarting Edge, TLS and plaintext");
     // If it fails, the data path's figures are still reported.
@@ -1565,11 +1679,12 @@ fn main() {
         )
     );
     match &fleet {
-        Ok(rows) => out!("{}", fleet_rows(rows)),
+        Ok(rows) => out!("{}", fleet_rows(rows, paths.len() - 4)),
         Err(_) => {
             // The panic's message and place are already on stderr.
             out!(
-                "| Edge memory per idle connected node; {FLEET_NODES} nodes ready again after an Edge restart | – | – | the fleet run failed (see stderr) | – |"
+                "| Edge memory per idle connected node; {FLEET_NODES} nodes ready again after an Edge restart | – | – | the fleet run failed (see stderr) | – |{}",
+                " – |".repeat(paths.len() - 4)
             );
         }
     }
@@ -1696,10 +1811,12 @@ mod tests {
             row(Link::Plaintext, 1.5, None, ms(64), None),
         ];
         assert_eq!(
-            fleet_rows(&rows),
+            fleet_rows(&rows, 0),
             "| Edge memory per idle connected node, 1,000 nodes | – | – | 5.7 KiB | 1.5 KiB |\n\
              | 1,000 nodes ready again after an Edge restart, median of 5 (direct: bare TCP connects; then bare clients redialling by the same policy, TLS 1.3 / plaintext) | 0.042 s; 0.200 s / 0.064 s | – | 0.230 s (1.15×) | did not finish in 60 s (–) |"
         );
+        // A column after the two IOP ones (rathole's) gets a dash in each row.
+        assert!(fleet_rows(&rows, 1).lines().all(|l| l.ends_with("| – |")));
     }
 
     #[test]
