@@ -30,7 +30,7 @@
 //!   how it went ([`handle_configured`](ClusterMember::handle_configured)), and the outcome
 //!   is written under `<prefix>/status/<edge id>` for `iop-edge config push` to read.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
 use crate::time::Timestamp;
@@ -327,7 +327,9 @@ impl crate::timer::TimerKey for Timer {
 
 #[derive(Clone, Debug)]
 enum Pending {
-    Grant,
+    Grant {
+        sent: Timestamp,
+    },
     KeepAlive {
         sent: Timestamp,
         lease: LeaseId,
@@ -369,8 +371,6 @@ pub struct ClusterMember {
     /// last confirmed keep-alive, or of the grant, plus its TTL), and each served instance
     /// until its `Timer::Node`.
     timers: TimerTable<Timer>,
-    /// When the last grant was asked for.
-    grant_sent: Timestamp,
     member_key_written: bool,
     joined: bool,
     /// Whether a keep-alive is in flight (one at a time).
@@ -392,7 +392,7 @@ pub struct ClusterMember {
     slots: HashMap<u64, String>,
     next_slot: u64,
     /// Node ids being claimed from here: no second claim meanwhile.
-    claiming: HashMap<String, u64>,
+    claiming: HashSet<String>,
 }
 
 /// An instance served here, and its node lease.
@@ -432,7 +432,6 @@ impl ClusterMember {
             events: VecDeque::new(),
             lease: None,
             timers: TimerTable::new(),
-            grant_sent: now,
             member_key_written: false,
             joined: false,
             keeping_alive: false,
@@ -448,7 +447,7 @@ impl ClusterMember {
             serving: HashMap::new(),
             slots: HashMap::new(),
             next_slot: 0,
-            claiming: HashMap::new(),
+            claiming: HashSet::new(),
         };
         member.grant();
         member.sync();
@@ -481,19 +480,6 @@ impl ClusterMember {
         self.serving.get(node_id).map(|s| (s.instance, s.fence))
     }
 
-    /// Every instance served here: node id, instance, fence.
-    pub fn served(&self) -> impl Iterator<Item = (&str, u64, u64)> {
-        self.serving
-            .iter()
-            .map(|(node, s)| (node.as_str(), s.instance, s.fence))
-    }
-
-    /// The revision of the configuration last offered to the shell (0: none yet).
-    #[must_use]
-    pub fn config_revision(&self) -> u64 {
-        self.offered_config
-    }
-
     // ----- inputs -----
 
     /// etcd's answer to the request tagged `tag`.
@@ -514,13 +500,11 @@ impl ClusterMember {
         match (pending, reply) {
             // A second grant cannot be asked for while a lease is held; if one came, its
             // lease is left to expire.
-            (Pending::Grant, Reply::Granted { .. }) if self.lease.is_some() => {}
-            (Pending::Grant, Reply::Granted { lease, ttl }) => {
+            (Pending::Grant { .. }, Reply::Granted { .. }) if self.lease.is_some() => {}
+            (Pending::Grant { sent }, Reply::Granted { lease, ttl }) => {
                 self.lease = Some(lease);
                 // Counted from when the grant was asked for: etcd granted it later.
-                let until = self
-                    .grant_sent
-                    .saturating_add(self.config.lease_ttl.min(ttl));
+                let until = sent.saturating_add(self.config.lease_ttl.min(ttl));
                 self.timers.set(Timer::Expiry, until);
                 self.timers.set(
                     Timer::KeepAlive,
@@ -528,7 +512,7 @@ impl ClusterMember {
                 );
                 self.write_member_key();
             }
-            (Pending::Grant, _) => self.retry(|m| m.retry_grant = true),
+            (Pending::Grant { .. }, _) => self.retry(|m| m.retry_grant = true),
             (Pending::KeepAlive { sent, lease }, Reply::KeptAlive { ttl }) => {
                 self.keeping_alive = false;
                 if self.lease != Some(lease) {
@@ -767,11 +751,11 @@ impl ClusterMember {
             }
             None => {}
         }
-        if self.claiming.contains_key(node_id) {
+        if self.claiming.contains(node_id) {
             self.events.push_back(decided(ClaimDecision::Unavailable));
             return Ok(ticket);
         }
-        self.claiming.insert(node_id.to_owned(), instance);
+        self.claiming.insert(node_id.to_owned());
         self.send(
             EtcdRequest::Claim {
                 key: format!("{}/nodes/{node_id}", self.config.prefix),
@@ -833,9 +817,6 @@ impl ClusterMember {
     fn send(&mut self, request: EtcdRequest, pending: Pending) {
         let tag = Tag(self.next_tag);
         self.next_tag += 1;
-        if matches!(pending, Pending::Grant) {
-            self.grant_sent = self.last_now;
-        }
         self.pending.insert(tag, pending);
         self.transmits.push_back(Transmit { tag, request });
     }
@@ -845,7 +826,9 @@ impl ClusterMember {
             EtcdRequest::Grant {
                 ttl: self.config.lease_ttl,
             },
-            Pending::Grant,
+            Pending::Grant {
+                sent: self.last_now,
+            },
         );
     }
 
@@ -915,7 +898,7 @@ impl ClusterMember {
                 }
                 // Another Edge's: serve once a renewal of its lease is confirmed.
                 Some(_) => {
-                    self.claiming.insert(node_id.clone(), instance);
+                    self.claiming.insert(node_id.clone());
                     self.send(
                         EtcdRequest::KeepAlive {
                             lease: holder.lease,

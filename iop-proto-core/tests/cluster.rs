@@ -31,6 +31,20 @@ fn kv(key: &str, value: &str, create: u64, lease: i64) -> KeyValue {
     }
 }
 
+/// etcd's answer to a claim of `node`: its key names `instance`, was created at `fence`
+/// with node lease `lease`, by this claim or before it.
+fn claimed(node: &str, instance: u64, fence: u64, lease: i64, created: bool) -> Reply {
+    Reply::Claimed {
+        holder: kv(
+            &format!("/iop/nodes/{node}"),
+            &instance.to_string(),
+            fence,
+            lease,
+        ),
+        created,
+    }
+}
+
 /// A member of `/iop` that has joined at t=100ms with lease 7, the store at revision 5
 /// holding `kvs`.
 fn joined(kvs: Vec<KeyValue>) -> ClusterMember {
@@ -160,16 +174,7 @@ fn claim(
 fn the_first_claim_serves_and_another_instance_is_refused() {
     let mut member = joined(vec![]);
     let _ = events(&mut member);
-    let won = claim(
-        &mut member,
-        200,
-        "n1",
-        41,
-        Reply::Claimed {
-            holder: kv("/iop/nodes/n1", "41", 9, 21),
-            created: true,
-        },
-    );
+    let won = claim(&mut member, 200, "n1", 41, claimed("n1", 41, 9, 21, true));
     assert!(matches!(
         won[..],
         [ClusterEvent::Claim {
@@ -189,16 +194,7 @@ fn the_first_claim_serves_and_another_instance_is_refused() {
         }]
     );
     // n2 is held by another instance through another Edge.
-    let lost = claim(
-        &mut member,
-        400,
-        "n2",
-        51,
-        Reply::Claimed {
-            holder: kv("/iop/nodes/n2", "52", 11, 30),
-            created: false,
-        },
-    );
+    let lost = claim(&mut member, 400, "n2", 51, claimed("n2", 52, 11, 30, false));
     assert!(matches!(
         lost[..],
         [ClusterEvent::Claim {
@@ -213,16 +209,7 @@ fn the_first_claim_serves_and_another_instance_is_refused() {
 fn an_instance_another_edge_claimed_is_served_once_its_lease_is_renewed_from_here() {
     let mut member = joined(vec![]);
     let _ = events(&mut member);
-    let pending = claim(
-        &mut member,
-        200,
-        "n1",
-        41,
-        Reply::Claimed {
-            holder: kv("/iop/nodes/n1", "41", 9, 21),
-            created: false,
-        },
-    );
+    let pending = claim(&mut member, 200, "n1", 41, claimed("n1", 41, 9, 21, false));
     assert!(pending.is_empty(), "not decided before the renewal");
     let renew = transmits(&mut member);
     assert!(matches!(
@@ -246,16 +233,7 @@ fn an_instance_another_edge_claimed_is_served_once_its_lease_is_renewed_from_her
         }]
     ));
     // A lease that had run out is not served.
-    let _ = claim(
-        &mut member,
-        300,
-        "n2",
-        51,
-        Reply::Claimed {
-            holder: kv("/iop/nodes/n2", "51", 12, 22),
-            created: false,
-        },
-    );
+    let _ = claim(&mut member, 300, "n2", 51, claimed("n2", 51, 12, 22, false));
     let renew = transmits(&mut member);
     member
         .handle_reply(
@@ -279,16 +257,7 @@ fn an_instance_another_edge_claimed_is_served_once_its_lease_is_renewed_from_her
 fn an_instance_whose_node_lease_cannot_be_renewed_is_fenced_in_time() {
     let mut member = joined(vec![]);
     let _ = events(&mut member);
-    let _ = claim(
-        &mut member,
-        200,
-        "n1",
-        41,
-        Reply::Claimed {
-            holder: kv("/iop/nodes/n1", "41", 9, 21),
-            created: true,
-        },
-    );
+    let _ = claim(&mut member, 200, "n1", 41, claimed("n1", 41, 9, 21, true));
     // The node lease was granted after 200 ms: served until 10.2 s at most. The member's
     // own lease is renewed meanwhile; the node lease's renewals fail.
     let mut now = 3_050;

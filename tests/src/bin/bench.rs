@@ -30,10 +30,10 @@
 //! share of the machine's CPU the hypervisor stole during each path's runs is reported
 //! too: on a shared virtual machine a run under heavy steal measures the host.
 //!
-//! Each round then measures both proxies again at c=16 (small requests, unpaced streams)
+//! Each round then measures every proxy again at c=16 (small requests, unpaced streams)
 //! with their event loops pinned by `taskset` (`place`): the Edge on the first CPU this
-//! process may use and the Node on the second, each nginx hop's workers spread over them
-//! as `worker_cpu_affinity auto` places them. Left to the scheduler, two single-threaded
+//! process may use and the Node on the second (rathole's server and client alike), each
+//! nginx hop's workers spread over them as `worker_cpu_affinity auto` places them. Left to the scheduler, two single-threaded
 //! hops that wake each other share a vCPU much of the time (two thirds of a c=16 run in
 //! one `perf sched` recording) while the other runs wrk and the provider and idles in
 //! between; the pinned rows show what each proxy does when its hops do not share a CPU,
@@ -1554,6 +1554,9 @@ fn main() {
         );
     }
     let chunks = |run: &Run| run.rps * SSE_EVENTS as f64;
+    // CPU per SSE chunk of each path's streams.
+    let per_chunk_us =
+        |runs: &[Run]| -> Vec<f64> { runs.iter().map(|r| r.cpu_us / SSE_EVENTS as f64).collect() };
     out!(
         "{}",
         row(
@@ -1567,15 +1570,7 @@ fn main() {
     );
     out!(
         "{}",
-        row(
-            "proxy CPU per SSE chunk",
-            cpu_cells(
-                &sse.iter()
-                    .map(|r| r.cpu_us / SSE_EVENTS as f64)
-                    .collect::<Vec<_>>(),
-                2
-            )
-        )
+        row("proxy CPU per SSE chunk", cpu_cells(&per_chunk_us(&sse), 2))
     );
     out!(
         "{}",
@@ -1750,14 +1745,7 @@ fn main() {
             "{}",
             row(
                 "proxy CPU per SSE chunk",
-                cpu_cells(
-                    &sse_pinned
-                        .iter()
-                        .map(|r| r.cpu_us / SSE_EVENTS as f64)
-                        .collect::<Vec<_>>(),
-                    2
-                )
-                .split_off(1)
+                cpu_cells(&per_chunk_us(&sse_pinned), 2).split_off(1)
             )
         );
         out!(
