@@ -60,6 +60,184 @@ struct Raw {
     nodes: Vec<RawNode>,
     #[serde(default)]
     models: Vec<RawModel>,
+    cluster: Option<RawCluster>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCluster {
+    endpoints: Vec<String>,
+    #[serde(default = "default_prefix")]
+    prefix: String,
+    edge_id: String,
+    advertise_nodes: Option<String>,
+    advertise_http: Option<String>,
+    username: Option<String>,
+    password_file: Option<PathBuf>,
+    ca_file: Option<PathBuf>,
+    cert_file: Option<PathBuf>,
+    key_file: Option<PathBuf>,
+    lease_ttl_sec: Option<u64>,
+    keepalive_sec: Option<u64>,
+    request_timeout_ms: Option<u64>,
+}
+
+fn default_prefix() -> String {
+    "/iop".to_owned()
+}
+
+/// The sections several Edges of a cluster share through etcd (`<prefix>/config`): what
+/// the fleet is (nodes, models, client keys) and how it is run. Everything else belongs
+/// to one process (its listeners, runtime, limits, tracing, and `[cluster]` itself).
+pub const SHARED_SECTIONS: [&str; 8] = [
+    "nodes",
+    "models",
+    "auth",
+    "routing",
+    "queue",
+    "admission",
+    "heartbeat",
+    "timeouts",
+];
+
+/// Cluster mode (`[cluster]`, docs/cluster.md).
+#[derive(Clone)]
+pub struct ClusterSettings {
+    /// etcd's client URLs (`http://` or `https://`).
+    pub endpoints: Vec<String>,
+    /// The cluster's key prefix, without a trailing `/`.
+    pub prefix: String,
+    /// This Edge's id, unique in the cluster.
+    pub edge_id: String,
+    /// Where nodes dial this Edge, as published to the other members and the nodes.
+    pub advertise_nodes: String,
+    /// Where callers reach this Edge, as published (for operators).
+    pub advertise_http: String,
+    /// etcd user and password, if etcd has authentication on.
+    pub username: Option<String>,
+    /// The password (read from `password_file`); never logged.
+    pub password: Option<String>,
+    /// CA that signed etcd's certificate (default: the web PKI roots).
+    pub ca_file: Option<PathBuf>,
+    /// Client certificate for etcd, with `key_file`.
+    pub cert_file: Option<PathBuf>,
+    /// Its key.
+    pub key_file: Option<PathBuf>,
+    /// The member lease's time to live (default 10 s).
+    pub lease_ttl: Duration,
+    /// How often it is renewed (default 3 s).
+    pub keepalive: Duration,
+    /// Deadline of one etcd request (default 2 s).
+    pub request_timeout: Duration,
+}
+
+impl std::fmt::Debug for ClusterSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterSettings")
+            .field("endpoints", &self.endpoints)
+            .field("prefix", &self.prefix)
+            .field("edge_id", &self.edge_id)
+            .field("advertise_nodes", &self.advertise_nodes)
+            .field("username", &self.username)
+            .field("password", &self.password.as_ref().map(|_| "<redacted>"))
+            .finish_non_exhaustive()
+    }
+}
+
+fn cluster_settings(
+    raw: RawCluster,
+    nodes_addr: SocketAddr,
+    http_addr: SocketAddr,
+    path: &Path,
+) -> Result<ClusterSettings, ConfigError> {
+    if raw.endpoints.is_empty() {
+        return Err(invalid(
+            "cluster.endpoints",
+            "name at least one etcd endpoint",
+        ));
+    }
+    for endpoint in &raw.endpoints {
+        if !(endpoint.starts_with("http://") || endpoint.starts_with("https://"))
+            || endpoint.parse::<http::Uri>().is_err()
+        {
+            return Err(invalid(
+                "cluster.endpoints",
+                format!("{endpoint:?} must be an http:// or https:// URL"),
+            ));
+        }
+    }
+    if raw.edge_id.is_empty()
+        || raw.edge_id.len() > 64
+        || !raw
+            .edge_id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+    {
+        return Err(invalid(
+            "cluster.edge_id",
+            "1-64 characters among letters, digits, '-', '_' and '.'",
+        ));
+    }
+    let prefix = raw.prefix.trim_end_matches('/').to_owned();
+    if prefix.is_empty() {
+        return Err(invalid("cluster.prefix", "must not be empty or '/'"));
+    }
+    let password = match &raw.password_file {
+        Some(file) => Some(
+            iop_shell_common::config::read(&relative(path, file))?
+                .trim_end_matches(['\r', '\n'])
+                .to_owned(),
+        ),
+        None => None,
+    };
+    if raw.username.is_some() != password.is_some() {
+        return Err(invalid(
+            "cluster.username",
+            "set username and password_file together",
+        ));
+    }
+    if raw.cert_file.is_some() != raw.key_file.is_some() {
+        return Err(invalid(
+            "cluster.cert_file",
+            "set cert_file and key_file together",
+        ));
+    }
+    let secs = |key: &str, value: Option<u64>, default: u64| match value.unwrap_or(default) {
+        0 => Err(invalid(key, "must be positive")),
+        s => Ok(Duration::from_secs(s)),
+    };
+    let lease_ttl = secs("cluster.lease_ttl_sec", raw.lease_ttl_sec, 10)?;
+    let keepalive = secs("cluster.keepalive_sec", raw.keepalive_sec, 3)?;
+    if keepalive * 3 > lease_ttl {
+        return Err(invalid(
+            "cluster.keepalive_sec",
+            "renew the lease at least three times per lease_ttl_sec",
+        ));
+    }
+    let advertise = |key: &str, value: Option<String>, listen: SocketAddr| match value {
+        Some(addr) if !addr.is_empty() && addr.len() <= 128 => Ok(addr),
+        Some(_) => Err(invalid(key, "must be a host:port of at most 128 bytes")),
+        None if listen.ip().is_unspecified() => Err(invalid(
+            key,
+            "the listener binds every address: name the one others should dial",
+        )),
+        None => Ok(listen.to_string()),
+    };
+    Ok(ClusterSettings {
+        endpoints: raw.endpoints,
+        prefix,
+        advertise_nodes: advertise("cluster.advertise_nodes", raw.advertise_nodes, nodes_addr)?,
+        advertise_http: advertise("cluster.advertise_http", raw.advertise_http, http_addr)?,
+        edge_id: raw.edge_id,
+        username: raw.username,
+        password,
+        ca_file: raw.ca_file.map(|f| relative(path, &f)),
+        cert_file: raw.cert_file.map(|f| relative(path, &f)),
+        key_file: raw.key_file.map(|f| relative(path, &f)),
+        lease_ttl,
+        keepalive,
+        request_timeout: positive_ms("cluster.request_timeout_ms", raw.request_timeout_ms, 2_000)?,
+    })
 }
 
 #[derive(Debug, Deserialize)]
@@ -730,6 +908,8 @@ pub struct Config {
     /// The Unix socket a successor process asks this one for its listeners on
     /// (`listen.upgrade_socket`; default [`default_upgrade_socket`]).
     pub upgrade_socket: PathBuf,
+    /// Cluster mode, when `[cluster]` is set.
+    pub cluster: Option<ClusterSettings>,
 }
 
 /// Where an Edge whose node listener is `nodes` waits for its successor when
@@ -799,6 +979,41 @@ impl Config {
     /// Parses and validates configuration text.
     pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
         let raw: Raw = iop_shell_common::config::parse_toml(text, path)?;
+        Self::from_raw(raw, path)
+    }
+
+    /// The configuration of a cluster member: its own file's text (`local`) with each of
+    /// the [`SHARED_SECTIONS`] that the cluster's shared text (`shared`, from etcd) holds
+    /// taken from there instead (a section it leaves out stays as the local file sets
+    /// it). The shared text may hold only those sections.
+    pub fn parse_shared(local: &str, shared: &str, path: &Path) -> Result<Self, ConfigError> {
+        let parse = |text: &str| -> Result<toml::Table, ConfigError> {
+            iop_shell_common::config::parse_toml(text, path)
+        };
+        let mut table = parse(local)?;
+        let shared = parse(shared)?;
+        if let Some(key) = shared.keys().find(|k| !SHARED_SECTIONS.contains(&&***k)) {
+            return Err(invalid(
+                key,
+                format!(
+                    "belongs to each edge's own file, not the shared configuration (shared: {})",
+                    SHARED_SECTIONS.join(", ")
+                ),
+            ));
+        }
+        // A section the shared text holds replaces the local file's; one it leaves out
+        // stays as the local file sets it.
+        table.extend(shared);
+        let raw: Raw = toml::Value::Table(table)
+            .try_into()
+            .map_err(|err: toml::de::Error| ConfigError::Parse {
+                path: path.to_owned(),
+                message: err.to_string().trim().to_owned(),
+            })?;
+        Self::from_raw(raw, path)
+    }
+
+    fn from_raw(raw: Raw, path: &Path) -> Result<Self, ConfigError> {
         let timing = EdgeTiming {
             heartbeat_interval: positive_ms(
                 "heartbeat.interval_ms",
@@ -1087,6 +1302,10 @@ impl Config {
             Some("") => return Err(invalid("listen.upgrade_socket", "must not be empty")),
             Some(p) => PathBuf::from(p),
         };
+        let cluster = match raw.cluster {
+            Some(cluster) => Some(cluster_settings(cluster, nodes_addr, http_addr, path)?),
+            None => None,
+        };
         Ok(Config {
             core,
             http,
@@ -1094,6 +1313,7 @@ impl Config {
             worker_threads,
             traces,
             upgrade_socket,
+            cluster,
         })
     }
 }

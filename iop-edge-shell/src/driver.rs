@@ -153,6 +153,23 @@ pub enum CoreMsg {
         /// Answer.
         reply: oneshot::Sender<usize>,
     },
+    /// The cluster decided a claim ([`EdgeCore::handle_claim`]).
+    Claimed {
+        /// The connection whose register waits.
+        conn: ConnId,
+        /// The decision.
+        decision: iop_proto_core::cluster::ClaimDecision,
+    },
+    /// The cluster can no longer vouch for a node instance
+    /// ([`EdgeCore::handle_cluster_fence`]).
+    ClusterFence {
+        /// The node id.
+        node_id: String,
+        /// The node process.
+        instance: u64,
+    },
+    /// The cluster's members changed ([`EdgeCore::handle_cluster_members`]).
+    ClusterMembers(iop_proto_core::wire::ClusterMembers),
 }
 
 struct Entry {
@@ -181,6 +198,8 @@ struct Task {
     kicks: Vec<Arc<Outbox>>,
     /// Request tasks given events by this drain, to wake once the lock is released.
     wakes: Vec<std::task::Waker>,
+    /// In a cluster: where claims and releases go.
+    cluster: Option<tokio::sync::mpsc::UnboundedSender<crate::cluster::Input>>,
 }
 
 /// The core, shared: cheap to clone, every clone feeds the same machine.
@@ -229,6 +248,7 @@ impl Core {
             armed: u64::MAX,
             kicks: Vec::new(),
             wakes: Vec::new(),
+            cluster: None,
         };
         Core {
             shared: Arc::new(Shared {
@@ -237,6 +257,24 @@ impl Core {
                 clock,
             }),
         }
+    }
+
+    /// The clock the core runs on.
+    #[must_use]
+    pub fn clock(&self) -> Clock {
+        self.shared.clock
+    }
+
+    /// Puts the core in cluster mode ([`EdgeCore::enable_cluster`]): claims and releases
+    /// go to `tx`. Call before the node listener accepts.
+    pub fn enable_cluster(
+        &self,
+        tx: tokio::sync::mpsc::UnboundedSender<crate::cluster::Input>,
+    ) -> Result<(), Stopped> {
+        self.with(|task| {
+            task.core.enable_cluster();
+            task.cluster = Some(tx);
+        })
     }
 
     /// Hands the machine one input and routes everything it produces, on the caller's
@@ -409,6 +447,11 @@ impl Task {
                 }
             },
             CoreMsg::Rehome => self.core.handle_rehome(now),
+            CoreMsg::Claimed { conn, decision } => self.core.handle_claim(now, conn, decision),
+            CoreMsg::ClusterFence { node_id, instance } => {
+                self.core.handle_cluster_fence(now, &node_id, instance);
+            }
+            CoreMsg::ClusterMembers(members) => self.core.handle_cluster_members(now, members),
             CoreMsg::Waiting { reply } => {
                 let waiting = self
                     .core
@@ -579,6 +622,35 @@ impl Task {
 
     fn on_event(&mut self, event: EdgeEvent) {
         match event {
+            EdgeEvent::ClaimNode {
+                conn,
+                node_id,
+                instance,
+            } => {
+                let input = crate::cluster::Input::Claim {
+                    conn,
+                    node_id,
+                    instance,
+                };
+                let sent = self
+                    .cluster
+                    .as_ref()
+                    .is_some_and(|tx| tx.send(input).is_ok());
+                if !sent {
+                    // The cluster task is gone: nothing can vouch for the node id.
+                    let now = self.clock.now();
+                    self.core.handle_claim(
+                        now,
+                        conn,
+                        iop_proto_core::cluster::ClaimDecision::Unavailable,
+                    );
+                }
+            }
+            EdgeEvent::ReleaseNode { node_id, instance } => {
+                if let Some(tx) = &self.cluster {
+                    let _ = tx.send(crate::cluster::Input::Release { node_id, instance });
+                }
+            }
             EdgeEvent::NodeRegistered {
                 node_id,
                 generation,

@@ -10,14 +10,17 @@
 //! - [`limit`]: the concurrency limits a reload may resize.
 //! - [`drain`]: stopping without cutting the requests in flight off.
 //! - `reload`: SIGHUP, the configuration read again.
+//! - [`cluster`], [`etcd`]: several Edges as one fabric through etcd (docs/cluster.md).
 //! - [`upgrade`]: handing the listeners to a successor process (`--takeover`).
 
 #![forbid(unsafe_code)]
 
 pub mod certgen;
+pub mod cluster;
 pub mod config;
 pub mod drain;
 pub mod driver;
+pub mod etcd;
 pub mod events;
 pub mod http;
 pub mod inbox;
@@ -124,6 +127,11 @@ pub async fn run(
     let node_tls: nodes::TlsSlot = Arc::new(RwLock::new(config.tls.nodes.clone()));
     let http_tls: nodes::TlsSlot = Arc::new(RwLock::new(config.tls.http.clone()));
     let core = driver::Core::new(core, clock, metrics.clone(), events.clone());
+    let cluster = config.cluster.as_ref().map(cluster::handle);
+    if let Some((handle, _)) = &cluster {
+        core.enable_cluster(handle.tx.clone())
+            .map_err(|_| std::io::Error::other("the core stopped"))?;
+    }
     // The listeners stop when the Edge starts to drain; the node links, the timer and
     // reloads only once it stops.
     let stop_accepting = CancellationToken::new();
@@ -153,6 +161,7 @@ pub async fn run(
         metrics: metrics.clone(),
         events: events.clone(),
         drain: Arc::default(),
+        cluster: cluster.as_ref().map(|(handle, _)| handle.view.clone()),
     });
     let timer = tokio::spawn(core.clone().run_timer());
     let kept = tokio::spawn(tenants.clone().keep(shutdown.clone()));
@@ -195,15 +204,29 @@ pub async fn run(
     }
     let mut offer = Box::pin(upgrade::offer(config.upgrade_socket.clone(), offered));
     let mut upgradable = true;
+    let reloader = reload::Reloader {
+        start_only,
+        state: state.clone(),
+        tls: [node_tls, http_tls],
+        pending_frame_len,
+        shared: Arc::default(),
+    };
+    let cluster_task = match (cluster, config.cluster.clone()) {
+        (Some((handle, rx)), Some(settings)) => Some(tokio::spawn(cluster::run(
+            settings,
+            cluster::Parts {
+                core: core.clone(),
+                reloader: reloader.clone(),
+                config_path: config_path.clone(),
+                handle,
+                rx,
+                shutdown: shutdown.clone(),
+            },
+        ))),
+        _ => None,
+    };
     if reload {
-        tokio::spawn(reload::on_sighup(
-            config_path,
-            start_only,
-            state.clone(),
-            [node_tls, http_tls],
-            pending_frame_len,
-            shutdown.clone(),
-        ));
+        tokio::spawn(reload::on_sighup(config_path, reloader, shutdown.clone()));
     }
     let successor = loop {
         tokio::select! {
@@ -276,6 +299,10 @@ pub async fn run(
         let _ = std::fs::remove_file(&config.upgrade_socket);
     }
     shutdown.cancel();
+    if let Some(task) = cluster_task {
+        // It revokes its lease on the way out (bounded by its request deadline).
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(3), task).await;
+    }
     drop(state);
     timer.abort();
     // The keys' windows, budgets and usage, written one last time.

@@ -67,6 +67,33 @@ enum Command {
         #[arg(long)]
         force: bool,
     },
+    /// The configuration several Edges share through etcd (`[cluster]` in --config).
+    Config {
+        #[command(subcommand)]
+        action: ConfigAction,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum ConfigAction {
+    /// Check a file's shared sections (nodes, models, auth, routing, queue, admission,
+    /// heartbeat, timeouts) with this edge's own file, write them to etcd for every Edge
+    /// of the cluster, and wait for each member's answer. Exits 0 when every member
+    /// applied it, 1 when it was refused before writing, 2 when a member refused it or
+    /// did not answer in time.
+    Push {
+        /// The TOML file to push.
+        file: PathBuf,
+        /// Show the difference from what etcd holds first.
+        #[arg(long)]
+        diff: bool,
+        /// Only show the difference; push nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// Seconds to wait for every member's answer.
+        #[arg(long, default_value_t = 10)]
+        wait_sec: u64,
+    },
 }
 
 fn gen_cert(request: iop_edge_shell::certgen::Request) -> ExitCode {
@@ -112,6 +139,42 @@ fn main() -> ExitCode {
         Ok(config) => config,
         Err(err) => return process::invalid_config("iop-edge", &cli.config, &err),
     };
+    if let Some(Command::Config {
+        action:
+            ConfigAction::Push {
+                file,
+                diff,
+                dry_run,
+                wait_sec,
+            },
+    }) = &cli.command
+    {
+        let Some(settings) = config.cluster.clone() else {
+            eprintln!(
+                "iop-edge config push: {} has no [cluster] section naming etcd",
+                cli.config.display()
+            );
+            return ExitCode::from(1);
+        };
+        let push = iop_edge_shell::cluster::Push {
+            local: cli.config.clone(),
+            file: file.clone(),
+            diff: *diff,
+            dry_run: *dry_run,
+            wait: std::time::Duration::from_secs(*wait_sec),
+        };
+        let runtime = match tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        {
+            Ok(runtime) => runtime,
+            Err(err) => {
+                eprintln!("iop-edge config push: {err}");
+                return ExitCode::from(1);
+            }
+        };
+        return ExitCode::from(runtime.block_on(iop_edge_shell::cluster::push(&settings, &push)));
+    }
     if matches!(cli.command, Some(Command::CheckConfig)) {
         println!(
             "{}: ok ({} nodes, {} models; node link {})",

@@ -107,32 +107,31 @@ async fn load_for_reload(
     }
 }
 
-/// Reloads the configuration at `path` on every SIGHUP until `shutdown`: applies what a
-/// reload may change (the core's part through the core, TLS for new connections, limits,
-/// settings) and names what `start_only` keeps until a restart.
-pub(crate) async fn on_sighup(
-    path: PathBuf,
-    start_only: StartOnly,
-    state: Arc<http::State>,
-    [node_tls, http_tls]: [nodes::TlsSlot; 2],
-    pending_frame_len: Arc<std::sync::atomic::AtomicUsize>,
-    shutdown: CancellationToken,
-) {
-    use tokio::signal::unix::{SignalKind, signal};
-    let Ok(mut hup) = signal(SignalKind::hangup()) else {
-        return;
-    };
-    let mut reading = None;
-    loop {
-        tokio::select! {
-            () = shutdown.cancelled() => return,
-            got = hup.recv() => if got.is_none() { return },
-        }
-        info!(config = %path.display(), "SIGHUP: reloading configuration");
-        let Some(config) = load_for_reload(&path, RELOAD_READ_LIMIT, &mut reading).await else {
-            state.metrics.reload(false);
-            continue;
-        };
+/// Applies a configuration read afresh: what the core keeps through the core, TLS for
+/// new connections, limits and settings; names what waits for a restart. Shared by
+/// SIGHUP and, in a cluster, the configuration etcd delivers.
+#[derive(Clone)]
+pub(crate) struct Reloader {
+    pub(crate) start_only: StartOnly,
+    pub(crate) state: Arc<http::State>,
+    pub(crate) tls: [nodes::TlsSlot; 2],
+    pub(crate) pending_frame_len: Arc<std::sync::atomic::AtomicUsize>,
+    /// In a cluster, the shared configuration's text in force (from etcd), which a
+    /// SIGHUP keeps over the local file's shared sections.
+    pub(crate) shared: Arc<std::sync::Mutex<Option<String>>>,
+}
+
+impl Reloader {
+    /// The shared text in force, if a cluster delivered one.
+    pub(crate) fn shared(&self) -> Option<String> {
+        self.shared.lock().ok().and_then(|s| s.clone())
+    }
+
+    /// Applies `config`; `Err` (the running configuration stays) when the core refuses it.
+    pub(crate) async fn apply(&self, config: Config) -> Result<(), String> {
+        let state = &self.state;
+        let start_only = &self.start_only;
+        let [node_tls, http_tls] = &self.tls;
         let pending_frame = config.core.admission.pending_frame_len;
         let models: Vec<Arc<str>> = config
             .core
@@ -150,18 +149,16 @@ pub(crate) async fn on_sighup(
             })
             .is_err()
         {
-            return;
+            return Err("the core stopped".to_owned());
         }
         match answer.await {
             Ok(Ok(diff)) => {
                 state.metrics.reload(true);
-                pending_frame_len.store(pending_frame, std::sync::atomic::Ordering::Relaxed);
+                self.pending_frame_len
+                    .store(pending_frame, std::sync::atomic::Ordering::Relaxed);
                 // New connections use the reloaded certificates; a listener keeps its
                 // kind (TLS or plaintext) until a restart.
-                for (tls, next) in [
-                    (&node_tls, &config.tls.nodes),
-                    (&http_tls, &config.tls.http),
-                ] {
+                for (tls, next) in [(node_tls, &config.tls.nodes), (http_tls, &config.tls.http)] {
                     if let (Ok(mut current), Some(next)) = (tls.write(), next)
                         && current.is_some()
                     {
@@ -196,13 +193,54 @@ pub(crate) async fn on_sighup(
                     models = ?diff.changed_models,
                     "configuration reloaded"
                 );
+                Ok(())
             }
             Ok(Err(err)) => {
                 state.metrics.reload(false);
                 warn!(error = %err, "reload refused: the running configuration stays in force");
+                Err(err)
             }
-            Err(_) => return,
+            Err(_) => Err("the core stopped".to_owned()),
         }
+    }
+}
+
+/// Reloads the configuration at `path` on every SIGHUP until `shutdown` (in a cluster,
+/// with the shared sections etcd delivered last).
+pub(crate) async fn on_sighup(path: PathBuf, reloader: Reloader, shutdown: CancellationToken) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let Ok(mut hup) = signal(SignalKind::hangup()) else {
+        return;
+    };
+    let mut reading = None;
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            got = hup.recv() => if got.is_none() { return },
+        }
+        info!(config = %path.display(), "SIGHUP: reloading configuration");
+        let Some(mut config) = load_for_reload(&path, RELOAD_READ_LIMIT, &mut reading).await else {
+            reloader.state.metrics.reload(false);
+            continue;
+        };
+        if let Some(shared) = reloader.shared() {
+            let local = path.clone();
+            let merged = tokio::task::spawn_blocking(move || {
+                let text = iop_shell_common::config::read(&local)?;
+                Config::parse_shared(&text, &shared, &local)
+            })
+            .await;
+            match merged {
+                Ok(Ok(merged)) => config = merged,
+                Ok(Err(err)) => {
+                    error!(error = %err, "reload refused: with the cluster's shared configuration; the running configuration stays in force");
+                    reloader.state.metrics.reload(false);
+                    continue;
+                }
+                Err(_) => continue,
+            }
+        }
+        let _ = reloader.apply(config).await;
     }
 }
 

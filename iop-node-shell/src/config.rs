@@ -65,6 +65,12 @@ struct RawConfig {
     tls: RawTls,
     #[serde(default)]
     runtime: RawRuntime,
+    #[serde(default = "follow_cluster_default")]
+    follow_cluster: bool,
+}
+
+fn follow_cluster_default() -> bool {
+    true
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -197,6 +203,9 @@ pub struct NodeConfig {
     pub ca_file: Option<PathBuf>,
     /// How the node asks the kernel to schedule it.
     pub scheduler: Scheduler,
+    /// Whether the node keeps a session with every Edge of a cluster (`follow_cluster`,
+    /// default true; docs/cluster.md). A single Edge ignores it.
+    pub follow_cluster: bool,
 }
 
 fn seconds(key: &'static str, value: Option<f64>, default: f64) -> Result<Duration, ConfigError> {
@@ -348,6 +357,7 @@ impl NodeConfig {
                 .ca_file
                 .map(|file| path.parent().map_or(file.clone(), |dir| dir.join(&file))),
             scheduler,
+            follow_cluster: raw.follow_cluster,
         })
     }
 }

@@ -53,6 +53,12 @@ pub struct Context {
     pub drain_grace: Duration,
     /// What re-homed sessions still hold.
     pub elsewhere: Elsewhere,
+    /// Where the cluster members a session learns go (with whether it is the session
+    /// dialled to the configured `edge_addr`), when the node follows a cluster.
+    pub members:
+        Option<tokio::sync::mpsc::UnboundedSender<(bool, iop_proto_core::wire::ClusterMembers)>>,
+    /// Whether this link is the one to the configured `edge_addr`.
+    pub seed: bool,
 }
 
 /// Writes what the socket takes of `out` now, then flushes once `out` is empty.
@@ -107,11 +113,21 @@ struct Conn {
     rehome: bool,
     /// Once re-homed: this session's key in [`Elsewhere`], and the load last published.
     elsewhere: Option<(u64, Vec<AdapterLoad>)>,
+    /// While live: this session's key among the live sessions, and the
+    /// [`NodeSession::load_changes`] it last published there.
+    live: Option<(u64, u64)>,
 }
 
-/// What the node's work for re-homed, draining sessions holds, summed by adapter: each
-/// draining session publishes its own, and every new session reports the sum to its Edge
-/// ([`NodeSession::handle_held_elsewhere`]).
+/// What the node's work for its other sessions holds, summed by adapter.
+///
+/// - Re-homed, draining sessions each publish their own, and the new session reports the
+///   sum to its Edge ([`NodeSession::handle_held_elsewhere`]).
+/// - With several live sessions (a node following a cluster of Edges: one session per
+///   Edge), every session publishes its load whenever it changes, and a session takes in
+///   what all the others hold right before it handles what its Edge sent. The node runs
+///   on one thread, so nothing runs between a session admitting work and publishing it:
+///   its capacity gates are the node's own, shared by every session, and a provider never
+///   sees more than its capacity whatever the Edges believe.
 #[derive(Clone, Debug)]
 pub struct Elsewhere {
     each: Arc<std::sync::Mutex<std::collections::BTreeMap<u64, Vec<AdapterLoad>>>>,
@@ -119,6 +135,13 @@ pub struct Elsewhere {
     next: Arc<std::sync::atomic::AtomicU64>,
     /// Draining sessions still running (the process waits for them before it exits).
     running: Arc<std::sync::atomic::AtomicUsize>,
+    /// The load of each live session, by key.
+    live: Arc<std::sync::Mutex<std::collections::BTreeMap<u64, Vec<AdapterLoad>>>>,
+    /// Live sessions.
+    live_count: Arc<std::sync::atomic::AtomicUsize>,
+    /// Moves whenever a live session's load does: the others take it in and report it to
+    /// their Edges at once.
+    live_changed: watch::Sender<u64>,
 }
 
 impl Default for Elsewhere {
@@ -128,11 +151,66 @@ impl Default for Elsewhere {
             sum: watch::Sender::new(Vec::new()),
             next: Arc::default(),
             running: Arc::default(),
+            live: Arc::default(),
+            live_count: Arc::default(),
+            live_changed: watch::Sender::new(0),
         }
     }
 }
 
 impl Elsewhere {
+    /// Live sessions (connected, not re-homed).
+    #[must_use]
+    pub fn live(&self) -> usize {
+        self.live_count.load(Ordering::SeqCst)
+    }
+
+    fn join_live(&self) -> u64 {
+        self.live_count.fetch_add(1, Ordering::SeqCst);
+        self.next.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn leave_live(&self, key: u64) {
+        self.live
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(&key);
+        self.live_count.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    fn publish_live(&self, key: u64, load: Vec<AdapterLoad>) {
+        let mut live = self
+            .live
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if load.is_empty() {
+            live.remove(&key);
+        } else {
+            live.insert(key, load);
+        }
+        drop(live);
+        self.live_changed.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// What every session but live session `key` holds: the other live sessions and the
+    /// re-homed ones.
+    fn held_for(&self, key: u64) -> Vec<AdapterLoad> {
+        let live = self
+            .live
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let each = self
+            .each
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        iop_proto_core::sum_loads(
+            live.iter()
+                .filter(|(k, _)| **k != key)
+                .flat_map(|(_, l)| l)
+                .chain(each.values().flatten()),
+        )
+    }
+
     /// Draining sessions still running.
     #[must_use]
     pub fn running(&self) -> usize {
@@ -185,6 +263,8 @@ struct Link<S> {
     writer: tokio::io::WriteHalf<S>,
     out_rx: mpsc::Receiver<Output>,
     held: watch::Receiver<Vec<AdapterLoad>>,
+    /// Other live sessions' loads moved.
+    live: watch::Receiver<u64>,
 }
 
 /// Runs one session over `stream` until it closes and returns why. The session tells
@@ -224,12 +304,14 @@ where
         became_ready: false,
         rehome: false,
         elsewhere: None,
+        live: Some((ctx.elsewhere.join_live(), u64::MAX)),
     };
     let mut link = Link {
         reader,
         writer,
         out_rx,
         held: ctx.elsewhere.sum.subscribe(),
+        live: ctx.elsewhere.live_changed.subscribe(),
     };
     let held = link.held.borrow_and_update().clone();
     misuse(
@@ -237,7 +319,11 @@ where
         c.session.handle_held_elsewhere(ctx.clock.now(), held),
     );
     misuse("connected", c.session.handle_connected(ctx.clock.now()));
-    match drive(&mut c, &mut link, Some(supervisor), stop).await {
+    let ended = drive(&mut c, &mut link, Some(supervisor), stop).await;
+    if let Some((key, _)) = c.live.take() {
+        ctx.elsewhere.leave_live(key);
+    }
+    match ended {
         Some(end) => Ended::Closed(end),
         None => {
             let key = ctx.elsewhere.enter();
@@ -283,6 +369,7 @@ where
         writer,
         out_rx,
         held,
+        live,
     } = link;
 
     loop {
@@ -298,6 +385,7 @@ where
         } else {
             c.publish_load();
         }
+        c.publish_live();
         if let Some(end) = closed {
             // Abandoned work, and anything else still running, stops upstream now.
             for token in c.tasks.values() {
@@ -333,7 +421,10 @@ where
         // costs a poll on every wake otherwise.
         let tracks_held = c.elsewhere.is_none()
             && (ctx.elsewhere.running() > 0 || held.has_changed().unwrap_or(false));
+        // Only while the node has several live sessions (a cluster of Edges).
+        let shares_live = c.live.is_some() && ctx.elsewhere.live() > 1;
         tokio::select! {
+            Ok(()) = live.changed(), if shares_live => c.take_in_held(),
             () = &mut stopping, if !c.stop_sent => {
                 c.stop_sent = true;
                 info!(node_id = c.node_id, in_flight = c.session.in_flight(), "shutting down: cancelling in-flight work");
@@ -358,7 +449,10 @@ where
                 }
             }
             Ok(()) = held.changed(), if tracks_held => {
-                let now_held = held.borrow_and_update().clone();
+                let mut now_held = held.borrow_and_update().clone();
+                if let Some((key, _)) = c.live.filter(|_| ctx.elsewhere.live() > 1) {
+                    now_held = ctx.elsewhere.held_for(key);
+                }
                 misuse("held elsewhere", c.session.handle_held_elsewhere(ctx.clock.now(), now_held));
             }
             read = reader.read_buf(&mut c.read_buf) => c.on_read(read),
@@ -403,6 +497,35 @@ where
 }
 
 impl Conn {
+    /// A live session publishes what its work holds whenever that changes, for the
+    /// node's other sessions (see [`Elsewhere`]).
+    fn publish_live(&mut self) {
+        let Some((key, published)) = &mut self.live else {
+            return;
+        };
+        let changes = self.session.load_changes();
+        if changes != *published {
+            *published = changes;
+            self.ctx.elsewhere.publish_live(*key, self.session.load());
+        }
+    }
+
+    /// With other live sessions, this one takes in what they hold before it handles
+    /// what its Edge sent (see [`Elsewhere`]).
+    fn take_in_held(&mut self) {
+        let Some((key, _)) = self.live else {
+            return;
+        };
+        if self.ctx.elsewhere.live() > 1 || self.ctx.elsewhere.running() > 0 {
+            let held = self.ctx.elsewhere.held_for(key);
+            misuse(
+                "held elsewhere",
+                self.session
+                    .handle_held_elsewhere(self.ctx.clock.now(), held),
+            );
+        }
+    }
+
     /// A re-homed session publishes what its work holds whenever that changes.
     fn publish_load(&mut self) {
         let Some((key, last)) = &mut self.elsewhere else {
@@ -465,6 +588,9 @@ impl Conn {
             }
             Ok(n) => {
                 TransportStats::add(&ctx.stats.bytes_in, n as u64);
+                self.take_in_held();
+                let (ctx, session) = (&self.ctx, &mut self.session);
+                let now = ctx.clock.now();
                 misuse("bytes received", session.handle_bytes_received(now));
                 self.decoder.push_bytes(self.read_buf.split().freeze());
                 // Once the session has ended, the rest of the buffer is moot.
@@ -563,6 +689,11 @@ impl Conn {
             SessionEvent::Rehome { reason } => {
                 info!(node_id, reason, "the edge is handing over: re-homing");
                 self.rehome = true;
+            }
+            SessionEvent::Members(members) => {
+                if let Some(tx) = &self.ctx.members {
+                    let _ = tx.send((self.ctx.seed, members));
+                }
             }
             SessionEvent::StartRun { request } => {
                 let request_id = request_id_of(&request.metadata);

@@ -25,6 +25,7 @@ pub fn session_config(config: &NodeConfig) -> SessionConfig {
     session.shutdown_grace = config.shutdown_grace;
     session.drain_grace = config.drain_grace;
     session.rehome = true;
+    session.cluster = config.follow_cluster;
     session
 }
 
@@ -69,8 +70,11 @@ impl Stop {
     }
 }
 
-/// Runs until the supervisor exits; returns why (its `exit_code()` is the process's).
-pub async fn run(config: NodeConfig, ctx: Context, stop: Stop) -> ExitReason {
+/// Runs until the supervisor of the configured Edge exits; returns why (its
+/// `exit_code()` is the process's). A node that follows a cluster also keeps a session
+/// with every other member its Edges name ([`follow`]); while one of those sessions is
+/// live, the configured Edge is dialled again rather than given up on.
+pub async fn run(config: NodeConfig, mut ctx: Context, stop: Stop) -> ExitReason {
     let link = match EdgeLink::new(&config.link) {
         Ok(link) => link,
         Err(err) => {
@@ -86,40 +90,185 @@ pub async fn run(config: NodeConfig, ctx: Context, stop: Stop) -> ExitReason {
              keys and every prompt cross it in clear"
         );
     }
-    let mut supervisor = match config.backoff {
-        Some(backoff) => Supervisor::with_backoff(config.policy, backoff),
-        None => Supervisor::with_jitter(config.policy, config.jitter, config.seed),
+    let followers = if config.follow_cluster {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        ctx.members = Some(tx);
+        let mut member_ctx = ctx.clone();
+        member_ctx.seed = false;
+        Some(tokio::spawn(follow(
+            rx,
+            config.clone(),
+            member_ctx,
+            link.clone(),
+            stop.clone(),
+        )))
+    } else {
+        None
     };
+    ctx.seed = true;
+    let reason = loop {
+        let mut supervisor = match config.backoff {
+            Some(backoff) => Supervisor::with_backoff(config.policy, backoff),
+            None => Supervisor::with_jitter(config.policy, config.jitter, config.seed),
+        };
+        let reason = serve(
+            &config.edge_addr,
+            &mut supervisor,
+            &link,
+            &config,
+            &ctx,
+            &stop,
+        )
+        .await;
+        if matches!(reason, ExitReason::Exhausted { .. })
+            && ctx.elsewhere.live() > 0
+            && !stop.drain.is_cancelled()
+            && !stop.now.is_cancelled()
+        {
+            warn!(
+                edge = config.edge_addr,
+                live_sessions = ctx.elsewhere.live(),
+                "the configured edge stays unreachable; serving through the cluster's other edges and dialling it again"
+            );
+            continue;
+        }
+        break reason;
+    };
+    match &reason {
+        ExitReason::Shutdown => info!("local shutdown"),
+        ExitReason::Exhausted { attempts, last } => {
+            error!(attempts, last = %last, "giving up: reconnect attempts exhausted");
+        }
+        ExitReason::Fatal(failure) => error!(failure = %failure, "giving up: fatal error"),
+    }
+    if let Some(followers) = followers {
+        // Each member session stops as the process does (its own drain or grace).
+        let _ = followers.await;
+    }
+    // Sessions re-homed away from an earlier Edge process finish their work first (each
+    // bounded by its own drain or shutdown grace).
+    while ctx.elsewhere.running() > 0 {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    reason
+}
+
+/// Keeps a session with every member of the cluster that the node's sessions name,
+/// other than the configured Edge: one link per member, dialled again without limit
+/// while the member is listed, drained once it is not. Ends when the process stops.
+async fn follow(
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<(bool, iop_proto_core::wire::ClusterMembers)>,
+    config: NodeConfig,
+    ctx: Context,
+    link: EdgeLink,
+    stop: Stop,
+) {
+    let mut links: std::collections::HashMap<
+        String,
+        (String, CancellationToken, tokio::task::JoinHandle<()>),
+    > = std::collections::HashMap::new();
+    let mut seed_edge: Option<String> = None;
+    loop {
+        let update = tokio::select! {
+            update = rx.recv() => update,
+            () = stop.wait() => None,
+        };
+        let Some((from_seed, members)) = update else {
+            break;
+        };
+        if from_seed {
+            seed_edge = Some(members.edge_id.clone());
+        }
+        let wanted: std::collections::HashMap<&str, &str> = members
+            .members
+            .iter()
+            .filter(|m| seed_edge.as_deref() != Some(m.edge_id.as_str()))
+            .map(|m| (m.edge_id.as_str(), m.node_addr.as_str()))
+            .collect();
+        links.retain(|edge_id, (addr, leave, _)| {
+            let keep = wanted.get(edge_id.as_str()) == Some(&addr.as_str());
+            if !keep {
+                info!(
+                    edge_id,
+                    addr = addr.as_str(),
+                    "cluster: this edge left the members; draining its session"
+                );
+                leave.cancel();
+            }
+            keep
+        });
+        for (edge_id, addr) in wanted {
+            if links.contains_key(edge_id) {
+                continue;
+            }
+            info!(
+                edge_id,
+                addr, "cluster: keeping a session with this edge too"
+            );
+            let leave = stop.drain.child_token();
+            let link_stop = Stop {
+                drain: leave.clone(),
+                now: stop.now.clone(),
+            };
+            let task = tokio::spawn(member_link(
+                addr.to_owned(),
+                config.clone(),
+                ctx.clone(),
+                link.clone(),
+                link_stop,
+            ));
+            links.insert(edge_id.to_owned(), (addr.to_owned(), leave, task));
+        }
+    }
+    for (_, (_, _, task)) in links {
+        let _ = task.await;
+    }
+}
+
+/// One member's link: dialled again without limit until it is told to leave.
+async fn member_link(addr: String, config: NodeConfig, ctx: Context, link: EdgeLink, stop: Stop) {
+    let policy = iop_proto_core::ReconnectPolicy {
+        max_attempts: iop_proto_core::MaxAttempts::Unlimited,
+        interval: config
+            .policy
+            .interval
+            .max(std::time::Duration::from_millis(100)),
+    };
+    let seed = config.seed
+        ^ addr
+            .bytes()
+            .fold(0u64, |h, b| h.rotate_left(5) ^ u64::from(b));
+    let mut supervisor = match config.backoff {
+        Some(backoff) => Supervisor::with_backoff(policy, backoff),
+        None => Supervisor::with_jitter(policy, config.jitter, seed),
+    };
+    let reason = serve(&addr, &mut supervisor, &link, &config, &ctx, &stop).await;
+    info!(edge = addr, reason = ?reason, "cluster: session with this edge over");
+}
+
+/// Dials `addr` and serves over each connection, as `supervisor` decides, until it exits.
+async fn serve(
+    addr: &str,
+    supervisor: &mut Supervisor,
+    link: &EdgeLink,
+    config: &NodeConfig,
+    ctx: &Context,
+    stop: &Stop,
+) -> ExitReason {
     let clock = ctx.clock;
     misuse("start", supervisor.handle_start(clock.now()));
     loop {
         while let Some(action) = supervisor.poll_event() {
             match action {
-                SupervisorEvent::Exit(reason) => {
-                    match &reason {
-                        ExitReason::Shutdown => info!("local shutdown"),
-                        ExitReason::Exhausted { attempts, last } => {
-                            error!(attempts, last = %last, "giving up: reconnect attempts exhausted");
-                        }
-                        ExitReason::Fatal(failure) => {
-                            error!(failure = %failure, "giving up: fatal error")
-                        }
-                    }
-                    // Sessions re-homed away from an earlier Edge process finish their
-                    // work first (each bounded by its own drain or shutdown grace).
-                    while ctx.elsewhere.running() > 0 {
-                        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-                    }
-                    return reason;
-                }
+                SupervisorEvent::Exit(reason) => return reason,
                 SupervisorEvent::Dial { attempt } => {
                     info!(
                         attempt,
-                        edge = config.edge_addr,
+                        edge = addr,
                         node_id = config.node_id,
                         "dialing the edge"
                     );
-                    let dial = link.connect(&config.edge_addr, config.connect_timeout);
+                    let dial = link.connect(addr, config.connect_timeout);
                     let stream = tokio::select! {
                         () = stop.wait() => {
                             supervisor.handle_shutdown(clock.now());
@@ -130,7 +279,7 @@ pub async fn run(config: NodeConfig, ctx: Context, stop: Stop) -> ExitReason {
                     match stream {
                         Ok(stream) => {
                             info!(
-                                edge = config.edge_addr,
+                                edge = addr,
                                 tls = stream.tls_version().unwrap_or("none"),
                                 "connected to the edge"
                             );
@@ -139,13 +288,13 @@ pub async fn run(config: NodeConfig, ctx: Context, stop: Stop) -> ExitReason {
                                 TransportStats::add(&ctx.stats.reconnects, 1);
                             }
                             TransportStats::add(&ctx.stats.connections, 1);
-                            let session = session_config(&config);
+                            let session = session_config(config);
                             let end = match stream {
                                 Connection::Plain(tcp) => {
-                                    driver::run(tcp, session, &ctx, &mut supervisor, &stop).await
+                                    driver::run(tcp, session, ctx, supervisor, stop).await
                                 }
                                 Connection::Tls(tls) => {
-                                    driver::run(*tls, session, &ctx, &mut supervisor, &stop).await
+                                    driver::run(*tls, session, ctx, supervisor, stop).await
                                 }
                             };
                             let end = match end {
@@ -158,7 +307,7 @@ pub async fn run(config: NodeConfig, ctx: Context, stop: Stop) -> ExitReason {
                             match end.failure() {
                                 None => supervisor.handle_shutdown(clock.now()),
                                 Some(failure) => {
-                                    warn!(failure = %failure, "session ended");
+                                    warn!(edge = addr, failure = %failure, "session ended");
                                     misuse(
                                         "failure",
                                         supervisor.handle_failure(clock.now(), failure),
@@ -167,7 +316,7 @@ pub async fn run(config: NodeConfig, ctx: Context, stop: Stop) -> ExitReason {
                             }
                         }
                         Err(failure) => {
-                            warn!(attempt, failure = %failure, "dial failed");
+                            warn!(edge = addr, attempt, failure = %failure, "dial failed");
                             misuse("failure", supervisor.handle_failure(clock.now(), failure));
                         }
                     }
@@ -194,5 +343,7 @@ pub fn context(config: &NodeConfig) -> Result<Context, String> {
         started: tokio::time::Instant::now(),
         drain_grace: config.drain_grace,
         elsewhere: driver::Elsewhere::default(),
+        members: None,
+        seed: true,
     })
 }

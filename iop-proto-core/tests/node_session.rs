@@ -90,6 +90,7 @@ impl H {
             heartbeat_interval_ms: 1000,
             retry_after_ms: 0,
             load_reports: true,
+            cluster: None,
         }));
     }
 

@@ -48,6 +48,8 @@ pub struct Behaviour {
     pub reject_tools: bool,
     /// Answer requests that carry tools with a native tool call.
     pub tool_calls: bool,
+    /// How long a whole (non-streamed) answer takes.
+    pub whole_delay: Duration,
 }
 
 impl Default for Behaviour {
@@ -60,6 +62,7 @@ impl Default for Behaviour {
             retry_after: None,
             reject_tools: false,
             tool_calls: false,
+            whole_delay: Duration::ZERO,
         }
     }
 }
@@ -88,6 +91,27 @@ pub struct State {
     pub aborted: AtomicUsize,
     /// Responses sent to the end.
     pub completed: AtomicUsize,
+    /// Requests being answered now (a streamed one until its last chunk).
+    pub in_flight: AtomicUsize,
+    /// The most requests ever answered at once.
+    pub max_in_flight: AtomicUsize,
+}
+
+/// Counts one request as being answered while it lives.
+struct Busy(Arc<State>);
+
+impl Busy {
+    fn enter(state: &Arc<State>) -> Busy {
+        let now = state.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        state.max_in_flight.fetch_max(now, Ordering::SeqCst);
+        Busy(state.clone())
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl State {
@@ -180,6 +204,7 @@ fn whole(status: u16, content_type: &str, body: impl Into<Bytes>) -> Res {
 fn streamed(state: Arc<State>, content_type: &str, chunks: Vec<Bytes>, delay: Duration) -> Res {
     let (tx, rx) = mpsc::channel(1);
     tokio::spawn(async move {
+        let _busy = Busy::enter(&state);
         for chunk in chunks {
             // A zero sleep still waits for the next timer tick (about 1 ms).
             if !delay.is_zero() {
@@ -347,6 +372,13 @@ async fn handle(flavor: Flavor, req: Request<Incoming>, state: Arc<State>) -> Re
         return response;
     }
     let request: Value = serde_json::from_slice(&body).unwrap_or_default();
+    let _busy =
+        (request.get("stream").and_then(Value::as_bool) != Some(true)).then(|| Busy::enter(&state));
+    if !behaviour.whole_delay.is_zero()
+        && request.get("stream").and_then(Value::as_bool) != Some(true)
+    {
+        tokio::time::sleep(behaviour.whole_delay).await;
+    }
     let has_tools = request
         .get("tools")
         .and_then(Value::as_array)

@@ -221,6 +221,8 @@ pub(super) async fn status(state: &State) -> Response<ResBody> {
         "queue": queue,
         "open_requests": snapshot.open_requests,
         "registrations": registrations,
+        // In cluster mode: this Edge's id, whether it is a member, and every member.
+        "cluster": state.cluster.as_ref().map(|c| c.snapshot()),
     });
     json_response(StatusCode::OK, Bytes::from(body.to_string()))
 }

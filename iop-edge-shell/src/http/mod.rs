@@ -119,6 +119,8 @@ pub struct State {
     /// The inference requests open, and whether new ones are taken (not while the Edge
     /// drains on its way out).
     pub drain: Arc<crate::drain::Drain>,
+    /// In a cluster: membership and members (`/healthz` answers 503 while not a member).
+    pub cluster: Option<Arc<crate::cluster::ClusterView>>,
 }
 
 impl State {
@@ -456,7 +458,16 @@ async fn route<B: ReqBody>(
     }
     match (req.method().clone(), path.as_str()) {
         (Method::GET, "/healthz") => {
-            let mut r = Response::new(ResBody::Full(Some(Bytes::from_static(b"ok\n"))));
+            let member = state.cluster.as_ref().is_none_or(|c| c.is_member());
+            let body: &'static [u8] = if member {
+                b"ok\n"
+            } else {
+                b"not a cluster member (etcd unreachable, or joining)\n"
+            };
+            let mut r = Response::new(ResBody::Full(Some(Bytes::from_static(body))));
+            if !member {
+                *r.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+            }
             r.headers_mut()
                 .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
             r

@@ -300,6 +300,8 @@ pub(super) fn of(event: &EdgeEvent, out: &mut VecDeque<Lifecycle>) {
             reason: after.label(),
         }),
         EdgeEvent::Request { .. }
+        | EdgeEvent::ClaimNode { .. }
+        | EdgeEvent::ReleaseNode { .. }
         | EdgeEvent::Attempt { .. }
         | EdgeEvent::Retried { .. }
         | EdgeEvent::CommandAnswered { .. }

@@ -76,6 +76,7 @@ use crate::wire::{
     TunnelFrameKind, Validate, ValidationError,
 };
 
+mod cluster;
 mod control;
 mod health;
 mod lifecycle;
@@ -108,6 +109,7 @@ pub struct EdgeCore {
     first_bytes: timers::Deadlines,
     out: Outbox,
     now: Timestamp,
+    cluster: cluster::ClusterState,
 }
 
 /// What the machine hands out, in order: transmits for the transport, events for the
@@ -190,6 +192,7 @@ impl EdgeCore {
             first_bytes: timers::Deadlines::default(),
             out: Outbox::default(),
             now: Timestamp::ZERO,
+            cluster: cluster::ClusterState::default(),
         };
         core.install(config);
         Ok(core)
@@ -210,6 +213,7 @@ impl EdgeCore {
     /// The next event.
     #[must_use]
     pub fn poll_event(&mut self) -> Option<EdgeEvent> {
+        self.settle_cluster();
         self.out.events.pop_front()
     }
 
@@ -277,6 +281,7 @@ impl EdgeCore {
         conn: ConnId,
     ) -> Result<(), UsageError> {
         self.advance(now);
+        self.cluster.closed(conn);
         self.connection_closed(conn)
     }
 

@@ -18,6 +18,11 @@ const DRAINING_RETRY_AFTER: Duration = Duration::from_secs(1);
 /// How soon a node refused by an Edge process that is handing over dials again: at
 /// once, in effect; the listener already leads to the successor.
 const HANDING_OVER_RETRY_AFTER: Duration = Duration::from_millis(50);
+/// When a node whose id another instance holds in the cluster may try again: the
+/// holder's node lease runs out within its TTL (10 s) once no Edge renews it.
+const CLUSTER_HELD_RETRY_AFTER: Duration = Duration::from_secs(5);
+/// When a node this Edge could not claim (etcd unreachable) may try again.
+const CLUSTER_UNAVAILABLE_RETRY_AFTER: Duration = Duration::from_secs(2);
 
 /// The index of a node ever configured (a node removed from the configuration keeps its
 /// entry, with no spec, so its resources and their leases stay addressable).
@@ -111,6 +116,15 @@ pub(super) struct Owner {
     instance: Instance,
     /// The node can re-home (`RegisterRequest.rehome`).
     pub(super) rehome: bool,
+    /// The node follows the cluster's members (`RegisterRequest.cluster`).
+    pub(super) cluster: bool,
+}
+
+impl Owner {
+    /// The node process that registered, `0` for a node too old to say.
+    pub(super) fn instance(&self) -> u64 {
+        self.instance.map_or(0, std::num::NonZeroU64::get)
+    }
 }
 
 #[derive(Debug)]
@@ -150,6 +164,8 @@ pub(super) enum Admitted {
     Violation(ConnViolation),
     /// It may take `node`. `superseding` is the owner it takes the node from: already
     /// told and closed here, for the caller to fence.
+    /// In a cluster, authenticated: the node id must be claimed before it is taken.
+    Claim { node: NodeIdx },
     Take {
         node: NodeIdx,
         superseding: Option<Owner>,
@@ -182,6 +198,10 @@ enum HeldOff {
     Draining,
     /// This Edge process is handing over: try again at once, reaching its successor.
     HandingOver,
+    /// The cluster did not let this Edge serve the node id: another instance holds it
+    /// (`Some`), or the claim could not be decided (`None`: etcd unreachable, not a
+    /// member).
+    Cluster { held_by: Option<u64> },
 }
 
 impl Registry {
@@ -472,6 +492,7 @@ impl Registry {
         phase: Phase,
         req: &RegisterRequest,
         config: &EdgeConfig,
+        claim: bool,
     ) -> Admitted {
         if phase != Phase::Unregistered {
             return Admitted::Violation(ConnViolation::SecondRegister);
@@ -491,6 +512,9 @@ impl Registry {
         if self.handing_over {
             self.hold_off(cx, conn, addr, i, &req.node_id, HeldOff::HandingOver);
             return Admitted::Refused;
+        }
+        if claim {
+            return Admitted::Claim { node: i };
         }
         let Some(old) = self.node(i).owner else {
             return Admitted::Take {
@@ -557,6 +581,7 @@ impl Registry {
         i: NodeIdx,
         req: &RegisterRequest,
         config: &EdgeConfig,
+        cluster: Option<&crate::wire::ClusterMembers>,
     ) -> Generation {
         let generation = Generation(self.next_generation);
         self.next_generation += 1;
@@ -570,6 +595,7 @@ impl Registry {
             registered_revision: revision,
             instance: std::num::NonZeroU64::new(req.instance_id),
             rehome: req.rehome,
+            cluster: req.cluster,
         });
         node.agent = Some(Box::new(Agent {
             version: req.version.as_str().into(),
@@ -608,6 +634,7 @@ impl Registry {
                 heartbeat_interval_ms: millis(timing.heartbeat_interval),
                 retry_after_ms: 0,
                 load_reports: true,
+                cluster: cluster.filter(|_| req.cluster).cloned(),
             }),
         );
         cx.timers
@@ -738,6 +765,22 @@ impl Registry {
         self.close(cx, conn, CloseReason::RegisterRejected(why));
     }
 
+    /// Refuses the register waiting on `conn` for node `i` as the cluster decided:
+    /// `held_by` another instance, or undecided (`None`).
+    pub(super) fn refuse_claim(
+        &mut self,
+        cx: &mut Cx<'_>,
+        conn: ConnId,
+        i: NodeIdx,
+        held_by: Option<u64>,
+    ) {
+        let Some(addr) = self.conns.get(&conn).map(|c| c.peer.addr) else {
+            return;
+        };
+        let claimed = self.node(i).id.to_string();
+        self.hold_off(cx, conn, addr, i, &claimed, HeldOff::Cluster { held_by });
+    }
+
     /// Refuses an authenticated register for node `i` for now: its id is held by another
     /// live connection (in conflict, or draining), and the node may try again later.
     fn hold_off(
@@ -764,6 +807,25 @@ impl Registry {
                 "this edge process is handing over to its successor: dial again".to_owned(),
                 HANDING_OVER_RETRY_AFTER,
                 false,
+            ),
+            HeldOff::Cluster {
+                held_by: Some(instance),
+            } => (
+                RejectReason::ClusterHeld,
+                format!(
+                    "node id {id:?} is held by another instance ({instance:016x}) in the \
+                     cluster (two nodes share this id?): try again once it has gone"
+                ),
+                CLUSTER_HELD_RETRY_AFTER,
+                true,
+            ),
+            HeldOff::Cluster { held_by: None } => (
+                RejectReason::ClusterUnavailable,
+                "this edge cannot confirm the node id with the cluster (etcd unreachable, \
+                 or not a member now): try again, or another edge"
+                    .to_owned(),
+                CLUSTER_UNAVAILABLE_RETRY_AFTER,
+                true,
             ),
             HeldOff::Conflict { retry_after, log } => (
                 RejectReason::Conflict,

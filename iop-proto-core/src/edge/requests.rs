@@ -153,6 +153,9 @@ pub(super) struct Request {
     committed: Option<RunId>,
     /// Dispatches so far.
     attempts: u32,
+    /// Dispatches a node refused before its provider was asked ([`Cause::Refused`]): not
+    /// counted as attempts, and bounded by [`MAX_REFUSALS`].
+    refusals: u32,
     /// Providers a run of it failed on: not tried again for it.
     failed: Vec<ResourceId>,
     /// What its caller is told if no other run can answer.
@@ -247,13 +250,28 @@ pub(super) enum Cause {
     Status(u32),
     /// The run broke its stream's contract.
     Violation(StreamViolation),
+    /// The node refused to start it (its capacity gate was full: another Edge of a
+    /// cluster took the slot first; or it is stopping): the provider was never asked, so
+    /// its health does not suffer, and the request may be tried on it again.
+    Refused(ErrorDetail),
 }
+
+/// The code of a node's refusal to start work (`RunEvent` error before any content).
+pub(super) const REFUSED: &str = "refused";
+
+/// Refusals a request may meet before it fails with the last one. The node reports what
+/// its other sessions hold before it refuses, so a retry sees its capacity as it is; the
+/// bound only stops a node that refuses everything (a configuration it does not share)
+/// from being asked again and again.
+pub(super) const MAX_REFUSALS: u32 = 8;
 
 impl Cause {
     /// What the caller is told if nothing else can answer.
     pub(super) fn outcome(&self) -> Outcome {
         match self {
-            Cause::Error(detail) => Outcome::Failed(RequestError::Provider(detail.clone())),
+            Cause::Error(detail) | Cause::Refused(detail) => {
+                Outcome::Failed(RequestError::Provider(detail.clone()))
+            }
             Cause::Status(status) => Outcome::Failed(RequestError::Provider(ErrorDetail {
                 code: format!("upstream_status_{status}"),
                 message: format!("the provider answered {status}"),
@@ -267,6 +285,7 @@ impl Cause {
     pub(super) fn label(&self) -> &'static str {
         match self {
             Cause::Error(_) => "error",
+            Cause::Refused(_) => "refused",
             Cause::Status(408) => "status_408",
             Cause::Status(429) => "status_429",
             Cause::Status(_) => "status_5xx",
@@ -419,6 +438,7 @@ impl Requests {
                 live: Few::default(),
                 committed: None,
                 attempts: 0,
+                refusals: 0,
                 failed: Vec::new(),
                 last_failure: None,
                 retrying: false,
@@ -672,7 +692,9 @@ impl Requests {
         let ended = r.held_end.take().is_some();
         if let Some(request) = self.map.get_mut(&run.request) {
             request.live.retain(|&l| l != run);
-            if !request.failed.contains(&lease.resource) {
+            if matches!(cause, Cause::Refused(_)) {
+                request.refusals += 1;
+            } else if !request.failed.contains(&lease.resource) {
                 request.failed.push(lease.resource);
             }
             request.last_failure = Some(cause.outcome());
@@ -715,7 +737,14 @@ impl Requests {
 
     /// Dispatches of `id` so far, and the providers it failed on.
     pub(super) fn attempts(&self, id: RequestId) -> Option<(u32, &[ResourceId])> {
-        self.map.get(&id).map(|r| (r.attempts, r.failed.as_slice()))
+        self.map
+            .get(&id)
+            .map(|r| (r.attempts.saturating_sub(r.refusals), r.failed.as_slice()))
+    }
+
+    /// The refusals `id` met so far.
+    pub(super) fn refusals(&self, id: RequestId) -> u32 {
+        self.map.get(&id).map_or(0, |r| r.refusals)
     }
 
     /// A fenced lease: its run is gone with its node.
@@ -876,6 +905,15 @@ impl Requests {
                 r.held.push(item.into_event());
                 r.held_end = Some(outcome.clone());
                 match outcome {
+                    Outcome::Failed(RequestError::Provider(detail))
+                        if detail.retryable && detail.code == REFUSED =>
+                    {
+                        Step::Failed {
+                            run,
+                            cause: Cause::Refused(detail),
+                            retry_after: None,
+                        }
+                    }
                     Outcome::Failed(RequestError::Provider(detail)) if retryable => Step::Failed {
                         run,
                         cause: Cause::Error(detail),

@@ -42,7 +42,7 @@
 
 use super::health::Passed;
 use super::pool::Model;
-use super::registry::{Admitted, NodeIdx, Phase, Readied};
+use super::registry::{NodeIdx, Phase, Readied};
 use super::requests::{Cancel, Cause, Fenced, Requests, Step, StreamItem};
 use super::*;
 
@@ -164,18 +164,12 @@ impl EdgeCore {
     /// A register: a newer register supersedes the current owner in this same
     /// transition (its generation fenced first), unless the registry holds it off.
     pub(super) fn register(&mut self, conn: ConnId, phase: Phase, req: &RegisterRequest) {
-        let mut cx = cx!(self);
-        match self.registry.admit(&mut cx, conn, phase, req, &self.config) {
-            Admitted::Refused => {}
-            Admitted::Violation(violation) => self.violation(conn, violation),
-            Admitted::Take { node, superseding } => {
-                if let Some(old) = superseding {
-                    self.fence(node, old.generation, CloseReason::Superseded);
-                }
-                let mut cx = cx!(self);
-                self.registry.take(&mut cx, conn, node, req, &self.config);
-            }
+        if self.cluster.awaits(conn) {
+            self.violation(conn, ConnViolation::SecondRegister);
+            return;
         }
+        let claim = self.cluster.enabled;
+        self.take_node(conn, phase, req, claim);
     }
 
     /// A ready: the pending owner's providers go live and the queue is pumped.
@@ -305,6 +299,7 @@ impl EdgeCore {
         let Some(owner) = self.registry.end_ownership(node, generation) else {
             return;
         };
+        self.cluster.ended(node, owner.instance());
         let mut cx = cx!(self);
         self.control.node_lost(&mut cx, node, generation);
         let node_id = self.registry.node(node).id.clone();
@@ -453,19 +448,32 @@ impl EdgeCore {
     /// Whether `request` may be dispatched once more, on a provider it has not failed on
     /// (nor `also`): attempts left, room in the retry budget, and such a provider live.
     fn may_retry(&self, request: RequestId, also: Option<ResourceId>) -> bool {
+        self.may_try_again(request, also, false)
+    }
+
+    /// [`Self::may_retry`]; after a node's refusal (`refused`), within
+    /// [`requests::MAX_REFUSALS`] and outside the attempts and the retry budget, with the
+    /// refusing provider still a candidate.
+    fn may_try_again(&self, request: RequestId, also: Option<ResourceId>, refused: bool) -> bool {
         let routing = &self.config.routing;
         let (Some(r), Some((attempts, failed))) =
             (self.requests.get(request), self.requests.attempts(request))
         else {
             return false;
         };
-        if attempts >= routing.max_attempts {
-            return false;
-        }
-        let budget = (self.requests.accepted() * routing.retry_budget_percent as usize / 100)
-            .max(routing.retry_budget_min as usize);
-        if !r.retrying() && self.requests.retrying() >= budget {
-            return false;
+        if refused {
+            if self.requests.refusals(request) >= requests::MAX_REFUSALS {
+                return false;
+            }
+        } else {
+            if attempts >= routing.max_attempts {
+                return false;
+            }
+            let budget = (self.requests.accepted() * routing.retry_budget_percent as usize / 100)
+                .max(routing.retry_budget_min as usize);
+            if !r.retrying() && self.requests.retrying() >= budget {
+                return false;
+            }
         }
         let tunnel_only = self.requests.tunnel_only(request);
         r.candidates.iter().any(|c| {
@@ -646,9 +654,13 @@ impl EdgeCore {
                 },
             });
         }
-        self.provider_failed(lease.resource, run, retry_after);
+        let refused = matches!(cause, Cause::Refused(_));
+        if !refused {
+            self.provider_failed(lease.resource, run, retry_after);
+        }
         let request = run.request;
-        let retry = self.may_retry(request, Some(lease.resource));
+        // A refusal leaves the provider a candidate: it was full for a moment.
+        let retry = self.may_try_again(request, (!refused).then_some(lease.resource), refused);
         let alone = !self.requests.has_live_besides(request, run);
         if !retry && alone && !matches!(cause, Cause::Violation(_)) {
             // Nothing else can answer: the caller gets this one.
@@ -1041,7 +1053,9 @@ impl EdgeCore {
         }
         let reason = match drain {
             DrainReason::Refresh(failure) => CloseReason::RefreshFailed(failure),
-            DrainReason::Stopping(_) | DrainReason::HandingOver { .. } => CloseReason::Drained,
+            DrainReason::Stopping(_)
+            | DrainReason::HandingOver { .. }
+            | DrainReason::Cluster(_) => CloseReason::Drained,
         };
         let mut cx = cx!(self);
         self.registry.close(&mut cx, owner.conn, reason.clone());

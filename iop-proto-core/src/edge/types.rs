@@ -55,6 +55,12 @@ pub enum RejectReason {
     /// ([`crate::EdgeCore::handle_rehome`]): the node is told to try again at once, which
     /// reaches the successor.
     HandingOver,
+    /// Authenticated, but in a cluster another node instance holds the node id
+    /// (docs/cluster.md): exactly one of two machines sharing an id serves.
+    ClusterHeld,
+    /// Authenticated, but this Edge could not claim the node id in the cluster now (etcd
+    /// unreachable, or the Edge is not a member): try again later or elsewhere.
+    ClusterUnavailable,
 }
 
 impl RejectReason {
@@ -69,6 +75,8 @@ impl RejectReason {
             RejectReason::Conflict => "conflict",
             RejectReason::Draining => "draining",
             RejectReason::HandingOver => "handing_over",
+            RejectReason::ClusterHeld => "cluster_held",
+            RejectReason::ClusterUnavailable => "cluster_unavailable",
         }
     }
 }
@@ -236,6 +244,26 @@ pub enum Outcome {
 /// compile error in every shell until it decides what to do with it.
 #[derive(Clone, Debug, PartialEq)]
 pub enum EdgeEvent {
+    /// In a cluster: a register for `node_id` by `instance` authenticated on `conn`; ask
+    /// the cluster member ([`crate::cluster::ClusterMember::claim_node`]) and answer with
+    /// [`crate::EdgeCore::handle_claim`]. Until then the connection is not registered.
+    ClaimNode {
+        /// The connection waiting.
+        conn: ConnId,
+        /// The node id claimed.
+        node_id: Arc<str>,
+        /// The node process (`RegisterRequest.instance_id`, 0 if it gave none).
+        instance: u64,
+    },
+    /// In a cluster: no connection here serves `instance` of `node_id` any more; the
+    /// member stops renewing its node lease
+    /// ([`crate::cluster::ClusterMember::release_node`]).
+    ReleaseNode {
+        /// The node id.
+        node_id: Arc<str>,
+        /// The node process.
+        instance: u64,
+    },
     /// A connection's register was accepted: it owns the node id under a new generation
     /// and must now report ready (no work is granted to it before).
     NodeRegistered {
@@ -511,6 +539,10 @@ pub enum DrainReason {
         /// Whether the node was sent `NodeRehomeRequest`.
         told: bool,
     },
+    /// In a cluster, this Edge can no longer vouch for the node instance: its membership
+    /// or the node's lease in etcd could not be renewed in time (docs/cluster.md).
+    #[error("cluster: {0}")]
+    Cluster(&'static str),
 }
 
 /// The id of a node command on the wire (`cmd-<n>`).

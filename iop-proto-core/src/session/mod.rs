@@ -131,6 +131,8 @@ pub struct NodeSession {
     /// What the node's work for other, draining sessions holds, by adapter (sorted, no
     /// empty entries): in the `NodeReadyRequest`, in the gates, and reported on change.
     held_elsewhere: Vec<AdapterLoad>,
+    /// Counts every change of what this session's work holds ([`Self::load_changes`]).
+    load_changes: u64,
     /// A local shutdown cancelled the work in flight and waits for it to end (until
     /// the `Cancel` timer).
     cancelling: bool,
@@ -166,6 +168,7 @@ impl NodeSession {
             rehomed: false,
             load_reports: false,
             held_elsewhere: Vec::new(),
+            load_changes: 0,
             cancelling: false,
             events: VecDeque::new(),
             end: None,
@@ -200,6 +203,14 @@ impl NodeSession {
     #[must_use]
     pub fn last_rtt(&self) -> Option<Duration> {
         self.last_rtt
+    }
+
+    /// A count that moves whenever what this session's work holds ([`Self::load`])
+    /// changes: a shell that publishes the load to the node's other sessions compares it
+    /// instead of building the load on every wake.
+    #[must_use]
+    pub fn load_changes(&self) -> u64 {
+        self.load_changes
     }
 
     /// Runs and tunnels in flight.
@@ -276,6 +287,7 @@ impl NodeSession {
             labels: self.config.labels.clone(),
             instance_id: self.config.instance_id,
             rehome: self.config.rehome,
+            cluster: self.config.cluster,
         }));
         Ok(())
     }
@@ -648,6 +660,9 @@ impl NodeSession {
                 }
                 self.state = SessionState::Configuring;
                 self.load_reports = resp.load_reports;
+                if let Some(members) = resp.cluster.filter(|_| self.config.cluster) {
+                    self.events.push_back(SessionEvent::Members(members));
+                }
                 self.pending_apply = Some(payload.clone());
                 self.events.push_back(SessionEvent::ApplyConfig { payload });
             }
@@ -692,6 +707,12 @@ impl NodeSession {
             }
             Body::NodeConfigRefreshRequest(req) if self.state == SessionState::Ready => {
                 self.on_refresh(req);
+            }
+            Body::ClusterMembers(members)
+                if self.config.cluster
+                    && matches!(self.state, SessionState::Configuring | SessionState::Ready) =>
+            {
+                self.events.push_back(SessionEvent::Members(members));
             }
             Body::NodeRehomeRequest(req)
                 if self.state == SessionState::Ready && self.config.rehome =>

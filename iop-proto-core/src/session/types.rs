@@ -38,6 +38,10 @@ pub struct SessionConfig {
     /// hands over it sends `NodeRehomeRequest`, and the shell keeps this session running
     /// its work to the end while a new one dials ([`SessionEvent::Rehome`]).
     pub rehome: bool,
+    /// Whether this node follows a cluster of Edges (`RegisterRequest.cluster`): an Edge
+    /// in a cluster then names its members ([`SessionEvent::Members`]), for the shell to
+    /// keep a session with each.
+    pub cluster: bool,
 }
 
 impl std::fmt::Debug for SessionConfig {
@@ -75,6 +79,7 @@ impl SessionConfig {
             shutdown_grace: Duration::from_secs(5),
             drain_grace: Duration::from_secs(30),
             rehome: false,
+            cluster: false,
         }
     }
 }
@@ -300,6 +305,11 @@ pub enum SessionEvent {
         /// The Edge's reason, for the log.
         reason: String,
     },
+    /// The Edges of the cluster this session's Edge belongs to (only when
+    /// [`SessionConfig::cluster`] asked): from its `RegisterResponse`, then on every
+    /// change. The shell keeps a session with each member other than `edge_id` (this
+    /// session's own Edge) and ends the sessions of Edges no longer listed.
+    Members(crate::wire::ClusterMembers),
     /// Work was refused at once (unknown adapter or capacity); the Edge was told.
     WorkRefused {
         /// The run refused; the Edge already has its terminal error.

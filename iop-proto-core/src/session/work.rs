@@ -44,6 +44,7 @@ impl NodeSession {
         };
         if let Some(gate) = self.gates.get_mut(&work.adapter) {
             gate.release(work.long);
+            self.load_changes += 1;
         }
         if self.finished.len() >= FINISHED_MEMORY
             && let Some(old) = self.finished.pop_front()
@@ -82,7 +83,9 @@ impl NodeSession {
             .gates
             .get_mut(adapter)
             .ok_or_else(|| WorkRefusal::UnknownAdapter(adapter.to_owned()))?;
-        Ok(gate.try_acquire(long)?)
+        gate.try_acquire(long)?;
+        self.load_changes += 1;
+        Ok(())
     }
 
     pub(super) fn on_run_request(&mut self, request: RunRequest) {

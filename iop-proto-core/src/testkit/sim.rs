@@ -1212,6 +1212,7 @@ impl World {
             }
             SessionEvent::CancelRejected { .. }
             | SessionEvent::Rehome { .. }
+            | SessionEvent::Members(_)
             | SessionEvent::WorkRefused { .. }
             | SessionEvent::PeerViolation { .. } => {
                 self.log(|| format!("node {i} event {event_text}"));

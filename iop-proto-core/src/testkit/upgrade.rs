@@ -507,6 +507,7 @@ impl World {
                 ));
             }
             SessionEvent::StartTunnel { .. }
+            | SessionEvent::Members(_)
             | SessionEvent::Command { .. }
             | SessionEvent::RefreshConfig { .. }
             | SessionEvent::CancelRejected { .. }

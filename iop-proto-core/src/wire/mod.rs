@@ -74,6 +74,7 @@ impl Body {
             Body::NodeDrainRequest(_) => "node_drain_request",
             Body::NodeRehomeRequest(_) => "node_rehome_request",
             Body::NodeLoadReport(_) => "node_load_report",
+            Body::ClusterMembers(_) => "cluster_members",
         }
     }
 }

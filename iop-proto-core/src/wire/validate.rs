@@ -6,12 +6,12 @@
 //! message and field at fault.
 
 use super::{
-    AdapterConfig, AdapterLoad, AdapterType, Body, CancelKind, CancelRequest, Envelope, Heartbeat,
-    HeartbeatAck, NodeCommandRequest, NodeCommandResponse, NodeCommandType, NodeConfigPayload,
-    NodeConfigRefreshRequest, NodeConfigRefreshResponse, NodeDrainRequest, NodeReadyRequest,
-    NodeReadyResponse, NodeRehomeRequest, ProviderTunnelFrame, ProviderTunnelRequest,
-    RefreshStatus, RegisterRequest, RegisterResponse, RunEvent, RunEventType, RunRequest,
-    TunnelFrameKind,
+    AdapterConfig, AdapterLoad, AdapterType, Body, CancelKind, CancelRequest, ClusterMembers,
+    Envelope, Heartbeat, HeartbeatAck, NodeCommandRequest, NodeCommandResponse, NodeCommandType,
+    NodeConfigPayload, NodeConfigRefreshRequest, NodeConfigRefreshResponse, NodeDrainRequest,
+    NodeReadyRequest, NodeReadyResponse, NodeRehomeRequest, ProviderTunnelFrame,
+    ProviderTunnelRequest, RefreshStatus, RegisterRequest, RegisterResponse, RunEvent,
+    RunEventType, RunRequest, TunnelFrameKind,
 };
 
 /// The read-only Ollama endpoints an `OLLAMA_API` command may reach.
@@ -206,6 +206,7 @@ impl Validate for Body {
             Body::NodeDrainRequest(m) => m.validate(),
             Body::NodeRehomeRequest(m) => m.validate(),
             Body::NodeLoadReport(m) => validate_loads(&m.held_elsewhere, "NodeLoadReport"),
+            Body::ClusterMembers(m) => m.validate(),
         }
     }
 }
@@ -258,6 +259,9 @@ impl Validate for RegisterResponse {
             return Ok(());
         }
         non_empty(&self.node_id, "RegisterResponse", "node_id")?;
+        if let Some(cluster) = &self.cluster {
+            cluster.validate()?;
+        }
         self.config
             .as_ref()
             .ok_or(ValidationError::MissingField {
@@ -523,6 +527,43 @@ impl Validate for NodeRehomeRequest {
                 field: "reason",
                 limit: MAX_DRAIN_REASON_BYTES,
             });
+        }
+        Ok(())
+    }
+}
+
+/// The most Edges a `ClusterMembers` may list.
+const MAX_CLUSTER_MEMBERS: usize = 64;
+
+impl Validate for ClusterMembers {
+    /// Bounded: at most [`MAX_CLUSTER_MEMBERS`] Edges, each with an id and an address of
+    /// at most [`MAX_NODE_ID_BYTES`] bytes, neither empty.
+    fn validate(&self) -> Result<(), ValidationError> {
+        const M: &str = "ClusterMembers";
+        if self.members.len() > MAX_CLUSTER_MEMBERS {
+            return Err(ValidationError::TooLong {
+                message: M,
+                field: "members",
+                limit: MAX_CLUSTER_MEMBERS,
+            });
+        }
+        if self.edge_id.len() > MAX_NODE_ID_BYTES {
+            return Err(ValidationError::TooLong {
+                message: M,
+                field: "edge_id",
+                limit: MAX_NODE_ID_BYTES,
+            });
+        }
+        for edge in &self.members {
+            non_empty(&edge.edge_id, M, "members.edge_id")?;
+            non_empty(&edge.node_addr, M, "members.node_addr")?;
+            if edge.edge_id.len() > MAX_NODE_ID_BYTES || edge.node_addr.len() > MAX_NODE_ID_BYTES {
+                return Err(ValidationError::TooLong {
+                    message: M,
+                    field: "members",
+                    limit: MAX_NODE_ID_BYTES,
+                });
+            }
         }
         Ok(())
     }

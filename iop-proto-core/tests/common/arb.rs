@@ -108,6 +108,17 @@ pub fn config_payload() -> impl Strategy<Value = NodeConfigPayload> {
         })
 }
 
+/// Any list of cluster members (some of them invalid: empty or oversized fields).
+pub fn cluster_members() -> impl Strategy<Value = ClusterMembers> {
+    (text(), vec((text(), text()), 0..4)).prop_map(|(edge_id, members)| ClusterMembers {
+        edge_id,
+        members: members
+            .into_iter()
+            .map(|(edge_id, node_addr)| ClusterEdge { edge_id, node_addr })
+            .collect(),
+    })
+}
+
 /// Any envelope body, every variant reachable.
 pub fn body() -> impl Strategy<Value = Body> {
     prop_oneof![
@@ -118,10 +129,11 @@ pub fn body() -> impl Strategy<Value = Body> {
             vec(text(), 0..3),
             labels(),
             any::<u64>(),
+            any::<bool>(),
             any::<bool>()
         )
             .prop_map(
-                |(node_id, token, version, adapter_types, labels, instance_id, rehome)| {
+                |(node_id, token, version, adapter_types, labels, instance_id, rehome, cluster)| {
                     Body::RegisterRequest(RegisterRequest {
                         node_id,
                         token,
@@ -130,6 +142,7 @@ pub fn body() -> impl Strategy<Value = Body> {
                         labels,
                         instance_id,
                         rehome,
+                        cluster,
                     })
                 }
             ),
@@ -140,7 +153,8 @@ pub fn body() -> impl Strategy<Value = Body> {
             option::of(config_payload()),
             any::<u32>(),
             any::<u32>(),
-            any::<bool>()
+            any::<bool>(),
+            option::of(cluster_members())
         )
             .prop_map(
                 |(
@@ -151,6 +165,7 @@ pub fn body() -> impl Strategy<Value = Body> {
                     heartbeat_interval_ms,
                     retry_after_ms,
                     load_reports,
+                    cluster,
                 )| {
                     Body::RegisterResponse(RegisterResponse {
                         accepted,
@@ -160,9 +175,11 @@ pub fn body() -> impl Strategy<Value = Body> {
                         heartbeat_interval_ms,
                         retry_after_ms,
                         load_reports,
+                        cluster,
                     })
                 }
             ),
+        cluster_members().prop_map(Body::ClusterMembers),
         (text(), vec(load(), 0..3)).prop_map(|(node_id, held_elsewhere)| Body::NodeReadyRequest(
             NodeReadyRequest {
                 node_id,

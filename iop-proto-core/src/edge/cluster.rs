@@ -1,0 +1,198 @@
+//! An Edge in a cluster of Edges (docs/cluster.md): what [`EdgeCore`] decides there.
+//!
+//! - **A register waits for its claim.** Once a node is authenticated, the node id must
+//!   be claimed cluster-wide before the connection may take it: the core emits
+//!   [`EdgeEvent::ClaimNode`], the shell asks its
+//!   [`ClusterMember`](crate::cluster::ClusterMember), and answers with
+//!   [`EdgeCore::handle_claim`]. Admitted, the register goes on as on a single Edge
+//!   (conflicts and draining holders included); otherwise it is refused with a retry
+//!   ([`RejectReason::ClusterHeld`], [`RejectReason::ClusterUnavailable`]).
+//! - **A node instance no longer served here is released** ([`EdgeEvent::ReleaseNode`]),
+//!   so that this Edge stops renewing its node lease.
+//! - **A fenced instance drains** ([`EdgeCore::handle_cluster_fence`]): no new work, closed
+//!   once its work has ended.
+//! - **Nodes that follow the cluster learn its members**: in their `RegisterResponse`, and
+//!   in a `ClusterMembers` message on every change ([`EdgeCore::handle_cluster_members`]).
+
+use std::collections::HashMap;
+
+use super::registry::{Admitted, NodeIdx, Phase};
+use super::*;
+use crate::cluster::ClaimDecision;
+use crate::wire::ClusterMembers;
+
+/// The core's cluster state: off on a single Edge.
+#[derive(Debug, Default)]
+pub(super) struct ClusterState {
+    pub(super) enabled: bool,
+    /// Registers waiting for their claim, by connection.
+    awaiting: HashMap<ConnId, (NodeIdx, Box<RegisterRequest>)>,
+    /// Instances that may no longer be served here, settled when events are polled.
+    ended: Vec<(NodeIdx, u64)>,
+    /// The members, as last told.
+    pub(super) members: Option<ClusterMembers>,
+}
+
+impl ClusterState {
+    /// Whether `conn` waits for its claim.
+    pub(super) fn awaits(&self, conn: ConnId) -> bool {
+        self.awaiting.contains_key(&conn)
+    }
+
+    /// A register authenticated on `conn` waits for its claim.
+    pub(super) fn wait(&mut self, conn: ConnId, node: NodeIdx, req: &RegisterRequest) {
+        self.awaiting.insert(conn, (node, Box::new(req.clone())));
+    }
+
+    /// `instance` of `node` may have lost its last connection here.
+    pub(super) fn ended(&mut self, node: NodeIdx, instance: u64) {
+        if self.enabled {
+            self.ended.push((node, instance));
+        }
+    }
+
+    /// `conn` closed: a claim it waited for settles on its own.
+    pub(super) fn closed(&mut self, conn: ConnId) {
+        if let Some((node, req)) = self.awaiting.remove(&conn) {
+            self.ended.push((node, req.instance_id));
+        }
+    }
+}
+
+impl EdgeCore {
+    /// Makes this Edge a cluster member's: from now on every authenticated register waits
+    /// for [`handle_claim`](Self::handle_claim). Call before the first connection.
+    pub fn enable_cluster(&mut self) {
+        self.cluster.enabled = true;
+    }
+
+    /// Whether [`enable_cluster`](Self::enable_cluster) was called.
+    #[must_use]
+    pub fn is_cluster(&self) -> bool {
+        self.cluster.enabled
+    }
+
+    /// The cluster's answer to the [`EdgeEvent::ClaimNode`] of `conn`. A connection that
+    /// closed meanwhile, or an answer nobody waits for, changes nothing (the instance is
+    /// released if nothing here serves it).
+    pub fn handle_claim(&mut self, now: Timestamp, conn: ConnId, decision: ClaimDecision) {
+        self.advance(now);
+        let Some((node, req)) = self.cluster.awaiting.remove(&conn) else {
+            return;
+        };
+        self.cluster.ended.push((node, req.instance_id));
+        let Ok(phase) = self.registry.phase(conn) else {
+            return;
+        };
+        match decision {
+            ClaimDecision::Admitted { .. } => self.take_node(conn, phase, &req, false),
+            ClaimDecision::HeldBy { instance } => {
+                let mut cx = cx!(self);
+                self.registry
+                    .refuse_claim(&mut cx, conn, node, Some(instance));
+            }
+            ClaimDecision::Unavailable => {
+                let mut cx = cx!(self);
+                self.registry.refuse_claim(&mut cx, conn, node, None);
+            }
+        }
+    }
+
+    /// The cluster member can no longer vouch for `instance` of `node_id` (its node lease
+    /// or the Edge's membership ran out): the node drains, taking no new work, and closes
+    /// once its work has ended. Another instance does not lose its connection.
+    pub fn handle_cluster_fence(&mut self, now: Timestamp, node_id: &str, instance: u64) {
+        self.advance(now);
+        let Some(node) = self.registry.idx(node_id) else {
+            return;
+        };
+        if self
+            .registry
+            .node(node)
+            .owner
+            .is_some_and(|o| o.instance() == instance)
+        {
+            self.drain_node(
+                node,
+                DrainReason::Cluster("this edge can no longer vouch for the node id in etcd"),
+            );
+        }
+    }
+
+    /// The cluster's members changed: every node that follows the cluster is told.
+    pub fn handle_cluster_members(&mut self, now: Timestamp, members: ClusterMembers) {
+        self.advance(now);
+        if self.cluster.members.as_ref() == Some(&members) {
+            return;
+        }
+        for i in self.registry.indices() {
+            if let Some(owner) = self.registry.node(i).owner.filter(|o| o.cluster) {
+                self.out
+                    .send(owner.conn, Body::ClusterMembers(members.clone()));
+            }
+        }
+        self.cluster.members = Some(members);
+    }
+
+    /// Emits [`EdgeEvent::ReleaseNode`] for every instance that lost its last connection
+    /// here and waits for no claim.
+    pub(super) fn settle_cluster(&mut self) {
+        if self.cluster.ended.is_empty() {
+            return;
+        }
+        let mut ended = std::mem::take(&mut self.cluster.ended);
+        ended.sort_unstable();
+        ended.dedup();
+        for (node, instance) in ended {
+            let entry = self.registry.node(node);
+            let served = entry.owner.is_some_and(|o| o.instance() == instance);
+            let waiting = self
+                .cluster
+                .awaiting
+                .values()
+                .any(|(n, r)| *n == node && r.instance_id == instance);
+            if !served && !waiting {
+                self.out.event(EdgeEvent::ReleaseNode {
+                    node_id: entry.id.clone(),
+                    instance,
+                });
+            }
+        }
+    }
+
+    /// A register that may take its node (its claim admitted, or no cluster): through the
+    /// registry's rules, then taken.
+    pub(super) fn take_node(
+        &mut self,
+        conn: ConnId,
+        phase: Phase,
+        req: &RegisterRequest,
+        claim: bool,
+    ) {
+        let mut cx = cx!(self);
+        match self
+            .registry
+            .admit(&mut cx, conn, phase, req, &self.config, claim)
+        {
+            Admitted::Refused => {}
+            Admitted::Violation(violation) => self.violation(conn, violation),
+            Admitted::Claim { node } => {
+                self.cluster.wait(conn, node, req);
+                self.out.event(EdgeEvent::ClaimNode {
+                    conn,
+                    node_id: self.registry.node(node).id.clone(),
+                    instance: req.instance_id,
+                });
+            }
+            Admitted::Take { node, superseding } => {
+                if let Some(old) = superseding {
+                    self.fence(node, old.generation, CloseReason::Superseded);
+                }
+                let mut cx = cx!(self);
+                let members = self.cluster.members.as_ref();
+                self.registry
+                    .take(&mut cx, conn, node, req, &self.config, members);
+            }
+        }
+    }
+}

@@ -1,0 +1,774 @@
+//! Several Edges as one fabric through etcd (issue 57, docs/cluster.md): a real etcd,
+//! three Edges behind HAProxy, three Nodes that keep a session with every Edge, fake
+//! providers that count how many requests they answer at once.
+//!
+//! Needs `etcd` and `haproxy` (Debian `etcd-server` and `haproxy`; `.ci/run` installs
+//! them): without them these tests fail and say so.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use iop_blackbox::client::{Http, gen_cert};
+use iop_blackbox::fake::{self, Behaviour, Fake, Flavor};
+use iop_blackbox::{Proc, Relay, TempDir, free_port, wait_until};
+use serde_json::{Value, json};
+
+/// A program from the system (etcd, HAProxy), killed on drop.
+struct External {
+    child: Child,
+    name: &'static str,
+    log: PathBuf,
+}
+
+impl External {
+    fn start(program: &str, args: &[&str], dir: &TempDir, name: &'static str) -> External {
+        let path = find(program);
+        let log = dir.path().join(format!("{name}.log"));
+        let file = std::fs::File::create(&log).expect("log file");
+        let child = Command::new(&path)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(file.try_clone().expect("log"))
+            .stderr(file)
+            .spawn()
+            .unwrap_or_else(|err| panic!("{} cannot start: {err}", path.display()));
+        External { child, name, log }
+    }
+}
+
+impl Drop for External {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+            let tail: String = log.lines().rev().take(30).collect::<Vec<_>>().join("\n");
+            eprintln!(
+                "----- {} log (last lines, newest first) -----\n{tail}",
+                self.name
+            );
+        }
+    }
+}
+
+/// `program` on the PATH or in the sbin directories Debian puts daemons in.
+fn find(program: &str) -> PathBuf {
+    let path = std::env::var("PATH").unwrap_or_default();
+    for dir in path
+        .split(':')
+        .chain(["/usr/sbin", "/sbin", "/usr/local/sbin"])
+    {
+        let candidate = Path::new(dir).join(program);
+        if candidate.is_file() {
+            return candidate;
+        }
+    }
+    panic!(
+        "{program} is not installed: the cluster tests need etcd and haproxy \
+         (apt-get install etcd-server haproxy; .ci/run does)"
+    );
+}
+
+/// A one-member etcd on free loopback ports.
+fn start_etcd(dir: &TempDir) -> (External, u16) {
+    let (client, peer) = (free_port(), free_port());
+    let client_url = format!("http://127.0.0.1:{client}");
+    let peer_url = format!("http://127.0.0.1:{peer}");
+    let data = dir.path().join("etcd-data");
+    let etcd = External::start(
+        "etcd",
+        &[
+            "--name",
+            "iop-test",
+            "--data-dir",
+            &data.to_string_lossy(),
+            "--listen-client-urls",
+            &client_url,
+            "--advertise-client-urls",
+            &client_url,
+            "--listen-peer-urls",
+            &peer_url,
+            "--initial-advertise-peer-urls",
+            &peer_url,
+            "--initial-cluster",
+            &format!("iop-test={peer_url}"),
+            "--log-level",
+            "warn",
+        ],
+        dir,
+        "etcd",
+    );
+    assert!(
+        wait_until(Duration::from_secs(20), || {
+            std::net::TcpStream::connect(("127.0.0.1", client)).is_ok()
+        }),
+        "etcd did not listen"
+    );
+    (etcd, client)
+}
+
+/// HAProxy on a free port in front of `backends` (HTTP ports), checking `/healthz`
+/// every 200 ms; connections to a server found down go to the others.
+fn start_haproxy(dir: &TempDir, backends: &[u16]) -> (External, u16) {
+    let port = free_port();
+    let mut cfg = format!(
+        "global\n  maxconn 4096\n\ndefaults\n  mode tcp\n  timeout connect 1s\n  timeout client 60s\n  \
+         timeout server 60s\n  retries 3\n  option redispatch\n\nfrontend callers\n  bind 127.0.0.1:{port}\n  \
+         default_backend edges\n\nbackend edges\n  balance roundrobin\n  option httpchk GET /healthz\n  \
+         default-server inter 200ms fall 2 rise 2\n"
+    );
+    for (i, backend) in backends.iter().enumerate() {
+        cfg.push_str(&format!("  server edge{i} 127.0.0.1:{backend} check\n"));
+    }
+    let path = dir.write("haproxy.cfg", &cfg);
+    let haproxy = External::start(
+        "haproxy",
+        &["-f", &path.to_string_lossy(), "-db"],
+        dir,
+        "haproxy",
+    );
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+        }),
+        "haproxy did not listen"
+    );
+    (haproxy, port)
+}
+
+/// One Edge of the test cluster.
+struct Edge {
+    id: String,
+    http: u16,
+    nodes: u16,
+    config: PathBuf,
+    proc: Option<Proc>,
+}
+
+impl Edge {
+    fn start(&mut self, dir: &TempDir) {
+        let path = self.config.to_string_lossy().into_owned();
+        let name = format!("{}-{}", self.id, free_port());
+        self.proc = Some(Proc::start(
+            "iop-edge",
+            &["--config", &path],
+            dir,
+            &name,
+            &[],
+        ));
+        let port = self.http;
+        assert!(
+            wait_until(Duration::from_secs(10), || std::net::TcpStream::connect((
+                "127.0.0.1",
+                port
+            ))
+            .is_ok()),
+            "{} did not listen",
+            self.id
+        );
+    }
+
+    fn status(&self) -> Value {
+        block(async { Http::new(self.http).status().await })
+    }
+
+    fn healthz(&self) -> u16 {
+        block(async { Http::new(self.http).get("/healthz").await.status })
+    }
+
+    /// The node ids ready on this Edge.
+    fn ready_nodes(&self) -> Vec<String> {
+        let status = self.status();
+        let mut ready: Vec<String> = status["nodes"]
+            .as_array()
+            .map(|nodes| {
+                nodes
+                    .iter()
+                    .filter(|n| n["state"] == "ready")
+                    .filter_map(|n| n["node_id"].as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default();
+        ready.sort();
+        ready
+    }
+
+    fn members(&self) -> Vec<String> {
+        let status = self.status();
+        status["cluster"]["members"]
+            .as_array()
+            .map(|m| {
+                m.iter()
+                    .filter_map(|m| m["edge_id"].as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+}
+
+/// Runs `future` on a small runtime of its own (the tests' synchronous helpers).
+fn block<T>(future: impl std::future::Future<Output = T>) -> T {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+        .block_on(future)
+}
+
+const TOKEN: &str = "tok-cluster-long-enough-secret";
+
+/// Nodes and models: node `n<i>` serves `chat` through the fake provider `fakes[i]`,
+/// with `capacity` at once.
+fn shared_body(fakes: &[Fake], capacity: u32, extra_models: &str) -> String {
+    let mut body = String::new();
+    let mut providers = Vec::new();
+    for (i, fake) in fakes.iter().enumerate() {
+        let id = format!("n{}", i + 1);
+        body.push_str(&format!(
+            "[[nodes]]\nid = \"{id}\"\ntoken = \"{TOKEN}\"\n[[nodes.adapters]]\nname = \"oa\"\ntype = \"openai_compat\"\n\
+             base_url = \"{}\"\ncapacity = {capacity}\ntargets = [\"gpt-x\"]\n\n",
+            fake.url()
+        ));
+        providers.push(format!(
+            "{{ node = \"{id}\", adapter = \"oa\", target = \"gpt-x\" }}"
+        ));
+    }
+    body.push_str(&format!(
+        "[[models]]\nname = \"chat\"\nproviders = [{}]\n{extra_models}",
+        providers.join(", ")
+    ));
+    body
+}
+
+/// The local file of one Edge: its listeners (TLS node link, the shared certificate),
+/// short test timers, `[cluster]` naming etcd at `etcd` (a 3 s lease), and `body`.
+fn edge_toml(edge: &Edge, etcd: u16, prefix: &str, body: &str) -> String {
+    format!(
+        "[listen]\nhttp = \"127.0.0.1:{}\"\nnodes = \"127.0.0.1:{}\"\n[listen.nodes_tls]\ncert_file = \"edge-cert.pem\"\n\
+         key_file = \"edge-cert-key.pem\"\n\n[heartbeat]\ninterval_ms = 200\ntimeout_ms = 1000\n\n[timeouts]\n\
+         register_ms = 3000\nrefresh_ms = 2000\ncancel_grace_ms = 2000\n\n[auth]\nadmin_loopback = true\n\n\
+         [queue]\nwait_timeout_ms = 20000\n\n\
+         [cluster]\nendpoints = [\"http://127.0.0.1:{etcd}\"]\nprefix = \"{prefix}\"\nedge_id = \"{}\"\n\
+         lease_ttl_sec = 3\nkeepalive_sec = 1\nrequest_timeout_ms = 500\n\n{body}\n",
+        edge.http, edge.nodes, edge.id
+    )
+}
+
+/// Starts node `node_id` dialling `edge` (it learns the other Edges from it).
+fn start_node(dir: &TempDir, node_id: &str, edge: &Edge, fingerprint: &str, tag: &str) -> Proc {
+    let text = format!(
+        "node_id = \"{node_id}\"\nedge_addr = \"127.0.0.1:{}\"\ntoken = \"{TOKEN}\"\nedge_cert_sha256 = \"{fingerprint}\"\n\n\
+         [reconnect]\nmax_attempts = 0\ninterval_sec = 0.2\n\n[timeouts]\nconnect_sec = 1\nhandshake_sec = 3\n\
+         shutdown_grace_sec = 2\nrequest_sec = 10\n",
+        edge.nodes
+    );
+    let name = format!("node-{node_id}-{tag}");
+    let path = dir.write(&format!("{name}.toml"), &text);
+    Proc::start(
+        "iop-node",
+        &["--config", &path.to_string_lossy()],
+        dir,
+        &name,
+        &[],
+    )
+}
+
+/// A test cluster: etcd, Edges a, b and c (c reaches etcd through a relay the test can
+/// hold), HAProxy in front, and the fake providers.
+struct Fabric {
+    dir: TempDir,
+    etcd_port: u16,
+    relay: Relay,
+    edges: Vec<Edge>,
+    fakes: Vec<Fake>,
+    fingerprint: String,
+    prefix: String,
+    _etcd: External,
+}
+
+impl Fabric {
+    fn start(
+        rt: &tokio::runtime::Runtime,
+        edges: usize,
+        fakes: Vec<Fake>,
+        capacity: u32,
+    ) -> Fabric {
+        let dir = TempDir::new("etcd-cluster");
+        let fingerprint = gen_cert(&dir, "edge-cert", &["localhost", "127.0.0.1"], &[]);
+        let (etcd, etcd_port) = start_etcd(&dir);
+        let relay = rt.block_on(Relay::start(etcd_port));
+        let prefix = format!("/iop-test-{}", free_port());
+        let body = shared_body(&fakes, capacity, "");
+        let mut list = Vec::new();
+        for (i, id) in ["edge-a", "edge-b", "edge-c"]
+            .iter()
+            .take(edges)
+            .enumerate()
+        {
+            let mut edge = Edge {
+                id: (*id).to_owned(),
+                http: free_port(),
+                nodes: free_port(),
+                config: PathBuf::new(),
+                proc: None,
+            };
+            // The last Edge of three reaches etcd through the relay.
+            let port = if edges == 3 && i == 2 {
+                relay.port
+            } else {
+                etcd_port
+            };
+            edge.config = dir.write(
+                &format!("{id}.toml"),
+                &edge_toml(&edge, port, &prefix, &body),
+            );
+            edge.start(&dir);
+            list.push(edge);
+        }
+        let fabric = Fabric {
+            dir,
+            etcd_port,
+            relay,
+            edges: list,
+            fakes,
+            fingerprint,
+            prefix,
+            _etcd: etcd,
+        };
+        for edge in &fabric.edges {
+            assert!(
+                wait_until(Duration::from_secs(10), || edge.healthz() == 200
+                    && edge.members().len() == fabric.edges.len()),
+                "{} did not join: {:?}",
+                edge.id,
+                edge.status()["cluster"]
+            );
+        }
+        fabric
+    }
+
+    /// Waits until every live Edge has `nodes` ready.
+    fn await_ready(&self, nodes: &[&str], within: Duration) {
+        for edge in self.edges.iter().filter(|e| e.proc.is_some()) {
+            assert!(
+                wait_until(within, || edge.ready_nodes() == nodes),
+                "{}: nodes ready {:?}, wanted {nodes:?}",
+                edge.id,
+                edge.ready_nodes()
+            );
+        }
+    }
+
+    /// Writes `value` at `key` (under the cluster's prefix) through etcd's gateway,
+    /// bypassing `iop-edge config push` and its check.
+    fn etcd_put(&self, key: &str, value: &str) {
+        use base64::Engine as _;
+        let b64 = base64::engine::general_purpose::STANDARD;
+        let body = json!({ "key": b64.encode(format!("{}/{key}", self.prefix)), "value": b64.encode(value) });
+        let port = self.etcd_port;
+        block(async move {
+            let client: Client<HttpConnector, Full<Bytes>> =
+                Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+            let request = http::Request::post(format!("http://127.0.0.1:{port}/v3/kv/put"))
+                .body(Full::new(Bytes::from(body.to_string())))
+                .expect("request");
+            let response = client.request(request).await.expect("etcd answers");
+            assert!(
+                response.status().is_success(),
+                "etcd put: {}",
+                response.status()
+            );
+        });
+    }
+
+    fn push(&self, file: &Path, edge: &Edge) -> (i32, String) {
+        let out = Command::new(iop_blackbox::binary("iop-edge"))
+            .args(["--config", &edge.config.to_string_lossy(), "config", "push"])
+            .arg(file)
+            .arg("--diff")
+            .output()
+            .expect("config push runs");
+        (
+            out.status.code().unwrap_or(-1),
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        )
+    }
+}
+
+/// What the callers saw: successes, failures, and each failure's start time.
+#[derive(Default)]
+struct Tally {
+    ok: AtomicUsize,
+    failed_at: Mutex<Vec<(Instant, String)>>,
+}
+
+/// Callers until `stop`, through the balancer on `port`, each on a connection pool of its
+/// own: `small` sending small requests back to back, `streams` reading 1 s streams.
+fn load(
+    rt: &tokio::runtime::Runtime,
+    port: u16,
+    small: usize,
+    streams: usize,
+    stop: &Arc<AtomicBool>,
+    tally: &Arc<Tally>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let mut tasks = Vec::new();
+    for i in 0..small + streams {
+        let (stop, tally) = (stop.clone(), tally.clone());
+        let stream = i >= small;
+        tasks.push(rt.spawn(async move {
+            let client: Client<HttpConnector, Full<Bytes>> =
+                Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+            let ask = json!({"model": "chat", "stream": stream, "messages": [{"role": "user", "content": "x"}]});
+            while !stop.load(Ordering::SeqCst) {
+                let started = Instant::now();
+                let request = http::Request::post(format!("http://127.0.0.1:{port}/v1/chat/completions"))
+                    .header("content-type", "application/json")
+                    .body(Full::new(Bytes::from(ask.to_string())))
+                    .expect("request");
+                let outcome = async {
+                    let response = client.request(request).await.map_err(|e| format!("send: {e}"))?;
+                    let status = response.status();
+                    let body = response
+                        .into_body()
+                        .collect()
+                        .await
+                        .map_err(|e| format!("body: {e}"))?
+                        .to_bytes();
+                    let text = String::from_utf8_lossy(&body).into_owned();
+                    let whole = if stream {
+                        text.contains("data: [DONE]") && !text.contains("\"error\"")
+                    } else {
+                        text.contains("\"choices\"")
+                    };
+                    if status == 200 && whole {
+                        Ok(())
+                    } else {
+                        Err(format!("{status} {}", text.chars().take(200).collect::<String>()))
+                    }
+                };
+                match tokio::time::timeout(Duration::from_secs(30), outcome).await {
+                    Ok(Ok(())) => {
+                        tally.ok.fetch_add(1, Ordering::SeqCst);
+                    }
+                    Ok(Err(why)) => tally.failed_at.lock().unwrap().push((started, why)),
+                    Err(_) => tally
+                        .failed_at
+                        .lock()
+                        .unwrap()
+                        .push((started, "no answer in 30 s".into())),
+                }
+            }
+        }));
+    }
+    tasks
+}
+
+fn fakes(rt: &tokio::runtime::Runtime, n: usize) -> Vec<Fake> {
+    (0..n)
+        .map(|_| {
+            rt.block_on(fake::start(
+                Flavor::OpenAi,
+                Behaviour {
+                    words: 20,
+                    delay: Duration::from_millis(50),
+                    whole_delay: Duration::from_millis(20),
+                    ..Behaviour::default()
+                },
+            ))
+        })
+        .collect()
+}
+
+/// The issue's whole scenario, in order: one configuration pushed to every Edge (and a
+/// bad one refused everywhere), two Nodes sharing an id, an Edge cut off from etcd and
+/// back, then one Edge killed under load behind the balancer.
+#[test]
+fn three_edges_share_config_nodes_and_callers_and_survive_a_killed_edge() {
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let capacity = 4;
+    let fakes = fakes(&rt, 3);
+    let mut fabric = Fabric::start(&rt, 3, fakes, capacity);
+    let mut nodes = Vec::new();
+    for (i, id) in ["n1", "n2", "n3"].iter().enumerate() {
+        nodes.push(start_node(
+            &fabric.dir,
+            id,
+            &fabric.edges[i],
+            &fabric.fingerprint,
+            "first",
+        ));
+    }
+    // Every Node keeps a session with every Edge: ready on all three.
+    fabric.await_ready(&["n1", "n2", "n3"], Duration::from_secs(15));
+
+    // ---- one configuration, pushed once, reaches every Edge ----
+    let body = shared_body(
+        &fabric.fakes,
+        capacity,
+        "[[models]]\nname = \"chat-pushed\"\nproviders = [{ node = \"n1\", adapter = \"oa\", target = \"gpt-x\" }]\n",
+    );
+    let file = fabric.dir.write("shared.toml", &body);
+    let pushed = Instant::now();
+    let (code, out) = fabric.push(&file, &fabric.edges[0]);
+    assert_eq!(code, 0, "config push: {out}");
+    assert!(
+        out.contains("+ name = \"chat-pushed\""),
+        "the diff shows the change: {out}"
+    );
+    let mut reached = Vec::new();
+    for edge in &fabric.edges {
+        assert!(
+            wait_until(Duration::from_secs(5), || {
+                let models = block(async { Http::new(edge.http).get("/v1/models").await.json() });
+                models["data"]
+                    .as_array()
+                    .is_some_and(|d| d.iter().any(|m| m["id"] == "chat-pushed"))
+            }),
+            "{} did not take the pushed configuration",
+            edge.id
+        );
+        reached.push(pushed.elapsed());
+    }
+    let slowest = reached.iter().max().copied().unwrap_or_default();
+    eprintln!(
+        "config push reached all 3 edges within {:.3} s (command included)",
+        slowest.as_secs_f64()
+    );
+    assert!(
+        slowest < Duration::from_secs(2),
+        "a push reaches every edge within about a second: {slowest:?}"
+    );
+
+    // A bad configuration written straight to etcd is refused by every Edge, which keeps
+    // serving the one it has; its status says why.
+    fabric.etcd_put(
+        "config",
+        "[[models]]\nname = \"broken\"\nproviders = [{ node = \"nobody\", adapter = \"oa\", target = \"gpt-x\" }]\n",
+    );
+    for edge in &fabric.edges {
+        assert!(
+            wait_until(Duration::from_secs(5), || {
+                edge.status()["cluster"]["config_refused"][1]
+                    .as_str()
+                    .is_some_and(|r| r.contains("nobody"))
+            }),
+            "{} did not refuse the bad configuration: {:?}",
+            edge.id,
+            edge.status()["cluster"]
+        );
+        let models = block(async { Http::new(edge.http).get("/v1/models").await.json() });
+        let ids: Vec<&str> = models["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|m| m["id"].as_str())
+            .collect();
+        assert!(
+            ids.contains(&"chat-pushed") && !ids.contains(&"broken"),
+            "{}: {ids:?}",
+            edge.id
+        );
+    }
+    // The bad text is refused by `config push` before it reaches etcd.
+    let bad = fabric
+        .dir
+        .write("bad.toml", "[listen]\nhttp = \"127.0.0.1:1\"\n");
+    let (code, out) = fabric.push(&bad, &fabric.edges[1]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("belongs to each edge's own file"), "{out}");
+    let (code, out) = fabric.push(&file, &fabric.edges[1]);
+    assert_eq!(code, 0, "the good one again: {out}");
+
+    // ---- two Nodes with one id on different Edges: exactly one serves ----
+    let twin = start_node(
+        &fabric.dir,
+        "n1",
+        &fabric.edges[1],
+        &fabric.fingerprint,
+        "twin",
+    );
+    assert!(
+        wait_until(Duration::from_secs(10), || twin
+            .log()
+            .contains("held by another instance")),
+        "the second n1 is told why it may not serve: {}",
+        twin.log()
+    );
+    assert!(
+        !twin.log().contains("ready: the edge may dispatch work"),
+        "{}",
+        twin.log()
+    );
+    for edge in &fabric.edges {
+        assert!(
+            edge.ready_nodes().contains(&"n1".to_owned()),
+            "the first n1 still serves on {}",
+            edge.id
+        );
+    }
+    drop(twin);
+
+    // ---- an Edge cut off from etcd leaves, the others serve; it comes back ----
+    fabric.relay.hold(true);
+    let cut = Instant::now();
+    let c = &fabric.edges[2];
+    assert!(
+        wait_until(Duration::from_secs(10), || c.healthz() == 503),
+        "edge-c cut off from etcd keeps answering /healthz 200"
+    );
+    eprintln!(
+        "edge-c left the cluster {:.1} s after losing etcd",
+        cut.elapsed().as_secs_f64()
+    );
+    // It drains its node sessions and refuses registers; n3 serves through a and b.
+    assert!(
+        wait_until(Duration::from_secs(10), || c.ready_nodes().is_empty()),
+        "edge-c still serves nodes: {:?}",
+        c.ready_nodes()
+    );
+    for edge in &fabric.edges[..2] {
+        assert_eq!(edge.ready_nodes(), ["n1", "n2", "n3"], "{}", edge.id);
+        assert!(
+            wait_until(Duration::from_secs(10), || edge.members().len() == 2),
+            "{} still lists edge-c: {:?}",
+            edge.id,
+            edge.members()
+        );
+    }
+    fabric.relay.hold(false);
+    assert!(
+        wait_until(Duration::from_secs(15), || c.healthz() == 200
+            && c.members().len() == 3),
+        "edge-c did not rejoin: {:?}",
+        c.status()["cluster"]
+    );
+    fabric.await_ready(&["n1", "n2", "n3"], Duration::from_secs(15));
+    // It runs the shared configuration in force.
+    assert!(
+        c.status()["cluster"]["config_revision"]
+            .as_u64()
+            .unwrap_or(0)
+            > 0,
+        "{:?}",
+        c.status()["cluster"]
+    );
+
+    // ---- one Edge killed with kill -9 under load behind the balancer ----
+    let ports: Vec<u16> = fabric.edges.iter().map(|e| e.http).collect();
+    let (_haproxy, lb) = start_haproxy(&fabric.dir, &ports);
+    std::thread::sleep(Duration::from_millis(800));
+    let stop = Arc::new(AtomicBool::new(false));
+    let tally = Arc::new(Tally::default());
+    let tasks = load(&rt, lb, 6, 3, &stop, &tally);
+    std::thread::sleep(Duration::from_secs(3));
+    let before = tally.ok.load(Ordering::SeqCst);
+    let killed_at = Instant::now();
+    fabric.edges[0]
+        .proc
+        .as_ref()
+        .expect("running")
+        .signal("KILL");
+    fabric.edges[0]
+        .proc
+        .as_mut()
+        .expect("running")
+        .wait_exit(Duration::from_secs(5));
+    std::thread::sleep(Duration::from_secs(6));
+    stop.store(true, Ordering::SeqCst);
+    for task in tasks {
+        let _ = rt.block_on(task);
+    }
+    let failed = tally.failed_at.lock().unwrap().clone();
+    let ok = tally.ok.load(Ordering::SeqCst);
+    // In flight on edge-a when it died: those may fail. A request that started once the
+    // kernel had closed its sockets must not.
+    let grace = Duration::from_millis(200);
+    let late: Vec<&(Instant, String)> = failed
+        .iter()
+        .filter(|(at, _)| *at > killed_at + grace)
+        .collect();
+    eprintln!(
+        "kill -9 of edge-a under load: {ok} requests answered ({before} before the kill), {} failed, all started before it (in flight on edge-a)",
+        failed.len()
+    );
+    assert!(
+        late.is_empty(),
+        "requests started after the kill failed: {late:?}"
+    );
+    assert!(
+        ok > before + 20,
+        "the fabric kept answering after the kill: {before} then {ok}"
+    );
+    // Every Node serves through the other two Edges.
+    for edge in &fabric.edges[1..] {
+        assert_eq!(edge.ready_nodes(), ["n1", "n2", "n3"], "{}", edge.id);
+    }
+    // No provider ever answered more requests at once than its capacity, whatever the
+    // three Edges believed.
+    for (i, fake) in fabric.fakes.iter().enumerate() {
+        let most = fake.state.max_in_flight.load(Ordering::SeqCst);
+        eprintln!(
+            "provider of n{}: at most {most} requests at once (capacity {capacity})",
+            i + 1
+        );
+        assert!(
+            most as u32 <= capacity,
+            "provider of n{} saw {most} at once",
+            i + 1
+        );
+        assert!(most > 0);
+    }
+    drop(nodes);
+}
+
+/// Two Edges share one Node whose provider takes two requests at a time; callers on both
+/// Edges ask for more at once. The provider never sees more than two, and every request
+/// is answered: what one Edge holds, the other counts as taken, and a slot both took at
+/// once is refused by the Node and tried again.
+#[test]
+fn two_edges_never_oversubscribe_a_shared_provider() {
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let fakes = fakes(&rt, 1);
+    let fabric = Fabric::start(&rt, 2, fakes, 2);
+    let _node = start_node(
+        &fabric.dir,
+        "n1",
+        &fabric.edges[0],
+        &fabric.fingerprint,
+        "only",
+    );
+    fabric.await_ready(&["n1"], Duration::from_secs(15));
+    let stop = Arc::new(AtomicBool::new(false));
+    let tally = Arc::new(Tally::default());
+    let mut tasks = load(&rt, fabric.edges[0].http, 2, 3, &stop, &tally);
+    tasks.extend(load(&rt, fabric.edges[1].http, 2, 3, &stop, &tally));
+    std::thread::sleep(Duration::from_secs(6));
+    stop.store(true, Ordering::SeqCst);
+    for task in tasks {
+        let _ = rt.block_on(task);
+    }
+    let failed = tally.failed_at.lock().unwrap().clone();
+    let ok = tally.ok.load(Ordering::SeqCst);
+    let most = fabric.fakes[0].state.max_in_flight.load(Ordering::SeqCst);
+    eprintln!(
+        "two edges, capacity 2: {ok} answered, {} failed, at most {most} at once",
+        failed.len()
+    );
+    assert!(failed.is_empty(), "{failed:?}");
+    assert!(ok >= 10, "{ok}");
+    assert!(most <= 2, "the provider saw {most} requests at once");
+    assert_eq!(most, 2, "both slots were used");
+}
