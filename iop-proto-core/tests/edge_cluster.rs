@@ -1,0 +1,340 @@
+//! An Edge in a cluster (docs/cluster.md), as the core decides it: registers wait for
+//! the cluster's claim, fenced instances drain, following nodes learn the members, and a
+//! node's refusal of a slot is tried again without blaming its provider.
+
+mod common;
+
+use common::edge::*;
+use iop_proto_core::cluster::ClaimDecision;
+use iop_proto_core::wire::*;
+use iop_proto_core::*;
+
+fn register_following(h: &mut Harness, conn: ConnId, node_id: &str, instance: u64) {
+    h.send(
+        conn,
+        Body::RegisterRequest(RegisterRequest {
+            node_id: node_id.into(),
+            token: TOKEN.into(),
+            instance_id: instance,
+            cluster: true,
+            ..Default::default()
+        }),
+    );
+}
+
+fn members() -> ClusterMembers {
+    ClusterMembers {
+        edge_id: "edge-a".into(),
+        members: ["a", "b"]
+            .iter()
+            .map(|e| ClusterEdge {
+                edge_id: format!("edge-{e}"),
+                node_addr: format!("{e}.example:7100"),
+            })
+            .collect(),
+    }
+}
+
+fn clustered() -> Harness {
+    let mut h = Harness::new();
+    h.edge.enable_cluster();
+    h
+}
+
+fn claims(events: &[EdgeEvent]) -> Vec<(ConnId, String, u64)> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            EdgeEvent::ClaimNode {
+                conn,
+                node_id,
+                instance,
+            } => Some((*conn, node_id.to_string(), *instance)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn releases(events: &[EdgeEvent]) -> Vec<(String, u64)> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            EdgeEvent::ReleaseNode { node_id, instance } => Some((node_id.to_string(), *instance)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn register_answer(transmits: &[Transmit], conn: ConnId) -> Option<RegisterResponse> {
+    frames_to(transmits, conn)
+        .into_iter()
+        .find_map(|b| match b {
+            Body::RegisterResponse(r) => Some(r),
+            _ => None,
+        })
+}
+
+#[test]
+fn a_register_waits_for_its_claim_then_takes_the_node_and_learns_the_members() {
+    let mut h = clustered();
+    h.edge.handle_cluster_members(h.now, members());
+    let conn = h.open();
+    register_following(&mut h, conn, "n1", 7);
+    let (transmits, events) = h.drain();
+    assert!(register_answer(&transmits, conn).is_none(), "{transmits:?}");
+    assert_eq!(claims(&events), [(conn, "n1".to_owned(), 7)]);
+    // Not registered meanwhile: a ready is refused.
+    h.edge
+        .handle_claim(h.now, conn, ClaimDecision::Admitted { fence: 12 });
+    let (transmits, events) = h.drain();
+    let answer = register_answer(&transmits, conn).expect("answered");
+    assert!(answer.accepted);
+    assert_eq!(answer.cluster, Some(members()));
+    assert!(
+        events
+            .iter()
+            .any(|e| matches!(e, EdgeEvent::NodeRegistered { .. })),
+        "{events:?}"
+    );
+    assert!(releases(&events).is_empty(), "{events:?}");
+    h.ready(conn, "n1");
+    let (transmits, _) = h.drain();
+    assert_eq!(only_ready_answer(&transmits, conn), Some(true));
+}
+
+#[test]
+fn a_node_id_another_instance_holds_is_refused_with_the_reason_and_a_retry() {
+    let mut h = clustered();
+    let conn = h.open();
+    register_following(&mut h, conn, "n1", 8);
+    h.drain();
+    h.edge
+        .handle_claim(h.now, conn, ClaimDecision::HeldBy { instance: 7 });
+    let (transmits, events) = h.drain();
+    let answer = register_answer(&transmits, conn).expect("answered");
+    assert!(!answer.accepted);
+    assert!(
+        answer.reason.contains("held by another instance"),
+        "{}",
+        answer.reason
+    );
+    assert_eq!(answer.retry_after_ms, 5000);
+    assert!(closed(&transmits).iter().any(|(c, _)| *c == conn));
+    assert!(events.iter().any(|e| matches!(
+        e,
+        EdgeEvent::RegisterRejected {
+            reason: RejectReason::ClusterHeld,
+            ..
+        }
+    )));
+}
+
+#[test]
+fn a_claim_the_cluster_cannot_decide_is_refused_for_a_retry_soon() {
+    let mut h = clustered();
+    let conn = h.open();
+    register_following(&mut h, conn, "n1", 8);
+    h.drain();
+    h.edge.handle_claim(h.now, conn, ClaimDecision::Unavailable);
+    let (transmits, _) = h.drain();
+    let answer = register_answer(&transmits, conn).expect("answered");
+    assert!(!answer.accepted);
+    assert!(answer.reason.contains("etcd"), "{}", answer.reason);
+    assert_eq!(answer.retry_after_ms, 2000);
+}
+
+#[test]
+fn wrong_credentials_never_reach_the_cluster() {
+    let mut h = clustered();
+    let conn = h.open();
+    h.register_with(conn, "n1", "not-the-token");
+    let (transmits, events) = h.drain();
+    assert!(claims(&events).is_empty(), "{events:?}");
+    let answer = register_answer(&transmits, conn).expect("refused at once");
+    assert!(!answer.accepted);
+}
+
+#[test]
+fn a_second_register_while_the_first_is_claimed_breaks_the_connection() {
+    let mut h = clustered();
+    let conn = h.open();
+    register_following(&mut h, conn, "n1", 7);
+    h.drain();
+    register_following(&mut h, conn, "n1", 7);
+    let (transmits, _) = h.drain();
+    assert!(
+        closed(&transmits).iter().any(|(c, reason)| *c == conn
+            && matches!(
+                reason,
+                CloseReason::ProtocolViolation(ConnViolation::SecondRegister)
+            )),
+        "{transmits:?}"
+    );
+}
+
+#[test]
+fn a_connection_gone_while_claiming_releases_the_instance_and_its_answer_is_moot() {
+    let mut h = clustered();
+    let conn = h.open();
+    register_following(&mut h, conn, "n1", 7);
+    h.drain();
+    h.edge
+        .handle_connection_closed(h.now, conn)
+        .expect("open conn");
+    let (_, events) = h.drain();
+    assert_eq!(releases(&events), [("n1".to_owned(), 7)]);
+    h.edge
+        .handle_claim(h.now, conn, ClaimDecision::Admitted { fence: 3 });
+    let (transmits, events) = h.drain();
+    assert!(transmits.is_empty(), "{transmits:?}");
+    assert!(
+        !events
+            .iter()
+            .any(|e| matches!(e, EdgeEvent::NodeRegistered { .. })),
+        "{events:?}"
+    );
+}
+
+#[test]
+fn a_fence_drains_that_instance_and_releases_it_once_closed() {
+    let mut h = clustered();
+    let conn = h.open();
+    register_following(&mut h, conn, "n1", 7);
+    h.drain();
+    h.edge
+        .handle_claim(h.now, conn, ClaimDecision::Admitted { fence: 3 });
+    h.ready(conn, "n1");
+    h.drain();
+    // Another instance's fence changes nothing here.
+    h.edge.handle_cluster_fence(h.now, "n1", 8);
+    let (transmits, events) = h.drain();
+    assert!(transmits.is_empty() && events.is_empty(), "{events:?}");
+    h.edge.handle_cluster_fence(h.now, "n1", 7);
+    let (transmits, events) = h.drain();
+    assert!(
+        events.iter().any(|e| matches!(
+            e,
+            EdgeEvent::NodeDraining {
+                reason: DrainReason::Cluster(_),
+                ..
+            }
+        )),
+        "{events:?}"
+    );
+    // Nothing in flight: closed at once, and no longer served here.
+    assert!(closed(&transmits).iter().any(|(c, _)| *c == conn));
+    assert_eq!(releases(&events), [("n1".to_owned(), 7)]);
+    assert!(h.submit("solo", 1).is_ok());
+    let (_, events) = h.drain();
+    assert!(
+        grants(&events).is_empty(),
+        "a fenced node gets no work: {events:?}"
+    );
+}
+
+#[test]
+fn members_go_to_the_nodes_that_follow_the_cluster_and_only_when_they_change() {
+    let mut h = clustered();
+    let following = h.open();
+    register_following(&mut h, following, "n1", 7);
+    h.drain();
+    h.edge
+        .handle_claim(h.now, following, ClaimDecision::Admitted { fence: 3 });
+    h.ready(following, "n1");
+    let other = h.open();
+    h.register_as(other, "n2", 9);
+    h.drain();
+    h.edge
+        .handle_claim(h.now, other, ClaimDecision::Admitted { fence: 4 });
+    h.ready(other, "n2");
+    h.drain();
+    h.edge.handle_cluster_members(h.now, members());
+    let (transmits, _) = h.drain();
+    assert_eq!(
+        frames_to(&transmits, following),
+        [Body::ClusterMembers(members())]
+    );
+    assert!(
+        frames_to(&transmits, other).is_empty(),
+        "an older node hears nothing"
+    );
+    h.edge.handle_cluster_members(h.now, members());
+    let (transmits, _) = h.drain();
+    assert!(transmits.is_empty(), "{transmits:?}");
+}
+
+#[test]
+fn a_single_edge_takes_registers_at_once() {
+    let mut h = Harness::new();
+    let conn = h.open();
+    register_following(&mut h, conn, "n1", 7);
+    let (transmits, events) = h.drain();
+    assert!(claims(&events).is_empty());
+    let answer = register_answer(&transmits, conn).expect("answered");
+    assert!(answer.accepted);
+    assert_eq!(answer.cluster, None, "no cluster, no members");
+}
+
+/// The node refused the slot (another Edge of its cluster took it first): the request
+/// is tried again, on the same provider if it is the only one, and the provider is not
+/// ejected however often it happens; a node that refuses everything ends the request
+/// after a bounded number of tries.
+#[test]
+fn a_nodes_refusal_is_tried_again_without_blaming_the_provider() {
+    let mut h = Harness::new();
+    let conn = h.connect("n1");
+    let request = h.submit("solo", 1).expect("accepted");
+    let mut refused = 0;
+    loop {
+        let (_, events) = h.drain();
+        assert!(
+            !events
+                .iter()
+                .any(|e| matches!(e, EdgeEvent::ProviderEjected { .. })),
+            "{events:?}"
+        );
+        if let Some((_, outcome)) = ended(&events).into_iter().find(|(r, _)| *r == request) {
+            assert!(
+                matches!(&outcome, Outcome::Failed(RequestError::Provider(d)) if d.code == "refused"),
+                "{outcome:?}"
+            );
+            break;
+        }
+        let grant = grants(&events)
+            .into_iter()
+            .find(|g| g.request == request)
+            .expect("dispatched again");
+        h.run_event(conn, &grant.run.wire(), RunEventType::Start, 1);
+        h.send(
+            conn,
+            Body::RunEvent(RunEvent {
+                run_id: grant.run.wire(),
+                sequence: 2,
+                r#type: RunEventType::Error as i32,
+                error: Some(ErrorDetail {
+                    code: "refused".into(),
+                    message: "adapter at capacity (2 in flight)".into(),
+                    retryable: true,
+                }),
+                ..Default::default()
+            }),
+        );
+        refused += 1;
+        assert!(refused < 20, "a refusing node is not asked forever");
+    }
+    assert_eq!(
+        refused, 9,
+        "eight refusals are tried again, the ninth ends it"
+    );
+    let routing = h
+        .edge
+        .provider_routing()
+        .into_iter()
+        .find(|p| &*p.provider_id == "a")
+        .expect("listed");
+    assert_eq!(
+        routing.standing,
+        iop_proto_core::edge::Standing::Live,
+        "{routing:?}"
+    );
+}
