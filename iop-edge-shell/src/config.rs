@@ -1405,6 +1405,101 @@ name = "chat"
 providers = [{ node = "n1", adapter = "mock", target = "m" }]
 "#;
 
+    fn parse(text: &str) -> Result<Config, ConfigError> {
+        Config::parse(text, Path::new("edge.toml"))
+    }
+
+    const CLUSTER: &str =
+        "\n[cluster]\nendpoints = [\"http://127.0.0.1:2379\"]\nedge_id = \"edge-a\"\n";
+
+    #[test]
+    fn a_cluster_section_names_etcd_and_defaults_the_rest() {
+        let config = parse(&format!("{MINIMAL}{CLUSTER}")).expect("valid");
+        let cluster = config.cluster.expect("cluster mode");
+        assert_eq!(cluster.prefix, "/iop");
+        assert_eq!(cluster.advertise_nodes, "127.0.0.1:7100");
+        assert_eq!(cluster.lease_ttl, Duration::from_secs(10));
+        assert_eq!(cluster.keepalive, Duration::from_secs(3));
+        assert!(parse(MINIMAL).expect("valid").cluster.is_none());
+    }
+
+    #[test]
+    fn a_cluster_section_that_cannot_work_is_refused_naming_the_key() {
+        let refused = |extra: &str, key: &str| {
+            let text = format!("{MINIMAL}{CLUSTER}{extra}");
+            let err = parse(&text).expect_err(extra).to_string();
+            assert!(err.contains(key), "{extra}: {err}");
+        };
+        refused(
+            "lease_ttl_sec = 6\nkeepalive_sec = 3\n",
+            "cluster.keepalive_sec",
+        );
+        refused("username = \"iop\"\n", "cluster.username");
+        refused("cert_file = \"c.pem\"\n", "cluster.cert_file");
+        let bad_id = format!("{MINIMAL}{}", CLUSTER.replace("edge-a", "edge/a"));
+        assert!(
+            parse(&bad_id)
+                .expect_err("slash")
+                .to_string()
+                .contains("cluster.edge_id")
+        );
+        let bad_url = format!("{MINIMAL}{}", CLUSTER.replace("http://", "etcd://"));
+        assert!(
+            parse(&bad_url)
+                .expect_err("scheme")
+                .to_string()
+                .contains("cluster.endpoints")
+        );
+        // A wildcard listener cannot be what others dial.
+        let wildcard = format!("{MINIMAL}{CLUSTER}")
+            .replace("127.0.0.1:7100", "0.0.0.0:7100")
+            .replace(
+                "nodes_plaintext = true",
+                "nodes_plaintext = true\nallow_public_plaintext = true",
+            );
+        assert!(
+            parse(&wildcard)
+                .expect_err("wildcard")
+                .to_string()
+                .contains("cluster.advertise_nodes")
+        );
+        let named = format!("{wildcard}advertise_nodes = \"10.0.0.1:7100\"\n");
+        assert_eq!(
+            parse(&named)
+                .expect("named")
+                .cluster
+                .expect("cluster")
+                .advertise_nodes,
+            "10.0.0.1:7100"
+        );
+    }
+
+    #[test]
+    fn the_shared_configuration_replaces_the_sections_it_holds_and_nothing_else() {
+        let local = format!("{MINIMAL}\n[auth]\nadmin_loopback = true\n{CLUSTER}");
+        let shared = MINIMAL
+            .split_once("[[nodes]]")
+            .map(|(_, rest)| format!("[[nodes]]{rest}"))
+            .expect("nodes")
+            .replace("name = \"chat\"", "name = \"pushed\"");
+        let config = Config::parse_shared(&local, &shared, Path::new("edge.toml")).expect("valid");
+        assert!(
+            config.core.models.contains_key("pushed") && !config.core.models.contains_key("chat")
+        );
+        // `[auth]` was not in the shared text: the local file's stays.
+        assert!(config.http.admin_loopback);
+        assert!(config.cluster.is_some());
+        let listen = format!("[listen]\nhttp = \"127.0.0.1:1\"\nnodes = \"127.0.0.1:2\"\n{shared}");
+        let err =
+            Config::parse_shared(&local, &listen, Path::new("edge.toml")).expect_err("per process");
+        assert!(
+            err.to_string().contains("belongs to each edge's own file"),
+            "{err}"
+        );
+        let broken = shared.replace("node = \"n1\"", "node = \"nobody\"");
+        assert!(Config::parse_shared(&local, &broken, Path::new("edge.toml")).is_err());
+    }
+
     #[test]
     fn a_minimal_config_parses() {
         let cfg = Config::parse(MINIMAL, Path::new("edge.toml")).expect("valid");

@@ -176,8 +176,16 @@ fn main() -> ExitCode {
         return ExitCode::from(runtime.block_on(iop_edge_shell::cluster::push(&settings, &push)));
     }
     if matches!(cli.command, Some(Command::CheckConfig)) {
+        let cluster = config.cluster.as_ref().map_or(String::new(), |c| {
+            format!(
+                "; cluster member {} through {} etcd endpoint(s), prefix {}",
+                c.edge_id,
+                c.endpoints.len(),
+                c.prefix
+            )
+        });
         println!(
-            "{}: ok ({} nodes, {} models; node link {})",
+            "{}: ok ({} nodes, {} models; node link {}{cluster})",
             cli.config.display(),
             config.core.nodes.len(),
             config.core.models.len(),
