@@ -135,9 +135,9 @@ pub struct Elsewhere {
     next: Arc<std::sync::atomic::AtomicU64>,
     /// Draining sessions still running (the process waits for them before it exits).
     running: Arc<std::sync::atomic::AtomicUsize>,
-    /// The load of each live session, by key.
-    live: Arc<std::sync::Mutex<std::collections::BTreeMap<u64, Vec<AdapterLoad>>>>,
-    /// Live sessions.
+    /// The load of each live session (the core's rule: [`iop_proto_core::LoadBoard`]).
+    board: Arc<std::sync::Mutex<iop_proto_core::LoadBoard>>,
+    /// Live sessions, read without the lock.
     live_count: Arc<std::sync::atomic::AtomicUsize>,
     /// Moves whenever a live session's load does: the others take it in and report it to
     /// their Edges at once.
@@ -151,7 +151,7 @@ impl Default for Elsewhere {
             sum: watch::Sender::new(Vec::new()),
             next: Arc::default(),
             running: Arc::default(),
-            live: Arc::default(),
+            board: Arc::default(),
             live_count: Arc::default(),
             live_changed: watch::Sender::new(0),
         }
@@ -165,50 +165,36 @@ impl Elsewhere {
         self.live_count.load(Ordering::SeqCst)
     }
 
+    fn board(&self) -> std::sync::MutexGuard<'_, iop_proto_core::LoadBoard> {
+        self.board
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     fn join_live(&self) -> u64 {
         self.live_count.fetch_add(1, Ordering::SeqCst);
-        self.next.fetch_add(1, Ordering::Relaxed)
+        self.board().join()
     }
 
     fn leave_live(&self, key: u64) {
-        self.live
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .remove(&key);
+        self.board().leave(key);
         self.live_count.fetch_sub(1, Ordering::SeqCst);
     }
 
     fn publish_live(&self, key: u64, load: Vec<AdapterLoad>) {
-        let mut live = self
-            .live
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if load.is_empty() {
-            live.remove(&key);
-        } else {
-            live.insert(key, load);
-        }
-        drop(live);
+        self.board().publish(key, load);
         self.live_changed.send_modify(|n| *n = n.wrapping_add(1));
     }
 
     /// What every session but live session `key` holds: the other live sessions and the
     /// re-homed ones.
     fn held_for(&self, key: u64) -> Vec<AdapterLoad> {
-        let live = self
-            .live
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let live = self.board().held_for(key);
         let each = self
             .each
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        iop_proto_core::sum_loads(
-            live.iter()
-                .filter(|(k, _)| **k != key)
-                .flat_map(|(_, l)| l)
-                .chain(each.values().flatten()),
-        )
+        iop_proto_core::sum_loads(live.iter().chain(each.values().flatten()))
     }
 
     /// Draining sessions still running.
@@ -320,12 +306,18 @@ where
     );
     misuse("connected", c.session.handle_connected(ctx.clock.now()));
     let ended = drive(&mut c, &mut link, Some(supervisor), stop).await;
-    if let Some((key, _)) = c.live.take() {
-        ctx.elsewhere.leave_live(key);
-    }
+    let live = c.live.take();
     match ended {
-        Some(end) => Ended::Closed(end),
+        Some(end) => {
+            if let Some((key, _)) = live {
+                linger(ctx, key, &c.tasks, link.out_rx);
+            }
+            Ended::Closed(end)
+        }
         None => {
+            if let Some((key, _)) = live {
+                ctx.elsewhere.leave_live(key);
+            }
             let key = ctx.elsewhere.enter();
             c.elsewhere = Some((key, Vec::new()));
             c.publish_load();
@@ -343,6 +335,42 @@ where
             Ended::Rehomed
         }
     }
+}
+
+/// Longest a closed session's load stays on the board for work it abandoned.
+const LINGER_MAX: Duration = Duration::from_secs(10);
+
+/// A closed session's load stays on the board until the work it abandoned has stopped
+/// upstream (each task, cancelled, sends its `Finished`): the provider still runs those
+/// requests until their connections close, so the node's other sessions must not give
+/// their slots away before (bounded by [`LINGER_MAX`]).
+fn linger(
+    ctx: &Context,
+    key: u64,
+    tasks: &HashMap<String, CancellationToken>,
+    mut out_rx: mpsc::Receiver<Output>,
+) {
+    let mut running: std::collections::HashSet<String> = tasks.keys().cloned().collect();
+    if running.is_empty() {
+        ctx.elsewhere.leave_live(key);
+        return;
+    }
+    let elsewhere = ctx.elsewhere.clone();
+    tokio::spawn(async move {
+        let ended = async {
+            while !running.is_empty() {
+                match out_rx.recv().await {
+                    Some(Output::Finished { run_id }) => {
+                        running.remove(&run_id);
+                    }
+                    Some(_) => {}
+                    None => return,
+                }
+            }
+        };
+        let _ = tokio::time::timeout(LINGER_MAX, ended).await;
+        elsewhere.leave_live(key);
+    });
 }
 
 /// The connection's loop, until its session closes (`Some`) or, with a `supervisor`,

@@ -217,9 +217,9 @@ pub use reconnect::{
 };
 pub use run::RunViolation;
 pub use session::{
-    AdapterDiff, CancelError, EdgeViolation, NodeSession, NodeTransmit, Returned, RunOutput,
-    SessionConfig, SessionEnd, SessionError, SessionEvent, SessionState, TunnelOutput, WorkRefusal,
-    WorkStep, diff_adapters, sum_loads,
+    AdapterDiff, CancelError, EdgeViolation, LoadBoard, NodeSession, NodeTransmit, Returned,
+    RunOutput, SessionConfig, SessionEnd, SessionError, SessionEvent, SessionState, TunnelOutput,
+    WorkRefusal, WorkStep, diff_adapters, sum_loads,
 };
 pub use time::Timestamp;
 pub use token::{SecretError, TokenVerifier};

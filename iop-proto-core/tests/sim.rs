@@ -352,6 +352,48 @@ fn a_planted_hidden_old_session_load_is_caught() {
     );
 }
 
+/// The multi-homed world (`testkit::multihome`): every node keeps a session with each of
+/// three Edges in cluster mode, callers use any Edge, Edges are killed and come back.
+#[test]
+fn every_multihome_seed_keeps_every_invariant() {
+    use iop_proto_core::testkit::multihome::{MultihomeFaults, run_multihome_seed};
+    let (mut requests, mut completed, mut refused, mut killed, mut shared) = (0, 0, 0, 0, 0);
+    // A quarter of the seeds: each world runs three Edges and nine sessions (about 40 ms
+    // a seed in a debug build); `IOP_SIM_SEEDS` widens it as for the others.
+    let count = seeds().div_ceil(4);
+    for seed in 0..count {
+        match run_multihome_seed(seed, MultihomeFaults::default()) {
+            Ok(stats) => {
+                requests += stats.requests;
+                completed += stats.completed;
+                refused += stats.refused;
+                killed += stats.killed;
+                shared += stats.shared;
+            }
+            Err(failure) => panic!("{failure}"),
+        }
+    }
+    println!(
+        "multi-homed worlds: {requests} requests, {completed} completed, {refused} runs refused \
+         by a node another Edge had filled, {shared} runs beside another Edge's on one node, \
+         {killed} edges killed"
+    );
+    // The worlds exercise what they claim to: Edges share nodes and race for slots.
+    assert!(shared > count && refused > 0 && killed > 0);
+    assert!(completed * 10 > requests * 8, "{completed} of {requests}");
+}
+
+#[test]
+fn a_planted_session_blind_to_the_others_is_caught() {
+    use iop_proto_core::testkit::multihome::{MultihomeFaults, run_multihome_seed};
+    let faults = MultihomeFaults {
+        blind_sessions: true,
+    };
+    let caught = (0..seeds()).find_map(|seed| run_multihome_seed(seed, faults).err());
+    let failure = caught.expect("oversubscription is caught");
+    assert!(failure.contains("above capacity"), "{failure}");
+}
+
 /// The cluster world (`testkit::cluster`): three Edges coordinated through a simulated etcd,
 /// with partitions, lost answers, killed Edges and invalid configurations.
 #[test]

@@ -206,9 +206,17 @@ fn streamed(state: Arc<State>, content_type: &str, chunks: Vec<Bytes>, delay: Du
     tokio::spawn(async move {
         let _busy = Busy::enter(&state);
         for chunk in chunks {
-            // A zero sleep still waits for the next timer tick (about 1 ms).
+            // A zero sleep still waits for the next timer tick (about 1 ms). A client
+            // that leaves meanwhile is noticed at once, as a server whose connection
+            // closes does: its request no longer counts as in flight.
             if !delay.is_zero() {
-                tokio::time::sleep(delay).await;
+                tokio::select! {
+                    () = tokio::time::sleep(delay) => {}
+                    () = tx.closed() => {
+                        state.aborted.fetch_add(1, Ordering::SeqCst);
+                        return;
+                    }
+                }
             }
             if tx.send(chunk).await.is_err() {
                 state.aborted.fetch_add(1, Ordering::SeqCst);

@@ -45,10 +45,12 @@ use crate::wire::{
     RunRequest, Usage, Validate,
 };
 
+mod board;
 mod config;
 mod types;
 mod work;
 
+pub use board::LoadBoard;
 pub use config::{AdapterDiff, diff_adapters};
 
 /// What several sessions' work holds, summed by adapter: the `held_elsewhere` a node's

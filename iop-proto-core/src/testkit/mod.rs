@@ -4,6 +4,7 @@
 pub mod cluster;
 pub mod fuzz;
 pub mod harness;
+pub mod multihome;
 pub mod rng;
 pub mod sim;
 pub mod upgrade;
