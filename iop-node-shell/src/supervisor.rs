@@ -90,6 +90,12 @@ pub async fn run(config: NodeConfig, mut ctx: Context, stop: Stop) -> ExitReason
              keys and every prompt cross it in clear"
         );
     }
+    // The member links stop with the process, and when the configured Edge's supervisor
+    // gives up (a fatal failure: the other Edges would refuse the same).
+    let follow_stop = Stop {
+        drain: stop.drain.child_token(),
+        now: stop.now.child_token(),
+    };
     let followers = if config.follow_cluster {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         ctx.members = Some(tx);
@@ -100,7 +106,7 @@ pub async fn run(config: NodeConfig, mut ctx: Context, stop: Stop) -> ExitReason
             config.clone(),
             member_ctx,
             link.clone(),
-            stop.clone(),
+            follow_stop.clone(),
         )))
     } else {
         None
@@ -143,6 +149,9 @@ pub async fn run(config: NodeConfig, mut ctx: Context, stop: Stop) -> ExitReason
     }
     if let Some(followers) = followers {
         // Each member session stops as the process does (its own drain or grace).
+        if !matches!(reason, ExitReason::Shutdown) {
+            follow_stop.now.cancel();
+        }
         let _ = followers.await;
     }
     // Sessions re-homed away from an earlier Edge process finish their work first (each
