@@ -73,6 +73,8 @@ pub struct Snapshot {
     pub registration_failures: iop_proto_core::edge::RegistrationFailures,
     /// Providers as routing sees them (ejections, recent failures, latency).
     pub routing: Vec<iop_proto_core::edge::ProviderRouting>,
+    /// In cluster mode: membership and members (filled in by the HTTP layer).
+    pub cluster: Option<crate::cluster::ViewSnapshot>,
 }
 
 /// An input for the core.
@@ -478,6 +480,7 @@ impl Task {
                     open_requests: self.core.open_requests(),
                     registration_failures: self.core.registration_failures(20),
                     routing: self.core.provider_routing(),
+                    cluster: None,
                 });
             }
         }

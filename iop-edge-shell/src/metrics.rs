@@ -109,6 +109,14 @@ struct Fleet {
     nodes_ready: Gauge,
     nodes_draining: Gauge,
     ejected: Family<ProviderLabels, Gauge>,
+    /// In cluster mode only (a series per this Edge's id; none on a single Edge).
+    cluster_member: Family<EdgeLabel, Gauge>,
+    cluster_members: Family<EdgeLabel, Gauge>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EdgeLabel {
+    edge: String,
 }
 
 /// The series one public model's requests record into, each looked up in its family the
@@ -378,6 +386,16 @@ impl Metrics {
             fleet.ejected.clone(),
         );
         registry.register(
+            "iop_cluster_member",
+            "In cluster mode: 1 while this Edge holds its etcd lease and may serve, else 0",
+            fleet.cluster_member.clone(),
+        );
+        registry.register(
+            "iop_cluster_members",
+            "In cluster mode: the Edges this one sees in etcd, itself included",
+            fleet.cluster_members.clone(),
+        );
+        registry.register(
             "iop_nodes_draining",
             "Ready nodes taking no new work until their requests end (a graceful stop or a failed config refresh)",
             fleet.nodes_draining.clone(),
@@ -585,6 +603,19 @@ impl Metrics {
         fleet.nodes_ready.set(gauge_value(ready as u64));
         let draining = snapshot.nodes.iter().filter(|n| n.draining).count();
         fleet.nodes_draining.set(gauge_value(draining as u64));
+        if let Some(cluster) = &snapshot.cluster {
+            let edge = EdgeLabel {
+                edge: cluster.edge_id.clone(),
+            };
+            fleet
+                .cluster_member
+                .get_or_create(&edge)
+                .set(i64::from(cluster.member));
+            fleet
+                .cluster_members
+                .get_or_create(&edge)
+                .set(gauge_value(cluster.members.len() as u64));
+        }
         let mut out = String::new();
         // Writing into a String cannot fail.
         let _ = encode(&mut out, &self.registry);

@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use iop_proto_core::cluster::{LinkEvent, MemberLinks};
 use iop_proto_core::{ExitReason, SessionConfig, Supervisor, SupervisorEvent};
 use iop_shell_common::misuse;
 use tokio_util::sync::CancellationToken;
@@ -163,8 +164,9 @@ pub async fn run(config: NodeConfig, mut ctx: Context, stop: Stop) -> ExitReason
 }
 
 /// Keeps a session with every member of the cluster that the node's sessions name,
-/// other than the configured Edge: one link per member, dialled again without limit
-/// while the member is listed, drained once it is not. Ends when the process stops.
+/// other than the configured Edge, as the core's [`MemberLinks`] decides: one link per
+/// member, dialled again without limit while the member is listed, drained once it is
+/// not. Ends when the process stops.
 async fn follow(
     mut rx: tokio::sync::mpsc::UnboundedReceiver<(bool, iop_proto_core::wire::ClusterMembers)>,
     config: NodeConfig,
@@ -172,11 +174,13 @@ async fn follow(
     link: EdgeLink,
     stop: Stop,
 ) {
+    let mut plan = MemberLinks::default();
     let mut links: std::collections::HashMap<
         String,
-        (String, CancellationToken, tokio::task::JoinHandle<()>),
+        (CancellationToken, tokio::task::JoinHandle<()>),
     > = std::collections::HashMap::new();
-    let mut seed_edge: Option<String> = None;
+    // Links told to leave, draining: waited for at the end too.
+    let mut leaving = Vec::new();
     loop {
         let update = tokio::select! {
             update = rx.recv() => update,
@@ -185,51 +189,43 @@ async fn follow(
         let Some((from_seed, members)) = update else {
             break;
         };
-        if from_seed {
-            seed_edge = Some(members.edge_id.clone());
-        }
-        let wanted: std::collections::HashMap<&str, &str> = members
-            .members
-            .iter()
-            .filter(|m| seed_edge.as_deref() != Some(m.edge_id.as_str()))
-            .map(|m| (m.edge_id.as_str(), m.node_addr.as_str()))
-            .collect();
-        links.retain(|edge_id, (addr, leave, _)| {
-            let keep = wanted.get(edge_id.as_str()) == Some(&addr.as_str());
-            if !keep {
-                info!(
-                    edge_id,
-                    addr = addr.as_str(),
-                    "cluster: this edge left the members; draining its session"
-                );
-                leave.cancel();
+        plan.handle_members(from_seed, &members);
+        while let Some(event) = plan.poll_event() {
+            match event {
+                LinkEvent::Leave { edge_id } => {
+                    info!(
+                        edge_id,
+                        "cluster: this edge left the members; draining its session"
+                    );
+                    if let Some((leave, task)) = links.remove(&edge_id) {
+                        leave.cancel();
+                        leaving.push(task);
+                    }
+                }
+                LinkEvent::Dial { edge_id, addr } => {
+                    info!(
+                        edge_id,
+                        addr, "cluster: keeping a session with this edge too"
+                    );
+                    let leave = stop.drain.child_token();
+                    let link_stop = Stop {
+                        drain: leave.clone(),
+                        now: stop.now.clone(),
+                    };
+                    let task = tokio::spawn(member_link(
+                        addr,
+                        config.clone(),
+                        ctx.clone(),
+                        link.clone(),
+                        link_stop,
+                    ));
+                    links.insert(edge_id, (leave, task));
+                }
             }
-            keep
-        });
-        for (edge_id, addr) in wanted {
-            if links.contains_key(edge_id) {
-                continue;
-            }
-            info!(
-                edge_id,
-                addr, "cluster: keeping a session with this edge too"
-            );
-            let leave = stop.drain.child_token();
-            let link_stop = Stop {
-                drain: leave.clone(),
-                now: stop.now.clone(),
-            };
-            let task = tokio::spawn(member_link(
-                addr.to_owned(),
-                config.clone(),
-                ctx.clone(),
-                link.clone(),
-                link_stop,
-            ));
-            links.insert(edge_id.to_owned(), (addr.to_owned(), leave, task));
         }
     }
-    for (_, (_, _, task)) in links {
+    leaving.extend(links.into_values().map(|(_, task)| task));
+    for task in leaving {
         let _ = task.await;
     }
 }

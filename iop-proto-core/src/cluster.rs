@@ -1050,3 +1050,87 @@ impl ClusterMember {
 fn parse_instance(value: &[u8]) -> Option<u64> {
     std::str::from_utf8(value).ok()?.parse().ok()
 }
+
+/// A node's links to the Edges of a cluster (docs/cluster.md, "Which Edges a Node
+/// dials"): which member to keep a session with, from the member lists its sessions
+/// hear. The configured Edge (the *seed*) is dialled by the node's own supervisor; every
+/// other member gets a link of its own while it is listed, and is told to leave once it
+/// is not (or once its address changes).
+#[derive(Debug, Default)]
+pub struct MemberLinks {
+    /// The Edge the seed session reached, once it said.
+    seed_edge: Option<String>,
+    /// Linked members: edge id → node-facing address.
+    links: BTreeMap<String, String>,
+    events: VecDeque<LinkEvent>,
+}
+
+/// What [`MemberLinks`] asks of the shell.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LinkEvent {
+    /// Keep a session with this member: dial it, and again after each loss, until told
+    /// [`LinkEvent::Leave`].
+    Dial {
+        /// Its id.
+        edge_id: String,
+        /// Where to dial (`host:port`).
+        addr: String,
+    },
+    /// Drain and end the session with this member.
+    Leave {
+        /// Its id.
+        edge_id: String,
+    },
+}
+
+/// Whether `addr` can be dialled: `host:port` with a port, at most 255 bytes.
+fn dialable(addr: &str) -> bool {
+    addr.len() <= 255
+        && !addr.chars().any(char::is_whitespace)
+        && addr.rsplit_once(':').is_some_and(|(host, port)| {
+            !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p != 0)
+        })
+}
+
+impl MemberLinks {
+    /// A session heard the members (`from_seed`: the session dialled to the configured
+    /// Edge, whose id `members.edge_id` then is). A member with an address that cannot
+    /// be dialled is left out.
+    pub fn handle_members(&mut self, from_seed: bool, members: &crate::wire::ClusterMembers) {
+        if from_seed {
+            self.seed_edge = Some(members.edge_id.clone());
+        }
+        let wanted: BTreeMap<&str, &str> = members
+            .members
+            .iter()
+            .filter(|m| self.seed_edge.as_deref() != Some(m.edge_id.as_str()))
+            .filter(|m| dialable(&m.node_addr))
+            .map(|m| (m.edge_id.as_str(), m.node_addr.as_str()))
+            .collect();
+        let gone: Vec<String> = self
+            .links
+            .iter()
+            .filter(|(id, addr)| wanted.get(id.as_str()) != Some(&addr.as_str()))
+            .map(|(id, _)| id.clone())
+            .collect();
+        for edge_id in gone {
+            self.links.remove(&edge_id);
+            self.events.push_back(LinkEvent::Leave { edge_id });
+        }
+        for (edge_id, addr) in wanted {
+            if !self.links.contains_key(edge_id) {
+                self.links.insert(edge_id.to_owned(), addr.to_owned());
+                self.events.push_back(LinkEvent::Dial {
+                    edge_id: edge_id.to_owned(),
+                    addr: addr.to_owned(),
+                });
+            }
+        }
+    }
+
+    /// The next link to open or close.
+    #[must_use]
+    pub fn poll_event(&mut self) -> Option<LinkEvent> {
+        self.events.pop_front()
+    }
+}

@@ -355,3 +355,84 @@ fn misuse_is_a_typed_error() {
         }]
     );
 }
+
+mod member_links {
+    use iop_proto_core::cluster::{LinkEvent, MemberLinks};
+    use iop_proto_core::wire::{ClusterEdge, ClusterMembers};
+
+    fn members(from: &str, list: &[(&str, &str)]) -> ClusterMembers {
+        ClusterMembers {
+            edge_id: from.into(),
+            members: list
+                .iter()
+                .map(|(id, addr)| ClusterEdge {
+                    edge_id: (*id).into(),
+                    node_addr: (*addr).into(),
+                })
+                .collect(),
+        }
+    }
+
+    fn events(links: &mut MemberLinks) -> Vec<LinkEvent> {
+        std::iter::from_fn(|| links.poll_event()).collect()
+    }
+
+    fn dial(id: &str, addr: &str) -> LinkEvent {
+        LinkEvent::Dial {
+            edge_id: id.into(),
+            addr: addr.into(),
+        }
+    }
+
+    #[test]
+    fn a_node_links_every_member_but_the_edge_it_was_configured_with() {
+        let mut links = MemberLinks::default();
+        let all = [("a", "a:7100"), ("b", "b:7100"), ("c", "c:7100")];
+        links.handle_members(true, &members("a", &all));
+        assert_eq!(
+            events(&mut links),
+            [dial("b", "b:7100"), dial("c", "c:7100")]
+        );
+        // The same list from another session changes nothing.
+        links.handle_members(false, &members("b", &all));
+        assert!(events(&mut links).is_empty());
+        // c leaves, d joins, b moves.
+        links.handle_members(
+            false,
+            &members("b", &[("a", "a:7100"), ("b", "b2:7100"), ("d", "d:7100")]),
+        );
+        assert_eq!(
+            events(&mut links),
+            [
+                LinkEvent::Leave {
+                    edge_id: "b".into()
+                },
+                LinkEvent::Leave {
+                    edge_id: "c".into()
+                },
+                dial("b", "b2:7100"),
+                dial("d", "d:7100"),
+            ]
+        );
+    }
+
+    #[test]
+    fn an_address_that_cannot_be_dialled_is_left_out() {
+        let mut links = MemberLinks::default();
+        let long = format!("{}:1", "h".repeat(300));
+        links.handle_members(
+            true,
+            &members(
+                "a",
+                &[
+                    ("b", "no-port"),
+                    ("c", "c:0"),
+                    ("d", "d: 1"),
+                    ("e", &long),
+                    ("f", "f:9"),
+                ],
+            ),
+        );
+        assert_eq!(events(&mut links), [dial("f", "f:9")]);
+    }
+}

@@ -513,6 +513,13 @@ fn three_edges_share_config_nodes_and_callers_and_survive_a_killed_edge() {
     }
     // Every Node keeps a session with every Edge: ready on all three.
     fabric.await_ready(&["n1", "n2", "n3"], Duration::from_secs(15));
+    let metrics = block(async { Http::new(fabric.edges[1].http).get("/metrics").await });
+    let text = String::from_utf8_lossy(&metrics.body);
+    assert!(
+        text.contains("iop_cluster_member{edge=\"edge-b\"} 1")
+            && text.contains("iop_cluster_members{edge=\"edge-b\"} 3"),
+        "{text}"
+    );
 
     // ---- one configuration, pushed once, reaches every Edge ----
     let body = shared_body(
@@ -632,6 +639,12 @@ fn three_edges_share_config_nodes_and_callers_and_survive_a_killed_edge() {
     eprintln!(
         "edge-c left the cluster {:.1} s after losing etcd",
         cut.elapsed().as_secs_f64()
+    );
+    let metrics = block(async { Http::new(c.http).get("/metrics").await });
+    let text = String::from_utf8_lossy(&metrics.body);
+    assert!(
+        text.contains("iop_cluster_member{edge=\"edge-c\"} 0"),
+        "{text}"
     );
     // It drains its node sessions and refuses registers; n3 serves through a and b.
     assert!(

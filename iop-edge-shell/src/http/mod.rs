@@ -473,7 +473,8 @@ async fn route<B: ReqBody>(
             r
         }
         (Method::GET, "/metrics") => {
-            let snapshot = admin::snapshot(&state).await.unwrap_or_default();
+            let mut snapshot = admin::snapshot(&state).await.unwrap_or_default();
+            snapshot.cluster = state.cluster.as_ref().map(|c| c.snapshot());
             let mut r = Response::new(ResBody::Full(Some(Bytes::from(
                 state.metrics.render(&snapshot),
             ))));
