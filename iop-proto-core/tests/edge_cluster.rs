@@ -338,3 +338,52 @@ fn a_nodes_refusal_is_tried_again_without_blaming_the_provider() {
         "{routing:?}"
     );
 }
+
+/// A node that dialled one Edge twice (through a balancer, say) does not cut its own
+/// live session there: the second register is turned away with the reason.
+#[test]
+fn the_same_node_process_registering_twice_keeps_its_live_session() {
+    let mut h = clustered();
+    let first = h.open();
+    register_following(&mut h, first, "n1", 7);
+    h.drain();
+    h.edge
+        .handle_claim(h.now, first, ClaimDecision::Admitted { fence: 3 });
+    h.ready(first, "n1");
+    h.drain();
+    let second = h.open();
+    register_following(&mut h, second, "n1", 7);
+    h.drain();
+    h.edge
+        .handle_claim(h.now, second, ClaimDecision::Admitted { fence: 3 });
+    let (transmits, events) = h.drain();
+    let answer = register_answer(&transmits, second).expect("answered");
+    assert!(!answer.accepted);
+    assert!(
+        answer.reason.contains("already has a live session"),
+        "{}",
+        answer.reason
+    );
+    assert!(answer.retry_after_ms > 0);
+    assert!(
+        closed(&transmits).iter().all(|(c, _)| *c != first),
+        "{transmits:?}"
+    );
+    assert!(
+        events.iter().any(|e| matches!(
+            e,
+            EdgeEvent::RegisterRejected {
+                reason: RejectReason::DuplicateSession,
+                ..
+            }
+        )),
+        "{events:?}"
+    );
+    assert!(
+        releases(&events).is_empty(),
+        "the instance is still served: {events:?}"
+    );
+    assert!(h.submit("solo", 1).is_ok());
+    let (_, events) = h.drain();
+    assert_eq!(grants(&events).len(), 1, "{events:?}");
+}

@@ -16,7 +16,7 @@
 
 use std::collections::HashMap;
 
-use super::registry::{Admitted, NodeIdx, Phase};
+use super::registry::{Admitted, ClusterStep, NodeIdx, Phase};
 use super::*;
 use crate::cluster::ClaimDecision;
 use crate::wire::ClusterMembers;
@@ -85,7 +85,9 @@ impl EdgeCore {
             return;
         };
         match decision {
-            ClaimDecision::Admitted { .. } => self.take_node(conn, phase, &req, false),
+            ClaimDecision::Admitted { .. } => {
+                self.take_node(conn, phase, &req, ClusterStep::Claimed);
+            }
             ClaimDecision::HeldBy { instance } => {
                 let mut cx = cx!(self);
                 self.registry
@@ -167,12 +169,12 @@ impl EdgeCore {
         conn: ConnId,
         phase: Phase,
         req: &RegisterRequest,
-        claim: bool,
+        step: ClusterStep,
     ) {
         let mut cx = cx!(self);
         match self
             .registry
-            .admit(&mut cx, conn, phase, req, &self.config, claim)
+            .admit(&mut cx, conn, phase, req, &self.config, step)
         {
             Admitted::Refused => {}
             Admitted::Violation(violation) => self.violation(conn, violation),

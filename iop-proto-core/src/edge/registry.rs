@@ -189,6 +189,17 @@ pub(super) enum Readied {
     },
 }
 
+/// Where a register stands with the cluster, for [`Registry::admit`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum ClusterStep {
+    /// A single Edge: no cluster.
+    Single,
+    /// In a cluster, not claimed yet: authenticated, it waits for the claim.
+    Unclaimed,
+    /// In a cluster, the claim admitted it.
+    Claimed,
+}
+
 /// Why a register is refused for now: another live connection holds the node id.
 enum HeldOff {
     /// Two live connections claim it; the flap guard says when to try again and whether
@@ -198,6 +209,8 @@ enum HeldOff {
     Draining,
     /// This Edge process is handing over: try again at once, reaching its successor.
     HandingOver,
+    /// In a cluster, the same node process already has a live session here.
+    Duplicate,
     /// The cluster did not let this Edge serve the node id: another instance holds it
     /// (`Some`), or the claim could not be decided (`None`: etcd unreachable, not a
     /// member).
@@ -492,7 +505,7 @@ impl Registry {
         phase: Phase,
         req: &RegisterRequest,
         config: &EdgeConfig,
-        claim: bool,
+        step: ClusterStep,
     ) -> Admitted {
         if phase != Phase::Unregistered {
             return Admitted::Violation(ConnViolation::SecondRegister);
@@ -513,7 +526,7 @@ impl Registry {
             self.hold_off(cx, conn, addr, i, &req.node_id, HeldOff::HandingOver);
             return Admitted::Refused;
         }
-        if claim {
+        if step == ClusterStep::Unclaimed {
             return Admitted::Claim { node: i };
         }
         let Some(old) = self.node(i).owner else {
@@ -539,6 +552,19 @@ impl Registry {
         // have ended: the newcomer is most likely the node's own restart, and superseding
         // would cut those requests. The stopping process itself reconnecting has given
         // its old connection up.
+        // In a cluster a node keeps one session with each Edge: the same process
+        // registering again here while its session is live (it dialled this Edge twice,
+        // say through a balancer) would cut that session's work. The newcomer is turned
+        // away; a session that is really gone goes silent and is superseded as usual.
+        if step == ClusterStep::Claimed
+            && rival == Rival::Live
+            && claim.same_process()
+            && old.cluster
+            && req.cluster
+        {
+            self.hold_off(cx, conn, addr, i, &req.node_id, HeldOff::Duplicate);
+            return Admitted::Refused;
+        }
         let stopping = matches!(self.node(i).draining, Some(DrainReason::Stopping(_)));
         if stopping && rival == Rival::Live && !claim.same_process() {
             self.hold_off(cx, conn, addr, i, &req.node_id, HeldOff::Draining);
@@ -807,6 +833,16 @@ impl Registry {
                 "this edge process is handing over to its successor: dial again".to_owned(),
                 HANDING_OVER_RETRY_AFTER,
                 false,
+            ),
+            HeldOff::Duplicate => (
+                RejectReason::DuplicateSession,
+                format!(
+                    "this node process already has a live session for node id {id:?} with \
+                     this edge (in a cluster a node keeps one per edge: dial the edges \
+                     directly, not through the callers' balancer)"
+                ),
+                CLUSTER_HELD_RETRY_AFTER,
+                true,
             ),
             HeldOff::Cluster {
                 held_by: Some(instance),

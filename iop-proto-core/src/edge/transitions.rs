@@ -168,8 +168,12 @@ impl EdgeCore {
             self.violation(conn, ConnViolation::SecondRegister);
             return;
         }
-        let claim = self.cluster.enabled;
-        self.take_node(conn, phase, req, claim);
+        let step = if self.cluster.enabled {
+            super::registry::ClusterStep::Unclaimed
+        } else {
+            super::registry::ClusterStep::Single
+        };
+        self.take_node(conn, phase, req, step);
     }
 
     /// A ready: the pending owner's providers go live and the queue is pumped.

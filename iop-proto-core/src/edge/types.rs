@@ -61,6 +61,8 @@ pub enum RejectReason {
     /// Authenticated, but this Edge could not claim the node id in the cluster now (etcd
     /// unreachable, or the Edge is not a member): try again later or elsewhere.
     ClusterUnavailable,
+    /// In a cluster, the same node process already holds a live session with this Edge.
+    DuplicateSession,
 }
 
 impl RejectReason {
@@ -77,6 +79,7 @@ impl RejectReason {
             RejectReason::HandingOver => "handing_over",
             RejectReason::ClusterHeld => "cluster_held",
             RejectReason::ClusterUnavailable => "cluster_unavailable",
+            RejectReason::DuplicateSession => "duplicate_session",
         }
     }
 }
