@@ -563,6 +563,11 @@ impl ClusterMember {
             (Pending::Sync, Reply::Synced { revision, kvs }) => {
                 self.syncing = false;
                 self.synced = true;
+                if revision < self.revision {
+                    // The store went back: an etcd started afresh, its data lost. Its
+                    // revisions count again from 1, so what it holds is offered anew.
+                    self.offered_config = 0;
+                }
                 self.revision = revision;
                 self.view = kvs.into_iter().map(|kv| (kv.key.clone(), kv)).collect();
                 self.view_changed();

@@ -319,6 +319,37 @@ fn configurations_are_offered_once_each_in_order_and_the_outcome_is_written() {
     );
 }
 
+/// An etcd started afresh (its data lost) counts revisions from 1 again: what it holds
+/// after a read is offered even at a revision below the one applied before.
+#[test]
+fn a_store_that_went_back_offers_its_configuration_anew() {
+    let mut member = joined(vec![kv("/iop/config", "first", 5, 0)]);
+    assert!(
+        events(&mut member)
+            .iter()
+            .any(|e| matches!(e, ClusterEvent::Configure { revision: 5, .. }))
+    );
+    member.handle_watch_lost(at(300));
+    let sync = transmits(&mut member)
+        .into_iter()
+        .find(|t| matches!(t.request, EtcdRequest::Sync { .. }))
+        .expect("the cluster is read again");
+    member
+        .handle_reply(
+            at(320),
+            sync.tag,
+            Reply::Synced {
+                revision: 2,
+                kvs: vec![kv("/iop/config", "pushed again", 2, 0)],
+            },
+        )
+        .unwrap();
+    assert!(events(&mut member).contains(&ClusterEvent::Configure {
+        revision: 2,
+        text: b"pushed again".to_vec()
+    }));
+}
+
 #[test]
 fn misuse_is_a_typed_error() {
     let config = ClusterConfig::new("a/b", "/iop", vec![]);
