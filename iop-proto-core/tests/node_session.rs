@@ -1055,3 +1055,71 @@ fn a_large_frame_in_transit_keeps_the_edge_alive() {
         "a closed session takes no input"
     );
 }
+
+fn cluster_members(edges: &[&str]) -> ClusterMembers {
+    ClusterMembers {
+        edge_id: edges[0].into(),
+        members: edges
+            .iter()
+            .map(|e| ClusterEdge {
+                edge_id: (*e).into(),
+                node_addr: format!("{e}:7100"),
+            })
+            .collect(),
+    }
+}
+
+/// A node that follows a cluster asks for the members, hears them in the register answer
+/// and on every change; one that does not ask never gets them.
+#[test]
+fn a_node_following_a_cluster_hears_its_members() {
+    let mut h = H::with(|c| c.cluster = true);
+    h.s.handle_connected(h.t()).expect("connecting");
+    let tx = h.tx();
+    assert!(matches!(tx.as_slice(), [Body::RegisterRequest(r)] if r.cluster));
+    h.rx(Body::RegisterResponse(RegisterResponse {
+        accepted: true,
+        node_id: "n1".into(),
+        config: Some(payload(1, vec![adapter("a", AdapterType::Mock, 2, 1)])),
+        heartbeat_interval_ms: 1000,
+        cluster: Some(cluster_members(&["a", "b"])),
+        ..Default::default()
+    }));
+    let events = h.events();
+    assert!(
+        events.contains(&SessionEvent::Members(cluster_members(&["a", "b"]))),
+        "{events:?}"
+    );
+    h.rx(Body::ClusterMembers(cluster_members(&["a", "b", "c"])));
+    assert_eq!(
+        h.events(),
+        [SessionEvent::Members(cluster_members(&["a", "b", "c"]))]
+    );
+
+    // Not asked: members in an answer are ignored, and a members message breaks the
+    // contract.
+    let mut h = H::new();
+    h.s.handle_connected(h.t()).expect("connecting");
+    let tx = h.tx();
+    assert!(matches!(tx.as_slice(), [Body::RegisterRequest(r)] if !r.cluster));
+    h.rx(Body::RegisterResponse(RegisterResponse {
+        accepted: true,
+        node_id: "n1".into(),
+        config: Some(payload(1, vec![adapter("a", AdapterType::Mock, 2, 1)])),
+        heartbeat_interval_ms: 1000,
+        cluster: Some(cluster_members(&["a"])),
+        ..Default::default()
+    }));
+    assert!(
+        !h.events()
+            .iter()
+            .any(|e| matches!(e, SessionEvent::Members(_)))
+    );
+    h.rx(Body::ClusterMembers(cluster_members(&["a"])));
+    assert!(
+        h.events()
+            .iter()
+            .any(|e| matches!(e, SessionEvent::PeerViolation { .. })),
+        "an unasked members message is a violation"
+    );
+}
