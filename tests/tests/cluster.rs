@@ -785,3 +785,72 @@ fn two_edges_never_oversubscribe_a_shared_provider() {
     assert!(most <= 2, "the provider saw {most} requests at once");
     assert_eq!(most, 2, "both slots were used");
 }
+
+/// An Edge of a cluster replaced by `iop-edge --takeover`: the successor joins under the
+/// same id, the node re-homes to it, callers on both Edges keep being answered, and the
+/// cluster still counts two members once the old process has gone.
+#[test]
+fn a_cluster_edge_replaced_with_takeover_keeps_its_place_and_its_node() {
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let fakes = fakes(&rt, 1);
+    let mut fabric = Fabric::start(&rt, 2, fakes, 4);
+    let node = start_node(
+        &fabric.dir,
+        "n1",
+        &fabric.edges[0],
+        &fabric.fingerprint,
+        "only",
+    );
+    fabric.await_ready(&["n1"], Duration::from_secs(15));
+    let stop = Arc::new(AtomicBool::new(false));
+    let tally = Arc::new(Tally::default());
+    let mut tasks = load(&rt, fabric.edges[0].http, 2, 1, &stop, &tally);
+    tasks.extend(load(&rt, fabric.edges[1].http, 2, 1, &stop, &tally));
+    std::thread::sleep(Duration::from_secs(1));
+    let path = fabric.edges[0].config.to_string_lossy().into_owned();
+    let successor = Proc::start(
+        "iop-edge",
+        &["--config", &path, "--takeover"],
+        &fabric.dir,
+        "edge-a-successor",
+        &[],
+    );
+    assert!(
+        wait_until(Duration::from_secs(10), || successor
+            .log()
+            .contains("took over")),
+        "no takeover: {}",
+        successor.log()
+    );
+    let mut old = fabric.edges[0].proc.replace(successor).expect("running");
+    assert!(
+        old.wait_exit(Duration::from_secs(20)).is_some(),
+        "the old edge-a did not exit after its last stream"
+    );
+    // The node is ready on the successor, and the cluster still has two members.
+    fabric.await_ready(&["n1"], Duration::from_secs(15));
+    for edge in &fabric.edges {
+        assert!(
+            wait_until(Duration::from_secs(10), || edge.members().len() == 2
+                && edge.healthz() == 200),
+            "{}: {:?}",
+            edge.id,
+            edge.status()["cluster"]
+        );
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    stop.store(true, Ordering::SeqCst);
+    for task in tasks {
+        let _ = rt.block_on(task);
+    }
+    let failed = tally.failed_at.lock().unwrap().clone();
+    let ok = tally.ok.load(Ordering::SeqCst);
+    eprintln!(
+        "takeover inside a cluster: {ok} answered, {} failed",
+        failed.len()
+    );
+    assert!(failed.is_empty(), "{failed:?}");
+    assert!(ok > 10, "{ok}");
+    assert!(fabric.fakes[0].state.max_in_flight.load(Ordering::SeqCst) <= 4);
+    drop(node);
+}
