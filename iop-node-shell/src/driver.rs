@@ -111,58 +111,60 @@ struct Conn {
     /// The session became ready / was told to re-home, not yet told to the supervisor.
     became_ready: bool,
     rehome: bool,
-    /// Once re-homed: this session's key in [`Elsewhere`], and the load last published.
-    elsewhere: Option<(u64, Vec<AdapterLoad>)>,
-    /// While live: this session's key among the live sessions, and the
+    /// This session's key on the node's board ([`Elsewhere`]), and the
     /// [`NodeSession::load_changes`] it last published there.
-    live: Option<(u64, u64)>,
+    key: u64,
+    published: u64,
+    /// What it last took in from the node's other sessions was not nothing.
+    holds_others: bool,
 }
 
-/// What the node's work for its other sessions holds, summed by adapter.
+/// What the node's work holds, session by session, on one board (the core's rule:
+/// [`iop_proto_core::LoadBoard`]): the node has one capacity however many sessions it
+/// keeps.
 ///
-/// - Re-homed, draining sessions each publish their own, and the new session reports the
-///   sum to its Edge ([`NodeSession::handle_held_elsewhere`]).
-/// - With several live sessions (a node following a cluster of Edges: one session per
-///   Edge), every session publishes its load whenever it changes, and a session takes in
-///   what all the others hold right before it handles what its Edge sent. The node runs
-///   on one thread, so nothing runs between a session admitting work and publishing it:
-///   its capacity gates are the node's own, shared by every session, and a provider never
-///   sees more than its capacity whatever the Edges believe.
+/// Every session, from its start until the work it abandoned has stopped upstream,
+/// publishes what its work holds whenever that changes; a session takes in what all the
+/// others hold right before it handles what its Edge sent, and whenever another's load
+/// moves, reporting it to its Edge ([`NodeSession::handle_held_elsewhere`]). The others
+/// are a re-homed session draining beside its successor, and, for a node following a
+/// cluster of Edges, one session per Edge. The node runs on one thread, so nothing runs
+/// between a session admitting work and publishing it: a provider never sees more than
+/// its capacity, whatever the Edges believe.
 #[derive(Clone, Debug)]
 pub struct Elsewhere {
-    each: Arc<std::sync::Mutex<std::collections::BTreeMap<u64, Vec<AdapterLoad>>>>,
-    sum: watch::Sender<Vec<AdapterLoad>>,
-    next: Arc<std::sync::atomic::AtomicU64>,
-    /// Draining sessions still running (the process waits for them before it exits).
-    running: Arc<std::sync::atomic::AtomicUsize>,
-    /// The load of each live session (the core's rule: [`iop_proto_core::LoadBoard`]).
     board: Arc<std::sync::Mutex<iop_proto_core::LoadBoard>>,
-    /// Live sessions, read without the lock.
-    live_count: Arc<std::sync::atomic::AtomicUsize>,
-    /// Moves whenever a live session's load does: the others take it in and report it to
-    /// their Edges at once.
-    live_changed: watch::Sender<u64>,
+    /// Sessions on the board, read without the lock.
+    sessions: Arc<std::sync::atomic::AtomicUsize>,
+    /// Re-homed sessions still running (the process waits for them before it exits).
+    running: Arc<std::sync::atomic::AtomicUsize>,
+    /// Moves whenever a session's load does, or a session leaves the board.
+    changed: watch::Sender<u64>,
 }
 
 impl Default for Elsewhere {
     fn default() -> Self {
         Elsewhere {
-            each: Arc::default(),
-            sum: watch::Sender::new(Vec::new()),
-            next: Arc::default(),
-            running: Arc::default(),
             board: Arc::default(),
-            live_count: Arc::default(),
-            live_changed: watch::Sender::new(0),
+            sessions: Arc::default(),
+            running: Arc::default(),
+            changed: watch::Sender::new(0),
         }
     }
 }
 
 impl Elsewhere {
-    /// Live sessions (connected, not re-homed).
+    /// Sessions on the board: connected, re-homed and draining, or waiting for the work
+    /// they abandoned to stop.
     #[must_use]
-    pub fn live(&self) -> usize {
-        self.live_count.load(Ordering::SeqCst)
+    pub fn sessions(&self) -> usize {
+        self.sessions.load(Ordering::SeqCst)
+    }
+
+    /// Re-homed sessions still running.
+    #[must_use]
+    pub fn running(&self) -> usize {
+        self.running.load(Ordering::SeqCst)
     }
 
     fn board(&self) -> std::sync::MutexGuard<'_, iop_proto_core::LoadBoard> {
@@ -171,65 +173,24 @@ impl Elsewhere {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn join_live(&self) -> u64 {
-        self.live_count.fetch_add(1, Ordering::SeqCst);
+    fn join(&self) -> u64 {
+        self.sessions.fetch_add(1, Ordering::SeqCst);
         self.board().join()
     }
 
-    fn leave_live(&self, key: u64) {
+    fn leave(&self, key: u64) {
         self.board().leave(key);
-        self.live_count.fetch_sub(1, Ordering::SeqCst);
+        self.sessions.fetch_sub(1, Ordering::SeqCst);
+        self.changed.send_modify(|n| *n = n.wrapping_add(1));
     }
 
-    fn publish_live(&self, key: u64, load: Vec<AdapterLoad>) {
+    fn publish(&self, key: u64, load: Vec<AdapterLoad>) {
         self.board().publish(key, load);
-        self.live_changed.send_modify(|n| *n = n.wrapping_add(1));
+        self.changed.send_modify(|n| *n = n.wrapping_add(1));
     }
 
-    /// What every session but live session `key` holds: the other live sessions and the
-    /// re-homed ones.
     fn held_for(&self, key: u64) -> Vec<AdapterLoad> {
-        let live = self.board().held_for(key);
-        let each = self
-            .each
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        iop_proto_core::sum_loads(live.iter().chain(each.values().flatten()))
-    }
-
-    /// Draining sessions still running.
-    #[must_use]
-    pub fn running(&self) -> usize {
-        self.running.load(Ordering::SeqCst)
-    }
-
-    fn enter(&self) -> u64 {
-        self.running.fetch_add(1, Ordering::SeqCst);
-        self.next.fetch_add(1, Ordering::Relaxed)
-    }
-
-    /// Session `key` holds `load` now (`None`: it ended).
-    fn publish(&self, key: u64, load: Option<Vec<AdapterLoad>>) {
-        let mut each = self
-            .each
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let ended = load.is_none();
-        match load {
-            Some(load) => each.insert(key, load),
-            None => each.remove(&key),
-        };
-        let sum = iop_proto_core::sum_loads(each.values().flatten());
-        self.sum.send_if_modified(|current| {
-            let changed = *current != sum;
-            *current = sum;
-            changed
-        });
-        // Counted out only once its last figures are sent: a session that sees none
-        // running still finds them (`Receiver::has_changed`).
-        if ended {
-            self.running.fetch_sub(1, Ordering::SeqCst);
-        }
+        self.board().held_for(key)
     }
 }
 
@@ -248,9 +209,8 @@ struct Link<S> {
     reader: tokio::io::ReadHalf<S>,
     writer: tokio::io::WriteHalf<S>,
     out_rx: mpsc::Receiver<Output>,
-    held: watch::Receiver<Vec<AdapterLoad>>,
-    /// Other live sessions' loads moved.
-    live: watch::Receiver<u64>,
+    /// Another session's load moved, or one left the board.
+    changed: watch::Receiver<u64>,
 }
 
 /// Runs one session over `stream` until it closes and returns why. The session tells
@@ -289,38 +249,26 @@ where
         drain_sent: false,
         became_ready: false,
         rehome: false,
-        elsewhere: None,
-        live: Some((ctx.elsewhere.join_live(), u64::MAX)),
+        key: ctx.elsewhere.join(),
+        published: u64::MAX,
+        holds_others: false,
     };
     let mut link = Link {
         reader,
         writer,
         out_rx,
-        held: ctx.elsewhere.sum.subscribe(),
-        live: ctx.elsewhere.live_changed.subscribe(),
+        changed: ctx.elsewhere.changed.subscribe(),
     };
-    let held = link.held.borrow_and_update().clone();
-    misuse(
-        "held elsewhere",
-        c.session.handle_held_elsewhere(ctx.clock.now(), held),
-    );
+    // What the node's other sessions hold goes into the ready.
+    c.take_in_held();
     misuse("connected", c.session.handle_connected(ctx.clock.now()));
-    let ended = drive(&mut c, &mut link, Some(supervisor), stop).await;
-    let live = c.live.take();
-    match ended {
+    match drive(&mut c, &mut link, Some(supervisor), stop).await {
         Some(end) => {
-            if let Some((key, _)) = live {
-                linger(ctx, key, &c.tasks, link.out_rx);
-            }
+            linger(ctx, c.key, &c.tasks, link.out_rx);
             Ended::Closed(end)
         }
         None => {
-            if let Some((key, _)) = live {
-                ctx.elsewhere.leave_live(key);
-            }
-            let key = ctx.elsewhere.enter();
-            c.elsewhere = Some((key, Vec::new()));
-            c.publish_load();
+            ctx.elsewhere.running.fetch_add(1, Ordering::SeqCst);
             info!(
                 node_id = c.node_id,
                 in_flight = c.session.in_flight(),
@@ -330,7 +278,9 @@ where
             tokio::spawn(async move {
                 let end = drive(&mut c, &mut link, None, &stop).await;
                 info!(node_id = c.node_id, end = ?end, "re-homed session over");
-                c.ctx.elsewhere.publish(key, None);
+                let ctx = c.ctx.clone();
+                linger(&ctx, c.key, &c.tasks, link.out_rx);
+                ctx.elsewhere.running.fetch_sub(1, Ordering::SeqCst);
             });
             Ended::Rehomed
         }
@@ -352,7 +302,7 @@ fn linger(
 ) {
     let mut running: std::collections::HashSet<String> = tasks.keys().cloned().collect();
     if running.is_empty() {
-        ctx.elsewhere.leave_live(key);
+        ctx.elsewhere.leave(key);
         return;
     }
     let elsewhere = ctx.elsewhere.clone();
@@ -369,7 +319,7 @@ fn linger(
             }
         };
         let _ = tokio::time::timeout(LINGER_MAX, ended).await;
-        elsewhere.leave_live(key);
+        elsewhere.leave(key);
     });
 }
 
@@ -396,8 +346,7 @@ where
         reader,
         writer,
         out_rx,
-        held,
-        live,
+        changed,
     } = link;
 
     loop {
@@ -410,10 +359,8 @@ where
                 misuse("rehome", supervisor.handle_rehome(ctx.clock.now()));
                 return None;
             }
-        } else {
-            c.publish_load();
         }
-        c.publish_live();
+        c.publish_load();
         if let Some(end) = closed {
             // Abandoned work, and anything else still running, stops upstream now.
             for token in c.tasks.values() {
@@ -445,14 +392,11 @@ where
             c.out = BytesMut::new();
         }
         c.read_buf.reserve(READ_CHUNK);
-        // Only while some re-homed session runs, or its last figures wait: the branch
-        // costs a poll on every wake otherwise.
-        let tracks_held = c.elsewhere.is_none()
-            && (ctx.elsewhere.running() > 0 || held.has_changed().unwrap_or(false));
-        // Only while the node has several live sessions (a cluster of Edges).
-        let shares_live = c.live.is_some() && ctx.elsewhere.live() > 1;
+        // Only while the node has other sessions, or what they held is still counted
+        // here: the branch costs a poll on every wake otherwise.
+        let shares = ctx.elsewhere.sessions() > 1 || c.holds_others;
         tokio::select! {
-            Ok(()) = live.changed(), if shares_live => c.take_in_held(),
+            Ok(()) = changed.changed(), if shares => c.take_in_held(),
             () = &mut stopping, if !c.stop_sent => {
                 c.stop_sent = true;
                 info!(node_id = c.node_id, in_flight = c.session.in_flight(), "shutting down: cancelling in-flight work");
@@ -475,13 +419,6 @@ where
                         "stopping gracefully: the edge sends no more work, work in flight runs to its end"
                     );
                 }
-            }
-            Ok(()) = held.changed(), if tracks_held => {
-                let mut now_held = held.borrow_and_update().clone();
-                if let Some((key, _)) = c.live.filter(|_| ctx.elsewhere.live() > 1) {
-                    now_held = ctx.elsewhere.held_for(key);
-                }
-                misuse("held elsewhere", c.session.handle_held_elsewhere(ctx.clock.now(), now_held));
             }
             read = reader.read_buf(&mut c.read_buf) => c.on_read(read),
             Some(output) = out_rx.recv(), if accept_output => {
@@ -525,44 +462,27 @@ where
 }
 
 impl Conn {
-    /// A live session publishes what its work holds whenever that changes, for the
+    /// The session publishes what its work holds whenever that changes, for the
     /// node's other sessions (see [`Elsewhere`]).
-    fn publish_live(&mut self) {
-        let Some((key, published)) = &mut self.live else {
-            return;
-        };
+    fn publish_load(&mut self) {
         let changes = self.session.load_changes();
-        if changes != *published {
-            *published = changes;
-            self.ctx.elsewhere.publish_live(*key, self.session.load());
+        if changes != self.published {
+            self.published = changes;
+            self.ctx.elsewhere.publish(self.key, self.session.load());
         }
     }
 
-    /// With other live sessions, this one takes in what they hold before it handles
-    /// what its Edge sent (see [`Elsewhere`]).
+    /// With other sessions on the board (or what they held still counted here), this
+    /// one takes in what they hold (see [`Elsewhere`]).
     fn take_in_held(&mut self) {
-        let Some((key, _)) = self.live else {
-            return;
-        };
-        if self.ctx.elsewhere.live() > 1 || self.ctx.elsewhere.running() > 0 {
-            let held = self.ctx.elsewhere.held_for(key);
+        if self.ctx.elsewhere.sessions() > 1 || self.holds_others {
+            let held = self.ctx.elsewhere.held_for(self.key);
+            self.holds_others = !held.is_empty();
             misuse(
                 "held elsewhere",
                 self.session
                     .handle_held_elsewhere(self.ctx.clock.now(), held),
             );
-        }
-    }
-
-    /// A re-homed session publishes what its work holds whenever that changes.
-    fn publish_load(&mut self) {
-        let Some((key, last)) = &mut self.elsewhere else {
-            return;
-        };
-        let load = self.session.load();
-        if load != *last {
-            last.clone_from(&load);
-            self.ctx.elsewhere.publish(*key, Some(load));
         }
     }
 

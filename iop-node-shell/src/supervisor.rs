@@ -128,13 +128,13 @@ pub async fn run(config: NodeConfig, mut ctx: Context, stop: Stop) -> ExitReason
         )
         .await;
         if matches!(reason, ExitReason::Exhausted { .. })
-            && ctx.elsewhere.live() > 0
+            && ctx.elsewhere.sessions() > 0
             && !stop.drain.is_cancelled()
             && !stop.now.is_cancelled()
         {
             warn!(
                 edge = config.edge_addr,
-                live_sessions = ctx.elsewhere.live(),
+                live_sessions = ctx.elsewhere.sessions(),
                 "the configured edge stays unreachable; serving through the cluster's other edges and dialling it again"
             );
             continue;

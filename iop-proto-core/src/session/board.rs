@@ -1,4 +1,4 @@
-//! What each of a node's live sessions holds: one node, one capacity, however many Edges
+//! What each of a node's sessions holds: one node, one capacity, however many Edges
 //! it keeps a session with (docs/cluster.md).
 
 use std::collections::BTreeMap;
@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use super::sum_loads;
 use crate::wire::AdapterLoad;
 
-/// The load of each live session of one node process, by a key the board hands out.
+/// The load of each session of one node process, by a key the board hands out.
 ///
 /// The rule it serves: right before a session handles what its Edge sent, it takes in
 /// what all the others hold ([`held_for`](Self::held_for), then
@@ -22,27 +22,18 @@ use crate::wire::AdapterLoad;
 pub struct LoadBoard {
     loads: BTreeMap<u64, Vec<AdapterLoad>>,
     next: u64,
-    live: usize,
 }
 
 impl LoadBoard {
-    /// A key for a new live session.
+    /// A key for a new session.
     pub fn join(&mut self) -> u64 {
-        self.live += 1;
         self.next += 1;
         self.next
     }
 
-    /// Session `key` ended (or was re-homed and drains elsewhere on the books).
+    /// Session `key` ended, and the work it abandoned has stopped upstream.
     pub fn leave(&mut self, key: u64) {
         self.loads.remove(&key);
-        self.live = self.live.saturating_sub(1);
-    }
-
-    /// Live sessions.
-    #[must_use]
-    pub fn live(&self) -> usize {
-        self.live
     }
 
     /// Session `key` holds `load` now.
@@ -89,6 +80,5 @@ mod tests {
         board.publish(b, Vec::new());
         board.leave(a);
         assert_eq!(board.held_for(c), []);
-        assert_eq!(board.live(), 2);
     }
 }
