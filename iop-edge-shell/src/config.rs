@@ -157,12 +157,25 @@ fn cluster_settings(
         ));
     }
     for endpoint in &raw.endpoints {
-        if !(endpoint.starts_with("http://") || endpoint.starts_with("https://"))
-            || endpoint.parse::<http::Uri>().is_err()
-        {
+        let uri = endpoint.parse::<http::Uri>().ok();
+        if !matches!(
+            uri.as_ref().and_then(http::Uri::scheme_str),
+            Some("http" | "https")
+        ) {
             return Err(invalid(
                 "cluster.endpoints",
                 format!("{endpoint:?} must be an http:// or https:// URL"),
+            ));
+        }
+        // Endpoints appear in logs and errors: credentials go in username/password_file.
+        if uri
+            .as_ref()
+            .and_then(http::Uri::authority)
+            .is_some_and(|a| a.as_str().contains('@'))
+        {
+            return Err(invalid(
+                "cluster.endpoints",
+                "must not carry credentials (user@host): set username and password_file",
             ));
         }
     }
@@ -1442,6 +1455,15 @@ providers = [{ node = "n1", adapter = "mock", target = "m" }]
                 .expect_err("slash")
                 .to_string()
                 .contains("cluster.edge_id")
+        );
+        let with_user = format!(
+            "{MINIMAL}{}",
+            CLUSTER.replace("http://", "http://iop:secret@")
+        );
+        let err = parse(&with_user).expect_err("credentials").to_string();
+        assert!(
+            err.contains("cluster.endpoints") && !err.contains("secret"),
+            "{err}"
         );
         let bad_url = format!("{MINIMAL}{}", CLUSTER.replace("http://", "etcd://"));
         assert!(

@@ -248,7 +248,7 @@ impl NodeConfig {
         if raw.node_id.trim().is_empty() {
             return Err(invalid("node_id", "must not be empty"));
         }
-        if !valid_addr(&raw.edge_addr) {
+        if !iop_proto_core::cluster::dialable(&raw.edge_addr) {
             return Err(invalid(
                 "edge_addr",
                 format!("must be host:port, got {:?}", raw.edge_addr),
@@ -443,13 +443,6 @@ fn link_config(
         server_name,
         client_cert,
     })
-}
-
-fn valid_addr(addr: &str) -> bool {
-    match addr.rsplit_once(':') {
-        Some((host, port)) => !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p != 0),
-        None => false,
-    }
 }
 
 #[cfg(test)]

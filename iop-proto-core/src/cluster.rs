@@ -1088,8 +1088,10 @@ pub enum LinkEvent {
     },
 }
 
-/// Whether `addr` can be dialled: `host:port` with a port, at most 255 bytes.
-fn dialable(addr: &str) -> bool {
+/// Whether `addr` can be dialled: `host:port` with a non-zero port, no whitespace, at
+/// most 255 bytes (a node's `edge_addr`, and the members an Edge names).
+#[must_use]
+pub fn dialable(addr: &str) -> bool {
     addr.len() <= 255
         && !addr.chars().any(char::is_whitespace)
         && addr.rsplit_once(':').is_some_and(|(host, port)| {
