@@ -33,6 +33,95 @@ pub fn drain_node(node: &mut NodeSession) -> (Vec<NodeTransmit>, Vec<SessionEven
     (transmits, events)
 }
 
+/// A simulated provider's piece of work on a node: start, one delta, complete (or
+/// cancelled), each step after a seeded delay. The upgrade and multi-homed worlds run
+/// their nodes' work with it.
+#[derive(Debug)]
+pub(crate) struct Job {
+    pub(crate) long: bool,
+    step: u32,
+    next_at: Timestamp,
+    cancelled: bool,
+}
+
+impl Job {
+    /// Work of `long` context whose first step is due at `at`.
+    pub(crate) fn new(long: bool, at: Timestamp) -> Self {
+        Job {
+            long,
+            step: 0,
+            next_at: at,
+            cancelled: false,
+        }
+    }
+
+    /// When its next step is due.
+    pub(crate) fn next_at(&self) -> Timestamp {
+        self.next_at
+    }
+
+    /// The Edge cancelled it: it ends, cancelled, at its next step, no later than `now`.
+    pub(crate) fn cancel(&mut self, now: Timestamp) {
+        self.cancelled = true;
+        self.next_at = self.next_at.min(now);
+    }
+}
+
+/// Runs every step of `jobs` due at `now` through `session`; finished work is removed and
+/// returned to the session.
+pub(crate) fn advance_jobs(
+    rng: &mut Rng,
+    now: Timestamp,
+    session: &mut NodeSession,
+    jobs: &mut std::collections::BTreeMap<String, Job>,
+) {
+    let due: Vec<String> = jobs
+        .iter()
+        .filter(|(_, j)| j.next_at <= now)
+        .map(|(id, _)| id.clone())
+        .collect();
+    for run_id in due {
+        let delay = Duration::from_millis(rng.range(5, 120));
+        let Some(job) = jobs.get_mut(&run_id) else {
+            continue;
+        };
+        let output = match (job.step, job.cancelled) {
+            (0, _) => RunOutput::Start,
+            (_, true) => RunOutput::Cancelled,
+            (1, false) => RunOutput::Delta("x".into()),
+            _ => RunOutput::Complete {
+                usage: None,
+                metadata: std::collections::BTreeMap::new(),
+            },
+        };
+        let last = matches!(output, RunOutput::Cancelled | RunOutput::Complete { .. });
+        job.step += 1;
+        job.next_at = now + delay;
+        let _ = session.handle_run_output(now, &run_id, output);
+        if last {
+            jobs.remove(&run_id);
+            let _ = session.handle_work_returned(now, &run_id);
+        }
+    }
+}
+
+/// Work across a node's sessions within `capacity` units (`long_capacity` of them long
+/// context), or what it runs above them.
+pub(crate) fn within_capacity<'a>(
+    node: &str,
+    jobs: impl Iterator<Item = &'a Job>,
+    capacity: u32,
+    long_capacity: u32,
+) -> Result<(), String> {
+    let (all, long) = jobs.fold((0u32, 0u32), |(a, l), j| (a + 1, l + u32::from(j.long)));
+    if all > capacity || long > long_capacity {
+        return Err(format!(
+            "{node} runs {all} ({long} long) across its sessions, above capacity {capacity} ({long_capacity})"
+        ));
+    }
+    Ok(())
+}
+
 /// How long a frame takes on a [`Wire`]: a delay drawn from `min..=max` by a seeded
 /// generator (str0m's netem, without loss: the link is TCP, it delays and stalls but
 /// neither drops nor reorders).

@@ -27,9 +27,9 @@ use crate::edge::{ConnId, EdgeCore, EdgeEvent, Peer, RequestEvent, Submit, Trans
 use crate::edge_config::{CandidateSpec, EdgeConfig, ModelSpec, NodeSpec, QueueLimits};
 use crate::lease::RequestId;
 use crate::reconnect::{MaxAttempts, ReconnectPolicy, Supervisor, SupervisorEvent};
-use crate::session::{NodeSession, NodeTransmit, RunOutput, SessionConfig, SessionEvent};
+use crate::session::{NodeSession, NodeTransmit, SessionConfig, SessionEvent};
 use crate::testkit::Inspect;
-use crate::testkit::harness::Wire;
+use crate::testkit::harness::{Job, Wire, advance_jobs, within_capacity};
 use crate::testkit::rng::Rng;
 use crate::time::Timestamp;
 use crate::token::TokenVerifier;
@@ -86,13 +86,6 @@ struct Link {
     to_edge: Wire,
     /// The Edge closed it: the node learns once what was sent before has arrived.
     closed_by_edge: bool,
-}
-
-struct Job {
-    long: bool,
-    step: u32,
-    next_at: Timestamp,
-    cancelled: bool,
 }
 
 struct Session {
@@ -478,19 +471,13 @@ impl World {
                 let delay = self.rng.range(5, 250);
                 self.nodes[n].sessions[s].jobs.insert(
                     request.run_id,
-                    Job {
-                        long: request.long_context,
-                        step: 0,
-                        next_at: now + Duration::from_millis(delay),
-                        cancelled: false,
-                    },
+                    Job::new(request.long_context, now + Duration::from_millis(delay)),
                 );
                 self.check_capacity(n)?;
             }
             SessionEvent::CancelRun { run_id } => {
                 if let Some(job) = node.sessions[s].jobs.get_mut(&run_id) {
-                    job.cancelled = true;
-                    job.next_at = job.next_at.min(now);
+                    job.cancel(now);
                 }
             }
             SessionEvent::Rehome { .. } => {
@@ -518,15 +505,9 @@ impl World {
 
     /// A node's work across its sessions stays within its adapter's capacity.
     fn check_capacity(&self, n: usize) -> Result<(), String> {
-        let jobs = self.nodes[n].sessions.iter().flat_map(|s| s.jobs.values());
-        let (all, long) = jobs.fold((0u32, 0u32), |(a, l), j| (a + 1, l + u32::from(j.long)));
-        if all > CAPACITY || long > LONG_CAPACITY {
-            return Err(format!(
-                "{} runs {all} ({long} long) across its sessions, above capacity {CAPACITY} ({LONG_CAPACITY})",
-                self.nodes[n].id
-            ));
-        }
-        Ok(())
+        let node = &self.nodes[n];
+        let jobs = node.sessions.iter().flat_map(|s| s.jobs.values());
+        within_capacity(&node.id, jobs, CAPACITY, LONG_CAPACITY)
     }
 
     /// The current session learns what the re-homed ones hold (as the node shell does).
@@ -652,7 +633,7 @@ impl World {
                     next = next.min(w.at);
                 }
                 for job in s.jobs.values() {
-                    next = next.min(job.next_at);
+                    next = next.min(job.next_at());
                 }
             }
         }
@@ -736,37 +717,13 @@ impl World {
 
     /// Provider work: start, one delta, complete (or cancelled).
     fn progress_jobs(&mut self, n: usize, s: usize) {
-        let now = self.now;
-        let due: Vec<String> = self.nodes[n].sessions[s]
-            .jobs
-            .iter()
-            .filter(|(_, j)| j.next_at <= now)
-            .map(|(id, _)| id.clone())
-            .collect();
-        for run_id in due {
-            let delay = Duration::from_millis(self.rng.range(5, 120));
-            let session = &mut self.nodes[n].sessions[s];
-            let Some(job) = session.jobs.get_mut(&run_id) else {
-                continue;
-            };
-            let output = match (job.step, job.cancelled) {
-                (0, _) => RunOutput::Start,
-                (_, true) => RunOutput::Cancelled,
-                (1, false) => RunOutput::Delta("x".into()),
-                _ => RunOutput::Complete {
-                    usage: None,
-                    metadata: BTreeMap::new(),
-                },
-            };
-            let last = matches!(output, RunOutput::Cancelled | RunOutput::Complete { .. });
-            job.step += 1;
-            job.next_at = now + delay;
-            let _ = session.session.handle_run_output(now, &run_id, output);
-            if last {
-                session.jobs.remove(&run_id);
-                let _ = session.session.handle_work_returned(now, &run_id);
-            }
-        }
+        let session = &mut self.nodes[n].sessions[s];
+        advance_jobs(
+            &mut self.rng,
+            self.now,
+            &mut session.session,
+            &mut session.jobs,
+        );
     }
 
     fn check_end(&mut self) -> Result<(), String> {
