@@ -414,66 +414,90 @@ struct Tally {
     failed_at: Mutex<Vec<(Instant, String)>>,
 }
 
-/// Callers until `stop`, through the balancer on `port`, each on a connection pool of its
-/// own: `small` sending small requests back to back, `streams` reading 1 s streams.
-fn load(
-    rt: &tokio::runtime::Runtime,
-    port: u16,
-    small: usize,
-    streams: usize,
-    stop: &Arc<AtomicBool>,
-    tally: &Arc<Tally>,
-) -> Vec<tokio::task::JoinHandle<()>> {
-    let mut tasks = Vec::new();
-    for i in 0..small + streams {
-        let (stop, tally) = (stop.clone(), tally.clone());
-        let stream = i >= small;
-        tasks.push(rt.spawn(async move {
-            let client: Client<HttpConnector, Full<Bytes>> =
-                Client::builder(TokioExecutor::new()).build(HttpConnector::new());
-            let ask = json!({"model": "chat", "stream": stream, "messages": [{"role": "user", "content": "x"}]});
-            while !stop.load(Ordering::SeqCst) {
-                let started = Instant::now();
-                let request = http::Request::post(format!("http://127.0.0.1:{port}/v1/chat/completions"))
-                    .header("content-type", "application/json")
-                    .body(Full::new(Bytes::from(ask.to_string())))
-                    .expect("request");
-                let outcome = async {
-                    let response = client.request(request).await.map_err(|e| format!("send: {e}"))?;
-                    let status = response.status();
-                    let body = response
-                        .into_body()
-                        .collect()
-                        .await
-                        .map_err(|e| format!("body: {e}"))?
-                        .to_bytes();
-                    let text = String::from_utf8_lossy(&body).into_owned();
-                    let whole = if stream {
-                        text.contains("data: [DONE]") && !text.contains("\"error\"")
-                    } else {
-                        text.contains("\"choices\"")
-                    };
-                    if status == 200 && whole {
-                        Ok(())
-                    } else {
-                        Err(format!("{status} {}", text.chars().take(200).collect::<String>()))
-                    }
-                };
-                match tokio::time::timeout(Duration::from_secs(30), outcome).await {
-                    Ok(Ok(())) => {
-                        tally.ok.fetch_add(1, Ordering::SeqCst);
-                    }
-                    Ok(Err(why)) => tally.failed_at.lock().unwrap().push((started, why)),
-                    Err(_) => tally
-                        .failed_at
-                        .lock()
-                        .unwrap()
-                        .push((started, "no answer in 30 s".into())),
-                }
-            }
-        }));
+/// Callers sending requests until [`Load::finish`], and what they saw.
+struct Load {
+    stop: Arc<AtomicBool>,
+    tally: Arc<Tally>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Load {
+    fn new() -> Self {
+        Load {
+            stop: Arc::new(AtomicBool::new(false)),
+            tally: Arc::new(Tally::default()),
+            tasks: Vec::new(),
+        }
     }
-    tasks
+
+    /// More callers on `port`, each on a connection pool of its own: `small` sending
+    /// small requests back to back, `streams` reading 1 s streams.
+    fn callers(&mut self, rt: &tokio::runtime::Runtime, port: u16, small: usize, streams: usize) {
+        for i in 0..small + streams {
+            let (stop, tally) = (self.stop.clone(), self.tally.clone());
+            let stream = i >= small;
+            self.tasks.push(rt.spawn(async move {
+                let client: Client<HttpConnector, Full<Bytes>> =
+                    Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+                let ask = json!({"model": "chat", "stream": stream, "messages": [{"role": "user", "content": "x"}]});
+                while !stop.load(Ordering::SeqCst) {
+                    let started = Instant::now();
+                    let request = http::Request::post(format!("http://127.0.0.1:{port}/v1/chat/completions"))
+                        .header("content-type", "application/json")
+                        .body(Full::new(Bytes::from(ask.to_string())))
+                        .expect("request");
+                    let outcome = async {
+                        let response = client.request(request).await.map_err(|e| format!("send: {e}"))?;
+                        let status = response.status();
+                        let body = response
+                            .into_body()
+                            .collect()
+                            .await
+                            .map_err(|e| format!("body: {e}"))?
+                            .to_bytes();
+                        let text = String::from_utf8_lossy(&body).into_owned();
+                        let whole = if stream {
+                            text.contains("data: [DONE]") && !text.contains("\"error\"")
+                        } else {
+                            text.contains("\"choices\"")
+                        };
+                        if status == 200 && whole {
+                            Ok(())
+                        } else {
+                            Err(format!("{status} {}", text.chars().take(200).collect::<String>()))
+                        }
+                    };
+                    match tokio::time::timeout(Duration::from_secs(30), outcome).await {
+                        Ok(Ok(())) => {
+                            tally.ok.fetch_add(1, Ordering::SeqCst);
+                        }
+                        Ok(Err(why)) => tally.failed_at.lock().unwrap().push((started, why)),
+                        Err(_) => tally
+                            .failed_at
+                            .lock()
+                            .unwrap()
+                            .push((started, "no answer in 30 s".into())),
+                    }
+                }
+            }));
+        }
+    }
+
+    /// Requests answered so far.
+    fn answered(&self) -> usize {
+        self.tally.ok.load(Ordering::SeqCst)
+    }
+
+    /// Stops the callers once their request in progress has ended: requests answered,
+    /// and each failure with its start.
+    fn finish(mut self, rt: &tokio::runtime::Runtime) -> (usize, Vec<(Instant, String)>) {
+        self.stop.store(true, Ordering::SeqCst);
+        for task in std::mem::take(&mut self.tasks) {
+            let _ = rt.block_on(task);
+        }
+        let failed = self.tally.failed_at.lock().unwrap().clone();
+        (self.answered(), failed)
+    }
 }
 
 fn fakes(rt: &tokio::runtime::Runtime, n: usize) -> Vec<Fake> {
@@ -683,11 +707,10 @@ fn three_edges_share_config_nodes_and_callers_and_survive_a_killed_edge() {
     let ports: Vec<u16> = fabric.edges.iter().map(|e| e.http).collect();
     let (_haproxy, lb) = start_haproxy(&fabric.dir, &ports);
     std::thread::sleep(Duration::from_millis(800));
-    let stop = Arc::new(AtomicBool::new(false));
-    let tally = Arc::new(Tally::default());
-    let tasks = load(&rt, lb, 6, 3, &stop, &tally);
+    let mut load = Load::new();
+    load.callers(&rt, lb, 6, 3);
     std::thread::sleep(Duration::from_secs(3));
-    let before = tally.ok.load(Ordering::SeqCst);
+    let before = load.answered();
     let killed_at = Instant::now();
     fabric.edges[0]
         .proc
@@ -700,12 +723,7 @@ fn three_edges_share_config_nodes_and_callers_and_survive_a_killed_edge() {
         .expect("running")
         .wait_exit(Duration::from_secs(5));
     std::thread::sleep(Duration::from_secs(6));
-    stop.store(true, Ordering::SeqCst);
-    for task in tasks {
-        let _ = rt.block_on(task);
-    }
-    let failed = tally.failed_at.lock().unwrap().clone();
-    let ok = tally.ok.load(Ordering::SeqCst);
+    let (ok, failed) = load.finish(&rt);
     // In flight on edge-a when it died: those may fail. A request that started once the
     // kernel had closed its sockets must not.
     let grace = Duration::from_millis(200);
@@ -764,17 +782,11 @@ fn two_edges_never_oversubscribe_a_shared_provider() {
         "only",
     );
     fabric.await_ready(&["n1"], Duration::from_secs(15));
-    let stop = Arc::new(AtomicBool::new(false));
-    let tally = Arc::new(Tally::default());
-    let mut tasks = load(&rt, fabric.edges[0].http, 2, 3, &stop, &tally);
-    tasks.extend(load(&rt, fabric.edges[1].http, 2, 3, &stop, &tally));
+    let mut load = Load::new();
+    load.callers(&rt, fabric.edges[0].http, 2, 3);
+    load.callers(&rt, fabric.edges[1].http, 2, 3);
     std::thread::sleep(Duration::from_secs(6));
-    stop.store(true, Ordering::SeqCst);
-    for task in tasks {
-        let _ = rt.block_on(task);
-    }
-    let failed = tally.failed_at.lock().unwrap().clone();
-    let ok = tally.ok.load(Ordering::SeqCst);
+    let (ok, failed) = load.finish(&rt);
     let most = fabric.fakes[0].state.max_in_flight.load(Ordering::SeqCst);
     eprintln!(
         "two edges, capacity 2: {ok} answered, {} failed, at most {most} at once",
@@ -802,10 +814,9 @@ fn a_cluster_edge_replaced_with_takeover_keeps_its_place_and_its_node() {
         "only",
     );
     fabric.await_ready(&["n1"], Duration::from_secs(15));
-    let stop = Arc::new(AtomicBool::new(false));
-    let tally = Arc::new(Tally::default());
-    let mut tasks = load(&rt, fabric.edges[0].http, 2, 1, &stop, &tally);
-    tasks.extend(load(&rt, fabric.edges[1].http, 2, 1, &stop, &tally));
+    let mut load = Load::new();
+    load.callers(&rt, fabric.edges[0].http, 2, 1);
+    load.callers(&rt, fabric.edges[1].http, 2, 1);
     std::thread::sleep(Duration::from_secs(1));
     let path = fabric.edges[0].config.to_string_lossy().into_owned();
     let successor = Proc::start(
@@ -839,12 +850,7 @@ fn a_cluster_edge_replaced_with_takeover_keeps_its_place_and_its_node() {
         );
     }
     std::thread::sleep(Duration::from_secs(1));
-    stop.store(true, Ordering::SeqCst);
-    for task in tasks {
-        let _ = rt.block_on(task);
-    }
-    let failed = tally.failed_at.lock().unwrap().clone();
-    let ok = tally.ok.load(Ordering::SeqCst);
+    let (ok, failed) = load.finish(&rt);
     eprintln!(
         "takeover inside a cluster: {ok} answered, {} failed",
         failed.len()
