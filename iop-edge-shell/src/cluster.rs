@@ -411,8 +411,6 @@ impl Task {
             edge_id: self.parts.handle.view.edge_id.clone(),
             members: infos
                 .iter()
-                .filter(|m| !m.node_addr.is_empty())
-                .take(64)
                 .map(|m| ClusterEdge {
                     edge_id: m.edge_id.clone(),
                     node_addr: m.node_addr.clone(),

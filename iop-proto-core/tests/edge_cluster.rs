@@ -387,3 +387,45 @@ fn the_same_node_process_registering_twice_keeps_its_live_session() {
     let (_, events) = h.drain();
     assert_eq!(grants(&events).len(), 1, "{events:?}");
 }
+
+/// What the Edge tells its nodes always passes their validation: members that cannot go
+/// on the wire are left out, and no more than the wire allows are sent.
+#[test]
+fn members_that_cannot_go_on_the_wire_are_left_out() {
+    let mut h = clustered();
+    let conn = h.open();
+    register_following(&mut h, conn, "n1", 7);
+    h.drain();
+    h.edge
+        .handle_claim(h.now, conn, ClaimDecision::Admitted { fence: 3 });
+    h.ready(conn, "n1");
+    h.drain();
+    let mut many = members();
+    many.members.push(ClusterEdge {
+        edge_id: "edge-empty".into(),
+        node_addr: String::new(),
+    });
+    many.members.push(ClusterEdge {
+        edge_id: "x".repeat(10_000),
+        node_addr: "x:1".into(),
+    });
+    for i in 0..100 {
+        many.members.push(ClusterEdge {
+            edge_id: format!("edge-{i:03}"),
+            node_addr: format!("h{i}:7100"),
+        });
+    }
+    h.edge.handle_cluster_members(h.now, many);
+    let (transmits, _) = h.drain();
+    let frames = frames_to(&transmits, conn);
+    let [Body::ClusterMembers(sent)] = frames.as_slice() else {
+        panic!("{transmits:?}");
+    };
+    assert_eq!(sent.members.len(), 64);
+    assert_eq!(sent.members[..2], members().members[..]);
+    assert!(
+        Envelope::new(Body::ClusterMembers(sent.clone()))
+            .validate()
+            .is_ok()
+    );
+}

@@ -121,9 +121,16 @@ impl EdgeCore {
         }
     }
 
-    /// The cluster's members changed: every node that follows the cluster is told.
-    pub fn handle_cluster_members(&mut self, now: Timestamp, members: ClusterMembers) {
+    /// The cluster's members changed: every node that follows the cluster is told. A
+    /// member that could not go on the wire (an empty or oversized id or address) is left
+    /// out, and at most [`MAX_CLUSTER_MEMBERS`](crate::wire::MAX_CLUSTER_MEMBERS) are told.
+    pub fn handle_cluster_members(&mut self, now: Timestamp, mut members: ClusterMembers) {
         self.advance(now);
+        let fits = |text: &str| !text.is_empty() && text.len() <= crate::wire::MAX_NODE_ID_BYTES;
+        members
+            .members
+            .retain(|m| fits(&m.edge_id) && fits(&m.node_addr));
+        members.members.truncate(crate::wire::MAX_CLUSTER_MEMBERS);
         if self.cluster.members.as_ref() == Some(&members) {
             return;
         }

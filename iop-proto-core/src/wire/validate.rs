@@ -533,7 +533,7 @@ impl Validate for NodeRehomeRequest {
 }
 
 /// The most Edges a `ClusterMembers` may list.
-const MAX_CLUSTER_MEMBERS: usize = 64;
+pub const MAX_CLUSTER_MEMBERS: usize = 64;
 
 impl Validate for ClusterMembers {
     /// Bounded: at most [`MAX_CLUSTER_MEMBERS`] Edges, each with an id and an address of
