@@ -429,3 +429,75 @@ fn members_that_cannot_go_on_the_wire_are_left_out() {
             .is_ok()
     );
 }
+
+/// Under saturation a request may lose the race for a freed slot to another Edge many
+/// times while it waits: each such refusal comes after the node's report that the slot
+/// is taken, so the ledger explains it, the request waits for capacity again, and it is
+/// not ended by the bound on refusals.
+#[test]
+fn refusals_the_nodes_reports_explain_never_end_a_waiting_request() {
+    let mut h = Harness::new();
+    let conn = h.connect("n1");
+    let held = |n: u32| {
+        Body::NodeLoadReport(NodeLoadReport {
+            held_elsewhere: if n == 0 {
+                Vec::new()
+            } else {
+                vec![AdapterLoad {
+                    adapter: "a".into(),
+                    in_flight: n,
+                    long_in_flight: 0,
+                }]
+            },
+        })
+    };
+    let request = h.submit("solo", 1).expect("accepted");
+    let (_, events) = h.drain();
+    let mut grant = grants(&events).pop().expect("dispatched");
+    for _ in 0..20 {
+        // Another Edge took both slots: reported, then this run refused.
+        h.send(conn, held(2));
+        h.run_event(conn, &grant.run.wire(), RunEventType::Start, 1);
+        h.send(
+            conn,
+            Body::RunEvent(RunEvent {
+                run_id: grant.run.wire(),
+                sequence: 2,
+                r#type: RunEventType::Error as i32,
+                error: Some(ErrorDetail {
+                    code: "refused".into(),
+                    message: "adapter at capacity (2 in flight)".into(),
+                    retryable: true,
+                }),
+                ..Default::default()
+            }),
+        );
+        let (_, events) = h.drain();
+        assert!(ended(&events).is_empty(), "{events:?}");
+        assert!(grants(&events).is_empty(), "it waits: {events:?}");
+        // The other Edge's work ends: the slot is offered again.
+        h.send(conn, held(0));
+        let (_, events) = h.drain();
+        grant = grants(&events).pop().expect("dispatched again once free");
+        assert_eq!(grant.request, request);
+    }
+    h.run_event(conn, &grant.run.wire(), RunEventType::Start, 1);
+    h.send(
+        conn,
+        Body::RunEvent(RunEvent {
+            run_id: grant.run.wire(),
+            sequence: 2,
+            r#type: RunEventType::Delta as i32,
+            delta: "hi".into(),
+            ..Default::default()
+        }),
+    );
+    h.run_event(conn, &grant.run.wire(), RunEventType::Complete, 3);
+    let (_, events) = h.drain();
+    assert!(
+        ended(&events)
+            .iter()
+            .any(|(r, o)| *r == request && *o == Outcome::Completed),
+        "{events:?}"
+    );
+}

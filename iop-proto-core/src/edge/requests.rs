@@ -154,7 +154,9 @@ pub(super) struct Request {
     /// Dispatches so far.
     attempts: u32,
     /// Dispatches a node refused before its provider was asked ([`Cause::Refused`]): not
-    /// counted as attempts, and bounded by [`MAX_REFUSALS`].
+    /// counted as attempts.
+    refused: u32,
+    /// Of those, refusals its ledger could not explain: bounded by [`MAX_REFUSALS`].
     refusals: u32,
     /// Providers a run of it failed on: not tried again for it.
     failed: Vec<ResourceId>,
@@ -259,10 +261,13 @@ pub(super) enum Cause {
 /// The code of a node's refusal to start work (`RunEvent` error before any content).
 pub(super) const REFUSED: &str = "refused";
 
-/// Refusals a request may meet before it fails with the last one. The node reports what
-/// its other sessions hold before it refuses, so a retry sees its capacity as it is; the
-/// bound only stops a node that refuses everything (a configuration it does not share)
-/// from being asked again and again.
+/// Refusals a request may meet, that its ledger cannot explain, before it fails with the
+/// last one. A node reports what its other sessions hold before it refuses, so a refusal
+/// for a slot another Edge took leaves the ledger full: it is not counted (under
+/// saturation a request may lose many such races while it waits, within its queue wait).
+/// A refusal with room left in the ledger is counted: the bound stops a node that
+/// refuses everything (a configuration it does not share) from being asked again and
+/// again.
 pub(super) const MAX_REFUSALS: u32 = 8;
 
 impl Cause {
@@ -438,6 +443,7 @@ impl Requests {
                 live: Few::default(),
                 committed: None,
                 attempts: 0,
+                refused: 0,
                 refusals: 0,
                 failed: Vec::new(),
                 last_failure: None,
@@ -693,7 +699,7 @@ impl Requests {
         if let Some(request) = self.map.get_mut(&run.request) {
             request.live.retain(|&l| l != run);
             if matches!(cause, Cause::Refused(_)) {
-                request.refusals += 1;
+                request.refused += 1;
             } else if !request.failed.contains(&lease.resource) {
                 request.failed.push(lease.resource);
             }
@@ -739,12 +745,19 @@ impl Requests {
     pub(super) fn attempts(&self, id: RequestId) -> Option<(u32, &[ResourceId])> {
         self.map
             .get(&id)
-            .map(|r| (r.attempts.saturating_sub(r.refusals), r.failed.as_slice()))
+            .map(|r| (r.attempts.saturating_sub(r.refused), r.failed.as_slice()))
     }
 
-    /// The refusals `id` met so far.
+    /// The refusals `id` met that its ledger could not explain so far.
     pub(super) fn refusals(&self, id: RequestId) -> u32 {
         self.map.get(&id).map_or(0, |r| r.refusals)
+    }
+
+    /// `id` met a refusal its ledger could not explain (see [`MAX_REFUSALS`]).
+    pub(super) fn count_refusal(&mut self, id: RequestId) {
+        if let Some(r) = self.map.get_mut(&id) {
+            r.refusals += 1;
+        }
     }
 
     /// A fenced lease: its run is gone with its node.

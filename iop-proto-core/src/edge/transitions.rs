@@ -455,6 +455,18 @@ impl EdgeCore {
         self.may_try_again(request, also, false)
     }
 
+    /// Whether the ledger explains a node's refusal of `lease`'s run: without that run, the
+    /// units this Edge holds and those the node reported held elsewhere fill its capacity
+    /// (or its long-context capacity, for a long run). The node reports what its other
+    /// sessions hold before it refuses, so a slot another Edge took is explained.
+    fn refusal_explained(&self, lease: Lease) -> bool {
+        let usage = self.pool.usage(lease.resource);
+        let others = usage.in_flight.saturating_sub(1) + usage.held_elsewhere;
+        let long_others =
+            usage.long_in_flight.saturating_sub(u32::from(lease.long)) + usage.long_held_elsewhere;
+        others >= usage.capacity || (lease.long && long_others >= usage.long_capacity)
+    }
+
     /// [`Self::may_retry`]; after a node's refusal (`refused`), within
     /// [`requests::MAX_REFUSALS`] and outside the attempts and the retry budget, with the
     /// refusing provider still a candidate.
@@ -659,12 +671,15 @@ impl EdgeCore {
             });
         }
         let refused = matches!(cause, Cause::Refused(_));
+        let request = run.request;
         if !refused {
             self.provider_failed(lease.resource, run, retry_after);
         }
-        let request = run.request;
         // A refusal leaves the provider a candidate: it was full for a moment.
         let retry = self.may_try_again(request, (!refused).then_some(lease.resource), refused);
+        if refused && !self.refusal_explained(lease) {
+            self.requests.count_refusal(request);
+        }
         let alone = !self.requests.has_live_besides(request, run);
         if !retry && alone && !matches!(cause, Cause::Violation(_)) {
             // Nothing else can answer: the caller gets this one.
