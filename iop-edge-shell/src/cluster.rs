@@ -200,6 +200,7 @@ pub(crate) async fn run(settings: ClusterSettings, parts: Parts) {
     );
     config.lease_ttl = settings.lease_ttl;
     config.keepalive_every = settings.keepalive;
+    config.resync_every = settings.resync;
     let clock = parts.core.clock();
     let member = match ClusterMember::new(config, clock.now()) {
         Ok(member) => member,

@@ -79,6 +79,7 @@ struct RawCluster {
     key_file: Option<PathBuf>,
     lease_ttl_sec: Option<u64>,
     keepalive_sec: Option<u64>,
+    resync_sec: Option<u64>,
     request_timeout_ms: Option<u64>,
 }
 
@@ -127,6 +128,9 @@ pub struct ClusterSettings {
     pub lease_ttl: Duration,
     /// How often it is renewed (default 3 s).
     pub keepalive: Duration,
+    /// How often the cluster's prefix is read again and the watch started anew (default
+    /// 30 s): the longest a silently stalled watch can hide a change.
+    pub resync: Duration,
     /// Deadline of one etcd request (default 2 s).
     pub request_timeout: Duration,
 }
@@ -249,6 +253,7 @@ fn cluster_settings(
         key_file: raw.key_file.map(|f| relative(path, &f)),
         lease_ttl,
         keepalive,
+        resync: secs("cluster.resync_sec", raw.resync_sec, 30)?,
         request_timeout: positive_ms("cluster.request_timeout_ms", raw.request_timeout_ms, 2_000)?,
     })
 }
@@ -1433,6 +1438,7 @@ providers = [{ node = "n1", adapter = "mock", target = "m" }]
         assert_eq!(cluster.advertise_nodes, "127.0.0.1:7100");
         assert_eq!(cluster.lease_ttl, Duration::from_secs(10));
         assert_eq!(cluster.keepalive, Duration::from_secs(3));
+        assert_eq!(cluster.resync, Duration::from_secs(30));
         assert!(parse(MINIMAL).expect("valid").cluster.is_none());
     }
 
@@ -1447,6 +1453,7 @@ providers = [{ node = "n1", adapter = "mock", target = "m" }]
             "lease_ttl_sec = 6\nkeepalive_sec = 3\n",
             "cluster.keepalive_sec",
         );
+        refused("resync_sec = 0\n", "cluster.resync_sec");
         refused("username = \"iop\"\n", "cluster.username");
         refused("cert_file = \"c.pem\"\n", "cluster.cert_file");
         let bad_id = format!("{MINIMAL}{}", CLUSTER.replace("edge-a", "edge/a"));

@@ -29,6 +29,11 @@
 //!   ([`ClusterEvent::Configure`]), the shell validates and applies it as a reload and says
 //!   how it went ([`handle_configured`](ClusterMember::handle_configured)), and the outcome
 //!   is written under `<prefix>/status/<edge id>` for `iop-edge config push` to read.
+//! - **The watch is checked.** A watch that stalls without its connection breaking
+//!   delivers nothing and says nothing, so every `resync_every` the member reads the prefix
+//!   again ([`EtcdRequest::Sync`]; the shell watches on from the read's revision, on a new
+//!   connection). What the watch missed arrives with the read; a read older than what the
+//!   watch already delivered changes nothing.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::time::Duration;
@@ -63,11 +68,14 @@ pub struct ClusterConfig {
     pub keepalive_every: Duration,
     /// How long after a failed request it is asked again.
     pub retry_after: Duration,
+    /// How often the prefix is read again (and the watch started anew from the read), so
+    /// that a watch that stalled silently misses changes for at most this long.
+    pub resync_every: Duration,
 }
 
 impl ClusterConfig {
     /// A member with etcd's usual timing for such leases: 10 s to live, renewed every 3 s,
-    /// failed requests retried after 1 s.
+    /// failed requests retried after 1 s; the prefix read again every 30 s.
     #[must_use]
     pub fn new(edge_id: &str, prefix: &str, member_info: Vec<u8>) -> Self {
         ClusterConfig {
@@ -77,6 +85,7 @@ impl ClusterConfig {
             lease_ttl: Duration::from_secs(10),
             keepalive_every: Duration::from_secs(3),
             retry_after: Duration::from_secs(1),
+            resync_every: Duration::from_secs(30),
         }
     }
 }
@@ -96,6 +105,9 @@ pub enum ClusterConfigError {
         /// The renewal interval asked for.
         every: Duration,
     },
+    /// The prefix would never be read again.
+    #[error("the cluster's prefix must be read again at some interval (resync_every is zero)")]
+    ResyncEvery,
 }
 
 /// A request for etcd; the shell performs it and answers with the matching [`Reply`].
@@ -312,6 +324,8 @@ enum Timer {
     Retry,
     /// The node lease of the instance in this slot runs out.
     Node(u64),
+    /// Read the prefix again, in case the watch stalled.
+    Resync,
 }
 
 impl crate::timer::TimerKey for Timer {
@@ -321,6 +335,7 @@ impl crate::timer::TimerKey for Timer {
             Timer::KeepAlive => "keep-alive",
             Timer::Retry => "retry",
             Timer::Node(_) => "node lease",
+            Timer::Resync => "resync",
         }
     }
 }
@@ -352,7 +367,10 @@ enum Pending {
         sent: Timestamp,
         admit: Option<(ClaimTicket, u64)>,
     },
-    Sync,
+    /// A read of the prefix; `seen` is the revision the member had reached when it asked.
+    Sync {
+        seen: u64,
+    },
 }
 
 /// One Edge's membership, configuration and node-id claims (module docs).
@@ -421,6 +439,9 @@ impl ClusterMember {
                 ttl: config.lease_ttl,
                 every: config.keepalive_every,
             });
+        }
+        if config.resync_every.is_zero() {
+            return Err(ClusterConfigError::ResyncEvery);
         }
         let mut member = ClusterMember {
             config,
@@ -560,22 +581,35 @@ impl ClusterMember {
                 },
                 reply,
             ) => self.node_renewed(node_id, instance, lease, sent, admit, reply),
-            (Pending::Sync, Reply::Synced { revision, kvs }) => {
+            (Pending::Sync { seen }, Reply::Synced { revision, kvs }) => {
                 self.syncing = false;
-                self.synced = true;
-                if revision < self.revision {
+                self.timers
+                    .set(Timer::Resync, now.saturating_add(self.config.resync_every));
+                if revision < seen {
                     // The store went back: an etcd started afresh, its data lost. Its
                     // revisions count again from 1, so what it holds is offered anew.
                     self.offered_config = 0;
+                } else if self.synced && revision < self.revision {
+                    // The watch already delivered past this read: it is alive, and the
+                    // read has nothing newer (the shell's new watch starts after the read,
+                    // and what it repeats is skipped).
+                    return Ok(());
                 }
+                self.synced = true;
                 self.revision = revision;
                 self.view = kvs.into_iter().map(|kv| (kv.key.clone(), kv)).collect();
                 self.view_changed();
                 self.maybe_join();
             }
-            (Pending::Sync, _) => {
+            (Pending::Sync { .. }, _) => {
                 self.syncing = false;
-                self.retry(|m| m.retry_sync = true);
+                if self.synced {
+                    // A check of a watch still running: the next one comes soon.
+                    self.timers
+                        .set(Timer::Resync, now.saturating_add(self.config.retry_after));
+                } else {
+                    self.retry(|m| m.retry_sync = true);
+                }
             }
         }
         Ok(())
@@ -658,6 +692,7 @@ impl ClusterMember {
                 }
                 Timer::KeepAlive => self.renew(now),
                 Timer::Retry => self.ask_again(),
+                Timer::Resync => self.sync(),
             }
         }
     }
@@ -843,7 +878,8 @@ impl ClusterMember {
         }
         self.syncing = true;
         let prefix = format!("{}/", self.config.prefix);
-        self.send(EtcdRequest::Sync { prefix }, Pending::Sync);
+        let seen = self.revision;
+        self.send(EtcdRequest::Sync { prefix }, Pending::Sync { seen });
     }
 
     fn retry(&mut self, what: impl FnOnce(&mut Self)) {

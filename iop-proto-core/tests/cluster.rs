@@ -350,6 +350,176 @@ fn a_store_that_went_back_offers_its_configuration_anew() {
     }));
 }
 
+/// Runs `member` from `from` to `to` in steps of a second, renewing its lease whenever it
+/// asks; returns every other request it made, with the time it was made.
+fn keep_running(member: &mut ClusterMember, from: u64, to: u64) -> Vec<(u64, Transmit)> {
+    let mut others = Vec::new();
+    let mut now = from;
+    while now < to {
+        now = (now + 1_000).min(to);
+        member.handle_timeout(at(now));
+        for transmit in transmits(member) {
+            if matches!(transmit.request, EtcdRequest::KeepAlive { .. }) {
+                member
+                    .handle_reply(
+                        at(now),
+                        transmit.tag,
+                        Reply::KeptAlive {
+                            ttl: Duration::from_secs(10),
+                        },
+                    )
+                    .unwrap();
+            } else {
+                others.push((now, transmit));
+            }
+        }
+    }
+    others
+}
+
+/// A watch can stall without its connection breaking (a middlebox that drops the stream
+/// without a reset): it then delivers nothing and says nothing. The member reads the
+/// prefix again every `resync_every`, and what the watch missed arrives with the read.
+#[test]
+fn a_watch_that_stalled_silently_is_caught_up_by_the_next_read() {
+    let mut member = joined(vec![
+        kv("/iop/members/e1", "127.0.0.1:7100", 4, 7),
+        kv("/iop/config", "first", 5, 0),
+    ]);
+    let _ = events(&mut member);
+    // Meanwhile e2 joined and a configuration was pushed; the watch delivered neither.
+    let early = keep_running(&mut member, 100, 30_000);
+    assert!(
+        early.is_empty(),
+        "nothing read before the interval: {early:?}"
+    );
+    let later = keep_running(&mut member, 30_000, 31_000);
+    let [(when, sync)] = later.as_slice() else {
+        panic!("one read of the prefix: {later:?}");
+    };
+    assert_eq!(*when, 31_000, "30 s after the last read answered (t=100ms)");
+    assert!(matches!(&sync.request, EtcdRequest::Sync { prefix } if prefix == "/iop/"));
+    member
+        .handle_reply(
+            at(31_010),
+            sync.tag,
+            Reply::Synced {
+                revision: 9,
+                kvs: vec![
+                    kv("/iop/members/e1", "127.0.0.1:7100", 4, 7),
+                    kv("/iop/members/e2", "127.0.0.1:7200", 6, 8),
+                    kv("/iop/config", "second", 8, 0),
+                ],
+            },
+        )
+        .unwrap();
+    let seen = events(&mut member);
+    assert!(
+        seen.iter()
+            .any(|e| matches!(e, ClusterEvent::Members(m) if m.len() == 2)),
+        "{seen:?}"
+    );
+    assert!(
+        seen.contains(&ClusterEvent::Configure {
+            revision: 8,
+            text: b"second".to_vec()
+        }),
+        "{seen:?}"
+    );
+    assert!(
+        member.is_member(),
+        "a read changes nothing about membership"
+    );
+    // And again 30 s after that one.
+    let next = keep_running(&mut member, 31_010, 62_000);
+    assert_eq!(
+        next.iter()
+            .filter(|(_, t)| matches!(t.request, EtcdRequest::Sync { .. }))
+            .map(|(when, _)| *when)
+            .collect::<Vec<_>>(),
+        [61_010],
+        "30 s after that read was answered"
+    );
+}
+
+/// A live watch may deliver past the revision a read saw (the read was served, then more
+/// was written and watched, then the read's answer came). That read is older than what
+/// the member holds: it changes nothing, and offers no configuration again.
+#[test]
+fn a_read_older_than_what_the_watch_delivered_changes_nothing() {
+    let mut member = joined(vec![kv("/iop/config", "first", 5, 0)]);
+    let _ = events(&mut member);
+    let later = keep_running(&mut member, 100, 31_000);
+    let (_, sync) = later
+        .into_iter()
+        .find(|(_, t)| matches!(t.request, EtcdRequest::Sync { .. }))
+        .expect("the prefix is read again");
+    let pushed = kv("/iop/config", "second", 7, 0);
+    member.handle_watch(at(31_005), vec![WatchEvent::Put(pushed)]);
+    assert_eq!(
+        events(&mut member),
+        [ClusterEvent::Configure {
+            revision: 7,
+            text: b"second".to_vec()
+        }]
+    );
+    member
+        .handle_reply(
+            at(31_010),
+            sync.tag,
+            Reply::Synced {
+                revision: 6,
+                kvs: vec![kv("/iop/config", "first", 5, 0)],
+            },
+        )
+        .unwrap();
+    assert_eq!(events(&mut member), [], "not the store going back");
+    // The shell's new watch starts after the read: what it repeats is skipped, what is
+    // new applies.
+    member.handle_watch(
+        at(31_020),
+        vec![
+            WatchEvent::Put(kv("/iop/config", "second", 7, 0)),
+            WatchEvent::Put(kv("/iop/config", "third", 8, 0)),
+        ],
+    );
+    assert_eq!(
+        events(&mut member),
+        [ClusterEvent::Configure {
+            revision: 8,
+            text: b"third".to_vec()
+        }]
+    );
+}
+
+/// A read that fails while the watch runs is tried again soon, without leaving the
+/// cluster or dropping what the member holds.
+#[test]
+fn a_failed_check_is_tried_again_soon() {
+    let mut member = joined(vec![kv("/iop/config", "first", 5, 0)]);
+    let _ = events(&mut member);
+    let later = keep_running(&mut member, 100, 31_000);
+    let (_, sync) = later
+        .into_iter()
+        .find(|(_, t)| matches!(t.request, EtcdRequest::Sync { .. }))
+        .expect("the prefix is read again");
+    member
+        .handle_reply(at(31_000), sync.tag, Reply::Failed)
+        .unwrap();
+    assert!(member.is_member());
+    assert_eq!(events(&mut member), []);
+    let again = keep_running(&mut member, 31_000, 33_000);
+    assert_eq!(
+        again
+            .iter()
+            .filter(|(_, t)| matches!(t.request, EtcdRequest::Sync { .. }))
+            .map(|(when, _)| *when)
+            .collect::<Vec<_>>(),
+        [32_000],
+        "retried after retry_after (1 s)"
+    );
+}
+
 #[test]
 fn misuse_is_a_typed_error() {
     let config = ClusterConfig::new("a/b", "/iop", vec![]);
@@ -362,6 +532,12 @@ fn misuse_is_a_typed_error() {
     assert!(matches!(
         ClusterMember::new(config, at(0)),
         Err(ClusterConfigError::KeepAlive { .. })
+    ));
+    let mut config = ClusterConfig::new("e1", "/iop", vec![]);
+    config.resync_every = Duration::ZERO;
+    assert!(matches!(
+        ClusterMember::new(config, at(0)),
+        Err(ClusterConfigError::ResyncEvery)
     ));
     let mut member = joined(vec![]);
     assert_eq!(

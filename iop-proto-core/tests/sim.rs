@@ -411,6 +411,7 @@ fn every_cluster_seed_keeps_every_invariant() {
                 total.killed += stats.killed;
                 total.partitions += stats.partitions;
                 total.refused_configs += stats.refused_configs;
+                total.stalls += stats.stalls;
             }
             Err(failure) => panic!("seed {seed}: {failure}"),
         }
@@ -420,6 +421,7 @@ fn every_cluster_seed_keeps_every_invariant() {
     assert!(total.admitted > seeds() * 10 && total.held_by > seeds());
     assert!(total.left > 0 && total.fenced > 0 && total.killed > seeds());
     assert!(total.partitions > seeds() && total.refused_configs > seeds());
+    assert!(total.stalls > seeds());
 }
 
 #[test]
@@ -427,10 +429,24 @@ fn a_planted_member_serving_past_its_lease_is_caught() {
     use iop_proto_core::testkit::cluster::{ClusterFaults, run_cluster_seed};
     let planted = ClusterFaults {
         ignore_fences: true,
+        ..ClusterFaults::default()
     };
     let caught = (0..200).any(|seed| run_cluster_seed(seed, planted).is_err());
     assert!(
         caught,
         "a member that keeps serving after its lease is lost goes unseen"
     );
+}
+
+/// A member that trusts its watch for good misses what a silently stalled one never
+/// delivers: the settled world catches it (a member or configuration it never saw).
+#[test]
+fn a_planted_member_that_never_reads_again_is_caught() {
+    use iop_proto_core::testkit::cluster::{ClusterFaults, run_cluster_seed};
+    let planted = ClusterFaults {
+        no_resync: true,
+        ..ClusterFaults::default()
+    };
+    let caught = (0..200).any(|seed| run_cluster_seed(seed, planted).is_err());
+    assert!(caught, "a watch that stalls for good goes unseen");
 }

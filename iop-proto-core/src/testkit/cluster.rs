@@ -4,7 +4,8 @@
 //! under one revision counter, and leases expire by the store's clock. Each member reaches
 //! it over a link of its own with a seeded latency; links partition and heal, answers are
 //! lost (the request may still have been applied), watches deliver every change in
-//! revision order after the link's latency and break on a partition. Edges are killed
+//! revision order after the link's latency and break on a partition, or stall silently
+//! (deliver nothing, break never) until the member reads the prefix again. Edges are killed
 //! (their lease then runs out in the store) and started again under the same id. Node
 //! instances, two of them for each node id, register with members and end their sessions;
 //! configurations, some invalid, are pushed.
@@ -14,7 +15,7 @@
 //! node lease alive; a member serving anything holds a lease the store has not expired; no
 //! invalid configuration applied, and configurations applied in revision order. At the end, once
 //! every link has healed: every live member is a member, sees exactly the live members, and
-//! runs the last configuration pushed (always a valid one).
+//! runs the last configuration pushed (always a valid one), stalled watches included.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
@@ -38,6 +39,8 @@ const SETTLE: Duration = Duration::from_secs(40);
 pub struct ClusterFaults {
     /// Members keep serving after their lease is lost (ignore `Fence`).
     pub ignore_fences: bool,
+    /// Members never read the prefix again once synced, trusting a watch that may stall.
+    pub no_resync: bool,
 }
 
 /// What a run exercised.
@@ -59,6 +62,8 @@ pub struct ClusterStats {
     pub partitions: u64,
     /// Configurations refused as invalid.
     pub refused_configs: u64,
+    /// Watches that stalled silently.
+    pub stalls: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -223,6 +228,11 @@ struct Edge {
     watch_from: Option<usize>,
     /// The watch breaks then (a partition noticed).
     watch_breaks: Option<Timestamp>,
+    /// The watch stalled silently: it delivers nothing until the next read of the prefix
+    /// (after which the shell watches on a new connection).
+    stalled: bool,
+    /// The members the member last said it sees.
+    members: BTreeSet<String>,
     /// Sessions by node id: instance and how many.
     sessions: HashMap<String, (u64, u32)>,
     /// Claims asked for and not answered yet.
@@ -251,8 +261,12 @@ struct World {
     trace: Vec<String>,
 }
 
-fn member_config(id: &str) -> ClusterConfig {
-    ClusterConfig::new(id, PREFIX, format!("{id}:7100").into_bytes())
+fn member_config(id: &str, faults: ClusterFaults) -> ClusterConfig {
+    let mut config = ClusterConfig::new(id, PREFIX, format!("{id}:7100").into_bytes());
+    if faults.no_resync {
+        config.resync_every = Duration::from_secs(86_400);
+    }
+    config
 }
 
 impl World {
@@ -359,19 +373,25 @@ impl World {
                     member.handle_configured(now, revision, outcome);
                 }
             }
-            ClusterEvent::Joined | ClusterEvent::Members(_) => {}
+            ClusterEvent::Members(members) => {
+                self.edges[e].members = members.into_iter().map(|m| m.edge_id).collect();
+            }
+            ClusterEvent::Joined => {}
         }
     }
 
     fn start(&mut self, e: usize) {
         let id = self.edges[e].id.clone();
-        let member = ClusterMember::new(member_config(&id), self.now).expect("valid config");
+        let member =
+            ClusterMember::new(member_config(&id, self.faults), self.now).expect("valid config");
         let edge = &mut self.edges[e];
         edge.member = Some(member);
         edge.to_store.clear();
         edge.to_member.clear();
         edge.watch_from = None;
         edge.watch_breaks = None;
+        edge.stalled = false;
+        edge.members.clear();
         edge.sessions.clear();
         edge.asked.clear();
         edge.applied.clear();
@@ -411,6 +431,7 @@ impl World {
             }
             if let Some(from) = edge.watch_from
                 && edge.linked(self.now)
+                && !edge.stalled
                 && let Some((at, _)) = self.store.history.get(from)
             {
                 next = next.min(at.saturating_add(edge.latency).max(self.now));
@@ -470,6 +491,7 @@ impl World {
                         .position(|(_, ev)| revision_of(ev) > *revision)
                         .unwrap_or(self.store.history.len());
                     self.edges[e].watch_from = Some(from);
+                    self.edges[e].stalled = false;
                 }
                 // An answer is lost now and then; the request stands.
                 if self.rng.chance(3) {
@@ -514,6 +536,7 @@ impl World {
         }
         if let Some(from) = edge.watch_from
             && edge.linked(now)
+            && !edge.stalled
         {
             let until = self.store.history[from..]
                 .iter()
@@ -562,6 +585,15 @@ impl World {
                     format!("config {n}")
                 };
                 self.push_config(text.into_bytes());
+            }
+            90..=92 => {
+                let edge = &mut self.edges[e];
+                if edge.watch_from.is_some() && !edge.stalled {
+                    edge.stalled = true;
+                    self.stats.stalls += 1;
+                    let id = edge.id.clone();
+                    self.log(format!("{id}'s watch stalls"));
+                }
             }
             _ => {}
         }
@@ -703,6 +735,12 @@ impl World {
             if !member.is_member() {
                 return Err(self.fail(&format!("{} is not a member after the faults", edge.id)));
             }
+            if edge.members != live {
+                return Err(self.fail(&format!(
+                    "{} sees members {:?}, live edges {live:?}",
+                    edge.id, edge.members
+                )));
+            }
             let running = edge.applied.last().map(|(_, t)| t.clone());
             if running.as_deref() != Some(&self.last_config[..]) {
                 return Err(self.fail(&format!(
@@ -741,6 +779,8 @@ pub fn run_cluster_seed(seed: u64, faults: ClusterFaults) -> Result<ClusterStats
             latency: Duration::from_millis(rng.range(1, 40)),
             watch_from: None,
             watch_breaks: None,
+            stalled: false,
+            members: BTreeSet::new(),
             sessions: HashMap::new(),
             asked: HashMap::new(),
             applied: Vec::new(),
