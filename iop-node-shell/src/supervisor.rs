@@ -98,12 +98,12 @@ pub async fn run(config: NodeConfig, mut ctx: Context, stop: Stop) -> ExitReason
         now: stop.now.child_token(),
     };
     let followers = if config.follow_cluster {
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        ctx.members = Some(tx);
+        let heard = Arc::new(driver::MembersHeard::default());
+        ctx.members = Some(heard.clone());
         let mut member_ctx = ctx.clone();
         member_ctx.seed = false;
         Some(tokio::spawn(follow(
-            rx,
+            heard,
             config.clone(),
             member_ctx,
             link.clone(),
@@ -168,7 +168,7 @@ pub async fn run(config: NodeConfig, mut ctx: Context, stop: Stop) -> ExitReason
 /// member, dialled again without limit while the member is listed, drained once it is
 /// not. Ends when the process stops.
 async fn follow(
-    mut rx: tokio::sync::mpsc::UnboundedReceiver<(bool, iop_proto_core::wire::ClusterMembers)>,
+    heard: Arc<driver::MembersHeard>,
     config: NodeConfig,
     ctx: Context,
     link: EdgeLink,
@@ -182,14 +182,13 @@ async fn follow(
     // Links told to leave, draining: waited for at the end too.
     let mut leaving = Vec::new();
     loop {
-        let update = tokio::select! {
-            update = rx.recv() => update,
-            () = stop.wait() => None,
+        let lists = tokio::select! {
+            lists = heard.take() => lists,
+            () = stop.wait() => break,
         };
-        let Some((from_seed, members)) = update else {
-            break;
-        };
-        plan.handle_members(from_seed, &members);
+        for (from_seed, members) in &lists {
+            plan.handle_members(*from_seed, members);
+        }
         while let Some(event) = plan.poll_event() {
             match event {
                 LinkEvent::Leave { edge_id } => {
