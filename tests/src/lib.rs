@@ -151,7 +151,8 @@ impl Drop for TempDir {
 /// A child process killed on drop; its stderr goes to a log file.
 #[derive(Debug)]
 pub struct Proc {
-    child: Child,
+    /// Locked only for a moment: to signal, reap or kill it.
+    child: std::sync::Mutex<Child>,
     log: PathBuf,
     name: String,
 }
@@ -183,7 +184,7 @@ impl Proc {
         }
         let child = command.spawn().expect("spawn");
         Proc {
-            child,
+            child: std::sync::Mutex::new(child),
             log,
             name: name.to_owned(),
         }
@@ -192,14 +193,27 @@ impl Proc {
     /// The process id.
     #[must_use]
     pub fn pid(&self) -> u32 {
-        self.child.id()
+        self.child().id()
     }
 
-    /// Sends a signal by name (`TERM`, `KILL`, `STOP`, `CONT`, `HUP`).
+    fn child(&self) -> std::sync::MutexGuard<'_, Child> {
+        self.child
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Sends a signal by name (`TERM`, `KILL`, `STOP`, `CONT`, `HUP`); nothing once the
+    /// process has exited and been reaped, when its pid may already be another process's
+    /// (pids wrap at 32,768 on the machines the tests run on).
     pub fn signal(&self, signal: &str) {
+        // Held while the signal goes: the child cannot be reaped meanwhile.
+        let mut child = self.child();
+        if !matches!(child.try_wait(), Ok(None)) {
+            return;
+        }
         let status = Command::new("kill")
             .arg(format!("-{signal}"))
-            .arg(self.pid().to_string())
+            .arg(child.id().to_string())
             .status()
             .expect("kill runs");
         assert!(status.success(), "kill -{signal} {} failed", self.name);
@@ -209,7 +223,7 @@ impl Proc {
     pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
         let deadline = Instant::now() + timeout;
         while Instant::now() < deadline {
-            if let Ok(Some(status)) = self.child.try_wait() {
+            if let Ok(Some(status)) = self.child().try_wait() {
                 return Some(status);
             }
             std::thread::sleep(Duration::from_millis(20));
@@ -232,7 +246,7 @@ impl Proc {
 
     /// Whether it is still running.
     pub fn running(&mut self) -> bool {
-        matches!(self.child.try_wait(), Ok(None))
+        matches!(self.child().try_wait(), Ok(None))
     }
 
     /// The log so far.
@@ -248,8 +262,12 @@ impl Proc {
 
 impl Drop for Proc {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        let child = self
+            .child
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let _ = child.kill();
+        let _ = child.wait();
         if std::thread::panicking() {
             eprintln!("----- {} log -----\n{}", self.name, self.log());
         }
