@@ -72,6 +72,7 @@ pub struct ClusterView {
     /// This Edge's id.
     pub edge_id: String,
     member: AtomicBool,
+    current: AtomicBool,
     inner: RwLock<ViewInner>,
 }
 
@@ -91,6 +92,9 @@ pub struct ViewSnapshot {
     pub member: bool,
     /// The members, sorted by id.
     pub members: Vec<MemberInfo>,
+    /// Whether `members` is the cluster as it is now (the watch runs); `false` while this
+    /// Edge cannot read etcd, when they are the last it saw.
+    pub members_current: bool,
     /// The etcd revision of the shared configuration in force (0: the local file's).
     pub config_revision: u64,
     /// The last shared configuration refused here: its revision and why.
@@ -102,6 +106,7 @@ impl ClusterView {
         ClusterView {
             edge_id: edge_id.to_owned(),
             member: AtomicBool::new(false),
+            current: AtomicBool::new(false),
             inner: RwLock::default(),
         }
     }
@@ -120,6 +125,7 @@ impl ClusterView {
             edge_id: self.edge_id.clone(),
             member: self.is_member(),
             members: inner.members,
+            members_current: self.current.load(Ordering::Relaxed),
             config_revision: inner.config_revision,
             config_refused: inner.config_refused,
         }
@@ -350,6 +356,11 @@ impl Task {
                 self.on_event(event).await;
             }
             if !progressed {
+                self.parts
+                    .handle
+                    .view
+                    .current
+                    .store(self.member.is_synced(), Ordering::Relaxed);
                 return;
             }
         }

@@ -483,6 +483,14 @@ impl ClusterMember {
         self.joined
     }
 
+    /// Whether the member's view of the cluster is current: it has read the prefix and its
+    /// watch has not broken since. When not, the members and configuration it last
+    /// reported are the last it saw, kept until the next read.
+    #[must_use]
+    pub fn is_synced(&self) -> bool {
+        self.synced
+    }
+
     /// The lease held, if any.
     #[must_use]
     pub fn lease(&self) -> Option<LeaseId> {
@@ -602,14 +610,11 @@ impl ClusterMember {
                 self.maybe_join();
             }
             (Pending::Sync { .. }, _) => {
+                // Whether or not the watch still runs, what it shows can no longer be
+                // vouched for: the view is the last seen until a read answers.
                 self.syncing = false;
-                if self.synced {
-                    // A check of a watch still running: the next one comes soon.
-                    self.timers
-                        .set(Timer::Resync, now.saturating_add(self.config.retry_after));
-                } else {
-                    self.retry(|m| m.retry_sync = true);
-                }
+                self.synced = false;
+                self.retry(|m| m.retry_sync = true);
             }
         }
         Ok(())
@@ -1055,8 +1060,11 @@ impl ClusterMember {
         if std::mem::take(&mut self.joined) {
             self.events.push_back(ClusterEvent::Left(reason));
         }
-        // Join again: a new lease, a new member key.
+        // Join again: a new lease, a new member key, and the cluster read afresh (what
+        // the watch showed cannot be vouched for once etcd went unanswered a TTL).
         self.grant();
+        self.synced = false;
+        self.sync();
     }
 
     fn view_changed(&mut self) {

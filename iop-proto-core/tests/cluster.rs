@@ -137,12 +137,20 @@ fn the_lease_counts_as_lost_a_ttl_after_the_last_confirmed_renewal_was_sent() {
     member.handle_timeout(at(13_050));
     assert!(!member.is_member());
     assert!(events(&mut member).contains(&ClusterEvent::Left(LeftReason::LeaseExpired)));
-    // It asks for a new lease at once.
+    // It asks for a new lease at once, and reads the cluster afresh: what it saw before
+    // is only the last seen.
+    let asked = transmits(&mut member);
     assert!(
-        transmits(&mut member)
+        asked
             .iter()
             .any(|t| matches!(t.request, EtcdRequest::Grant { .. }))
     );
+    assert!(
+        asked
+            .iter()
+            .any(|t| matches!(t.request, EtcdRequest::Sync { .. }))
+    );
+    assert!(!member.is_synced());
 }
 
 /// Claims `node` for `instance` at `now` and answers with `reply`; the decision, if made.
@@ -493,7 +501,8 @@ fn a_read_older_than_what_the_watch_delivered_changes_nothing() {
 }
 
 /// A read that fails while the watch runs is tried again soon, without leaving the
-/// cluster or dropping what the member holds.
+/// cluster or dropping what the member holds; until one answers, the view counts as the
+/// last seen, not the current one.
 #[test]
 fn a_failed_check_is_tried_again_soon() {
     let mut member = joined(vec![kv("/iop/config", "first", 5, 0)]);
@@ -503,10 +512,12 @@ fn a_failed_check_is_tried_again_soon() {
         .into_iter()
         .find(|(_, t)| matches!(t.request, EtcdRequest::Sync { .. }))
         .expect("the prefix is read again");
+    assert!(member.is_synced());
     member
         .handle_reply(at(31_000), sync.tag, Reply::Failed)
         .unwrap();
     assert!(member.is_member());
+    assert!(!member.is_synced(), "the view is only the last seen now");
     assert_eq!(events(&mut member), []);
     let again = keep_running(&mut member, 31_000, 33_000);
     assert_eq!(
@@ -517,6 +528,26 @@ fn a_failed_check_is_tried_again_soon() {
             .collect::<Vec<_>>(),
         [32_000],
         "retried after retry_after (1 s)"
+    );
+    let (_, sync) = again
+        .into_iter()
+        .find(|(_, t)| matches!(t.request, EtcdRequest::Sync { .. }))
+        .expect("read again");
+    member
+        .handle_reply(
+            at(33_010),
+            sync.tag,
+            Reply::Synced {
+                revision: 5,
+                kvs: vec![kv("/iop/config", "first", 5, 0)],
+            },
+        )
+        .unwrap();
+    assert!(member.is_synced());
+    assert_eq!(
+        events(&mut member),
+        [],
+        "nothing new: nothing offered again"
     );
 }
 

@@ -688,7 +688,8 @@ fn three_edges_share_config_nodes_and_callers_and_survive_a_killed_edge() {
     fabric.relay.hold(false);
     assert!(
         wait_until(Duration::from_secs(15), || c.healthz() == 200
-            && c.members().len() == 3),
+            && c.members().len() == 3
+            && c.status()["cluster"]["members_current"] == true),
         "edge-c did not rejoin: {:?}",
         c.status()["cluster"]
     );
