@@ -274,7 +274,9 @@ pub enum ClusterEvent {
     /// This Edge is no longer a member: stop admitting nodes, answer `/healthz` with 503.
     /// Every instance served here gets a [`ClusterEvent::Fence`] first.
     Left(LeftReason),
-    /// The members, as the watch shows them now (sorted by edge id).
+    /// The members, as the watch shows them now (sorted by edge id), this Edge included
+    /// once its own key is written, even before the watch shows it: a list sent to nodes
+    /// always names its sender.
     Members(Vec<Member>),
     /// A configuration to validate and apply; answer with
     /// [`ClusterMember::handle_configured`].
@@ -561,6 +563,8 @@ impl ClusterMember {
             (Pending::MemberKey { lease }, Reply::Put { .. }) => {
                 if self.lease == Some(lease) {
                     self.member_key_written = true;
+                    // Its own key is in etcd now, whether or not the watch showed it yet.
+                    self.view_changed();
                     self.maybe_join();
                 }
             }
@@ -1069,7 +1073,7 @@ impl ClusterMember {
 
     fn view_changed(&mut self) {
         let members_prefix = format!("{}/members/", self.config.prefix);
-        let members: Vec<Member> = self
+        let mut members: Vec<Member> = self
             .view
             .range(members_prefix.clone()..)
             .take_while(|(key, _)| key.starts_with(&members_prefix))
@@ -1078,6 +1082,19 @@ impl ClusterMember {
                 info: kv.value.clone(),
             })
             .collect();
+        // Once its own key is written, this Edge is a member whatever its view shows: a
+        // read or a watch can lag its own write, and a list without the sender would
+        // tell its nodes to leave the very Edge that sends it.
+        if self.member_key_written {
+            let own = Member {
+                edge_id: self.config.edge_id.clone(),
+                info: self.config.member_info.clone(),
+            };
+            match members.binary_search_by(|m| m.edge_id.cmp(&own.edge_id)) {
+                Ok(at) => members[at] = own,
+                Err(at) => members.insert(at, own),
+            }
+        }
         if members != self.members_seen {
             self.members_seen.clone_from(&members);
             self.events.push_back(ClusterEvent::Members(members));
@@ -1147,6 +1164,10 @@ impl MemberLinks {
     /// A session heard the members (`from_seed`: the session dialled to the configured
     /// Edge, whose id `members.edge_id` then is). A member with an address that cannot
     /// be dialled is left out.
+    ///
+    /// Each list replaces the one before (the node shell coalesces on that), so a list
+    /// must name its sender: an Edge lists itself once its own key is written
+    /// ([`ClusterEvent::Members`]), even before its view of etcd shows it.
     pub fn handle_members(&mut self, from_seed: bool, members: &crate::wire::ClusterMembers) {
         if from_seed {
             self.seed_edge = Some(members.edge_id.clone());

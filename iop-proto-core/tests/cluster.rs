@@ -92,7 +92,7 @@ fn a_member_joins_once_its_lease_key_and_view_are_in() {
     ]);
     let seen = events(&mut member);
     assert!(seen.contains(&ClusterEvent::Joined));
-    let members = seen.iter().find_map(|e| match e {
+    let members = seen.iter().rev().find_map(|e| match e {
         ClusterEvent::Members(m) => Some(m.iter().map(|m| m.edge_id.clone()).collect::<Vec<_>>()),
         _ => None,
     });
@@ -356,6 +356,63 @@ fn a_store_that_went_back_offers_its_configuration_anew() {
         revision: 2,
         text: b"pushed again".to_vec()
     }));
+}
+
+/// A member's own key, once etcd confirmed it, is in the members it reports even before
+/// a read or the watch shows it: the list it sends its nodes always names itself.
+#[test]
+fn a_member_lists_itself_once_its_key_is_written() {
+    let config = ClusterConfig::new("e1", "/iop", b"me".to_vec());
+    let mut member = ClusterMember::new(config, at(0)).unwrap();
+    let sent = transmits(&mut member);
+    member
+        .handle_reply(
+            at(10),
+            sent[0].tag,
+            Reply::Granted {
+                lease: 7,
+                ttl: Duration::from_secs(10),
+            },
+        )
+        .unwrap();
+    // The read answers first, from before the key was written.
+    member
+        .handle_reply(
+            at(20),
+            sent[1].tag,
+            Reply::Synced {
+                revision: 3,
+                kvs: vec![kv("/iop/members/e2", "other", 2, 3)],
+            },
+        )
+        .unwrap();
+    let put = transmits(&mut member);
+    member
+        .handle_reply(at(30), put[0].tag, Reply::Put { revision: 4 })
+        .unwrap();
+    assert!(member.is_member());
+    let last = events(&mut member)
+        .into_iter()
+        .rev()
+        .find_map(|e| match e {
+            ClusterEvent::Members(m) => Some(m),
+            _ => None,
+        })
+        .expect("members");
+    assert_eq!(
+        last.iter().map(|m| m.edge_id.as_str()).collect::<Vec<_>>(),
+        ["e1", "e2"]
+    );
+    assert_eq!(last[0].info, b"me");
+    // The watch then shows the key: nothing changes.
+    member.handle_watch(
+        at(40),
+        vec![WatchEvent::Put(KeyValue {
+            lease: 7,
+            ..kv("/iop/members/e1", "me", 4, 7)
+        })],
+    );
+    assert_eq!(events(&mut member), []);
 }
 
 /// Runs `member` from `from` to `to` in steps of a second, renewing its lease whenever it
@@ -655,6 +712,7 @@ mod member_links {
     }
 
     #[test]
+    #[test]
     fn an_address_that_cannot_be_dialled_is_left_out() {
         let mut links = MemberLinks::default();
         let long = format!("{}:1", "h".repeat(300));
@@ -663,6 +721,7 @@ mod member_links {
             &members(
                 "a",
                 &[
+                    ("a", "a:7100"),
                     ("b", "no-port"),
                     ("c", "c:0"),
                     ("d", "d: 1"),

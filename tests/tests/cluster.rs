@@ -283,8 +283,9 @@ fn start_node(dir: &TempDir, node_id: &str, edge: &Edge, fingerprint: &str, tag:
 
 /// A test cluster: etcd, Edges a, b and c (c reaches etcd through a relay the test can
 /// hold), HAProxy in front, and the fake providers.
+/// Fields drop in order: the Edges (whose logs a failing test prints) and etcd before
+/// the directory that holds their files.
 struct Fabric {
-    dir: TempDir,
     etcd_port: u16,
     relay: Relay,
     edges: Vec<Edge>,
@@ -292,6 +293,7 @@ struct Fabric {
     fingerprint: String,
     prefix: String,
     _etcd: External,
+    dir: TempDir,
 }
 
 impl Fabric {
