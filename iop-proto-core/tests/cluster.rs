@@ -712,7 +712,6 @@ mod member_links {
     }
 
     #[test]
-    #[test]
     fn an_address_that_cannot_be_dialled_is_left_out() {
         let mut links = MemberLinks::default();
         let long = format!("{}:1", "h".repeat(300));
