@@ -14,9 +14,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// Path of a workspace binary (`iop-edge`, `iop-node`) built into the same target
-/// directory as the running test. The test command builds the binaries first.
+/// directory as the running test. Under cargo (`cargo test`, which does not build a
+/// workspace's binaries for another package's tests), the first call of a test process
+/// builds them ([`build_binaries`]; a fraction of a second when they are fresh), so a
+/// black-box test never runs binaries left from before a change.
 #[must_use]
 pub fn binary(name: &str) -> PathBuf {
+    static BUILT: std::sync::Once = std::sync::Once::new();
+    if name == "iop-edge" || name == "iop-node" {
+        BUILT.call_once(build_binaries);
+    }
     let mut dir = std::env::current_exe().expect("test executable path");
     dir.pop(); // the test binary's file name
     if dir.ends_with("deps") {
@@ -32,7 +39,7 @@ pub fn binary(name: &str) -> PathBuf {
 }
 
 /// Builds `iop-edge` and `iop-node` into this harness's target directory and profile
-/// when the harness runs under `cargo run` (which sets `CARGO`), so that one command
+/// when the harness runs under `cargo run` or `cargo test` (which set `CARGO`), so that one command
 /// measures the tree as it is and never binaries left from an earlier build. Run as a
 /// plain executable, it leaves the binaries to the caller (`binary` says when they are
 /// missing). Panics if the build fails: there is nothing to measure.
