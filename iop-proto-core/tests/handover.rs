@@ -108,6 +108,50 @@ fn rehome_tells_capable_nodes_drains_all_and_dispatches_nothing_more() {
     }
 }
 
+/// A node refuses a run (it was full: another Edge took the slot) just as this Edge
+/// hands over. No node here takes new work any more, and nothing reached a provider: the
+/// request ends as a waiting one does at the hand-over (retryable, at the successor),
+/// not with the node's refusal as a 502.
+#[test]
+fn a_run_refused_during_the_hand_over_ends_retryable_like_a_waiting_request() {
+    let mut h = Harness::new();
+    let n1 = h.open();
+    register_rehoming(&mut h, n1, "n1");
+    h.ready(n1, "n1");
+    let _ = h.drain();
+    let request = h.submit("solo", 10).expect("accepted");
+    let grant = grants(&h.events())
+        .into_iter()
+        .find(|g| g.request == request)
+        .expect("dispatched");
+    let run = h.dispatch(&grant);
+    h.edge.handle_rehome(h.now);
+    let _ = h.drain();
+    h.run_event(n1, &run, RunEventType::Start, 1);
+    h.send(
+        n1,
+        Body::RunEvent(RunEvent {
+            run_id: run.clone(),
+            sequence: 2,
+            r#type: RunEventType::Error as i32,
+            error: Some(ErrorDetail {
+                code: "refused".into(),
+                message: "adapter at capacity (2 in flight)".into(),
+                retryable: true,
+            }),
+            ..Default::default()
+        }),
+    );
+    let (tx, events) = h.drain();
+    assert_eq!(
+        ended(&events),
+        vec![(request, Outcome::Failed(RequestError::HandingOver))],
+        "{events:?}"
+    );
+    // Its lease came back: the drained node's connection closes.
+    assert_eq!(closed(&tx), vec![(n1, CloseReason::Drained)]);
+}
+
 #[test]
 fn capacity_held_by_a_nodes_old_session_is_not_dispatched_until_reported_free() {
     let mut h = Harness::new();

@@ -249,7 +249,9 @@ fn shared_body(fakes: &[Fake], capacity: u32, extra_models: &str) -> String {
 }
 
 /// The local file of one Edge: its listeners (TLS node link, the shared certificate),
-/// short test timers, `[cluster]` naming etcd at `etcd` (a 3 s lease), and `body`.
+/// short test timers, `[cluster]` naming etcd at `etcd` (a 3 s lease, the prefix read
+/// again and the watch restarted every second, so that every scenario runs across
+/// restarts of the watch), and `body`.
 fn edge_toml(edge: &Edge, etcd: u16, prefix: &str, body: &str) -> String {
     format!(
         "[listen]\nhttp = \"127.0.0.1:{}\"\nnodes = \"127.0.0.1:{}\"\n[listen.nodes_tls]\ncert_file = \"edge-cert.pem\"\n\
@@ -257,7 +259,7 @@ fn edge_toml(edge: &Edge, etcd: u16, prefix: &str, body: &str) -> String {
          register_ms = 3000\nrefresh_ms = 2000\ncancel_grace_ms = 2000\n\n[auth]\nadmin_loopback = true\n\n\
          [queue]\nwait_timeout_ms = 20000\n\n\
          [cluster]\nendpoints = [\"http://127.0.0.1:{etcd}\"]\nprefix = \"{prefix}\"\nedge_id = \"{}\"\n\
-         lease_ttl_sec = 3\nkeepalive_sec = 1\nrequest_timeout_ms = 500\n\n{body}\n",
+         lease_ttl_sec = 3\nkeepalive_sec = 1\nresync_sec = 1\nrequest_timeout_ms = 500\n\n{body}\n",
         edge.http, edge.nodes, edge.id
     )
 }
@@ -413,6 +415,10 @@ impl Fabric {
 #[derive(Default)]
 struct Tally {
     ok: AtomicUsize,
+    /// Answers that said retry at the successor (503 `edge_handing_over`: the request
+    /// was waiting, or refused, as its Edge handed over; nothing reached a provider).
+    /// The caller asks again, as OpenAI's SDKs do with a 503.
+    handed_over: AtomicUsize,
     failed_at: Mutex<Vec<(Instant, String)>>,
 }
 
@@ -473,6 +479,9 @@ impl Load {
                         Ok(Ok(())) => {
                             tally.ok.fetch_add(1, Ordering::SeqCst);
                         }
+                        Ok(Err(why)) if why.starts_with("503") && why.contains("edge_handing_over") => {
+                            tally.handed_over.fetch_add(1, Ordering::SeqCst);
+                        }
                         Ok(Err(why)) => tally.failed_at.lock().unwrap().push((started, why)),
                         Err(_) => tally
                             .failed_at
@@ -496,6 +505,12 @@ impl Load {
         self.stop.store(true, Ordering::SeqCst);
         for task in std::mem::take(&mut self.tasks) {
             let _ = rt.block_on(task);
+        }
+        let handed_over = self.tally.handed_over.load(Ordering::SeqCst);
+        if handed_over > 0 {
+            eprintln!(
+                "{handed_over} answers said retry at the successor (503 edge_handing_over); asked again"
+            );
         }
         let failed = self.tally.failed_at.lock().unwrap().clone();
         (self.answered(), failed)

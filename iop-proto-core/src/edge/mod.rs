@@ -340,7 +340,8 @@ impl EdgeCore {
     /// every ready node drains: what runs here goes on to its end and its connection is
     /// closed after its last lease returns ([`CloseReason::Drained`]). Pending and later
     /// registrations are refused with a retry at once ([`RejectReason::HandingOver`]),
-    /// requests still waiting for capacity end with [`RequestError::HandingOver`] and
+    /// requests still waiting for capacity (or whose run a node refuses afterwards, full
+    /// from another Edge's work) end with [`RequestError::HandingOver`] and
     /// later submits fail with [`SubmitError::HandingOver`]; both are safe to retry,
     /// since nothing reached a provider. A second call changes nothing.
     pub fn handle_rehome(&mut self, now: Timestamp) {

@@ -681,7 +681,11 @@ impl EdgeCore {
             self.requests.count_refusal(request);
         }
         let alone = !self.requests.has_live_besides(request, run);
-        if !retry && alone && !matches!(cause, Cause::Violation(_)) {
+        // Refused while this Edge hands over: no node here takes new work, and nothing
+        // reached a provider. The request ends as one still waiting does at the hand-over,
+        // retryable at the successor, not with the node's refusal.
+        let handed_over = refused && !retry && self.registry.handing_over;
+        if !retry && alone && !matches!(cause, Cause::Violation(_)) && !handed_over {
             // Nothing else can answer: the caller gets this one.
             self.first_byte(run);
             return;
@@ -710,9 +714,14 @@ impl EdgeCore {
         if retry {
             self.retry(request);
         } else if alone {
-            // A broken stream has no answer to give: the request fails with it.
             let mut cx = cx!(self);
-            self.requests.end_failed(&mut cx, request, cause.outcome());
+            if handed_over {
+                self.requests
+                    .end(&mut cx, request, Outcome::Failed(RequestError::HandingOver));
+            } else {
+                // A broken stream has no answer to give: the request fails with it.
+                self.requests.end_failed(&mut cx, request, cause.outcome());
+            }
         }
     }
 
