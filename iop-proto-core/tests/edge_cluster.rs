@@ -304,21 +304,7 @@ fn a_nodes_refusal_is_tried_again_without_blaming_the_provider() {
             .into_iter()
             .find(|g| g.request == request)
             .expect("dispatched again");
-        h.run_event(conn, &grant.run.wire(), RunEventType::Start, 1);
-        h.send(
-            conn,
-            Body::RunEvent(RunEvent {
-                run_id: grant.run.wire(),
-                sequence: 2,
-                r#type: RunEventType::Error as i32,
-                error: Some(ErrorDetail {
-                    code: "refused".into(),
-                    message: "adapter at capacity (2 in flight)".into(),
-                    retryable: true,
-                }),
-                ..Default::default()
-            }),
-        );
+        h.refuse(conn, &grant.run.wire());
         refused += 1;
         assert!(refused < 20, "a refusing node is not asked forever");
     }
@@ -457,21 +443,7 @@ fn refusals_the_nodes_reports_explain_never_end_a_waiting_request() {
     for _ in 0..20 {
         // Another Edge took both slots: reported, then this run refused.
         h.send(conn, held(2));
-        h.run_event(conn, &grant.run.wire(), RunEventType::Start, 1);
-        h.send(
-            conn,
-            Body::RunEvent(RunEvent {
-                run_id: grant.run.wire(),
-                sequence: 2,
-                r#type: RunEventType::Error as i32,
-                error: Some(ErrorDetail {
-                    code: "refused".into(),
-                    message: "adapter at capacity (2 in flight)".into(),
-                    retryable: true,
-                }),
-                ..Default::default()
-            }),
-        );
+        h.refuse(conn, &grant.run.wire());
         let (_, events) = h.drain();
         assert!(ended(&events).is_empty(), "{events:?}");
         assert!(grants(&events).is_empty(), "it waits: {events:?}");

@@ -127,21 +127,7 @@ fn a_run_refused_during_the_hand_over_ends_retryable_like_a_waiting_request() {
     let run = h.dispatch(&grant);
     h.edge.handle_rehome(h.now);
     let _ = h.drain();
-    h.run_event(n1, &run, RunEventType::Start, 1);
-    h.send(
-        n1,
-        Body::RunEvent(RunEvent {
-            run_id: run.clone(),
-            sequence: 2,
-            r#type: RunEventType::Error as i32,
-            error: Some(ErrorDetail {
-                code: "refused".into(),
-                message: "adapter at capacity (2 in flight)".into(),
-                retryable: true,
-            }),
-            ..Default::default()
-        }),
-    );
+    h.refuse(n1, &run);
     let (tx, events) = h.drain();
     assert_eq!(
         ended(&events),

@@ -228,6 +228,26 @@ impl Harness {
             }),
         );
     }
+
+    /// The node refuses `run_id` before any content, as a full capacity gate does: its
+    /// start, then a retryable `refused` error.
+    pub fn refuse(&mut self, conn: ConnId, run_id: &str) {
+        self.run_event(conn, run_id, RunEventType::Start, 1);
+        self.send(
+            conn,
+            Body::RunEvent(RunEvent {
+                run_id: run_id.into(),
+                sequence: 2,
+                r#type: RunEventType::Error as i32,
+                error: Some(ErrorDetail {
+                    code: "refused".into(),
+                    message: "adapter at capacity (2 in flight)".into(),
+                    retryable: true,
+                }),
+                ..Default::default()
+            }),
+        );
+    }
 }
 
 /// A request the machine dispatched, as its `Dispatched` event says.
