@@ -242,13 +242,16 @@ pub async fn run(
     drop(offer);
     stop_accepting.cancel();
     let handed_over = successor.is_some();
+    let mut moving = None;
     if let Some(successor) = successor {
         // The successor serves on the listeners: stop accepting on them, then let it go
         // on. Connections still open here finish their request and close.
         let _ = node_accepting.await;
         let _ = http_accepting.await;
         tenants.hand_over().await;
-        state.drain.hand_over(successor.done());
+        let (mover, moves) = successor.done();
+        state.drain.hand_over(mover);
+        moving = Some(moves);
         info!("handing over: the successor accepts now; requests in flight here run to their end");
         // Requests still arriving on connections open here are served while the nodes
         // stay: until every connection has moved or is busy, every request has reached
@@ -294,6 +297,21 @@ pub async fn run(
             ),
         }
     }
+    if let Some(moving) = moving {
+        // A connection whose last request just ended moves on its way out: wait for the
+        // connections still held here (bounded), then for the moves queued, so that none
+        // closes with this process.
+        let by = tokio::time::Instant::now() + MOVE_GRACE;
+        while state.connections.held() > 0
+            && tokio::time::Instant::now() < by
+            && !stop.now.is_cancelled()
+        {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        if moving.finish(MOVE_GRACE).await.is_none() {
+            warn!("upgrade: the last connections did not move in time; they close");
+        }
+    }
     if !handed_over && upgradable {
         // No successor will listen there.
         let _ = std::fs::remove_file(&config.upgrade_socket);
@@ -337,6 +355,10 @@ fn receive_moved(arrivals: upgrade::Arrivals, state: Arc<http::State>) {
 /// How long a process handing over to a successor keeps its nodes for requests that
 /// still arrive on its open connections before it re-homes them.
 const HAND_OVER_QUIET: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// How long a process that handed over waits, once its requests have ended, for its last
+/// connections to move to the successor.
+const MOVE_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// An inherited listener, checked against the address the configuration names: a new
 /// address in the configuration is bound afresh (the inherited one closes with the

@@ -246,42 +246,74 @@ pub struct Successor(UnixStream);
 
 impl Successor {
     /// Says that this process no longer accepts on the listeners; from then on its
-    /// connections can move there ([`Mover`]).
-    pub fn done(mut self) -> Mover {
+    /// connections can move there ([`Mover`]) until [`Moving::finish`].
+    pub fn done(mut self) -> (Mover, Moving) {
         if let Err(err) = self.0.write_all(b"done\n") {
             warn!(%err, "upgrade: the successor did not hear that this edge stopped accepting");
         }
-        let (tx, rx) = std::sync::mpsc::channel::<Moved>();
+        let (tx, rx) = std::sync::mpsc::channel::<Move>();
+        let (finished, done) = tokio::sync::oneshot::channel();
         let mut channel = self.0;
         let _ = std::thread::Builder::new()
             .name("iop-edge-mover".into())
             .spawn(move || {
                 let mut moved = 0u64;
-                for connection in rx {
+                // Every sender gone counts as the end too (a process that never finishes).
+                while let Ok(Move::One(connection)) = rx.recv() {
                     if let Err(err) = send_moved(&mut channel, &connection) {
                         warn!(%err, moved, "upgrade: a connection could not move to the successor; closing it");
-                        return;
+                        break;
                     }
                     moved += 1;
                 }
                 info!(moved, "upgrade: connections moved to the successor");
+                let _ = finished.send(moved);
             });
-        Mover(tx)
+        (Mover(tx.clone()), Moving { ends: tx, done })
     }
+}
+
+#[derive(Debug)]
+enum Move {
+    One(Moved),
+    /// Nothing more moves: every connection sent before has.
+    End,
 }
 
 /// Moves connections to the successor (from a thread of its own: a successor slow to
 /// take them blocks no task).
 #[derive(Clone, Debug)]
-pub struct Mover(std::sync::mpsc::Sender<Moved>);
+pub struct Mover(std::sync::mpsc::Sender<Move>);
 
 impl Mover {
     /// Hands `moved` to the successor; gives it back when that is no longer possible.
     ///
     /// # Errors
-    /// The mover has stopped (the successor went away): the connection is returned.
+    /// The mover has stopped (the successor went away, or [`Moving::finish`] ran): the
+    /// connection is returned.
     pub fn send(&self, moved: Moved) -> Result<(), Moved> {
-        self.0.send(moved).map_err(|e| e.0)
+        match self.0.send(Move::One(moved)) {
+            Err(std::sync::mpsc::SendError(Move::One(moved))) => Err(moved),
+            Ok(()) | Err(_) => Ok(()),
+        }
+    }
+}
+
+/// The mover's thread, which a process handing over waits for before it exits: a
+/// connection queued to move but not yet sent would close with the process.
+#[derive(Debug)]
+pub struct Moving {
+    ends: std::sync::mpsc::Sender<Move>,
+    done: tokio::sync::oneshot::Receiver<u64>,
+}
+
+impl Moving {
+    /// Ends the moves once every connection queued so far has been sent, waiting up to
+    /// `within` for that; returns how many moved (`None`: not done in time, or the
+    /// thread never ran).
+    pub async fn finish(self, within: Duration) -> Option<u64> {
+        let _ = self.ends.send(Move::End);
+        tokio::time::timeout(within, self.done).await.ok()?.ok()
     }
 }
 
@@ -490,7 +522,7 @@ mod tests {
         held.read_exact(&mut read).unwrap();
         // The running edge closes its copies, then answers, then moves the connection.
         drop((http, nodes));
-        let mover = successor.done();
+        let (mover, moving) = successor.done();
         let arrivals = ready.await.unwrap().expect("done");
         mover
             .send(Moved {
@@ -501,6 +533,7 @@ mod tests {
             })
             .expect("moved");
         drop(mover);
+        assert_eq!(moving.finish(Duration::from_secs(5)).await, Some(1));
         let (tx, rx) = std::sync::mpsc::channel();
         let receiving = std::thread::spawn(move || arrivals.receive(|m| tx.send(m).unwrap()));
         let moved = rx.recv_timeout(Duration::from_secs(5)).expect("arrived");
