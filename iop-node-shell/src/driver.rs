@@ -36,38 +36,22 @@ const READ_CHUNK: usize = 64 << 10;
 /// Adapter outputs taken per wake beyond the first.
 const OUTPUT_BATCH: usize = 256;
 
-/// Everything a connection needs from the process.
-/// The member lists the node's sessions heard that the follower has not taken yet.
-///
-/// Each list replaces the one before in [`iop_proto_core::cluster::MemberLinks`], which
-/// keeps from the configured Edge's session (the *seed*) only which Edge that is. So the
-/// last list from the seed and the last from any session say all that the lists taken
-/// in between would: however fast Edges send them, at most two wait here.
+/// The member lists the node's sessions heard that the follower has not taken yet, in
+/// the core's coalescing inbox ([`iop_proto_core::cluster::HeardMembers`]: at most two
+/// wait), shared between the sessions' tasks and the follower's.
 #[derive(Debug, Default)]
 pub struct MembersHeard {
-    lists: std::sync::Mutex<Heard>,
+    lists: std::sync::Mutex<iop_proto_core::cluster::HeardMembers>,
     ready: tokio::sync::Notify,
-}
-
-#[derive(Debug, Default)]
-struct Heard {
-    seed: Option<wire::ClusterMembers>,
-    last: Option<(bool, wire::ClusterMembers)>,
 }
 
 impl MembersHeard {
     /// A session heard `members` (`from_seed`: the session to the configured Edge).
     pub fn put(&self, from_seed: bool, members: wire::ClusterMembers) {
-        {
-            let mut heard = self.lists.lock().unwrap_or_else(|e| e.into_inner());
-            let before = heard.last.replace((from_seed, members));
-            if from_seed {
-                // The newer seed list, now last, says which Edge the seed is.
-                heard.seed = None;
-            } else if let Some((true, seed)) = before {
-                heard.seed = Some(seed);
-            }
-        }
+        self.lists
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .handle_members(from_seed, members);
         self.ready.notify_one();
     }
 
@@ -75,22 +59,20 @@ impl MembersHeard {
     /// in; waits while there is nothing.
     pub async fn take(&self) -> Vec<(bool, wire::ClusterMembers)> {
         loop {
-            let taken = self.take_now();
+            let taken = self
+                .lists
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .take();
             if !taken.is_empty() {
                 return taken;
             }
             self.ready.notified().await;
         }
     }
-
-    /// What was heard since the last take, oldest first; empty if nothing.
-    fn take_now(&self) -> Vec<(bool, wire::ClusterMembers)> {
-        let mut heard = self.lists.lock().unwrap_or_else(|e| e.into_inner());
-        let seed = heard.seed.take().map(|seed| (true, seed));
-        seed.into_iter().chain(heard.last.take()).collect()
-    }
 }
 
+/// Everything a connection needs from the process.
 #[derive(Clone, Debug)]
 pub struct Context {
     /// The process clock.
@@ -854,78 +836,6 @@ fn transport_status(ctx: &Context, session: &NodeSession) -> serde_json::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    mod members_heard {
-        use super::*;
-        use iop_proto_core::cluster::{LinkEvent, MemberLinks};
-        use proptest::prelude::*;
-        use std::collections::BTreeMap;
-
-        /// The links `MemberLinks` keeps after taking `lists` in order.
-        fn links_after(lists: &[(bool, wire::ClusterMembers)]) -> BTreeMap<String, String> {
-            let mut plan = MemberLinks::default();
-            let mut links = BTreeMap::new();
-            for (from_seed, members) in lists {
-                plan.handle_members(*from_seed, members);
-                while let Some(event) = plan.poll_event() {
-                    match event {
-                        LinkEvent::Dial { edge_id, addr } => {
-                            links.insert(edge_id, addr);
-                        }
-                        LinkEvent::Leave { edge_id } => {
-                            links.remove(&edge_id);
-                        }
-                    }
-                }
-            }
-            links
-        }
-
-        fn list(sender: u8, members: &[(u8, u8)]) -> wire::ClusterMembers {
-            wire::ClusterMembers {
-                edge_id: format!("e{sender}"),
-                members: members
-                    .iter()
-                    .map(|(id, port)| wire::ClusterEdge {
-                        edge_id: format!("e{id}"),
-                        node_addr: format!("127.0.0.1:{}", 7100 + u16::from(*port)),
-                    })
-                    .collect(),
-            }
-        }
-
-        proptest! {
-            /// However lists arrive and whenever the follower takes them, it ends with the
-            /// links it would have had taking every list one by one, and never holds more
-            /// than two.
-            #[test]
-            fn coalesced_lists_leave_the_same_links(
-                steps in proptest::collection::vec(
-                    (any::<bool>(), 0u8..4, proptest::collection::vec((0u8..4, 0u8..2), 0..4), any::<bool>()),
-                    1..40,
-                ),
-            ) {
-                let heard = MembersHeard::default();
-                let mut every = Vec::new();
-                let mut taken = Vec::new();
-                let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
-                for (from_seed, sender, members, take_now) in steps {
-                    let members = list(sender, &members);
-                    every.push((from_seed, members.clone()));
-                    heard.put(from_seed, members);
-                    if take_now {
-                        let lists = runtime.block_on(heard.take());
-                        prop_assert!(!lists.is_empty() && lists.len() <= 2);
-                        taken.extend(lists);
-                    }
-                }
-                let rest = heard.take_now();
-                prop_assert!(rest.len() <= 2);
-                taken.extend(rest);
-                prop_assert_eq!(links_after(&taken), links_after(&every));
-            }
-        }
-    }
     use iop_proto_core::wire::{AdapterType, NodeConfigPayload};
 
     #[tokio::test]

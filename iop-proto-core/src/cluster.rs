@@ -1160,12 +1160,53 @@ pub fn dialable(addr: &str) -> bool {
         })
 }
 
+/// The member lists a node's sessions heard that its [`MemberLinks`] has not taken yet:
+/// the inbox between the sessions, which hear them, and the links, which follow them.
+///
+/// Each list replaces the one before in [`MemberLinks`], which keeps from the seed's
+/// lists only which Edge the seed is. So the last list from the seed and the last from
+/// any session say all that the lists in between would: however fast Edges send them,
+/// at most two wait here.
+#[derive(Debug, Default)]
+pub struct HeardMembers {
+    /// The seed's last list, when a list from another session came after it.
+    seed: Option<crate::wire::ClusterMembers>,
+    /// The last list, and whether the seed sent it.
+    last: Option<(bool, crate::wire::ClusterMembers)>,
+}
+
+impl HeardMembers {
+    /// A session heard `members` (`from_seed`: the session to the configured Edge).
+    pub fn handle_members(&mut self, from_seed: bool, members: crate::wire::ClusterMembers) {
+        let before = self.last.replace((from_seed, members));
+        if from_seed {
+            // The newer seed list, now last, says which Edge the seed is.
+            self.seed = None;
+        } else if let Some((true, seed)) = before {
+            self.seed = Some(seed);
+        }
+    }
+
+    /// Whether nothing waits.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.last.is_none()
+    }
+
+    /// What waits, oldest first, as [`MemberLinks::handle_members`] should take it in
+    /// (at most two lists); empty afterwards.
+    pub fn take(&mut self) -> Vec<(bool, crate::wire::ClusterMembers)> {
+        let seed = self.seed.take().map(|seed| (true, seed));
+        seed.into_iter().chain(self.last.take()).collect()
+    }
+}
+
 impl MemberLinks {
     /// A session heard the members (`from_seed`: the session dialled to the configured
     /// Edge, whose id `members.edge_id` then is). A member with an address that cannot
     /// be dialled is left out.
     ///
-    /// Each list replaces the one before (the node shell coalesces on that), so a list
+    /// Each list replaces the one before ([`HeardMembers`] coalesces on that), so a list
     /// must name its sender: an Edge lists itself once its own key is written
     /// ([`ClusterEvent::Members`]), even before its view of etcd shows it.
     pub fn handle_members(&mut self, from_seed: bool, members: &crate::wire::ClusterMembers) {

@@ -652,8 +652,11 @@ fn misuse_is_a_typed_error() {
 }
 
 mod member_links {
-    use iop_proto_core::cluster::{LinkEvent, MemberLinks};
+    use std::collections::BTreeMap;
+
+    use iop_proto_core::cluster::{HeardMembers, LinkEvent, MemberLinks};
     use iop_proto_core::wire::{ClusterEdge, ClusterMembers};
+    use proptest::prelude::*;
 
     fn members(from: &str, list: &[(&str, &str)]) -> ClusterMembers {
         ClusterMembers {
@@ -730,5 +733,71 @@ mod member_links {
             ),
         );
         assert_eq!(events(&mut links), [dial("f", "f:9")]);
+    }
+
+    /// The links `MemberLinks` keeps after taking `lists` in order.
+    fn links_after(lists: &[(bool, ClusterMembers)]) -> BTreeMap<String, String> {
+        let mut plan = MemberLinks::default();
+        let mut links = BTreeMap::new();
+        for (from_seed, members) in lists {
+            plan.handle_members(*from_seed, members);
+            for event in events(&mut plan) {
+                match event {
+                    LinkEvent::Dial { edge_id, addr } => {
+                        links.insert(edge_id, addr);
+                    }
+                    LinkEvent::Leave { edge_id } => {
+                        links.remove(&edge_id);
+                    }
+                }
+            }
+        }
+        links
+    }
+
+    fn list(sender: u8, members: &[(u8, u8)]) -> ClusterMembers {
+        ClusterMembers {
+            edge_id: format!("e{sender}"),
+            members: members
+                .iter()
+                .map(|(id, port)| ClusterEdge {
+                    edge_id: format!("e{id}"),
+                    node_addr: format!("127.0.0.1:{}", 7100 + u16::from(*port)),
+                })
+                .collect(),
+        }
+    }
+
+    proptest! {
+        /// However lists arrive and whenever the follower takes them, it ends with the
+        /// links it would have had taking every list one by one, and never more than two
+        /// wait.
+        #[test]
+        fn coalesced_lists_leave_the_same_links(
+            steps in proptest::collection::vec(
+                (any::<bool>(), 0u8..4, proptest::collection::vec((0u8..4, 0u8..2), 0..4), any::<bool>()),
+                1..40,
+            ),
+        ) {
+            let mut heard = HeardMembers::default();
+            let mut every = Vec::new();
+            let mut taken = Vec::new();
+            for (from_seed, sender, members, take_now) in steps {
+                let members = list(sender, &members);
+                every.push((from_seed, members.clone()));
+                heard.handle_members(from_seed, members);
+                prop_assert!(!heard.is_empty());
+                if take_now {
+                    let lists = heard.take();
+                    prop_assert!(!lists.is_empty() && lists.len() <= 2);
+                    prop_assert!(heard.is_empty());
+                    taken.extend(lists);
+                }
+            }
+            let rest = heard.take();
+            prop_assert!(rest.len() <= 2);
+            taken.extend(rest);
+            prop_assert_eq!(links_after(&taken), links_after(&every));
+        }
     }
 }
