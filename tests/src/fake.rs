@@ -95,22 +95,43 @@ pub struct State {
     pub in_flight: AtomicUsize,
     /// The most requests ever answered at once.
     pub max_in_flight: AtomicUsize,
+    /// The last comings and goings (at most [`TRAIL`]), and a copy taken whenever
+    /// `max_in_flight` rose: what led to the most at once, for a test that finds too many.
+    trail: Mutex<std::collections::VecDeque<String>>,
+    /// The trail when `max_in_flight` last rose.
+    pub at_most: Mutex<Vec<String>>,
 }
+
+/// Comings and goings kept in [`State::at_most`].
+const TRAIL: usize = 32;
 
 /// Counts one request as being answered while it lives.
 struct Busy(Arc<State>);
 
 impl Busy {
-    fn enter(state: &Arc<State>) -> Busy {
+    fn enter(state: &Arc<State>, what: &str) -> Busy {
+        let mut trail = state.trail.lock().unwrap_or_else(|e| e.into_inner());
         let now = state.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
-        state.max_in_flight.fetch_max(now, Ordering::SeqCst);
+        trail.push_back(format!("{:?} +{what} = {now}", std::time::Instant::now()));
+        if trail.len() > TRAIL {
+            trail.pop_front();
+        }
+        if state.max_in_flight.fetch_max(now, Ordering::SeqCst) < now {
+            *state.at_most.lock().unwrap_or_else(|e| e.into_inner()) =
+                trail.iter().cloned().collect();
+        }
         Busy(state.clone())
     }
 }
 
 impl Drop for Busy {
     fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+        let mut trail = self.0.trail.lock().unwrap_or_else(|e| e.into_inner());
+        let now = self.0.in_flight.fetch_sub(1, Ordering::SeqCst) - 1;
+        trail.push_back(format!("{:?} - = {now}", std::time::Instant::now()));
+        if trail.len() > TRAIL {
+            trail.pop_front();
+        }
     }
 }
 
@@ -204,7 +225,7 @@ fn whole(status: u16, content_type: &str, body: impl Into<Bytes>) -> Res {
 fn streamed(state: Arc<State>, content_type: &str, chunks: Vec<Bytes>, delay: Duration) -> Res {
     let (tx, rx) = mpsc::channel(1);
     tokio::spawn(async move {
-        let _busy = Busy::enter(&state);
+        let _busy = Busy::enter(&state, "stream");
         for chunk in chunks {
             // A zero sleep still waits for the next timer tick (about 1 ms). A client
             // that leaves meanwhile is noticed at once, as a server whose connection
@@ -380,8 +401,8 @@ async fn handle(flavor: Flavor, req: Request<Incoming>, state: Arc<State>) -> Re
         return response;
     }
     let request: Value = serde_json::from_slice(&body).unwrap_or_default();
-    let _busy =
-        (request.get("stream").and_then(Value::as_bool) != Some(true)).then(|| Busy::enter(&state));
+    let _busy = (request.get("stream").and_then(Value::as_bool) != Some(true))
+        .then(|| Busy::enter(&state, &format!("{method} {path}")));
     if !behaviour.whole_delay.is_zero()
         && request.get("stream").and_then(Value::as_bool) != Some(true)
     {

@@ -775,8 +775,10 @@ fn three_edges_share_config_nodes_and_callers_and_survive_a_killed_edge() {
         );
         assert!(
             most as u32 <= capacity,
-            "provider of n{} saw {most} at once",
-            i + 1
+            "provider of n{} saw {most} at once; leading there: {:#?}\n--- node\n{}",
+            i + 1,
+            fake.state.at_most.lock().unwrap(),
+            nodes[i].log()
         );
         assert!(most > 0);
     }
@@ -792,7 +794,7 @@ fn two_edges_never_oversubscribe_a_shared_provider() {
     let rt = tokio::runtime::Runtime::new().expect("runtime");
     let fakes = fakes(&rt, 1);
     let fabric = Fabric::start(&rt, 2, fakes, 2);
-    let _node = start_node(
+    let node = start_node(
         &fabric.dir,
         "n1",
         &fabric.edges[0],
@@ -812,7 +814,12 @@ fn two_edges_never_oversubscribe_a_shared_provider() {
     );
     assert!(failed.is_empty(), "{failed:?}");
     assert!(ok >= 10, "{ok}");
-    assert!(most <= 2, "the provider saw {most} requests at once");
+    assert!(
+        most <= 2,
+        "the provider saw {most} requests at once; leading there: {:#?}\n--- node\n{}",
+        fabric.fakes[0].state.at_most.lock().unwrap(),
+        node.log()
+    );
     assert_eq!(most, 2, "both slots were used");
 }
 
@@ -875,6 +882,12 @@ fn a_cluster_edge_replaced_with_takeover_keeps_its_place_and_its_node() {
     );
     assert!(failed.is_empty(), "{failed:?}");
     assert!(ok > 10, "{ok}");
-    assert!(fabric.fakes[0].state.max_in_flight.load(Ordering::SeqCst) <= 4);
+    let most = fabric.fakes[0].state.max_in_flight.load(Ordering::SeqCst);
+    assert!(
+        most <= 4,
+        "the provider saw {most} requests at once; leading there: {:#?}\n--- node\n{}",
+        fabric.fakes[0].state.at_most.lock().unwrap(),
+        node.log()
+    );
     drop(node);
 }
