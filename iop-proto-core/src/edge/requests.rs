@@ -157,7 +157,7 @@ pub(super) struct Request {
     /// counted as attempts.
     refused: u32,
     /// Of those, refusals its ledger could not explain: bounded by [`MAX_REFUSALS`].
-    refusals: u32,
+    unexplained_refusals: u32,
     /// Providers a run of it failed on: not tried again for it.
     failed: Vec<ResourceId>,
     /// What its caller is told if no other run can answer.
@@ -444,7 +444,7 @@ impl Requests {
                 committed: None,
                 attempts: 0,
                 refused: 0,
-                refusals: 0,
+                unexplained_refusals: 0,
                 failed: Vec::new(),
                 last_failure: None,
                 retrying: false,
@@ -749,14 +749,14 @@ impl Requests {
     }
 
     /// The refusals `id` met that its ledger could not explain so far.
-    pub(super) fn refusals(&self, id: RequestId) -> u32 {
-        self.map.get(&id).map_or(0, |r| r.refusals)
+    pub(super) fn unexplained_refusals(&self, id: RequestId) -> u32 {
+        self.map.get(&id).map_or(0, |r| r.unexplained_refusals)
     }
 
     /// `id` met a refusal its ledger could not explain (see [`MAX_REFUSALS`]).
-    pub(super) fn count_refusal(&mut self, id: RequestId) {
+    pub(super) fn count_unexplained_refusal(&mut self, id: RequestId) {
         if let Some(r) = self.map.get_mut(&id) {
-            r.refusals += 1;
+            r.unexplained_refusals += 1;
         }
     }
 

@@ -478,7 +478,7 @@ impl EdgeCore {
             return false;
         };
         if refused {
-            if self.requests.refusals(request) >= requests::MAX_REFUSALS {
+            if self.requests.unexplained_refusals(request) >= requests::MAX_REFUSALS {
                 return false;
             }
         } else {
@@ -678,7 +678,7 @@ impl EdgeCore {
         // A refusal leaves the provider a candidate: it was full for a moment.
         let retry = self.may_try_again(request, (!refused).then_some(lease.resource), refused);
         if refused && !self.refusal_explained(lease) {
-            self.requests.count_refusal(request);
+            self.requests.count_unexplained_refusal(request);
         }
         let alone = !self.requests.has_live_besides(request, run);
         // Refused while this Edge hands over: no node here takes new work, and nothing
