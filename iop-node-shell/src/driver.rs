@@ -385,6 +385,9 @@ where
 
     loop {
         let closed = c.drain_outputs();
+        // Before anything else, a re-home's return included: work admitted with the
+        // frames just read is on the board before another session can run.
+        c.publish_load();
         if let Some(supervisor) = supervisor.as_deref_mut() {
             if std::mem::take(&mut c.became_ready) {
                 misuse("ready", supervisor.handle_ready(ctx.clock.now()));
@@ -394,7 +397,6 @@ where
                 return None;
             }
         }
-        c.publish_load();
         if let Some(end) = closed {
             // Abandoned work, and anything else still running, stops upstream now.
             for token in c.tasks.values() {
@@ -837,6 +839,131 @@ fn transport_status(ctx: &Context, session: &NodeSession) -> serde_json::Value {
 mod tests {
     use super::*;
     use iop_proto_core::wire::{AdapterType, NodeConfigPayload};
+
+    /// The next frame the node wrote to `edge`.
+    async fn next_frame(
+        edge: &mut tokio::io::DuplexStream,
+        decoder: &mut FrameDecoder,
+    ) -> wire::Body {
+        loop {
+            if let Some(envelope) = decoder.next_envelope().expect("a frame") {
+                return envelope.body.expect("a body");
+            }
+            let mut buf = BytesMut::with_capacity(4096);
+            let n = edge.read_buf(&mut buf).await.expect("read");
+            assert!(n > 0, "the node hung up");
+            decoder.push_bytes(buf.freeze());
+        }
+    }
+
+    fn frame(body: wire::Body, out: &mut BytesMut) {
+        wire::encode(&wire::Envelope::new(body), out).expect("encodes");
+    }
+
+    /// A run that arrives in the same read as the Edge's re-home is admitted there: it
+    /// must be on the node's board when the session hands back to the supervisor, before
+    /// the re-homed session's own task or any other session runs, or another session
+    /// gives its slot away and the provider sees more than its capacity (seen once in
+    /// about 60 runs of the cluster test: five at once against four).
+    #[tokio::test(flavor = "current_thread")]
+    async fn work_admitted_with_the_rehome_is_on_the_board_before_the_supervisor_dials() {
+        let ctx = Context {
+            clock: Clock::new(),
+            stats: Arc::default(),
+            http: crate::adapters::http::client(None).expect("client"),
+            request_timeout: Duration::from_secs(5),
+            started: tokio::time::Instant::now(),
+            drain_grace: Duration::from_secs(5),
+            elsewhere: Elsewhere::default(),
+            members: None,
+            seed: true,
+        };
+        // Another session of the node: what it takes in from the board.
+        let other = ctx.elsewhere.join();
+        let mut config = SessionConfig::new("n1", "a-token-long-enough");
+        config.rehome = true;
+        let mut supervisor = Supervisor::new(iop_proto_core::ReconnectPolicy::default());
+        supervisor.handle_start(ctx.clock.now()).expect("starts");
+        while supervisor.poll_event().is_some() {}
+        supervisor
+            .handle_connected(ctx.clock.now())
+            .expect("connects");
+        let stop = Stop::default();
+        let (node, mut edge) = tokio::io::duplex(1 << 16);
+        let fake_edge = async move {
+            let mut decoder = FrameDecoder::new();
+            let mut out = BytesMut::new();
+            assert!(matches!(
+                next_frame(&mut edge, &mut decoder).await,
+                wire::Body::RegisterRequest(_)
+            ));
+            frame(
+                wire::Body::RegisterResponse(wire::RegisterResponse {
+                    accepted: true,
+                    node_id: "n1".into(),
+                    config: Some(NodeConfigPayload {
+                        revision: 1,
+                        adapters: vec![wire::AdapterConfig {
+                            name: "a".into(),
+                            r#type: AdapterType::Mock as i32,
+                            capacity: 4,
+                            targets: vec!["t".into()],
+                            enabled: true,
+                            ..Default::default()
+                        }],
+                        runtime: None,
+                    }),
+                    heartbeat_interval_ms: 60_000,
+                    load_reports: true,
+                    ..Default::default()
+                }),
+                &mut out,
+            );
+            edge.write_all(&out.split()).await.expect("write");
+            while !matches!(
+                next_frame(&mut edge, &mut decoder).await,
+                wire::Body::NodeReadyRequest(_)
+            ) {}
+            frame(
+                wire::Body::NodeReadyResponse(wire::NodeReadyResponse {
+                    ready: true,
+                    reason: String::new(),
+                }),
+                &mut out,
+            );
+            edge.write_all(&out.split()).await.expect("write");
+            // One write: a run, then the re-home.
+            frame(
+                wire::Body::RunRequest(wire::RunRequest {
+                    run_id: "run-1".into(),
+                    adapter: "a".into(),
+                    target: "t".into(),
+                    ..Default::default()
+                }),
+                &mut out,
+            );
+            frame(
+                wire::Body::NodeRehomeRequest(wire::NodeRehomeRequest {
+                    reason: "handing over".into(),
+                }),
+                &mut out,
+            );
+            edge.write_all(&out.split()).await.expect("write");
+            edge
+        };
+        let (ended, _edge) =
+            tokio::join!(run(node, config, &ctx, &mut supervisor, &stop), fake_edge);
+        // Nothing has yielded since the session returned.
+        assert!(matches!(ended, Ended::Rehomed), "{ended:?}");
+        let held = ctx.elsewhere.held_for(other);
+        assert_eq!(
+            held.iter()
+                .map(|l| (l.adapter.as_str(), l.in_flight))
+                .collect::<Vec<_>>(),
+            [("a", 1)],
+            "what the other session takes in"
+        );
+    }
 
     #[tokio::test]
     async fn an_adapter_that_panics_still_reports_that_its_work_returned() {
