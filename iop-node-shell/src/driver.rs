@@ -393,6 +393,7 @@ where
                 misuse("ready", supervisor.handle_ready(ctx.clock.now()));
             }
             if closed.is_none() && std::mem::take(&mut c.rehome) {
+                debug_assert_eq!(c.published, c.session.load_changes(), "load unpublished");
                 misuse("rehome", supervisor.handle_rehome(ctx.clock.now()));
                 return None;
             }
