@@ -290,6 +290,8 @@ pub struct Relay {
     pub port: u16,
     seen: std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
     held: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// The other direction (what the target sends back), held only by [`Relay::cut`].
+    held_back: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Relay {
@@ -309,6 +311,8 @@ impl Relay {
         let recorded = seen.clone();
         let held = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let holding = held.clone();
+        let held_back = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let holding_back = held_back.clone();
         tokio::spawn(async move {
             while let Ok((inbound, _)) = listener.accept().await {
                 let Ok(outbound) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await
@@ -322,22 +326,30 @@ impl Relay {
                         Box::new(ir) as Box<dyn tokio::io::AsyncRead + Unpin + Send>,
                         Box::new(ow) as Box<dyn tokio::io::AsyncWrite + Unpin + Send>,
                         recorded.clone(),
-                        Some(holding.clone()),
+                        holding.clone(),
                     ),
-                    (Box::new(or), Box::new(iw), recorded.clone(), None),
+                    (
+                        Box::new(or),
+                        Box::new(iw),
+                        recorded.clone(),
+                        holding_back.clone(),
+                    ),
                 ] {
                     tokio::spawn(async move {
                         let mut buf = vec![0u8; 16 << 10];
-                        loop {
-                            while hold
-                                .as_ref()
-                                .is_some_and(|h| h.load(std::sync::atomic::Ordering::Acquire))
-                            {
+                        let held = || async {
+                            while hold.load(std::sync::atomic::Ordering::Acquire) {
                                 tokio::time::sleep(Duration::from_millis(5)).await;
                             }
+                        };
+                        loop {
+                            held().await;
                             match from.read(&mut buf).await {
                                 Ok(0) | Err(_) => break,
                                 Ok(n) => {
+                                    // What a read already under way returns once held
+                                    // waits too.
+                                    held().await;
                                     if let Ok(mut seen) = seen.lock() {
                                         seen.extend_from_slice(&buf[..n]);
                                     }
@@ -352,13 +364,26 @@ impl Relay {
                 }
             }
         });
-        Relay { port, seen, held }
+        Relay {
+            port,
+            seen,
+            held,
+            held_back,
+        }
     }
 
     /// Stops (`true`) or resumes reading what the connecting side (a Node) sends, as an
     /// Edge that does not read, or a stalled network path, would.
     pub fn hold(&self, held: bool) {
         self.held.store(held, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Stops (`true`) or resumes relaying in both directions, as a network partition
+    /// would: neither side hears the other, though no connection closes.
+    pub fn cut(&self, cut: bool) {
+        self.held_back
+            .store(cut, std::sync::atomic::Ordering::Release);
+        self.hold(cut);
     }
 
     /// Every byte relayed so far, both directions interleaved.

@@ -670,7 +670,7 @@ fn three_edges_share_config_nodes_and_callers_and_survive_a_killed_edge() {
     drop(twin);
 
     // ---- an Edge cut off from etcd leaves, the others serve; it comes back ----
-    fabric.relay.hold(true);
+    fabric.relay.cut(true);
     let cut = Instant::now();
     let c = &fabric.edges[2];
     assert!(
@@ -687,6 +687,13 @@ fn three_edges_share_config_nodes_and_callers_and_survive_a_killed_edge() {
         text.contains("iop_cluster_member{edge=\"edge-c\"} 0"),
         "{text}"
     );
+    // What it last saw of the members is shown as such.
+    assert_eq!(
+        c.status()["cluster"]["members_current"],
+        false,
+        "{:?}",
+        c.status()["cluster"]
+    );
     // It drains its node sessions and refuses registers; n3 serves through a and b.
     assert!(
         wait_until(Duration::from_secs(10), || c.ready_nodes().is_empty()),
@@ -702,7 +709,7 @@ fn three_edges_share_config_nodes_and_callers_and_survive_a_killed_edge() {
             edge.members()
         );
     }
-    fabric.relay.hold(false);
+    fabric.relay.cut(false);
     assert!(
         wait_until(Duration::from_secs(15), || c.healthz() == 200
             && c.members().len() == 3
