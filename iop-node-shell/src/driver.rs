@@ -857,8 +857,25 @@ mod tests {
         }
     }
 
-    fn frame(body: wire::Body, out: &mut BytesMut) {
-        wire::encode(&wire::Envelope::new(body), out).expect("encodes");
+    /// Writes `bodies` to the node in one write.
+    async fn send(edge: &mut tokio::io::DuplexStream, bodies: Vec<wire::Body>) {
+        let mut out = BytesMut::new();
+        for body in bodies {
+            wire::encode(&wire::Envelope::new(body), &mut out).expect("encodes");
+        }
+        edge.write_all(&out).await.expect("write");
+    }
+
+    /// A mock adapter named `name` serving target `t`.
+    fn mock(name: &str, capacity: u32) -> wire::AdapterConfig {
+        wire::AdapterConfig {
+            name: name.into(),
+            r#type: AdapterType::Mock as i32,
+            capacity,
+            targets: vec!["t".into()],
+            enabled: true,
+            ..Default::default()
+        }
     }
 
     /// A run that arrives in the same read as the Edge's re-home is admitted there: it
@@ -893,63 +910,51 @@ mod tests {
         let (node, mut edge) = tokio::io::duplex(1 << 16);
         let fake_edge = async move {
             let mut decoder = FrameDecoder::new();
-            let mut out = BytesMut::new();
             assert!(matches!(
                 next_frame(&mut edge, &mut decoder).await,
                 wire::Body::RegisterRequest(_)
             ));
-            frame(
-                wire::Body::RegisterResponse(wire::RegisterResponse {
-                    accepted: true,
-                    node_id: "n1".into(),
-                    config: Some(NodeConfigPayload {
-                        revision: 1,
-                        adapters: vec![wire::AdapterConfig {
-                            name: "a".into(),
-                            r#type: AdapterType::Mock as i32,
-                            capacity: 4,
-                            targets: vec!["t".into()],
-                            enabled: true,
-                            ..Default::default()
-                        }],
-                        runtime: None,
-                    }),
-                    heartbeat_interval_ms: 60_000,
-                    load_reports: true,
-                    ..Default::default()
-                }),
-                &mut out,
-            );
-            edge.write_all(&out.split()).await.expect("write");
+            let config = NodeConfigPayload {
+                revision: 1,
+                adapters: vec![mock("a", 4)],
+                runtime: None,
+            };
+            let accepted = wire::RegisterResponse {
+                accepted: true,
+                node_id: "n1".into(),
+                config: Some(config),
+                heartbeat_interval_ms: 60_000,
+                load_reports: true,
+                ..Default::default()
+            };
+            send(&mut edge, vec![wire::Body::RegisterResponse(accepted)]).await;
             while !matches!(
                 next_frame(&mut edge, &mut decoder).await,
                 wire::Body::NodeReadyRequest(_)
             ) {}
-            frame(
-                wire::Body::NodeReadyResponse(wire::NodeReadyResponse {
-                    ready: true,
-                    reason: String::new(),
-                }),
-                &mut out,
-            );
-            edge.write_all(&out.split()).await.expect("write");
+            let ready = wire::NodeReadyResponse {
+                ready: true,
+                reason: String::new(),
+            };
+            send(&mut edge, vec![wire::Body::NodeReadyResponse(ready)]).await;
             // One write: a run, then the re-home.
-            frame(
-                wire::Body::RunRequest(wire::RunRequest {
-                    run_id: "run-1".into(),
-                    adapter: "a".into(),
-                    target: "t".into(),
-                    ..Default::default()
-                }),
-                &mut out,
-            );
-            frame(
-                wire::Body::NodeRehomeRequest(wire::NodeRehomeRequest {
-                    reason: "handing over".into(),
-                }),
-                &mut out,
-            );
-            edge.write_all(&out.split()).await.expect("write");
+            let run = wire::RunRequest {
+                run_id: "run-1".into(),
+                adapter: "a".into(),
+                target: "t".into(),
+                ..Default::default()
+            };
+            let rehome = wire::NodeRehomeRequest {
+                reason: "handing over".into(),
+            };
+            send(
+                &mut edge,
+                vec![
+                    wire::Body::RunRequest(run),
+                    wire::Body::NodeRehomeRequest(rehome),
+                ],
+            )
+            .await;
             edge
         };
         let (ended, _edge) =
@@ -970,16 +975,8 @@ mod tests {
     async fn an_adapter_that_panics_still_reports_that_its_work_returned() {
         let client = crate::adapters::http::client(None).expect("client");
         let mut host = AdapterHost::new(client, Duration::from_secs(1));
-        let adapter = iop_proto_core::wire::AdapterConfig {
-            name: "m".into(),
-            r#type: AdapterType::Mock as i32,
-            capacity: 1,
-            targets: vec!["t".into()],
-            enabled: true,
-            ..Default::default()
-        };
         host.apply(&NodeConfigPayload {
-            adapters: vec![adapter],
+            adapters: vec![mock("m", 1)],
             ..Default::default()
         })
         .expect("a mock adapter applies");

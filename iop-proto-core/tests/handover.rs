@@ -21,6 +21,14 @@ fn register_rehoming(h: &mut Harness, conn: ConnId, node_id: &str) {
     );
 }
 
+/// A node `node_id` that can re-home, registered and ready on a new connection.
+fn rehoming_node(h: &mut Harness, node_id: &str) -> ConnId {
+    let conn = h.open();
+    register_rehoming(h, conn, node_id);
+    h.ready(conn, node_id);
+    conn
+}
+
 fn ready_holding(h: &mut Harness, conn: ConnId, node_id: &str, held: Vec<AdapterLoad>) {
     h.send(
         conn,
@@ -42,9 +50,7 @@ fn load(adapter: &str, in_flight: u32, long_in_flight: u32) -> AdapterLoad {
 #[test]
 fn rehome_tells_capable_nodes_drains_all_and_dispatches_nothing_more() {
     let mut h = Harness::new();
-    let n1 = h.open();
-    register_rehoming(&mut h, n1, "n1");
-    h.ready(n1, "n1");
+    let n1 = rehoming_node(&mut h, "n1");
     let (tx, _) = h.drain();
     let Body::RegisterResponse(resp) = &frames_to(&tx, n1)[0] else {
         panic!("{tx:?}");
@@ -115,9 +121,7 @@ fn rehome_tells_capable_nodes_drains_all_and_dispatches_nothing_more() {
 #[test]
 fn a_run_refused_during_the_hand_over_ends_retryable_like_a_waiting_request() {
     let mut h = Harness::new();
-    let n1 = h.open();
-    register_rehoming(&mut h, n1, "n1");
-    h.ready(n1, "n1");
+    let n1 = rehoming_node(&mut h, "n1");
     let _ = h.drain();
     let request = h.submit("solo", 10).expect("accepted");
     let grant = grants(&h.events())
