@@ -177,6 +177,11 @@ pub struct Usage {
     pub held_elsewhere: u32,
     /// Of those, long-context units.
     pub long_held_elsewhere: u32,
+    /// Units the node refused work for although this ledger counted them free: held by
+    /// work it cannot see (a cancelled run its node has not ended yet, a slot another
+    /// session took that no report announced). Taken until its node frees a unit there
+    /// or the hold ends ([`Ledger::hold_refused`]).
+    pub refused_hold: u32,
 }
 
 /// A held lease and its place in its resource's holder list.
@@ -290,6 +295,27 @@ impl Ledger {
         freed
     }
 
+    /// The node of live `resource` refused work the ledger had room for: every unit it
+    /// counted free is taken (`refused_hold`) until [`Self::end_refused_hold`]. Whether a
+    /// hold was made (none offline, nor when nothing was free).
+    pub fn hold_refused(&mut self, resource: ResourceId) -> bool {
+        let free = self.free(resource, false);
+        let usage = &mut self.resources[resource.index()].usage;
+        if free == 0 {
+            return false;
+        }
+        usage.refused_hold += free;
+        true
+    }
+
+    /// The node of `resource` freed a unit there (a run it ended, a load it reported), or
+    /// its refusal hold passed: the units it held back count as free again. Whether any
+    /// were held.
+    pub fn end_refused_hold(&mut self, resource: ResourceId) -> bool {
+        let usage = &mut self.resources[resource.index()].usage;
+        std::mem::take(&mut usage.refused_hold) > 0
+    }
+
     /// Takes `resource` offline and returns every lease held on it, each exactly once,
     /// in run order. Costs O(leases on `resource`), whatever else is held.
     pub fn fence(&mut self, resource: ResourceId) -> Vec<Lease> {
@@ -313,7 +339,8 @@ impl Ledger {
         let free = usage
             .capacity
             .saturating_sub(usage.in_flight)
-            .saturating_sub(usage.held_elsewhere);
+            .saturating_sub(usage.held_elsewhere)
+            .saturating_sub(usage.refused_hold);
         if long {
             free.min(
                 usage
@@ -537,5 +564,28 @@ mod tests {
             None,
             "still at 1/1"
         );
+    }
+
+    #[test]
+    fn a_refusal_takes_every_free_unit_until_its_hold_ends() {
+        let (mut ledger, r) = live(3, 1);
+        let a = ledger.try_acquire(r, RequestId(1), false).expect("fits");
+        assert!(ledger.hold_refused(r), "two units were free");
+        assert_eq!(ledger.usage(r).refused_hold, 2);
+        assert_eq!((ledger.free(r, false), ledger.free(r, true)), (0, 0));
+        assert!(!ledger.hold_refused(r), "nothing left to hold");
+        assert_eq!(ledger.release(a), Release::Released);
+        assert_eq!(
+            ledger.free(r, false),
+            1,
+            "a release frees only its own unit"
+        );
+        assert!(ledger.end_refused_hold(r));
+        assert_eq!(ledger.free(r, false), 3);
+        assert!(!ledger.end_refused_hold(r), "ended once");
+        assert!(ledger.hold_refused(r));
+        ledger.fence(r);
+        assert_eq!(ledger.usage(r).refused_hold, 0, "a fence ends the hold");
+        assert!(!ledger.hold_refused(r), "offline: nothing to hold");
     }
 }

@@ -275,17 +275,24 @@ fn a_single_edge_takes_registers_at_once() {
     assert_eq!(answer.cluster, None, "no cluster, no members");
 }
 
-/// The node refused the slot (another Edge of its cluster took it first): the request
-/// is tried again, on the same provider if it is the only one, and the provider is not
-/// ejected however often it happens; a node that refuses everything ends the request
-/// after a bounded number of tries.
+/// The node refused the slot though the ledger had room (work this Edge cannot see holds
+/// it): the request is not sent straight back, because the provider counts as full until
+/// the node reports its load or one heartbeat interval passes; then it is tried again,
+/// on the same provider if it is the only one, and the provider is not ejected however
+/// often it happens. A node that refuses everything ends the request at its eighth such
+/// refusal.
 #[test]
-fn a_nodes_refusal_is_tried_again_without_blaming_the_provider() {
+fn a_nodes_refusal_holds_the_provider_and_is_tried_again_without_blaming_it() {
     let mut h = Harness::new();
     let conn = h.connect("n1");
     let request = h.submit("solo", 1).expect("accepted");
     let mut refused = 0;
+    let mut clock = 0;
+    let (_, events) = h.drain();
+    let mut grant = grants(&events).pop().expect("dispatched");
     loop {
+        h.refuse(conn, &grant.run.wire());
+        refused += 1;
         let (_, events) = h.drain();
         assert!(
             !events
@@ -300,18 +307,23 @@ fn a_nodes_refusal_is_tried_again_without_blaming_the_provider() {
             );
             break;
         }
-        let grant = grants(&events)
+        assert!(grants(&events).is_empty(), "not straight back: {events:?}");
+        assert_eq!(h.usage("n1", "a").refused_hold, 2, "both slots held");
+        // Half the hold: still held.
+        clock += 500;
+        h.at(clock);
+        let (_, events) = h.drain();
+        assert!(grants(&events).is_empty(), "{events:?}");
+        clock += 500;
+        h.at(clock);
+        let (_, events) = h.drain();
+        grant = grants(&events)
             .into_iter()
             .find(|g| g.request == request)
-            .expect("dispatched again");
-        h.refuse(conn, &grant.run.wire());
-        refused += 1;
+            .expect("dispatched again once the hold passed");
         assert!(refused < 20, "a refusing node is not asked forever");
     }
-    assert_eq!(
-        refused, 9,
-        "eight refusals are tried again, the ninth ends it"
-    );
+    assert_eq!(refused, 8, "the eighth unexplained refusal ends it");
     let routing = h
         .edge
         .provider_routing()
@@ -323,6 +335,55 @@ fn a_nodes_refusal_is_tried_again_without_blaming_the_provider() {
         iop_proto_core::edge::Standing::Live,
         "{routing:?}"
     );
+}
+
+/// A refusal's hold gives way to what the node says: its load report ends it at once,
+/// and a request waiting for the provider is dispatched.
+#[test]
+fn a_load_report_ends_a_refusal_hold_at_once() {
+    let mut h = Harness::new();
+    let conn = h.connect("n1");
+    let first = h.submit("solo", 1).expect("accepted");
+    let (_, events) = h.drain();
+    let grant = grants(&events).pop().expect("dispatched");
+    h.refuse(conn, &grant.run.wire());
+    let second = h.submit("solo", 1).expect("accepted");
+    let (_, events) = h.drain();
+    assert!(grants(&events).is_empty(), "held: {events:?}");
+    h.send(
+        conn,
+        Body::NodeLoadReport(NodeLoadReport {
+            held_elsewhere: Vec::new(),
+        }),
+    );
+    let (_, events) = h.drain();
+    let mut served: Vec<_> = grants(&events).iter().map(|g| g.request).collect();
+    served.sort();
+    assert_eq!(served, vec![first, second], "{events:?}");
+    assert_eq!(h.usage("n1", "a").refused_hold, 0);
+}
+
+/// A refused request goes to another candidate with room at once, not back to the node
+/// that refused it.
+#[test]
+fn a_refused_request_goes_to_another_candidate_with_room() {
+    let mut h = Harness::new();
+    let n1 = h.connect("n1");
+    let n2 = h.connect("n2");
+    h.drain();
+    let request = h.submit("m", 1).expect("accepted");
+    let (_, events) = h.drain();
+    let grant = grants(&events).pop().expect("dispatched");
+    let (first, other) = if &*grant.node_id == "n1" {
+        (n1, "n2")
+    } else {
+        (n2, "n1")
+    };
+    h.refuse(first, &grant.run.wire());
+    let (_, events) = h.drain();
+    let again = grants(&events).pop().expect("dispatched again at once");
+    assert_eq!(again.request, request);
+    assert_eq!(&*again.node_id, other, "{events:?}");
 }
 
 /// A node that dialled one Edge twice (through a balancer, say) does not cut its own

@@ -168,6 +168,28 @@ fn seeds_that_broke_an_invariant_keep_it_now() {
             panic!("{what}: {failure}");
         }
     }
+    // The rule that bounds a request's dispatches (`EdgeCore::verdict`): a node refused
+    // a run its Edge's ledger had room for (the Edge had freed the unit of a cancelled
+    // run its node had not ended), the refusal stayed outside the attempts, and the
+    // request went straight back to that node, refused again and again: four dispatches
+    // against three attempts. The first four are issue 67's (the simulated node then also
+    // lost a unit for good when its provider stopped without a terminal; it now ends such
+    // work as the node shell does); the last three broke the rule as written once the
+    // Edge no longer held a provider that refused.
+    let dispatches = [
+        (32_381, "four dispatches, three attempts"),
+        (38_487, "four dispatches, three attempts"),
+        (43_173, "four dispatches, three attempts"),
+        (47_978, "four dispatches, three attempts"),
+        (16, "straight back to the node that refused"),
+        (2_846, "straight back to the node that refused"),
+        (3_566, "straight back to the node that refused"),
+    ];
+    for (seed, what) in dispatches {
+        if let Err(failure) = sim::run_seed(seed, SimOptions::default()) {
+            panic!("a request's dispatches, {what}: {failure}");
+        }
+    }
     // The worlds as the sweep found them, before misconfigured siblings joined them.
     let options = SimOptions {
         original_ops: true,

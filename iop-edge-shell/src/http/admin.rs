@@ -160,6 +160,12 @@ pub(super) async fn status(state: &State) -> Response<ResBody> {
             "first_byte_ms": r.first_byte.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
         })
     };
+    let routing_of = |p: &iop_proto_core::wire::ProviderSnapshot| {
+        snapshot
+            .routing
+            .iter()
+            .find(|r| *r.node_id == *p.node_id && *r.provider_id == *p.provider_id)
+    };
     let providers: Vec<Value> = snapshot
         .providers
         .iter()
@@ -177,12 +183,11 @@ pub(super) async fn status(state: &State) -> Response<ResBody> {
                 "long_capacity": p.long_capacity,
                 "in_flight": p.in_flight,
                 "long_in_flight": p.long_in_flight,
-                // Units a re-homed node's work for the previous Edge process still holds.
-                "held_elsewhere": snapshot
-                    .routing
-                    .iter()
-                    .find(|r| *r.node_id == *p.node_id && *r.provider_id == *p.provider_id)
-                    .map_or(0, |r| r.held_elsewhere),
+                // Units a re-homed node's work for the previous Edge process (or another
+                // Edge of a cluster) holds, and units held back since the node refused
+                // work this Edge had counted free.
+                "held_elsewhere": routing_of(p).map_or(0, |r| r.held_elsewhere),
+                "refused_hold": routing_of(p).map_or(0, |r| r.refused_hold),
                 "queued": p.queued,
                 "long_queued": p.long_queued,
                 "targets": p.targets,

@@ -128,6 +128,17 @@ impl Pool {
         self.ledger.set_held(r, held, long_held)
     }
 
+    /// `r`'s node refused work its ledger had room for: its free units are taken until
+    /// [`Self::end_refused_hold`]. Whether a hold was made.
+    pub(super) fn hold_refused(&mut self, r: ResourceId) -> bool {
+        self.ledger.hold_refused(r)
+    }
+
+    /// `r`'s node freed a unit, or its refusal hold passed: whether units came free.
+    pub(super) fn end_refused_hold(&mut self, r: ResourceId) -> bool {
+        self.ledger.end_refused_hold(r)
+    }
+
     /// `r` takes no new work; what it holds stays held.
     pub(super) fn stop_granting(&mut self, r: ResourceId, generation: Option<Generation>) {
         if generation.is_none() || self.ledger.usage(r).generation == generation {

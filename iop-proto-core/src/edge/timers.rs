@@ -27,6 +27,9 @@ pub(super) enum TimerKey {
     Command(u64),
     /// An ejected provider may be probed from this instant: waiters are served again.
     Probe(ResourceId),
+    /// A provider whose node refused work is taken at most until this (see
+    /// [`Usage::refused_hold`](crate::lease::Usage::refused_hold)).
+    RefusalHold(ResourceId),
 }
 
 impl crate::timer::TimerKey for TimerKey {
@@ -40,6 +43,7 @@ impl crate::timer::TimerKey for TimerKey {
             TimerKey::CancelGrace(_) => "cancel grace",
             TimerKey::Command(_) => "command answer",
             TimerKey::Probe(_) => "probe",
+            TimerKey::RefusalHold(_) => "refusal hold",
         }
     }
 }

@@ -240,7 +240,10 @@ impl EdgeCore {
     fn held_elsewhere(&mut self, node: NodeIdx, held: &[AdapterLoad], pump: bool) {
         for (name, r) in self.registry.node(node).resources.clone() {
             let (n, long) = load_of(held, &name);
-            if self.pool.set_held(r, n, long) && pump {
+            // The node says what it holds: a refusal's guess gives way to it.
+            self.timers.stop(TimerKey::RefusalHold(r));
+            let unheld = self.pool.end_refused_hold(r);
+            if (self.pool.set_held(r, n, long) || unheld) && pump {
                 self.pump(r);
             }
         }
@@ -645,7 +648,7 @@ impl EdgeCore {
     }
 
     /// `run` failed before its first byte: given up and its request dispatched again
-    /// when it may, otherwise its answer goes to the caller.
+    /// when it may, otherwise its answer goes to the caller ([`Verdict`]).
     fn failed_before_first_byte(
         &mut self,
         run: RunId,
@@ -670,27 +673,24 @@ impl EdgeCore {
                 },
             });
         }
-        let refused = matches!(cause, Cause::Refused(_));
-        let request = run.request;
-        if !refused {
+        let refusal = match cause {
+            Cause::Refused(_) if self.refusal_explained(lease) => Some(Refusal::Explained),
+            Cause::Refused(_) => Some(Refusal::Unexplained),
+            _ => None,
+        };
+        if refusal.is_none() {
             self.provider_failed(lease.resource, run, retry_after);
         }
-        // A refusal leaves the provider a candidate: it was full for a moment.
-        let retry = self.may_try_again(request, (!refused).then_some(lease.resource), refused);
-        if refused && !self.refusal_explained(lease) {
-            self.requests.count_unexplained_refusal(request);
+        if refusal == Some(Refusal::Unexplained) {
+            self.requests.count_unexplained_refusal(run.request);
         }
-        let alone = !self.requests.has_live_besides(request, run);
-        // Refused while this Edge hands over: no node here takes new work, and nothing
-        // reached a provider. The request ends as one still waiting does at the hand-over,
-        // retryable at the successor, not with the node's refusal.
-        let handed_over = refused && !retry && self.registry.handing_over;
-        if !retry && alone && !matches!(cause, Cause::Violation(_)) && !handed_over {
+        let verdict = self.verdict(run, lease, &cause, refusal);
+        if verdict == Verdict::Answered {
             // Nothing else can answer: the caller gets this one.
             self.first_byte(run);
             return;
         }
-        if retry {
+        if verdict == Verdict::Again {
             self.retried(run, lease.resource, cause.label());
         }
         let Some((lease, conn)) = self.requests.give_up(run, &cause) else {
@@ -708,20 +708,58 @@ impl EdgeCore {
             }
             None => {
                 self.pool.undecided(lease.resource, run);
-                self.release(lease);
+                match refusal {
+                    Some(refusal) => self.release_refused(lease, refusal),
+                    None => self.release(lease),
+                }
             }
         }
-        if retry {
-            self.retry(request);
-        } else if alone {
-            let mut cx = cx!(self);
-            if handed_over {
+        let request = run.request;
+        let mut cx = cx!(self);
+        match verdict {
+            Verdict::Again => self.retry(request),
+            Verdict::LeftToSibling | Verdict::Answered => {}
+            Verdict::HandedOver => {
                 self.requests
                     .end(&mut cx, request, Outcome::Failed(RequestError::HandingOver));
-            } else {
-                // A broken stream has no answer to give: the request fails with it.
-                self.requests.end_failed(&mut cx, request, cause.outcome());
             }
+            // A broken stream has no answer to give: the request fails with it.
+            Verdict::Failed => self.requests.end_failed(&mut cx, request, cause.outcome()),
+        }
+    }
+
+    /// What becomes of `run`'s request now that `run` failed before its first byte
+    /// (`refusal`: its node refused it, and whether the ledger explains that). The one
+    /// rule that bounds a request's dispatches, as README's "Retries" states it and the
+    /// simulation checks it:
+    ///
+    /// > A dispatch is an attempt unless its node refused it before asking its provider.
+    /// > A request has at most `max_attempts` attempts, and at most 8 refusals its Edge's
+    /// > ledger did not explain. After a refusal the ledger counts that provider full
+    /// > until its node reports its load or one heartbeat interval passes, so the request
+    /// > is not dispatched there again before that.
+    fn verdict(
+        &self,
+        run: RunId,
+        lease: Lease,
+        cause: &Cause,
+        refusal: Option<Refusal>,
+    ) -> Verdict {
+        let request = run.request;
+        // A refusal leaves the provider a candidate: it was full for a moment.
+        let also = refusal.is_none().then_some(lease.resource);
+        if self.may_try_again(request, also, refusal.is_some()) {
+            Verdict::Again
+        } else if self.requests.has_live_besides(request, run) {
+            Verdict::LeftToSibling
+        } else if refusal.is_some() && self.registry.handing_over {
+            // No node here takes new work, and nothing reached a provider: the request
+            // ends as one still waiting does at the hand-over, retryable at the successor.
+            Verdict::HandedOver
+        } else if matches!(cause, Cause::Violation(_)) {
+            Verdict::Failed
+        } else {
+            Verdict::Answered
         }
     }
 
@@ -837,6 +875,33 @@ impl EdgeCore {
         if self.pool.release(lease) == Release::Released {
             self.pump(lease.resource);
             self.close_if_drained(self.pool.meta(lease.resource).node);
+        }
+    }
+
+    /// Returns the lease of a run its node refused: an unexplained refusal takes the
+    /// provider's free units until its node reports its load or the hold passes (one
+    /// heartbeat interval), so nothing goes straight back to a node that said it is full.
+    fn release_refused(&mut self, lease: Lease, refusal: Refusal) {
+        self.timers.stop(TimerKey::CancelGrace(lease.run));
+        if self.pool.release(lease) != Release::Released {
+            return;
+        }
+        let r = lease.resource;
+        if refusal == Refusal::Unexplained && self.pool.hold_refused(r) {
+            let until = self.now + self.config.timing.heartbeat_interval;
+            self.timers.set(TimerKey::RefusalHold(r), until);
+        } else {
+            self.pump(r);
+        }
+        self.close_if_drained(self.pool.meta(r).node);
+    }
+
+    /// `r`'s refusal hold ends (its node reported its load, or the hold passed): units it
+    /// held back serve waiters.
+    fn end_refused_hold(&mut self, r: ResourceId) {
+        self.timers.stop(TimerKey::RefusalHold(r));
+        if self.pool.end_refused_hold(r) {
+            self.pump(r);
         }
     }
 
@@ -1239,6 +1304,7 @@ impl EdgeCore {
                 }
             }
             TimerKey::Probe(resource) => self.pump(resource),
+            TimerKey::RefusalHold(resource) => self.end_refused_hold(resource),
         }
     }
 
@@ -1371,6 +1437,7 @@ impl EdgeCore {
                     failure_share,
                     first_byte: latency.map(Duration::from_secs_f64),
                     held_elsewhere: self.pool.usage(r).held_elsewhere,
+                    refused_hold: self.pool.usage(r).refused_hold,
                 });
             }
         }
@@ -1398,4 +1465,35 @@ fn load_of(held: &[AdapterLoad], name: &str) -> (u32, u32) {
     held.iter()
         .find(|l| l.adapter == name)
         .map_or((0, 0), |l| (l.in_flight, l.long_in_flight))
+}
+
+/// A node's refusal of a run, as the Edge's ledger sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Refusal {
+    /// Without that run, the units this Edge holds and those the node reported held
+    /// elsewhere fill the provider: another session took the slot.
+    Explained,
+    /// The ledger had room: the node holds work this Edge cannot see.
+    Unexplained,
+}
+
+/// What becomes of a request whose run failed before its first byte
+/// ([`EdgeCore::verdict`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Verdict {
+    /// Dispatched again: at once on a provider with room it has not failed on, else it
+    /// waits in the queue for one (after an attempt: within `max_attempts` and the retry
+    /// budget; after a refusal: not an attempt, within the unexplained refusals).
+    Again,
+    /// Another of its runs may still answer (one tried beside a slow one): this run is
+    /// only given up.
+    LeftToSibling,
+    /// Refused while this Edge hands over: it ends retryable at the successor.
+    HandedOver,
+    /// Nothing else can answer and the run has no answer to give (a broken stream): it
+    /// fails with the run's cause.
+    Failed,
+    /// Nothing else can answer: the caller gets what the run said (a provider's status
+    /// and body, a node's refusal).
+    Answered,
 }

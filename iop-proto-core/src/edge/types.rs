@@ -494,6 +494,9 @@ pub struct ProviderRouting {
     /// Units its node's work for an earlier Edge process still holds (a re-homed node's
     /// draining session), counted as taken here.
     pub held_elsewhere: u32,
+    /// Units held back since its node refused work the ledger had room for
+    /// ([`Usage::refused_hold`](crate::lease::Usage::refused_hold)).
+    pub refused_hold: u32,
 }
 
 /// A failed registration whose answer the throttle holds back.

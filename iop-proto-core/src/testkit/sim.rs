@@ -19,8 +19,9 @@
 //! apart, a reader would chase one scenario across files; it is test code and ships in
 //! no build without the `testkit` feature.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::fmt::Write as _;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -68,6 +69,9 @@ pub enum Mode {
     Refuse,
     /// Answers 503 with `Retry-After: 1` (a run: a retryable error after its start).
     Unavailable,
+    /// Answers normally but takes a second to stop after a cancel, longer than the
+    /// Edge's cancel grace: the Edge frees the unit while the node still holds it.
+    Stubborn,
 }
 
 /// One step of a simulation. Generated from a seed by [`generate`], or by proptest.
@@ -182,6 +186,7 @@ pub fn run_seed(seed: u64, options: SimOptions) -> Result<Stats, SimFailure> {
     if !options.original_ops {
         weave_bad_siblings(seed, &mut ops);
         weave_broken_providers(seed, &mut ops);
+        weave_stubborn_providers(seed, &mut ops);
     }
     run(seed, &ops, options)
 }
@@ -203,6 +208,24 @@ fn weave_broken_providers(seed: u64, ops: &mut Vec<Op>) {
         };
         ops.insert(at.min(ops.len()), Op::Provider { node, mode });
     }
+}
+
+/// Makes a provider slow to stop after a cancel ([`Mode::Stubborn`]) in a fifth of the
+/// worlds, from a stream of its own.
+fn weave_stubborn_providers(seed: u64, ops: &mut Vec<Op>) {
+    let mut rng = Rng::new(seed ^ 0xA54F_F53A_5F1D_36F1);
+    if !rng.chance(20) {
+        return;
+    }
+    let at = usize::try_from(rng.below(ops.len() as u64 + 1)).unwrap_or(0);
+    let node = u8::try_from(rng.below(NODES as u64)).unwrap_or(0);
+    ops.insert(
+        at.min(ops.len()),
+        Op::Provider {
+            node,
+            mode: Mode::Stubborn,
+        },
+    );
 }
 
 /// Adds misconfigured siblings to a third of the worlds, drawn from a stream of their
@@ -318,6 +341,8 @@ pub struct Stats {
     pub restored: u64,
     /// Of those, refusals held back by the throttle.
     pub bad_throttled: u64,
+    /// Dispatches a node refused before asking its provider (its gate was full).
+    pub work_refused: u64,
 }
 
 /// A violated invariant, with what is needed to replay it.
@@ -609,6 +634,12 @@ struct Client {
     tunnel_only: bool,
     /// Dispatches of the request seen on the wire.
     dispatches: u32,
+    /// Of those, the ones a node refused before asking its provider (seen as the Edge
+    /// reads them).
+    refusals: u32,
+    /// Its last refusal: by which node's adapter, when, and at which step of the world
+    /// (to tell what its node said after it).
+    refused: Option<(Arc<str>, String, Timestamp, u64)>,
     /// Its answer began: a provider was named, bytes may follow.
     answered: bool,
     /// Bytes of its answer reached it.
@@ -636,6 +667,15 @@ struct World {
     faults: Faults,
     /// Each request's last dispatch as written (for the planted redispatch).
     last_dispatch: BTreeMap<RequestId, (ConnId, Envelope)>,
+    /// Where each run was dispatched: its node and adapter.
+    dispatched_to: HashMap<String, (Arc<str>, String)>,
+    /// Envelopes the Edge has read, counted: a step of the world.
+    read_count: u64,
+    /// By node and adapter: the step at which the Edge last read that the node freed a
+    /// unit there (a run's terminal, a load report, a ready).
+    freed_at: HashMap<(Arc<str>, String), u64>,
+    /// By node: the step at which the Edge last read its load report or its ready.
+    node_freed_at: HashMap<Arc<str>, u64>,
 }
 
 macro_rules! check {
@@ -801,8 +841,8 @@ impl World {
             "{run_id} dispatched on conn {} which is not its node's ready owner ({owner:?})",
             conn.0
         );
-        if let Some((node_id, ..)) = owner
-            && let Some(r) = self.edge.resource(&node_id, adapter)
+        if let Some((node_id, ..)) = &owner
+            && let Some(r) = self.edge.resource(node_id, adapter)
         {
             let usage = self.edge.ledger().usage(r);
             check!(
@@ -819,23 +859,102 @@ impl World {
             !(as_run && tunnel_only),
             "tunnel-only {run_id} dispatched as a run on {adapter}"
         );
-        // Retries: only before the first byte, and within the attempts a request has.
+        // The rule that bounds a request's dispatches (`EdgeCore::verdict`, README's
+        // "Retries"), word for word: "A dispatch is an attempt unless its node refused it
+        // before asking its provider. A request has at most `max_attempts` attempts, and
+        // at most 8 refusals its Edge's ledger did not explain. After a refusal the
+        // ledger counts that provider full until its node reports its load or one
+        // heartbeat interval passes, so the request is not dispatched there again before
+        // that." A single Edge's ledger explains a refusal only by what the node
+        // reported held elsewhere; the check takes any unit the node freed there (a
+        // run's end, a load report, a ready) as leave to go back, and 8 refusals in all.
         let max_attempts = self.edge.config().routing.max_attempts;
-        if let Some(client) =
-            RunId::parse(run_id).and_then(|run| self.clients.get_mut(&run.request))
+        let hold = self.edge.config().timing.heartbeat_interval;
+        let Some(run) = RunId::parse(run_id) else {
+            return;
+        };
+        let node_id = owner.map_or_else(|| Arc::from(""), |o| o.0);
+        self.dispatched_to
+            .insert(run_id.to_owned(), (node_id.clone(), adapter.to_owned()));
+        let Some(client) = self.clients.get_mut(&run.request) else {
+            return;
+        };
+        client.dispatches += 1;
+        let (dispatches, refusals, got_bytes) =
+            (client.dispatches, client.refusals, client.got_bytes);
+        let back_too_soon = client.refused.as_ref().is_some_and(|(n, a, at, step)| {
+            *n == node_id
+                && a == adapter
+                && self.now < *at + hold
+                && self
+                    .freed_at
+                    .get(&(node_id.clone(), adapter.to_owned()))
+                    .max(self.node_freed_at.get(&node_id))
+                    .is_none_or(|freed| freed <= step)
+        });
+        check!(
+            self,
+            !got_bytes,
+            "{run_id} dispatched after its request's first byte reached the caller"
+        );
+        check!(
+            self,
+            dispatches - refusals <= max_attempts,
+            "{run_id}: {} attempts ({dispatches} dispatches, {refusals} refused), more than \
+             {max_attempts}",
+            dispatches - refusals
+        );
+        check!(
+            self,
+            refusals < 8,
+            "{run_id}: dispatched after {refusals} refusals"
+        );
+        check!(
+            self,
+            !back_too_soon,
+            "{run_id} dispatched to {node_id}/{adapter}, which refused its request, before \
+             the node freed a unit there or the hold passed"
+        );
+    }
+
+    /// The Edge is about to read `envelope` from `conn`: a refusal is counted against its
+    /// request, and a unit the node frees is noted by adapter.
+    fn note_read(&mut self, conn: ConnId, envelope: &Envelope) {
+        self.read_count += 1;
+        let step = self.read_count;
+        let Some((node_id, _, _)) = self.edge.owner_of(conn) else {
+            return;
+        };
+        let (run_id, terminal, refused) = match &envelope.body {
+            Some(Body::RunEvent(e)) => (
+                &e.run_id,
+                terminal_event(e),
+                e.error.as_ref().is_some_and(|e| e.code == "refused"),
+            ),
+            Some(Body::ProviderTunnelFrame(f)) => (
+                &f.run_id,
+                terminal_frame(f),
+                f.error.as_ref().is_some_and(|e| e.code == "refused"),
+            ),
+            Some(Body::NodeLoadReport(_) | Body::NodeReadyRequest(_)) => {
+                self.node_freed_at.insert(node_id, step);
+                return;
+            }
+            _ => return,
+        };
+        let Some(to) = self.dispatched_to.get(run_id).cloned() else {
+            return;
+        };
+        if terminal && !refused {
+            self.freed_at.insert(to.clone(), step);
+        }
+        if refused
+            && let Some(client) =
+                RunId::parse(run_id).and_then(|r| self.clients.get_mut(&r.request))
         {
-            client.dispatches += 1;
-            let (dispatches, got_bytes) = (client.dispatches, client.got_bytes);
-            check!(
-                self,
-                !got_bytes,
-                "{run_id} dispatched after its request's first byte reached the caller"
-            );
-            check!(
-                self,
-                dispatches <= max_attempts,
-                "{run_id}: {dispatches} dispatches, more than {max_attempts} attempts"
-            );
+            client.refusals += 1;
+            client.refused = Some((to.0, to.1, self.now, step));
+            self.stats.work_refused += 1;
         }
     }
 
@@ -1187,7 +1306,11 @@ impl World {
             SessionEvent::StartRun { request } => self.start_work(i, request.run_id, false),
             SessionEvent::StartTunnel { request } => self.start_work(i, request.run_id, true),
             SessionEvent::CancelRun { run_id } => {
-                let at = now + self.provider_delay(Mode::Normal);
+                let at = if self.procs[i].mode == Mode::Stubborn {
+                    now + Duration::from_secs(1)
+                } else {
+                    now + self.provider_delay(Mode::Normal)
+                };
                 if let Some(work) = self.procs[i].work.get_mut(&run_id) {
                     work.cancelled = true;
                     work.next_at = work.next_at.min(at);
@@ -1399,7 +1522,12 @@ impl World {
             session.handle_run_output(now, run_id, output)
         };
         if last {
+            // The adapter's task returns, as the node shell's does: work it left without
+            // a terminal (a provider that stopped mid-answer) ends here.
             self.procs[i].work.remove(run_id);
+            if let Some(session) = self.procs[i].session.as_mut() {
+                let _ = session.handle_work_returned(now, run_id);
+            }
         }
     }
 
@@ -1596,6 +1724,7 @@ impl World {
                             }
                             self.edge_closed(conn, &CloseReason::PeerClosed);
                         } else if !swallowed {
+                            self.note_read(conn, &envelope);
                             let _ = self.edge.handle_envelope(now, conn, envelope);
                         }
                         self.drain_edge();
@@ -1813,6 +1942,8 @@ impl World {
                         checker: None,
                         tunnel_only,
                         dispatches: 0,
+                        refusals: 0,
+                        refused: None,
                         answered: false,
                         got_bytes: false,
                     },
@@ -2238,6 +2369,10 @@ pub fn run(seed: u64, ops: &[Op], options: SimOptions) -> Result<Stats, SimFailu
         drain_read: BTreeSet::new(),
         faults: options.faults,
         last_dispatch: BTreeMap::new(),
+        dispatched_to: HashMap::new(),
+        read_count: 0,
+        freed_at: HashMap::new(),
+        node_freed_at: HashMap::new(),
     };
     // A machine that panics on a broken internal invariant is a finding too: keep the
     // seed and the trace that led there.
