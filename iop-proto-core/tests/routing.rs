@@ -196,7 +196,7 @@ fn a_run_failing_after_its_start_is_retried_elsewhere_and_the_caller_sees_one_an
 #[test]
 fn nothing_is_retried_after_the_first_byte() {
     let mut w = World::new();
-    let request = w.h.submit("m", 10).expect("accepted");
+    let request = w.h.submit_stream("m").expect("accepted");
     let (_, events) = w.h.drain();
     let run = grants(&events).remove(0);
     w.send(&run, 1, RunEventType::Start, "");
@@ -319,7 +319,7 @@ fn with_the_other_provider_busy_a_slow_run_is_tried_beside_on_the_first_that_fre
 #[test]
 fn a_slow_run_answering_while_its_request_waits_beside_it_leaves_the_queue() {
     let mut w = World::new();
-    let a = w.h.submit("m", 10).expect("accepted");
+    let a = w.h.submit_stream("m").expect("accepted");
     let _b = w.h.submit("m", 10).expect("accepted");
     let (_, events) = w.h.drain();
     let runs = grants(&events);
@@ -431,4 +431,212 @@ fn a_provider_that_fails_is_on_trial_one_request_at_a_time_then_ejected_and_prob
         "{events:?}"
     );
     assert_eq!(w.routing("b").standing, Standing::Live);
+}
+
+/// A request that is not streamed gets its answer whole, so its first byte is its
+/// terminal: a run lost before it ends (its node gone, its provider failing midway) is
+/// tried again on another provider, and the caller sees only the answer that completed.
+#[test]
+fn a_whole_answer_lost_before_its_end_is_tried_again_and_nothing_of_it_reaches_the_caller() {
+    let mut w = World::new();
+    let request = w.h.submit("m", 10).expect("accepted");
+    let (_, events) = w.h.drain();
+    let first = grants(&events).remove(0);
+    w.send(&first, 1, RunEventType::Start, "");
+    w.send(&first, 2, RunEventType::Delta, "half an ");
+    let (_, events) = w.h.drain();
+    assert_eq!(told(&events, request), (Vec::new(), None), "held");
+    // Past the first-byte deadline while it produces: not slow, nothing tried beside.
+    w.h.at(1500);
+    let (_, events) = w.h.drain();
+    assert!(grants(&events).is_empty(), "{events:?}");
+    // Its node is lost before the answer ends.
+    let conn = w.conn(&first);
+    w.h.edge
+        .handle_connection_closed(w.h.now, conn)
+        .expect("a known connection");
+    let (_, events) = w.h.drain();
+    let again = grants(&events)
+        .into_iter()
+        .find(|g| g.request == request)
+        .expect("tried again");
+    assert_ne!(again.node_id, first.node_id);
+    w.answer(&again, "whole answer");
+    let (_, events) = w.h.drain();
+    let (deltas, end) = told(&events, request);
+    assert_eq!(deltas, ["whole answer"]);
+    assert_eq!(end, Some(Outcome::Completed));
+}
+
+/// A run that hangs past its first-byte deadline gets a run tried beside it; when that
+/// one is refused by its node (or fails), the rescue goes on: the request waits for a
+/// provider again, and waits again when that wait times out, never on the hung run alone
+/// while another provider may still answer.
+#[test]
+fn a_refused_rescue_of_a_hung_run_is_tried_again() {
+    let mut w = World::new();
+    let request = w.h.submit("m", 10).expect("accepted");
+    let (_, events) = w.h.drain();
+    let hung = grants(&events).remove(0);
+    w.h.at(1000);
+    let (_, events) = w.h.drain();
+    let rescue = grants(&events).remove(0);
+    assert_ne!(rescue.node_id, hung.node_id);
+    let other = w.conn(&rescue);
+    w.h.refuse(other, &rescue.run.wire());
+    let (_, events) = w.h.drain();
+    assert!(told(&events, request).1.is_none(), "{events:?}");
+    assert_eq!(w.h.edge.queue().len(), 1, "it waits for a provider again");
+    // The node said it is full: the refusal hold passes before it is asked again.
+    let hold = two_providers().timing.heartbeat_interval.as_millis() as u64;
+    w.h.at(1000 + hold);
+    let (_, events) = w.h.drain();
+    let again = grants(&events)
+        .into_iter()
+        .find(|g| g.request == request)
+        .expect("the rescue is dispatched again");
+    assert_eq!(again.node_id, rescue.node_id);
+    w.answer(&again, "rescued");
+    let (transmits, events) = w.h.drain();
+    assert_eq!(told(&events, request).0, ["rescued"]);
+    assert_eq!(cancels(&transmits), [hung.run.wire()]);
+}
+
+/// Waiting beside a hung run for a provider that stays busy: when the wait times out,
+/// the request waits again rather than being left to the hung run alone.
+#[test]
+fn a_wait_beside_a_hung_run_that_times_out_waits_again() {
+    let mut w = World::new();
+    let a = w.h.submit("m", 10).expect("accepted");
+    let b = w.h.submit_stream("m").expect("accepted");
+    let (_, events) = w.h.drain();
+    let runs = grants(&events);
+    let run_b = runs
+        .iter()
+        .find(|g| g.request == b)
+        .expect("b runs")
+        .clone();
+    w.send(&run_b, 1, RunEventType::Start, "");
+    w.send(&run_b, 2, RunEventType::Delta, "b");
+    w.h.at(1000);
+    w.h.drain();
+    assert_eq!(w.h.edge.queue().len(), 1, "a waits beside its hung run");
+    let wait = config().queue.wait_timeout.as_millis() as u64;
+    w.h.at(1000 + wait);
+    w.h.drain();
+    assert_eq!(
+        w.h.edge.queue().len(),
+        1,
+        "and again after its wait timed out"
+    );
+    w.send(&run_b, 3, RunEventType::Complete, "");
+    let (_, events) = w.h.drain();
+    let beside = grants(&events)
+        .into_iter()
+        .find(|g| g.request == a)
+        .expect("tried beside once a provider freed");
+    assert_eq!(beside.node_id, run_b.node_id);
+}
+
+/// Sends a whole tunnel answer for `grant`: `status` (with `retry-after` when given),
+/// one body chunk, the end.
+fn tunnel_answer(
+    h: &mut Harness,
+    conn: ConnId,
+    grant: &Grant,
+    status: u32,
+    retry_after: Option<&str>,
+) {
+    let frame = |sequence, kind: TunnelFrameKind| ProviderTunnelFrame {
+        run_id: grant.run.wire(),
+        sequence,
+        kind: kind as i32,
+        ..Default::default()
+    };
+    let mut head = frame(0, TunnelFrameKind::Status);
+    head.status_code = status;
+    if let Some(after) = retry_after {
+        head.headers.push(Header {
+            name: "retry-after".into(),
+            value: bytes::Bytes::copy_from_slice(after.as_bytes()),
+        });
+    }
+    let mut body = frame(1, TunnelFrameKind::Body);
+    body.body = bytes::Bytes::from_static(b"{}");
+    let mut end = frame(2, TunnelFrameKind::End);
+    end.end = true;
+    for f in [head, body, end] {
+        h.send(conn, Body::ProviderTunnelFrame(f));
+    }
+}
+
+/// A provider that answers 503 with `Retry-After` is taken out of the rotation for that
+/// long even where the ejection caps would keep it (here: the group's last provider in
+/// the rotation); a request then waits for capacity instead of receiving its 503.
+#[test]
+fn a_retry_after_cools_a_provider_whatever_the_cap_and_requests_wait_for_capacity() {
+    let mut cfg = two_providers();
+    for (node_id, name) in [("n1", "a"), ("n2", "b")] {
+        cfg.nodes.insert(
+            node_id.into(),
+            node(vec![adapter(name, AdapterType::OpenaiCompat, 4, 0)]),
+        );
+    }
+    let mut h = Harness::with(cfg);
+    let conns = [h.connect("n1"), h.connect("n2")];
+    let conn_of = |g: &Grant| {
+        if &*g.node_id == "n1" {
+            conns[0]
+        } else {
+            conns[1]
+        }
+    };
+    // The first provider asks for two seconds: out, and the request goes to the other.
+    let r1 = h.submit_tunnel("m").expect("accepted");
+    let (_, events) = h.drain();
+    let x = grants(&events).remove(0);
+    tunnel_answer(&mut h, conn_of(&x), &x, 503, Some("2"));
+    let (_, events) = h.drain();
+    let y = grants(&events)
+        .into_iter()
+        .find(|g| g.request == r1)
+        .expect("tried on the other provider");
+    assert_ne!(y.node_id, x.node_id);
+    tunnel_answer(&mut h, conn_of(&y), &y, 200, None);
+    h.drain();
+    // The other one asks for thirty: out too, though it was the last in the rotation;
+    // the request waits for the first one's probe instead of receiving the 503.
+    let r2 = h.submit_tunnel("m").expect("accepted");
+    let (_, events) = h.drain();
+    let y2 = grants(&events).remove(0);
+    assert_eq!(y2.node_id, y.node_id);
+    tunnel_answer(&mut h, conn_of(&y2), &y2, 503, Some("30"));
+    let (_, events) = h.drain();
+    assert!(
+        ended(&events).is_empty(),
+        "no caller gets the 503: {events:?}"
+    );
+    assert!(
+        events.iter().any(|e| matches!(
+            e,
+            EdgeEvent::ProviderEjected { reason: Ejection::RetryAfter, provider_id, .. }
+                if *provider_id == y.provider_id
+        )),
+        "{events:?}"
+    );
+    assert_eq!(h.edge.queue().len(), 1, "it waits");
+    h.at(2000);
+    let (_, events) = h.drain();
+    let probe = grants(&events)
+        .into_iter()
+        .find(|g| g.request == r2)
+        .expect("dispatched to the first provider's probe");
+    assert_eq!(probe.node_id, x.node_id);
+    tunnel_answer(&mut h, conn_of(&probe), &probe, 200, None);
+    let (_, events) = h.drain();
+    let (_, outcome) = ended(&events)
+        .into_iter()
+        .find(|(r, _)| *r == r2)
+        .expect("ended");
+    assert_eq!(outcome, Outcome::Completed);
 }

@@ -305,7 +305,10 @@ impl Pool {
             }
             None => proposed,
         }?;
-        if !self.may_eject(now, routing, r) {
+        // The caps guard against ejecting on noisy failure rates; a provider that says
+        // it is unavailable (`Retry-After`) is taken at its word: requests wait for it
+        // (or go elsewhere) rather than receive its refusal.
+        if proposed.1 != Ejection::RetryAfter && !self.may_eject(now, routing, r) {
             return None;
         }
         let (time, reason) = proposed;

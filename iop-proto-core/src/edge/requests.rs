@@ -26,6 +26,12 @@ use crate::edge_config::RetryOn;
 /// committed once it has held this many).
 const MAX_HELD: usize = 32;
 
+/// Bytes of answer a normalized run whose caller did not ask for a stream may hold before
+/// its first byte: such an answer reaches the caller whole, at its terminal, so until
+/// then the run may be retried like any failure before the first byte. A longer answer
+/// is committed at this size (and passed on as it comes, as a streamed one is).
+const MAX_HELD_WHOLE: usize = 4 << 20;
+
 /// A list that keeps its first two items in place: nearly every request has one run, and
 /// a run holds one or two events before its first byte (a run's `START`, a tunnel's
 /// head), so neither allocates.
@@ -186,6 +192,16 @@ pub(super) struct Run {
     dispatched: RequestEvent,
     /// When it was dispatched (its first-byte latency is measured from here).
     pub(super) started: Timestamp,
+    /// Its caller gets the answer whole (a normalized run, not streamed): its first byte
+    /// is its terminal.
+    whole: bool,
+    /// A whole answer's content began: it is no longer slow to its first byte (no
+    /// provider is tried beside it), though it is not committed yet.
+    producing: bool,
+    /// The size of what it holds, for [`MAX_HELD_WHOLE`].
+    held_bytes: usize,
+    /// It went past its first-byte deadline (another provider may be tried beside it).
+    slow: bool,
 }
 
 #[derive(Debug)]
@@ -232,6 +248,21 @@ impl StreamItem {
                 !event.delta.is_empty() || event.metadata.contains_key("openai_tool_calls")
             }
             StreamItem::Frame(_) => false,
+        }
+    }
+
+    /// About how much memory it takes once held.
+    fn size(&self) -> usize {
+        match self {
+            StreamItem::Run(event) => {
+                64 + event.delta.len()
+                    + event
+                        .metadata
+                        .iter()
+                        .map(|(k, v)| k.len() + v.len())
+                        .sum::<usize>()
+            }
+            StreamItem::Frame(frame) => 64 + frame.body.len(),
         }
     }
 
@@ -465,7 +496,7 @@ impl Requests {
     pub(super) fn awaits_first_byte(&self, run: RunId) -> bool {
         self.runs
             .get(&run)
-            .is_some_and(|r| r.serving && !r.committed)
+            .is_some_and(|r| r.serving && !r.committed && !r.producing)
     }
 
     /// Whether only a tunnel-served provider can answer `id`.
@@ -567,6 +598,10 @@ impl Requests {
                     provider_id: meta.provider_id.clone(),
                 },
                 started: cx.now,
+                whole: !r.call.stream && meta.shape == DispatchShape::Run,
+                producing: false,
+                held_bytes: 0,
+                slow: false,
             },
         );
     }
@@ -715,18 +750,31 @@ impl Requests {
     /// `run` has not reached its first byte in time: it goes on, but another provider
     /// may be tried beside it (returns whether it still serves its request, uncommitted).
     pub(super) fn slow(&mut self, run: RunId) -> bool {
-        let Some(r) = self.runs.get(&run) else {
+        let Some(r) = self.runs.get_mut(&run) else {
             return false;
         };
-        if !r.serving || r.committed {
+        if !r.serving || r.committed || r.producing {
             return false;
         }
+        r.slow = true;
+        let resource = r.lease.resource;
         if let Some(request) = self.map.get_mut(&run.request)
-            && !request.failed.contains(&r.lease.resource)
+            && !request.failed.contains(&resource)
         {
-            request.failed.push(r.lease.resource);
+            request.failed.push(resource);
         }
         true
+    }
+
+    /// Whether every run that may still answer `id` went past its first-byte deadline
+    /// (and there is at least one): another provider may be tried beside them.
+    pub(super) fn only_slow_live(&self, id: RequestId) -> bool {
+        self.map.get(&id).is_some_and(|r| {
+            !r.live.is_empty()
+                && r.live
+                    .iter()
+                    .all(|l| self.runs.get(l).is_some_and(|run| run.slow))
+        })
     }
 
     /// Whether `id` has runs that may still answer it.
@@ -896,6 +944,7 @@ impl Requests {
                     _ => None,
                 };
                 let content = item.has_content();
+                r.held_bytes = r.held_bytes.saturating_add(item.size());
                 r.held.push(item.into_event());
                 match status {
                     Some((code, retry_after)) if retry_on.status(code) => Step::Failed {
@@ -904,6 +953,15 @@ impl Requests {
                         retry_after,
                     },
                     Some(_) => Step::FirstByte { run },
+                    // A whole answer's first byte is its terminal: until then it is held.
+                    None if r.whole && (content || r.producing) => {
+                        r.producing = true;
+                        if r.held_bytes > MAX_HELD_WHOLE {
+                            Step::FirstByte { run }
+                        } else {
+                            Step::Progress
+                        }
+                    }
                     None if content || r.held.len() >= MAX_HELD => Step::FirstByte { run },
                     None => Step::Progress,
                 }

@@ -25,8 +25,11 @@
 //!   stream, its node lost) is given up and its request dispatched again on another
 //!   provider ([`retry`](EdgeCore::retry)), within `max_attempts` and the retry budget;
 //!   when none can take it, the caller gets the failed run's answer. A run slow to its
-//!   first byte gets another provider tried beside it; the first to answer wins and the
-//!   others are cancelled. A caller's own 4xx is an answer, never a failure.
+//!   first byte gets another provider tried beside it, and another when that one fails
+//!   ([`beside_slow`](EdgeCore::beside_slow)); the first to answer wins and the others are
+//!   cancelled. A normalized run whose caller did not ask for a stream reaches its first
+//!   byte at its terminal. A caller's own 4xx is an answer, never a failure.
+//! - **A request's dispatches are bounded** by one rule ([`verdict`](EdgeCore::verdict)).
 //! - **A provider that keeps failing is ejected** ([`provider_failed`](EdgeCore::provider_failed)):
 //!   out of the rotation for a while that grows with repeats, never the last live
 //!   provider of a model group; then one request probes it.
@@ -453,7 +456,8 @@ impl EdgeCore {
     }
 
     /// Whether `request` may be dispatched once more, on a provider it has not failed on
-    /// (nor `also`): attempts left, room in the retry budget, and such a provider live.
+    /// (nor `also`): attempts left, room in the retry budget, and such a provider online
+    /// (in the rotation or not: a request may wait for an ejected one's probe).
     fn may_retry(&self, request: RequestId, also: Option<ResourceId>) -> bool {
         self.may_try_again(request, also, false)
     }
@@ -499,8 +503,10 @@ impl EdgeCore {
             Some(c.resource) != also
                 && !failed.contains(&c.resource)
                 && (!tunnel_only || self.pool.meta(c.resource).shape == DispatchShape::Tunnel)
+                // Out of the rotation for now (ejected, cooling down after its
+                // `Retry-After`, probed) is no reason to fail: the request waits for it
+                // within its queue deadline.
                 && self.pool.usage(c.resource).capacity > 0
-                && self.pool.pickable(self.now, c.resource)
         })
     }
 
@@ -524,7 +530,15 @@ impl EdgeCore {
     /// has room, else it waits in the queue for one; with none left it ends with what its
     /// last run said. A request with a run still trying is left to it.
     pub(super) fn retry(&mut self, request: RequestId) {
-        if self.requests.has_live(request) || self.requests.waiting(request) {
+        if self.requests.waiting(request) {
+            return;
+        }
+        if self.requests.has_live(request) {
+            // A run within its first-byte deadline may still answer. Runs past it (a
+            // provider that hangs) are not waited on alone: another is tried beside them.
+            if self.requests.only_slow_live(request) {
+                self.beside_slow(request);
+            }
             return;
         }
         let Some((model, long, candidates)) = self.untried(request) else {
@@ -777,13 +791,24 @@ impl EdgeCore {
         // streamed has its head only at the end). A later attempt that beats it makes it
         // one (see `first_byte`).
         let request = run.request;
-        if !self.may_retry(request, Some(lease.resource)) {
+        if self.requests.waiting(request) || !self.may_retry(request, Some(lease.resource)) {
             return;
         }
+        self.retried(run, lease.resource, "first_byte_timeout");
+        self.beside_slow(request);
+    }
+
+    /// `request`'s live runs are all past their first-byte deadline: another provider is
+    /// tried beside them, at once where one has room, else the first that has (it waits
+    /// in the queue, and waits again when that wait times out, so a request never waits
+    /// on slow runs alone while it may still try elsewhere).
+    fn beside_slow(&mut self, request: RequestId) {
         let Some((model, long, candidates)) = self.untried(request) else {
             return;
         };
-        self.retried(run, lease.resource, "first_byte_timeout");
+        if candidates.is_empty() {
+            return;
+        }
         match self.pick(&model, &candidates, long) {
             Some(candidate) => self.grant(request, &candidate),
             None => {
@@ -910,7 +935,13 @@ impl EdgeCore {
     pub(super) fn expire_waiters(&mut self) {
         while let Some(waiter) = self.pool.expired(self.now) {
             if self.requests.has_live(waiter.request) {
+                // It waited beside slow runs: they go on, and it waits again for a
+                // provider to try beside them (behind the others, with a new deadline),
+                // until one answers or its caller's deadline ends it.
                 self.requests.unqueued(waiter.request);
+                if self.requests.only_slow_live(waiter.request) {
+                    self.wait(waiter.request, waiter.candidates);
+                }
                 continue;
             }
             let mut cx = cx!(self);

@@ -190,6 +190,15 @@ impl Harness {
         self.edge.handle_submit(self.now, submit)
     }
 
+    /// A chat request whose caller asked for a stream: its first content is its first
+    /// byte (a request that is not streamed gets its answer whole, at the terminal).
+    pub fn submit_stream(&mut self, model: &str) -> Result<RequestId, SubmitError> {
+        let mut submit = Submit::chat(model, bytes::Bytes::from_static(b"{}"));
+        submit.prompt_tokens = 10;
+        submit.stream = true;
+        self.edge.handle_submit(self.now, submit)
+    }
+
     /// A request only a tunnel-served provider can answer (embeddings, completions).
     pub fn submit_tunnel(&mut self, model: &str) -> Result<RequestId, SubmitError> {
         let mut submit = Submit::chat(model, bytes::Bytes::from_static(b"{}"));
