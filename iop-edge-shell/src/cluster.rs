@@ -72,6 +72,8 @@ pub struct ClusterView {
     /// This Edge's id.
     pub edge_id: String,
     member: AtomicBool,
+    /// It may serve: a member with the cluster's shared configuration in (set once).
+    serving: AtomicBool,
     current: AtomicBool,
     inner: RwLock<ViewInner>,
 }
@@ -106,6 +108,7 @@ impl ClusterView {
         ClusterView {
             edge_id: edge_id.to_owned(),
             member: AtomicBool::new(false),
+            serving: AtomicBool::new(false),
             current: AtomicBool::new(false),
             inner: RwLock::default(),
         }
@@ -115,6 +118,25 @@ impl ClusterView {
     #[must_use]
     pub fn is_member(&self) -> bool {
         self.member.load(Ordering::Relaxed)
+    }
+
+    /// Whether this Edge has served as a member with the cluster's shared configuration
+    /// in ([`ClusterMember::is_serving`]); it stays true once it was.
+    #[must_use]
+    pub fn has_served(&self) -> bool {
+        self.serving.load(Ordering::Relaxed)
+    }
+
+    /// Waits until [`Self::has_served`], at most `limit`; whether it did.
+    pub async fn serving_within(&self, limit: std::time::Duration) -> bool {
+        let by = tokio::time::Instant::now() + limit;
+        while !self.has_served() {
+            if tokio::time::Instant::now() >= by {
+                return false;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        true
     }
 
     /// A copy for a status answer.
@@ -356,11 +378,13 @@ impl Task {
                 self.on_event(event).await;
             }
             if !progressed {
-                self.parts
-                    .handle
-                    .view
-                    .current
+                let view = &self.parts.handle.view;
+                view.current
                     .store(self.member.is_synced(), Ordering::Relaxed);
+                if self.member.is_serving() && !view.serving.swap(true, Ordering::Relaxed) {
+                    info!("cluster: the shared configuration is in; judging node registers");
+                    let _ = self.parts.core.send(CoreMsg::ClusterServing);
+                }
                 return;
             }
         }

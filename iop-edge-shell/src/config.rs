@@ -520,6 +520,7 @@ struct RawLimits {
     max_inflight_bytes: Option<usize>,
     sse_keepalive_ms: Option<u64>,
     shutdown_grace_sec: Option<u64>,
+    handover_quiet_ms: Option<u64>,
     max_frame_bytes: Option<usize>,
     pending_frame_bytes: Option<usize>,
     max_pending_connections: Option<usize>,
@@ -763,6 +764,10 @@ pub struct HttpSettings {
     /// After SIGTERM or SIGINT, how long the requests in flight have to finish before
     /// the Edge stops anyway (0: stop at once).
     pub shutdown_grace: Duration,
+    /// A process handing over to a successor keeps its nodes at most this long for
+    /// requests still arriving on its open connections, before it re-homes them (0: at
+    /// once, as soon as the successor serves).
+    pub handover_quiet: Duration,
 }
 
 /// A named client key: what logs, metrics and the dashboard call it, its secret, and
@@ -1292,6 +1297,15 @@ impl Config {
             max_inflight_bytes: limits.max_inflight_bytes.unwrap_or(256 << 20),
             sse_keepalive: positive_ms("limits.sse_keepalive_ms", limits.sse_keepalive_ms, 2000)?,
             response_timeout: Duration::from_secs(raw.timeouts.response_sec.unwrap_or(600).max(1)),
+            handover_quiet: match limits.handover_quiet_ms.unwrap_or(2000) {
+                ms @ 0..=60_000 => Duration::from_millis(ms),
+                _ => {
+                    return Err(invalid(
+                        "limits.handover_quiet_ms",
+                        "must be at most 60000".to_owned(),
+                    ));
+                }
+            },
             shutdown_grace: match limits.shutdown_grace_sec.unwrap_or(30) {
                 s @ 0..=MAX_SHUTDOWN_GRACE_SEC => Duration::from_secs(s),
                 _ => {

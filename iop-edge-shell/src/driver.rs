@@ -172,6 +172,9 @@ pub enum CoreMsg {
     },
     /// The cluster's members changed ([`EdgeCore::handle_cluster_members`]).
     ClusterMembers(iop_proto_core::wire::ClusterMembers),
+    /// The cluster's shared configuration is in: registers are judged from now on
+    /// ([`EdgeCore::handle_cluster_serving`]).
+    ClusterServing,
 }
 
 struct Entry {
@@ -304,6 +307,17 @@ impl Core {
             }
         })?;
         Ok(count)
+    }
+
+    /// Whether this Edge should take callers now ([`EdgeCore::takes_callers`]): false
+    /// for a cluster member with no live provider for any model, past its start.
+    #[must_use]
+    pub fn takes_callers(&self) -> bool {
+        self.shared
+            .task
+            .lock()
+            .map(|task| task.core.takes_callers(task.clock.now()))
+            .unwrap_or(false)
     }
 
     fn with(&self, input: impl FnOnce(&mut Task)) -> Result<(), Stopped> {
@@ -454,6 +468,7 @@ impl Task {
                 self.core.handle_cluster_fence(now, &node_id, instance);
             }
             CoreMsg::ClusterMembers(members) => self.core.handle_cluster_members(now, members),
+            CoreMsg::ClusterServing => self.core.handle_cluster_serving(now),
             CoreMsg::Waiting { reply } => {
                 let waiting = self
                     .core
@@ -772,6 +787,14 @@ impl Task {
                     in_flight,
                     "handing over: no new work for this node here; its connection closes once \
                      its work is done"
+                ),
+                DrainReason::Cluster(why) => warn!(
+                    node_id = %node_id,
+                    reason = why,
+                    in_flight,
+                    "cluster: this edge can no longer vouch for the node (its lease in etcd \
+                     was lost): no new work here; its connection closes once its work is \
+                     done, and it serves through the other edges"
                 ),
                 reason => error!(
                     node_id = %node_id,

@@ -165,6 +165,43 @@ pub async fn run(
     });
     let timer = tokio::spawn(core.clone().run_timer());
     let kept = tokio::spawn(tenants.clone().keep(shutdown.clone()));
+    let reloader = reload::Reloader {
+        start_only,
+        state: state.clone(),
+        tls: [node_tls.clone(), http_tls.clone()],
+        pending_frame_len: pending_frame_len.clone(),
+        shared: Arc::default(),
+    };
+    let cluster_task = match (cluster, config.cluster.clone()) {
+        (Some((handle, rx)), Some(settings)) => Some(tokio::spawn(cluster::run(
+            settings,
+            cluster::Parts {
+                core: core.clone(),
+                reloader: reloader.clone(),
+                config_path: config_path.clone(),
+                handle,
+                rx,
+                shutdown: shutdown.clone(),
+            },
+        ))),
+        _ => None,
+    };
+    if taken.is_some()
+        && let Some(view) = &state.cluster
+        && !view.serving_within(TAKEOVER_CLUSTER_WAIT).await
+    {
+        // Taking the listeners without the cluster's configuration would turn the nodes
+        // the running process re-homes here away: it serves on instead.
+        shutdown.cancel();
+        if let Some(task) = cluster_task {
+            let _ = tokio::time::timeout(std::time::Duration::from_secs(3), task).await;
+        }
+        return Err(std::io::Error::other(format!(
+            "not taking over: the cluster's shared configuration did not arrive within {} s \
+             (is etcd reachable?); the running edge serves on",
+            TAKEOVER_CLUSTER_WAIT.as_secs()
+        )));
+    }
     let node_accepting = tokio::spawn(nodes::serve(
         node_listener,
         nodes::Listener {
@@ -204,27 +241,6 @@ pub async fn run(
     }
     let mut offer = Box::pin(upgrade::offer(config.upgrade_socket.clone(), offered));
     let mut upgradable = true;
-    let reloader = reload::Reloader {
-        start_only,
-        state: state.clone(),
-        tls: [node_tls, http_tls],
-        pending_frame_len,
-        shared: Arc::default(),
-    };
-    let cluster_task = match (cluster, config.cluster.clone()) {
-        (Some((handle, rx)), Some(settings)) => Some(tokio::spawn(cluster::run(
-            settings,
-            cluster::Parts {
-                core: core.clone(),
-                reloader: reloader.clone(),
-                config_path: config_path.clone(),
-                handle,
-                rx,
-                shutdown: shutdown.clone(),
-            },
-        ))),
-        _ => None,
-    };
     if reload {
         tokio::spawn(reload::on_sighup(config_path, reloader, shutdown.clone()));
     }
@@ -257,7 +273,7 @@ pub async fn run(
         // stay: until every connection has moved or is busy, every request has reached
         // the core and nothing waits for capacity, for a moment at most. Then the nodes
         // re-home and this process drains.
-        let quiet_by = tokio::time::Instant::now() + HAND_OVER_QUIET;
+        let quiet_by = tokio::time::Instant::now() + state.settings().handover_quiet;
         while tokio::time::Instant::now() < quiet_by && !stop.now.is_cancelled() {
             let (reply, waiting) = tokio::sync::oneshot::channel();
             let _ = core.send(driver::CoreMsg::Waiting { reply });
@@ -352,13 +368,14 @@ fn receive_moved(arrivals: upgrade::Arrivals, state: Arc<http::State>) {
     });
 }
 
-/// How long a process handing over to a successor keeps its nodes for requests that
-/// still arrive on its open connections before it re-homes them.
-const HAND_OVER_QUIET: std::time::Duration = std::time::Duration::from_secs(2);
-
 /// How long a process that handed over waits, once its requests have ended, for its last
 /// connections to move to the successor.
 const MOVE_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// How long a cluster Edge taking over waits for the cluster's shared configuration
+/// before it takes the listeners' callers and nodes (within the 30 s the running process
+/// waits for its successor): without it, it gives up and the running process serves on.
+const TAKEOVER_CLUSTER_WAIT: std::time::Duration = std::time::Duration::from_secs(20);
 
 /// An inherited listener, checked against the address the configuration names: a new
 /// address in the configuration is bound afresh (the inherited one closes with the

@@ -5,7 +5,9 @@
 use std::sync::Arc;
 
 use iop_proto_core::cluster::{LinkEvent, MemberLinks};
-use iop_proto_core::{ExitReason, SessionConfig, Supervisor, SupervisorEvent};
+use iop_proto_core::{
+    ExitReason, Failure, SessionConfig, Supervisor, SupervisorEvent, SupervisorState,
+};
 use iop_shell_common::misuse;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
@@ -242,10 +244,11 @@ async fn member_link(addr: String, config: NodeConfig, ctx: Context, link: EdgeL
         ^ addr
             .bytes()
             .fold(0u64, |h, b| h.rotate_left(5) ^ u64::from(b));
-    let mut supervisor = match config.backoff {
+    let supervisor = match config.backoff {
         Some(backoff) => Supervisor::with_backoff(policy, backoff),
         None => Supervisor::with_jitter(policy, config.jitter, seed),
     };
+    let mut supervisor = supervisor.for_member();
     let reason = serve(&addr, &mut supervisor, &link, &config, &ctx, &stop).await;
     info!(edge = addr, reason = ?reason, "cluster: session with this edge over");
 }
@@ -312,16 +315,13 @@ async fn serve(
                                 None => supervisor.handle_shutdown(clock.now()),
                                 Some(failure) => {
                                     warn!(edge = addr, failure = %failure, "session ended");
-                                    misuse(
-                                        "failure",
-                                        supervisor.handle_failure(clock.now(), failure),
-                                    );
+                                    failed(supervisor, ctx, addr, failure);
                                 }
                             }
                         }
                         Err(failure) => {
                             warn!(edge = addr, attempt, failure = %failure, "dial failed");
-                            misuse("failure", supervisor.handle_failure(clock.now(), failure));
+                            failed(supervisor, ctx, addr, failure);
                         }
                     }
                 }
@@ -350,4 +350,24 @@ pub fn context(config: &NodeConfig) -> Result<Context, String> {
         members: None,
         seed: true,
     })
+}
+
+/// Hands `failure` to `supervisor`, telling it first whether other sessions of the node
+/// are live (a credential refusal is then not the node's end), and says so when an
+/// Edge's refusal of the node's credentials is retried rather than final.
+fn failed(supervisor: &mut Supervisor, ctx: &Context, addr: &str, failure: Failure) {
+    let now = ctx.clock.now();
+    let live_elsewhere = ctx.elsewhere.sessions();
+    supervisor.handle_backing(now, live_elsewhere > 0);
+    let rejected = matches!(failure, Failure::CredentialRejected(_));
+    misuse("failure", supervisor.handle_failure(now, failure));
+    if let (true, SupervisorState::Waiting { until }) = (rejected, supervisor.state()) {
+        warn!(
+            edge = addr,
+            configured_edge = ctx.seed,
+            live_elsewhere,
+            retry_in_ms = until.saturating_duration_since(now).as_millis(),
+            "this edge refused the node's credentials; it is dialled again later, since only the configured edge, with no other session live, decides that they are wrong (check the node's token and id if this persists)"
+        );
+    }
 }

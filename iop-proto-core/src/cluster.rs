@@ -407,6 +407,8 @@ pub struct ClusterMember {
     members_seen: Vec<Member>,
     /// The configuration revision last offered to the shell.
     offered_config: u64,
+    /// The configuration revision the shell last answered for (applied or refused).
+    answered_config: u64,
     /// Instances served here, by node id, and the node id of each timer slot.
     serving: HashMap<String, Served>,
     slots: HashMap<u64, String>,
@@ -467,6 +469,7 @@ impl ClusterMember {
             view: BTreeMap::new(),
             members_seen: Vec::new(),
             offered_config: 0,
+            answered_config: 0,
             serving: HashMap::new(),
             slots: HashMap::new(),
             next_slot: 0,
@@ -483,6 +486,16 @@ impl ClusterMember {
     #[must_use]
     pub fn is_member(&self) -> bool {
         self.joined
+    }
+
+    /// Whether this Edge may serve as a member: joined, and every shared configuration
+    /// offered so far is answered (applied or refused), so that what it serves is the
+    /// cluster's configuration, not only its own file. An Edge taking over from another
+    /// process of its own waits for this before it takes the listeners' callers and
+    /// nodes; nodes that register before it are told to try again shortly.
+    #[must_use]
+    pub fn is_serving(&self) -> bool {
+        self.joined && self.answered_config >= self.offered_config
     }
 
     /// Whether the member's view of the cluster is current: it has read the prefix and its
@@ -601,6 +614,7 @@ impl ClusterMember {
                     // The store went back: an etcd started afresh, its data lost. Its
                     // revisions count again from 1, so what it holds is offered anew.
                     self.offered_config = 0;
+                    self.answered_config = 0;
                 } else if self.synced && revision < self.revision {
                     // The watch already delivered past this read: it is alive, and the
                     // read has nothing newer (the shell's new watch starts after the read,
@@ -668,6 +682,7 @@ impl ClusterMember {
         outcome: Result<(), String>,
     ) {
         self.advance(now);
+        self.answered_config = self.answered_config.max(revision);
         let Some(lease) = self.lease else { return };
         let value = match outcome {
             Ok(()) => format!("{revision} ok"),

@@ -300,9 +300,23 @@ pub struct Supervisor {
     /// A stop was asked for while a session was open: the process exits once it has
     /// ended, whatever ended it.
     stop_requested: bool,
+    /// It keeps the link to a cluster member other than the node's configured Edge
+    /// ([`Supervisor::for_member`]): a credential refusal there is never the node's end.
+    member: bool,
+    /// Other sessions of the node are live ([`Supervisor::handle_backing`]): a credential
+    /// refusal from the configured Edge is then not the node's end either.
+    backed: bool,
+    /// Credential refusals in a row (each doubles the wait before the next dial).
+    rejections: u32,
     actions: VecDeque<SupervisorEvent>,
     now: Timestamp,
 }
+
+/// The first wait after a credential refusal that is not final (see
+/// [`Supervisor::for_member`]); each further one in a row doubles it...
+pub const REJECTED_RETRY: Duration = Duration::from_secs(5);
+/// ...up to this.
+pub const REJECTED_RETRY_MAX: Duration = Duration::from_secs(60);
 
 impl Supervisor {
     /// A supervisor with the contract's fixed interval.
@@ -316,9 +330,31 @@ impl Supervisor {
             attempts: 0,
             state: SupervisorState::Idle,
             stop_requested: false,
+            member: false,
+            backed: false,
+            rejections: 0,
             actions: VecDeque::new(),
             now: Timestamp::ZERO,
         }
+    }
+
+    /// The supervisor of a link to a cluster member other than the node's configured
+    /// Edge: that member refusing the node's credentials (its configuration not yet in,
+    /// a hand-over, a mistake on that one Edge) is retried with a growing wait
+    /// ([`REJECTED_RETRY`] doubling to [`REJECTED_RETRY_MAX`]), never fatal; the
+    /// configured Edge alone decides whether the node's credentials are wrong.
+    #[must_use]
+    pub fn for_member(mut self) -> Self {
+        self.member = true;
+        self
+    }
+
+    /// Whether other sessions of the node are live now (with the cluster's other
+    /// Edges). While they are, a credential refusal from the configured Edge is retried
+    /// as a member's is, instead of ending the node and the work those sessions serve.
+    pub fn handle_backing(&mut self, now: Timestamp, live_elsewhere: bool) {
+        self.advance(now);
+        self.backed = live_elsewhere;
     }
 
     /// A supervisor with the contract's fixed interval spread by jitter: each wait is drawn
@@ -434,6 +470,7 @@ impl Supervisor {
             return Err(self.invalid("ready"));
         }
         self.attempts = 0;
+        self.rejections = 0;
         self.state = SupervisorState::Connected { ready: true };
         Ok(())
     }
@@ -458,8 +495,20 @@ impl Supervisor {
             self.exit(ExitReason::Shutdown);
             return Ok(());
         }
-        if failure.is_fatal() {
+        let rejected = matches!(failure, Failure::CredentialRejected(_));
+        if failure.is_fatal() && !(rejected && (self.member || self.backed)) {
             self.exit(ExitReason::Fatal(failure));
+            return Ok(());
+        }
+        if rejected {
+            // Not final here: dial again, later each time, whatever the attempt limit.
+            let wait = REJECTED_RETRY
+                .saturating_mul(1 << self.rejections.min(8))
+                .min(REJECTED_RETRY_MAX);
+            self.rejections = self.rejections.saturating_add(1);
+            self.state = SupervisorState::Waiting {
+                until: self.now + wait,
+            };
             return Ok(());
         }
         if let MaxAttempts::Limited(max) = self.policy.max_attempts
@@ -681,6 +730,64 @@ mod tests {
             );
             assert_eq!(s.state(), SupervisorState::Exited);
         }
+    }
+
+    /// A cluster member refusing the node's credentials, or the configured Edge while
+    /// other sessions serve, is dialled again later each time, beyond any attempt limit;
+    /// the configured Edge alone, with nothing else live, ends the node.
+    #[test]
+    fn a_credential_refusal_ends_the_node_only_from_its_configured_edge_alone() {
+        let rejected = Failure::CredentialRejected("authentication failed".into());
+        let refuse = |s: &mut Supervisor, at: Timestamp| {
+            s.handle_connected(at).expect("dialing");
+            s.handle_failure(at, rejected.clone()).expect("connected");
+        };
+        // A member: waits of 5, 10, 20, 40, 60, 60 s, never an exit.
+        let mut member = Supervisor::new(policy(2, 1.0)).for_member();
+        member.handle_start(Timestamp::ZERO).expect("idle");
+        let mut at = Timestamp::ZERO;
+        for wait in [5, 10, 20, 40, 60, 60] {
+            drain(&mut member);
+            refuse(&mut member, at);
+            assert_eq!(
+                member.state(),
+                SupervisorState::Waiting {
+                    until: at + Duration::from_secs(wait)
+                }
+            );
+            assert!(drain(&mut member).is_empty());
+            at = at + Duration::from_secs(wait);
+            member.handle_timeout(at);
+            assert!(matches!(
+                drain(&mut member)[..],
+                [SupervisorEvent::Dial { .. }]
+            ));
+        }
+        // A ready session starts the waits over.
+        member.handle_connected(at).expect("dialing");
+        member.handle_ready(at).expect("connected");
+        member.handle_failure(at, rejected.clone()).expect("ready");
+        assert_eq!(
+            member.state(),
+            SupervisorState::Waiting {
+                until: at + REJECTED_RETRY
+            }
+        );
+        // The configured Edge, with another session live: retried; alone: the end.
+        let mut seed = Supervisor::new(policy(2, 1.0));
+        seed.handle_start(Timestamp::ZERO).expect("idle");
+        drain(&mut seed);
+        seed.handle_backing(Timestamp::ZERO, true);
+        refuse(&mut seed, Timestamp::ZERO);
+        assert!(matches!(seed.state(), SupervisorState::Waiting { .. }));
+        seed.handle_timeout(Timestamp::ZERO + REJECTED_RETRY);
+        drain(&mut seed);
+        seed.handle_backing(Timestamp::ZERO + REJECTED_RETRY, false);
+        refuse(&mut seed, Timestamp::ZERO + REJECTED_RETRY);
+        assert_eq!(
+            drain(&mut seed),
+            vec![SupervisorEvent::Exit(ExitReason::Fatal(rejected))]
+        );
     }
 
     #[test]

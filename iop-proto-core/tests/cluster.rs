@@ -295,6 +295,25 @@ fn an_instance_whose_node_lease_cannot_be_renewed_is_fenced_in_time() {
     assert_eq!(member.serving("n1"), None);
 }
 
+/// A member serves once it has answered every configuration offered (applied or
+/// refused): a successor in a hand-over waits for it before it takes the callers and
+/// the nodes. A later revision, once offered, is answered in its turn while the member
+/// keeps serving.
+#[test]
+fn a_member_serves_once_the_configuration_offered_is_answered() {
+    let mut member = joined(vec![kv("/iop/config", "first", 3, 0)]);
+    assert!(member.is_member());
+    assert!(!member.is_serving(), "the configuration is not in yet");
+    events(&mut member);
+    member.handle_configured(at(150), 3, Ok(()));
+    assert!(member.is_serving());
+    let alone = joined(vec![]);
+    assert!(
+        alone.is_serving(),
+        "no shared configuration: the local file serves"
+    );
+}
+
 #[test]
 fn configurations_are_offered_once_each_in_order_and_the_outcome_is_written() {
     let mut member = joined(vec![kv("/iop/config", "first", 3, 0)]);

@@ -38,6 +38,7 @@ fn members() -> ClusterMembers {
 fn clustered() -> Harness {
     let mut h = Harness::new();
     h.edge.enable_cluster();
+    h.edge.handle_cluster_serving(h.now);
     h
 }
 
@@ -100,6 +101,72 @@ fn a_register_waits_for_its_claim_then_takes_the_node_and_learns_the_members() {
     h.ready(conn, "n1");
     let (transmits, _) = h.drain();
     assert_eq!(only_ready_answer(&transmits, conn), Some(true));
+}
+
+/// Before a cluster Edge holds the cluster's shared configuration (an Edge starting, or a
+/// successor joining in a hand-over), a register is not judged against a configuration
+/// that may not be the cluster's: it is told to try again shortly, whatever its id, and
+/// never "authentication failed" (which a node takes as final). Once serving, an id the
+/// configuration lacks is refused as usual.
+#[test]
+fn a_register_before_the_shared_configuration_is_in_is_told_to_retry_not_refused() {
+    let mut h = Harness::new();
+    h.edge.enable_cluster();
+    for id in ["n1", "not-configured-yet"] {
+        let conn = h.open();
+        register_following(&mut h, conn, id, 7);
+        let (transmits, events) = h.drain();
+        let answer = register_answer(&transmits, conn).expect("answered at once");
+        assert!(!answer.accepted);
+        assert!(!answer.reason.starts_with(AUTH_FAILED), "{}", answer.reason);
+        assert!(answer.reason.contains("configuration"), "{}", answer.reason);
+        assert_eq!(answer.retry_after_ms, 2000);
+        assert!(claims(&events).is_empty(), "{events:?}");
+        assert!(
+            events.iter().any(|e| matches!(
+                e,
+                EdgeEvent::RegisterRejected {
+                    reason: RejectReason::ClusterUnavailable,
+                    failures: 0,
+                    ..
+                }
+            )),
+            "{events:?}"
+        );
+    }
+    h.edge.handle_cluster_serving(h.now);
+    let conn = h.open();
+    register_following(&mut h, conn, "not-configured-yet", 7);
+    let (transmits, _) = h.drain();
+    let answer = register_answer(&transmits, conn).expect("answered");
+    assert!(answer.reason.starts_with(AUTH_FAILED), "{}", answer.reason);
+    let conn = h.open();
+    register_following(&mut h, conn, "n1", 7);
+    let (_, events) = h.drain();
+    assert_eq!(claims(&events), [(conn, "n1".to_owned(), 7)]);
+}
+
+/// A cluster member with no live provider for any model, past its start, stops taking
+/// callers (its `/healthz` answers 503) so that the balancer sends them to members
+/// that can serve; with a node ready it takes them again. A single Edge always does.
+#[test]
+fn a_member_without_any_node_stops_taking_callers_after_its_start() {
+    let mut single = Harness::new();
+    single.at(60_000);
+    assert!(single.edge.takes_callers(single.now));
+    let mut h = clustered();
+    assert!(h.edge.takes_callers(h.now), "starting: nodes dial in");
+    // Past max(two heartbeat intervals, the register timeout): 2 s here.
+    h.at(2_000);
+    assert!(!h.edge.takes_callers(h.now));
+    let conn = h.open();
+    register_following(&mut h, conn, "n1", 7);
+    h.drain();
+    h.edge
+        .handle_claim(h.now, conn, ClaimDecision::Admitted { fence: 1 });
+    h.ready(conn, "n1");
+    h.drain();
+    assert!(h.edge.takes_callers(h.now), "n1 serves model m and solo");
 }
 
 #[test]

@@ -349,8 +349,11 @@ impl Fabric {
         };
         for edge in &fabric.edges {
             assert!(
-                wait_until(Duration::from_secs(10), || edge.healthz() == 200
-                    && edge.members().len() == fabric.edges.len()),
+                wait_until(
+                    Duration::from_secs(10),
+                    || edge.status()["cluster"]["member"] == true
+                        && edge.members().len() == fabric.edges.len()
+                ),
                 "{} did not join: {:?}",
                 edge.id,
                 edge.status()["cluster"]
@@ -830,48 +833,92 @@ fn two_edges_never_oversubscribe_a_shared_provider() {
     assert_eq!(most, 2, "both slots were used");
 }
 
-/// An Edge of a cluster replaced by `iop-edge --takeover`: the successor joins under the
-/// same id, the node re-homes to it, callers on both Edges keep being answered, and the
-/// cluster still counts two members once the old process has gone.
+/// An Edge of a cluster replaced by `iop-edge --takeover`, twice, with the nodes told to
+/// re-home the moment the successor says it serves (`limits.handover_quiet_ms = 0`): the
+/// successor joins under the same id and applies the shared configuration before it
+/// takes the listeners, so every node is ready on it; no node process exits; callers on
+/// both Edges keep being answered; and the cluster still counts two members once the
+/// old processes have gone.
 #[test]
-fn a_cluster_edge_replaced_with_takeover_keeps_its_place_and_its_node() {
+fn a_cluster_edge_replaced_twice_with_takeover_keeps_its_place_and_its_nodes() {
     let rt = tokio::runtime::Runtime::new().expect("runtime");
-    let fakes = fakes(&rt, 1);
+    let fakes = fakes(&rt, 2);
     let mut fabric = Fabric::start(&rt, 2, fakes, 4);
-    let node = start_node(
-        &fabric.dir,
-        "n1",
-        &fabric.edges[0],
-        &fabric.fingerprint,
-        "only",
-    );
-    fabric.await_ready(&["n1"], Duration::from_secs(15));
+    // The nodes and models live in etcd alone: edge-a's own file names none of them (as
+    // examples/cluster's do), so a successor knows them only once the shared
+    // configuration is in. Edge-a re-homes its nodes at once when it hands over.
+    let shared = fabric
+        .dir
+        .write("shared.toml", &shared_body(&fabric.fakes, 4, ""));
+    let (code, out) = fabric.push(&shared, &fabric.edges[0]);
+    assert_eq!(code, 0, "config push: {out}");
+    let bare = edge_toml(&fabric.edges[0], fabric.etcd_port, &fabric.prefix, "");
+    std::fs::write(
+        &fabric.edges[0].config,
+        format!("{bare}\n[limits]\nhandover_quiet_ms = 0\n"),
+    )
+    .expect("written");
+    let mut nodes = [
+        start_node(
+            &fabric.dir,
+            "n1",
+            &fabric.edges[0],
+            &fabric.fingerprint,
+            "a",
+        ),
+        start_node(
+            &fabric.dir,
+            "n2",
+            &fabric.edges[1],
+            &fabric.fingerprint,
+            "b",
+        ),
+    ];
+    fabric.await_ready(&["n1", "n2"], Duration::from_secs(15));
     let mut load = Load::new();
-    load.callers(&rt, fabric.edges[0].http, 2, 1);
-    load.callers(&rt, fabric.edges[1].http, 2, 1);
+    load.callers(&rt, fabric.edges[0].http, 2, 2);
+    load.callers(&rt, fabric.edges[1].http, 2, 2);
     std::thread::sleep(Duration::from_secs(1));
     let path = fabric.edges[0].config.to_string_lossy().into_owned();
-    let successor = Proc::start(
-        "iop-edge",
-        &["--config", &path, "--takeover"],
-        &fabric.dir,
-        "edge-a-successor",
-        &[],
-    );
-    assert!(
-        wait_until(Duration::from_secs(10), || successor
-            .log()
-            .contains("took over")),
-        "no takeover: {}",
-        successor.log()
-    );
-    let mut old = fabric.edges[0].proc.replace(successor).expect("running");
-    assert!(
-        old.wait_exit(Duration::from_secs(20)).is_some(),
-        "the old edge-a did not exit after its last stream"
-    );
-    // The node is ready on the successor, and the cluster still has two members.
-    fabric.await_ready(&["n1"], Duration::from_secs(15));
+    for round in ["first", "second"] {
+        let successor = Proc::start(
+            "iop-edge",
+            &["--config", &path, "--takeover"],
+            &fabric.dir,
+            if round == "first" {
+                "edge-a-successor"
+            } else {
+                "edge-a-successor-2"
+            },
+            &[],
+        );
+        assert!(
+            wait_until(Duration::from_secs(15), || successor
+                .log()
+                .contains("took over")),
+            "{round} takeover did not happen: {}",
+            successor.log()
+        );
+        let log = successor.log();
+        let took = log.find("took over").expect("logged");
+        let applied = log
+            .find("the shared configuration is in")
+            .expect("the successor logs when the shared configuration is in");
+        assert!(
+            applied < took,
+            "{round}: took the listeners before the cluster's configuration:\n{log}"
+        );
+        let mut old = fabric.edges[0].proc.replace(successor).expect("running");
+        assert!(
+            old.wait_exit(Duration::from_secs(20)).is_some(),
+            "the old edge-a did not exit after its last stream ({round} takeover)"
+        );
+        fabric.await_ready(&["n1", "n2"], Duration::from_secs(15));
+        for node in &mut nodes {
+            assert!(node.running(), "a node exited: {}", node.log());
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
     for edge in &fabric.edges {
         assert!(
             wait_until(Duration::from_secs(10), || edge.members().len() == 2
@@ -884,17 +931,61 @@ fn a_cluster_edge_replaced_with_takeover_keeps_its_place_and_its_node() {
     std::thread::sleep(Duration::from_secs(1));
     let (ok, failed) = load.finish(&rt);
     eprintln!(
-        "takeover inside a cluster: {ok} answered, {} failed",
+        "two takeovers inside a cluster: {ok} answered, {} failed",
         failed.len()
     );
     assert!(failed.is_empty(), "{failed:?}");
-    assert!(ok > 10, "{ok}");
-    let most = fabric.fakes[0].state.max_in_flight.load(Ordering::SeqCst);
-    assert!(
-        most <= 4,
-        "the provider saw {most} requests at once; leading there: {:#?}\n--- node\n{}",
-        fabric.fakes[0].state.at_most.lock().unwrap(),
-        node.log()
+    assert!(ok > 20, "{ok}");
+    for (fake, node) in fabric.fakes.iter().zip(&nodes) {
+        let most = fake.state.max_in_flight.load(Ordering::SeqCst);
+        assert!(
+            most <= 4,
+            "a provider saw {most} requests at once; leading there: {:#?}\n--- node\n{}",
+            fake.state.at_most.lock().unwrap(),
+            node.log()
+        );
+    }
+    for node in &nodes {
+        assert!(
+            !node.log().contains("giving up"),
+            "a node gave up: {}",
+            node.log()
+        );
+    }
+}
+
+/// A cluster Edge whose nodes are all gone answers `/healthz` 503 once past its start, so
+/// that the balancer sends callers to the members that have nodes; with a node back it
+/// answers 200 again.
+#[test]
+fn a_cluster_edge_without_nodes_is_unhealthy_while_another_serves() {
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let fakes = fakes(&rt, 1);
+    let fabric = Fabric::start(&rt, 2, fakes, 4);
+    // No node yet: past the start (the 3 s register timeout here), both answer 503.
+    for edge in &fabric.edges {
+        assert!(
+            wait_until(Duration::from_secs(10), || edge.healthz() == 503),
+            "{}: {:?}",
+            edge.id,
+            edge.status()
+        );
+    }
+    // A node that follows the cluster serves through both: both take callers again.
+    let node = start_node(
+        &fabric.dir,
+        "n1",
+        &fabric.edges[0],
+        &fabric.fingerprint,
+        "n",
     );
+    fabric.await_ready(&["n1"], Duration::from_secs(15));
+    for edge in &fabric.edges {
+        assert!(
+            wait_until(Duration::from_secs(5), || edge.healthz() == 200),
+            "{}",
+            edge.id
+        );
+    }
     drop(node);
 }

@@ -459,13 +459,15 @@ async fn route<B: ReqBody>(
     match (req.method().clone(), path.as_str()) {
         (Method::GET, "/healthz") => {
             let member = state.cluster.as_ref().is_none_or(|c| c.is_member());
-            let body: &'static [u8] = if member {
-                b"ok\n"
-            } else {
+            let body: &'static [u8] = if !member {
                 b"not a cluster member (etcd unreachable, or joining)\n"
+            } else if !state.core.takes_callers() {
+                b"no node serves any model here (the cluster's other members may)\n"
+            } else {
+                b"ok\n"
             };
             let mut r = Response::new(ResBody::Full(Some(Bytes::from_static(body))));
-            if !member {
+            if body != b"ok\n" {
                 *r.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
             }
             r.headers_mut()

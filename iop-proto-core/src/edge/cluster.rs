@@ -31,6 +31,12 @@ pub(super) struct ClusterState {
     ended: Vec<(NodeIdx, u64)>,
     /// The members, as last told.
     pub(super) members: Option<ClusterMembers>,
+    /// The cluster's shared configuration is in ([`EdgeCore::handle_cluster_serving`]):
+    /// until then every register is told to try again shortly, not judged against a
+    /// configuration that may not be the cluster's yet.
+    pub(super) serving: bool,
+    /// Since when.
+    serving_since: Timestamp,
 }
 
 impl ClusterState {
@@ -64,6 +70,50 @@ impl EdgeCore {
     /// for [`handle_claim`](Self::handle_claim). Call before the first connection.
     pub fn enable_cluster(&mut self) {
         self.cluster.enabled = true;
+    }
+
+    /// The cluster member may serve ([`ClusterMember::is_serving`](crate::cluster::ClusterMember::is_serving)):
+    /// the shared configuration is applied here, and registers are judged from now on.
+    /// Before it, a register in cluster mode is refused with a retry (`cluster_unavailable`),
+    /// never as unknown: a node whose id only the shared configuration names would hear
+    /// "authentication failed" from an Edge that is merely starting.
+    pub fn handle_cluster_serving(&mut self, now: Timestamp) {
+        self.advance(now);
+        if !self.cluster.serving {
+            self.cluster.serving = true;
+            self.cluster.serving_since = now;
+        }
+    }
+
+    /// Whether a member of a cluster should take callers (its `/healthz`): some model
+    /// group has a live provider here, or none is configured, or it began to serve less than
+    /// two heartbeat intervals or one register timeout ago, whichever is longer (the
+    /// nodes that follow the cluster dial a new member as soon as they hear of it, and a
+    /// hand-over re-homes its nodes within moments). A member whose nodes all went elsewhere, or that
+    /// lost them in a hand-over, would otherwise hold its callers until their queue wait
+    /// ran out while the other members could answer them: answering 503 sends the
+    /// balancer's callers to those (when no member has a node, every member answers 503:
+    /// the fabric cannot serve). Outside cluster mode, always true.
+    #[must_use]
+    pub fn takes_callers(&self, now: Timestamp) -> bool {
+        if !self.cluster.enabled {
+            return true;
+        }
+        let timing = &self.config.timing;
+        let grace = (timing.heartbeat_interval * 2).max(timing.register_timeout);
+        if !self.cluster.serving
+            || now.saturating_duration_since(self.cluster.serving_since) < grace
+        {
+            return true;
+        }
+        let mut models = self.pool.models().peekable();
+        models.peek().is_none()
+            || models.any(|model| {
+                model.candidates.iter().any(|c| {
+                    let usage = self.pool.usage(c.resource);
+                    usage.generation.is_some() && usage.capacity > 0
+                })
+            })
     }
 
     /// Whether [`enable_cluster`](Self::enable_cluster) was called.

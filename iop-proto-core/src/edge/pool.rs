@@ -187,6 +187,11 @@ impl Pool {
         self.models = next;
     }
 
+    /// Every model group.
+    pub(super) fn models(&self) -> impl Iterator<Item = &Model> {
+        self.models.values()
+    }
+
     pub(super) fn model(&self, name: &str) -> Option<&Model> {
         self.models.get(name)
     }

@@ -791,6 +791,35 @@ impl Registry {
         self.close(cx, conn, CloseReason::RegisterRejected(why));
     }
 
+    /// Refuses a register on `conn` before this cluster Edge holds the cluster's shared
+    /// configuration: try again shortly (here or at another Edge). Nothing is judged, so
+    /// nothing is counted against the claimed id or the source.
+    pub(super) fn refuse_unconfigured(&mut self, cx: &mut Cx<'_>, conn: ConnId, claimed: &str) {
+        let Some(addr) = self.conns.get(&conn).map(|c| c.peer.addr) else {
+            return;
+        };
+        let claimed: String = claimed.chars().take(64).collect();
+        self.reject(
+            cx,
+            conn,
+            &claimed,
+            RejectReason::ClusterUnavailable,
+            "this edge has not taken in the cluster's configuration yet: try again shortly, \
+             or another edge",
+            Some(CLUSTER_UNAVAILABLE_RETRY_AFTER),
+        );
+        cx.out.event(EdgeEvent::RegisterRejected {
+            conn,
+            addr,
+            known: self.configured(&claimed).is_some(),
+            node_id: claimed,
+            reason: RejectReason::ClusterUnavailable,
+            failures: 0,
+            throttled: None,
+            log: true,
+        });
+    }
+
     /// Refuses the register waiting on `conn` for node `i` as the cluster decided:
     /// `held_by` another instance, or undecided (`None`).
     pub(super) fn refuse_claim(

@@ -171,6 +171,12 @@ impl EdgeCore {
             self.violation(conn, ConnViolation::SecondRegister);
             return;
         }
+        if self.cluster.enabled && !self.cluster.serving && phase == Phase::Unregistered {
+            let mut cx = cx!(self);
+            self.registry
+                .refuse_unconfigured(&mut cx, conn, &req.node_id);
+            return;
+        }
         let step = if self.cluster.enabled {
             super::registry::ClusterStep::Unclaimed
         } else {

@@ -495,7 +495,7 @@ pub struct ProviderRouting {
     /// draining session), counted as taken here.
     pub held_elsewhere: u32,
     /// Units held back since its node refused work the ledger had room for
-    /// ([`Usage::refused_hold`](crate::lease::Usage::refused_hold)).
+    /// (`Usage::refused_hold` of the ledger).
     pub refused_hold: u32,
 }
 

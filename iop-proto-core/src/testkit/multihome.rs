@@ -163,6 +163,7 @@ fn config() -> EdgeConfig {
 fn edge_core() -> EdgeCore {
     let mut core = EdgeCore::new(config()).expect("valid config");
     core.enable_cluster();
+    core.handle_cluster_serving(Timestamp::ZERO);
     core
 }
 
