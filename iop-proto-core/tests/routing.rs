@@ -640,3 +640,52 @@ fn a_retry_after_cools_a_provider_whatever_the_cap_and_requests_wait_for_capacit
         .expect("ended");
     assert_eq!(outcome, Outcome::Completed);
 }
+
+/// A run past its first-byte deadline whose request may not be tried beside it yet (the
+/// retry budget is spent) is looked at again after another deadline, and tried beside
+/// once the budget has room: no request is left to a hung provider for good because
+/// others were being retried at its deadline.
+#[test]
+fn a_slow_run_denied_a_try_beside_by_the_budget_gets_one_once_it_frees() {
+    let mut cfg = two_providers();
+    cfg.nodes.insert(
+        "n1".into(),
+        node(vec![adapter("a", AdapterType::Mock, 4, 0)]),
+    );
+    cfg.nodes.insert(
+        "n2".into(),
+        node(vec![adapter("b", AdapterType::Mock, 4, 0)]),
+    );
+    cfg.routing.retry_budget_min = 1;
+    cfg.routing.retry_budget_percent = 0;
+    let mut h = Harness::with(cfg);
+    let conns = [h.connect("n1"), h.connect("n2")];
+    let mut w = World { h, conns };
+    let first = w.h.submit("m", 10).expect("accepted");
+    let second = w.h.submit("m", 10).expect("accepted");
+    let (_, events) = w.h.drain();
+    let runs = grants(&events);
+    assert_eq!(runs.len(), 2);
+    w.h.at(1000);
+    let (_, events) = w.h.drain();
+    let beside = grants(&events);
+    assert_eq!(beside.len(), 1, "the budget allows one: {events:?}");
+    let (rescued, other) = if beside[0].request == first {
+        (first, second)
+    } else {
+        (second, first)
+    };
+    w.answer(&beside[0], "one");
+    let (_, events) = w.h.drain();
+    assert_eq!(told(&events, rescued).0, ["one"]);
+    // The budget has room again: the other is tried beside at its next look.
+    w.h.at(2000);
+    let (_, events) = w.h.drain();
+    let later = grants(&events)
+        .into_iter()
+        .find(|g| g.request == other)
+        .expect("tried beside once the budget freed");
+    w.answer(&later, "two");
+    let (_, events) = w.h.drain();
+    assert_eq!(told(&events, other).0, ["two"]);
+}

@@ -444,12 +444,18 @@ impl EdgeCore {
             &candidate.target,
         );
         self.pool.dispatched(self.now, candidate.resource, run);
-        let model = self.requests.get(request).map(|r| r.model.clone());
-        let deadline = model
-            .and_then(|m| self.config.models.get(&*m))
-            .and_then(|m| m.first_byte_timeout)
-            .unwrap_or(self.config.routing.first_byte_timeout);
+        let deadline = self.first_byte_timeout(request);
         self.first_bytes.push(self.now, deadline, run);
+    }
+
+    /// How long a run of `request` may go without its first byte (its model's deadline,
+    /// else the routing default).
+    fn first_byte_timeout(&self, request: RequestId) -> Duration {
+        self.requests
+            .get(request)
+            .and_then(|r| self.config.models.get(&*r.model))
+            .and_then(|m| m.first_byte_timeout)
+            .unwrap_or(self.config.routing.first_byte_timeout)
     }
 
     /// `request` waits in the queue for one of `candidates`.
@@ -797,7 +803,18 @@ impl EdgeCore {
         // streamed has its head only at the end). A later attempt that beats it makes it
         // one (see `first_byte`).
         let request = run.request;
-        if self.requests.waiting(request) || !self.may_retry(request, Some(lease.resource)) {
+        if self.requests.waiting(request) {
+            return;
+        }
+        if !self.may_retry(request, Some(lease.resource)) {
+            // No try beside it now (the retry budget is spent, or no provider is left):
+            // it is looked at again after another deadline, while it may still be tried
+            // beside (the budget frees as other retries end).
+            let attempts = self.requests.attempts(request).map_or(u32::MAX, |(a, _)| a);
+            if attempts < self.config.routing.max_attempts {
+                let again = self.first_byte_timeout(request);
+                self.first_bytes.push(self.now, again, run);
+            }
             return;
         }
         self.retried(run, lease.resource, "first_byte_timeout");
