@@ -4,5 +4,5 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    iop_proto_core::testkit::fuzz::http1_request(data);
+    iop_testkit::fuzz::http1_request(data);
 });

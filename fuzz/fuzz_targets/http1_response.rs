@@ -5,5 +5,5 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    iop_proto_core::testkit::fuzz::http1_response(data);
+    iop_testkit::fuzz::http1_response(data);
 });

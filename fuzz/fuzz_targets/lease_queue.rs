@@ -4,5 +4,5 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    iop_proto_core::testkit::fuzz::lease_queue(data);
+    iop_testkit::fuzz::lease_queue(data);
 });

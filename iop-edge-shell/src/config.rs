@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use iop_proto_core::tenant::{Budget, KeyPolicy, Period};
+use iop_api::tenant::{Budget, KeyPolicy, Period};
 use iop_proto_core::wire::{AdapterConfig, AdapterType, NodeRuntimeConfig};
 use iop_proto_core::{
     Admission, CandidateSpec, ConflictLimits, EdgeConfig, EdgeTiming, ModelSpec, NodeSpec,

@@ -25,7 +25,7 @@ use crate::memory::RequestMemory;
 use crate::metrics::Metrics;
 use crate::nodes::{ConnHandle, MAX_QUEUED_PER_CONNECTION, STALLED_AFTER};
 use crate::outbox::Outbox;
-pub use iop_proto_core::openai::Endpoint;
+pub use iop_api::openai::Endpoint;
 use iop_shell_common::clock::Clock;
 use iop_shell_common::misuse;
 

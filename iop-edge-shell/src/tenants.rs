@@ -1,4 +1,4 @@
-//! The client keys' accounting (`iop_proto_core::tenant`) in the Edge: behind a mutex
+//! The client keys' accounting (`iop_api::tenant`) in the Edge: behind a mutex
 //! the request handlers take twice per request (admission, end), driven by the wall
 //! clock, and kept in a file across restarts.
 //!
@@ -18,10 +18,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use iop_proto_core::Timestamp;
-use iop_proto_core::tenant::{
+use iop_api::tenant::{
     Admitted, KeyPolicy, KeyReport, Limited, RateLimits, Saved, Tenants, TokenUsage, UsageRow,
 };
+use iop_proto_core::Timestamp;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 

@@ -1,5 +1,5 @@
 //! Span export over OTLP/HTTP: the request handlers hand finished spans
-//! ([`iop_proto_core::trace::Span`]) to a bounded queue, and one task sends them to the
+//! ([`iop_trace::Span`]) to a bounded queue, and one task sends them to the
 //! collector in batches (up to [`BATCH`] spans, or what arrived within [`LINGER`] of the
 //! first), protobuf or JSON as configured. A collector that is slow or down never slows a
 //! request: when the queue is full spans are dropped and counted, and a batch the collector
@@ -18,7 +18,7 @@ use http_body_util::Full;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use iop_proto_core::trace::{IdSource, Span, encode_json, encode_protobuf};
+use iop_trace::{IdSource, Span, encode_json, encode_protobuf};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};

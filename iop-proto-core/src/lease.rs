@@ -116,11 +116,19 @@ fn leading_number(bytes: &[u8]) -> Option<(u64, &[u8])> {
     Some((n, &bytes[end..]))
 }
 
-/// `n` in decimal, written into the end of `buf`.
-fn decimal(buf: &mut [u8; 20], n: u64) -> &str {
-    let digits = crate::http1::response::decimal_text(buf, n);
+/// `n` in decimal, written into the end of `buf` (20 digits hold any `u64`).
+fn decimal(buf: &mut [u8; 20], mut n: u64) -> &str {
+    let mut at = buf.len();
+    loop {
+        at -= 1;
+        buf[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
     // ASCII digits only, so this cannot fail.
-    std::str::from_utf8(digits).unwrap_or_default()
+    std::str::from_utf8(&buf[at..]).unwrap_or_default()
 }
 
 impl std::fmt::Display for RunId {

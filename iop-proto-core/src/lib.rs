@@ -14,36 +14,36 @@
 //! benches and fuzz targets through `testkit::internals` (feature `testkit`).
 //! - [`wire`]: the generated message types, the length-prefixed frame codec and the
 //!   contract validation of each message.
-//! - [`time`]: [`Timestamp`], the only notion of time the machines know.
+//! - [`time`]: [`Timestamp`], the only notion of time the machines know, and [`timer`]:
+//!   the keyed timer table every machine keeps its deadlines in.
 //! - [`edge`]: the Edge machine ([`EdgeCore`]): node registry and generation fencing,
 //!   provider leases and the wait queue, resilient routing, and the requests it owns from
 //!   submit to end; configured by [`edge_config`] ([`EdgeConfig`]).
 //! - [`session`]: the Node session machine ([`NodeSession`]), and [`reconnect`]: the
-//!   reconnect policy and its [`Supervisor`].
+//!   reconnect policy and its [`Supervisor`]. The Node side does not use the Edge's.
 //! - [`cluster`]: one Edge's part in a cluster of Edges coordinated through etcd
 //!   ([`cluster::ClusterMember`]: membership by lease, the shared configuration, a node id
-//!   owned once cluster-wide); designed and simulated, not yet driven by `iop-edge`.
+//!   owned once cluster-wide), which `iop-edge` drives in cluster mode, and a Node's links
+//!   to the members ([`cluster::MemberLinks`]).
 //! - [`run`] and [`tunnel`]: the contract sequencers of normalized runs and raw tunnels
-//!   (what a stream may say in which order, which headers a tunnel forwards).
-//! - [`token`]: constant-time credential checks (node tokens, API keys), and
-//!   [`tenant`]: each client key's models, rate limits, budget and usage.
-//! - [`trace`]: W3C Trace Context (`traceparent`) and the spans the Edge exports over
-//!   OTLP.
-//! - [`openai`]: the OpenAI surface: request inspection, the token estimate, the one
-//!   error mapping, and the [`openai::Responder`] that renders a request's events.
-//! - [`timer`]: the keyed timer table every machine keeps its deadlines in.
-//! - [`http1`]: HTTP/1.1 framing: the request heads and bodies the Edge's public listener
-//!   reads, the response heads and chunks it writes, and the body framing the Node's
-//!   provider client decodes.
+//!   (what a stream may say in which order, which headers a tunnel forwards, the route a
+//!   request came by).
+//! - [`token`]: constant-time credential checks (node tokens, API keys).
+//!
+//! Beside it, and never below it: `iop-http1` (HTTP/1.1 framing), `iop-api` (the public
+//! API dialects, response rendering, tenant accounting), `iop-trace` (W3C Trace Context
+//! and OTLP spans), `iop-json` (JSON bodies read without a tree; the core uses it to put
+//! a provider's model name in a tunnel's body), and `iop-testkit` (the simulations).
 //!
 //! ## The machine contract
-//! Every machine ([`EdgeCore`], [`NodeSession`], [`Supervisor`], and the per-response
-//! [`openai::Responder`]) is driven the same way:
-//! - **inputs** are `handle_*(now, …)` calls. Each returns `Result<_, the machine's
-//!   error>`; an `Err` means the driver misused the machine (an input that does not fit
-//!   its state) and is a bug to log, never a peer's fault to ignore. What a peer does
-//!   wrong is not an error of the call: it becomes a typed violation in an event or a
-//!   close.
+//! Every machine ([`EdgeCore`], [`NodeSession`], [`Supervisor`],
+//! [`cluster::ClusterMember`]) is driven the same way:
+//! - **inputs** are `handle_*(now, …)` calls. Those that can be misused return
+//!   `Result<_, the machine's error>`: an `Err` means the driver gave an input that does
+//!   not fit the machine's state, a bug to log, never a peer's fault to ignore. Inputs
+//!   that fit every state (`handle_timeout`, most of the cluster's) return nothing. What
+//!   a peer does wrong is not an error of the call: it becomes a typed violation in an
+//!   event or a close.
 //! - **outputs** are drained after every input, transmits first: `poll_transmit` until
 //!   `None` (bytes for the socket, in order, including the close), then `poll_event`
 //!   until `None` (the Edge also has `poll_lifecycle`, what an operator sees). Acting on
@@ -51,8 +51,9 @@
 //! - **time** is a [`Timestamp`] passed in. `poll_timeout` returns the next [`Wake`] (its
 //!   instant and why); call `handle_timeout(now)` once it has passed. A spurious call
 //!   does nothing.
-//! - events and errors are exhaustive enums: a new event is a compile error in every
-//!   driver until it decides what to do with it.
+//! - events are enums a driver matches on; most are `#[non_exhaustive]` so that the wire
+//!   can grow without breaking embedders, so a driver keeps a catch-all arm and logs what
+//!   it does not know.
 //!
 //! ## Example: an Edge and a Node driven against each other
 //! The whole handshake and one run, in memory. A real driver puts `wire::encode` and a
@@ -176,20 +177,16 @@ pub mod edge_config;
 mod gate;
 #[cfg_attr(not(feature = "testkit"), allow(unreachable_pub, dead_code))]
 mod guard;
-pub mod http1;
 mod idhash;
 #[cfg_attr(not(feature = "testkit"), allow(unreachable_pub, dead_code))]
 mod lease;
-pub mod openai;
 #[cfg_attr(not(feature = "testkit"), allow(unreachable_pub, dead_code))]
 mod queue;
 pub mod reconnect;
 pub mod run;
 pub mod session;
-pub mod tenant;
 pub mod time;
 pub mod timer;
-pub mod trace;
 pub use timer::Wake;
 pub mod token;
 pub mod tunnel;

@@ -357,6 +357,63 @@ impl Iterator for BodyFrames<'_> {
 
 impl ExactSizeIterator for BodyFrames<'_> {}
 
+/// The inference route a request came by: which requests a provider may serve (a
+/// normalized run serves chat only; every other route is a raw call a tunnel forwards to
+/// the same path).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Endpoint {
+    /// `POST /v1/chat/completions`: served by runs or tunnels.
+    Chat,
+    /// `POST /v1/completions`: served by tunnels only.
+    Completions,
+    /// `POST /v1/embeddings`: served by tunnels only.
+    Embeddings,
+}
+
+impl Endpoint {
+    /// The route's path, which is also the path forwarded to OpenAI-compatible providers.
+    #[must_use]
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "/v1/chat/completions",
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::Embeddings => "/v1/embeddings",
+        }
+    }
+}
+
+/// A tunnel frame as a response needs it: a `BODY` frame is its bytes alone (an SSE
+/// stream is made of them, and a request's queue holds them without an allocation); any
+/// other frame is kept whole, boxed, as it is rare and large.
+#[derive(Clone, Debug, PartialEq)]
+pub enum TunnelPart {
+    /// The bytes of a `BODY` frame.
+    Body(Bytes),
+    /// Any other frame.
+    Frame(Box<ProviderTunnelFrame>),
+}
+
+impl From<ProviderTunnelFrame> for TunnelPart {
+    fn from(frame: ProviderTunnelFrame) -> Self {
+        if frame.kind == TunnelFrameKind::Body as i32 {
+            TunnelPart::Body(frame.body)
+        } else {
+            TunnelPart::Frame(Box::new(frame))
+        }
+    }
+}
+
+impl TunnelPart {
+    /// The body bytes it carries.
+    #[must_use]
+    pub fn body_len(&self) -> usize {
+        match self {
+            TunnelPart::Body(body) => body.len(),
+            TunnelPart::Frame(frame) => frame.body.len(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -64,7 +64,7 @@ impl H {
     }
 
     fn drain(&mut self) -> Vec<NodeTransmit> {
-        let (transmits, events) = iop_proto_core::testkit::harness::drain_node(&mut self.s);
+        let (transmits, events) = iop_proto_core::testkit::drain_node(&mut self.s);
         self.pending_events.extend(events);
         transmits
     }

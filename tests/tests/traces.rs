@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use iop_blackbox::client::Cluster;
 use iop_blackbox::fake::{self, Behaviour, Fake, Flavor};
-use iop_proto_core::trace::otlp::{ExportTraceServiceRequest, Span};
+use iop_trace::otlp::{ExportTraceServiceRequest, Span};
 use prost::Message;
 use serde_json::{Value, json};
 

@@ -3,8 +3,8 @@
 
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
+use iop_api::openai::{ApiError, ErrorType};
 use iop_proto_core::NodeState;
-use iop_proto_core::openai::{ApiError, ErrorType};
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
@@ -314,7 +314,7 @@ pub(super) async fn node_command<B: super::ReqBody>(
 /// `GET /v1/usage`: every key's limits as they stand and its budget, and usage per key,
 /// model and UTC day (the last 62 days), as providers reported it.
 pub(super) fn usage(state: &State) -> Response<ResBody> {
-    let quota = |q: Option<iop_proto_core::tenant::Quota>| {
+    let quota = |q: Option<iop_api::tenant::Quota>| {
         q.map(|q| {
             json!({
                 "limit": q.limit,
@@ -336,8 +336,8 @@ pub(super) fn usage(state: &State) -> Response<ResBody> {
                 "budget": k.budget.map(|b| json!({
                     "tokens": b.budget.tokens,
                     "period": match b.budget.period {
-                        iop_proto_core::tenant::Period::Day => "day",
-                        iop_proto_core::tenant::Period::Month => "month",
+                        iop_api::tenant::Period::Day => "day",
+                        iop_api::tenant::Period::Month => "month",
                     },
                     "spent": b.spent,
                     "remaining": b.remaining,

@@ -1,5 +1,5 @@
-//! Plaintext HTTP/1.1 connections, read and written by the Edge itself over the core's
-//! [`iop_proto_core::http1`] framing. What a connection speaks ([`http1::opening`]), every
+//! Plaintext HTTP/1.1 connections, read and written by the Edge itself over the
+//! [`iop_http1`] framing. What a connection speaks ([`http1::opening`]), every
 //! framing decision (limits, smuggling refusals, keep-alive, chunking) and whether an
 //! unread body still lets the connection carry the next request
 //! ([`Framing::discard_buffered`]) are the core's; this module moves bytes and runs the
@@ -32,11 +32,11 @@ use http::{
     HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, Uri, Version,
 };
 use http_body::{Body, Frame};
-use iop_proto_core::http1::{
-    self, BodyFraming, CHUNK_END, Decoded, Framing, HeadError, HeadReader, LAST_CHUNK, Opening,
-    RequestHead,
+use iop_api::openai::ErrorType;
+use iop_http1::{
+    self as http1, self, BodyFraming, CHUNK_END, Decoded, Framing, HeadError, HeadReader,
+    LAST_CHUNK, Opening, RequestHead,
 };
-use iop_proto_core::openai::ErrorType;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::time::{Instant, Sleep};

@@ -13,15 +13,15 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
 use http_body::Frame;
 use http_body_util::BodyExt;
-use iop_proto_core::openai::{
+use iop_api::openai::{
     ApiError, Endpoint, ErrorType, Out, RATE_LIMIT_HEADERS, Responder, ResponseOptions, inspect,
     rate_limit_headers,
 };
-use iop_proto_core::tenant::{RateLimits, Refusal, TokenUsage};
-use iop_proto_core::trace::{AttrValue, HopTrace, Span, TRACEPARENT, TRACESTATE, Timing};
+use iop_api::tenant::{RateLimits, Refusal, TokenUsage};
 use iop_proto_core::wire::{Header, Usage};
 use iop_proto_core::{RequestEvent, RequestId};
 use iop_shell_common::offload;
+use iop_trace::{AttrValue, HopTrace, Span, TRACEPARENT, TRACESTATE, Timing};
 use tokio::sync::oneshot;
 use tokio::time::{Instant, Sleep};
 use tracing::{error, info};
@@ -287,7 +287,7 @@ static UPSTREAM_REQUEST_ID: HeaderName = HeaderName::from_static("x-upstream-req
 async fn inspect_off_loop(
     raw: &bytes::Bytes,
     endpoint: Endpoint,
-) -> Result<iop_proto_core::openai::RequestFacts, ApiError> {
+) -> Result<iop_api::openai::RequestFacts, ApiError> {
     match offload::run(raw, move |body| inspect(body, endpoint)).await {
         Ok(inspected) => inspected,
         Err(offload::NotDone::Stopping) => Err(ApiError::shutting_down()),

@@ -1,6 +1,6 @@
 //! The public HTTP surface: OpenAI-compatible routes, status, metrics and health, over
 //! HTTP/1.1 and h2c (and both over TLS). Handlers talk to the core only through
-//! messages; what a response says is decided in `iop_proto_core::openai`.
+//! messages; what a response says is decided in `iop_api::openai`.
 
 mod admin;
 mod h1;
@@ -18,7 +18,7 @@ use http::{HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body::{Body, Frame};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use iop_proto_core::openai::{ApiError, Endpoint, ErrorType};
+use iop_api::openai::{ApiError, Endpoint, ErrorType};
 use iop_shell_common::repoll::Repoll;
 use tokio::net::TcpListener;
 use tokio::time::Instant;

@@ -28,8 +28,8 @@ use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWriteExt, ReadBuf};
 
 use super::connector::ProviderStream;
-use iop_proto_core::http1::{self, HeadError, HeadReader, MAX_RESPONSE_HEADERS, ResponseHead};
-pub use iop_proto_core::http1::{BodyError, Chunk, Decoded, Framing};
+use iop_http1::{self as http1, HeadError, HeadReader, MAX_RESPONSE_HEADERS, ResponseHead};
+pub use iop_http1::{BodyError, Chunk, Decoded, Framing};
 
 /// The largest response head (status line and headers) accepted.
 pub const MAX_HEAD: usize = 64 << 10;
@@ -660,7 +660,7 @@ mod tests {
                 String::from_utf8_lossy(body)
             );
         }
-        let long = vec![b'1'; iop_proto_core::http1::MAX_CHUNK_LINE + 2];
+        let long = vec![b'1'; iop_http1::MAX_CHUNK_LINE + 2];
         assert!(matches!(
             decode_all(Framing::Chunked(Chunk::Size), &long, 512),
             Err(H1Error::Malformed(_))

@@ -11,7 +11,7 @@ use super::pool::{ClientError, Keep, Origin, ProviderBody};
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Method, Request};
 use hyper_util::client::legacy::connect::HttpConnector;
-use iop_proto_core::http1;
+use iop_http1 as http1;
 use iop_proto_core::wire::{Header, ProviderHealth};
 
 /// Builds the shared client. TLS trusts the Mozilla roots, plus the PEM certificates in
@@ -92,7 +92,7 @@ pub fn forwardable(name: &str) -> bool {
 /// out.
 #[must_use]
 pub fn trace_headers(metadata: &std::collections::BTreeMap<String, String>) -> Vec<Header> {
-    use iop_proto_core::trace::{TRACEPARENT, TRACESTATE, TraceContext, tracestate_ok};
+    use iop_trace::{TRACEPARENT, TRACESTATE, TraceContext, tracestate_ok};
     let Some(parent) = metadata
         .get(TRACEPARENT)
         .filter(|v| TraceContext::parse(v.as_bytes()).is_some())
@@ -458,7 +458,7 @@ mod tests {
     fn only_the_allowed_response_headers_go_back_as_slices_of_the_head() {
         let text = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nset-cookie: s=1\r\nX-Request-Id: up-1\r\nserver: x\r\n\r\n";
         let mut buf = bytes::BytesMut::from(&text[..]);
-        let parsed = iop_proto_core::http1::HeadReader::new(1024)
+        let parsed = iop_http1::HeadReader::new(1024)
             .poll_response(&buf, false)
             .unwrap()
             .unwrap();

@@ -16,8 +16,8 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
+use iop_json::nonempty_array;
 use iop_proto_core::RunOutput;
-use iop_proto_core::openai::nonempty_array;
 use iop_proto_core::wire::{ErrorDetail, RunRequest, Usage};
 use tokio_util::sync::CancellationToken;
 

@@ -6,7 +6,8 @@
 pub mod connector;
 pub mod h1;
 pub mod http;
-pub mod json;
+/// Request bodies read without a document tree.
+pub(crate) use iop_json as json;
 pub mod mock;
 pub mod mock_openai;
 pub mod ollama;
@@ -326,12 +327,11 @@ impl AdapterHost {
             let kind =
                 AdapterType::try_from(config.r#type).map_or("unknown", AdapterType::config_name);
             // The words `/v1/status` uses for the same providers.
-            let health = iop_proto_core::edge::health_word(
-                healths
-                    .get(name)
-                    .copied()
-                    .unwrap_or(ProviderHealth::Offline),
-            );
+            let health = healths
+                .get(name)
+                .copied()
+                .unwrap_or(ProviderHealth::Offline)
+                .word();
             adapters.push(serde_json::json!({
                 "name": name,
                 "type": kind,

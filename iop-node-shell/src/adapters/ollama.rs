@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::BodyExt;
+use iop_json::nonempty_array;
 use iop_proto_core::RunOutput;
-use iop_proto_core::openai::nonempty_array;
 use iop_proto_core::wire::{AdapterConfig, Header, ProviderHealth, RunRequest, Usage};
 use serde_json::{Map, Value, json};
 use tokio::time::{Instant, timeout_at};

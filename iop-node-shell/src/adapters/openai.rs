@@ -14,7 +14,7 @@ use super::pool::ProviderBody;
 use bytes::{Bytes, BytesMut};
 use http_body_util::BodyExt;
 use hyper::body::{Body, Frame};
-use iop_proto_core::openai::nonempty_array;
+use iop_json::nonempty_array;
 use iop_proto_core::wire::{
     AdapterConfig, Header, ProviderHealth, ProviderTunnelRequest, RunRequest, Usage,
 };

@@ -1,7 +1,7 @@
 //! Incremental line splitting for SSE and NDJSON streams, and usage observation.
 
 use bytes::{Bytes, BytesMut};
-use iop_proto_core::openai::member_value;
+use iop_json::member_value;
 use iop_proto_core::wire::Usage;
 
 /// Longest line kept while waiting for its end; longer lines are dropped (they are still

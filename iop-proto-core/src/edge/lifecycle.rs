@@ -11,7 +11,7 @@ use serde::Serialize;
 use std::collections::VecDeque;
 
 use super::{EdgeEvent, RejectReason};
-use crate::wire::{ProviderHealth, RefreshStatus};
+use crate::wire::RefreshStatus;
 
 /// A typed fleet lifecycle event. Serialised with a `type` tag (`node.ready`, …) and the
 /// fields named here; ids are the configured names, never addresses or tokens.
@@ -161,17 +161,6 @@ impl Lifecycle {
             Lifecycle::ProviderRestored { .. } => "provider.restored",
             Lifecycle::ProviderHealth { .. } => "provider.health",
         }
-    }
-}
-
-/// The word `/v1/status` and these events use for a provider health.
-#[must_use]
-pub fn health_word(health: ProviderHealth) -> &'static str {
-    match health {
-        ProviderHealth::Healthy => "healthy",
-        ProviderHealth::Degraded => "degraded",
-        ProviderHealth::Offline => "offline",
-        _ => "unknown",
     }
 }
 

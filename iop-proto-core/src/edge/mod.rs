@@ -60,12 +60,12 @@ use crate::guard::{
 };
 use crate::idhash::IdMap;
 use crate::lease::{Generation, Lease, Ledger, Release, RequestId, ResourceId};
-use crate::openai::{Endpoint, TunnelPart};
 use crate::queue::{Candidate, Ticket, WaitQueue, Waiter};
 use crate::run::{RunStep, RunTracker, RunViolation};
 use crate::time::Timestamp;
 use crate::timer::{TimerTable, Wake};
 use crate::token::TokenVerifier;
+use crate::tunnel::{Endpoint, TunnelPart};
 use crate::tunnel::{TunnelReceiver, TunnelStep, TunnelViolation};
 use crate::wire::{
     AdapterConfig, AdapterLoad, AdapterType, Body, CancelKind, CancelRequest, Envelope,
@@ -90,7 +90,7 @@ mod violation;
 
 pub use crate::lease::RunId;
 pub use health::{Ejection, Standing};
-pub use lifecycle::{Lifecycle, health_word};
+pub use lifecycle::Lifecycle;
 pub use registry::throttled_reason;
 pub use types::*;
 pub use violation::*;

@@ -1059,8 +1059,7 @@ fn message(
             // A run's provider call is the Node's to make: the trace context it passes on
             // travels in the metadata (a tunnel carries it among its headers).
             for header in &call.headers {
-                if (header.name == crate::trace::TRACEPARENT
-                    || header.name == crate::trace::TRACESTATE)
+                if crate::wire::TRACE_KEYS.contains(&header.name.as_str())
                     && let Ok(value) = std::str::from_utf8(&header.value)
                 {
                     metadata.insert(header.name.clone(), value.to_owned());
@@ -1087,7 +1086,7 @@ fn message(
                 method: "POST".into(),
                 path: call.endpoint.path().into(),
                 headers: call.headers.clone(),
-                body: crate::openai::for_target(call.body.clone(), target),
+                body: iop_json::for_target(call.body.clone(), target),
                 stream: call.stream,
                 timeout_sec: u32::try_from(call.timeout.as_secs()).unwrap_or(u32::MAX),
                 metadata,

@@ -1446,9 +1446,9 @@ impl EdgeCore {
             self.out.lifecycle.push_back(Lifecycle::ProviderHealth {
                 node_id: s.node_id,
                 provider_id: s.provider_id,
-                health: health_word(
-                    ProviderHealth::try_from(s.health).unwrap_or(ProviderHealth::Offline),
-                ),
+                health: ProviderHealth::try_from(s.health)
+                    .unwrap_or(ProviderHealth::Offline)
+                    .word(),
             });
         }
     }

@@ -235,7 +235,7 @@ pub enum RequestError {
 pub enum Outcome {
     /// `COMPLETE` or `END`.
     Completed,
-    /// Failed; [`openai::ApiError::from_outcome`](crate::openai::ApiError::from_outcome) says what the caller is told.
+    /// Failed; the public API crate (`iop-api`) says what the caller is told.
     Failed(RequestError),
     /// Cancelled by the caller, or `CANCELLED` from the node.
     Cancelled,

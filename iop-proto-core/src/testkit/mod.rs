@@ -1,16 +1,28 @@
-//! Test support shared by the crate's tests, the simulator and the fuzz targets.
-//! Compiled only with the `testkit` feature; it adds no dependencies.
+//! The machines' internals for tests, benches and fuzz targets, and the drain loop every
+//! test drives a machine with. Compiled only with the `testkit` feature; it adds no
+//! dependencies. The simulations, the harness and the fuzz entry points are the
+//! `iop-testkit` crate's.
 
-pub mod cluster;
-pub mod fuzz;
-pub mod harness;
-pub mod multihome;
-pub mod rng;
-pub mod sim;
-pub mod upgrade;
-
+use crate::edge::{EdgeEvent, Transmit};
+use crate::session::{NodeTransmit, SessionEvent};
 use crate::wire::{AdapterConfig, AdapterType};
 use crate::{EdgeCore, NodeSession};
+
+/// Everything the Edge machine has to hand out, in the order a shell drains it:
+/// transmits, then events (lifecycle events are dropped).
+pub fn drain_edge(edge: &mut EdgeCore) -> (Vec<Transmit>, Vec<EdgeEvent>) {
+    let transmits = std::iter::from_fn(|| edge.poll_transmit()).collect();
+    let events = std::iter::from_fn(|| edge.poll_event()).collect();
+    while edge.poll_lifecycle().is_some() {}
+    (transmits, events)
+}
+
+/// Everything a node session has to hand out: transmits, then events.
+pub fn drain_node(node: &mut NodeSession) -> (Vec<NodeTransmit>, Vec<SessionEvent>) {
+    let transmits = std::iter::from_fn(|| node.poll_transmit()).collect();
+    let events = std::iter::from_fn(|| node.poll_event()).collect();
+    (transmits, events)
+}
 
 /// The machines' internals, which embedders never touch: the lease ledger, the wait
 /// queue, the registration guards, the Node's capacity gate and the run and tunnel
@@ -73,28 +85,4 @@ pub fn adapter(name: &str, kind: AdapterType, capacity: u32, long: u32) -> Adapt
         enabled: true,
         ..AdapterConfig::default()
     }
-}
-
-/// Bugs planted in the simulated Edge shell, to prove the simulator's invariants catch
-/// what a broken driver does to the system (the machines themselves take no test
-/// switches: the faults are the harness's, as quinn's `Pair` drops and reorders on its
-/// side). All off by default.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Faults {
-    /// Copy every dispatch to the connections that registered and are not ready yet.
-    pub dispatch_to_pending: bool,
-    /// Never hand the Edge a run's or tunnel's terminal while its caller waits.
-    pub swallow_terminal: bool,
-    /// Never hand the Edge the terminal of a run whose caller left.
-    pub swallow_cancelled_terminal: bool,
-    /// Write a tunnel dispatch as a normalized run.
-    pub tunnel_as_run: bool,
-    /// Close the whole connection for a message about one run of an unknown kind.
-    pub close_on_unknown_kind: bool,
-    /// Read a node's drain request and never hand it over.
-    pub swallow_drain: bool,
-    /// Never drive the Edge's timers.
-    pub skip_timers: bool,
-    /// Dispatch a request once more after its first bytes reached the caller.
-    pub redispatch_after_first_byte: bool,
 }

@@ -27,8 +27,8 @@ pub use codec::{
 pub use generated::*;
 pub use validate::{
     MAX_CLUSTER_MEMBERS, MAX_DRAIN_REASON_BYTES, MAX_LOAD_ENTRIES, MAX_NODE_ID_BYTES,
-    MAX_REGISTER_ENTRIES, MAX_TOKEN_BYTES, OLLAMA_API_ENDPOINTS, REQUEST_ID_KEY, Validate,
-    ValidationError, is_request_id,
+    MAX_REGISTER_ENTRIES, MAX_TOKEN_BYTES, OLLAMA_API_ENDPOINTS, REQUEST_ID_KEY, TRACE_KEYS,
+    Validate, ValidationError, is_request_id,
 };
 
 /// The variant carried by an [`Envelope`].
@@ -75,6 +75,20 @@ impl Body {
             Body::NodeRehomeRequest(_) => "node_rehome_request",
             Body::NodeLoadReport(_) => "node_load_report",
             Body::ClusterMembers(_) => "cluster_members",
+        }
+    }
+}
+
+impl ProviderHealth {
+    /// The word status pages and events use for it (`healthy`, `degraded`, `offline`,
+    /// `unknown`).
+    #[must_use]
+    pub fn word(self) -> &'static str {
+        match self {
+            ProviderHealth::Healthy => "healthy",
+            ProviderHealth::Degraded => "degraded",
+            ProviderHealth::Offline => "offline",
+            ProviderHealth::Unspecified => "unknown",
         }
     }
 }

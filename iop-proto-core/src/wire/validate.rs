@@ -26,6 +26,11 @@ pub const OLLAMA_API_ENDPOINTS: [(&str, &str); 4] = [
 /// `x-request-id`). Observation only: both sides log it, nothing acts on it.
 pub const REQUEST_ID_KEY: &str = "request_id";
 
+/// The `RunRequest.metadata` keys a run carries the caller's W3C Trace Context in (the
+/// `traceparent` and `tracestate` headers, as they came): the Node passes them on to the
+/// provider. A tunnel carries them among its headers instead.
+pub const TRACE_KEYS: [&str; 2] = ["traceparent", "tracestate"];
+
 /// Whether `id` may name a request in logs and headers: 1 to 128 characters of
 /// `A-Z a-z 0-9 - _ . : / + = @` (no spaces, quotes or control characters, so it cannot
 /// forge a log line or a header). Anything else is replaced, not trusted.

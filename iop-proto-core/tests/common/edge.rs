@@ -181,7 +181,7 @@ impl Harness {
     }
 
     pub fn drain(&mut self) -> (Vec<Transmit>, Vec<EdgeEvent>) {
-        iop_proto_core::testkit::harness::drain_edge(&mut self.edge)
+        iop_proto_core::testkit::drain_edge(&mut self.edge)
     }
 
     pub fn submit(&mut self, model: &str, prompt_tokens: u64) -> Result<RequestId, SubmitError> {
@@ -203,7 +203,7 @@ impl Harness {
     pub fn submit_tunnel(&mut self, model: &str) -> Result<RequestId, SubmitError> {
         let mut submit = Submit::chat(model, bytes::Bytes::from_static(b"{}"));
         submit.prompt_tokens = 1;
-        submit.endpoint = openai::Endpoint::Embeddings;
+        submit.endpoint = iop_proto_core::tunnel::Endpoint::Embeddings;
         self.edge.handle_submit(self.now, submit)
     }
 

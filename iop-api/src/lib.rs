@@ -1,0 +1,18 @@
+//! IOP's public API surface, over the Sans-IO protocol core ([`iop_proto_core`]): what a
+//! caller's request says and what it is answered, without sockets or clocks.
+//!
+//! - [`openai`]: the OpenAI dialect. Request reading ([`openai::inspect`]: the facts the
+//!   Edge routes on, refused with a typed [`openai::ApiError`]), the token estimate, the
+//!   error mapping, and the [`openai::Responder`] that renders a request's events (from
+//!   [`iop_proto_core::EdgeCore`]) as an OpenAI response, streamed or whole.
+//! - [`tenant`]: the accounting of named client keys (rate and token limits, requests at
+//!   once, budgets, usage), driven by the wall-clock time the shell passes.
+//!
+//! The core knows nothing of this crate: a dialect is translated here into what the core
+//! dispatches (a chat body for normalized runs or a raw call for tunnels), and the core's
+//! events are rendered here for the caller.
+
+#![forbid(unsafe_code)]
+
+pub mod openai;
+pub mod tenant;

@@ -1,0 +1,187 @@
+//! Reading and rewriting JSON request bodies without a document tree, for the Edge and the
+//! Node alike:
+//!
+//! - the skim ([`member_value`], [`for_target`], [`rewrite_model`]): where a top-level
+//!   member's value sits, found by a forward pass that decodes and allocates nothing, and
+//!   a body with its `"model"` replaced, every other byte untouched;
+//! - [`nonempty_array`], which reads an array's first bytes only;
+//! - [`Object`]: a JSON object's top-level members borrowed from the input, and a body
+//!   rewritten member by member from them.
+//!
+//! Bodies are untrusted: nothing here panics or allocates beyond the input's size on any
+//! input (the fuzz target for request reading covers the skim).
+
+mod object;
+
+use std::ops::Range;
+
+use bytes::Bytes;
+use serde_json::value::RawValue;
+
+pub use object::{Object, array, elements};
+
+/// Replaces the value of the top-level `"model"` key in a JSON object, leaving every other
+/// byte untouched (so a provider sees the caller's body exactly, but for the model it
+/// serves). `None` when the body is not a JSON object with a `model` key.
+#[must_use]
+pub fn rewrite_model(raw: &[u8], target: &str) -> Option<Bytes> {
+    splice(raw, member_value(raw, "model")?, target)
+}
+
+/// `raw` with the bytes at `value` replaced by `target` as a JSON string: quotes, and
+/// escapes where JSON needs them.
+fn splice(raw: &[u8], value: Range<usize>, target: &str) -> Option<Bytes> {
+    let mut out = Vec::with_capacity(raw.len() + target.len() + 2);
+    out.extend_from_slice(&raw[..value.start]);
+    serde_json::to_writer(&mut out, target).ok()?;
+    out.extend_from_slice(&raw[value.end..]);
+    Some(Bytes::from(out))
+}
+
+/// The body a provider serving `target` is sent: `raw` with its top-level `"model"`
+/// value replaced as [`rewrite_model`] does, or `raw` itself, sharing its bytes, when the
+/// value is already `target` written the way the rewrite would write it (a model group
+/// whose provider serves it under the public name: no copy of the body) or when there is
+/// no such member to rewrite.
+#[must_use]
+pub fn for_target(raw: Bytes, target: &str) -> Bytes {
+    let Some(value) = member_value(&raw, "model") else {
+        return raw;
+    };
+    let written = &raw[value.clone()];
+    // The splice's encoding of `target`: quotes around it, escapes where JSON needs them.
+    let plain = !target.bytes().any(|b| b == b'"' || b == b'\\' || b < 0x20);
+    let same = if plain {
+        written.len() == target.len() + 2
+            && written.first() == Some(&b'"')
+            && written.last() == Some(&b'"')
+            && &written[1..written.len() - 1] == target.as_bytes()
+    } else {
+        serde_json::to_vec(target).is_ok_and(|encoded| encoded == written)
+    };
+    if same {
+        return raw;
+    }
+    splice(&raw, value, target).unwrap_or(raw)
+}
+
+/// Where the value of the first top-level member named `key` sits in `raw`, a JSON
+/// object, found by skimming its structure: nothing is decoded or allocated (but a key
+/// written with escapes), so it costs a pass over the bytes up to that member however
+/// large the rest. A key matches however it is escaped. `None` when `raw` is not an
+/// object (as far as the skim reaches) or has no such member; the text is not
+/// validated beyond what the skim needs.
+#[must_use]
+pub fn member_value(raw: &[u8], key: &str) -> Option<std::ops::Range<usize>> {
+    let mut scan = Scanner { s: raw, i: 0 };
+    scan.ws();
+    scan.eat(b'{')?;
+    loop {
+        scan.ws();
+        if scan.peek()? == b'}' {
+            return None;
+        }
+        let key_start = scan.i;
+        scan.string()?;
+        let written = &raw[key_start..scan.i];
+        scan.ws();
+        scan.eat(b':')?;
+        scan.ws();
+        let value_start = scan.i;
+        scan.value()?;
+        let named = written.get(1..written.len() - 1) == Some(key.as_bytes())
+            || (written.contains(&b'\\')
+                && serde_json::from_slice::<String>(written).ok().as_deref() == Some(key));
+        if named {
+            return Some(value_start..scan.i);
+        }
+        scan.ws();
+        match scan.peek()? {
+            b',' => scan.i += 1,
+            _ => return None,
+        }
+    }
+}
+
+/// Whether `raw` is an array with at least one element. `raw` is validated JSON (a value
+/// of a parsed document), so its first bytes decide it: the array is not parsed again
+/// (for a chat body that would be most of the body a second time).
+#[must_use]
+pub fn nonempty_array(raw: &RawValue) -> bool {
+    raw.get()
+        .trim_ascii_start()
+        .strip_prefix('[')
+        .is_some_and(|rest| !rest.trim_ascii_start().starts_with(']'))
+}
+
+/// A forward-only JSON skimmer: enough to find where a top-level value starts and ends.
+struct Scanner<'a> {
+    s: &'a [u8],
+    i: usize,
+}
+
+impl Scanner<'_> {
+    fn peek(&self) -> Option<u8> {
+        self.s.get(self.i).copied()
+    }
+
+    fn eat(&mut self, b: u8) -> Option<()> {
+        (self.peek()? == b).then(|| self.i += 1)
+    }
+
+    fn ws(&mut self) {
+        while matches!(self.peek(), Some(b' ' | b'\t' | b'\r' | b'\n')) {
+            self.i += 1;
+        }
+    }
+
+    fn string(&mut self) -> Option<()> {
+        self.eat(b'"')?;
+        loop {
+            // The next quote or backslash; what lies between needs no look.
+            self.i += memchr::memchr2(b'"', b'\\', self.s.get(self.i..)?)?;
+            if self.peek()? == b'"' {
+                self.i += 1;
+                return Some(());
+            }
+            self.i += 2;
+        }
+    }
+
+    fn value(&mut self) -> Option<()> {
+        match self.peek()? {
+            b'"' => self.string(),
+            b'{' | b'[' => {
+                let mut depth = 0usize;
+                loop {
+                    match self.peek()? {
+                        b'"' => {
+                            self.string()?;
+                            continue;
+                        }
+                        b'{' | b'[' => depth += 1,
+                        b'}' | b']' => {
+                            depth = depth.checked_sub(1)?;
+                            if depth == 0 {
+                                self.i += 1;
+                                return Some(());
+                            }
+                        }
+                        _ => {}
+                    }
+                    self.i += 1;
+                }
+            }
+            _ => {
+                let start = self.i;
+                while !matches!(
+                    self.peek(),
+                    None | Some(b',' | b'}' | b']' | b' ' | b'\t' | b'\r' | b'\n')
+                ) {
+                    self.i += 1;
+                }
+                (self.i > start).then_some(())
+            }
+        }
+    }
+}
