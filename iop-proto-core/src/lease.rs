@@ -316,6 +316,18 @@ impl Ledger {
         true
     }
 
+    /// A unit of live `resource` whose lease returned without its node's word (a cancelled
+    /// run's grace passed) stays taken (`refused_hold`) until [`Self::end_refused_hold`]:
+    /// the node may still be stopping that run. Whether one was held (none offline).
+    pub fn hold_unconfirmed(&mut self, resource: ResourceId) -> bool {
+        let usage = &mut self.resources[resource.index()].usage;
+        if usage.generation.is_none() || usage.refused_hold >= usage.capacity {
+            return false;
+        }
+        usage.refused_hold += 1;
+        true
+    }
+
     /// The node of `resource` freed a unit there (a run it ended, a load it reported), or
     /// its refusal hold passed: the units it held back count as free again. Whether any
     /// were held.

@@ -4,6 +4,8 @@
 
 mod common;
 
+use std::time::Duration;
+
 use common::edge::*;
 use iop_proto_core::cluster::ClaimDecision;
 use iop_proto_core::wire::*;
@@ -428,6 +430,35 @@ fn a_load_report_ends_a_refusal_hold_at_once() {
     served.sort();
     assert_eq!(served, vec![first, second], "{events:?}");
     assert_eq!(h.usage("n1", "a").refused_hold, 0);
+}
+
+/// A cancelled run whose node does not confirm the cancel within the grace: its lease
+/// returns, but its unit stays taken until the node reports its load or one heartbeat
+/// interval passes, for the node may still be stopping the run.
+#[test]
+fn a_unit_whose_cancel_grace_passed_is_held_until_the_node_says_or_the_hold_ends() {
+    let mut cfg = config();
+    cfg.timing.cancel_grace = Duration::from_millis(1_000);
+    let mut h = Harness::with(cfg);
+    let _conn = h.connect("n1");
+    let first = h.submit("solo", 1).expect("accepted");
+    let _second = h.submit("solo", 1).expect("accepted");
+    h.drain();
+    assert_eq!(h.usage("n1", "a").in_flight, 2);
+    h.edge.handle_cancel(h.now, first, "caller left");
+    h.drain();
+    // The grace (1 s here) passes without the node's terminal.
+    h.at(1_000);
+    h.drain();
+    let usage = h.usage("n1", "a");
+    assert_eq!((usage.in_flight, usage.refused_hold), (1, 1), "{usage:?}");
+    let third = h.submit("solo", 1).expect("accepted");
+    let (_, events) = h.drain();
+    assert!(grants(&events).is_empty(), "held: {events:?}");
+    // One heartbeat interval (1 s) later the unit is offered again.
+    h.at(2_000);
+    let (_, events) = h.drain();
+    assert_eq!(grants(&events).pop().map(|g| g.request), Some(third));
 }
 
 /// A refused request goes to another candidate with room at once, not back to the node

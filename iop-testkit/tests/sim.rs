@@ -184,6 +184,14 @@ fn seeds_that_broke_an_invariant_keep_it_now() {
         (16, "straight back to the node that refused"),
         (2_846, "straight back to the node that refused"),
         (3_566, "straight back to the node that refused"),
+        // The record sweep's: a refusal the ledger explained (its cancelled runs filled
+        // the node), then the cancels' grace passed while the node still stopped them,
+        // the Edge freed their units and the request went straight back. A unit whose
+        // grace passes is now held as a refusal's is.
+        (
+            803_789,
+            "straight back after a cancel's grace freed the unit",
+        ),
     ];
     for (seed, what) in dispatches {
         if let Err(failure) = sim::run_seed(seed, SimOptions::default()) {

@@ -134,6 +134,12 @@ impl Pool {
         self.ledger.hold_refused(r)
     }
 
+    /// A lease on `r` returned without its node's word: its unit stays taken until
+    /// [`Self::end_refused_hold`]. Whether it was held.
+    pub(super) fn hold_unconfirmed(&mut self, r: ResourceId) -> bool {
+        self.ledger.hold_unconfirmed(r)
+    }
+
     /// `r`'s node freed a unit, or its refusal hold passed: whether units came free.
     pub(super) fn end_refused_hold(&mut self, r: ResourceId) -> bool {
         self.ledger.end_refused_hold(r)

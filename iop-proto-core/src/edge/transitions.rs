@@ -944,6 +944,25 @@ impl EdgeCore {
         self.close_if_drained(self.pool.meta(r).node);
     }
 
+    /// Returns the lease of a cancelled run whose node did not confirm the cancel within
+    /// the grace: the unit stays taken as a refusal's are (until the node reports its load
+    /// or one heartbeat interval passes), since the node may still be stopping the run and
+    /// would refuse a request sent there now.
+    fn release_unconfirmed(&mut self, lease: Lease) {
+        self.timers.stop(TimerKey::CancelGrace(lease.run));
+        if self.pool.release(lease) != Release::Released {
+            return;
+        }
+        let r = lease.resource;
+        if self.pool.hold_unconfirmed(r) {
+            let until = self.now + self.config.timing.heartbeat_interval;
+            self.timers.set(TimerKey::RefusalHold(r), until);
+        } else {
+            self.pump(r);
+        }
+        self.close_if_drained(self.pool.meta(r).node);
+    }
+
     /// `r`'s refusal hold ends (its node reported its load, or the hold passed): units it
     /// held back serve waiters.
     fn end_refused_hold(&mut self, r: ResourceId) {
@@ -1354,7 +1373,7 @@ impl EdgeCore {
             TimerKey::CancelGrace(run) => {
                 if let Some(lease) = self.requests.grace_over(run) {
                     self.pool.undecided(lease.resource, lease.run);
-                    self.release(lease);
+                    self.release_unconfirmed(lease);
                 }
             }
             TimerKey::Probe(resource) => self.pump(resource),
