@@ -6,12 +6,11 @@ use std::sync::Arc;
 use bytes::Bytes;
 use iop_api::openai::*;
 use iop_json::{for_target, member_value, rewrite_model};
+use iop_proto_core::edge::{CommandError, StreamViolation};
 use iop_proto_core::wire::{
     ErrorDetail, Header, ProviderTunnelFrame, RunEvent, RunEventType, TunnelFrameKind, Usage,
 };
-use iop_proto_core::{
-    CommandError, DispatchShape, Outcome, RequestError, StreamViolation, SubmitError,
-};
+use iop_proto_core::{DispatchShape, Outcome, RequestError, SubmitError};
 use serde_json::{Value, json};
 
 // ----- inputs -----

@@ -16,11 +16,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use iop_api::tenant::{Budget, KeyPolicy, Period};
-use iop_proto_core::wire::{AdapterConfig, AdapterType, NodeRuntimeConfig};
-use iop_proto_core::{
-    Admission, CandidateSpec, ConflictLimits, EdgeConfig, EdgeTiming, ModelSpec, NodeSpec,
-    QueueLimits, RetryOn, Routing, ThrottleLimits, TokenVerifier,
+use iop_proto_core::edge_config::{
+    Admission, ConflictLimits, EdgeTiming, QueueLimits, RetryOn, Routing, ThrottleLimits,
 };
+use iop_proto_core::wire::{AdapterConfig, AdapterType, NodeRuntimeConfig};
+use iop_proto_core::{CandidateSpec, EdgeConfig, ModelSpec, NodeSpec, TokenVerifier};
 use iop_shell_common::tls::ServerFiles;
 use serde::Deserialize;
 
@@ -1081,7 +1081,7 @@ impl Config {
                 window: positive_secs("admission.failure_window_sec", a.failure_window_sec, 60)?,
                 max_tracked: 4096,
             },
-            pending: iop_proto_core::PendingLimits {
+            pending: iop_proto_core::edge_config::PendingLimits {
                 max_total: raw.limits.max_pending_connections.unwrap_or(1024),
                 max_per_source: raw.limits.max_pending_per_address.unwrap_or(64),
             },

@@ -11,10 +11,12 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use bytes::{Bytes, BytesMut};
+use iop_proto_core::edge::{DrainReason, NodeStatus};
+use iop_proto_core::edge_config::ConfigDiff;
 use iop_proto_core::wire::{self, Envelope, ProviderSnapshot};
 use iop_proto_core::{
-    Cancelled, CloseReason, ConfigDiff, ConnId, DrainReason, EdgeConfig, EdgeCore, EdgeEvent,
-    NodeStatus, Outcome, RequestEvent, RequestId, SubmitError, Transmit,
+    Cancelled, CloseReason, ConnId, EdgeConfig, EdgeCore, EdgeEvent, Outcome, RequestEvent,
+    RequestId, SubmitError, Transmit,
 };
 use tokio::sync::{Notify, oneshot};
 use tokio::time::Instant;
@@ -186,7 +188,7 @@ struct Entry {
 
 /// Where a command's answer goes.
 pub type CommandReply = oneshot::Sender<
-    Result<iop_proto_core::wire::NodeCommandResponse, iop_proto_core::CommandError>,
+    Result<iop_proto_core::wire::NodeCommandResponse, iop_proto_core::edge::CommandError>,
 >;
 
 struct Task {
@@ -826,12 +828,12 @@ impl Task {
                 });
                 if log {
                     let peer = addr.map_or_else(|| "-".to_owned(), |a| a.to_string());
-                    if reason == iop_proto_core::RejectReason::Conflict {
+                    if reason == iop_proto_core::edge::RejectReason::Conflict {
                         warn!(
                             conn = conn.0,
                             peer, node_id, "registration held off: the node id is in conflict"
                         );
-                    } else if reason == iop_proto_core::RejectReason::Draining {
+                    } else if reason == iop_proto_core::edge::RejectReason::Draining {
                         info!(
                             conn = conn.0,
                             peer,

@@ -598,7 +598,7 @@ impl Metrics {
         let ready = snapshot
             .nodes
             .iter()
-            .filter(|n| n.state == iop_proto_core::NodeState::Ready)
+            .filter(|n| n.state == iop_proto_core::edge::NodeState::Ready)
             .count();
         fleet.nodes_ready.set(gauge_value(ready as u64));
         let draining = snapshot.nodes.iter().filter(|n| n.draining).count();

@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use iop_proto_core::{Backoff, ReconnectPolicy};
+use iop_proto_core::ReconnectPolicy;
+use iop_proto_core::reconnect::Backoff;
 use rustls::RootCertStore;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use serde::Deserialize;

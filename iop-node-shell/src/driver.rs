@@ -11,10 +11,10 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use bytes::{Buf, BytesMut};
+use iop_proto_core::session::{Returned, WorkStep};
 use iop_proto_core::wire::{self, AdapterLoad, FrameDecoder};
 use iop_proto_core::{
-    Failure, NodeSession, NodeTransmit, Returned, SessionConfig, SessionEnd, SessionEvent,
-    Supervisor, WorkStep,
+    Failure, NodeSession, NodeTransmit, SessionConfig, SessionEnd, SessionEvent, Supervisor,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, watch};
@@ -154,7 +154,7 @@ struct Conn {
 }
 
 /// What the node's work holds, session by session, on one board (the core's rule:
-/// [`iop_proto_core::LoadBoard`]): the node has one capacity however many sessions it
+/// [`iop_proto_core::session::LoadBoard`]): the node has one capacity however many sessions it
 /// keeps.
 ///
 /// Every session, from its start until the work it abandoned has stopped upstream,
@@ -167,7 +167,7 @@ struct Conn {
 /// its capacity, whatever the Edges believe.
 #[derive(Clone, Debug)]
 pub struct Elsewhere {
-    board: Arc<std::sync::Mutex<iop_proto_core::LoadBoard>>,
+    board: Arc<std::sync::Mutex<iop_proto_core::session::LoadBoard>>,
     /// Sessions on the board, read without the lock.
     sessions: Arc<std::sync::atomic::AtomicUsize>,
     /// Re-homed sessions still running (the process waits for them before it exits).
@@ -201,7 +201,7 @@ impl Elsewhere {
         self.running.load(Ordering::SeqCst)
     }
 
-    fn board(&self) -> std::sync::MutexGuard<'_, iop_proto_core::LoadBoard> {
+    fn board(&self) -> std::sync::MutexGuard<'_, iop_proto_core::session::LoadBoard> {
         self.board
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)

@@ -5,9 +5,8 @@
 use std::sync::Arc;
 
 use iop_proto_core::cluster::{LinkEvent, MemberLinks};
-use iop_proto_core::{
-    ExitReason, Failure, SessionConfig, Supervisor, SupervisorEvent, SupervisorState,
-};
+use iop_proto_core::reconnect::SupervisorState;
+use iop_proto_core::{ExitReason, Failure, SessionConfig, Supervisor, SupervisorEvent};
 use iop_shell_common::misuse;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
@@ -234,7 +233,7 @@ async fn follow(
 /// One member's link: dialled again without limit until it is told to leave.
 async fn member_link(addr: String, config: NodeConfig, ctx: Context, link: EdgeLink, stop: Stop) {
     let policy = iop_proto_core::ReconnectPolicy {
-        max_attempts: iop_proto_core::MaxAttempts::Unlimited,
+        max_attempts: iop_proto_core::reconnect::MaxAttempts::Unlimited,
         interval: config
             .policy
             .interval

@@ -14,9 +14,10 @@ use std::hint::black_box;
 use std::sync::Arc;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use iop_proto_core::RequestId;
+use iop_proto_core::edge::{Generation, ResourceId};
 use iop_proto_core::testkit::internals::{Candidate, Lease, Ledger, WaitQueue, Waiter};
 use iop_proto_core::time::Timestamp;
-use iop_proto_core::{Generation, RequestId, ResourceId};
 
 /// Distinct candidate lists (model groups) waiters draw from.
 const POOLS: usize = 4096;

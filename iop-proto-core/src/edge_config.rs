@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use crate::guard::{ConflictLimits, PendingLimits, ThrottleLimits};
+pub use crate::guard::{ConflictLimits, PendingLimits, ThrottleLimits};
 use crate::token::TokenVerifier;
 use crate::wire::{
     AdapterConfig, AdapterType, NodeConfigPayload, NodeRuntimeConfig, Validate, ValidationError,

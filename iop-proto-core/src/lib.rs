@@ -187,7 +187,6 @@ pub mod run;
 pub mod session;
 pub mod time;
 pub mod timer;
-pub use timer::Wake;
 pub mod token;
 pub mod tunnel;
 pub mod wire;
@@ -195,29 +194,18 @@ pub mod wire;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 
+// The embedding API: what a driver names to run an Edge or a Node. Everything else is
+// reached through its module (`edge::`, `edge_config::`, `session::`, `reconnect::`, ...).
 pub use edge::{
-    AUTH_FAILED, Cancelled, CloseReason, CommandError, CommandId, ConnId, ConnViolation,
-    DispatchShape, DrainReason, EdgeCore, EdgeEvent, Ejection, Lifecycle, NodeState, NodeStatus,
-    Outcome, Peer, ProviderRouting, RefreshFailure, RejectReason, RequestError, RequestEvent,
-    RunId, Standing, StreamViolation, Submit, SubmitError, TOO_MANY_FAILURES, Transmit, UsageError,
-    Violation,
+    Cancelled, CloseReason, ConnId, DispatchShape, EdgeCore, EdgeEvent, Lifecycle, Outcome, Peer,
+    RequestError, RequestEvent, RequestId, RunId, Submit, SubmitError, Transmit,
 };
-pub use edge_config::{
-    Admission, CandidateSpec, ConfigDiff, EdgeConfig, EdgeConfigError, EdgeTiming, ModelSpec,
-    NodeSpec, QueueLimits, RetryOn, Routing,
-};
-pub use guard::{ConflictLimits, PendingLimits, ThrottleLimits};
-pub use lease::{Generation, RequestId, ResourceId};
-pub use reconnect::{
-    Backoff, ExitReason, Failure, MaxAttempts, ReconnectConfigError, ReconnectPolicy, Supervisor,
-    SupervisorError, SupervisorEvent, SupervisorState,
-};
-pub use run::RunViolation;
+pub use edge_config::{CandidateSpec, EdgeConfig, EdgeConfigError, ModelSpec, NodeSpec};
+pub use reconnect::{ExitReason, Failure, ReconnectPolicy, Supervisor, SupervisorEvent};
 pub use session::{
-    AdapterDiff, CancelError, EdgeViolation, LoadBoard, NodeSession, NodeTransmit, Returned,
-    RunOutput, SessionConfig, SessionEnd, SessionError, SessionEvent, SessionState, TunnelOutput,
-    WorkRefusal, WorkStep, diff_adapters, sum_loads,
+    NodeSession, NodeTransmit, RunOutput, SessionConfig, SessionEnd, SessionError, SessionEvent,
+    SessionState, TunnelOutput,
 };
 pub use time::Timestamp;
-pub use token::{SecretError, TokenVerifier};
-pub use tunnel::TunnelViolation;
+pub use timer::Wake;
+pub use token::TokenVerifier;

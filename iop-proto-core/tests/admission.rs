@@ -7,7 +7,9 @@ mod common;
 use std::net::IpAddr;
 
 use common::edge::*;
+use iop_proto_core::edge::*;
 use iop_proto_core::edge::{TOO_MANY_FAILURES, throttled_reason};
+use iop_proto_core::edge_config::*;
 use iop_proto_core::wire::*;
 use iop_proto_core::*;
 use proptest::prelude::*;

@@ -5,6 +5,7 @@
 mod common;
 
 use common::edge::*;
+use iop_proto_core::edge::*;
 use iop_proto_core::wire::*;
 use iop_proto_core::*;
 

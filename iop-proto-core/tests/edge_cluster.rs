@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use common::edge::*;
 use iop_proto_core::cluster::ClaimDecision;
+use iop_proto_core::edge::*;
 use iop_proto_core::wire::*;
-use iop_proto_core::*;
 
 fn register_following(h: &mut Harness, conn: ConnId, node_id: &str, instance: u64) {
     h.send(

@@ -4,6 +4,7 @@ mod common;
 
 use common::edge::*;
 use iop_proto_core::edge::run_id_of;
+use iop_proto_core::edge::*;
 use iop_proto_core::wire::*;
 use iop_proto_core::*;
 

@@ -9,6 +9,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
 use common::edge::{Grant, Harness, adapter, candidate, ended, grants, node};
+use iop_proto_core::edge::*;
 use iop_proto_core::testkit::Inspect;
 use iop_proto_core::testkit::internals::Lease;
 use iop_proto_core::wire::*;

@@ -5,8 +5,8 @@
 mod common;
 
 use common::edge::*;
+use iop_proto_core::edge::*;
 use iop_proto_core::wire::*;
-use iop_proto_core::*;
 
 fn register_rehoming(h: &mut Harness, conn: ConnId, node_id: &str) {
     h.send(
@@ -220,6 +220,7 @@ fn a_load_report_that_breaks_the_contract_is_refused() {
 }
 
 mod node_side {
+    use iop_proto_core::session::*;
     use iop_proto_core::wire::*;
     use iop_proto_core::*;
 

@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use bytes::Bytes;
+use iop_proto_core::session::*;
 use iop_proto_core::testkit::InspectSession;
 use iop_proto_core::testkit::adapter;
 use iop_proto_core::testkit::internals::*;

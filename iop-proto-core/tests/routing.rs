@@ -7,6 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::edge::*;
+use iop_proto_core::edge::*;
 use iop_proto_core::wire::*;
 use iop_proto_core::*;
 

@@ -854,10 +854,11 @@ pub fn lease_queue(data: &[u8]) {
     use std::collections::BTreeMap;
     use std::sync::Arc;
 
+    use iop_proto_core::RequestId;
+    use iop_proto_core::edge::{Generation, ResourceId};
     use iop_proto_core::testkit::internals::{Candidate, Ticket, WaitQueue, Waiter};
     use iop_proto_core::testkit::internals::{Lease, Ledger, Release};
     use iop_proto_core::time::Timestamp;
-    use iop_proto_core::{Generation, RequestId, ResourceId};
 
     /// A waiting request as the model sees it.
     struct Waiting {

@@ -478,7 +478,7 @@ pub fn world_config(rev: u32) -> EdgeConfig {
         // Conflict timers scaled like the others: impostors fight over node ids for a
         // few seconds, and a held-off node must be back soon after its rival dies.
         admission: iop_proto_core::edge_config::Admission {
-            conflict: iop_proto_core::ConflictLimits {
+            conflict: iop_proto_core::edge_config::ConflictLimits {
                 supersedes: 3,
                 window: Duration::from_millis(2000),
                 hold_down: Duration::from_millis(3000),
@@ -486,7 +486,7 @@ pub fn world_config(rev: u32) -> EdgeConfig {
             },
             // Throttle timers scaled too: a bad sibling's answers are held back within
             // its restart loop.
-            throttle: iop_proto_core::ThrottleLimits {
+            throttle: iop_proto_core::edge_config::ThrottleLimits {
                 free_failures: 3,
                 interval: Duration::from_millis(100),
                 max_hold: Duration::from_millis(600),

@@ -4,7 +4,7 @@
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use iop_api::openai::{ApiError, ErrorType};
-use iop_proto_core::NodeState;
+use iop_proto_core::edge::NodeState;
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
 

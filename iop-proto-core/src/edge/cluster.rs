@@ -14,10 +14,19 @@
 //! - **Nodes that follow the cluster learn its members**: in their `RegisterResponse`, and
 //!   in a `ClusterMembers` message on every change ([`EdgeCore::handle_cluster_members`]).
 
+use super::CloseReason;
+use super::ConnId;
+use super::DrainReason;
+use super::EdgeCore;
+use super::EdgeEvent;
+use super::cx;
+use crate::time::Timestamp;
+use crate::wire::Body;
+use crate::wire::RegisterRequest;
+
 use std::collections::HashMap;
 
 use super::registry::{Admitted, ClusterStep, NodeIdx, Phase};
-use super::*;
 use crate::cluster::ClaimDecision;
 use crate::wire::ClusterMembers;
 

@@ -3,8 +3,25 @@
 //! `Control` keeps what was asked and answers it; what an answer means for the node (a
 //! failed refresh drains it, an applied one changes its capacity) is in `transitions`.
 
+use super::CommandId;
+use super::ConnId;
+use super::Cx;
+use super::EdgeEvent;
+use super::MAX_REFRESH_TRIES;
+use super::RefreshFailure;
+use super::TimerKey;
+use crate::lease::Generation;
+use crate::wire::Body;
+use crate::wire::NodeCommandResponse;
+use crate::wire::NodeConfigRefreshRequest;
+use crate::wire::NodeConfigRefreshResponse;
+use crate::wire::RefreshStatus;
+use bytes::Bytes;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
 use super::registry::NodeIdx;
-use super::*;
 
 /// Outstanding commands, and each node's config refresh.
 #[derive(Debug)]

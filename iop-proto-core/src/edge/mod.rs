@@ -46,35 +46,14 @@
 //! a waiter, a failed run retried elsewhere) are in one file, `transitions.rs`, as a
 //! readable list.
 
-use std::collections::{BTreeMap, VecDeque};
-use std::net::IpAddr;
-use std::sync::Arc;
+use std::collections::VecDeque;
 use std::time::Duration;
 
-use bytes::Bytes;
-
-use crate::edge_config::{EdgeConfig, EdgeConfigError, category_of};
-use crate::guard::{
-    AuthThrottle, Claim, Contest, FlapGuard, Instance, PendingConnections, Rival, Source,
-    ThrottledBy,
-};
-use crate::idhash::IdMap;
-use crate::lease::{Generation, Lease, Ledger, Release, RequestId, ResourceId};
-use crate::queue::{Candidate, Ticket, WaitQueue, Waiter};
-use crate::run::{RunStep, RunTracker, RunViolation};
+use crate::edge_config::{EdgeConfig, EdgeConfigError};
+use crate::queue::WaitQueue;
 use crate::time::Timestamp;
 use crate::timer::{TimerTable, Wake};
-use crate::token::TokenVerifier;
-use crate::tunnel::{Endpoint, TunnelPart};
-use crate::tunnel::{TunnelReceiver, TunnelStep, TunnelViolation};
-use crate::wire::{
-    AdapterConfig, AdapterLoad, AdapterType, Body, CancelKind, CancelRequest, Envelope,
-    ErrorDetail, Header, Heartbeat, HeartbeatAck, NodeCommandResponse, NodeConfigRefreshRequest,
-    NodeConfigRefreshResponse, NodeReadyRequest, NodeReadyResponse, NodeRehomeRequest,
-    ProviderHealth, ProviderSnapshot, ProviderStatus, ProviderTunnelFrame, ProviderTunnelRequest,
-    RefreshStatus, RegisterRequest, RegisterResponse, RunEvent, RunEventType, RunRequest,
-    TunnelFrameKind, Validate, ValidationError,
-};
+use crate::wire::{Body, Envelope};
 
 mod cluster;
 mod control;
@@ -88,7 +67,7 @@ mod transitions;
 mod types;
 mod violation;
 
-pub use crate::lease::RunId;
+pub use crate::lease::{Generation, RequestId, ResourceId, RunId};
 pub use health::{Ejection, Standing};
 pub use lifecycle::Lifecycle;
 pub use registry::throttled_reason;

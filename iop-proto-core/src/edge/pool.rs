@@ -4,9 +4,26 @@
 //! The `Pool` knows capacity and who waits for it; which request a freed unit serves,
 //! and what is dispatched there, is decided in `transitions`.
 
+use super::DispatchShape;
+use super::EdgeCore;
+use crate::idhash::IdMap;
+use crate::lease::Generation;
+use crate::lease::Lease;
+use crate::lease::Ledger;
+use crate::lease::Release;
+use crate::lease::ResourceId;
+use crate::lease::RunId;
+use crate::queue::Candidate;
+use crate::queue::Ticket;
+use crate::queue::WaitQueue;
+use crate::queue::Waiter;
+use crate::time::Timestamp;
+use crate::timer::Wake;
+use std::sync::Arc;
+use std::time::Duration;
+
 use super::health::{Ejection, Health, Passed, Standing};
 use super::registry::NodeIdx;
-use super::*;
 use crate::edge_config::Routing;
 
 /// Provider capacity: resources and their leases and health, model groups and the wait

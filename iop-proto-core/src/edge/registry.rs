@@ -9,7 +9,51 @@
 //! generation, the ready handshake), each step gating the next; split, the order of the
 //! gates would hide across files. The guards' own accounting is in `guard.rs`.
 
-use super::*;
+use super::AUTH_FAILED;
+use super::CloseReason;
+use super::ConnId;
+use super::ConnViolation;
+use super::Cx;
+use super::DrainReason;
+use super::EdgeCore;
+use super::EdgeEvent;
+use super::FailingNode;
+use super::NodeState;
+use super::NodeStatus;
+use super::Peer;
+use super::RegistrationFailures;
+use super::RejectReason;
+use super::TOO_MANY_FAILURES;
+use super::Throttled;
+use super::TimerKey;
+use super::Transmit;
+use super::UsageError;
+use super::cx;
+use super::millis;
+use crate::edge_config::EdgeConfig;
+use crate::guard::AuthThrottle;
+use crate::guard::Claim;
+use crate::guard::Contest;
+use crate::guard::FlapGuard;
+use crate::guard::Instance;
+use crate::guard::PendingConnections;
+use crate::guard::Rival;
+use crate::guard::Source;
+use crate::idhash::IdMap;
+use crate::lease::Generation;
+use crate::lease::ResourceId;
+use crate::time::Timestamp;
+use crate::token::TokenVerifier;
+use crate::wire::Body;
+use crate::wire::Heartbeat;
+use crate::wire::NodeReadyRequest;
+use crate::wire::NodeReadyResponse;
+use crate::wire::RefreshStatus;
+use crate::wire::RegisterRequest;
+use crate::wire::RegisterResponse;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
 
 /// How soon a node held off because its node id is draining may register again (its
 /// own redial interval, when longer, wins).

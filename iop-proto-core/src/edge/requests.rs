@@ -18,8 +18,47 @@
 //! that decide a run's next step read and change that state at once; split, each half
 //! would need the other's internals.
 
+use super::ConnId;
+use super::Cx;
+use super::DispatchShape;
+use super::EdgeCore;
+use super::EdgeEvent;
+use super::Outcome;
+use super::RequestError;
+use super::RequestEvent;
+use super::StreamViolation;
+use super::Submit;
+use super::TimerKey;
+use crate::idhash::IdMap;
+use crate::lease::Lease;
+use crate::lease::RequestId;
+use crate::lease::ResourceId;
+use crate::lease::RunId;
+use crate::queue::Candidate;
+use crate::queue::Ticket;
+use crate::queue::Waiter;
+use crate::run::RunStep;
+use crate::run::RunTracker;
+use crate::time::Timestamp;
+use crate::tunnel::TunnelReceiver;
+use crate::tunnel::TunnelStep;
+use crate::wire::Body;
+use crate::wire::CancelKind;
+use crate::wire::CancelRequest;
+use crate::wire::ErrorDetail;
+use crate::wire::Header;
+use crate::wire::ProviderTunnelFrame;
+use crate::wire::ProviderTunnelRequest;
+use crate::wire::RunEvent;
+use crate::wire::RunEventType;
+use crate::wire::RunRequest;
+use crate::wire::TunnelFrameKind;
+use bytes::Bytes;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
 use super::pool::ResourceMeta;
-use super::*;
 use crate::edge_config::RetryOn;
 
 /// Events a run may hold before its first byte (a run that only ever says nothing is

@@ -2,10 +2,16 @@
 //! deadlines of runs, kept apart because every dispatch has one. What a timer does when
 //! it fires is in `transitions` (`EdgeCore::fire`).
 
+use super::ConnId;
+use crate::lease::ResourceId;
+use crate::lease::RunId;
+use crate::time::Timestamp;
+use crate::timer::Wake;
+use std::time::Duration;
+
 use std::collections::VecDeque;
 
 use super::registry::NodeIdx;
-use super::*;
 
 /// One timer of the Edge, keyed by what it is about; at most one per key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]

@@ -43,11 +43,67 @@
 //! `self.registry` outside the registry, in one place. What a sub-state decides alone
 //! lives in its own file.
 
+use crate::wire::Validate;
+
+use super::Cancelled;
+use super::CloseReason;
+use super::CommandError;
+use super::CommandId;
+use super::ConnId;
+use super::ConnViolation;
+use super::DispatchShape;
+use super::DrainReason;
+use super::EdgeCore;
+use super::EdgeEvent;
+use super::Lifecycle;
+use super::MAX_REFRESH_TRIES;
+use super::NodeStatus;
+use super::Outcome;
+use super::ProviderRouting;
+use super::RefreshFailure;
+use super::RejectReason;
+use super::RequestError;
+use super::Standing;
+use super::StreamViolation;
+use super::Submit;
+use super::SubmitError;
+use super::TimerKey;
+use super::UsageError;
+use super::Violation;
+use super::control;
+use super::cx;
+use super::requests;
+use crate::edge_config::EdgeConfig;
+use crate::edge_config::EdgeConfigError;
+use crate::edge_config::category_of;
+use crate::lease::Generation;
+use crate::lease::Lease;
+use crate::lease::Release;
+use crate::lease::RequestId;
+use crate::lease::ResourceId;
+use crate::lease::RunId;
+use crate::queue::Candidate;
+use crate::queue::Waiter;
+use crate::wire::AdapterLoad;
+use crate::wire::AdapterType;
+use crate::wire::Body;
+use crate::wire::Envelope;
+use crate::wire::HeartbeatAck;
+use crate::wire::NodeConfigRefreshResponse;
+use crate::wire::NodeReadyRequest;
+use crate::wire::NodeRehomeRequest;
+use crate::wire::ProviderHealth;
+use crate::wire::ProviderSnapshot;
+use crate::wire::ProviderStatus;
+use crate::wire::RegisterRequest;
+use crate::wire::ValidationError;
+use std::sync::Arc;
+use std::time::Duration;
+
 use super::health::Passed;
 use super::pool::Model;
 use super::registry::{NodeIdx, Phase, Readied};
 use super::requests::{Cancel, Cause, Fenced, Requests, Step, StreamItem};
-use super::*;
 
 impl EdgeCore {
     // ----- connections -----

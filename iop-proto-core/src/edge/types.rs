@@ -1,7 +1,31 @@
 //! The Edge machine's public types: connections and peers, what it transmits, the
 //! events it reports, requests, outcomes and errors.
 
-use super::*;
+use super::ConnViolation;
+use super::Ejection;
+use super::Standing;
+use super::StreamViolation;
+use super::Violation;
+use crate::guard::Source;
+use crate::guard::ThrottledBy;
+use crate::lease::Generation;
+use crate::lease::RequestId;
+use crate::lease::RunId;
+use crate::tunnel::Endpoint;
+use crate::tunnel::TunnelPart;
+use crate::wire::AdapterConfig;
+use crate::wire::AdapterType;
+use crate::wire::Envelope;
+use crate::wire::ErrorDetail;
+use crate::wire::Header;
+use crate::wire::NodeCommandResponse;
+use crate::wire::RefreshStatus;
+use crate::wire::RunEvent;
+use bytes::Bytes;
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
 
 /// Opaque identifier of a node connection, chosen by the shell.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]

@@ -3,7 +3,10 @@
 //! [`EdgeEvent::PeerViolation`](super::EdgeEvent::PeerViolation), with a stable label
 //! for metrics.
 
-use super::*;
+use crate::lease::RunId;
+use crate::run::RunViolation;
+use crate::tunnel::TunnelViolation;
+use crate::wire::ValidationError;
 
 /// How a node broke the protocol; [`Violation::label`] names it for metrics.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

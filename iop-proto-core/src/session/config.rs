@@ -1,7 +1,19 @@
 //! Adapter configuration: what changes between two payloads, the capacity gates that
 //! follow it, and config refreshes from the Edge.
 
-use super::*;
+use crate::wire::Validate;
+
+use super::NodeSession;
+use super::SessionEvent;
+use crate::gate::CapacityGate;
+use crate::wire::AdapterConfig;
+use crate::wire::AdapterType;
+use crate::wire::Body;
+use crate::wire::NodeConfigPayload;
+use crate::wire::NodeConfigRefreshRequest;
+use crate::wire::NodeConfigRefreshResponse;
+use crate::wire::RefreshStatus;
+use std::collections::BTreeMap;
 
 /// Per-adapter change between two payloads. Only enabled adapters count as active.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

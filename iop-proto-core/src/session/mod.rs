@@ -29,20 +29,14 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
-
-use crate::gate::{CapacityGate, GateError};
+use crate::gate::CapacityGate;
 use crate::idhash::{IdMap, IdSet};
 use crate::reconnect::Failure;
-use crate::run::{RunEmitter, RunTracker, RunViolation};
 use crate::time::Timestamp;
-use crate::tunnel::{DEFAULT_CHUNK_SIZE, TunnelEmitter};
 use crate::wire::{
-    AdapterConfig, AdapterLoad, AdapterType, Body, CancelRequest, Envelope, ErrorDetail, Header,
-    Heartbeat, HeartbeatAck, NodeCommandRequest, NodeCommandResponse, NodeConfigPayload,
-    NodeConfigRefreshRequest, NodeConfigRefreshResponse, NodeDrainRequest, NodeLoadReport,
-    NodeReadyRequest, ProviderTunnelRequest, RefreshStatus, RegisterRequest, RunEventType,
-    RunRequest, Usage, Validate,
+    AdapterLoad, Body, Envelope, ErrorDetail, Heartbeat, HeartbeatAck, NodeCommandResponse,
+    NodeConfigPayload, NodeConfigRefreshResponse, NodeDrainRequest, NodeLoadReport,
+    NodeReadyRequest, RefreshStatus, RegisterRequest, RunEventType, Validate,
 };
 
 mod board;

@@ -1,7 +1,22 @@
 //! The node session's public types: its configuration, states, events, errors and the
 //! adapter output it accepts.
 
-use super::*;
+use super::AdapterDiff;
+use crate::gate::GateError;
+use crate::reconnect::Failure;
+use crate::run::RunViolation;
+use crate::tunnel::DEFAULT_CHUNK_SIZE;
+use crate::wire::Envelope;
+use crate::wire::ErrorDetail;
+use crate::wire::Header;
+use crate::wire::NodeCommandRequest;
+use crate::wire::NodeConfigPayload;
+use crate::wire::ProviderTunnelRequest;
+use crate::wire::RunRequest;
+use crate::wire::Usage;
+use bytes::Bytes;
+use std::collections::BTreeMap;
+use std::time::Duration;
 
 /// What a node presents to the Edge and how patient it is.
 #[derive(Clone)]

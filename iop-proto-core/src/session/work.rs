@@ -1,7 +1,31 @@
 //! Work in flight: admitting runs and tunnels through the capacity gates, cancels,
 //! commands, and remembering finished runs.
 
-use super::*;
+use crate::wire::Validate;
+
+use super::CancelError;
+use super::EdgeViolation;
+use super::NodeSession;
+use super::NodeTransmit;
+use super::SessionEnd;
+use super::SessionError;
+use super::SessionEvent;
+use super::SessionState;
+use super::WorkRefusal;
+use crate::run::RunEmitter;
+use crate::run::RunTracker;
+use crate::tunnel::TunnelEmitter;
+use crate::wire::Body;
+use crate::wire::CancelRequest;
+use crate::wire::ErrorDetail;
+use crate::wire::NodeCommandRequest;
+use crate::wire::NodeCommandResponse;
+use crate::wire::ProviderTunnelRequest;
+use crate::wire::RunEventType;
+use crate::wire::RunRequest;
+use bytes::Bytes;
+use std::collections::VecDeque;
+use std::sync::Arc;
 
 #[derive(Debug)]
 pub(super) enum WorkKind {

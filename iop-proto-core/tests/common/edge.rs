@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use iop_proto_core::edge_config::*;
 use iop_proto_core::wire::*;
 use iop_proto_core::*;
 
