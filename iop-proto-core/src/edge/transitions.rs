@@ -994,9 +994,10 @@ impl EdgeCore {
         if refusal == Refusal::Unexplained && self.pool.hold_refused(r) {
             let until = self.now + self.config.timing.heartbeat_interval;
             self.timers.set(TimerKey::RefusalHold(r), until);
-        } else {
-            self.pump(r);
         }
+        // A long run's refusal leaves short units free; a hold leaves nothing, and the
+        // pump then serves no one.
+        self.pump(r);
         self.close_if_drained(self.pool.meta(r).node);
     }
 
@@ -1013,9 +1014,9 @@ impl EdgeCore {
         if self.pool.hold_unconfirmed(r) {
             let until = self.now + self.config.timing.heartbeat_interval;
             self.timers.set(TimerKey::RefusalHold(r), until);
-        } else {
-            self.pump(r);
         }
+        // Another unit may be free: the held one is not the resource's only.
+        self.pump(r);
         self.close_if_drained(self.pool.meta(r).node);
     }
 
