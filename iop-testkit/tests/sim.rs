@@ -198,6 +198,14 @@ fn seeds_that_broke_an_invariant_keep_it_now() {
             panic!("a request's dispatches, {what}: {failure}");
         }
     }
+    // A hold takes some of a provider's units, not always all: a long run's refusal, or
+    // one unit whose cancel grace passed. Its release did not serve the waiters the units
+    // left free could take, and a request waited beside free capacity.
+    for seed in [6_939, 8_363, 14_696, 227_041] {
+        if let Err(failure) = sim::run_seed(seed, SimOptions::default()) {
+            panic!("a waiter beside the units a hold left free: {failure}");
+        }
+    }
     // The worlds as the sweep found them, before misconfigured siblings joined them.
     let options = SimOptions {
         original_ops: true,
