@@ -6,16 +6,15 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use iop_proto_core::ConnId;
 use iop_proto_core::cluster::{
     ClaimDecision, ClaimTicket, ClusterConfig, ClusterEvent, ClusterMember, EtcdRequest, Member,
-    Reply, Tag, WatchEvent,
+    Reply, Tag,
 };
 use iop_proto_core::wire::{ClusterEdge, ClusterMembers};
-use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
@@ -23,163 +22,8 @@ use tracing::{error, info, warn};
 use crate::config::{ClusterSettings, Config};
 use crate::driver::{Core, CoreMsg};
 use crate::etcd::Etcd;
+use crate::membership::{Handle, Input, MemberInfo};
 use crate::reload::Reloader;
-
-/// An input for the cluster task.
-#[derive(Debug)]
-pub enum Input {
-    /// etcd answered a request.
-    Reply(Tag, Reply),
-    /// The watch delivered changes (of watch `epoch`).
-    Watch(u64, Vec<WatchEvent>),
-    /// The watch `epoch` broke.
-    WatchLost(u64),
-    /// The core asks whether `instance` of `node_id` may be served (a register on `conn`).
-    Claim {
-        /// The connection waiting.
-        conn: ConnId,
-        /// The node id.
-        node_id: Arc<str>,
-        /// The node process.
-        instance: u64,
-    },
-    /// Nothing here serves `instance` of `node_id` any more.
-    Release {
-        /// The node id.
-        node_id: Arc<str>,
-        /// The node process.
-        instance: u64,
-    },
-}
-
-/// What an Edge publishes under its member key.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct MemberInfo {
-    /// Its id (from the key).
-    #[serde(default, skip_deserializing)]
-    pub edge_id: String,
-    /// Where nodes dial it.
-    pub node_addr: String,
-    /// Where callers reach it.
-    pub http_addr: String,
-    /// Its version.
-    pub version: String,
-}
-
-/// The cluster as this Edge sees it: for `/healthz`, `/v1/status` and the dashboard.
-#[derive(Debug)]
-pub struct ClusterView {
-    /// This Edge's id.
-    pub edge_id: String,
-    member: AtomicBool,
-    /// It may serve: a member with the cluster's shared configuration in (set once).
-    serving: AtomicBool,
-    current: AtomicBool,
-    inner: RwLock<ViewInner>,
-}
-
-#[derive(Debug, Default, Clone)]
-struct ViewInner {
-    members: Vec<MemberInfo>,
-    config_revision: u64,
-    config_refused: Option<(u64, String)>,
-}
-
-/// A copy of the view, for a status answer.
-#[derive(Debug, Clone, Serialize)]
-pub struct ViewSnapshot {
-    /// This Edge's id.
-    pub edge_id: String,
-    /// Whether it is a member now (holds its lease; may serve).
-    pub member: bool,
-    /// The members, sorted by id.
-    pub members: Vec<MemberInfo>,
-    /// Whether `members` is the cluster as it is now (the watch runs); `false` while this
-    /// Edge cannot read etcd, when they are the last it saw.
-    pub members_current: bool,
-    /// The etcd revision of the shared configuration in force (0: the local file's).
-    pub config_revision: u64,
-    /// The last shared configuration refused here: its revision and why.
-    pub config_refused: Option<(u64, String)>,
-}
-
-impl ClusterView {
-    fn new(edge_id: &str) -> Self {
-        ClusterView {
-            edge_id: edge_id.to_owned(),
-            member: AtomicBool::new(false),
-            serving: AtomicBool::new(false),
-            current: AtomicBool::new(false),
-            inner: RwLock::default(),
-        }
-    }
-
-    /// Whether this Edge is a member now (its `/healthz` answers 200 only then).
-    #[must_use]
-    pub fn is_member(&self) -> bool {
-        self.member.load(Ordering::Relaxed)
-    }
-
-    /// Whether this Edge has served as a member with the cluster's shared configuration
-    /// in ([`ClusterMember::is_serving`]); it stays true once it was.
-    #[must_use]
-    pub fn has_served(&self) -> bool {
-        self.serving.load(Ordering::Relaxed)
-    }
-
-    /// Waits until [`Self::has_served`], at most `limit`; whether it did.
-    pub async fn serving_within(&self, limit: std::time::Duration) -> bool {
-        let by = tokio::time::Instant::now() + limit;
-        while !self.has_served() {
-            if tokio::time::Instant::now() >= by {
-                return false;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
-        true
-    }
-
-    /// A copy for a status answer.
-    #[must_use]
-    pub fn snapshot(&self) -> ViewSnapshot {
-        let inner = self.inner.read().map(|i| i.clone()).unwrap_or_default();
-        ViewSnapshot {
-            edge_id: self.edge_id.clone(),
-            member: self.is_member(),
-            members: inner.members,
-            members_current: self.current.load(Ordering::Relaxed),
-            config_revision: inner.config_revision,
-            config_refused: inner.config_refused,
-        }
-    }
-
-    fn update(&self, f: impl FnOnce(&mut ViewInner)) {
-        if let Ok(mut inner) = self.inner.write() {
-            f(&mut inner);
-        }
-    }
-}
-
-/// The cluster task's handles: its input and what it shows.
-#[derive(Debug, Clone)]
-pub struct Handle {
-    /// Where the core's claims and releases go.
-    pub tx: mpsc::UnboundedSender<Input>,
-    /// What it shows.
-    pub view: Arc<ClusterView>,
-}
-
-/// Makes the cluster task's handles before the task runs (the core needs the sender).
-pub fn handle(settings: &ClusterSettings) -> (Handle, mpsc::UnboundedReceiver<Input>) {
-    let (tx, rx) = mpsc::unbounded_channel();
-    (
-        Handle {
-            tx,
-            view: Arc::new(ClusterView::new(&settings.edge_id)),
-        },
-        rx,
-    )
-}
 
 /// What the task needs besides its settings.
 pub(crate) struct Parts {

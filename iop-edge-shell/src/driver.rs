@@ -11,9 +11,9 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use bytes::{Bytes, BytesMut};
-use iop_proto_core::edge::{DrainReason, NodeStatus};
+use iop_proto_core::edge::DrainReason;
 use iop_proto_core::edge_config::ConfigDiff;
-use iop_proto_core::wire::{self, Envelope, ProviderSnapshot};
+use iop_proto_core::wire::{self, Envelope};
 use iop_proto_core::{
     Cancelled, CloseReason, ConnId, EdgeConfig, EdgeCore, EdgeEvent, Outcome, RequestEvent,
     RequestId, SubmitError, Transmit,
@@ -22,11 +22,12 @@ use tokio::sync::{Notify, oneshot};
 use tokio::time::Instant;
 use tracing::{debug, error, info, warn};
 
+use crate::conn::{ConnHandle, MAX_QUEUED_PER_CONNECTION, STALLED_AFTER};
 use crate::events::EventHub;
 use crate::memory::RequestMemory;
 use crate::metrics::Metrics;
-use crate::nodes::{ConnHandle, MAX_QUEUED_PER_CONNECTION, STALLED_AFTER};
 use crate::outbox::Outbox;
+pub use crate::status::Snapshot;
 pub use iop_api::openai::Endpoint;
 use iop_shell_common::clock::Clock;
 use iop_shell_common::misuse;
@@ -58,25 +59,6 @@ pub fn event_size(event: &RequestEvent) -> usize {
         RequestEvent::Tunnel(part) => part.body_len() + 64,
         _ => 0,
     }
-}
-
-/// Status for `/v1/status` and `/metrics`.
-#[derive(Clone, Debug, Default)]
-pub struct Snapshot {
-    /// Configured nodes.
-    pub nodes: Vec<NodeStatus>,
-    /// Configured providers.
-    pub providers: Vec<ProviderSnapshot>,
-    /// Waiting requests per model.
-    pub queue_by_model: Vec<(String, usize)>,
-    /// Requests accepted and not finished.
-    pub open_requests: usize,
-    /// Node ids and addresses whose registrations failed recently.
-    pub registration_failures: iop_proto_core::edge::RegistrationFailures,
-    /// Providers as routing sees them (ejections, recent failures, latency).
-    pub routing: Vec<iop_proto_core::edge::ProviderRouting>,
-    /// In cluster mode: membership and members (filled in by the HTTP layer).
-    pub cluster: Option<crate::cluster::ViewSnapshot>,
 }
 
 /// An input for the core.
@@ -206,7 +188,7 @@ struct Task {
     /// Request tasks given events by this drain, to wake once the lock is released.
     wakes: Vec<std::task::Waker>,
     /// In a cluster: where claims and releases go.
-    cluster: Option<tokio::sync::mpsc::UnboundedSender<crate::cluster::Input>>,
+    cluster: Option<tokio::sync::mpsc::UnboundedSender<crate::membership::Input>>,
 }
 
 /// The core, shared: cheap to clone, every clone feeds the same machine.
@@ -276,7 +258,7 @@ impl Core {
     /// go to `tx`. Call before the node listener accepts.
     pub fn enable_cluster(
         &self,
-        tx: tokio::sync::mpsc::UnboundedSender<crate::cluster::Input>,
+        tx: tokio::sync::mpsc::UnboundedSender<crate::membership::Input>,
     ) -> Result<(), Stopped> {
         self.with(|task| {
             task.core.enable_cluster();
@@ -647,7 +629,7 @@ impl Task {
                 node_id,
                 instance,
             } => {
-                let input = crate::cluster::Input::Claim {
+                let input = crate::membership::Input::Claim {
                     conn,
                     node_id,
                     instance,
@@ -668,7 +650,7 @@ impl Task {
             }
             EdgeEvent::ReleaseNode { node_id, instance } => {
                 if let Some(tx) = &self.cluster {
-                    let _ = tx.send(crate::cluster::Input::Release { node_id, instance });
+                    let _ = tx.send(crate::membership::Input::Release { node_id, instance });
                 }
             }
             EdgeEvent::NodeRegistered {

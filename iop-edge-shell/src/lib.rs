@@ -18,6 +18,7 @@
 pub mod certgen;
 pub mod cluster;
 pub mod config;
+pub mod conn;
 pub mod drain;
 pub mod driver;
 pub mod etcd;
@@ -25,11 +26,13 @@ pub mod events;
 pub mod http;
 pub mod inbox;
 pub mod limit;
+pub mod membership;
 pub mod memory;
 pub mod metrics;
 pub mod nodes;
 pub mod outbox;
 mod reload;
+pub mod status;
 pub mod tenants;
 pub mod tls_link;
 pub mod traces;
@@ -127,7 +130,7 @@ pub async fn run(
     let node_tls: nodes::TlsSlot = Arc::new(RwLock::new(config.tls.nodes.clone()));
     let http_tls: nodes::TlsSlot = Arc::new(RwLock::new(config.tls.http.clone()));
     let core = driver::Core::new(core, clock, metrics.clone(), events.clone());
-    let cluster = config.cluster.as_ref().map(cluster::handle);
+    let cluster = config.cluster.as_ref().map(membership::handle);
     if let Some((handle, _)) = &cluster {
         core.enable_cluster(handle.tx.clone())
             .map_err(|_| std::io::Error::other("the core stopped"))?;

@@ -5,8 +5,8 @@
 //! everyone else keeps being served.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use bytes::BytesMut;
@@ -19,14 +19,12 @@ use tokio::net::tcp::OwnedReadHalf;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use crate::conn::ConnHandle;
+pub use crate::conn::TlsSlot;
 use crate::driver::{Core, CoreMsg};
 use crate::metrics::Metrics;
 use crate::outbox::Outbox;
 use crate::tls_link::TlsLink;
-
-/// A listener's TLS, replaceable at run time (SIGHUP reloads the certificate). `None`
-/// means plaintext, which the node listener only allows when asked explicitly.
-pub type TlsSlot = Arc<RwLock<Option<Arc<rustls::ServerConfig>>>>;
 
 /// What every node connection task shares.
 #[derive(Clone, Debug)]
@@ -118,33 +116,6 @@ fn next_read_size(want: usize, read: usize) -> usize {
         want
     }
 }
-
-/// What the core keeps of a node connection.
-#[derive(Debug)]
-pub struct ConnHandle {
-    /// Where its frames are queued and written.
-    pub outbox: Arc<Outbox>,
-    /// The largest frame its reader accepts (raised by the core after register).
-    pub frame_limit: Arc<AtomicUsize>,
-    /// Stops its reader and handshake.
-    pub closer: CancellationToken,
-}
-
-impl Drop for ConnHandle {
-    /// The core is done with the connection: what is queued is still written, then the
-    /// socket is shut down.
-    fn drop(&mut self) {
-        self.outbox.close();
-    }
-}
-
-/// Bytes queued for one node above which a writer that makes no progress for
-/// [`STALLED_AFTER`] is dropped: the node stopped reading. (A burst of large run inputs
-/// to a node that reads is fine; request bodies are bounded by the memory budget.)
-pub const MAX_QUEUED_PER_CONNECTION: usize = 64 << 20;
-
-/// See [`MAX_QUEUED_PER_CONNECTION`].
-pub const STALLED_AFTER: Duration = Duration::from_secs(10);
 
 /// How often a connection receiving a large frame tells the core it is alive.
 const PROGRESS_EVERY: Duration = Duration::from_secs(1);

@@ -14,8 +14,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use crate::config::{self, Config};
+use crate::conn::TlsSlot;
 use crate::driver::CoreMsg;
-use crate::{http, nodes};
+use crate::http;
 
 /// What a reload cannot change: read at start and in force until a restart (the
 /// listeners' addresses and kinds, and the runtime's threads).
@@ -114,7 +115,7 @@ async fn load_for_reload(
 pub(crate) struct Reloader {
     pub(crate) start_only: StartOnly,
     pub(crate) state: Arc<http::State>,
-    pub(crate) tls: [nodes::TlsSlot; 2],
+    pub(crate) tls: [TlsSlot; 2],
     pub(crate) pending_frame_len: Arc<std::sync::atomic::AtomicUsize>,
     /// In a cluster, the shared configuration's text in force (from etcd), which a
     /// SIGHUP keeps over the local file's shared sections.

@@ -407,7 +407,7 @@ fn link_config(
                 None => Vec::new(),
             };
             EdgeTrust::Roots(Arc::new(
-                crate::link::roots(&extra).map_err(|err| invalid("edge_tls.ca_file", err))?,
+                roots(&extra).map_err(|err| invalid("edge_tls.ca_file", err))?,
             ))
         }
     };
@@ -444,6 +444,20 @@ fn link_config(
         server_name,
         client_cert,
     })
+}
+
+/// The Mozilla roots, plus the certificates of `extra` if given.
+pub fn roots(extra: &[CertificateDer<'static>]) -> Result<RootCertStore, String> {
+    let mut roots = RootCertStore::empty();
+    if extra.is_empty() {
+        roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+    }
+    for cert in extra {
+        roots
+            .add(cert.clone())
+            .map_err(|err| format!("edge_tls.ca_file: {err}"))?;
+    }
+    Ok(roots)
 }
 
 #[cfg(test)]

@@ -23,7 +23,6 @@ use tracing::{debug, error, info, warn};
 
 use crate::adapters::{AdapterHost, HttpClient, Output, Sink};
 use crate::stats::TransportStats;
-use crate::supervisor::Stop;
 use iop_shell_common::clock::Clock;
 use iop_shell_common::misuse;
 
@@ -225,6 +224,26 @@ impl Elsewhere {
 
     fn held_for(&self, key: u64) -> Vec<AdapterLoad> {
         self.board().held_for(key)
+    }
+}
+
+/// How the process was asked to stop: one token per way, each cancelled once.
+#[derive(Clone, Debug, Default)]
+pub struct Stop {
+    /// Graceful (`SIGQUIT`): the Edge is asked to send nothing more and the work in flight
+    /// runs to its end, up to `timeouts.drain_grace_sec`.
+    pub drain: CancellationToken,
+    /// Quick (`SIGTERM`, `SIGINT`): the work in flight is cancelled.
+    pub now: CancellationToken,
+}
+
+impl Stop {
+    /// Waits until either stop is asked for.
+    pub async fn wait(&self) {
+        tokio::select! {
+            () = self.drain.cancelled() => {}
+            () = self.now.cancelled() => {}
+        }
     }
 }
 

@@ -11,7 +11,7 @@ use iop_proto_core::Failure;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::crypto::WebPkiSupportedAlgorithms;
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
-use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme};
+use rustls::{ClientConfig, DigitallySignedStruct, SignatureScheme};
 use subtle::ConstantTimeEq;
 use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
@@ -203,18 +203,4 @@ impl ServerCertVerifier for Pinned {
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
         self.algorithms.supported_schemes()
     }
-}
-
-/// The Mozilla roots, plus the certificates of `extra` if given.
-pub fn roots(extra: &[CertificateDer<'static>]) -> Result<RootCertStore, String> {
-    let mut roots = RootCertStore::empty();
-    if extra.is_empty() {
-        roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
-    }
-    for cert in extra {
-        roots
-            .add(cert.clone())
-            .map_err(|err| format!("edge_tls.ca_file: {err}"))?;
-    }
-    Ok(roots)
 }

@@ -12,6 +12,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use crate::config::NodeConfig;
+pub use crate::driver::Stop;
 use crate::driver::{self, Context};
 use crate::link::{Connection, EdgeLink};
 use crate::stats::TransportStats;
@@ -50,26 +51,6 @@ fn instance_id() -> u64 {
         }
         u64::from_le_bytes(bytes).max(1)
     })
-}
-
-/// How the process was asked to stop: one token per way, each cancelled once.
-#[derive(Clone, Debug, Default)]
-pub struct Stop {
-    /// Graceful (`SIGQUIT`): the Edge is asked to send nothing more and the work in flight
-    /// runs to its end, up to `timeouts.drain_grace_sec`.
-    pub drain: CancellationToken,
-    /// Quick (`SIGTERM`, `SIGINT`): the work in flight is cancelled.
-    pub now: CancellationToken,
-}
-
-impl Stop {
-    /// Waits until either stop is asked for.
-    pub async fn wait(&self) {
-        tokio::select! {
-            () = self.drain.cancelled() => {}
-            () = self.now.cancelled() => {}
-        }
-    }
 }
 
 /// Runs until the supervisor of the configured Edge exits; returns why (its

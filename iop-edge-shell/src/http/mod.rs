@@ -120,7 +120,7 @@ pub struct State {
     /// drains on its way out).
     pub drain: Arc<crate::drain::Drain>,
     /// In a cluster: membership and members (`/healthz` answers 503 while not a member).
-    pub cluster: Option<Arc<crate::cluster::ClusterView>>,
+    pub cluster: Option<Arc<crate::membership::ClusterView>>,
 }
 
 impl State {
