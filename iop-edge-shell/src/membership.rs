@@ -108,7 +108,7 @@ impl ClusterView {
     }
 
     /// Whether this Edge has served as a member with the cluster's shared configuration
-    /// in ([`ClusterMember::is_serving`]); it stays true once it was.
+    /// in ([`ClusterMember::is_serving`](iop_proto_core::cluster::ClusterMember::is_serving)); it stays true once it was.
     #[must_use]
     pub fn has_served(&self) -> bool {
         self.serving.load(Ordering::Relaxed)

@@ -43,6 +43,12 @@
 //! `self.registry` outside the registry, in one place. What a sub-state decides alone
 //! lives in its own file.
 
+use super::registry::Admitted;
+use super::registry::ClusterStep;
+use crate::cluster::ClaimDecision;
+use crate::time::Timestamp;
+use crate::wire::ClusterMembers;
+
 use crate::wire::Validate;
 
 use super::Cancelled;
@@ -1435,6 +1441,197 @@ impl EdgeCore {
             }
             TimerKey::Probe(resource) => self.pump(resource),
             TimerKey::RefusalHold(resource) => self.end_refused_hold(resource),
+        }
+    }
+
+    // ----- the cluster (docs/cluster.md; its state is `cluster.rs`'s) -----
+
+    /// Makes this Edge a cluster member's: from now on every authenticated register waits
+    /// for [`handle_claim`](Self::handle_claim). Call before the first connection.
+    pub fn enable_cluster(&mut self) {
+        self.cluster.enabled = true;
+    }
+
+    /// The cluster member may serve ([`ClusterMember::is_serving`](crate::cluster::ClusterMember::is_serving)):
+    /// the shared configuration is applied here, and registers are judged from now on.
+    /// Before it, a register in cluster mode is refused with a retry (`cluster_unavailable`),
+    /// never as unknown: a node whose id only the shared configuration names would hear
+    /// "authentication failed" from an Edge that is merely starting.
+    pub fn handle_cluster_serving(&mut self, now: Timestamp) {
+        self.advance(now);
+        if !self.cluster.serving {
+            self.cluster.serving = true;
+            self.cluster.serving_since = now;
+        }
+    }
+
+    /// Whether a member of a cluster should take callers (its `/healthz`): some model
+    /// group has a live provider here, or none is configured, or it began to serve less than
+    /// two heartbeat intervals or one register timeout ago, whichever is longer (the
+    /// nodes that follow the cluster dial a new member as soon as they hear of it, and a
+    /// hand-over re-homes its nodes within moments). A member whose nodes all went elsewhere, or that
+    /// lost them in a hand-over, would otherwise hold its callers until their queue wait
+    /// ran out while the other members could answer them: answering 503 sends the
+    /// balancer's callers to those (when no member has a node, every member answers 503:
+    /// the fabric cannot serve). Outside cluster mode, always true.
+    #[must_use]
+    pub fn takes_callers(&self, now: Timestamp) -> bool {
+        if !self.cluster.enabled {
+            return true;
+        }
+        let timing = &self.config.timing;
+        let grace = (timing.heartbeat_interval * 2).max(timing.register_timeout);
+        if !self.cluster.serving
+            || now.saturating_duration_since(self.cluster.serving_since) < grace
+        {
+            return true;
+        }
+        let mut models = self.pool.models().peekable();
+        models.peek().is_none()
+            || models.any(|model| {
+                model.candidates.iter().any(|c| {
+                    let usage = self.pool.usage(c.resource);
+                    usage.generation.is_some() && usage.capacity > 0
+                })
+            })
+    }
+
+    /// Whether [`enable_cluster`](Self::enable_cluster) was called.
+    #[must_use]
+    pub fn is_cluster(&self) -> bool {
+        self.cluster.enabled
+    }
+
+    /// The cluster's answer to the [`EdgeEvent::ClaimNode`] of `conn`. A connection that
+    /// closed meanwhile, or an answer nobody waits for, changes nothing (the instance is
+    /// released if nothing here serves it).
+    pub fn handle_claim(&mut self, now: Timestamp, conn: ConnId, decision: ClaimDecision) {
+        self.advance(now);
+        let Some((node, req)) = self.cluster.awaiting.remove(&conn) else {
+            return;
+        };
+        self.cluster.ended.push((node, req.instance_id));
+        let Ok(phase) = self.registry.phase(conn) else {
+            return;
+        };
+        match decision {
+            ClaimDecision::Admitted { .. } => {
+                self.take_node(conn, phase, &req, ClusterStep::Claimed);
+            }
+            ClaimDecision::HeldBy { instance } => {
+                let mut cx = cx!(self);
+                self.registry
+                    .refuse_claim(&mut cx, conn, node, Some(instance));
+            }
+            ClaimDecision::Unavailable => {
+                let mut cx = cx!(self);
+                self.registry.refuse_claim(&mut cx, conn, node, None);
+            }
+        }
+    }
+
+    /// The cluster member can no longer vouch for `instance` of `node_id` (its node lease
+    /// or the Edge's membership ran out): the node drains, taking no new work, and closes
+    /// once its work has ended. Another instance does not lose its connection.
+    pub fn handle_cluster_fence(&mut self, now: Timestamp, node_id: &str, instance: u64) {
+        self.advance(now);
+        let Some(node) = self.registry.idx(node_id) else {
+            return;
+        };
+        if self
+            .registry
+            .node(node)
+            .owner
+            .is_some_and(|o| o.instance() == instance)
+        {
+            self.drain_node(
+                node,
+                DrainReason::Cluster("this edge can no longer vouch for the node id in etcd"),
+            );
+        }
+    }
+
+    /// The cluster's members changed: every node that follows the cluster is told. A
+    /// member that could not go on the wire (an empty or oversized id or address) is left
+    /// out, and at most [`MAX_CLUSTER_MEMBERS`](crate::wire::MAX_CLUSTER_MEMBERS) are told.
+    pub fn handle_cluster_members(&mut self, now: Timestamp, mut members: ClusterMembers) {
+        self.advance(now);
+        let fits = |text: &str| !text.is_empty() && text.len() <= crate::wire::MAX_NODE_ID_BYTES;
+        members
+            .members
+            .retain(|m| fits(&m.edge_id) && fits(&m.node_addr));
+        members.members.truncate(crate::wire::MAX_CLUSTER_MEMBERS);
+        if self.cluster.members.as_ref() == Some(&members) {
+            return;
+        }
+        for i in self.registry.indices() {
+            if let Some(owner) = self.registry.node(i).owner.filter(|o| o.cluster) {
+                self.out
+                    .send(owner.conn, Body::ClusterMembers(members.clone()));
+            }
+        }
+        self.cluster.members = Some(members);
+    }
+
+    /// Emits [`EdgeEvent::ReleaseNode`] for every instance that lost its last connection
+    /// here and waits for no claim.
+    pub(super) fn settle_cluster(&mut self) {
+        if self.cluster.ended.is_empty() {
+            return;
+        }
+        let mut ended = std::mem::take(&mut self.cluster.ended);
+        ended.sort_unstable();
+        ended.dedup();
+        for (node, instance) in ended {
+            let entry = self.registry.node(node);
+            let served = entry.owner.is_some_and(|o| o.instance() == instance);
+            let waiting = self
+                .cluster
+                .awaiting
+                .values()
+                .any(|(n, r)| *n == node && r.instance_id == instance);
+            if !served && !waiting {
+                self.out.event(EdgeEvent::ReleaseNode {
+                    node_id: entry.id.clone(),
+                    instance,
+                });
+            }
+        }
+    }
+
+    /// A register that may take its node (its claim admitted, or no cluster): through the
+    /// registry's rules, then taken.
+    pub(super) fn take_node(
+        &mut self,
+        conn: ConnId,
+        phase: Phase,
+        req: &RegisterRequest,
+        step: ClusterStep,
+    ) {
+        let mut cx = cx!(self);
+        match self
+            .registry
+            .admit(&mut cx, conn, phase, req, &self.config, step)
+        {
+            Admitted::Refused => {}
+            Admitted::Violation(violation) => self.violation(conn, violation),
+            Admitted::Claim { node } => {
+                self.cluster.wait(conn, node, req);
+                self.out.event(EdgeEvent::ClaimNode {
+                    conn,
+                    node_id: self.registry.node(node).id.clone(),
+                    instance: req.instance_id,
+                });
+            }
+            Admitted::Take { node, superseding } => {
+                if let Some(old) = superseding {
+                    self.fence(node, old.generation, CloseReason::Superseded);
+                }
+                let mut cx = cx!(self);
+                let members = self.cluster.members.as_ref();
+                self.registry
+                    .take(&mut cx, conn, node, req, &self.config, members);
+            }
         }
     }
 

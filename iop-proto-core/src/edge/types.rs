@@ -52,7 +52,7 @@ pub struct Peer {
 pub const AUTH_FAILED: &str = "authentication failed";
 
 /// How the reason of a failed registration starts when its answer was held back because
-/// the claimed node id or the source failed too often (see [`throttled_reason`]): the
+/// the claimed node id or the source failed too often (see [`throttled_reason`](super::throttled_reason)): the
 /// same for unknown ids and wrong tokens, and never sent to a node whose token is right.
 pub const TOO_MANY_FAILURES: &str = "too many failed attempts";
 
@@ -67,7 +67,7 @@ pub enum RejectReason {
     /// Mutual TLS is required and the client certificate does not name the node id.
     IdentityMismatch,
     /// The credentials were wrong while the claimed node id or the source had failed
-    /// too often: the refusal was held back, then sent with [`throttled_reason`].
+    /// too often: the refusal was held back, then sent with [`throttled_reason`](super::throttled_reason).
     Throttled,
     /// Authenticated, but the node id is in conflict and held by another connection.
     Conflict,
@@ -654,7 +654,7 @@ pub enum CommandError {
     },
 }
 
-/// A caller's request, handed to the machine whole: from [`EdgeCore::handle_submit`] to
+/// A caller's request, handed to the machine whole: from [`EdgeCore::handle_submit`](super::EdgeCore::handle_submit) to
 /// its end the machine owns it, builds the message each dispatch sends (a normalized run
 /// or a raw tunnel, as the chosen provider is served) and answers with
 /// [`RequestEvent`]s.
@@ -769,7 +769,7 @@ pub struct NodeStatus {
     /// Status of the last config refresh answered.
     pub last_refresh: Option<RefreshStatus>,
     /// Two live connections keep taking this node id from each other: the current owner
-    /// keeps it and newcomers are held off (see [`Admission::conflict`](crate::Admission::conflict)).
+    /// keeps it and newcomers are held off (see [`Admission::conflict`](crate::edge_config::Admission::conflict)).
     pub conflict: bool,
     /// TLS version of the owning connection; `None` when plaintext or offline.
     pub tls: Option<&'static str>,
@@ -785,7 +785,7 @@ pub struct NodeStatus {
     /// Labels the node reported in its last accepted register (sorted by key).
     pub labels: BTreeMap<String, String>,
     /// Round-trip time of the Edge's last heartbeat the owning connection answered, at
-    /// the resolution of [`Timestamp`] (milliseconds).
+    /// the resolution of [`Timestamp`](crate::time::Timestamp) (milliseconds).
     pub rtt: Option<Duration>,
     /// Time since the owning connection last sent anything; `None` when offline.
     pub last_seen: Option<Duration>,

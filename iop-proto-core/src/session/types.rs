@@ -268,7 +268,7 @@ pub enum Returned {
 #[derive(Clone, Debug, PartialEq)]
 pub enum SessionEvent {
     /// Apply this config and start its adapters, then call
-    /// [`NodeSession::handle_config_applied`].
+    /// [`NodeSession::handle_config_applied`](super::NodeSession::handle_config_applied).
     ApplyConfig {
         /// The config from `RegisterResponse`.
         payload: NodeConfigPayload,
@@ -277,12 +277,12 @@ pub enum SessionEvent {
     Ready,
     /// Execute a normalized run (its capacity unit is taken).
     StartRun {
-        /// The run to execute on `request.adapter`; report its output with [`NodeSession::handle_run_output`].
+        /// The run to execute on `request.adapter`; report its output with [`NodeSession::handle_run_output`](super::NodeSession::handle_run_output).
         request: RunRequest,
     },
     /// Open a provider tunnel (its capacity unit is taken).
     StartTunnel {
-        /// The tunnel to open on `request.adapter`; report its output with [`NodeSession::handle_tunnel_output`].
+        /// The tunnel to open on `request.adapter`; report its output with [`NodeSession::handle_tunnel_output`](super::NodeSession::handle_tunnel_output).
         request: ProviderTunnelRequest,
     },
     /// Abort this run's upstream request; it still ends with a terminal output.
@@ -297,12 +297,12 @@ pub enum SessionEvent {
         /// Why the cancel was ignored.
         error: CancelError,
     },
-    /// Answer this command with [`NodeSession::handle_command_response`].
+    /// Answer this command with [`NodeSession::handle_command_response`](super::NodeSession::handle_command_response).
     Command {
         /// The validated request.
         request: NodeCommandRequest,
     },
-    /// Apply this refresh, then call [`NodeSession::handle_refresh_applied`].
+    /// Apply this refresh, then call [`NodeSession::handle_refresh_applied`](super::NodeSession::handle_refresh_applied).
     RefreshConfig {
         /// Edge request id.
         request_id: String,
@@ -314,8 +314,8 @@ pub enum SessionEvent {
     /// The Edge process is handing over to a successor (`NodeRehomeRequest`): dial again
     /// at once (the same address reaches the successor) and keep this session running
     /// until the Edge closes it after its last piece of work; report what it holds
-    /// ([`NodeSession::load`]) to the new session with
-    /// [`NodeSession::handle_held_elsewhere`]. Nothing new arrives on this session.
+    /// ([`NodeSession::load`](super::NodeSession::load)) to the new session with
+    /// [`NodeSession::handle_held_elsewhere`](super::NodeSession::handle_held_elsewhere). Nothing new arrives on this session.
     Rehome {
         /// The Edge's reason, for the log.
         reason: String,
