@@ -892,10 +892,4 @@ impl Task {
 }
 
 #[cfg(test)]
-mod tests {
-    #[test]
-    fn a_request_event_is_small() {
-        // Its channel allocates 32 slots at once, for every open request.
-        assert!(std::mem::size_of::<super::RequestEvent>() <= 64);
-    }
-}
+mod tests;
