@@ -37,24 +37,12 @@ use crate::lease::RunId;
 use crate::queue::Candidate;
 use crate::queue::Ticket;
 use crate::queue::Waiter;
-use crate::run::RunStep;
-use crate::run::RunTracker;
 use crate::time::Timestamp;
-use crate::tunnel::TunnelReceiver;
-use crate::tunnel::TunnelStep;
 use crate::wire::Body;
 use crate::wire::CancelKind;
 use crate::wire::CancelRequest;
-use crate::wire::ErrorDetail;
-use crate::wire::Header;
-use crate::wire::ProviderTunnelFrame;
-use crate::wire::ProviderTunnelRequest;
-use crate::wire::RunEvent;
-use crate::wire::RunEventType;
-use crate::wire::RunRequest;
 use crate::wire::TunnelFrameKind;
 use bytes::Bytes;
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -70,91 +58,6 @@ const MAX_HELD: usize = 32;
 /// then the run may be retried like any failure before the first byte. A longer answer
 /// is committed at this size (and passed on as it comes, as a streamed one is).
 const MAX_HELD_WHOLE: usize = 4 << 20;
-
-/// A list that keeps its first two items in place: nearly every request has one run, and
-/// a run holds one or two events before its first byte (a run's `START`, a tunnel's
-/// head), so neither allocates.
-#[derive(Debug)]
-pub(super) struct Few<T> {
-    head: [Option<T>; 2],
-    rest: Vec<T>,
-}
-
-impl<T> Default for Few<T> {
-    fn default() -> Self {
-        Few {
-            head: [None, None],
-            rest: Vec::new(),
-        }
-    }
-}
-
-impl<T> Few<T> {
-    fn push(&mut self, item: T) {
-        match &mut self.head {
-            [slot @ None, _] | [Some(_), slot @ None] if self.rest.is_empty() => {
-                *slot = Some(item);
-            }
-            _ => self.rest.push(item),
-        }
-    }
-
-    fn len(&self) -> usize {
-        self.head.iter().flatten().count() + self.rest.len()
-    }
-
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    fn clear(&mut self) {
-        self.head = [None, None];
-        self.rest.clear();
-    }
-
-    fn iter(&self) -> impl Iterator<Item = &T> {
-        self.head.iter().flatten().chain(&self.rest)
-    }
-
-    /// Every item, in order, taken out.
-    fn drain(&mut self) -> impl Iterator<Item = T> + use<T> {
-        std::mem::take(self).into_iter()
-    }
-
-    /// Keeps the items `keep` says, in order.
-    fn retain(&mut self, mut keep: impl FnMut(&T) -> bool) {
-        if self.rest.is_empty() {
-            for slot in &mut self.head {
-                if slot.as_ref().is_some_and(|item| !keep(item)) {
-                    *slot = None;
-                }
-            }
-            if self.head[0].is_none() {
-                self.head.swap(0, 1);
-            }
-            return;
-        }
-        let kept: Vec<T> = std::mem::take(self)
-            .into_iter()
-            .filter(|item| keep(item))
-            .collect();
-        for item in kept {
-            self.push(item);
-        }
-    }
-}
-
-impl<T> IntoIterator for Few<T> {
-    type Item = T;
-    type IntoIter = std::iter::Chain<
-        std::iter::Flatten<std::array::IntoIter<Option<T>, 2>>,
-        std::vec::IntoIter<T>,
-    >;
-
-    fn into_iter(self) -> Self::IntoIter {
-        self.head.into_iter().flatten().chain(self.rest)
-    }
-}
 
 /// Requests by id, and the runs holding leases.
 #[derive(Debug)]
@@ -241,232 +144,6 @@ pub(super) struct Run {
     held_bytes: usize,
     /// It went past its first-byte deadline (another provider may be tried beside it).
     slow: bool,
-}
-
-#[derive(Debug)]
-enum Stream {
-    Run(RunTracker),
-    Tunnel(TunnelReceiver),
-    /// The stream broke the contract; nothing more it sends is trusted.
-    Broken,
-}
-
-/// One item of a run's stream.
-#[derive(Debug)]
-pub(super) enum StreamItem {
-    Run(RunEvent),
-    Frame(ProviderTunnelFrame),
-}
-
-impl StreamItem {
-    pub(super) fn run_id(&self) -> &str {
-        match self {
-            StreamItem::Run(event) => &event.run_id,
-            StreamItem::Frame(frame) => &frame.run_id,
-        }
-    }
-
-    /// Whether it ends its stream, whatever else is wrong with it.
-    fn is_terminal(&self) -> bool {
-        match self {
-            StreamItem::Run(event) => matches!(
-                RunEventType::try_from(event.r#type),
-                Ok(RunEventType::Complete | RunEventType::Error | RunEventType::Cancelled)
-            ),
-            StreamItem::Frame(frame) => matches!(
-                TunnelFrameKind::try_from(frame.kind),
-                Ok(TunnelFrameKind::End | TunnelFrameKind::Error)
-            ),
-        }
-    }
-
-    /// Whether it is a first byte for the caller: a run's content (text or tool calls).
-    fn has_content(&self) -> bool {
-        match self {
-            StreamItem::Run(event) => {
-                !event.delta.is_empty() || event.metadata.contains_key("openai_tool_calls")
-            }
-            StreamItem::Frame(_) => false,
-        }
-    }
-
-    /// About how much memory it takes once held.
-    fn size(&self) -> usize {
-        match self {
-            StreamItem::Run(event) => {
-                64 + event.delta.len()
-                    + event
-                        .metadata
-                        .iter()
-                        .map(|(k, v)| k.len() + v.len())
-                        .sum::<usize>()
-            }
-            StreamItem::Frame(frame) => 64 + frame.body.len(),
-        }
-    }
-
-    fn into_event(self) -> RequestEvent {
-        match self {
-            StreamItem::Run(event) => RequestEvent::Run(Box::new(event)),
-            StreamItem::Frame(frame) => RequestEvent::Tunnel(frame.into()),
-        }
-    }
-}
-
-/// How a run failed before its first byte.
-#[derive(Clone, Debug, PartialEq)]
-pub(super) enum Cause {
-    /// The node reported a retryable error (the provider unreachable, a timeout).
-    Error(ErrorDetail),
-    /// The provider answered this status.
-    Status(u32),
-    /// The run broke its stream's contract.
-    Violation(StreamViolation),
-    /// The node refused to start it (its capacity gate was full: another Edge of a
-    /// cluster took the slot first; or it is stopping): the provider was never asked, so
-    /// its health does not suffer, and the request may be tried on it again.
-    Refused(ErrorDetail),
-}
-
-/// The code of a node's refusal to start work (`RunEvent` error before any content).
-pub(super) const REFUSED: &str = "refused";
-
-/// Refusals a request may meet, that its ledger cannot explain, before it fails with the
-/// last one. A node reports what its other sessions hold before it refuses, so a refusal
-/// for a slot another Edge took leaves the ledger full: it is not counted (under
-/// saturation a request may lose many such races while it waits, within its queue wait).
-/// A refusal with room left in the ledger is counted: the bound stops a node that
-/// refuses everything (a configuration it does not share) from being asked again and
-/// again.
-pub(super) const MAX_REFUSALS: u32 = 8;
-
-impl Cause {
-    /// What the caller is told if nothing else can answer.
-    pub(super) fn outcome(&self) -> Outcome {
-        match self {
-            Cause::Error(detail) | Cause::Refused(detail) => {
-                Outcome::Failed(RequestError::Provider(detail.clone()))
-            }
-            Cause::Status(status) => Outcome::Failed(RequestError::Provider(ErrorDetail {
-                code: format!("upstream_status_{status}"),
-                message: format!("the provider answered {status}"),
-                retryable: true,
-            })),
-            Cause::Violation(detail) => Outcome::Failed(RequestError::Violation(detail.clone())),
-        }
-    }
-
-    /// A stable label for events and metrics.
-    pub(super) fn label(&self) -> &'static str {
-        match self {
-            Cause::Error(_) => "error",
-            Cause::Refused(_) => "refused",
-            Cause::Status(408) => "status_408",
-            Cause::Status(429) => "status_429",
-            Cause::Status(_) => "status_5xx",
-            Cause::Violation(_) => "violation",
-        }
-    }
-}
-
-/// What a stream item did, for the transitions to act on.
-pub(super) enum Step {
-    /// Not for a run of this connection, or of a stream already broken: ignored.
-    Ignored,
-    /// Passed to the caller, held back, or dropped (a run whose caller left).
-    Progress,
-    /// The run reached its first byte: [`Requests::commit`] it.
-    FirstByte { run: RunId },
-    /// The run failed before its first byte: either give it up and retry
-    /// ([`Requests::give_up`]), or commit it and let the caller have its answer.
-    Failed {
-        run: RunId,
-        cause: Cause,
-        retry_after: Option<Duration>,
-    },
-    /// The run ended: its lease is free (its request, if it still served one, ended
-    /// with it).
-    Ended { lease: Lease },
-    /// The committed run broke its stream's contract: its request failed. When the item
-    /// was its terminal the run is done and its lease free; otherwise, when `cancel`, it
-    /// must be cancelled on the node (a run already cancelled waits on).
-    Violated {
-        run: RunId,
-        lease: Lease,
-        conn: ConnId,
-        terminal: bool,
-        cancel: bool,
-        detail: StreamViolation,
-    },
-}
-
-/// A run committed as its request's answer.
-pub(super) struct Committed {
-    /// The run held its terminal: it is over, and so is its request.
-    pub(super) ended: bool,
-    /// Its siblings, given up: cancel them on their nodes.
-    pub(super) siblings: Vec<(RunId, ConnId)>,
-}
-
-/// What a cancel found.
-pub(super) enum Cancel {
-    /// It waited, or had not been dispatched yet: it has left the queue.
-    Queued,
-    /// Runs served it: cancel them on their nodes.
-    Running(Vec<(RunId, ConnId)>),
-}
-
-/// A fenced run's part in its request.
-pub(super) enum Fenced {
-    /// It served nothing any more.
-    Nothing,
-    /// It answered its request, which is lost with it.
-    Committed(RequestId),
-    /// It had not reached its first byte: its request may be tried elsewhere.
-    Uncommitted(RequestId),
-}
-
-/// Checks `item` against `stream`'s contract: `None` for a stream already broken, else
-/// whether the stream goes on, ended (and how) or broke.
-fn observe(
-    stream: &mut Stream,
-    item: &StreamItem,
-) -> Option<Result<Option<Outcome>, StreamViolation>> {
-    let provider_error = |error: &Option<ErrorDetail>| {
-        Outcome::Failed(RequestError::Provider(error.clone().unwrap_or_default()))
-    };
-    Some(match (stream, item) {
-        (Stream::Broken, _) => return None,
-        (Stream::Run(tracker), StreamItem::Run(event)) => match tracker.observe(event) {
-            Ok(RunStep::Terminal(RunEventType::Complete)) => Ok(Some(Outcome::Completed)),
-            Ok(RunStep::Terminal(RunEventType::Cancelled)) => Ok(Some(Outcome::Cancelled)),
-            Ok(RunStep::Terminal(_)) => Ok(Some(provider_error(&event.error))),
-            Ok(_) => Ok(None),
-            Err(violation) => Err(StreamViolation::Run(violation)),
-        },
-        (Stream::Tunnel(receiver), StreamItem::Frame(frame)) => match receiver.observe(frame) {
-            Ok(TunnelStep::End) => Ok(Some(Outcome::Completed)),
-            Ok(TunnelStep::Error) => Ok(Some(provider_error(&frame.error))),
-            Ok(_) => Ok(None),
-            Err(violation) => Err(StreamViolation::Tunnel(violation)),
-        },
-        (Stream::Run(_), StreamItem::Frame(_)) => Err(StreamViolation::FrameForRun),
-        (Stream::Tunnel(_), StreamItem::Run(_)) => Err(StreamViolation::EventForTunnel),
-    })
-}
-
-/// A `Retry-After` of whole seconds among `headers` (an HTTP date is not read: the
-/// machine has no calendar).
-fn retry_after(headers: &[Header]) -> Option<Duration> {
-    let header = headers
-        .iter()
-        .find(|h| h.name.eq_ignore_ascii_case("retry-after"))?;
-    let seconds: u64 = std::str::from_utf8(&header.value)
-        .ok()?
-        .trim()
-        .parse()
-        .ok()?;
-    Some(Duration::from_secs(seconds))
 }
 
 impl Request {
@@ -1075,68 +752,6 @@ impl Requests {
     }
 }
 
-/// The message run `run` of `call` is dispatched with on the provider `meta` describes,
-/// serving `target`, and the stream its answer is checked with.
-fn message(
-    call: &Submit,
-    model: &Arc<str>,
-    run: RunId,
-    meta: &ResourceMeta,
-    target: &str,
-    long: bool,
-) -> (Body, Stream) {
-    let mut metadata = BTreeMap::new();
-    if !call.request_id.is_empty() {
-        metadata.insert(
-            crate::wire::REQUEST_ID_KEY.to_owned(),
-            String::from(&*call.request_id),
-        );
-    }
-    match meta.shape {
-        DispatchShape::Run => {
-            metadata.insert("model".to_owned(), String::from(&**model));
-            // A run's provider call is the Node's to make: the trace context it passes on
-            // travels in the metadata (a tunnel carries it among its headers).
-            for header in &call.headers {
-                if crate::wire::TRACE_KEYS.contains(&header.name.as_str())
-                    && let Ok(value) = std::str::from_utf8(&header.value)
-                {
-                    metadata.insert(header.name.clone(), value.to_owned());
-                }
-            }
-            (
-                Body::RunRequest(RunRequest {
-                    run_id: run.wire(),
-                    adapter: String::from(&*meta.provider_id),
-                    target: target.to_owned(),
-                    input: call.body.clone(),
-                    metadata,
-                    long_context: long,
-                    ..RunRequest::default()
-                }),
-                Stream::Run(RunTracker::new()),
-            )
-        }
-        DispatchShape::Tunnel => (
-            Body::ProviderTunnelRequest(ProviderTunnelRequest {
-                run_id: run.wire(),
-                adapter: String::from(&*meta.provider_id),
-                target: target.to_owned(),
-                method: "POST".into(),
-                path: call.endpoint.path().into(),
-                headers: call.headers.clone(),
-                body: iop_json::for_target(call.body.clone(), target),
-                stream: call.stream,
-                timeout_sec: u32::try_from(call.timeout.as_secs()).unwrap_or(u32::MAX),
-                metadata,
-                long_context: long,
-                ..ProviderTunnelRequest::default()
-            }),
-            Stream::Tunnel(TunnelReceiver::new()),
-        ),
-    }
-}
-
 /// The requests' figures, for tests and status pages.
 impl EdgeCore {
     /// Requests accepted and not yet finished with the node (includes cancelled runs
@@ -1147,5 +762,13 @@ impl EdgeCore {
     }
 }
 
+mod few;
+mod stream;
 #[cfg(test)]
 mod tests;
+
+pub(super) use few::Few;
+pub(super) use stream::{
+    Cancel, Cause, Committed, Fenced, MAX_REFUSALS, REFUSED, Step, StreamItem,
+};
+use stream::{Stream, message, observe, retry_after};
