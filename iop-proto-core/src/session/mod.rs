@@ -34,9 +34,9 @@ use crate::idhash::{IdMap, IdSet};
 use crate::reconnect::Failure;
 use crate::time::Timestamp;
 use crate::wire::{
-    AdapterLoad, Body, Envelope, ErrorDetail, Heartbeat, HeartbeatAck, NodeCommandResponse,
-    NodeConfigPayload, NodeConfigRefreshResponse, NodeDrainRequest, NodeLoadReport,
-    NodeReadyRequest, RefreshStatus, RegisterRequest, RunEventType, Validate,
+    AdapterLoad, Body, Envelope, Heartbeat, HeartbeatAck, NodeCommandResponse, NodeConfigPayload,
+    NodeConfigRefreshResponse, NodeDrainRequest, NodeLoadReport, NodeReadyRequest, RefreshStatus,
+    RegisterRequest, Validate,
 };
 
 mod board;
@@ -69,7 +69,7 @@ pub fn sum_loads<'a>(loads: impl IntoIterator<Item = &'a AdapterLoad>) -> Vec<Ad
 }
 pub use types::*;
 
-use work::{Work, WorkKind};
+use work::Work;
 
 /// The session's timers (liveness is derived from the last receive instead).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -730,140 +730,6 @@ impl NodeSession {
                 self.close(SessionEnd::ProtocolViolation(violation));
             }
         }
-    }
-
-    /// Progress of a run, from the adapter. Numbered, checked and sent.
-    pub fn handle_run_output(
-        &mut self,
-        now: Timestamp,
-        run_id: &str,
-        output: RunOutput,
-    ) -> Result<WorkStep, SessionError> {
-        self.advance(now);
-        let (work, _) = self.work_in_flight(run_id, "run output")?;
-        let WorkKind::Run(emitter, tracker) = &mut work.kind else {
-            return Err(SessionError::WrongKind(run_id.to_owned()));
-        };
-        let kind = match &output {
-            RunOutput::Start => RunEventType::Start,
-            RunOutput::Delta(_) => RunEventType::Delta,
-            RunOutput::Complete { .. } => RunEventType::Complete,
-            RunOutput::Error(_) => RunEventType::Error,
-            RunOutput::Cancelled => RunEventType::Cancelled,
-        };
-        // Check against a copy first so a refused output consumes nothing.
-        let mut probe_emitter = emitter.clone();
-        let mut probe_tracker = tracker.clone();
-        let Some(mut event) = probe_emitter.next(kind) else {
-            return Err(SessionError::UnknownRun(run_id.to_owned()));
-        };
-        probe_tracker
-            .observe(&event)
-            .map_err(|violation| SessionError::InvalidRunOutput {
-                run_id: run_id.to_owned(),
-                violation,
-            })?;
-        *emitter = probe_emitter;
-        *tracker = probe_tracker;
-        match output {
-            RunOutput::Delta(text) => event.delta = text,
-            RunOutput::Complete { usage, metadata } => {
-                event.usage = usage;
-                event.metadata = metadata;
-            }
-            RunOutput::Error(error) => event.error = Some(error),
-            RunOutput::Start | RunOutput::Cancelled => {}
-        }
-        let ended = tracker.is_ended();
-        self.send(Body::RunEvent(event));
-        if ended {
-            self.finish(run_id);
-            return Ok(WorkStep::Ended);
-        }
-        Ok(WorkStep::Going)
-    }
-
-    /// Progress of a tunnel, from the adapter. Numbered, chunked, checked and sent.
-    pub fn handle_tunnel_output(
-        &mut self,
-        now: Timestamp,
-        run_id: &str,
-        output: TunnelOutput,
-    ) -> Result<WorkStep, SessionError> {
-        self.advance(now);
-        let (work, queue) = self.work_in_flight(run_id, "tunnel output")?;
-        let WorkKind::Tunnel(emitter) = &mut work.kind else {
-            return Err(SessionError::WrongKind(run_id.to_owned()));
-        };
-        // Frames go straight to the transmit queue (no list of them per body chunk).
-        let mut send = |frame| {
-            queue.push_back(NodeTransmit::Frame(Envelope::new(
-                Body::ProviderTunnelFrame(frame),
-            )));
-        };
-        let sent = match output {
-            TunnelOutput::Status { status, headers } => {
-                emitter.status(status, headers).map(&mut send).is_some()
-            }
-            TunnelOutput::Body(data) if data.is_empty() => return Ok(WorkStep::Going),
-            TunnelOutput::Body(data) => {
-                let mut any = false;
-                for frame in emitter.body(data) {
-                    send(frame);
-                    any = true;
-                }
-                any
-            }
-            TunnelOutput::Trailers(headers) => emitter.headers(headers).map(&mut send).is_some(),
-            TunnelOutput::Usage(usage) => emitter.usage(usage).map(&mut send).is_some(),
-            TunnelOutput::End => emitter.end().map(&mut send).is_some(),
-            TunnelOutput::Error(error) => emitter.error(error).map(&mut send).is_some(),
-        };
-        if !sent {
-            return Err(SessionError::InvalidTunnelOutput(run_id.to_owned()));
-        }
-        let ended = emitter.is_ended();
-        if ended {
-            self.finish(run_id);
-            return Ok(WorkStep::Ended);
-        }
-        Ok(WorkStep::Going)
-    }
-
-    /// The adapter task for `run_id` returned. Work it left without a terminal ends here
-    /// with an `adapter_error` terminal, so its capacity is never stranded and the Edge
-    /// still receives a complete sequence. Work that already ended needs nothing.
-    pub fn handle_work_returned(
-        &mut self,
-        now: Timestamp,
-        run_id: &str,
-    ) -> Result<Returned, SessionError> {
-        let tunnel = match self.work.get(run_id).map(|w| &w.kind) {
-            // Ended properly: nothing to do.
-            None => return Ok(Returned::Done),
-            Some(WorkKind::Tunnel(_)) => true,
-            Some(WorkKind::Run(..)) => false,
-        };
-        let detail = ErrorDetail {
-            code: "adapter_error".into(),
-            message: "adapter ended without a terminal event".into(),
-            retryable: true,
-        };
-        if tunnel {
-            // An error is a terminal: the work ends here.
-            self.handle_tunnel_output(now, run_id, TunnelOutput::Error(detail))?;
-        } else {
-            // A run that never started must start before it can end; one that started
-            // refuses the second START, which is fine.
-            if self
-                .handle_run_output(now, run_id, RunOutput::Start)
-                .is_err()
-            {
-                debug_assert!(self.work.contains_key(run_id));
-            }
-            self.handle_run_output(now, run_id, RunOutput::Error(detail))?;
-        }
-        Ok(Returned::Unfinished)
     }
 
     fn close(&mut self, end: SessionEnd) {
