@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use bytes::{Buf, BytesMut};
 use iop_proto_core::session::{Returned, WorkStep};
-use iop_proto_core::wire::{self, AdapterLoad, FrameDecoder};
+use iop_proto_core::wire::{self, FrameDecoder};
 use iop_proto_core::{
     Failure, NodeSession, NodeTransmit, SessionConfig, SessionEnd, SessionEvent, Supervisor,
 };
@@ -34,42 +34,6 @@ const OUT_KEEP: usize = 256 << 10;
 const READ_CHUNK: usize = 64 << 10;
 /// Adapter outputs taken per wake beyond the first.
 const OUTPUT_BATCH: usize = 256;
-
-/// The member lists the node's sessions heard that the follower has not taken yet, in
-/// the core's coalescing inbox ([`iop_proto_core::cluster::HeardMembers`]: at most two
-/// wait), shared between the sessions' tasks and the follower's.
-#[derive(Debug, Default)]
-pub struct MembersHeard {
-    lists: std::sync::Mutex<iop_proto_core::cluster::HeardMembers>,
-    ready: tokio::sync::Notify,
-}
-
-impl MembersHeard {
-    /// A session heard `members` (`from_seed`: the session to the configured Edge).
-    pub fn put(&self, from_seed: bool, members: wire::ClusterMembers) {
-        self.lists
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .handle_members(from_seed, members);
-        self.ready.notify_one();
-    }
-
-    /// What was heard since the last call, oldest first, as `MemberLinks` should take it
-    /// in; waits while there is nothing.
-    pub async fn take(&self) -> Vec<(bool, wire::ClusterMembers)> {
-        loop {
-            let taken = self
-                .lists
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .take();
-            if !taken.is_empty() {
-                return taken;
-            }
-            self.ready.notified().await;
-        }
-    }
-}
 
 /// Everything a connection needs from the process.
 #[derive(Clone, Debug)]
@@ -150,81 +114,6 @@ struct Conn {
     published: u64,
     /// What it last took in from the node's other sessions was not nothing.
     holds_others: bool,
-}
-
-/// What the node's work holds, session by session, on one board (the core's rule:
-/// [`iop_proto_core::session::LoadBoard`]): the node has one capacity however many sessions it
-/// keeps.
-///
-/// Every session, from its start until the work it abandoned has stopped upstream,
-/// publishes what its work holds whenever that changes; a session takes in what all the
-/// others hold right before it handles what its Edge sent, and whenever another's load
-/// moves, reporting it to its Edge ([`NodeSession::handle_held_elsewhere`]). The others
-/// are a re-homed session draining beside its successor, and, for a node following a
-/// cluster of Edges, one session per Edge. The node runs on one thread, so nothing runs
-/// between a session admitting work and publishing it: a provider never sees more than
-/// its capacity, whatever the Edges believe.
-#[derive(Clone, Debug)]
-pub struct Elsewhere {
-    board: Arc<std::sync::Mutex<iop_proto_core::session::LoadBoard>>,
-    /// Sessions on the board, read without the lock.
-    sessions: Arc<std::sync::atomic::AtomicUsize>,
-    /// Re-homed sessions still running (the process waits for them before it exits).
-    running: Arc<std::sync::atomic::AtomicUsize>,
-    /// Moves whenever a session's load does, or a session leaves the board.
-    changed: watch::Sender<u64>,
-}
-
-impl Default for Elsewhere {
-    fn default() -> Self {
-        Elsewhere {
-            board: Arc::default(),
-            sessions: Arc::default(),
-            running: Arc::default(),
-            changed: watch::Sender::new(0),
-        }
-    }
-}
-
-impl Elsewhere {
-    /// Sessions on the board: connected, re-homed and draining, or waiting for the work
-    /// they abandoned to stop.
-    #[must_use]
-    pub fn sessions(&self) -> usize {
-        self.sessions.load(Ordering::SeqCst)
-    }
-
-    /// Re-homed sessions still running.
-    #[must_use]
-    pub fn running(&self) -> usize {
-        self.running.load(Ordering::SeqCst)
-    }
-
-    fn board(&self) -> std::sync::MutexGuard<'_, iop_proto_core::session::LoadBoard> {
-        self.board
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    fn join(&self) -> u64 {
-        self.sessions.fetch_add(1, Ordering::SeqCst);
-        self.board().join()
-    }
-
-    fn leave(&self, key: u64) {
-        self.board().leave(key);
-        self.sessions.fetch_sub(1, Ordering::SeqCst);
-        self.changed.send_modify(|n| *n = n.wrapping_add(1));
-    }
-
-    fn publish(&self, key: u64, load: Vec<AdapterLoad>) {
-        self.board().publish(key, load);
-        self.changed.send_modify(|n| *n = n.wrapping_add(1));
-    }
-
-    fn held_for(&self, key: u64) -> Vec<AdapterLoad> {
-        self.board().held_for(key)
-    }
 }
 
 /// How the process was asked to stop: one token per way, each cancelled once.
@@ -854,6 +743,12 @@ fn transport_status(ctx: &Context, session: &NodeSession) -> serde_json::Value {
         "draining": session.is_draining(),
     })
 }
+
+mod shared;
+pub use shared::MembersHeard;
+
+mod board;
+pub use board::Elsewhere;
 
 #[cfg(test)]
 mod tests;

@@ -7,7 +7,7 @@
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
@@ -17,230 +17,19 @@ use iop_api::openai::{
     ApiError, Endpoint, ErrorType, Out, RATE_LIMIT_HEADERS, Responder, ResponseOptions, inspect,
     rate_limit_headers,
 };
-use iop_api::tenant::{RateLimits, Refusal, TokenUsage};
-use iop_proto_core::wire::{Header, Usage};
-use iop_proto_core::{RequestEvent, RequestId};
+use iop_api::tenant::{RateLimits, Refusal};
+use iop_proto_core::RequestEvent;
+use iop_proto_core::wire::Header;
 use iop_shell_common::offload;
-use iop_trace::{AttrValue, HopTrace, Span, TRACEPARENT, TRACESTATE, Timing};
 use tokio::sync::oneshot;
 use tokio::time::{Instant, Sleep};
-use tracing::{error, info};
+use tracing::error;
 
 use super::{Caller, ReqBody, ResBody, State, api_error, json_response, now_secs};
 use crate::config::HttpSettings;
-use crate::driver::{Core, CoreMsg, Events};
+use crate::driver::{CoreMsg, Events};
 use crate::memory::RequestMemory;
-use crate::metrics::Metrics;
 use crate::tenants::Ticket;
-use crate::traces::Tracer;
-
-/// Cancels the request when dropped before `disarm` (client gone, write failure, timeout).
-struct CancelGuard {
-    core: Core,
-    request: RequestId,
-    armed: bool,
-    reason: &'static str,
-}
-
-impl CancelGuard {
-    fn disarm(&mut self) {
-        self.armed = false;
-    }
-}
-
-impl Drop for CancelGuard {
-    fn drop(&mut self) {
-        if !self.armed {
-            return;
-        }
-        // Handled before the drop returns: the lease goes back at once.
-        let _ = self.core.send(CoreMsg::Cancel {
-            request: self.request,
-            reason: self.reason,
-        });
-    }
-}
-
-/// What a request's log line and metrics record, gathered while it runs.
-struct Finish {
-    metrics: Arc<Metrics>,
-    model: Arc<str>,
-    started: Instant,
-    first_byte: Option<Duration>,
-    request_id: Arc<str>,
-    caller: Caller,
-    endpoint: Endpoint,
-    /// Node and adapter it was dispatched to, and when.
-    dispatched: Option<(Arc<str>, Arc<str>, Duration)>,
-    /// Its key's admission, finished with the usage its provider reported.
-    ticket: Option<Ticket>,
-    /// Its trace, when the caller sent one or spans are exported.
-    trace: Option<RequestTrace>,
-    tracer: Arc<Tracer>,
-}
-
-/// A request's place in a trace (the core's decision), and when it arrived.
-struct RequestTrace {
-    hop: HopTrace,
-    /// When the request arrived, in nanoseconds since the Unix epoch.
-    start_ns: u64,
-}
-
-impl RequestTrace {
-    /// The trace of a request whose headers are `headers` ([`HopTrace::begin`]); the
-    /// `traceparent` (and `tracestate`) to pass on go into `forward`.
-    fn begin(
-        headers: &http::HeaderMap,
-        tracer: &Tracer,
-        forward: &mut Vec<Header>,
-    ) -> Option<Self> {
-        // Names made once: a `&str` key is parsed into a header name on every lookup.
-        static TRACEPARENT_NAME: HeaderName = HeaderName::from_static(TRACEPARENT);
-        static TRACESTATE_NAME: HeaderName = HeaderName::from_static(TRACESTATE);
-        // `tracestate` only matters beside a `traceparent`: not looked up without one.
-        let parent = headers.get(&TRACEPARENT_NAME);
-        let state = parent.and_then(|_| headers.get(&TRACESTATE_NAME));
-        let hop = HopTrace::begin(
-            parent.map(HeaderValue::as_bytes),
-            state.map(HeaderValue::as_bytes),
-            tracer,
-        )?;
-        forward.push(Header {
-            name: TRACEPARENT.to_owned(),
-            value: Bytes::from(hop.traceparent.clone()),
-        });
-        if let Some(state) = &hop.tracestate {
-            forward.push(Header {
-                name: TRACESTATE.to_owned(),
-                value: Bytes::from(state.clone()),
-            });
-        }
-        let start_ns = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
-        Some(RequestTrace { hop, start_ns })
-    }
-}
-
-impl Finish {
-    fn dispatched(&mut self, node: Arc<str>, provider: Arc<str>) {
-        self.dispatched = Some((node, provider, self.started.elapsed()));
-    }
-
-    fn first_byte(&mut self) {
-        if self.first_byte.is_none() {
-            let ttfb = self.started.elapsed();
-            self.first_byte = Some(ttfb);
-            self.metrics.model(&self.model).first_byte(ttfb);
-        }
-    }
-
-    /// Records the request's figures, finishes its key's admission and writes its one
-    /// log line.
-    fn done(&mut self, status: u16, usage: Option<&Usage>) {
-        let duration = self.started.elapsed();
-        let metrics = self.metrics.model(&self.model);
-        metrics.request(status, duration);
-        if let (Some(u), Some((node, provider, _))) = (usage, &self.dispatched) {
-            metrics.tokens(
-                node,
-                provider,
-                &self.caller.name,
-                u.prompt_tokens,
-                u.completion_tokens,
-            );
-        }
-        if let Some(ticket) = self.ticket.take() {
-            ticket.finish(usage.map(|u| TokenUsage {
-                prompt: u.prompt_tokens,
-                completion: u.completion_tokens,
-            }));
-        }
-        let (node, provider, queued) = match &self.dispatched {
-            Some((node, provider, at)) => (&**node, &**provider, Some(*at)),
-            None => ("-", "-", None),
-        };
-        let trace_id = self.trace.as_ref().map(|t| t.hop.context.trace_id_hex());
-        if let Some(trace) = &self.trace
-            && trace.hop.spans.is_some()
-        {
-            self.tracer
-                .export(self.spans(trace, status, usage, duration));
-        }
-        // Milliseconds to the microsecond; -1 for a step the request never reached.
-        // Through u64: converting the u128 of `as_micros` to f64 is a library call.
-        let ms = |d: Option<Duration>| {
-            d.map_or(-1.0, |d| {
-                u64::try_from(d.as_micros()).unwrap_or(u64::MAX) as f64 / 1e3
-            })
-        };
-        info!(
-            target: "iop::request",
-            request_id = &*self.request_id,
-            trace_id,
-            caller = %self.caller,
-            endpoint = self.endpoint.path(),
-            model = %self.model,
-            node,
-            provider,
-            status,
-            queue_ms = ms(queued),
-            ttfb_ms = ms(self.first_byte),
-            duration_ms = ms(Some(duration)),
-            prompt_tokens = usage.map(|u| u.prompt_tokens),
-            completion_tokens = usage.map(|u| u.completion_tokens),
-            "request"
-        );
-    }
-}
-
-impl Finish {
-    /// The Edge's spans of a request that ended with `status` after `duration`
-    /// ([`HopTrace::spans`]), with what the request's log line says as attributes.
-    fn spans(
-        &self,
-        trace: &RequestTrace,
-        status: u16,
-        usage: Option<&Usage>,
-        duration: Duration,
-    ) -> Vec<Span> {
-        let text = |s: &str| AttrValue::Str(s.to_owned());
-        let mut attributes = vec![
-            ("http.request.method", text("POST")),
-            ("url.path", text(self.endpoint.path())),
-            (
-                "http.response.status_code",
-                AttrValue::Int(i64::from(status)),
-            ),
-            ("gen_ai.request.model", text(&self.model)),
-            ("iop.request_id", text(&self.request_id)),
-            ("iop.key", text(&self.caller.name)),
-        ];
-        if let Some(u) = usage {
-            let tokens = |n: u64| AttrValue::Int(i64::try_from(n).unwrap_or(i64::MAX));
-            attributes.push(("gen_ai.usage.input_tokens", tokens(u.prompt_tokens)));
-            attributes.push(("gen_ai.usage.output_tokens", tokens(u.completion_tokens)));
-        }
-        let mut dispatch_attributes = Vec::new();
-        if let Some((node, provider, _)) = &self.dispatched {
-            dispatch_attributes = vec![("iop.node", text(node)), ("iop.provider", text(provider))];
-            attributes.extend(dispatch_attributes.iter().cloned());
-        }
-        let timing = Timing {
-            start_ns: trace.start_ns,
-            dispatched: self.dispatched.as_ref().map(|(_, _, at)| *at),
-            first_byte: self.first_byte,
-            ended: duration,
-        };
-        trace.hop.spans(
-            &timing,
-            &*self.tracer,
-            attributes,
-            dispatch_attributes,
-            status >= 500,
-        )
-    }
-}
 
 /// `limits` (and `retry_after`) as OpenAI's rate-limit headers, each value copied once.
 fn insert_rate_limits(
@@ -868,6 +657,9 @@ fn head(status: u16, headers: &[Header]) -> Result<Response<ResBody>, ApiError> 
     }
     Ok(response)
 }
+
+mod finish;
+use finish::{CancelGuard, Finish, RequestTrace};
 
 #[cfg(test)]
 mod tests;

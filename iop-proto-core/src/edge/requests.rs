@@ -764,8 +764,6 @@ impl EdgeCore {
 
 mod few;
 mod stream;
-#[cfg(test)]
-mod tests;
 
 pub(super) use few::Few;
 pub(super) use stream::{

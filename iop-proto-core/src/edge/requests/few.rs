@@ -84,3 +84,6 @@ impl<T> IntoIterator for Few<T> {
         self.head.into_iter().flatten().chain(self.rest)
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,4 +1,4 @@
-//! Unit tests of `requests`.
+//! Unit tests of `Few`.
 
 use super::Few;
 
