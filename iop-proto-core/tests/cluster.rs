@@ -1,5 +1,9 @@
 //! `ClusterMember`: membership, node-id ownership and configuration, one Edge's side
 //! (docs/cluster.md). The three-Edge world with a simulated etcd is in `tests/sim.rs`.
+//!
+//! One file on purpose, past the 800-line norm: each file under `tests/` is a test binary
+//! of its own, linked against the whole dependency graph, and on a 2-core CI machine every
+//! extra binary costs a link; this suite covers one subject and shares its helpers.
 
 use std::time::Duration;
 

@@ -1,4 +1,8 @@
 //! Scenario tests of the Node session machine: one test per contract rule.
+//!
+//! One file on purpose, past the 800-line norm: each file under `tests/` is a test binary
+//! of its own, linked against the whole dependency graph, and on a 2-core CI machine every
+//! extra binary costs a link; this suite covers one subject and shares its helpers.
 
 use std::collections::BTreeMap;
 use std::time::Duration;

@@ -4,6 +4,10 @@
 //!
 //! Needs `etcd` and `haproxy` (Debian `etcd-server` and `haproxy`; `.ci/run` installs
 //! them): without them these tests fail and say so.
+//!
+//! One file on purpose, past the 800-line norm: each file under `tests/` is a test binary
+//! of its own, linked against the whole dependency graph, and on a 2-core CI machine every
+//! extra binary costs a link; this suite covers one subject and shares its helpers.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

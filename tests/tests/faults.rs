@@ -1,5 +1,9 @@
 //! Faults through the real binaries: node crash, freeze, Edge restart, bad credentials,
 //! exhaustion, signals, config reload and hostile raw TCP clients.
+//!
+//! One file on purpose, past the 800-line norm: each file under `tests/` is a test binary
+//! of its own, linked against the whole dependency graph, and on a 2-core CI machine every
+//! extra binary costs a link; this suite covers one subject and shares its helpers.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;

@@ -1,6 +1,10 @@
-//! The rules that cross sub-states, in one place. Each sub-state decides about its own
-//! data (`registry`, `pool`, `requests`, `control`); what one decision means for the
-//! others is written here:
+//! The rules that cross sub-states, in one place. Longer than the crate's ~800-line norm
+//! on purpose: it is the one file where a rule touches more than one sub-state, so that a
+//! reviewer reads every such rule, and every `self.registry` outside the registry, in one
+//! place. What a sub-state decides alone lives in its own file.
+//!
+//! Each sub-state decides about its own data (`registry`, `pool`, `requests`, `control`);
+//! what one decision means for the others is written here:
 //!
 //! - **A register takes a node** ([`register`](EdgeCore::register)): a superseded owner's
 //!   generation is fenced before the newcomer owns the node.
@@ -37,11 +41,6 @@
 //!   closed once its last lease returns.
 //! - **A configuration takes effect** ([`reconfigure`](EdgeCore::reconfigure)): removed
 //!   nodes and changed tokens fence their owners; changed payloads are pushed.
-//!
-//! Longer than the crate's ~800-line norm on purpose: it is the one file where a rule
-//! touches more than one sub-state, so that a reviewer reads every such rule, and every
-//! `self.registry` outside the registry, in one place. What a sub-state decides alone
-//! lives in its own file.
 
 use super::registry::Admitted;
 use super::registry::ClusterStep;
