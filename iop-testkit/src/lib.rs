@@ -5,13 +5,15 @@
 //! - [`harness`]: the drain loop, a Sans-IO [`harness::Wire`] carrying frames through the
 //!   real codec with a delay, and a [`harness::Pair`] of one Edge and one Node session.
 //! - [`sim`]: the main world: one Edge, nodes, clients and faults.
-//! - [`upgrade`]: Edge processes replaced one after another (hand-over).
-//! - [`multihome`]: three Edges sharing nodes.
+//! - [`upgrade`]: Edge processes replaced one after another (hand-over), and
+//!   [`multihome`]: three Edges sharing nodes: two configurations of one skeleton
+//!   (`fleet.rs`: Edges, links, node sessions, provider work and the checks they share).
 //! - [`cluster`]: three cluster members against a simulated etcd.
 //! - [`fuzz`]: what each fuzz target runs, so that corpora replay in `cargo test`.
 //! - [`rng`]: the seeded generator every world draws from.
 
 pub mod cluster;
+mod fleet;
 pub mod fuzz;
 pub mod harness;
 pub mod multihome;
