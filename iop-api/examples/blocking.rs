@@ -101,6 +101,7 @@ fn edge_config() -> EdgeConfig {
                 target: "echo".into(),
             }],
             long_context_threshold: None,
+            context_tokens: None,
             first_byte_timeout: None,
         },
     );

@@ -5,6 +5,13 @@
 //!   Edge routes on, refused with a typed [`openai::ApiError`]), the token estimate, the
 //!   error mapping, and the [`openai::Responder`] that renders a request's events (from
 //!   [`iop_proto_core::EdgeCore`]) as an OpenAI response, streamed or whole.
+//! - [`anthropic`]: the Anthropic Messages dialect: a Messages request translated into
+//!   the chat body the core dispatches ([`anthropic::translate`]), and the
+//!   [`anthropic::Responder`] that renders its events as a Messages response.
+//! - [`dialect`]: the one [`dialect::Responder`] a shell holds, whichever dialect the
+//!   caller speaks.
+//! - [`tokenize`]: exact prompt token counts from a provider's tokenizer, for the count
+//!   routes.
 //! - [`tenant`]: the accounting of named client keys (rate and token limits, requests at
 //!   once, budgets, usage), driven by the wall-clock time the shell passes.
 //!
@@ -14,5 +21,8 @@
 
 #![forbid(unsafe_code)]
 
+pub mod anthropic;
+pub mod dialect;
 pub mod openai;
 pub mod tenant;
+pub mod tokenize;

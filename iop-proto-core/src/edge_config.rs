@@ -61,6 +61,9 @@ pub struct ModelSpec {
     pub candidates: Vec<CandidateSpec>,
     /// Requests whose estimated prompt tokens reach this count use long-context capacity.
     pub long_context_threshold: Option<u64>,
+    /// The model's context window in tokens: a request whose estimated prompt is larger
+    /// is refused before any provider sees it (`SubmitError::PromptTooLong`).
+    pub context_tokens: Option<u64>,
     /// How long a dispatch may go without its first byte before another provider is
     /// tried beside it; `None`: [`Routing::first_byte_timeout`]. A model whose prefill
     /// is slow, or whose callers ask for long answers without streaming (a non-streamed
@@ -573,6 +576,7 @@ pub(crate) mod tests {
             ModelSpec {
                 candidates: vec![candidate("n1", "a", "t")],
                 long_context_threshold: None,
+                context_tokens: None,
                 first_byte_timeout: None,
             },
         );

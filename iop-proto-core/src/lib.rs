@@ -76,6 +76,7 @@
 //! config.models.insert("demo".into(), ModelSpec {
 //!     candidates: vec![CandidateSpec { node_id: "n1".into(), provider_id: "mock".into(), target: "t".into() }],
 //!     long_context_threshold: None,
+//!     context_tokens: None,
 //!     first_byte_timeout: None,
 //! });
 //! let mut edge = EdgeCore::new(config)?;

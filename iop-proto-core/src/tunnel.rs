@@ -15,10 +15,18 @@ use crate::wire::{ErrorDetail, Header, ProviderTunnelFrame, TunnelFrameKind, Usa
 pub const DEFAULT_CHUNK_SIZE: usize = 64 * 1024;
 
 /// Caller request headers a tunnel carries to the provider: they describe the body or the
-/// client. Credentials (the caller's key is the Edge's, the provider's key is the
-/// adapter's), cookies and hop-by-hop headers never cross.
-pub const FORWARDED_REQUEST_HEADERS: [&str; 4] =
-    ["content-type", "accept", "user-agent", "openai-beta"];
+/// client (`anthropic-version` and `anthropic-beta` say which Messages API a caller
+/// speaks, for a provider that serves it natively). Credentials (the caller's key is the
+/// Edge's, the provider's key is the adapter's), cookies and hop-by-hop headers never
+/// cross.
+pub const FORWARDED_REQUEST_HEADERS: [&str; 6] = [
+    "content-type",
+    "accept",
+    "user-agent",
+    "openai-beta",
+    "anthropic-version",
+    "anthropic-beta",
+];
 
 /// Provider response headers a tunnel carries back to the caller; every other header is
 /// dropped by the Node before it reaches the link, and again by the Edge.
@@ -368,7 +376,15 @@ pub enum Endpoint {
     Completions,
     /// `POST /v1/embeddings`: served by tunnels only.
     Embeddings,
+    /// `POST /tokenize` (vLLM's, with chat `messages`): a prompt's exact token count, for
+    /// the Edge's own count routes rather than a caller; served only by tunnels whose
+    /// provider tokenizes ([`TOKENIZE_OPTION`]).
+    Tokenize,
 }
+
+/// The adapter option that says whether a tunnel-served provider answers
+/// [`Endpoint::Tokenize`]: `"true"` or `"false"`; vLLM adapters do unless it says `"false"`.
+pub const TOKENIZE_OPTION: &str = "tokenize";
 
 impl Endpoint {
     /// The route's path, which is also the path forwarded to OpenAI-compatible providers.
@@ -378,6 +394,35 @@ impl Endpoint {
             Endpoint::Chat => "/v1/chat/completions",
             Endpoint::Completions => "/v1/completions",
             Endpoint::Embeddings => "/v1/embeddings",
+            Endpoint::Tokenize => "/tokenize",
+        }
+    }
+}
+
+/// An API dialect some providers serve themselves besides OpenAI's: a request in it is
+/// translated for every other provider, and sent to these as the caller wrote it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Dialect {
+    /// Anthropic's Messages API, `POST /v1/messages`.
+    Messages,
+}
+
+impl Dialect {
+    /// The path a provider serving the dialect is sent.
+    #[must_use]
+    pub fn path(self) -> &'static str {
+        match self {
+            Dialect::Messages => "/v1/messages",
+        }
+    }
+
+    /// The adapter option (set to `"true"`) that says an adapter serves the dialect
+    /// itself: `native_messages`.
+    #[must_use]
+    pub fn option(self) -> &'static str {
+        match self {
+            Dialect::Messages => "native_messages",
         }
     }
 }

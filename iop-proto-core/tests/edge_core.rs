@@ -751,6 +751,72 @@ fn tunnel_only_requests_use_only_tunnel_served_candidates() {
 }
 
 #[test]
+fn a_tokenize_call_goes_only_to_a_tunnel_whose_provider_tokenizes() {
+    // Model "k": n2/b (openai_compat), n3/c (vllm), n4/d (mock tunnelled, `tokenize`).
+    let mut cfg = config();
+    cfg.nodes.insert(
+        "n3".into(),
+        node(vec![adapter("c", AdapterType::Vllm, 1, 0)]),
+    );
+    let mut mock = adapter("d", AdapterType::Mock, 1, 0);
+    mock.options.insert("dispatch".into(), "tunnel".into());
+    mock.options
+        .insert(tunnel::TOKENIZE_OPTION.into(), "true".into());
+    cfg.nodes.insert("n4".into(), node(vec![mock]));
+    cfg.models.insert(
+        "k".into(),
+        ModelSpec {
+            candidates: vec![
+                candidate("n2", "b"),
+                candidate("n3", "c"),
+                candidate("n4", "d"),
+            ],
+            long_context_threshold: None,
+            context_tokens: None,
+            first_byte_timeout: None,
+        },
+    );
+    let mut h = Harness::with(cfg.clone());
+    for n in ["n2", "n3", "n4"] {
+        h.connect(n);
+    }
+    let tokenize = |h: &mut Harness, model: &str| {
+        let mut submit = Submit::chat(model, bytes::Bytes::from_static(b"{\"model\":\"k\"}"));
+        submit.endpoint = tunnel::Endpoint::Tokenize;
+        h.edge.handle_submit(h.now, submit)
+    };
+    let mut nodes = Vec::new();
+    for _ in 0..2 {
+        tokenize(&mut h, "k").expect("granted");
+        nodes.push(grants(&h.events()).remove(0).node_id.to_string());
+    }
+    nodes.sort();
+    assert_eq!(nodes, ["n3", "n4"], "never the openai_compat adapter");
+    // Both are busy: the next one waits for them, never for n2/b.
+    let waiting = tokenize(&mut h, "k").expect("queued");
+    assert!(grants(&h.events()).is_empty());
+    assert_eq!(h.edge.queue().ids(), vec![waiting]);
+    // No provider of "m" tokenizes: refused at once, and the shell answers its estimate.
+    assert_eq!(
+        tokenize(&mut h, "m"),
+        Err(SubmitError::NoCandidates("m".into()))
+    );
+    // A vLLM adapter that says `tokenize = "false"` does not.
+    cfg.nodes.get_mut("n3").expect("n3").adapters[0]
+        .options
+        .insert(tunnel::TOKENIZE_OPTION.into(), "false".into());
+    cfg.nodes.get_mut("n4").expect("n4").adapters[0]
+        .options
+        .remove(tunnel::TOKENIZE_OPTION);
+    h.edge.handle_config(h.now, cfg).expect("valid");
+    h.drain();
+    assert_eq!(
+        tokenize(&mut h, "k"),
+        Err(SubmitError::NoCandidates("k".into()))
+    );
+}
+
+#[test]
 fn a_waiting_tunnel_request_skips_a_provider_that_stopped_tunnelling() {
     // Model "t": n2/b and n3/c, both openai_compat with capacity 1.
     let mut cfg = config();
@@ -763,6 +829,7 @@ fn a_waiting_tunnel_request_skips_a_provider_that_stopped_tunnelling() {
         ModelSpec {
             candidates: vec![candidate("n2", "b"), candidate("n3", "c")],
             long_context_threshold: None,
+            context_tokens: None,
             first_byte_timeout: None,
         },
     );

@@ -95,6 +95,7 @@ fn world() -> EdgeConfig {
     let model = |cands: Vec<CandidateSpec>| ModelSpec {
         candidates: cands,
         long_context_threshold: Some(100),
+        context_tokens: None,
         first_byte_timeout: None,
     };
     cfg.models.insert(

@@ -30,6 +30,7 @@ fn two_providers() -> EdgeConfig {
         ModelSpec {
             candidates: vec![candidate("n1", "a"), candidate("n2", "b")],
             long_context_threshold: None,
+            context_tokens: None,
             first_byte_timeout: None,
         },
     );

@@ -487,8 +487,8 @@ pub fn tunnel_receiver(data: &[u8]) {
     }
 }
 
-/// An untrusted OpenAI request body (the first byte picks the endpoint) through what the
-/// Edge reads of it. Checks that: `inspect` answers a 400 or facts whose token estimate
+/// An untrusted request body (the first byte picks the OpenAI endpoint) through what the
+/// Edge reads of it, in every dialect (the same bytes as a Messages request too). Checks that: `inspect` answers a 400 or facts whose token estimate
 /// is the public estimate of the same bytes, and only for UTF-8; the estimate never
 /// counts more tokens than the body has bytes (it decides long-context routing); the
 /// model rewrite changes exactly the bytes of the top-level `model` value, and happens
@@ -518,6 +518,7 @@ pub fn openai_request(data: &[u8]) {
         }
         Err(error) => assert_eq!(error.status, 400, "{}", error.message),
     }
+    messages_request(body);
     for key in ["model", "messages", "usage"] {
         if let Some(range) = member_value(body, key) {
             assert!(
@@ -546,6 +547,133 @@ pub fn openai_request(data: &[u8]) {
             "member {found:?} but rewrite {:?}",
             rewritten.map(|b| b.len())
         ),
+    }
+}
+
+/// The same untrusted body as an Anthropic Messages request: translated or refused with
+/// a 400 (never a panic); a translation is a JSON object with a non-empty `messages`
+/// array, the model and stream the facts say, and the public estimate of its own bytes;
+/// `count_tokens` agrees with it, and refuses exactly what the translation refuses for a
+/// reason other than `max_tokens`.
+fn messages_request(body: &[u8]) {
+    use iop_api::anthropic::{TranslateOptions, count_tokens, translate};
+    use iop_api::openai::estimate_tokens;
+
+    let translated = translate(body, TranslateOptions::default());
+    let counted = count_tokens(body, TranslateOptions::default());
+    match &translated {
+        Ok(t) => {
+            let chat: serde_json::Value =
+                serde_json::from_slice(&t.chat).expect("a translation is JSON");
+            assert!(
+                chat["messages"].as_array().is_some_and(|m| !m.is_empty()),
+                "no messages in {chat}"
+            );
+            assert_eq!(chat["model"].as_str(), Some(t.facts.model.as_str()));
+            assert_eq!(chat["stream"].as_bool() == Some(true), t.facts.stream);
+            assert_eq!(t.facts.prompt_tokens, estimate_tokens(&t.chat));
+            let counted = counted.expect("count_tokens refused what translate took");
+            assert_eq!(counted.input_tokens, t.facts.prompt_tokens);
+        }
+        Err(error) => {
+            assert_eq!(error.status, 400, "{}", error.message);
+            if let Err(counted) = &counted {
+                assert_eq!(counted.status, 400, "{}", counted.message);
+            }
+        }
+    }
+}
+
+/// An untrusted provider's answer (its bytes, as an OpenAI-compatible server's SSE
+/// stream or JSON body, cut where the input says) re-encoded for a Messages caller,
+/// streamed and whole. Checks that nothing panics, that every stream keeps the Messages
+/// grammar ([`crate::messages::check_stream`]) and ends, with a message or an error
+/// event, and that a whole answer is one JSON object (a message or an error).
+pub fn messages_render(data: &[u8]) {
+    use bytes::Bytes;
+    use iop_api::anthropic::{Responder, ResponseOptions};
+    use iop_api::openai::Out;
+    use iop_proto_core::wire::{Header, ProviderTunnelFrame, TunnelFrameKind};
+    use iop_proto_core::{DispatchShape, Outcome};
+
+    let Some((&pick, rest)) = data.split_first() else {
+        return;
+    };
+    let Some((&cut, body)) = rest.split_first() else {
+        return;
+    };
+    let frame = |kind: TunnelFrameKind| ProviderTunnelFrame {
+        run_id: "r".into(),
+        kind: kind as i32,
+        ..ProviderTunnelFrame::default()
+    };
+    for stream in [true, false] {
+        let mut responder = Responder::new(ResponseOptions {
+            model: "m".into(),
+            run_id: "r".into(),
+            request_id: "req".into(),
+            stream,
+            wants_tools: pick & 4 != 0,
+            stop_sequences: vec!["END".into()],
+            input_estimate: 3,
+        });
+        responder.handle_dispatched(DispatchShape::Tunnel, false);
+        let mut head = frame(TunnelFrameKind::Status);
+        head.status_code = if pick & 2 == 0 {
+            200
+        } else {
+            400 + u32::from(pick % 200)
+        };
+        head.headers = vec![Header {
+            name: "content-type".into(),
+            value: Bytes::from_static(if pick & 1 == 0 {
+                b"text/event-stream"
+            } else {
+                b"application/json"
+            }),
+        }];
+        responder.handle_tunnel_frame(head);
+        let step = usize::from(cut).max(1);
+        for piece in body.chunks(step) {
+            let mut b = frame(TunnelFrameKind::Body);
+            b.body = Bytes::copy_from_slice(piece);
+            responder.handle_tunnel_frame(b);
+        }
+        responder.handle_tunnel_frame(frame(TunnelFrameKind::End));
+        responder.handle_end(&Outcome::Completed);
+        assert!(responder.is_done(), "a provider's end left the answer open");
+        let mut status = None;
+        let mut out = Vec::new();
+        while let Some(o) = responder.poll_output() {
+            match o {
+                Out::Head { status: s, .. } | Out::Whole { status: s, .. } if status.is_some() => {
+                    panic!("a second head ({s})")
+                }
+                Out::Head { status: s, .. } => status = Some(s),
+                Out::Whole { status: s, body } => {
+                    status = Some(s);
+                    out.extend_from_slice(&body);
+                }
+                Out::Data(b) => out.extend_from_slice(&b),
+                Out::Abort(_) => panic!("a translated answer aborted"),
+            }
+        }
+        let status = status.expect("an answer");
+        let sse = stream && status == 200;
+        if sse {
+            match crate::messages::check_stream(&out) {
+                Ok(crate::messages::Ended::Cut) => panic!("an ended stream was cut"),
+                Ok(_) => {}
+                Err(why) => panic!("grammar: {why}"),
+            }
+        } else {
+            let value: serde_json::Value =
+                serde_json::from_slice(&out).expect("a whole answer is JSON");
+            assert!(
+                value["type"] == "message" || value["type"] == "error",
+                "{value}"
+            );
+        }
     }
 }
 

@@ -59,6 +59,11 @@ fn openai_request_corpus_replays() {
 }
 
 #[test]
+fn messages_render_corpus_replays() {
+    replay("messages_render", iop_testkit::fuzz::messages_render);
+}
+
+#[test]
 fn http1_request_corpus_replays() {
     replay("http1_request", iop_testkit::fuzz::http1_request);
 }

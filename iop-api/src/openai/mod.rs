@@ -51,7 +51,7 @@ use iop_proto_core::wire::ErrorDetail;
 #[must_use]
 pub fn input_field(endpoint: Endpoint) -> &'static str {
     match endpoint {
-        Endpoint::Chat => "messages",
+        Endpoint::Chat | Endpoint::Tokenize => "messages",
         Endpoint::Completions => "prompt",
         Endpoint::Embeddings => "input",
     }
@@ -370,6 +370,10 @@ impl ApiError {
                 Some("no_provider"),
             ),
             SubmitError::HandingOver => Self::handing_over(),
+            // The Messages API's words, which Claude Code compacts a conversation on.
+            SubmitError::PromptTooLong { .. } => {
+                Self::bad_request(refused.to_string(), Some("context_length_exceeded"))
+            }
             other => Self::new(503, ErrorType::Server, other.to_string(), None),
         }
     }

@@ -93,8 +93,13 @@ enum Phase {
         content: String,
         usage: Option<Usage>,
     },
-    /// A run answered as SSE chunks.
-    Stream { started: bool, held: String },
+    /// A run answered as SSE chunks; its text held while it may be a tool call the model
+    /// wrote as text (`holding`).
+    Stream {
+        started: bool,
+        held: String,
+        holding: bool,
+    },
     /// A tunnel before the provider's status.
     TunnelHead,
     /// A tunnel passing the provider's body through.
@@ -209,6 +214,7 @@ impl Responder {
                 Phase::Stream {
                     started: false,
                     held: String::new(),
+                    holding: self.options.wants_tools,
                 }
             }
             DispatchShape::Run => Phase::Whole {
@@ -438,7 +444,7 @@ impl Responder {
                 message["tool_calls"] = calls;
                 "tool_calls"
             }
-            None => "stop",
+            None => text_finish(metadata),
         };
         let mut body = json!({
             "id": format!("chatcmpl-{}", self.options.run_id),
@@ -460,14 +466,26 @@ impl Responder {
     fn stream_event(&mut self, kind: Option<RunEventType>, event: RunEvent) {
         match kind {
             Some(RunEventType::Delta) if !event.delta.is_empty() => {
-                if self.options.wants_tools {
-                    if let Phase::Stream { held, .. } = &mut self.phase {
+                let text = match &mut self.phase {
+                    Phase::Stream {
+                        held,
+                        holding: holding @ true,
+                        ..
+                    } => {
                         held.push_str(&event.delta);
+                        // A tool call written as text is JSON from its first byte (or a
+                        // code fence): anything else is text, and is held no longer.
+                        let start = held.trim_start();
+                        if start.is_empty() || start.starts_with(['{', '`']) {
+                            return;
+                        }
+                        *holding = false;
+                        std::mem::take(held)
                     }
-                } else {
-                    let chunk = self.chunk(json!({"content": event.delta}), None);
-                    self.data(chunk);
-                }
+                    _ => event.delta,
+                };
+                let chunk = self.chunk(json!({"content": text}), None);
+                self.data(chunk);
             }
             Some(RunEventType::Complete) => {
                 self.settled = true;
@@ -488,7 +506,7 @@ impl Responder {
                         self.data(chunk);
                         "tool_calls"
                     }
-                    None => "stop",
+                    None => text_finish(&event.metadata),
                 };
                 let chunk = self.chunk(json!({}), Some(finish_reason));
                 self.data(chunk);
@@ -546,6 +564,18 @@ fn usage_json(u: &Usage) -> Value {
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.total_tokens,
     })
+}
+
+/// The `finish_reason` of an answer of text: `length` when the node says the answer was
+/// cut at `max_tokens`, else `stop`.
+fn text_finish(metadata: &BTreeMap<String, String>) -> &'static str {
+    match metadata
+        .get(iop_proto_core::wire::FINISH_REASON_KEY)
+        .map(String::as_str)
+    {
+        Some("length") => "length",
+        _ => "stop",
+    }
 }
 
 /// `tool_calls` from the native metadata key, or parsed from the text only when the node

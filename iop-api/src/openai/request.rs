@@ -83,7 +83,7 @@ pub fn inspect(raw: &[u8], endpoint: Endpoint) -> Result<RequestFacts, ApiError>
             ApiError::bad_request("you must provide a model parameter", Some("missing_model"))
         })?;
     let present = match endpoint {
-        Endpoint::Chat => given(head.messages).is_some_and(nonempty_array),
+        Endpoint::Chat | Endpoint::Tokenize => given(head.messages).is_some_and(nonempty_array),
         Endpoint::Completions => given(head.prompt).is_some(),
         Endpoint::Embeddings => given(head.input).is_some(),
     };

@@ -19,6 +19,7 @@ use crate::queue::WaitQueue;
 use crate::queue::Waiter;
 use crate::time::Timestamp;
 use crate::timer::Wake;
+use crate::tunnel::Endpoint;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -54,6 +55,23 @@ pub(super) struct ResourceMeta {
     pub(super) provider_id: Arc<str>,
     /// The message it is dispatched with (from its adapter's configuration).
     pub(super) shape: DispatchShape,
+    /// A tunnel-served adapter that serves the Messages API itself (its
+    /// `native_messages` option): a Messages request is sent to it as the caller wrote it.
+    pub(super) native_messages: bool,
+    /// A tunnel-served adapter whose provider tokenizes ([`Endpoint::Tokenize`]).
+    pub(super) tokenize: bool,
+}
+
+impl ResourceMeta {
+    /// Whether it can answer a call to `endpoint` as it is served now: a run answers
+    /// chat only; a tunnel every OpenAI route, and tokenizes when its provider does.
+    pub(super) fn serves(&self, endpoint: Endpoint) -> bool {
+        match endpoint {
+            Endpoint::Chat => true,
+            Endpoint::Completions | Endpoint::Embeddings => self.shape == DispatchShape::Tunnel,
+            Endpoint::Tokenize => self.shape == DispatchShape::Tunnel && self.tokenize,
+        }
+    }
 }
 
 /// A model group.
@@ -67,6 +85,8 @@ pub(super) struct Model {
     pub(super) long_threshold: Option<u64>,
     /// Whether any candidate has long-context capacity at all.
     pub(super) long_possible: bool,
+    /// The model's context window: a prompt estimated past it is refused.
+    pub(super) context_tokens: Option<u64>,
     /// Where the next round-robin tie-break starts.
     cursor: usize,
 }
@@ -84,6 +104,7 @@ impl Model {
             candidates,
             long_threshold,
             long_possible,
+            context_tokens: None,
             cursor: 0,
         }
     }
@@ -104,6 +125,8 @@ impl Pool {
             node,
             provider_id,
             shape,
+            native_messages: false,
+            tokenize: false,
         });
         self.health.push(Health::default());
         r
@@ -113,9 +136,21 @@ impl Pool {
         &self.resources[r.index()]
     }
 
-    /// The adapter behind `r` is now served as `shape` (a configuration change).
-    pub(super) fn set_shape(&mut self, r: ResourceId, shape: DispatchShape) {
-        self.resources[r.index()].shape = shape;
+    /// The adapter behind `r` is now configured as `adapter` (a configuration change):
+    /// its shape, whether it serves the Messages API itself, whether it tokenizes.
+    pub(super) fn set_serving(&mut self, r: ResourceId, adapter: &crate::wire::AdapterConfig) {
+        let shape = DispatchShape::for_adapter(adapter);
+        let option = |name: &str| adapter.options.get(name).map(String::as_str);
+        let tunnel = shape == DispatchShape::Tunnel;
+        let meta = &mut self.resources[r.index()];
+        meta.shape = shape;
+        meta.native_messages =
+            tunnel && option(crate::tunnel::Dialect::Messages.option()) == Some("true");
+        meta.tokenize = tunnel
+            && match option(crate::tunnel::TOKENIZE_OPTION) {
+                Some(v) => v == "true",
+                None => adapter.r#type == crate::wire::AdapterType::Vllm as i32,
+            };
     }
 
     pub(super) fn usage(&self, r: ResourceId) -> crate::lease::Usage {

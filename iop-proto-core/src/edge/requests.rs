@@ -38,6 +38,7 @@ use crate::queue::Candidate;
 use crate::queue::Ticket;
 use crate::queue::Waiter;
 use crate::time::Timestamp;
+use crate::tunnel::Endpoint;
 use crate::wire::Body;
 use crate::wire::CancelKind;
 use crate::wire::CancelRequest;
@@ -147,6 +148,11 @@ pub(super) struct Run {
 }
 
 impl Request {
+    /// The route it came by.
+    pub(super) fn endpoint(&self) -> Endpoint {
+        self.call.endpoint
+    }
+
     /// Whether it counts as being retried.
     pub(super) fn retrying(&self) -> bool {
         self.retrying
@@ -215,9 +221,9 @@ impl Requests {
             .is_some_and(|r| r.serving && !r.committed && !r.producing)
     }
 
-    /// Whether only a tunnel-served provider can answer `id`.
-    pub(super) fn tunnel_only(&self, id: RequestId) -> bool {
-        self.map.get(&id).is_some_and(|r| r.call.tunnel_only())
+    /// The route `id` came by, which decides the providers that can answer it.
+    pub(super) fn endpoint(&self, id: RequestId) -> Option<Endpoint> {
+        self.map.get(&id).map(|r| r.call.endpoint)
     }
 
     /// Whether `id` waits in the queue (for its first dispatch, or a retry, or beside a
@@ -289,7 +295,14 @@ impl Requests {
             r.retrying = true;
             self.retrying += 1;
         }
-        let (body, stream) = message(&r.call, &r.model, run, meta, target, lease.long);
+        let native = meta.shape == DispatchShape::Tunnel
+            && r.call
+                .native
+                .as_ref()
+                .is_some_and(|call| match call.dialect {
+                    crate::tunnel::Dialect::Messages => meta.native_messages,
+                });
+        let (body, stream) = message(&r.call, &r.model, run, meta, target, lease.long, native);
         cx.out.send(conn, body);
         cx.out.event(EdgeEvent::Attempt {
             run,
@@ -312,6 +325,7 @@ impl Requests {
                     shape: meta.shape,
                     node_id: node_id.clone(),
                     provider_id: meta.provider_id.clone(),
+                    native,
                 },
                 started: cx.now,
                 whole: !r.call.stream && meta.shape == DispatchShape::Run,

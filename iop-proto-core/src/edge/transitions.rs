@@ -443,6 +443,14 @@ impl EdgeCore {
             .pool
             .model(&submit.model)
             .ok_or_else(|| SubmitError::UnknownModel(submit.model.to_string()))?;
+        if let Some(max) = model.context_tokens
+            && submit.prompt_tokens > max
+        {
+            return Err(SubmitError::PromptTooLong {
+                tokens: submit.prompt_tokens,
+                max,
+            });
+        }
         let long = model
             .long_threshold
             .is_some_and(|t| submit.prompt_tokens >= t);
@@ -453,7 +461,7 @@ impl EdgeCore {
             model
                 .candidates
                 .iter()
-                .filter(|c| self.pool.meta(c.resource).shape == DispatchShape::Tunnel)
+                .filter(|c| self.pool.meta(c.resource).serves(submit.endpoint))
                 .cloned()
                 .collect()
         } else {
@@ -571,11 +579,11 @@ impl EdgeCore {
                 return false;
             }
         }
-        let tunnel_only = self.requests.tunnel_only(request);
+        let endpoint = r.endpoint();
         r.candidates.iter().any(|c| {
             Some(c.resource) != also
                 && !failed.contains(&c.resource)
-                && (!tunnel_only || self.pool.meta(c.resource).shape == DispatchShape::Tunnel)
+                && self.pool.meta(c.resource).serves(endpoint)
                 // Out of the rotation for now (ejected, cooling down after its
                 // `Retry-After`, probed) is no reason to fail: the request waits for it
                 // within its queue deadline.
@@ -588,12 +596,12 @@ impl EdgeCore {
     fn untried(&self, request: RequestId) -> Option<(Arc<str>, bool, Arc<[Candidate]>)> {
         let r = self.requests.get(request)?;
         let (_, failed) = self.requests.attempts(request)?;
-        let tunnel_only = self.requests.tunnel_only(request);
+        let endpoint = r.endpoint();
         let candidates = r
             .candidates
             .iter()
             .filter(|c| !failed.contains(&c.resource))
-            .filter(|c| !tunnel_only || self.pool.meta(c.resource).shape == DispatchShape::Tunnel)
+            .filter(|c| self.pool.meta(c.resource).serves(endpoint))
             .cloned()
             .collect();
         Some((r.model.clone(), r.long, candidates))
@@ -923,10 +931,12 @@ impl EdgeCore {
             return;
         }
         while let Some(waiter) = self.pool.next_for(self.now, resource) {
-            if self.requests.tunnel_only(waiter.request)
-                && self.pool.meta(resource).shape != DispatchShape::Tunnel
+            if self
+                .requests
+                .endpoint(waiter.request)
+                .is_some_and(|e| !self.pool.meta(resource).serves(e))
             {
-                self.requeue_for_tunnel(waiter);
+                self.requeue_for_endpoint(waiter);
                 continue;
             }
             let Some(candidate) = waiter
@@ -941,17 +951,20 @@ impl EdgeCore {
         }
     }
 
-    /// A tunnel-only waiter reached a provider that no longer tunnels (a configuration
-    /// refresh changed its adapter while the request waited). It goes on with its
-    /// candidates that still tunnel: granted at once where one has room, otherwise
+    /// A tunnel-only waiter reached a provider that no longer serves its route (a
+    /// configuration refresh changed its adapter while the request waited). It goes on
+    /// with its candidates that still do: granted at once where one has room, otherwise
     /// queued again, behind, with its deadline kept; with none left it fails, unless it
     /// waited beside a slow run, which then goes on alone (as when such a wait expires).
-    fn requeue_for_tunnel(&mut self, waiter: Waiter) {
+    fn requeue_for_endpoint(&mut self, waiter: Waiter) {
         let request = waiter.request;
+        let Some(endpoint) = self.requests.endpoint(request) else {
+            return;
+        };
         let candidates: Arc<[Candidate]> = waiter
             .candidates
             .iter()
-            .filter(|c| self.pool.meta(c.resource).shape == DispatchShape::Tunnel)
+            .filter(|c| self.pool.meta(c.resource).serves(endpoint))
             .cloned()
             .collect();
         if candidates.is_empty() && self.requests.has_live(request) {
@@ -1311,7 +1324,7 @@ impl EdgeCore {
             let Some(spec) = &entry.spec else { continue };
             for (name, r) in &entry.resources {
                 if let Some(adapter) = spec.adapter(name) {
-                    self.pool.set_shape(*r, DispatchShape::for_adapter(adapter));
+                    self.pool.set_serving(*r, adapter);
                 }
             }
         }
@@ -1333,12 +1346,14 @@ impl EdgeCore {
                     })
                 })
                 .collect();
-            models.push(Model::new(
+            let mut model = Model::new(
                 Arc::from(name.as_str()),
                 candidates.into(),
                 spec.long_context_threshold,
                 long_possible,
-            ));
+            );
+            model.context_tokens = spec.context_tokens;
+            models.push(model);
         }
         self.pool.install_models(models);
         self.config = config;

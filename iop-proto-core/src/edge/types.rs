@@ -616,6 +616,15 @@ pub enum SubmitError {
     /// retry at once (the listener leads to the successor).
     #[error("the edge is handing over to a new process; retry")]
     HandingOver,
+    /// The prompt, as estimated, is larger than the model's context window
+    /// ([`ModelSpec::context_tokens`](crate::edge_config::ModelSpec::context_tokens)).
+    #[error("prompt is too long: {tokens} tokens > {max} maximum")]
+    PromptTooLong {
+        /// The prompt's estimated tokens.
+        tokens: u64,
+        /// The model's context window.
+        max: u64,
+    },
 }
 
 /// Misuse of the machine by its driver.
@@ -680,6 +689,19 @@ pub struct Submit {
     pub request_id: Arc<str>,
     /// The longest the node may take over one provider call.
     pub timeout: Duration,
+    /// The caller's own call, when it came in a dialect some providers serve themselves:
+    /// a tunnel-served provider whose adapter says so is sent it (its `model` rewritten)
+    /// instead of `body`, and [`RequestEvent::Dispatched`] says `native`.
+    pub native: Option<NativeCall>,
+}
+
+/// A call as the caller wrote it, for providers that serve its dialect themselves.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NativeCall {
+    /// Its dialect.
+    pub dialect: crate::tunnel::Dialect,
+    /// Its body as received.
+    pub body: Bytes,
 }
 
 impl Submit {
@@ -696,6 +718,7 @@ impl Submit {
             headers: Vec::new(),
             request_id: Arc::from(""),
             timeout: Duration::from_secs(60),
+            native: None,
         }
     }
 
@@ -721,6 +744,9 @@ pub enum RequestEvent {
         node_id: Arc<str>,
         /// Adapter instance chosen on it.
         provider_id: Arc<str>,
+        /// The provider is sent the caller's own call ([`Submit::native`]) and answers in
+        /// its dialect.
+        native: bool,
     },
     /// A valid, in-order run event (boxed: a request's events queue in the shell, each
     /// taking the room of the largest kind).

@@ -26,9 +26,9 @@ pub use codec::{
 };
 pub use generated::*;
 pub use validate::{
-    MAX_CLUSTER_MEMBERS, MAX_DRAIN_REASON_BYTES, MAX_LOAD_ENTRIES, MAX_NODE_ID_BYTES,
-    MAX_REGISTER_ENTRIES, MAX_TOKEN_BYTES, OLLAMA_API_ENDPOINTS, REQUEST_ID_KEY, TRACE_KEYS,
-    Validate, ValidationError, is_request_id,
+    FINISH_REASON_KEY, MAX_CLUSTER_MEMBERS, MAX_DRAIN_REASON_BYTES, MAX_LOAD_ENTRIES,
+    MAX_NODE_ID_BYTES, MAX_REGISTER_ENTRIES, MAX_TOKEN_BYTES, OLLAMA_API_ENDPOINTS, REQUEST_ID_KEY,
+    STOP_SEQUENCE_KEY, TRACE_KEYS, Validate, ValidationError, is_request_id,
 };
 
 /// The variant carried by an [`Envelope`].

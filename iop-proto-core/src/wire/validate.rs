@@ -26,6 +26,15 @@ pub const OLLAMA_API_ENDPOINTS: [(&str, &str); 4] = [
 /// `x-request-id`). Observation only: both sides log it, nothing acts on it.
 pub const REQUEST_ID_KEY: &str = "request_id";
 
+/// The metadata key of a run's `COMPLETE` event that says why the answer ended, in
+/// OpenAI's words: `stop` (the model finished, or a stop sequence fired), `length` (cut
+/// at `max_tokens`). Optional: an Edge that reads no such key assumes `stop`.
+pub const FINISH_REASON_KEY: &str = "finish_reason";
+
+/// The metadata key of a run's `COMPLETE` event naming the stop sequence that ended the
+/// answer, where the provider says which. Optional.
+pub const STOP_SEQUENCE_KEY: &str = "stop_sequence";
+
 /// The `RunRequest.metadata` keys a run carries the caller's W3C Trace Context in (the
 /// `traceparent` and `tracestate` headers, as they came): the Node passes them on to the
 /// provider. A tunnel carries them among its headers instead.

@@ -58,6 +58,7 @@ pub fn config() -> EdgeConfig {
         ModelSpec {
             candidates: vec![candidate("n1", "a"), candidate("n2", "b")],
             long_context_threshold: Some(1000),
+            context_tokens: None,
             first_byte_timeout: None,
         },
     );
@@ -66,6 +67,7 @@ pub fn config() -> EdgeConfig {
         ModelSpec {
             candidates: vec![candidate("n1", "a")],
             long_context_threshold: Some(1000),
+            context_tokens: None,
             first_byte_timeout: None,
         },
     );

@@ -170,6 +170,7 @@ fn edge_config(setup: &Setup) -> EdgeConfig {
                 })
                 .collect(),
             long_context_threshold: Some(100),
+            context_tokens: None,
             first_byte_timeout: None,
         },
     );

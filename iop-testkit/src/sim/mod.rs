@@ -319,6 +319,7 @@ pub fn world_config(rev: u32) -> EdgeConfig {
         ModelSpec {
             candidates: vec![candidate(0, "run"), candidate(1, "run")],
             long_context_threshold: Some(100),
+            context_tokens: None,
             first_byte_timeout: None,
         },
     );
@@ -327,6 +328,7 @@ pub fn world_config(rev: u32) -> EdgeConfig {
         ModelSpec {
             candidates: vec![candidate(1, "tun"), candidate(2, "tun")],
             long_context_threshold: Some(100),
+            context_tokens: None,
             first_byte_timeout: None,
         },
     );
@@ -339,6 +341,7 @@ pub fn world_config(rev: u32) -> EdgeConfig {
                 candidate(1, "tun"),
             ],
             long_context_threshold: Some(100),
+            context_tokens: None,
             first_byte_timeout: None,
         },
     );

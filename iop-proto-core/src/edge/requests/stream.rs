@@ -257,7 +257,8 @@ pub(super) fn retry_after(headers: &[Header]) -> Option<Duration> {
 }
 
 /// The message run `run` of `call` is dispatched with on the provider `meta` describes,
-/// serving `target`, and the stream its answer is checked with.
+/// serving `target`, and the stream its answer is checked with; `native`: a tunnel of
+/// the caller's own call ([`Submit::native`]) rather than its translation.
 pub(super) fn message(
     call: &Submit,
     model: &Arc<str>,
@@ -265,6 +266,7 @@ pub(super) fn message(
     meta: &ResourceMeta,
     target: &str,
     long: bool,
+    native: bool,
 ) -> (Body, Stream) {
     let mut metadata = BTreeMap::new();
     if !call.request_id.is_empty() {
@@ -304,9 +306,15 @@ pub(super) fn message(
                 adapter: String::from(&*meta.provider_id),
                 target: target.to_owned(),
                 method: "POST".into(),
-                path: call.endpoint.path().into(),
+                path: match &call.native {
+                    Some(own) if native => own.dialect.path().into(),
+                    _ => call.endpoint.path().into(),
+                },
                 headers: call.headers.clone(),
-                body: iop_json::for_target(call.body.clone(), target),
+                body: match &call.native {
+                    Some(own) if native => iop_json::for_target(own.body.clone(), target),
+                    _ => iop_json::for_target(call.body.clone(), target),
+                },
                 stream: call.stream,
                 timeout_sec: u32::try_from(call.timeout.as_secs()).unwrap_or(u32::MAX),
                 metadata,
