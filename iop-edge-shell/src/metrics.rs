@@ -18,6 +18,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 use crate::status::Snapshot;
+use iop_api::dialect::Dialect;
 
 /// The `Content-Type` of [`Metrics::render`]'s text.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -39,10 +40,28 @@ struct ModelLabel {
     model: Arc<str>,
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+/// A request's model and status, and its API dialect where it is not OpenAI's (an
+/// OpenAI request's series keep the labels they always had).
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
 struct RequestLabels {
     model: Arc<str>,
     status: u16,
+    dialect: Option<&'static str>,
+}
+
+impl EncodeLabelSet for RequestLabels {
+    fn encode(
+        &self,
+        encoder: &mut prometheus_client::encoding::LabelSetEncoder<'_>,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::EncodeLabel;
+        ("model", &*self.model).encode(encoder.encode_label())?;
+        ("status", self.status).encode(encoder.encode_label())?;
+        if let Some(dialect) = self.dialect {
+            ("dialect", dialect).encode(encoder.encode_label())?;
+        }
+        Ok(())
+    }
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -177,13 +196,14 @@ struct TokenCounters {
 }
 
 impl ModelMetrics {
-    /// A finished HTTP request.
-    pub fn request(&self, status: u16, latency: Duration) {
+    /// A finished HTTP request, in `dialect`.
+    pub fn request(&self, status: u16, latency: Duration, dialect: Dialect) {
         let labels = || RequestLabels {
             model: self.model.clone(),
             status,
+            dialect: (dialect != Dialect::OpenAi).then(|| dialect.as_str()),
         };
-        if status == 200 {
+        if status == 200 && dialect == Dialect::OpenAi {
             self.ok
                 .get_or_init(|| self.requests.get_or_create(&labels()).clone())
                 .inc();
@@ -641,11 +661,15 @@ mod tests {
     fn renders_openmetrics_with_our_names() {
         let m = Metrics::new();
         let (model, node, provider) = (Arc::from("mock-chat"), Arc::from("n1"), Arc::from("mock"));
-        m.model(&model).request(200, Duration::from_millis(12));
+        let (openai, anthropic) = (Dialect::OpenAi, Dialect::Anthropic);
+        m.model(&model)
+            .request(200, Duration::from_millis(12), openai);
         // Another string with the same name records into the same series.
         let again = m.model(&Arc::from("mock-chat"));
-        again.request(200, Duration::from_millis(30));
-        again.request(503, Duration::from_millis(1));
+        again.request(200, Duration::from_millis(30), openai);
+        again.request(503, Duration::from_millis(1), openai);
+        // Another dialect is a label of its own; the latency series is shared.
+        again.request(200, Duration::from_millis(2), anthropic);
         let key: Arc<str> = Arc::from("team-a");
         m.model(&model).tokens(&node, &provider, &key, 5, 7);
         again.tokens(&node, &provider, &key, 1, 1);
@@ -657,8 +681,9 @@ mod tests {
         for line in [
             "iop_http_requests_total{model=\"mock-chat\",status=\"200\"} 2",
             "iop_http_requests_total{model=\"mock-chat\",status=\"503\"} 1",
-            "iop_http_request_duration_seconds_bucket{le=\"0.025\",model=\"mock-chat\"} 2",
-            "iop_http_request_duration_seconds_count{model=\"mock-chat\"} 3",
+            "iop_http_requests_total{model=\"mock-chat\",status=\"200\",dialect=\"anthropic\"} 1",
+            "iop_http_request_duration_seconds_bucket{le=\"0.025\",model=\"mock-chat\"} 3",
+            "iop_http_request_duration_seconds_count{model=\"mock-chat\"} 4",
             "iop_tokens_total{model=\"mock-chat\",node=\"n1\",provider=\"mock\",key=\"team-a\",kind=\"completion\"} 8",
             "iop_tokens_total{model=\"mock-chat\",node=\"n1\",provider=\"mock\",key=\"team-a\",kind=\"prompt\"} 6",
             "iop_tokens_total{model=\"mock-chat\",node=\"n1\",provider=\"other\",key=\"team-a\",kind=\"prompt\"} 2",

@@ -37,7 +37,7 @@ fn default_prefix() -> String {
 /// The sections several Edges of a cluster share through etcd (`<prefix>/config`): what
 /// the fleet is (nodes, models, client keys) and how it is run. Everything else belongs
 /// to one process (its listeners, runtime, limits, tracing, and `[cluster]` itself).
-pub const SHARED_SECTIONS: [&str; 8] = [
+pub const SHARED_SECTIONS: [&str; 9] = [
     "nodes",
     "models",
     "auth",
@@ -46,6 +46,7 @@ pub const SHARED_SECTIONS: [&str; 8] = [
     "admission",
     "heartbeat",
     "timeouts",
+    "messages",
 ];
 
 /// Cluster mode (`[cluster]`, docs/cluster.md).

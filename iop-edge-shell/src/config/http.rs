@@ -158,6 +158,11 @@ pub struct HttpSettings {
     /// requests still arriving on its open connections, before it re-homes them (0: at
     /// once, as soon as the successor serves).
     pub handover_quiet: Duration,
+    /// Every model's `display_name` (its name when it sets none), by name.
+    pub display_names: std::collections::BTreeMap<String, Arc<str>>,
+    /// `messages.keep_billing_header`: Claude Code's attribution line stays in the
+    /// system prompt a provider sees.
+    pub keep_billing_header: bool,
 }
 
 /// A named client key: what logs, metrics and the dashboard call it, its secret, and
@@ -412,6 +417,8 @@ pub(super) fn http_settings(
                 ));
             }
         },
+        display_names: std::collections::BTreeMap::new(),
+        keep_billing_header: false,
         shutdown_grace: match limits
             .shutdown_grace_sec
             .unwrap_or(DEFAULT_SHUTDOWN_GRACE_SEC)

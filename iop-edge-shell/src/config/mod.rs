@@ -17,6 +17,7 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use iop_proto_core::{EdgeConfig, TokenVerifier};
@@ -74,6 +75,8 @@ struct Raw {
     #[serde(default)]
     tracing: RawTracing,
     #[serde(default)]
+    messages: RawMessages,
+    #[serde(default)]
     nodes: Vec<RawNode>,
     #[serde(default)]
     models: Vec<RawModel>,
@@ -92,6 +95,16 @@ struct RawListen {
     pub(crate) nodes_tls: Option<RawTls>,
     pub(crate) http_tls: Option<RawHttpTls>,
     upgrade_socket: Option<String>,
+}
+
+/// `[messages]`: how Anthropic Messages requests are translated.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawMessages {
+    /// Keep Claude Code's per-request attribution line in the system prompt (it defeats
+    /// every provider's prefix cache; dropped by default).
+    #[serde(default)]
+    keep_billing_header: bool,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -236,6 +249,14 @@ impl Config {
         let nodes_addr = addr("listen.nodes", &raw.listen.nodes)?;
         let tls = tls::tls_settings(&raw.listen, nodes_addr, path)?;
         let admission = admission::admission(&raw.admission, &raw.limits, &raw.listen)?;
+        let display_names = raw
+            .models
+            .iter()
+            .map(|m| {
+                let shown = m.display_name.as_deref().unwrap_or(&m.name);
+                (m.name.clone(), Arc::from(shown))
+            })
+            .collect();
         let core = EdgeConfig {
             nodes: nodes::nodes(raw.nodes, nodes_addr, &timing)?,
             models: nodes::models(raw.models)?,
@@ -254,6 +275,11 @@ impl Config {
             &core.models,
             path,
         )?;
+        let http = HttpSettings {
+            display_names,
+            keep_billing_header: raw.messages.keep_billing_header,
+            ..http
+        };
         let worker_threads = match raw.runtime.worker_threads {
             None => iop_shell_common::process::default_workers(),
             Some(n @ 1..=MAX_WORKER_THREADS) => {

@@ -64,7 +64,10 @@ fn yes() -> bool {
 #[serde(deny_unknown_fields)]
 pub(super) struct RawModel {
     pub(super) name: String,
+    /// What model lists show people (`display_name`); the name when left out.
+    pub(super) display_name: Option<String>,
     pub(super) long_context_threshold: Option<u64>,
+    pub(super) context_tokens: Option<u64>,
     pub(super) first_byte_timeout_sec: Option<f64>,
     #[serde(default)]
     pub(super) providers: Vec<RawCandidate>,
@@ -186,6 +189,7 @@ pub(super) fn models(raw: Vec<RawModel>) -> Result<BTreeMap<String, ModelSpec>, 
                 })
                 .collect(),
             long_context_threshold: model.long_context_threshold,
+            context_tokens: model.context_tokens,
             first_byte_timeout: model
                 .first_byte_timeout_sec
                 .map(|s| {

@@ -17,23 +17,48 @@ pub(super) async fn snapshot(state: &State) -> Option<Snapshot> {
     rx.await.ok()
 }
 
-fn model_object(name: &str) -> Value {
-    json!({ "id": name, "object": "model", "created": 0, "owned_by": "iop" })
+/// A model as both SDKs read it: OpenAI's `object`, `created`, `owned_by`, and the
+/// Messages API's `type`, `display_name`, `created_at` (what Claude Code's model
+/// discovery reads).
+fn model_object(name: &str, settings: &crate::config::HttpSettings) -> Value {
+    let display = settings.display_names.get(name).map_or(name, |d| &**d);
+    json!({
+        "id": name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "iop",
+        "type": "model",
+        "display_name": display,
+        "created_at": "1970-01-01T00:00:00Z",
+    })
 }
 
 pub(super) async fn models(state: &State, caller: &Caller) -> Response<ResBody> {
     let Some(snapshot) = snapshot(state).await else {
         return api_error(&ApiError::shutting_down());
     };
+    let settings = state.settings();
     let data: Vec<Value> = snapshot
         .queue_by_model
         .iter()
         .filter(|(name, _)| state.tenants.may_use(&caller.name, name))
-        .map(|(name, _)| model_object(name))
+        .map(|(name, _)| model_object(name, &settings))
         .collect();
+    // The whole list is one page; the Messages API's paging fields say so.
+    let first = data.first().map(|m| m["id"].clone());
+    let last = data.last().map(|m| m["id"].clone());
     json_response(
         StatusCode::OK,
-        Bytes::from(json!({ "object": "list", "data": data }).to_string()),
+        Bytes::from(
+            json!({
+                "object": "list",
+                "data": data,
+                "has_more": false,
+                "first_id": first,
+                "last_id": last,
+            })
+            .to_string(),
+        ),
     )
 }
 
@@ -48,7 +73,8 @@ pub(super) async fn model(state: &State, caller: &Caller, id: &str) -> Response<
     if snapshot.queue_by_model.iter().any(|(name, _)| *name == id)
         && state.tenants.may_use(&caller.name, &id)
     {
-        return json_response(StatusCode::OK, Bytes::from(model_object(&id).to_string()));
+        let object = model_object(&id, &state.settings());
+        return json_response(StatusCode::OK, Bytes::from(object.to_string()));
     }
     error(
         StatusCode::NOT_FOUND,

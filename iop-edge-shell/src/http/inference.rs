@@ -13,8 +13,10 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
 use http_body::Frame;
 use http_body_util::BodyExt;
+use iop_api::anthropic::{self, TranslateOptions, Translated};
+use iop_api::dialect::{Dialect, Responder};
 use iop_api::openai::{
-    ApiError, Endpoint, ErrorType, Out, RATE_LIMIT_HEADERS, Responder, ResponseOptions, inspect,
+    self, ApiError, Endpoint, ErrorType, Out, RATE_LIMIT_HEADERS, RequestFacts, inspect,
     rate_limit_headers,
 };
 use iop_api::tenant::{RateLimits, Refusal};
@@ -25,7 +27,7 @@ use tokio::sync::oneshot;
 use tokio::time::{Instant, Sleep};
 use tracing::error;
 
-use super::{Caller, ReqBody, ResBody, State, api_error, json_response, now_secs};
+use super::{Caller, ReqBody, ResBody, State, dialect_error, json_response, now_secs};
 use crate::config::HttpSettings;
 use crate::driver::{CoreMsg, Events};
 use crate::memory::RequestMemory;
@@ -69,15 +71,71 @@ static REQUEST_ID: HeaderName = HeaderName::from_static(REQUEST_ID_HEADER);
 /// Where a tunnelled provider's own `x-request-id` goes when it differs from ours.
 static UPSTREAM_REQUEST_ID: HeaderName = HeaderName::from_static("x-upstream-request-id");
 
-/// [`inspect`], off the event loop for a large body ([`offload::run`]): the loop (one
-/// thread by default) also carries every open stream and the node link's heartbeats,
-/// which must not wait behind megabytes of JSON. More such bodies at once wait their
-/// turn for a slot, their bytes already counted against the in-flight budget.
+/// An inference route: an OpenAI endpoint, or the Messages API.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Route {
+    /// `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings`.
+    OpenAi(Endpoint),
+    /// `/v1/messages`.
+    Messages,
+}
+
+impl Route {
+    /// The dialect its answers are in.
+    pub(crate) fn dialect(self) -> Dialect {
+        match self {
+            Route::OpenAi(_) => Dialect::OpenAi,
+            Route::Messages => Dialect::Anthropic,
+        }
+    }
+
+    /// The OpenAI endpoint its request is dispatched as (Messages: chat, translated).
+    fn endpoint(self) -> Endpoint {
+        match self {
+            Route::OpenAi(endpoint) => endpoint,
+            Route::Messages => Endpoint::Chat,
+        }
+    }
+
+    /// Its path, for logs and spans.
+    pub(crate) fn path(self) -> &'static str {
+        match self {
+            Route::OpenAi(endpoint) => endpoint.path(),
+            Route::Messages => anthropic::MESSAGES_PATH,
+        }
+    }
+}
+
+/// What a request body asks, read in its dialect.
+enum Asked {
+    OpenAi(RequestFacts),
+    Anthropic(Translated),
+}
+
+impl Asked {
+    fn facts(&self) -> &RequestFacts {
+        match self {
+            Asked::OpenAi(facts) => facts,
+            Asked::Anthropic(translated) => &translated.facts,
+        }
+    }
+}
+
+/// [`inspect`] (or the Messages translation), off the event loop for a large body
+/// ([`offload::run`]): the loop (one thread by default) also carries every open stream
+/// and the node link's heartbeats, which must not wait behind megabytes of JSON. More
+/// such bodies at once wait their turn for a slot, their bytes already counted against
+/// the in-flight budget.
 async fn inspect_off_loop(
     raw: &bytes::Bytes,
-    endpoint: Endpoint,
-) -> Result<iop_api::openai::RequestFacts, ApiError> {
-    match offload::run(raw, move |body| inspect(body, endpoint)).await {
+    route: Route,
+    messages: TranslateOptions,
+) -> Result<Asked, ApiError> {
+    let read = move |body: &[u8]| match route {
+        Route::OpenAi(endpoint) => inspect(body, endpoint).map(Asked::OpenAi),
+        Route::Messages => anthropic::translate(body, messages).map(Asked::Anthropic),
+    };
+    match offload::run(raw, read).await {
         Ok(inspected) => inspected,
         Err(offload::NotDone::Stopping) => Err(ApiError::shutting_down()),
         Err(offload::NotDone::Panicked) => Err(ApiError::new(
@@ -230,17 +288,18 @@ pub(super) async fn read_body<B: ReqBody>(
     Ok(whole.unwrap_or_else(|| buf.freeze()))
 }
 
-/// `POST /v1/chat/completions`, `/v1/completions`, `/v1/embeddings`. Every answer, error
-/// or not, names the request in `x-request-id`.
+/// `POST /v1/chat/completions`, `/v1/completions`, `/v1/embeddings`, `/v1/messages`.
+/// Every answer, error or not, names the request in `x-request-id` (and, in the Messages
+/// dialect, in `request-id`, where the Anthropic SDKs read it).
 pub(super) async fn inference<B: ReqBody>(
     req: Request<B>,
     state: Arc<State>,
-    endpoint: Endpoint,
+    route: Route,
     caller: Caller,
 ) -> Response<ResBody> {
     let id = request_id(req.headers());
     let mut limits = None;
-    let mut response = handle(req, state, endpoint, caller, id.clone(), &mut limits).await;
+    let mut response = handle(req, state, route, caller, id.clone(), &mut limits).await;
     let headers = response.headers_mut();
     // A limited key's limits as its admission left them, on every response it gets (a
     // refusal carries its own).
@@ -255,15 +314,21 @@ pub(super) async fn inference<B: ReqBody>(
         headers.insert(UPSTREAM_REQUEST_ID.clone(), upstream);
     }
     if let Ok(value) = HeaderValue::from_str(&id) {
+        if route.dialect() == Dialect::Anthropic {
+            headers.insert(ANTHROPIC_REQUEST_ID.clone(), value.clone());
+        }
         headers.insert(REQUEST_ID.clone(), value);
     }
     response
 }
 
+/// The header the Anthropic SDKs read a request's id from.
+static ANTHROPIC_REQUEST_ID: HeaderName = HeaderName::from_static("request-id");
+
 async fn handle<B: ReqBody>(
     req: Request<B>,
     state: Arc<State>,
-    endpoint: Endpoint,
+    route: Route,
     caller: Caller,
     request_id: Arc<str>,
     limits: &mut Option<RateLimits>,
@@ -278,15 +343,17 @@ async fn handle<B: ReqBody>(
         first_byte: None,
         request_id: request_id.clone(),
         caller,
-        endpoint,
+        route,
         dispatched: None,
         ticket: None,
         trace: None,
         tracer: state.tracer.clone(),
     };
+    let dialect = route.dialect();
     let refuse = |finish: &mut Finish, refusal: &ApiError| {
-        finish.done(refusal.status, None);
-        api_error(refusal)
+        let response = dialect_error(dialect, refusal, &finish.request_id);
+        finish.done(response.status().as_u16(), None);
+        response
     };
     // Counted from here to the end of its response, so that a draining Edge waits for
     // it; one that arrives while the Edge drains is refused.
@@ -349,19 +416,24 @@ async fn handle<B: ReqBody>(
             ),
         );
     };
-    let asked = match inspect_off_loop(&raw, endpoint).await {
+    let translate = TranslateOptions {
+        keep_billing_header: settings.keep_billing_header,
+        ..TranslateOptions::default()
+    };
+    let asked = match inspect_off_loop(&raw, route, translate).await {
         Ok(asked) => asked,
         Err(refusal) => return refuse(&mut finish, &refusal),
     };
+    let facts = asked.facts();
     // The key's models, limits and budget; its usage is counted when the request ends.
     // A caller with no key (no key is required) is not accounted, and pays nothing.
-    let estimate = asked
+    let estimate = facts
         .prompt_tokens
-        .saturating_add(asked.max_tokens.unwrap_or(0));
+        .saturating_add(facts.max_tokens.unwrap_or(0));
     let admitted = if finish.caller.keyed {
         state
             .tenants
-            .admit(&finish.caller.name, &asked.model, estimate)
+            .admit(&finish.caller.name, &facts.model, estimate)
             .map(Some)
     } else {
         Ok(None)
@@ -375,7 +447,7 @@ async fn handle<B: ReqBody>(
             finish.ticket = ticket;
         }
         Err(limited) => {
-            let refusal = ApiError::limited(&limited, &asked.model);
+            let refusal = ApiError::limited(&limited, &facts.model);
             let mut response = refuse(&mut finish, &refusal);
             insert_rate_limits(response.headers_mut(), &limited.limits, limited.retry_after);
             // A spent budget does not come back within a client's retries: the SDKs
@@ -390,17 +462,30 @@ async fn handle<B: ReqBody>(
     }
 
     let (reply, answer) = oneshot::channel();
-    let model: Arc<str> = Arc::from(asked.model.as_str());
+    let model: Arc<str> = Arc::from(facts.model.as_str());
+    // A Messages request is dispatched as its chat translation; a provider that serves
+    // the Messages API itself is sent the caller's body.
+    let (body, native) = match &asked {
+        Asked::OpenAi(_) => (raw, None),
+        Asked::Anthropic(translated) => (
+            translated.chat.clone(),
+            Some(iop_proto_core::edge::NativeCall {
+                dialect: iop_proto_core::tunnel::Dialect::Messages,
+                body: raw,
+            }),
+        ),
+    };
     let submit = CoreMsg::Submit {
         submit: iop_proto_core::Submit {
             model: model.clone(),
-            endpoint,
-            body: raw,
-            stream: asked.stream,
-            prompt_tokens: asked.prompt_tokens,
+            endpoint: route.endpoint(),
+            body,
+            stream: facts.stream,
+            prompt_tokens: facts.prompt_tokens,
             headers,
             request_id,
             timeout: settings.response_timeout,
+            native,
         },
         events: tx,
         memory,
@@ -419,7 +504,10 @@ async fn handle<B: ReqBody>(
                 // Unknown names are caller input: keep them out of metric labels.
                 finish.model = crate::metrics::unknown_model();
             }
-            return refuse(&mut finish, &ApiError::from_submit(&refused, endpoint));
+            return refuse(
+                &mut finish,
+                &ApiError::from_submit(&refused, route.endpoint()),
+            );
         }
         Err(_) => return refuse(&mut finish, &ApiError::shutting_down()),
     };
@@ -430,7 +518,14 @@ async fn handle<B: ReqBody>(
         reason: "caller disconnected",
     };
     let run_id = iop_proto_core::edge::run_id_of(request);
-    let responder = Responder::new(ResponseOptions::new(&asked, &run_id, now_secs()));
+    let responder = match &asked {
+        Asked::OpenAi(facts) => Responder::OpenAi(openai::Responder::new(
+            openai::ResponseOptions::new(facts, &run_id, now_secs()),
+        )),
+        Asked::Anthropic(translated) => Responder::Anthropic(Box::new(anthropic::Responder::new(
+            anthropic::ResponseOptions::new(translated, &run_id, &finish.request_id),
+        ))),
+    };
     // The timer moves from the body's deadline to the response's (or an earlier
     // keep-alive comment).
     let now = Instant::now();
@@ -451,6 +546,160 @@ async fn handle<B: ReqBody>(
         _open: open,
     }))
     .await
+}
+
+/// `POST /v1/messages/count_tokens`: a Messages prompt's tokens for a model the caller may
+/// use (README, "Claude Code and the Anthropic SDKs"): counted by a provider's tokenizer
+/// where one of the model's providers tokenizes ([`exact_count`]), else the Edge's
+/// estimate. Nothing is accounted to the caller's key.
+pub(super) async fn count_tokens<B: ReqBody>(
+    req: Request<B>,
+    state: Arc<State>,
+    caller: Caller,
+) -> Response<ResBody> {
+    let id = request_id(req.headers());
+    let settings = state.settings();
+    let answer = async {
+        let memory = RequestMemory::new(state.budget.clone());
+        let deadline = tokio::time::sleep(settings.body_read_timeout);
+        tokio::pin!(deadline);
+        let content_length = declared_length(req.headers());
+        let raw = read_body(
+            req.into_body(),
+            content_length,
+            &settings,
+            &memory,
+            deadline.as_mut(),
+        )
+        .await?;
+        let options = TranslateOptions {
+            keep_billing_header: settings.keep_billing_header,
+            ..TranslateOptions::default()
+        };
+        let counted =
+            match offload::run(&raw, move |body| anthropic::count_tokens(body, options)).await {
+                Ok(counted) => counted?,
+                Err(_) => return Err(ApiError::shutting_down()),
+            };
+        if !settings.display_names.contains_key(&counted.model)
+            || !state.tenants.may_use(&caller.name, &counted.model)
+        {
+            return Err(ApiError::model_not_found(&counted.model));
+        }
+        let mut counted = counted;
+        if let Some(exact) = exact_count(&state, &counted, &id).await {
+            counted.input_tokens = exact;
+        }
+        Ok(counted.body())
+    };
+    let mut response = match answer.await {
+        Ok(body) => json_response(StatusCode::OK, body),
+        Err(refusal) => dialect_error(Dialect::Anthropic, &refusal, &id),
+    };
+    if let Ok(value) = HeaderValue::from_str(&id) {
+        response
+            .headers_mut()
+            .insert(ANTHROPIC_REQUEST_ID.clone(), value.clone());
+        response.headers_mut().insert(REQUEST_ID.clone(), value);
+    }
+    response
+}
+
+/// The longest a count waits for a provider's tokenizer before answering its estimate.
+const TOKENIZE_WAIT: Duration = Duration::from_secs(3);
+
+/// A prompt's exact token count from one of its model's providers that tokenizes
+/// ([`iop_api::tokenize`]), dispatched through the core as any tunnel (the core picks
+/// the provider, and refuses at once when none tokenizes); `None`, and the caller's
+/// estimate stands, when none does, or none answered with a count within
+/// [`TOKENIZE_WAIT`].
+async fn exact_count(
+    state: &Arc<State>,
+    counted: &anthropic::TokenCount,
+    request_id: &Arc<str>,
+) -> Option<u64> {
+    if counted.tokenize.is_empty() {
+        return None;
+    }
+    let memory = RequestMemory::new(state.budget.clone());
+    let (tx, rx) = crate::inbox::inbox();
+    let mut events = Events {
+        rx,
+        memory: memory.clone(),
+    };
+    let (reply, answer) = oneshot::channel();
+    let submit = CoreMsg::Submit {
+        submit: iop_proto_core::Submit {
+            model: Arc::from(counted.model.as_str()),
+            endpoint: Endpoint::Tokenize,
+            body: counted.tokenize.clone(),
+            stream: false,
+            prompt_tokens: counted.input_tokens,
+            headers: vec![Header {
+                name: REQUEST_ID_HEADER.to_owned(),
+                value: Bytes::copy_from_slice(request_id.as_bytes()),
+            }],
+            request_id: request_id.clone(),
+            timeout: TOKENIZE_WAIT,
+            native: None,
+        },
+        events: tx,
+        memory,
+        reply,
+    };
+    state.core.send(submit).ok()?;
+    // Refused (no provider of the model tokenizes): the estimate stands.
+    let request = answer.await.ok()?.ok()?;
+    let mut guard = CancelGuard {
+        core: state.core.clone(),
+        request,
+        armed: true,
+        reason: "count abandoned",
+    };
+    let read = async {
+        let mut status = None;
+        let mut prefix = Vec::new();
+        let mut whole = true;
+        loop {
+            let event = std::future::poll_fn(|cx| events.rx.poll_recv(cx)).await?;
+            events.memory.consumed(crate::driver::event_size(&event));
+            match event {
+                RequestEvent::Tunnel(part) => match part {
+                    iop_proto_core::tunnel::TunnelPart::Body(bytes) => {
+                        let room = iop_api::tokenize::ANSWER_PREFIX.saturating_sub(prefix.len());
+                        whole &= bytes.len() <= room;
+                        prefix.extend_from_slice(&bytes[..bytes.len().min(room)]);
+                    }
+                    iop_proto_core::tunnel::TunnelPart::Frame(frame) => {
+                        if status.is_none() && frame.status_code != 0 {
+                            status = Some(frame.status_code);
+                        }
+                        if !frame.body.is_empty() {
+                            let room =
+                                iop_api::tokenize::ANSWER_PREFIX.saturating_sub(prefix.len());
+                            whole &= frame.body.len() <= room;
+                            prefix.extend_from_slice(&frame.body[..frame.body.len().min(room)]);
+                        }
+                    }
+                },
+                RequestEvent::Ended(outcome) => {
+                    let complete = matches!(outcome, iop_proto_core::edge::Outcome::Completed);
+                    return (status == Some(200_u32) && complete)
+                        .then(|| iop_api::tokenize::answer_count(&prefix, whole))
+                        .flatten();
+                }
+                RequestEvent::Dispatched { .. } | RequestEvent::Run(_) => {}
+            }
+        }
+    };
+    let counted = tokio::time::timeout(TOKENIZE_WAIT, read)
+        .await
+        .ok()
+        .flatten();
+    if counted.is_some() {
+        guard.disarm();
+    }
+    counted
 }
 
 /// A request's response in progress: its events, the core's [`Responder`], and the
@@ -524,7 +773,7 @@ impl Live {
             }
             let due = self.last_activity + self.keepalive;
             if due <= now {
-                self.responder.handle_idle();
+                self.responder.handle_idle(self.keepalive);
                 self.last_activity = now;
             }
             let next = (self.last_activity + self.keepalive).min(self.deadline);
@@ -619,9 +868,15 @@ async fn respond(mut live: Box<Live>) -> Response<ResBody> {
                         response
                     }
                     Err(refusal) => {
-                        live.finish.done(refusal.status, live.responder.usage());
+                        let response = dialect_error(
+                            live.responder.dialect(),
+                            &refusal,
+                            &live.finish.request_id,
+                        );
+                        live.finish
+                            .done(response.status().as_u16(), live.responder.usage());
                         live.recorded = true;
-                        api_error(&refusal)
+                        response
                     }
                 };
             }
@@ -632,7 +887,11 @@ async fn respond(mut live: Box<Live>) -> Response<ResBody> {
             }
             None => {
                 error!("a response ended without a head");
-                return api_error(&ApiError::timeout());
+                return dialect_error(
+                    live.responder.dialect(),
+                    &ApiError::timeout(),
+                    &live.finish.request_id,
+                );
             }
         }
     }

@@ -18,6 +18,7 @@ use http::{HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body::{Body, Frame};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use iop_api::dialect::Dialect;
 use iop_api::openai::{ApiError, Endpoint, ErrorType};
 use iop_shell_common::repoll::Repoll;
 use tokio::net::TcpListener;
@@ -146,6 +147,22 @@ fn json_response(status: StatusCode, body: Bytes) -> Response<ResBody> {
 fn api_error(error: &ApiError) -> Response<ResBody> {
     let status = StatusCode::from_u16(error.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     json_response(status, error.body())
+}
+
+/// An error response in `dialect`'s shape (the Messages API's names the request).
+fn dialect_error(dialect: Dialect, error: &ApiError, request_id: &str) -> Response<ResBody> {
+    let (status, body) = dialect.error(error, request_id);
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    json_response(status, body)
+}
+
+/// The dialect a path's answers are in: the Messages API's routes answer as it does.
+fn dialect_of(path: &str) -> Dialect {
+    if path.starts_with(iop_api::anthropic::MESSAGES_PATH) {
+        Dialect::Anthropic
+    } else {
+        Dialect::OpenAi
+    }
 }
 
 /// An OpenAI error response of a route.
@@ -439,18 +456,42 @@ async fn route<B: ReqBody>(
     peer: std::net::SocketAddr,
 ) -> Response<ResBody> {
     let path = req.uri().path().to_owned();
+    let dialect = dialect_of(&path);
+    // An error of the Messages API's routes names the request as its answers do.
+    let refuse = |req: &Request<B>, error: &ApiError| match dialect {
+        Dialect::OpenAi => api_error(error),
+        Dialect::Anthropic => {
+            let id = inference::request_id(req.headers());
+            let mut r = dialect_error(dialect, error, &id);
+            if let Ok(value) = HeaderValue::from_str(&id) {
+                r.headers_mut().insert("request-id", value.clone());
+                r.headers_mut().insert(inference::REQUEST_ID_HEADER, value);
+            }
+            r
+        }
+    };
     let caller = match authorize(&req, peer, &state.settings(), access(&path)) {
         Ok(caller) => caller,
-        Err(denied) => return *denied,
+        Err(denied) => {
+            let mut r = refuse(&req, &denied);
+            if denied.status == 401 {
+                r.headers_mut()
+                    .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            }
+            return r;
+        }
     };
     if let Some(allow) = allowed_method(&path)
         && req.method().as_str() != allow
     {
-        let mut r = error(
-            StatusCode::METHOD_NOT_ALLOWED,
-            &format!("{path} answers {allow} only"),
-            ErrorType::InvalidRequest,
-            Some("method_not_allowed"),
+        let mut r = refuse(
+            &req,
+            &ApiError::new(
+                405,
+                ErrorType::InvalidRequest,
+                format!("{path} answers {allow} only"),
+                Some("method_not_allowed"),
+            ),
         );
         r.headers_mut()
             .insert(header::ALLOW, HeaderValue::from_static(allow));
@@ -519,16 +560,27 @@ async fn route<B: ReqBody>(
             r
         }
         (Method::POST, path) if let Some(endpoint) = inference_endpoint(path) => {
-            Box::pin(inference::inference(req, state, endpoint, caller)).await
+            let route = inference::Route::OpenAi(endpoint);
+            Box::pin(inference::inference(req, state, route, caller)).await
+        }
+        (Method::POST, iop_api::anthropic::MESSAGES_PATH) => {
+            let route = inference::Route::Messages;
+            Box::pin(inference::inference(req, state, route, caller)).await
+        }
+        (Method::POST, iop_api::anthropic::COUNT_TOKENS_PATH) => {
+            Box::pin(inference::count_tokens(req, state, caller)).await
         }
         (_, path) if path.starts_with("/v1/nodes/") => {
             Box::pin(admin::node_command(req, &state)).await
         }
-        _ => error(
-            StatusCode::NOT_FOUND,
-            &format!("no route for {path}"),
-            ErrorType::InvalidRequest,
-            Some("unknown_url"),
+        _ => refuse(
+            &req,
+            &ApiError::new(
+                404,
+                ErrorType::InvalidRequest,
+                format!("no route for {path}"),
+                Some("unknown_url"),
+            ),
         ),
     }
 }
@@ -576,7 +628,11 @@ fn allowed_method(path: &str) -> Option<&'static str> {
     match path {
         "/healthz" | "/metrics" | "/v1/models" | "/v1/status" | "/v1/events" | "/v1/usage"
         | "/ui" => Some("GET"),
-        "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings" => Some("POST"),
+        "/v1/chat/completions"
+        | "/v1/completions"
+        | "/v1/embeddings"
+        | iop_api::anthropic::MESSAGES_PATH
+        | iop_api::anthropic::COUNT_TOKENS_PATH => Some("POST"),
         p if p.starts_with("/v1/models/") => Some("GET"),
         _ => {
             let (_, what) = path.strip_prefix("/v1/nodes/")?.split_once('/')?;
@@ -594,15 +650,26 @@ fn allowed_method(path: &str) -> Option<&'static str> {
     }
 }
 
-/// The token of an `Authorization: Bearer <token>` header; the scheme is
-/// case-insensitive (RFC 9110 section 11.1).
+/// The token of an `Authorization: Bearer <token>` header (the scheme is
+/// case-insensitive, RFC 9110 section 11.1), else of an `x-api-key` header (how the
+/// Anthropic SDKs send a key): the same keys either way.
 fn bearer<B>(req: &Request<B>) -> Option<&str> {
-    let value = req.headers().get(header::AUTHORIZATION)?.to_str().ok()?;
-    let (scheme, token) = value.trim().split_once([' ', '\t'])?;
-    scheme
-        .eq_ignore_ascii_case("bearer")
-        .then(|| token.trim())
-        .filter(|t| !t.is_empty())
+    let bearer = || {
+        let value = req.headers().get(header::AUTHORIZATION)?.to_str().ok()?;
+        let (scheme, token) = value.trim().split_once([' ', '\t'])?;
+        scheme
+            .eq_ignore_ascii_case("bearer")
+            .then(|| token.trim())
+            .filter(|t| !t.is_empty())
+    };
+    bearer().or_else(|| {
+        req.headers()
+            .get("x-api-key")?
+            .to_str()
+            .ok()
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+    })
 }
 
 /// Who is calling: the name of the key that matched (a `[[auth.keys]]` name, or
@@ -637,7 +704,7 @@ fn authorize<B>(
     peer: std::net::SocketAddr,
     settings: &HttpSettings,
     access: Access,
-) -> Result<Caller, Box<Response<ResBody>>> {
+) -> Result<Caller, ApiError> {
     use iop_proto_core::TokenVerifier;
     // Hashed once, compared with every configured key in constant time.
     let presented = bearer(req).map(|p| iop_proto_core::token::sha256(p.as_bytes()));
@@ -667,21 +734,18 @@ fn authorize<B>(
         })
     };
     let unauthorized = || {
-        let mut r = error(
-            StatusCode::UNAUTHORIZED,
-            "Incorrect API key provided.",
+        ApiError::new(
+            401,
             ErrorType::InvalidRequest,
+            "Incorrect API key provided.",
             Some("invalid_api_key"),
-        );
-        r.headers_mut()
-            .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-        r
+        )
     };
     let forbidden = |message: &str| {
-        error(
-            StatusCode::FORBIDDEN,
-            message,
+        ApiError::new(
+            403,
             ErrorType::InvalidRequest,
+            message,
             Some("permission_denied"),
         )
     };
@@ -691,28 +755,28 @@ fn authorize<B>(
             if !settings.keys_required() || client.is_some() || admin.is_some() {
                 Ok(who())
             } else {
-                Err(Box::new(unauthorized()))
+                Err(unauthorized())
             }
         }
         Access::Admin if settings.admin_keys.is_empty() => {
             if settings.admin_loopback && peer.ip().is_loopback() && !proxied(req) {
                 Ok(who())
             } else {
-                Err(Box::new(forbidden(
+                Err(forbidden(
                     "This route is for operators and no admin key is configured: set [auth] \
                      admin_keys (or admin_loopback = true to open it to this host alone).",
-                )))
+                ))
             }
         }
         Access::Admin => {
             if admin.is_some() {
                 Ok(who())
             } else if client.is_some() {
-                Err(Box::new(forbidden(
+                Err(forbidden(
                     "This route needs an admin key, not a client key.",
-                )))
+                ))
             } else {
-                Err(Box::new(unauthorized()))
+                Err(unauthorized())
             }
         }
     }

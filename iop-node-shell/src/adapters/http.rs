@@ -216,6 +216,13 @@ impl Upstream {
         }
         if let Some(auth) = &self.auth {
             http1::encode_field(b"authorization", auth.as_bytes(), &mut out);
+            // The Messages API's own header for the key, for a provider that serves it
+            // natively and reads only that.
+            if path.starts_with("/v1/messages")
+                && let Some(key) = auth.as_bytes().strip_prefix(b"Bearer ")
+            {
+                http1::encode_field(b"x-api-key", key, &mut out);
+            }
         }
         http1::finish_request_head(method, body_len as u64, &mut out);
         Ok(out)

@@ -7,21 +7,31 @@
 //! - `tokens`: how many words to stream, cycling through the reply (default: its length);
 //! - `token_delay_ms`: delay before each word (default 20);
 //! - `fail`: `never` (default), `always` (fails after START), or `after:N` (after N words);
-//! - `tool_call`: when set and the request offers `tools`, the run completes with one
-//!   call to this function (in `openai_tool_calls`) instead of text;
+//! - `tool_call`: when set and the request offers `tools` (and does not end with a tool's
+//!   result), the run completes with one call to this function (in `openai_tool_calls`),
+//!   its arguments filled in from the tool's schema, instead of text;
 //! - `dispatch = "tunnel"` (read by the Edge): the Edge tunnels raw OpenAI requests to
 //!   this adapter instead of runs, and it answers them as an OpenAI-compatible server
-//!   would, embeddings and completions included (see `mock_openai`).
+//!   would, embeddings and completions included (see `mock_openai`);
+//! - `native_messages = "true"` (read by the Edge): the Edge sends Anthropic Messages
+//!   requests to such a tunnelled mock as they came, and it answers them as the Messages
+//!   API would;
+//! - `tokenize = "true"` (read by the Edge): a tunnelled mock answers vLLM's
+//!   `POST /tokenize`, so the Edge counts a prompt's tokens exactly with it.
+//!
+//! Every answer follows its request's `max_tokens` (words) and `stop` sequences, and says
+//! which ended it ([`plan`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
-use iop_json::nonempty_array;
 use iop_proto_core::RunOutput;
-use iop_proto_core::wire::{ErrorDetail, RunRequest, Usage};
+use iop_proto_core::wire::{ErrorDetail, FINISH_REASON_KEY, RunRequest, STOP_SEQUENCE_KEY, Usage};
 use tokio_util::sync::CancellationToken;
 
 use super::{Sink, error};
+
+pub mod plan;
 
 /// When the mock fails.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -41,7 +51,7 @@ pub struct Mock {
     pub(super) tokens: usize,
     pub(super) delay: Duration,
     pub(super) fail: Fail,
-    tool_call: Option<String>,
+    pub(super) tool_call: Option<String>,
 }
 
 impl Mock {
@@ -86,6 +96,8 @@ impl Mock {
         let tool_call = options.remove("tool_call").map(str::to_owned);
         // Read by the Edge, not by the adapter.
         options.remove("dispatch");
+        options.remove(iop_proto_core::tunnel::Dialect::Messages.option());
+        options.remove(iop_proto_core::tunnel::TOKENIZE_OPTION);
         if let Some(key) = options.keys().next() {
             return Err(format!("unknown mock option {key:?}"));
         }
@@ -114,45 +126,39 @@ impl Mock {
                 .await;
             return;
         }
-        // Only a mock that answers with a tool call reads the input (for its tools), off
-        // the thread when it is large, like the other adapters' conversions.
-        let wants_tools = match &self.tool_call {
-            None => false,
-            Some(_) => {
-                let reading = super::convert_input(&request.input, |input| {
-                    Ok(super::json::Object::parse(input)
-                        .is_ok_and(|input| input.get("tools").is_some_and(nonempty_array)))
-                });
-                let read = tokio::select! {
-                    () = cancel.cancelled() => Err(RunOutput::Cancelled),
-                    read = reading => read.map_err(RunOutput::Error),
-                };
-                match read {
-                    Ok(wants) => wants,
-                    Err(output) => {
-                        let _ = sink.run(output).await;
-                        return;
-                    }
-                }
+        // The input is read off the thread when it is large, like the other adapters'
+        // conversions.
+        let mock = self.clone();
+        let reading = super::convert_input(&request.input, move |input| Ok(mock.plan(input)));
+        let read = tokio::select! {
+            () = cancel.cancelled() => Err(RunOutput::Cancelled),
+            read = reading => read.map_err(RunOutput::Error),
+        };
+        let plan = match read {
+            Ok(plan) => plan,
+            Err(output) => {
+                let _ = sink.run(output).await;
+                return;
             }
         };
-        if let (Some(name), true) = (&self.tool_call, wants_tools) {
+        if let Some((name, arguments)) = &plan.tool {
             let calls = serde_json::json!([{
                 "id": format!("call_{}", request.run_id),
                 "type": "function",
-                "function": { "name": name, "arguments": "{}" },
+                "function": { "name": name, "arguments": arguments },
             }]);
             let mut metadata = BTreeMap::new();
             metadata.insert("openai_tool_calls".to_owned(), calls.to_string());
+            metadata.insert(FINISH_REASON_KEY.to_owned(), plan.finish.to_owned());
             let _ = sink
                 .run(RunOutput::Complete {
-                    usage: Some(usage(prompt_tokens, 1)),
+                    usage: Some(usage(prompt_tokens, plan.tokens)),
                     metadata,
                 })
                 .await;
             return;
         }
-        for i in 0..self.tokens {
+        for (i, piece) in plan.pieces.iter().enumerate() {
             if self.fail == Fail::After(i) {
                 let _ = sink.run(RunOutput::Error(injected_failure(i))).await;
                 return;
@@ -161,14 +167,19 @@ impl Mock {
                 let _ = sink.run(RunOutput::Cancelled).await;
                 return;
             }
-            if !sink.run(RunOutput::Delta(self.word(i, self.tokens))).await {
+            if !sink.run(RunOutput::Delta(piece.clone())).await {
                 return;
             }
         }
+        let mut metadata = BTreeMap::new();
+        metadata.insert(FINISH_REASON_KEY.to_owned(), plan.finish.to_owned());
+        if let Some(sequence) = plan.stop_sequence {
+            metadata.insert(STOP_SEQUENCE_KEY.to_owned(), sequence);
+        }
         let _ = sink
             .run(RunOutput::Complete {
-                usage: Some(usage(prompt_tokens, self.tokens as u64)),
-                metadata: BTreeMap::new(),
+                usage: Some(usage(prompt_tokens, plan.tokens)),
+                metadata,
             })
             .await;
     }
@@ -268,7 +279,9 @@ mod tests {
         // The same without tools: text.
         let plain = serde_json::to_vec(&serde_json::json!({"messages": messages})).expect("json");
         match tool_run(plain).await {
-            RunOutput::Complete { metadata, .. } => assert!(metadata.is_empty()),
+            RunOutput::Complete { metadata, .. } => {
+                assert!(!metadata.contains_key("openai_tool_calls"));
+            }
             other => panic!("expected text, got {other:?}"),
         }
     }

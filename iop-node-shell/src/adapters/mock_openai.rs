@@ -5,7 +5,11 @@
 //!
 //! - `POST /v1/chat/completions` and `POST /v1/completions`: the mock's reply, word by
 //!   word (SSE with `stream: true`, usage chunk with `stream_options.include_usage`),
-//!   cut at `max_tokens` (`finish_reason: "length"`);
+//!   cut at `max_tokens` (`finish_reason: "length"`) or at a `stop` sequence (named in
+//!   vLLM's `stop_reason`), or a tool call (its arguments streamed in two pieces) when
+//!   the mock has `tool_call` set and the request offers tools;
+//! - `POST /v1/messages`: the same as the Anthropic Messages API would answer it (JSON,
+//!   or its event stream), for a mock the Edge sends Messages requests to as they came;
 //! - `POST /v1/embeddings`: a deterministic unit vector per input (the same text always
 //!   gets the same vector; `dimensions` from the request, default 16), as floats or,
 //!   with `encoding_format: "base64"` (what the OpenAI SDKs ask for), as little-endian
@@ -23,6 +27,7 @@ use serde::Deserialize;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
+use super::mock::plan::Plan;
 use super::mock::{Fail, Mock, injected_failure, usage};
 use super::{Sink, error};
 
@@ -104,6 +109,8 @@ impl Mock {
                     .await
             }
             ("POST", "/v1/embeddings") => embeddings(&request.body, &sink).await,
+            ("POST", "/v1/messages") => self.messages(&id, &request.body, &sink, &cancel).await,
+            ("POST", "/tokenize") => tokenize(&request.body, &sink).await,
             _ => Err(Refusal::new(
                 404,
                 "not_found",
@@ -150,17 +157,12 @@ impl Mock {
             ));
         }
         let model = req.model.as_deref().unwrap_or("mock").to_owned();
-        let limit = req.max_completion_tokens.or(req.max_tokens);
-        let count = limit.map_or(self.tokens, |n| {
-            self.tokens.min(usize::try_from(n).unwrap_or(usize::MAX))
-        });
-        let finish = if count < self.tokens {
-            "length"
-        } else {
-            "stop"
-        };
+        let mut plan = self.plan(body);
+        if endpoint == Endpoint::Text {
+            plan.tool = None;
+        }
         let prompt_tokens = (input.get().len() as u64).div_ceil(4);
-        let usage = usage(prompt_tokens, count as u64);
+        let usage = usage(prompt_tokens, plan.tokens);
         let created = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
@@ -172,7 +174,7 @@ impl Mock {
         };
         if !req.stream {
             let mut text = String::new();
-            for i in 0..count {
+            for (i, piece) in plan.pieces.iter().enumerate() {
                 if self.fail == Fail::After(i) {
                     return Err(Refusal::new(
                         500,
@@ -184,9 +186,9 @@ impl Mock {
                     cancelled(sink).await;
                     return Ok(());
                 }
-                text.push_str(&self.word(i, count));
+                text.push_str(piece);
             }
-            let body = shape.whole(&text, finish, &usage);
+            let body = shape.whole(&text, &plan, &usage);
             whole(sink, 200, body.to_string().into(), Some(usage)).await;
             return Ok(());
         }
@@ -212,7 +214,28 @@ impl Mock {
         {
             return Ok(());
         }
-        for i in 0..count {
+        if let Some((name, arguments)) = &plan.tool {
+            // The arguments in two pieces, as servers stream them.
+            let half = arguments
+                .char_indices()
+                .map(|(i, _)| i)
+                .nth(arguments.chars().count() / 2)
+                .unwrap_or(0);
+            let (head, tail) = arguments.split_at(half);
+            let first = json!({"tool_calls": [{"index": 0, "id": format!("call_{id}"), "type": "function",
+                "function": {"name": name, "arguments": head}}]});
+            let second = json!({"tool_calls": [{"index": 0, "function": {"arguments": tail}}]});
+            if !self.pause(cancel).await {
+                cancelled(sink).await;
+                return Ok(());
+            }
+            if !event(sink, &shape.chunk(Some(first), None)).await
+                || !event(sink, &shape.chunk(Some(second), None)).await
+            {
+                return Ok(());
+            }
+        }
+        for (i, piece) in plan.pieces.iter().enumerate() {
             if self.fail == Fail::After(i) {
                 let _ = sink.tunnel(TunnelOutput::Error(injected_failure(i))).await;
                 return Ok(());
@@ -221,19 +244,19 @@ impl Mock {
                 cancelled(sink).await;
                 return Ok(());
             }
-            let word = self.word(i, count);
             let piece = match endpoint {
-                Endpoint::Chat => shape.chunk(Some(json!({"content": word})), None),
-                Endpoint::Text => shape.chunk(Some(json!(word)), None),
+                Endpoint::Chat => shape.chunk(Some(json!({"content": piece})), None),
+                Endpoint::Text => shape.chunk(Some(json!(piece)), None),
             };
             if !event(sink, &piece).await {
                 return Ok(());
             }
         }
-        let last = match endpoint {
-            Endpoint::Chat => shape.chunk(Some(json!({})), Some(finish)),
-            Endpoint::Text => shape.chunk(Some(json!("")), Some(finish)),
+        let mut last = match endpoint {
+            Endpoint::Chat => shape.chunk(Some(json!({})), Some(plan.finish)),
+            Endpoint::Text => shape.chunk(Some(json!("")), Some(plan.finish)),
         };
+        last["choices"][0]["stop_reason"] = json!(plan.stop_sequence);
         if !event(sink, &last).await {
             return Ok(());
         }
@@ -255,6 +278,195 @@ impl Mock {
     }
 }
 
+impl Mock {
+    /// `POST /v1/messages`: the answer as the Anthropic Messages API gives it, so that a
+    /// mock declared `native_messages` shows a Messages request passing through the Edge
+    /// untranslated (its id starts `msg_native_`).
+    async fn messages(
+        &self,
+        id: &str,
+        body: &[u8],
+        sink: &Sink,
+        cancel: &CancellationToken,
+    ) -> Result<(), Refusal> {
+        let req: MessagesIn = serde_json::from_slice(body).map_err(|e| {
+            Refusal::new(400, "invalid_request_error", format!("request body: {e}"))
+        })?;
+        let Some(max_tokens) = req.max_tokens else {
+            return Err(Refusal::new(
+                400,
+                "invalid_request_error",
+                "max_tokens: Field required".to_owned(),
+            ));
+        };
+        // The plan reads a chat body: the parts of this one it acts on, in that shape.
+        let last_is_result = req.messages.last().is_some_and(|m| {
+            m.content
+                .as_array()
+                .is_some_and(|blocks| blocks.iter().any(|b| b["type"] == "tool_result"))
+        });
+        let tools: Vec<serde_json::Value> = req
+            .tools
+            .iter()
+            .map(|t| json!({"type": "function", "function": {"name": t["name"], "parameters": t["input_schema"]}}))
+            .collect();
+        let chat = json!({
+            "max_tokens": max_tokens,
+            "stop": req.stop_sequences,
+            "tools": tools,
+            "messages": [{"role": if last_is_result { "tool" } else { "user" }}],
+        });
+        let plan = self.plan(chat.to_string().as_bytes());
+        let model = req.model.unwrap_or_else(|| "mock".to_owned());
+        let message_id = format!("msg_native_{id}");
+        let input_tokens = (body.len() as u64).div_ceil(4);
+        let stop_reason = match plan.finish {
+            "length" => "max_tokens",
+            "tool_calls" => "tool_use",
+            _ if plan.stop_sequence.is_some() => "stop_sequence",
+            _ => "end_turn",
+        };
+        let tool = plan.tool.as_ref().map(|(name, arguments)| {
+            let input: serde_json::Value = serde_json::from_str(arguments).unwrap_or(json!({}));
+            (format!("toolu_{id}"), name.clone(), input)
+        });
+        let usage = json!({"input_tokens": input_tokens, "output_tokens": plan.tokens});
+        if !req.stream {
+            let mut text = String::new();
+            for piece in &plan.pieces {
+                if !self.pause(cancel).await {
+                    cancelled(sink).await;
+                    return Ok(());
+                }
+                text.push_str(piece);
+            }
+            let mut content = Vec::new();
+            if !text.is_empty() {
+                content.push(json!({"type": "text", "text": text}));
+            }
+            if let Some((tool_id, name, input)) = &tool {
+                content
+                    .push(json!({"type": "tool_use", "id": tool_id, "name": name, "input": input}));
+            }
+            let body = json!({
+                "id": message_id, "type": "message", "role": "assistant", "model": model,
+                "content": content, "stop_reason": stop_reason,
+                "stop_sequence": plan.stop_sequence, "usage": usage,
+            });
+            whole(
+                sink,
+                200,
+                body.to_string().into(),
+                Some(super::mock::usage(input_tokens, plan.tokens)),
+            )
+            .await;
+            return Ok(());
+        }
+        let headers = vec![
+            header("content-type", "text/event-stream"),
+            header("cache-control", "no-cache"),
+        ];
+        if !sink
+            .tunnel(TunnelOutput::Status {
+                status: 200,
+                headers,
+            })
+            .await
+        {
+            return Ok(());
+        }
+        let start = json!({"type": "message_start", "message": {
+            "id": message_id, "type": "message", "role": "assistant", "model": model,
+            "content": [], "stop_reason": null, "stop_sequence": null,
+            "usage": {"input_tokens": input_tokens, "output_tokens": 0}}});
+        if !named_event(sink, &start).await {
+            return Ok(());
+        }
+        let mut index = 0;
+        if !plan.pieces.is_empty() {
+            let open = json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}});
+            if !named_event(sink, &open).await {
+                return Ok(());
+            }
+            for piece in &plan.pieces {
+                if !self.pause(cancel).await {
+                    cancelled(sink).await;
+                    return Ok(());
+                }
+                let delta = json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": piece}});
+                if !named_event(sink, &delta).await {
+                    return Ok(());
+                }
+            }
+            if !named_event(sink, &json!({"type": "content_block_stop", "index": 0})).await {
+                return Ok(());
+            }
+            index = 1;
+        }
+        if let Some((tool_id, name, input)) = &tool {
+            let events = [
+                json!({"type": "content_block_start", "index": index, "content_block": {"type": "tool_use", "id": tool_id, "name": name, "input": {}}}),
+                json!({"type": "content_block_delta", "index": index, "delta": {"type": "input_json_delta", "partial_json": input.to_string()}}),
+                json!({"type": "content_block_stop", "index": index}),
+            ];
+            for e in &events {
+                if !named_event(sink, e).await {
+                    return Ok(());
+                }
+            }
+        }
+        let end = [
+            json!({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": plan.stop_sequence}, "usage": {"output_tokens": plan.tokens}}),
+            json!({"type": "message_stop"}),
+        ];
+        for e in &end {
+            if !named_event(sink, e).await {
+                return Ok(());
+            }
+        }
+        if sink
+            .tunnel(TunnelOutput::Usage(super::mock::usage(
+                input_tokens,
+                plan.tokens,
+            )))
+            .await
+        {
+            let _ = sink.tunnel(TunnelOutput::End).await;
+        }
+        Ok(())
+    }
+}
+
+/// The members of a Messages request the mock reads.
+#[derive(Deserialize)]
+struct MessagesIn {
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    max_tokens: Option<u64>,
+    #[serde(default)]
+    stream: bool,
+    #[serde(default)]
+    stop_sequences: Vec<String>,
+    #[serde(default)]
+    tools: Vec<serde_json::Value>,
+    #[serde(default)]
+    messages: Vec<MessageIn>,
+}
+
+#[derive(Deserialize)]
+struct MessageIn {
+    #[serde(default)]
+    content: serde_json::Value,
+}
+
+/// An SSE event named by its `type`, as the Messages API writes them.
+async fn named_event(sink: &Sink, value: &serde_json::Value) -> bool {
+    let name = value["type"].as_str().unwrap_or("message");
+    let text = format!("event: {name}\ndata: {value}\n\n");
+    sink.tunnel(TunnelOutput::Body(text.into())).await
+}
+
 /// How responses of one request look: ids, object names and the model echoed back.
 struct Shape<'a> {
     endpoint: Endpoint,
@@ -264,8 +476,9 @@ struct Shape<'a> {
 }
 
 impl Shape<'_> {
-    fn whole(&self, text: &str, finish: &str, usage: &Usage) -> serde_json::Value {
-        let (object, choice) = match self.endpoint {
+    fn whole(&self, text: &str, plan: &Plan, usage: &Usage) -> serde_json::Value {
+        let finish = plan.finish;
+        let (object, mut choice) = match self.endpoint {
             Endpoint::Chat => (
                 "chat.completion",
                 json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish}),
@@ -275,6 +488,12 @@ impl Shape<'_> {
                 json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish}),
             ),
         };
+        choice["stop_reason"] = json!(plan.stop_sequence);
+        if let Some((name, arguments)) = &plan.tool {
+            choice["message"]["content"] = serde_json::Value::Null;
+            choice["message"]["tool_calls"] = json!([{"id": format!("call_{}", self.id), "type": "function",
+                "function": {"name": name, "arguments": arguments}}]);
+        }
         json!({
             "id": self.id, "object": object, "created": self.created, "model": self.model,
             "choices": [choice], "usage": usage_json(usage),
@@ -303,6 +522,27 @@ impl Shape<'_> {
             Endpoint::Text => "text_completion",
         }
     }
+}
+
+/// vLLM's `POST /tokenize` with chat `messages`: the count is the prompt tokens the mock
+/// reports for the same messages in a completion's usage, and `tokens` that many ids.
+async fn tokenize(body: &[u8], sink: &Sink) -> Result<(), Refusal> {
+    let req: Generate<'_> = serde_json::from_slice(body)
+        .map_err(|e| Refusal::new(400, "invalid_request", format!("request body: {e}")))?;
+    let messages = req
+        .messages
+        .ok_or_else(|| Refusal::new(400, "invalid_request", "messages is required".to_owned()))?;
+    let count = (messages.get().len() as u64).div_ceil(4);
+    let mut out = format!("{{\"count\":{count},\"max_model_len\":32768,\"tokens\":[");
+    for i in 0..count {
+        if i > 0 {
+            out.push(',');
+        }
+        out.push_str(&(i % 50_000).to_string());
+    }
+    out.push_str("],\"token_strs\":null}");
+    whole(sink, 200, out.into(), None).await;
+    Ok(())
 }
 
 async fn embeddings(body: &[u8], sink: &Sink) -> Result<(), Refusal> {
@@ -552,6 +792,26 @@ mod tests {
         assert_eq!(status, 400);
         let (status, _, _) = answer("POST", "/v1/completions", r#"{"model":"m"}"#).await;
         assert_eq!(status, 400, "a prompt is required");
+
+        // vLLM's tokenizer: the same count as the usage of a completion of the messages.
+        let messages = r#"[{"role":"user","content":"hi"}]"#;
+        let (_, body, _) = answer(
+            "POST",
+            "/v1/chat/completions",
+            &format!(r#"{{"model":"m","messages":{messages}}}"#),
+        )
+        .await;
+        let usage: serde_json::Value = serde_json::from_str(&body).expect("json");
+        let (status, body, _) = answer(
+            "POST",
+            "/tokenize",
+            &format!(r#"{{"model":"m","messages":{messages},"add_generation_prompt":true}}"#),
+        )
+        .await;
+        let v: serde_json::Value = serde_json::from_str(&body).expect("json");
+        assert_eq!(status, 200);
+        assert_eq!(v["count"], usage["usage"]["prompt_tokens"]);
+        assert_eq!(v["tokens"].as_array().map(Vec::len), Some(8));
     }
 
     #[test]

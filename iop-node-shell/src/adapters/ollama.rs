@@ -35,7 +35,8 @@ impl Ollama {
 
 /// Converts an OpenAI chat request into an Ollama `/api/chat` request body. Messages are
 /// copied byte for byte except those carrying `tool_calls` (OpenAI writes a call's
-/// arguments as a JSON string, Ollama as an object): no tree of the whole input is built.
+/// arguments as a JSON string, Ollama as an object) or content parts (Ollama takes one
+/// text and its images as base64 beside it): no tree of the whole input is built.
 pub fn to_ollama(input: &[u8], target: &str) -> Result<Vec<u8>, String> {
     use std::borrow::Cow;
     let object = json::Object::parse(input)?;
@@ -43,11 +44,14 @@ pub fn to_ollama(input: &[u8], target: &str) -> Result<Vec<u8>, String> {
         None => Vec::new(),
         Some(raw) => json::elements(raw).ok_or("messages is not an array")?,
     };
-    let messages = json::array(messages.into_iter().map(|message| {
-        if !message.get().contains("\"tool_calls\"") {
-            return Cow::Borrowed(message.get());
+    let mut converted = Vec::with_capacity(messages.len());
+    for message in messages {
+        let text = message.get();
+        if !text.contains("\"tool_calls\"") && !text.contains("\"content\":[") {
+            converted.push(Cow::Borrowed(text));
+            continue;
         }
-        let mut message: Value = serde_json::from_str(message.get()).unwrap_or(Value::Null);
+        let mut message: Value = serde_json::from_str(text).unwrap_or(Value::Null);
         if let Some(calls) = message.get_mut("tool_calls").and_then(Value::as_array_mut) {
             for call in calls {
                 if let Some(args) = call.pointer_mut("/function/arguments")
@@ -57,8 +61,16 @@ pub fn to_ollama(input: &[u8], target: &str) -> Result<Vec<u8>, String> {
                 }
             }
         }
-        Cow::Owned(message.to_string())
-    }));
+        if let Some(parts) = message.get("content").and_then(Value::as_array) {
+            let (content, images) = ollama_content(parts)?;
+            message["content"] = Value::String(content);
+            if !images.is_empty() {
+                message["images"] = Value::from(images);
+            }
+        }
+        converted.push(Cow::Owned(message.to_string()));
+    }
+    let messages = json::array(converted);
     let model = Value::from(target).to_string();
     let mut set: Vec<(&str, &str)> = vec![
         ("model", &model),
@@ -74,6 +86,7 @@ pub fn to_ollama(input: &[u8], target: &str) -> Result<Vec<u8>, String> {
     for (from, to) in [
         ("temperature", "temperature"),
         ("top_p", "top_p"),
+        ("top_k", "top_k"),
         ("max_tokens", "num_predict"),
         ("seed", "seed"),
         ("stop", "stop"),
@@ -91,6 +104,37 @@ pub fn to_ollama(input: &[u8], target: &str) -> Result<Vec<u8>, String> {
     }
     // Only the members Ollama understands: start from an empty object.
     Ok(json::Object::default().write(&set))
+}
+
+/// OpenAI content parts as Ollama takes them: the texts joined by newlines, and the
+/// images (data URLs) as base64. An image by URL or a file part cannot be: refused.
+fn ollama_content(parts: &[Value]) -> Result<(String, Vec<String>), String> {
+    let mut texts = Vec::new();
+    let mut images = Vec::new();
+    for part in parts {
+        match part.get("type").and_then(Value::as_str) {
+            Some("text") => texts.push(part.get("text").and_then(Value::as_str).unwrap_or("")),
+            Some("image_url") => {
+                let url = part
+                    .pointer("/image_url/url")
+                    .and_then(Value::as_str)
+                    .unwrap_or("");
+                let data = url
+                    .strip_prefix("data:")
+                    .and_then(|rest| rest.split_once(";base64,"))
+                    .map(|(_, data)| data)
+                    .ok_or("ollama takes images as base64 data, not by URL")?;
+                images.push(data.to_owned());
+            }
+            other => {
+                return Err(format!(
+                    "ollama takes text and image content parts, not {}",
+                    other.unwrap_or("untyped parts")
+                ));
+            }
+        }
+    }
+    Ok((texts.join("\n"), images))
 }
 
 /// Converts Ollama tool calls into OpenAI `tool_calls`.
@@ -200,6 +244,7 @@ impl Ollama {
         let mut lines = Lines::default();
         let mut calls: Vec<Value> = Vec::new();
         let mut usage: Option<Usage> = None;
+        let mut finish: Option<&'static str> = None;
         let mut ended = false;
         while !ended {
             let data = match timeout_at(deadline, body.frame()).await {
@@ -250,6 +295,11 @@ impl Ollama {
                     calls.extend(converted);
                 }
                 if chunk.get("done").and_then(Value::as_bool) == Some(true) {
+                    // `length` when cut at `num_predict`; Ollama does not say which stop
+                    // sequence fired.
+                    if let Some(reason) = chunk.get("done_reason").and_then(Value::as_str) {
+                        finish = Some(if reason == "length" { "length" } else { "stop" });
+                    }
                     let n = |key: &str| chunk.get(key).and_then(Value::as_u64).unwrap_or(0);
                     let (prompt, completion) = (n("prompt_eval_count"), n("eval_count"));
                     usage = Some(Usage {
@@ -261,6 +311,12 @@ impl Ollama {
             }
         }
         let mut metadata = BTreeMap::new();
+        if let Some(finish) = finish {
+            metadata.insert(
+                iop_proto_core::wire::FINISH_REASON_KEY.to_owned(),
+                finish.to_owned(),
+            );
+        }
         if !calls.is_empty() {
             metadata.insert(
                 "openai_tool_calls".to_owned(),

@@ -453,6 +453,8 @@ impl OpenAi {
         let mut lines = Lines::default();
         let mut calls = ToolCalls::default();
         let mut usage: Option<Usage> = None;
+        let mut finish: Option<String> = None;
+        let mut stop_sequence: Option<String> = None;
         let mut body = response.into_body();
         'stream: while let Some(frame) = next_frame(&mut body, &mut watch).await? {
             let Ok(data) = frame.into_data() else {
@@ -471,6 +473,19 @@ impl OpenAi {
                 };
                 if let Some(u) = usage_of(&chunk) {
                     usage = Some(u);
+                }
+                if let Some(reason) = chunk
+                    .pointer("/choices/0/finish_reason")
+                    .and_then(Value::as_str)
+                {
+                    finish = Some(reason.to_owned());
+                }
+                // vLLM's: the stop string that ended the answer.
+                if let Some(stop) = chunk
+                    .pointer("/choices/0/stop_reason")
+                    .and_then(Value::as_str)
+                {
+                    stop_sequence = Some(stop.to_owned());
                 }
                 let Some(delta) = chunk.pointer("/choices/0/delta") else {
                     continue;
@@ -492,6 +507,12 @@ impl OpenAi {
         }
         if fallback {
             metadata.insert("openai_text_tool_fallback".to_owned(), "true".to_owned());
+        }
+        if let Some(finish) = finish {
+            metadata.insert(iop_proto_core::wire::FINISH_REASON_KEY.to_owned(), finish);
+        }
+        if let Some(stop) = stop_sequence {
+            metadata.insert(iop_proto_core::wire::STOP_SEQUENCE_KEY.to_owned(), stop);
         }
         Ok(RunOutput::Complete { usage, metadata })
     }

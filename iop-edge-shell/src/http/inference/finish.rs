@@ -7,7 +7,6 @@ use crate::tenants::Ticket;
 use crate::traces::Tracer;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
-use iop_api::openai::Endpoint;
 use iop_api::tenant::TokenUsage;
 use iop_proto_core::RequestId;
 use iop_proto_core::wire::{Header, Usage};
@@ -52,7 +51,7 @@ pub(super) struct Finish {
     pub(super) first_byte: Option<Duration>,
     pub(super) request_id: Arc<str>,
     pub(super) caller: Caller,
-    pub(super) endpoint: Endpoint,
+    pub(super) route: super::Route,
     /// Node and adapter it was dispatched to, and when.
     pub(super) dispatched: Option<(Arc<str>, Arc<str>, Duration)>,
     /// Its key's admission, finished with the usage its provider reported.
@@ -123,7 +122,7 @@ impl Finish {
     pub(super) fn done(&mut self, status: u16, usage: Option<&Usage>) {
         let duration = self.started.elapsed();
         let metrics = self.metrics.model(&self.model);
-        metrics.request(status, duration);
+        metrics.request(status, duration, self.route.dialect());
         if let (Some(u), Some((node, provider, _))) = (usage, &self.dispatched) {
             metrics.tokens(
                 node,
@@ -162,7 +161,8 @@ impl Finish {
             request_id = &*self.request_id,
             trace_id,
             caller = %self.caller,
-            endpoint = self.endpoint.path(),
+            endpoint = self.route.path(),
+            dialect = self.route.dialect().as_str(),
             model = %self.model,
             node,
             provider,
@@ -190,7 +190,7 @@ impl Finish {
         let text = |s: &str| AttrValue::Str(s.to_owned());
         let mut attributes = vec![
             ("http.request.method", text("POST")),
-            ("url.path", text(self.endpoint.path())),
+            ("url.path", text(self.route.path())),
             (
                 "http.response.status_code",
                 AttrValue::Int(i64::from(status)),
