@@ -99,6 +99,25 @@ pub(crate) fn wrk(
     connections: usize,
     seconds: u64,
 ) -> Run {
+    wrk_at(
+        dir,
+        path,
+        "/v1/chat/completions",
+        body,
+        connections,
+        seconds,
+    )
+}
+
+/// [`wrk`] against another route of the path (`/v1/messages`).
+pub(crate) fn wrk_at(
+    dir: &TempDir,
+    path: &Path3,
+    route: &str,
+    body: &str,
+    connections: usize,
+    seconds: u64,
+) -> Run {
     let script = dir.path().join("post.lua");
     std::fs::write(
         &script,
@@ -118,7 +137,7 @@ pub(crate) fn wrk(
             "--latency".to_owned(),
             "-s".to_owned(),
             script.display().to_string(),
-            format!("http://127.0.0.1:{}/v1/chat/completions", path.port),
+            format!("http://127.0.0.1:{}{route}", path.port),
         ])
         .output()
         .expect("wrk runs");

@@ -63,6 +63,10 @@
 //! `IOP_BENCH_PACED_DUMP=<file>` writes every paced chunk's send time and latency, in
 //! microseconds, one chunk a line, to see when a set's slow chunks were sent.
 //!
+//! `bench dialects [seconds] [rounds]` measures what Anthropic's Messages dialect adds:
+//! the same requests through one Edge and Node as chat completions and as `/v1/messages`,
+//! over a tunnel and over a normalized run (`dialects.rs`).
+//!
 //! `bench scheduler [rounds]` measures something else: paced-stream latency through two
 //! IOP paths (TLS link) whose Nodes differ only in `runtime.scheduler` (`batch`, the
 //! default, and `inherit`), and straight to the provider, on an otherwise idle machine and
@@ -94,6 +98,7 @@ use load::*;
 mod paced;
 #[allow(unused_imports)]
 use paced::*;
+mod dialects;
 
 /// Callers of the small-request runs: one for the added latency, then more and more for
 /// throughput.
@@ -183,6 +188,12 @@ fn main() {
     }
     if args.get(1).map(String::as_str) == Some("burn") {
         burn();
+        return;
+    }
+    if args.get(1).map(String::as_str) == Some("dialects") {
+        let seconds = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(5);
+        let rounds = args.get(3).and_then(|r| r.parse().ok()).unwrap_or(3);
+        dialects::dialects(seconds, rounds);
         return;
     }
     if args.get(1).map(String::as_str) == Some("scheduler") {

@@ -42,7 +42,7 @@ id = "n1"
 token = "bench-node-token-0123456789"
 [[nodes.adapters]]
 name = "oa"
-pub(crate) type = "openai_compat"
+type = "openai_compat"
 base_url = "http://127.0.0.1:{provider}"
 capacity = 4096
 targets = ["fake"]
