@@ -26,3 +26,4 @@ pub mod dialect;
 pub mod openai;
 pub mod tenant;
 pub mod tokenize;
+pub mod translated;

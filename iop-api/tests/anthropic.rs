@@ -362,6 +362,7 @@ fn options(stream: bool, wants_tools: bool, stops: &[&str]) -> ResponseOptions {
         wants_tools,
         stop_sequences: stops.iter().map(|s| (*s).to_owned()).collect(),
         input_estimate: 11,
+        created: 0,
     }
 }
 

@@ -616,6 +616,7 @@ pub fn messages_render(data: &[u8]) {
             wants_tools: pick & 4 != 0,
             stop_sequences: vec!["END".into()],
             input_estimate: 3,
+            created: 0,
         });
         responder.handle_dispatched(DispatchShape::Tunnel, false);
         let mut head = frame(TunnelFrameKind::Status);

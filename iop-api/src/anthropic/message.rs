@@ -6,75 +6,10 @@
 //! the cumulative usage, then `message_stop`.
 
 use bytes::{BufMut, Bytes, BytesMut};
-use serde::Serialize;
 use serde_json::{Value, json};
 
-/// Why an answer ended, as the Messages API says.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StopReason {
-    /// The model finished its turn.
-    EndTurn,
-    /// `max_tokens` was reached.
-    MaxTokens,
-    /// One of `stop_sequences` was generated (the builder is told which).
-    StopSequence,
-    /// The model called tools.
-    ToolUse,
-    /// The provider refused to go on (OpenAI's `content_filter`).
-    Refusal,
-}
-
-impl StopReason {
-    /// The wire string.
-    #[must_use]
-    pub fn as_str(self) -> &'static str {
-        match self {
-            StopReason::EndTurn => "end_turn",
-            StopReason::MaxTokens => "max_tokens",
-            StopReason::StopSequence => "stop_sequence",
-            StopReason::ToolUse => "tool_use",
-            StopReason::Refusal => "refusal",
-        }
-    }
-
-    /// The stop reason of an OpenAI `finish_reason` (`None`: the provider gave none).
-    #[must_use]
-    pub fn of_finish(finish: Option<&str>) -> Self {
-        match finish {
-            Some("length") => StopReason::MaxTokens,
-            Some("tool_calls" | "function_call") => StopReason::ToolUse,
-            Some("content_filter") => StopReason::Refusal,
-            _ => StopReason::EndTurn,
-        }
-    }
-}
-
-/// Token usage as the Messages API reports it. `input_tokens` excludes the tokens read
-/// from the provider's prefix cache, which `cache_read_input_tokens` counts (OpenAI's
-/// `prompt_tokens` includes them).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
-pub struct MessageUsage {
-    /// Prompt tokens not read from a cache.
-    pub input_tokens: u64,
-    /// Tokens generated.
-    pub output_tokens: u64,
-    /// Prompt tokens read from the provider's prefix cache, where it reports them.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub cache_read_input_tokens: Option<u64>,
-}
-
-impl MessageUsage {
-    /// From OpenAI's figures: `prompt` tokens of which `cached` came from a cache.
-    #[must_use]
-    pub fn from_openai(prompt: u64, completion: u64, cached: Option<u64>) -> Self {
-        let cached = cached.map(|c| c.min(prompt));
-        MessageUsage {
-            input_tokens: prompt - cached.unwrap_or(0),
-            output_tokens: completion,
-            cache_read_input_tokens: cached,
-        }
-    }
-}
+use crate::openai::{ApiError, ErrorType};
+use crate::translated::{Compose, MessageUsage, ResponseOptions, StopReason};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kind {
@@ -358,4 +293,92 @@ impl Builder {
         let _ = serde_json::to_writer(&mut writer, data);
         self.out.put_slice(b"\n\n");
     }
+}
+
+impl Compose for Builder {
+    const CALL_ID_PREFIX: &'static str = "toolu";
+    const NATIVE_PING: &'static [u8] = b"event: ping\ndata: {\"type\":\"ping\"}\n\n";
+
+    fn new(options: &ResponseOptions) -> Self {
+        Builder::new(
+            &options.run_id,
+            &options.model,
+            options.stream,
+            options.input_estimate,
+        )
+    }
+
+    fn started(&self) -> bool {
+        Builder::started(self)
+    }
+
+    fn finished(&self) -> bool {
+        Builder::finished(self)
+    }
+
+    fn take(&mut self) -> Option<Bytes> {
+        Builder::take(self)
+    }
+
+    fn start(&mut self) {
+        Builder::start(self);
+    }
+
+    fn text(&mut self, text: &str) {
+        Builder::text(self, text);
+    }
+
+    fn thinking(&mut self, text: &str) {
+        Builder::thinking(self, text);
+    }
+
+    fn tool(&mut self, id: &str, name: &str, arguments: &str) {
+        Builder::tool(self, id, name, arguments);
+    }
+
+    fn finish(
+        &mut self,
+        reason: StopReason,
+        stop_sequence: Option<&str>,
+        usage: Option<MessageUsage>,
+    ) -> Option<Value> {
+        Builder::finish(self, reason, stop_sequence, usage)
+    }
+
+    fn fail(&mut self, error: &ApiError, request_id: &str) {
+        Builder::fail(self, &super::error_value(error, request_id));
+    }
+
+    fn ping(&mut self) {
+        Builder::ping(self);
+    }
+
+    fn error_response(error: &ApiError, request_id: &str) -> (u16, Bytes) {
+        super::error_response(error, request_id)
+    }
+
+    fn provider_error(status: u16, body: &[u8]) -> ApiError {
+        provider_status_error(status, body)
+    }
+}
+
+/// A provider's error status and body, as the caller is answered: the prompt that did
+/// not fit in the Messages API's words (Claude Code compacts on them), else the
+/// provider's status and message.
+fn provider_status_error(status: u16, body: &[u8]) -> ApiError {
+    if let Some((tokens, max)) = crate::translated::context_overflow(body) {
+        return ApiError::bad_request(
+            format!("prompt is too long: {tokens} tokens > {max} maximum"),
+            Some("context_length_exceeded"),
+        );
+    }
+    let message = crate::translated::error_message(body);
+    let kind = if status >= 500 {
+        ErrorType::Server
+    } else if status == 429 {
+        ErrorType::RateLimit
+    } else {
+        ErrorType::InvalidRequest
+    };
+    ApiError::new(status, kind, message, None)
 }

@@ -20,7 +20,7 @@
 //! let body = br#"{"model":"m","max_tokens":64,"messages":[{"role":"user","content":"hi"}]}"#;
 //! let asked = anthropic::translate(body, TranslateOptions::default()).map_err(|e| e.message)?;
 //! assert!(std::str::from_utf8(&asked.chat)?.contains(r#""messages":[{"role":"user","content":"hi"}]"#));
-//! let options = ResponseOptions::new(&asked, "run-1", "req_1");
+//! let options = asked.response_options("run-1", "req_1");
 //! let mut responder = Responder::new(options);
 //! responder.handle_dispatched(DispatchShape::Run, false);
 //! for (sequence, kind, delta) in [(0, RunEventType::Start, ""), (1, RunEventType::Delta, "Hello"), (2, RunEventType::Complete, "")] {
@@ -40,15 +40,17 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-mod chat;
 mod message;
-mod render;
 mod request;
 
-pub use chat::context_overflow;
-pub use message::{Builder, MessageUsage, StopReason};
-pub use render::{PING_AFTER, Responder, ResponseOptions};
+pub use crate::translated::{
+    MessageUsage, PING_AFTER, ResponseOptions, StopReason, context_overflow,
+};
+pub use message::Builder;
 pub use request::{BILLING_HEADER_PREFIX, TranslateOptions, Translated, translate};
+
+/// Turns a Messages request's events into its Messages response.
+pub type Responder = crate::translated::Responder<Builder>;
 
 use bytes::Bytes;
 use serde_json::{Value, json};

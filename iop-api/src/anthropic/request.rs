@@ -9,10 +9,14 @@
 
 use std::borrow::Cow;
 
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use crate::openai::{ApiError, RequestFacts};
+use crate::translated::body::{
+    Chat, ChatCall, ChatFunction, ChatMessage, ChatTool, Content, FileData, Part, StreamOptions,
+    ToolFunction, Url,
+};
 
 /// The system line Claude Code puts first in `system`, whose value changes with every
 /// request (a version and a per-request hash): left in, it makes every prompt differ
@@ -49,6 +53,23 @@ pub struct Translated {
     pub chat: bytes::Bytes,
     /// `stop_sequences`, to say which one ended an answer when the provider names it.
     pub stop_sequences: Vec<String>,
+}
+
+impl Translated {
+    /// What its response needs to know, served as `run_id` for the caller's `request_id`.
+    #[must_use]
+    pub fn response_options(
+        &self,
+        run_id: &str,
+        request_id: &str,
+    ) -> crate::translated::ResponseOptions {
+        crate::translated::ResponseOptions::of(
+            &self.facts,
+            &self.stop_sequences,
+            run_id,
+            request_id,
+        )
+    }
 }
 
 /// The top-level members read; the rest (`service_tier`, `container`, ...) are ignored,
@@ -186,6 +207,7 @@ pub fn translate(raw: &[u8], options: TranslateOptions) -> Result<Translated, Ap
         tools: (!tools.is_empty()).then_some(tools),
         tool_choice: tool_choice.map(|c| c.raw()),
         parallel_tool_calls: parallel,
+        response_format: None,
         stream: stream.then_some(true),
         stream_options: stream.then_some(StreamOptions {
             include_usage: true,
@@ -211,135 +233,6 @@ pub fn translate(raw: &[u8], options: TranslateOptions) -> Result<Translated, Ap
 struct Metadata<'a> {
     #[serde(borrow, default)]
     user_id: Option<Cow<'a, str>>,
-}
-
-/// The chat completions body written.
-#[derive(Serialize)]
-struct Chat<'a> {
-    model: &'a str,
-    messages: Vec<ChatMessage<'a>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    max_tokens: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    stop: Option<&'a Vec<String>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    temperature: Option<&'a RawValue>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    top_p: Option<&'a RawValue>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    top_k: Option<&'a RawValue>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    user: Option<Cow<'a, str>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    tools: Option<Vec<ChatTool<'a>>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    tool_choice: Option<Box<RawValue>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    parallel_tool_calls: Option<bool>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    stream: Option<bool>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    stream_options: Option<StreamOptions>,
-}
-
-#[derive(Serialize)]
-struct StreamOptions {
-    include_usage: bool,
-}
-
-#[derive(Serialize)]
-struct ChatMessage<'a> {
-    role: &'static str,
-    /// `null` for an assistant turn of tool calls alone.
-    content: Option<Content<'a>>,
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    tool_calls: Vec<ChatCall<'a>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    tool_call_id: Option<Cow<'a, str>>,
-}
-
-impl<'a> ChatMessage<'a> {
-    fn text(role: &'static str, text: Cow<'a, str>) -> Self {
-        ChatMessage {
-            role,
-            content: Some(Content::Text(text)),
-            tool_calls: Vec::new(),
-            tool_call_id: None,
-        }
-    }
-}
-
-/// A message's content: one text as a string (what every server and chat template takes),
-/// anything else as parts.
-#[derive(Serialize)]
-#[serde(untagged)]
-enum Content<'a> {
-    Text(Cow<'a, str>),
-    Parts(Vec<Part<'a>>),
-}
-
-impl<'a> Content<'a> {
-    fn of(mut parts: Vec<Part<'a>>) -> Option<Self> {
-        match parts.len() {
-            0 => None,
-            1 if matches!(parts[0], Part::Text { .. }) => match parts.pop() {
-                Some(Part::Text { text }) => Some(Content::Text(text)),
-                _ => None,
-            },
-            _ => Some(Content::Parts(parts)),
-        }
-    }
-}
-
-#[derive(Serialize)]
-#[serde(tag = "type")]
-enum Part<'a> {
-    #[serde(rename = "text")]
-    Text { text: Cow<'a, str> },
-    #[serde(rename = "image_url")]
-    Image { image_url: Url },
-    #[serde(rename = "file")]
-    File { file: FileData },
-}
-
-#[derive(Serialize)]
-struct Url {
-    url: String,
-}
-
-#[derive(Serialize)]
-struct FileData {
-    file_data: String,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    filename: Option<String>,
-}
-
-#[derive(Serialize)]
-struct ChatCall<'a> {
-    id: Cow<'a, str>,
-    r#type: &'static str,
-    function: ChatFunction<'a>,
-}
-
-#[derive(Serialize)]
-struct ChatFunction<'a> {
-    name: Cow<'a, str>,
-    /// The input object as JSON text, as OpenAI writes arguments.
-    arguments: &'a str,
-}
-
-#[derive(Serialize)]
-struct ChatTool<'a> {
-    r#type: &'static str,
-    function: ToolFunction<'a>,
-}
-
-#[derive(Serialize)]
-struct ToolFunction<'a> {
-    name: Cow<'a, str>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    description: Option<Cow<'a, str>>,
-    parameters: &'a RawValue,
 }
 
 /// The system prompt as one text: a string, or text blocks joined by newlines; Claude
@@ -732,6 +625,7 @@ fn translate_tools(raw: &RawValue) -> Result<Vec<ChatTool<'_>>, ApiError> {
                 name: tool.name,
                 description: tool.description,
                 parameters: schema,
+                strict: None,
             },
         });
     }

@@ -523,7 +523,7 @@ async fn handle<B: ReqBody>(
             openai::ResponseOptions::new(facts, &run_id, now_secs()),
         )),
         Asked::Anthropic(translated) => Responder::Anthropic(Box::new(anthropic::Responder::new(
-            anthropic::ResponseOptions::new(translated, &run_id, &finish.request_id),
+            translated.response_options(&run_id, &finish.request_id),
         ))),
     };
     // The timer moves from the body's deadline to the response's (or an earlier

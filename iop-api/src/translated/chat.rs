@@ -1,13 +1,13 @@
-//! A provider's OpenAI chat completion read back as Messages: a whole `chat.completion`,
-//! the `chat.completion.chunk`s of its stream (split from the SSE body however it
-//! arrives), and its error bodies.
+//! A provider's OpenAI chat completion read back into a dialect's [`Compose`]: a whole
+//! `chat.completion`, the `chat.completion.chunk`s of its stream (split from the SSE body
+//! however it arrives), and its error bodies.
 
 use std::collections::BTreeMap;
 
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
-use super::message::{Builder, MessageUsage, StopReason};
+use super::{Compose, MessageUsage, StopReason};
 
 /// Longest SSE line kept while its end has not arrived (a chunk is far smaller).
 pub(super) const MAX_LINE: usize = 16 << 20;
@@ -102,7 +102,7 @@ struct Call {
     arguments: String,
 }
 
-/// What a provider's answer said, read chunk by chunk (or whole), into a [`Builder`].
+/// What a provider's answer said, read chunk by chunk (or whole), into a [`Compose`].
 #[derive(Debug, Default)]
 pub(super) struct Reader {
     /// Tool calls by index; the one being streamed is the last.
@@ -119,11 +119,11 @@ pub(super) struct InStreamError(pub(super) String);
 
 impl Reader {
     /// One `chat.completion.chunk` (or a whole `chat.completion`) read into `builder`.
-    pub(super) fn read(
+    pub(super) fn read<C: Compose>(
         &mut self,
         payload: &[u8],
         run_id: &str,
-        builder: &mut Builder,
+        builder: &mut C,
     ) -> Result<(), InStreamError> {
         let Ok(chat) = serde_json::from_slice::<ChatIn>(payload) else {
             // Not a chunk (a comment-like payload some servers send): nothing said.
@@ -179,10 +179,10 @@ impl Reader {
         Ok(())
     }
 
-    fn flush(&mut self, index: u64, run_id: &str, builder: &mut Builder) {
+    fn flush<C: Compose>(&mut self, index: u64, run_id: &str, builder: &mut C) {
         if let Some(call) = self.calls.remove(&index) {
             let id = if call.id.is_empty() {
-                format!("toolu_{run_id}_{}", self.written)
+                format!("{}_{run_id}_{}", C::CALL_ID_PREFIX, self.written)
             } else {
                 call.id
             };
@@ -193,11 +193,11 @@ impl Reader {
 
     /// The end of the answer: the calls still open, then the end itself. The stop reason
     /// is `stop_sequence` when the provider named a stop string among `stop_sequences`.
-    pub(super) fn finish(
+    pub(super) fn finish<C: Compose>(
         &mut self,
         run_id: &str,
         stop_sequences: &[String],
-        builder: &mut Builder,
+        builder: &mut C,
     ) -> Option<serde_json::Value> {
         let open: Vec<u64> = self.calls.keys().copied().collect();
         let had_calls = self.written > 0 || !open.is_empty();
@@ -222,7 +222,7 @@ impl Reader {
 
 /// The message of an error body in OpenAI's shape (`{"error": {"message"}}`,
 /// `{"error": "..."}`, `{"message"}`, `{"detail"}`), else its text.
-pub(super) fn error_message(body: &[u8]) -> String {
+pub(crate) fn error_message(body: &[u8]) -> String {
     #[derive(Deserialize)]
     #[serde(untagged)]
     enum ErrorIn {

@@ -1,13 +1,13 @@
-//! [`Responder`]: one request's events in, the bytes of its Messages response out.
+//! [`Responder`]: one request's events in, the bytes of its answer in a translated
+//! dialect out.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 
-use super::chat::{InStreamError, Reader, SseLines, context_overflow, error_message};
-use super::message::{Builder, MessageUsage, StopReason};
-use super::{Translated, error_response, error_value};
+use super::chat::{InStreamError, Reader, SseLines};
+use super::{Compose, MessageUsage, ResponseOptions, StopReason};
 use crate::openai::{ApiError, ErrorType, Out, parse_text_tool_calls};
 use iop_proto_core::edge::{DispatchShape, Outcome, RequestError, RequestEvent};
 use iop_proto_core::tunnel::TunnelPart;
@@ -26,56 +26,17 @@ const MAX_HELD: usize = 16 << 20;
 /// Metadata keys a node sets on a run's `COMPLETE` (see the OpenAI responder).
 const NATIVE_TOOL_CALLS: &str = "openai_tool_calls";
 const TEXT_TOOL_FALLBACK: &str = "openai_text_tool_fallback";
-/// What a response needs to know of its request.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ResponseOptions {
-    /// The public model name, echoed in the message.
-    pub model: String,
-    /// The run id: the message id is `msg_{run_id}`.
-    pub run_id: String,
-    /// The caller's request id, in every error object.
-    pub request_id: String,
-    /// Stream events rather than one JSON object.
-    pub stream: bool,
-    /// Tools were offered: a run's text is held while it may still be a tool call the
-    /// model wrote as text (a node's fallback), and no longer.
-    pub wants_tools: bool,
-    /// The request's `stop_sequences`.
-    pub stop_sequences: Vec<String>,
-    /// The prompt's estimated tokens, reported until the provider's figures arrive.
-    pub input_estimate: u64,
-}
-
-impl ResponseOptions {
-    /// The options for the translated request `asked`, served as `run_id`.
-    #[must_use]
-    pub fn new(asked: &Translated, run_id: &str, request_id: &str) -> Self {
-        ResponseOptions {
-            model: asked.facts.model.clone(),
-            run_id: run_id.to_owned(),
-            request_id: request_id.to_owned(),
-            stream: asked.facts.stream,
-            wants_tools: asked.facts.wants_tools,
-            stop_sequences: asked.stop_sequences.clone(),
-            input_estimate: asked.facts.prompt_tokens,
-        }
-    }
-}
-
 #[derive(Debug)]
-enum Phase {
+enum Phase<C> {
     /// Queued: nothing dispatched yet.
     Waiting,
     /// A normalized run: its text held while it may be a tool call written as text.
-    Run {
-        builder: Builder,
-        held: Option<String>,
-    },
+    Run { builder: C, held: Option<String> },
     /// A translated tunnel before the provider's status.
     TunnelHead,
     /// A translated tunnel whose provider answered 2xx with SSE chunks.
     Chunks {
-        builder: Builder,
+        builder: C,
         reader: Reader,
         lines: SseLines,
     },
@@ -93,14 +54,14 @@ enum Phase {
     Done,
 }
 
-/// Turns the events of one request into its Messages response, with the same interface
-/// as [`crate::openai::Responder`]: feed it the request's events and the shell's timers,
-/// write every [`Out`] from [`poll_output`](Self::poll_output) in order until
-/// [`is_done`](Self::is_done).
+/// Turns the events of one request into its answer in the dialect `C` writes, with the
+/// same interface as [`crate::openai::Responder`]: feed it the request's events and the
+/// shell's timers, write every [`Out`] from [`poll_output`](Self::poll_output) in order
+/// until [`is_done`](Self::is_done).
 #[derive(Debug)]
-pub struct Responder {
+pub struct Responder<C> {
     options: ResponseOptions,
-    phase: Phase,
+    phase: Phase<C>,
     out: VecDeque<Out>,
     status: Option<u16>,
     settled: bool,
@@ -109,7 +70,7 @@ pub struct Responder {
     quiet: Duration,
 }
 
-impl Responder {
+impl<C: Compose> Responder<C> {
     /// A responder for a request that is queued.
     #[must_use]
     pub fn new(options: ResponseOptions) -> Self {
@@ -167,7 +128,7 @@ impl Responder {
     }
 
     /// The request was dispatched with `shape`; `native`: to a provider that serves the
-    /// Messages API itself, whose answer passes through.
+    /// dialect itself, whose answer passes through.
     pub fn handle_dispatched(&mut self, shape: DispatchShape, native: bool) {
         if !matches!(self.phase, Phase::Waiting) {
             return;
@@ -189,13 +150,8 @@ impl Responder {
         };
     }
 
-    fn builder(&self) -> Builder {
-        Builder::new(
-            &self.options.run_id,
-            &self.options.model,
-            self.options.stream,
-            self.options.input_estimate,
-        )
+    fn builder(&self) -> C {
+        C::new(&self.options)
     }
 
     /// A run event, in sequence order.
@@ -438,8 +394,8 @@ impl Responder {
     /// A provider's whole answer: a chat completion re-encoded, or its error mapped.
     fn held_end(&mut self, status: u16, body: &[u8], retry_after: Option<Header>) {
         if !(200..300).contains(&status) {
-            let error = provider_status_error(status, body);
-            let (status, json) = error_response(&error, &self.options.request_id);
+            let error = C::provider_error(status, body);
+            let (status, json) = C::error_response(&error, &self.options.request_id);
             let mut headers = vec![header("content-type", "application/json")];
             headers.extend(retry_after);
             self.head(status, headers);
@@ -525,9 +481,7 @@ impl Responder {
             Phase::Native {
                 sse: true,
                 at_boundary: true,
-            } => Some(Bytes::from_static(
-                b"event: ping\ndata: {\"type\":\"ping\"}\n\n",
-            )),
+            } => Some(Bytes::from_static(C::NATIVE_PING)),
             _ => None,
         };
         if let Some(bytes) = ping {
@@ -558,7 +512,7 @@ impl Responder {
         self.phase = phase;
     }
 
-    fn drain(&mut self, phase: &mut Phase) {
+    fn drain(&mut self, phase: &mut Phase<C>) {
         if let Phase::Run { builder, .. } | Phase::Chunks { builder, .. } = phase
             && let Some(bytes) = builder.take()
         {
@@ -586,14 +540,14 @@ impl Responder {
     /// stream that started, an aborted body for a native answer that is not SSE.
     fn fail(&mut self, error: &ApiError) {
         let phase = std::mem::replace(&mut self.phase, Phase::Done);
-        let value = error_value(error, &self.options.request_id);
+        let request_id = &self.options.request_id;
         match phase {
             Phase::Done => {}
             Phase::Run { mut builder, .. } | Phase::Chunks { mut builder, .. }
                 if builder.started() =>
             {
                 self.status = Some(599);
-                builder.fail(&value);
+                builder.fail(error, request_id);
                 if let Some(bytes) = builder.take() {
                     self.out.push_back(Out::Data(bytes));
                 }
@@ -601,7 +555,7 @@ impl Responder {
             Phase::Native { sse: true, .. } => {
                 self.status = Some(599);
                 let mut builder = self.builder();
-                builder.fail(&value);
+                builder.fail(error, &self.options.request_id);
                 if let Some(bytes) = builder.take() {
                     self.out.push_back(Out::Data(bytes));
                 }
@@ -611,7 +565,7 @@ impl Responder {
                 self.out.push_back(Out::Abort(error.message.clone()));
             }
             _ => {
-                let (status, body) = error_response(error, &self.options.request_id);
+                let (status, body) = C::error_response(error, &self.options.request_id);
                 self.status = Some(status);
                 self.out.push_back(Out::Whole { status, body });
             }
@@ -621,8 +575,8 @@ impl Responder {
 
 /// A run's `COMPLETE` into the builder: its tool calls (native, or written as text under
 /// the node's fallback), the held text, the stop reason its metadata gives.
-fn run_complete(
-    builder: &mut Builder,
+fn run_complete<C: Compose>(
+    builder: &mut C,
     held: &str,
     metadata: &BTreeMap<String, String>,
     usage: Option<&Usage>,
@@ -652,7 +606,10 @@ fn run_complete(
             .get("id")
             .and_then(serde_json::Value::as_str)
             .filter(|id| !id.is_empty())
-            .map_or_else(|| format!("toolu_{}_{i}", options.run_id), str::to_owned);
+            .map_or_else(
+                || format!("{}_{}_{i}", C::CALL_ID_PREFIX, options.run_id),
+                str::to_owned,
+            );
         let name = call
             .pointer("/function/name")
             .and_then(serde_json::Value::as_str)
@@ -689,27 +646,6 @@ fn provider_said(message: &str) -> ApiError {
         format!("provider error: {message}"),
         Some("upstream_error"),
     )
-}
-
-/// A provider's error status and body, as the caller is answered: the prompt that did
-/// not fit in the Messages API's words (Claude Code compacts on them), else the
-/// provider's status and message.
-fn provider_status_error(status: u16, body: &[u8]) -> ApiError {
-    if let Some((tokens, max)) = context_overflow(body) {
-        return ApiError::bad_request(
-            format!("prompt is too long: {tokens} tokens > {max} maximum"),
-            Some("context_length_exceeded"),
-        );
-    }
-    let message = error_message(body);
-    let kind = if status >= 500 {
-        ErrorType::Server
-    } else if status == 429 {
-        ErrorType::RateLimit
-    } else {
-        ErrorType::InvalidRequest
-    };
-    ApiError::new(status, kind, message, None)
 }
 
 fn header(name: &str, value: &'static str) -> Header {
