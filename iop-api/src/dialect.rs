@@ -9,7 +9,7 @@ use iop_proto_core::edge::RequestEvent;
 use iop_proto_core::wire::Usage;
 
 use crate::openai::{ApiError, Out};
-use crate::{anthropic, openai};
+use crate::{anthropic, openai, responses};
 
 /// The API a request came in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -18,6 +18,8 @@ pub enum Dialect {
     OpenAi,
     /// Anthropic's Messages API.
     Anthropic,
+    /// OpenAI's Responses API.
+    Responses,
 }
 
 impl Dialect {
@@ -27,6 +29,7 @@ impl Dialect {
         match self {
             Dialect::OpenAi => "openai",
             Dialect::Anthropic => "anthropic",
+            Dialect::Responses => "responses",
         }
     }
 
@@ -35,7 +38,7 @@ impl Dialect {
     #[must_use]
     pub fn error(self, error: &ApiError, request_id: &str) -> (u16, Bytes) {
         match self {
-            Dialect::OpenAi => (error.status, error.body()),
+            Dialect::OpenAi | Dialect::Responses => (error.status, error.body()),
             Dialect::Anthropic => anthropic::error_response(error, request_id),
         }
     }
@@ -48,6 +51,8 @@ pub enum Responder {
     OpenAi(openai::Responder),
     /// Anthropic's (boxed: it carries the stream grammar's state).
     Anthropic(Box<anthropic::Responder>),
+    /// The Responses API's (boxed alike).
+    Responses(Box<responses::Responder>),
 }
 
 impl Responder {
@@ -57,6 +62,7 @@ impl Responder {
         match self {
             Responder::OpenAi(_) => Dialect::OpenAi,
             Responder::Anthropic(_) => Dialect::Anthropic,
+            Responder::Responses(_) => Dialect::Responses,
         }
     }
 
@@ -65,6 +71,7 @@ impl Responder {
         match self {
             Responder::OpenAi(r) => r.handle_event(event),
             Responder::Anthropic(r) => r.handle_event(event),
+            Responder::Responses(r) => r.handle_event(event),
         }
     }
 
@@ -73,6 +80,7 @@ impl Responder {
         match self {
             Responder::OpenAi(r) => r.handle_timeout(),
             Responder::Anthropic(r) => r.handle_timeout(),
+            Responder::Responses(r) => r.handle_timeout(),
         }
     }
 
@@ -81,6 +89,7 @@ impl Responder {
         match self {
             Responder::OpenAi(r) => r.handle_idle(),
             Responder::Anthropic(r) => r.handle_idle(interval),
+            Responder::Responses(r) => r.handle_idle(interval),
         }
     }
 
@@ -89,6 +98,7 @@ impl Responder {
         match self {
             Responder::OpenAi(r) => r.poll_output(),
             Responder::Anthropic(r) => r.poll_output(),
+            Responder::Responses(r) => r.poll_output(),
         }
     }
 
@@ -98,6 +108,7 @@ impl Responder {
         match self {
             Responder::OpenAi(r) => r.is_done(),
             Responder::Anthropic(r) => r.is_done(),
+            Responder::Responses(r) => r.is_done(),
         }
     }
 
@@ -107,6 +118,7 @@ impl Responder {
         match self {
             Responder::OpenAi(r) => r.needs_cancel(),
             Responder::Anthropic(r) => r.needs_cancel(),
+            Responder::Responses(r) => r.needs_cancel(),
         }
     }
 
@@ -116,6 +128,7 @@ impl Responder {
         match self {
             Responder::OpenAi(r) => r.status(),
             Responder::Anthropic(r) => r.status(),
+            Responder::Responses(r) => r.status(),
         }
     }
 
@@ -125,6 +138,7 @@ impl Responder {
         match self {
             Responder::OpenAi(r) => r.usage(),
             Responder::Anthropic(r) => r.usage(),
+            Responder::Responses(r) => r.usage(),
         }
     }
 }

@@ -8,6 +8,11 @@
 //! - [`anthropic`]: the Anthropic Messages dialect: a Messages request translated into
 //!   the chat body the core dispatches ([`anthropic::translate`]), and the
 //!   [`anthropic::Responder`] that renders its events as a Messages response.
+//! - [`responses`]: the OpenAI Responses dialect, translated the same way, with the
+//!   bounded [`responses::Store`] that `previous_response_id` continues from.
+//! - [`translated`]: what the translated dialects share: the chat body, the reader of a
+//!   provider's chat completion, the [`translated::Responder`] generic over a dialect's
+//!   writer.
 //! - [`dialect`]: the one [`dialect::Responder`] a shell holds, whichever dialect the
 //!   caller speaks.
 //! - [`tokenize`]: exact prompt token counts from a provider's tokenizer, for the count
@@ -24,6 +29,7 @@
 pub mod anthropic;
 pub mod dialect;
 pub mod openai;
+pub mod responses;
 pub mod tenant;
 pub mod tokenize;
 pub mod translated;

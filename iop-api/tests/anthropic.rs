@@ -9,13 +9,14 @@ use iop_api::anthropic::{
     self, ErrorKind, Responder, ResponseOptions, TranslateOptions, context_overflow, translate,
 };
 use iop_api::openai::{ApiError, ErrorType, Out};
-use iop_proto_core::wire::{
-    ErrorDetail, Header, ProviderTunnelFrame, RunEvent, RunEventType, TunnelFrameKind, Usage,
-};
+use iop_proto_core::wire::{ErrorDetail, Header, ProviderTunnelFrame, TunnelFrameKind};
 use iop_proto_core::{DispatchShape, Outcome, RequestError};
 use iop_testkit::messages::{Ended, check_stream};
 use proptest::prelude::*;
 use serde_json::{Value, json};
+
+mod common;
+use common::*;
 
 // ----- translation -----
 
@@ -363,194 +364,8 @@ fn options(stream: bool, wants_tools: bool, stops: &[&str]) -> ResponseOptions {
         stop_sequences: stops.iter().map(|s| (*s).to_owned()).collect(),
         input_estimate: 11,
         created: 0,
+        echo: serde_json::Map::new(),
     }
-}
-
-/// What a caller reads: the status, and the body (whole, or the stream's bytes).
-fn drain(responder: &mut Responder) -> (Option<u16>, Vec<u8>) {
-    let mut status = None;
-    let mut body = Vec::new();
-    while let Some(out) = responder.poll_output() {
-        match out {
-            Out::Whole { status: s, body: b } => {
-                assert!(status.is_none(), "a whole answer after a head");
-                status = Some(s);
-                body.extend_from_slice(&b);
-            }
-            Out::Head { status: s, headers } => {
-                assert!(status.is_none(), "two heads");
-                status = Some(s);
-                if s == 200 {
-                    assert!(headers.iter().any(|h| h.name == "content-type"));
-                }
-            }
-            Out::Data(b) => {
-                assert!(status.is_some(), "body bytes before the head");
-                body.extend_from_slice(&b);
-            }
-            Out::Abort(_) => body.extend_from_slice(b"<abort>"),
-        }
-    }
-    (status, body)
-}
-
-fn run_event(sequence: u64, kind: RunEventType) -> RunEvent {
-    RunEvent {
-        run_id: "run-7".into(),
-        sequence,
-        r#type: kind as i32,
-        ..RunEvent::default()
-    }
-}
-
-/// One step of a generated run.
-#[derive(Clone, Debug)]
-enum Step {
-    Delta(String),
-    Idle,
-}
-
-/// How a generated run ends.
-#[derive(Clone, Debug)]
-enum End {
-    Complete {
-        calls: Vec<(String, String)>,
-        fallback: bool,
-        finish: Option<&'static str>,
-        stop: Option<String>,
-        usage: Option<(u64, u64)>,
-    },
-    Error,
-    Cancelled,
-    NodeLost,
-    Timeout,
-}
-
-fn feed_run(responder: &mut Responder, steps: &[Step], end: &End) {
-    responder.handle_dispatched(DispatchShape::Run, false);
-    responder.handle_run_event(run_event(0, RunEventType::Start));
-    let mut sequence = 1;
-    for step in steps {
-        match step {
-            Step::Delta(text) => {
-                let mut e = run_event(sequence, RunEventType::Delta);
-                e.delta = text.clone();
-                responder.handle_run_event(e);
-                sequence += 1;
-            }
-            Step::Idle => responder.handle_idle(std::time::Duration::from_secs(16)),
-        }
-    }
-    match end {
-        End::Complete {
-            calls,
-            fallback,
-            finish,
-            stop,
-            usage,
-        } => {
-            let mut e = run_event(sequence, RunEventType::Complete);
-            if !calls.is_empty() {
-                let list: Vec<Value> = calls
-                    .iter()
-                    .enumerate()
-                    .map(|(i, (name, args))| json!({"id": format!("call_{i}"), "type": "function", "function": {"name": name, "arguments": args}}))
-                    .collect();
-                e.metadata
-                    .insert("openai_tool_calls".into(), Value::Array(list).to_string());
-            }
-            if *fallback {
-                e.metadata
-                    .insert("openai_text_tool_fallback".into(), "true".into());
-            }
-            if let Some(finish) = finish {
-                e.metadata
-                    .insert("finish_reason".into(), (*finish).to_owned());
-            }
-            if let Some(stop) = stop {
-                e.metadata.insert("stop_sequence".into(), stop.clone());
-            }
-            e.usage = usage.map(|(p, c)| Usage {
-                prompt_tokens: p,
-                completion_tokens: c,
-                total_tokens: p + c,
-            });
-            responder.handle_run_event(e);
-            responder.handle_end(&Outcome::Completed);
-        }
-        End::Error => {
-            let mut e = run_event(sequence, RunEventType::Error);
-            e.error = Some(ErrorDetail {
-                code: "boom".into(),
-                message: "it broke".into(),
-                retryable: false,
-            });
-            responder.handle_run_event(e);
-            responder.handle_end(&Outcome::Failed(RequestError::Provider(
-                ErrorDetail::default(),
-            )));
-        }
-        End::Cancelled => {
-            responder.handle_run_event(run_event(sequence, RunEventType::Cancelled));
-            responder.handle_end(&Outcome::Cancelled);
-        }
-        End::NodeLost => responder.handle_end(&Outcome::Failed(RequestError::NodeLost {
-            node_id: "n".into(),
-        })),
-        End::Timeout => responder.handle_timeout(),
-    }
-}
-
-fn text() -> impl Strategy<Value = String> {
-    prop_oneof![
-        "[a-zA-Z ]{1,12}",
-        "[{}\\[\\]\":,a-z0-9 ]{1,10}",
-        "[ \\n]{1,3}",
-        Just("```json\n".to_owned()),
-        Just("{\"tool_calls\":[{\"name\":\"f\",\"arguments\":{\"a\":1}}]}".to_owned()),
-        "\\PC{1,6}",
-    ]
-}
-
-fn arguments() -> impl Strategy<Value = String> {
-    prop_oneof![
-        Just("{}".to_owned()),
-        Just("{\"city\":\"Paris\",\"days\":[1,2]}".to_owned()),
-        Just(String::new()),
-        Just("{\"broken\":".to_owned()),
-        Just("[1,2]".to_owned()),
-        "\\PC{0,12}",
-    ]
-}
-
-fn end() -> impl Strategy<Value = End> {
-    prop_oneof![
-        6 => (
-            prop::collection::vec(("[a-z_]{1,8}", arguments()), 0..3),
-            any::<bool>(),
-            prop::option::of(prop_oneof![Just("stop"), Just("length"), Just("tool_calls"), Just("weird")]),
-            prop::option::of(prop_oneof![Just("END".to_owned()), Just("other".to_owned())]),
-            prop::option::of((0u64..5000, 0u64..5000)),
-        )
-            .prop_map(|(calls, fallback, finish, stop, usage)| End::Complete {
-                calls,
-                fallback,
-                finish,
-                stop,
-                usage,
-            }),
-        1 => Just(End::Error),
-        1 => Just(End::Cancelled),
-        1 => Just(End::NodeLost),
-        1 => Just(End::Timeout),
-    ]
-}
-
-fn steps() -> impl Strategy<Value = Vec<Step>> {
-    prop::collection::vec(
-        prop_oneof![8 => text().prop_map(Step::Delta), 1 => Just(Step::Idle)],
-        0..12,
-    )
 }
 
 /// A streamed answer's bytes, checked: how the stream ended.

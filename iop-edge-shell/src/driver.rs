@@ -479,6 +479,7 @@ impl Task {
                     registration_failures: self.core.registration_failures(20),
                     routing: self.core.provider_routing(),
                     cluster: None,
+                    responses_store: iop_api::responses::StoreFigures::default(),
                 });
             }
         }

@@ -165,6 +165,10 @@ pub async fn run(
         events: events.clone(),
         drain: Arc::default(),
         cluster: cluster.as_ref().map(|(handle, _)| handle.view.clone()),
+        responses: Arc::new(std::sync::Mutex::new(iop_api::responses::Store::new(
+            config.http.responses_store.0,
+            config.http.responses_store.1,
+        ))),
     });
     let timer = tokio::spawn(core.clone().run_timer());
     let kept = tokio::spawn(tenants.clone().keep(shutdown.clone()));

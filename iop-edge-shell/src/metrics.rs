@@ -127,6 +127,8 @@ struct Fleet {
     capacity: Family<ProviderLabels, Gauge>,
     nodes_ready: Gauge,
     nodes_draining: Gauge,
+    responses_stored: Gauge,
+    responses_store_bytes: Gauge,
     ejected: Family<ProviderLabels, Gauge>,
     /// In cluster mode only (a series per this Edge's id; none on a single Edge).
     cluster_member: Family<EdgeLabel, Gauge>,
@@ -416,6 +418,16 @@ impl Metrics {
             fleet.cluster_members.clone(),
         );
         registry.register(
+            "iop_responses_stored",
+            "Responses this Edge keeps for previous_response_id ([responses] store caps)",
+            fleet.responses_stored.clone(),
+        );
+        registry.register(
+            "iop_responses_store_bytes",
+            "Bytes the stored responses take",
+            fleet.responses_store_bytes.clone(),
+        );
+        registry.register(
             "iop_nodes_draining",
             "Ready nodes taking no new work until their requests end (a graceful stop or a failed config refresh)",
             fleet.nodes_draining.clone(),
@@ -623,6 +635,13 @@ impl Metrics {
         fleet.nodes_ready.set(gauge_value(ready as u64));
         let draining = snapshot.nodes.iter().filter(|n| n.draining).count();
         fleet.nodes_draining.set(gauge_value(draining as u64));
+        let store = &snapshot.responses_store;
+        fleet
+            .responses_stored
+            .set(gauge_value(store.entries as u64));
+        fleet
+            .responses_store_bytes
+            .set(gauge_value(store.bytes as u64));
         if let Some(cluster) = &snapshot.cluster {
             let edge = EdgeLabel {
                 edge: cluster.edge_id.clone(),

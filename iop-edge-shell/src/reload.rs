@@ -172,6 +172,10 @@ impl Reloader {
                     config.http.usage_file.clone(),
                 );
                 state.budget.set_max(config.http.max_inflight_bytes);
+                if let Ok(mut store) = state.responses.lock() {
+                    let (entries, bytes) = config.http.responses_store;
+                    store.resize(entries, bytes);
+                }
                 state.permits.set(config.http.max_concurrent_requests);
                 state.connections.set(config.http.max_connections);
                 if let Ok(mut settings) = state.settings.write() {

@@ -22,4 +22,6 @@ pub struct Snapshot {
     pub routing: Vec<ProviderRouting>,
     /// In cluster mode: membership and members (filled in by the HTTP layer).
     pub cluster: Option<crate::membership::ViewSnapshot>,
+    /// The stored responses (filled in by the HTTP layer).
+    pub responses_store: iop_api::responses::StoreFigures,
 }

@@ -617,6 +617,7 @@ pub fn messages_render(data: &[u8]) {
             stop_sequences: vec!["END".into()],
             input_estimate: 3,
             created: 0,
+            echo: serde_json::Map::new(),
         });
         responder.handle_dispatched(DispatchShape::Tunnel, false);
         let mut head = frame(TunnelFrameKind::Status);

@@ -9,7 +9,8 @@
 //!   [`multihome`]: three Edges sharing nodes: two configurations of one skeleton
 //!   (`fleet.rs`: Edges, links, node sessions, provider work and the checks they share).
 //! - [`cluster`]: three cluster members against a simulated etcd.
-//! - [`messages`]: the Anthropic Messages stream grammar, checked from a stream's bytes.
+//! - [`messages`]: the Anthropic Messages stream grammar, and [`responses`]: the
+//!   Responses API stream rules, each checked from a stream's bytes.
 //! - [`fuzz`]: what each fuzz target runs, so that corpora replay in `cargo test`.
 //! - [`rng`]: the seeded generator every world draws from.
 
@@ -19,6 +20,7 @@ pub mod fuzz;
 pub mod harness;
 pub mod messages;
 pub mod multihome;
+pub mod responses;
 pub mod rng;
 pub mod sim;
 pub mod upgrade;

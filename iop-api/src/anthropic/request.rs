@@ -15,7 +15,7 @@ use serde_json::value::RawValue;
 use crate::openai::{ApiError, RequestFacts};
 use crate::translated::body::{
     Chat, ChatCall, ChatFunction, ChatMessage, ChatTool, Content, FileData, Part, StreamOptions,
-    ToolFunction, Url,
+    ToolFunction, Turn, Url,
 };
 
 /// The system line Claude Code puts first in `system`, whose value changes with every
@@ -197,7 +197,7 @@ pub fn translate(raw: &[u8], options: TranslateOptions) -> Result<Translated, Ap
     let wants_tools = !tools.is_empty() && tool_choice.as_ref().is_none_or(|c| c.0 != "\"none\"");
     let chat = Chat {
         model: &model,
-        messages,
+        messages: messages.into_iter().map(Turn::Message).collect(),
         max_tokens,
         stop: (!stop_sequences.is_empty()).then_some(&stop_sequences),
         temperature: given(body.temperature),
@@ -391,7 +391,7 @@ fn translate_message<'a>(
                     r#type: "function",
                     function: ChatFunction {
                         name: call.name,
-                        arguments: call.input.get(),
+                        arguments: Cow::Borrowed(call.input.get()),
                     },
                 });
             }

@@ -8,7 +8,7 @@ use super::{ApiError, Endpoint};
 use iop_json::nonempty_array;
 
 /// The facts of a request body the Edge acts on.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RequestFacts {
     /// The public model name.
     pub model: String,

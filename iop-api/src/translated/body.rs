@@ -10,7 +10,7 @@ use serde_json::value::RawValue;
 #[derive(Serialize)]
 pub(crate) struct Chat<'a> {
     pub(crate) model: &'a str,
-    pub(crate) messages: Vec<ChatMessage<'a>>,
+    pub(crate) messages: Vec<Turn<'a>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) max_tokens: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -40,6 +40,15 @@ pub(crate) struct Chat<'a> {
 #[derive(Serialize)]
 pub(crate) struct StreamOptions {
     pub(crate) include_usage: bool,
+}
+
+/// A message of the body: one translated now, or one kept as written (a stored
+/// conversation's).
+#[derive(Serialize)]
+#[serde(untagged)]
+pub(crate) enum Turn<'a> {
+    Message(ChatMessage<'a>),
+    Raw(&'a RawValue),
 }
 
 #[derive(Serialize)]
@@ -120,7 +129,7 @@ pub(crate) struct ChatCall<'a> {
 pub(crate) struct ChatFunction<'a> {
     pub(crate) name: Cow<'a, str>,
     /// The input object as JSON text, as OpenAI writes arguments.
-    pub(crate) arguments: &'a str,
+    pub(crate) arguments: Cow<'a, str>,
 }
 
 #[derive(Serialize)]

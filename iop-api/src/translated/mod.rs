@@ -2,7 +2,8 @@
 //! run, or a provider's chat completions through a tunnel) and answered in the caller's
 //! dialect. [`Responder`] follows the request's events and reads the provider's chat
 //! completion (whole or as SSE chunks); a dialect's [`Compose`] writes the answer, whole
-//! or streamed, in its own grammar ([`crate::anthropic::Builder`] for Messages). A provider that serves the dialect
+//! or streamed, in its own grammar ([`crate::anthropic::Builder`] for Messages,
+//! [`crate::responses::Builder`] for Responses). A provider that serves the dialect
 //! itself has its answer passed through.
 
 pub(crate) mod body;
@@ -133,7 +134,7 @@ impl MessageUsage {
 }
 
 /// What a response needs to know of its request.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct ResponseOptions {
     /// The public model name, echoed in the answer.
     pub model: String,
@@ -152,6 +153,9 @@ pub struct ResponseOptions {
     pub input_estimate: u64,
     /// When the answer was made (Unix seconds), where the dialect says.
     pub created: u64,
+    /// Members of the request the answer repeats, where the dialect does (the Responses
+    /// API's `store`, `metadata`, `previous_response_id`, sampling...).
+    pub echo: serde_json::Map<String, Value>,
 }
 
 impl ResponseOptions {
@@ -173,6 +177,7 @@ impl ResponseOptions {
             stop_sequences: stop_sequences.to_vec(),
             input_estimate: facts.prompt_tokens,
             created: 0,
+            echo: serde_json::Map::new(),
         }
     }
 

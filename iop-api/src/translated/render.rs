@@ -68,6 +68,8 @@ pub struct Responder<C> {
     usage: Option<Usage>,
     /// Time since the last byte, as the shell's idle ticks add it up.
     quiet: Duration,
+    /// The dialect's writer once the answer ended.
+    ended: Option<C>,
 }
 
 impl<C: Compose> Responder<C> {
@@ -82,6 +84,7 @@ impl<C: Compose> Responder<C> {
             settled: false,
             usage: None,
             quiet: Duration::ZERO,
+            ended: None,
         }
     }
 
@@ -533,7 +536,17 @@ impl<C: Compose> Responder<C> {
             }
             None => self.drain_phase(),
         }
-        self.phase = Phase::Done;
+        if let Phase::Run { builder, .. } | Phase::Chunks { builder, .. } =
+            std::mem::replace(&mut self.phase, Phase::Done)
+        {
+            self.ended = Some(builder);
+        }
+    }
+
+    /// The dialect's writer of an answer that ended (well or not).
+    #[must_use]
+    pub fn composed(&self) -> Option<&C> {
+        self.ended.as_ref()
     }
 
     /// A failure: the error answer before anything went out, an `error` event in a

@@ -163,6 +163,9 @@ pub struct HttpSettings {
     /// `messages.keep_billing_header`: Claude Code's attribution line stays in the
     /// system prompt a provider sees.
     pub keep_billing_header: bool,
+    /// `responses.store_max_entries` and `store_max_bytes`: the caps of the stored
+    /// responses (0 entries: none is kept).
+    pub responses_store: (usize, usize),
 }
 
 /// A named client key: what logs, metrics and the dashboard call it, its secret, and
@@ -419,6 +422,7 @@ pub(super) fn http_settings(
         },
         display_names: std::collections::BTreeMap::new(),
         keep_billing_header: false,
+        responses_store: (0, 0),
         shutdown_grace: match limits
             .shutdown_grace_sec
             .unwrap_or(DEFAULT_SHUTDOWN_GRACE_SEC)

@@ -77,6 +77,8 @@ struct Raw {
     #[serde(default)]
     messages: RawMessages,
     #[serde(default)]
+    responses: RawResponses,
+    #[serde(default)]
     nodes: Vec<RawNode>,
     #[serde(default)]
     models: Vec<RawModel>,
@@ -106,6 +108,20 @@ struct RawMessages {
     #[serde(default)]
     keep_billing_header: bool,
 }
+
+/// `[responses]`: the store of responses `previous_response_id` continues from.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawResponses {
+    store_max_entries: Option<usize>,
+    store_max_bytes: Option<u64>,
+}
+
+/// The store's defaults and ceilings.
+const DEFAULT_STORE_ENTRIES: usize = 10_000;
+const DEFAULT_STORE_BYTES: u64 = 64 << 20;
+const MAX_STORE_ENTRIES: usize = 10_000_000;
+const MAX_STORE_BYTES: u64 = 64 << 30;
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -275,9 +291,30 @@ impl Config {
             &core.models,
             path,
         )?;
+        let store_entries = raw
+            .responses
+            .store_max_entries
+            .unwrap_or(DEFAULT_STORE_ENTRIES);
+        if store_entries > MAX_STORE_ENTRIES {
+            return Err(invalid(
+                "responses.store_max_entries",
+                format!("must be at most {MAX_STORE_ENTRIES}"),
+            ));
+        }
+        let store_bytes = raw.responses.store_max_bytes.unwrap_or(DEFAULT_STORE_BYTES);
+        if store_bytes > MAX_STORE_BYTES {
+            return Err(invalid(
+                "responses.store_max_bytes",
+                format!("must be at most {MAX_STORE_BYTES}"),
+            ));
+        }
         let http = HttpSettings {
             display_names,
             keep_billing_header: raw.messages.keep_billing_header,
+            responses_store: (
+                store_entries,
+                usize::try_from(store_bytes).unwrap_or(usize::MAX),
+            ),
             ..http
         };
         let worker_threads = match raw.runtime.worker_threads {

@@ -246,6 +246,7 @@ pub(super) async fn status(state: &State) -> Response<ResBody> {
             "last_failure_ms_ago": ms(f.since_last),
         })).collect::<Vec<_>>(),
     });
+    let store = state.responses_figures();
     let body = json!({
         "nodes": nodes,
         "providers": providers,
@@ -254,6 +255,14 @@ pub(super) async fn status(state: &State) -> Response<ResBody> {
         "registrations": registrations,
         // In cluster mode: this Edge's id, whether it is a member, and every member.
         "cluster": state.cluster.as_ref().map(|c| c.snapshot()),
+        // The stored responses `previous_response_id` continues from (this Edge's).
+        "responses_store": {
+            "entries": store.entries,
+            "bytes": store.bytes,
+            "evicted": store.evicted,
+            "max_entries": store.max_entries,
+            "max_bytes": store.max_bytes,
+        },
     });
     json_response(StatusCode::OK, Bytes::from(body.to_string()))
 }

@@ -19,6 +19,7 @@ use iop_api::openai::{
     self, ApiError, Endpoint, ErrorType, Out, RATE_LIMIT_HEADERS, RequestFacts, inspect,
     rate_limit_headers,
 };
+use iop_api::responses;
 use iop_api::tenant::{RateLimits, Refusal};
 use iop_proto_core::RequestEvent;
 use iop_proto_core::wire::Header;
@@ -78,6 +79,8 @@ pub(crate) enum Route {
     OpenAi(Endpoint),
     /// `/v1/messages`.
     Messages,
+    /// `/v1/responses`.
+    Responses,
 }
 
 impl Route {
@@ -86,6 +89,7 @@ impl Route {
         match self {
             Route::OpenAi(_) => Dialect::OpenAi,
             Route::Messages => Dialect::Anthropic,
+            Route::Responses => Dialect::Responses,
         }
     }
 
@@ -93,7 +97,7 @@ impl Route {
     fn endpoint(self) -> Endpoint {
         match self {
             Route::OpenAi(endpoint) => endpoint,
-            Route::Messages => Endpoint::Chat,
+            Route::Messages | Route::Responses => Endpoint::Chat,
         }
     }
 
@@ -102,6 +106,7 @@ impl Route {
         match self {
             Route::OpenAi(endpoint) => endpoint.path(),
             Route::Messages => anthropic::MESSAGES_PATH,
+            Route::Responses => responses::RESPONSES_PATH,
         }
     }
 }
@@ -110,6 +115,7 @@ impl Route {
 enum Asked {
     OpenAi(RequestFacts),
     Anthropic(Translated),
+    Responses(Box<responses::Translated>),
 }
 
 impl Asked {
@@ -117,6 +123,7 @@ impl Asked {
         match self {
             Asked::OpenAi(facts) => facts,
             Asked::Anthropic(translated) => &translated.facts,
+            Asked::Responses(translated) => &translated.facts,
         }
     }
 }
@@ -130,10 +137,26 @@ async fn inspect_off_loop(
     raw: &bytes::Bytes,
     route: Route,
     messages: TranslateOptions,
+    stored: (Arc<std::sync::Mutex<responses::Store>>, Arc<str>),
 ) -> Result<Asked, ApiError> {
     let read = move |body: &[u8]| match route {
         Route::OpenAi(endpoint) => inspect(body, endpoint).map(Asked::OpenAi),
         Route::Messages => anthropic::translate(body, messages).map(Asked::Anthropic),
+        Route::Responses => {
+            // A turn that continues a stored response is translated after it.
+            let (store, owner) = stored;
+            let context = match responses::previous_response_id(body)? {
+                Some(id) => Some(
+                    store
+                        .lock()
+                        .ok()
+                        .and_then(|s| s.get(&id, &owner).map(|s| s.conversation.clone()))
+                        .ok_or_else(|| responses::previous_not_found(&id))?,
+                ),
+                None => None,
+            };
+            responses::translate(body, context.as_deref()).map(|t| Asked::Responses(Box::new(t)))
+        }
     };
     match offload::run(raw, read).await {
         Ok(inspected) => inspected,
@@ -420,7 +443,8 @@ async fn handle<B: ReqBody>(
         keep_billing_header: settings.keep_billing_header,
         ..TranslateOptions::default()
     };
-    let asked = match inspect_off_loop(&raw, route, translate).await {
+    let stored = (state.responses.clone(), finish.caller.name.clone());
+    let asked = match inspect_off_loop(&raw, route, translate, stored).await {
         Ok(asked) => asked,
         Err(refusal) => return refuse(&mut finish, &refusal),
     };
@@ -467,6 +491,7 @@ async fn handle<B: ReqBody>(
     // the Messages API itself is sent the caller's body.
     let (body, native) = match &asked {
         Asked::OpenAi(_) => (raw, None),
+        Asked::Responses(translated) => (translated.chat.clone(), None),
         Asked::Anthropic(translated) => (
             translated.chat.clone(),
             Some(iop_proto_core::edge::NativeCall {
@@ -525,6 +550,18 @@ async fn handle<B: ReqBody>(
         Asked::Anthropic(translated) => Responder::Anthropic(Box::new(anthropic::Responder::new(
             translated.response_options(&run_id, &finish.request_id),
         ))),
+        Asked::Responses(translated) => Responder::Responses(Box::new(responses::Responder::new(
+            translated.response_options(&response_id(&run_id), &finish.request_id, now_secs()),
+        ))),
+    };
+    // A stored response is kept once it ends well, for its caller alone.
+    let keep = match asked {
+        Asked::Responses(translated) if translated.store => Some(Keep {
+            store: state.responses.clone(),
+            owner: finish.caller.name.clone(),
+            asked: translated,
+        }),
+        _ => None,
     };
     // The timer moves from the body's deadline to the response's (or an earlier
     // keep-alive comment).
@@ -542,6 +579,7 @@ async fn handle<B: ReqBody>(
         last_activity: now,
         keepalive,
         recorded: false,
+        keep,
         _permit: permit,
         _open: open,
     }))
@@ -603,6 +641,22 @@ pub(super) async fn count_tokens<B: ReqBody>(
         response.headers_mut().insert(REQUEST_ID.clone(), value);
     }
     response
+}
+
+/// A Responses answer to store once it ends: where, for whom, and what was asked.
+struct Keep {
+    store: Arc<std::sync::Mutex<responses::Store>>,
+    owner: Arc<str>,
+    asked: Box<responses::Translated>,
+}
+
+/// A response's id stem: the run id behind a per-process nonce, so that an id never
+/// names two responses across the Edge's restarts.
+fn response_id(run_id: &str) -> String {
+    use std::sync::OnceLock;
+    static NONCE: OnceLock<u64> = OnceLock::new();
+    let nonce = *NONCE.get_or_init(iop_shell_common::process::nonce);
+    format!("{nonce:016x}{}", run_id.trim_start_matches("run-"))
 }
 
 /// The longest a count waits for a provider's tokenizer before answering its estimate.
@@ -722,6 +776,8 @@ pub(crate) struct Live {
     last_activity: Instant,
     keepalive: Duration,
     recorded: bool,
+    /// A Responses answer to store once it ends.
+    keep: Option<Keep>,
     _permit: crate::limit::Slot,
     _open: crate::drain::Open,
 }
@@ -794,11 +850,25 @@ impl Live {
         self.responder.handle_event(event);
     }
 
-    /// The response is complete: no cancel once the core ended the request. Its figures
-    /// are recorded when it is dropped, once its last bytes are written.
+    /// The response is complete: no cancel once the core ended the request; a response
+    /// to keep is stored. Its figures are recorded when it is dropped, once its last
+    /// bytes are written.
     fn settle(&mut self) {
         if !self.responder.needs_cancel() {
             self.guard.disarm();
+        }
+        if let (Some(keep), Responder::Responses(responder)) = (self.keep.take(), &self.responder)
+            && let Some((id, conversation, response)) = responses::to_store(&keep.asked, responder)
+            && let Ok(mut store) = keep.store.lock()
+        {
+            let stored = responses::Stored {
+                owner: keep.owner,
+                conversation: Arc::from(conversation),
+                response,
+            };
+            if !store.insert(&id, stored) {
+                tracing::warn!(response_id = %id, "response larger than responses.store_max_bytes: not stored");
+            }
         }
     }
 }

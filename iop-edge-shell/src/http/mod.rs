@@ -5,6 +5,7 @@
 mod admin;
 mod h1;
 pub(crate) mod inference;
+mod responses;
 
 use std::convert::Infallible;
 use std::pin::Pin;
@@ -122,9 +123,19 @@ pub struct State {
     pub drain: Arc<crate::drain::Drain>,
     /// In a cluster: membership and members (`/healthz` answers 503 while not a member).
     pub cluster: Option<Arc<crate::membership::ClusterView>>,
+    /// The stored responses (`[responses]`; a reload resizes it).
+    pub responses: Arc<std::sync::Mutex<iop_api::responses::Store>>,
 }
 
 impl State {
+    /// What the response store holds.
+    pub(crate) fn responses_figures(&self) -> iop_api::responses::StoreFigures {
+        self.responses
+            .lock()
+            .map(|store| store.figures())
+            .unwrap_or_default()
+    }
+
     pub(crate) fn settings(&self) -> Arc<HttpSettings> {
         self.settings
             .read()
@@ -160,6 +171,8 @@ fn dialect_error(dialect: Dialect, error: &ApiError, request_id: &str) -> Respon
 fn dialect_of(path: &str) -> Dialect {
     if path.starts_with(iop_api::anthropic::MESSAGES_PATH) {
         Dialect::Anthropic
+    } else if path.starts_with(iop_api::responses::RESPONSES_PATH) {
+        Dialect::Responses
     } else {
         Dialect::OpenAi
     }
@@ -459,7 +472,7 @@ async fn route<B: ReqBody>(
     let dialect = dialect_of(&path);
     // An error of the Messages API's routes names the request as its answers do.
     let refuse = |req: &Request<B>, error: &ApiError| match dialect {
-        Dialect::OpenAi => api_error(error),
+        Dialect::OpenAi | Dialect::Responses => api_error(error),
         Dialect::Anthropic => {
             let id = inference::request_id(req.headers());
             let mut r = dialect_error(dialect, error, &id);
@@ -482,7 +495,7 @@ async fn route<B: ReqBody>(
         }
     };
     if let Some(allow) = allowed_method(&path)
-        && req.method().as_str() != allow
+        && !allow.split(", ").any(|m| m == req.method().as_str())
     {
         let mut r = refuse(
             &req,
@@ -518,6 +531,7 @@ async fn route<B: ReqBody>(
         (Method::GET, "/metrics") => {
             let mut snapshot = admin::snapshot(&state).await.unwrap_or_default();
             snapshot.cluster = state.cluster.as_ref().map(|c| c.snapshot());
+            snapshot.responses_store = state.responses_figures();
             let mut r = Response::new(ResBody::Full(Some(Bytes::from(
                 state.metrics.render(&snapshot),
             ))));
@@ -569,6 +583,16 @@ async fn route<B: ReqBody>(
         }
         (Method::POST, iop_api::anthropic::COUNT_TOKENS_PATH) => {
             Box::pin(inference::count_tokens(req, state, caller)).await
+        }
+        (Method::POST, iop_api::responses::RESPONSES_PATH) => {
+            let route = inference::Route::Responses;
+            Box::pin(inference::inference(req, state, route, caller)).await
+        }
+        (Method::GET, path) if let Some(id) = path.strip_prefix("/v1/responses/") => {
+            responses::get(&state, &caller, id)
+        }
+        (Method::DELETE, path) if let Some(id) = path.strip_prefix("/v1/responses/") => {
+            responses::delete(&state, &caller, id)
         }
         (_, path) if path.starts_with("/v1/nodes/") => {
             Box::pin(admin::node_command(req, &state)).await
@@ -632,8 +656,10 @@ fn allowed_method(path: &str) -> Option<&'static str> {
         | "/v1/completions"
         | "/v1/embeddings"
         | iop_api::anthropic::MESSAGES_PATH
-        | iop_api::anthropic::COUNT_TOKENS_PATH => Some("POST"),
+        | iop_api::anthropic::COUNT_TOKENS_PATH
+        | iop_api::responses::RESPONSES_PATH => Some("POST"),
         p if p.starts_with("/v1/models/") => Some("GET"),
+        p if p.starts_with("/v1/responses/") => Some("GET, DELETE"),
         _ => {
             let (_, what) = path.strip_prefix("/v1/nodes/")?.split_once('/')?;
             match what {
