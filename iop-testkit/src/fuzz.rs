@@ -519,6 +519,7 @@ pub fn openai_request(data: &[u8]) {
         Err(error) => assert_eq!(error.status, 400, "{}", error.message),
     }
     messages_request(body);
+    responses_request(body);
     for key in ["model", "messages", "usage"] {
         if let Some(range) = member_value(body, key) {
             assert!(
@@ -581,6 +582,36 @@ fn messages_request(body: &[u8]) {
                 assert_eq!(counted.status, 400, "{}", counted.message);
             }
         }
+    }
+}
+
+/// A Responses body translated, alone and as the turn after a stored conversation:
+/// nothing panics, a refusal is a 400, a translation is a chat body whose estimate is
+/// the facts', and the conversation it would store is a JSON array.
+fn responses_request(body: &[u8]) {
+    use iop_api::openai::estimate_tokens;
+    use iop_api::responses::{previous_response_id, translate};
+
+    let context = r#"[{"role":"user","content":"before"},{"role":"assistant","content":"then"}]"#;
+    for stored in [None, Some(context)] {
+        match translate(body, stored) {
+            Ok(t) => {
+                let chat: serde_json::Value =
+                    serde_json::from_slice(&t.chat).expect("a translation is JSON");
+                assert_eq!(chat["model"].as_str(), Some(t.facts.model.as_str()));
+                assert_eq!(t.facts.prompt_tokens, estimate_tokens(&t.chat));
+                let conversation: serde_json::Value =
+                    serde_json::from_str(&t.conversation).expect("the conversation is JSON");
+                assert!(conversation.is_array(), "{conversation}");
+                if stored.is_some() {
+                    assert_eq!(conversation[0]["content"], "before");
+                }
+            }
+            Err(error) => assert_eq!(error.status, 400, "{}", error.message),
+        }
+    }
+    if let Err(error) = previous_response_id(body) {
+        assert_eq!(error.status, 400, "{}", error.message);
     }
 }
 
