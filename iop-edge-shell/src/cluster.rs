@@ -88,6 +88,12 @@ pub(crate) async fn run(settings: ClusterSettings, parts: Parts) {
         advertise_nodes = settings.advertise_nodes,
         "cluster mode: joining through etcd"
     );
+    tokio::spawn(crate::response_ids::fetch_key(
+        etcd.clone(),
+        settings.prefix.clone(),
+        parts.handle.view.clone(),
+        parts.shutdown.clone(),
+    ));
     let mut task = Task {
         member,
         etcd,

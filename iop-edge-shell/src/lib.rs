@@ -32,6 +32,7 @@ pub mod metrics;
 pub mod nodes;
 pub mod outbox;
 mod reload;
+pub(crate) mod response_ids;
 pub mod status;
 pub mod tenants;
 pub mod tls_link;

@@ -63,6 +63,8 @@ pub struct ClusterView {
     pub(crate) serving: AtomicBool,
     pub(crate) current: AtomicBool,
     inner: RwLock<ViewInner>,
+    /// The key response ids are signed with, once read from etcd.
+    responses_key: std::sync::OnceLock<ring::hmac::Key>,
 }
 
 #[derive(Debug, Default, Clone)]
@@ -98,7 +100,18 @@ impl ClusterView {
             serving: AtomicBool::new(false),
             current: AtomicBool::new(false),
             inner: RwLock::default(),
+            responses_key: std::sync::OnceLock::new(),
         }
+    }
+
+    /// The key response ids are signed with, once known.
+    pub(crate) fn responses_key(&self) -> Option<&ring::hmac::Key> {
+        self.responses_key.get()
+    }
+
+    /// The key response ids are signed with, read from etcd (set once).
+    pub(crate) fn set_responses_key(&self, key: ring::hmac::Key) {
+        let _ = self.responses_key.set(key);
     }
 
     /// Whether this Edge is a member now (its `/healthz` answers 200 only then).

@@ -993,3 +993,86 @@ fn a_cluster_edge_without_nodes_is_unhealthy_while_another_serves() {
     }
     drop(node);
 }
+
+/// A Responses conversation of ten turns, each naming the one before in
+/// `previous_response_id`, its turns sent round-robin to three Edges: every turn reaches
+/// the provider with the whole conversation (the Edge it reached asks the Edge that
+/// stored the previous turn, whose id it signed with the cluster's key), an altered id
+/// is refused, and once the Edge holding the last turn is gone the next turn answers the
+/// documented 400.
+#[test]
+fn a_responses_chain_continues_across_the_edges_of_a_cluster() {
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let fakes = fakes(&rt, 1);
+    let mut fabric = Fabric::start(&rt, 3, fakes, 8);
+    let node = start_node(
+        &fabric.dir,
+        "n1",
+        &fabric.edges[0],
+        &fabric.fingerprint,
+        "n",
+    );
+    fabric.await_ready(&["n1"], Duration::from_secs(15));
+    let mut previous: Option<String> = None;
+    for turn in 0..10 {
+        let edge = &fabric.edges[turn % 3];
+        let mut body = json!({"model": "chat", "input": format!("turn {turn}")});
+        if let Some(id) = &previous {
+            body["previous_response_id"] = json!(id);
+        }
+        let answer = rt.block_on(Http::new(edge.http).post("/v1/responses", &body));
+        assert_eq!(
+            answer.status,
+            200,
+            "turn {turn} on {}: {}",
+            edge.id,
+            String::from_utf8_lossy(&answer.body)
+        );
+        let response = answer.json();
+        let id = response["id"].as_str().expect("an id").to_owned();
+        // What the provider was sent for this turn: every turn so far, in order, with an
+        // answer between each two.
+        let sent = fabric.fakes[0]
+            .state
+            .requests()
+            .last()
+            .map(|r| serde_json::from_slice::<Value>(&r.body).expect("JSON"))
+            .expect("the provider was asked");
+        let messages = sent["messages"].as_array().expect("messages");
+        let users: Vec<&str> = messages
+            .iter()
+            .filter(|m| m["role"] == "user")
+            .filter_map(|m| m["content"].as_str())
+            .collect();
+        let expected: Vec<String> = (0..=turn).map(|t| format!("turn {t}")).collect();
+        assert_eq!(users, expected, "turn {turn} on {}: {sent}", edge.id);
+        let answers = messages.iter().filter(|m| m["role"] == "assistant").count();
+        assert_eq!(answers, turn, "turn {turn}: {sent}");
+        previous = Some(id);
+    }
+    let last = previous.expect("ten turns");
+    // The ids are signed with the cluster's key: one altered is refused on any Edge.
+    let (stem, mac) = last.rsplit_once('_').expect("a signed id");
+    let flipped = if mac.starts_with('0') { "1" } else { "0" };
+    let forged = format!("{stem}_{flipped}{}", &mac[1..]);
+    let refused = rt.block_on(Http::new(fabric.edges[1].http).post(
+        "/v1/responses",
+        &json!({"model": "chat", "input": "x", "previous_response_id": forged}),
+    ));
+    assert_eq!(
+        refused.status,
+        400,
+        "{}",
+        String::from_utf8_lossy(&refused.body)
+    );
+    // The tenth turn went to edge-a (turn 9 % 3 == 0): without it, the next turn on
+    // edge-b answers the documented 400.
+    fabric.edges[0].proc = None;
+    let gone = rt.block_on(Http::new(fabric.edges[1].http).post(
+        "/v1/responses",
+        &json!({"model": "chat", "input": "x", "previous_response_id": last}),
+    ));
+    assert_eq!(gone.status, 400, "{}", String::from_utf8_lossy(&gone.body));
+    assert_eq!(gone.json()["error"]["code"], "previous_response_not_found");
+    drop(node);
+}

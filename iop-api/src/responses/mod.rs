@@ -77,6 +77,39 @@ pub fn not_found(id: &str) -> ApiError {
     )
 }
 
+/// The stem of a response's id (`resp_{stem}`): the run id behind a per-process
+/// `nonce`, so that an id never names two responses across restarts; in a cluster, led
+/// by the hex of the id of the Edge that stores it (`{edge hex}_...`), which
+/// [`owner_of`] reads back so that another Edge knows whom to ask.
+#[must_use]
+pub fn id_stem(edge: Option<&str>, nonce: u64, run_id: &str) -> String {
+    let run = run_id.trim_start_matches("run-");
+    match edge {
+        Some(edge) => {
+            let mut hex = String::with_capacity(edge.len() * 2);
+            for b in edge.bytes() {
+                hex.push_str(&format!("{b:02x}"));
+            }
+            format!("{hex}_{nonce:016x}{run}")
+        }
+        None => format!("{nonce:016x}{run}"),
+    }
+}
+
+/// The id of the Edge that stores response `id`, when the id names one.
+#[must_use]
+pub fn owner_of(id: &str) -> Option<String> {
+    let (hex, _) = id.strip_prefix("resp_")?.split_once('_')?;
+    if hex.is_empty() || hex.len() % 2 != 0 || hex.len() > 256 {
+        return None;
+    }
+    let bytes: Option<Vec<u8>> = (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok())
+        .collect();
+    String::from_utf8(bytes?).ok()
+}
+
 /// What `DELETE /v1/responses/{id}` answers.
 #[must_use]
 pub fn deleted(id: &str) -> bytes::Bytes {
@@ -106,4 +139,27 @@ pub fn to_store(
         conversation,
         bytes::Bytes::from(response.to_string()),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_clustered_id_names_its_edge_and_a_single_edges_none() {
+        let stem = id_stem(Some("edge-a"), 0xabc, "run-42");
+        assert_eq!(stem, "656467652d61_0000000000000abc42");
+        assert_eq!(owner_of(&format!("resp_{stem}")).as_deref(), Some("edge-a"));
+        let single = id_stem(None, 0xabc, "run-42");
+        assert_eq!(owner_of(&format!("resp_{single}")), None);
+        for forged in [
+            "resp_zz_1",
+            "resp_6_1",
+            "resp__1",
+            "msg_6564_1",
+            "resp_ff_1",
+        ] {
+            assert_eq!(owner_of(forged), None, "{forged}");
+        }
+    }
 }

@@ -137,24 +137,13 @@ async fn inspect_off_loop(
     raw: &bytes::Bytes,
     route: Route,
     messages: TranslateOptions,
-    stored: (Arc<std::sync::Mutex<responses::Store>>, Arc<str>),
+    context: Option<Arc<str>>,
 ) -> Result<Asked, ApiError> {
     let read = move |body: &[u8]| match route {
         Route::OpenAi(endpoint) => inspect(body, endpoint).map(Asked::OpenAi),
         Route::Messages => anthropic::translate(body, messages).map(Asked::Anthropic),
+        // A turn that continues a stored response is translated after its conversation.
         Route::Responses => {
-            // A turn that continues a stored response is translated after it.
-            let (store, owner) = stored;
-            let context = match responses::previous_response_id(body)? {
-                Some(id) => Some(
-                    store
-                        .lock()
-                        .ok()
-                        .and_then(|s| s.get(&id, &owner).map(|s| s.conversation.clone()))
-                        .ok_or_else(|| responses::previous_not_found(&id))?,
-                ),
-                None => None,
-            };
             responses::translate(body, context.as_deref()).map(|t| Asked::Responses(Box::new(t)))
         }
     };
@@ -401,6 +390,12 @@ async fn handle<B: ReqBody>(
         }))
         .collect();
     finish.trace = RequestTrace::begin(req.headers(), &state.tracer, &mut headers);
+    // A Responses turn may need a stored conversation from another Edge, asked for with
+    // the caller's own credential.
+    let credential = match route {
+        Route::Responses => super::peers::credential(req.headers()),
+        _ => None,
+    };
     let content_length = declared_length(req.headers());
     let memory = RequestMemory::new(state.budget.clone());
     // From here the body and everything buffered for the caller count against the budget
@@ -443,8 +438,16 @@ async fn handle<B: ReqBody>(
         keep_billing_header: settings.keep_billing_header,
         ..TranslateOptions::default()
     };
-    let stored = (state.responses.clone(), finish.caller.name.clone());
-    let asked = match inspect_off_loop(&raw, route, translate, stored).await {
+    let context = match route {
+        Route::Responses => {
+            match previous_context(&state, &finish.caller.name, credential, &raw).await {
+                Ok(context) => context,
+                Err(refusal) => return refuse(&mut finish, &refusal),
+            }
+        }
+        _ => None,
+    };
+    let asked = match inspect_off_loop(&raw, route, translate, context).await {
         Ok(asked) => asked,
         Err(refusal) => return refuse(&mut finish, &refusal),
     };
@@ -551,7 +554,11 @@ async fn handle<B: ReqBody>(
             translated.response_options(&run_id, &finish.request_id),
         ))),
         Asked::Responses(translated) => Responder::Responses(Box::new(responses::Responder::new(
-            translated.response_options(&response_id(&run_id), &finish.request_id, now_secs()),
+            translated.response_options(
+                &response_id(&run_id, state.cluster.as_deref()),
+                &finish.request_id,
+                now_secs(),
+            ),
         ))),
     };
     // A stored response is kept once it ends well, for its caller alone.
@@ -650,13 +657,61 @@ struct Keep {
     asked: Box<responses::Translated>,
 }
 
-/// A response's id stem: the run id behind a per-process nonce, so that an id never
-/// names two responses across the Edge's restarts.
-fn response_id(run_id: &str) -> String {
+/// A response's id stem ([`responses::id_stem`]): the run id behind a per-process
+/// nonce, led in a cluster by this Edge's id.
+fn response_id(run_id: &str, cluster: Option<&crate::membership::ClusterView>) -> String {
     use std::sync::OnceLock;
     static NONCE: OnceLock<u64> = OnceLock::new();
     let nonce = *NONCE.get_or_init(iop_shell_common::process::nonce);
-    format!("{nonce:016x}{}", run_id.trim_start_matches("run-"))
+    let stem = responses::id_stem(cluster.map(|c| c.edge_id.as_str()), nonce, run_id);
+    // In a cluster the id is signed, so that another Edge can trust whom it names.
+    match cluster.and_then(crate::membership::ClusterView::responses_key) {
+        Some(key) => crate::response_ids::sign(key, &stem),
+        None => stem,
+    }
+}
+
+/// The conversation a Responses turn continues (its `previous_response_id`): from this
+/// Edge's store, or, in a cluster, from the Edge whose id the response id names, asked
+/// with the caller's credential; else the 400 `previous_response_not_found`.
+async fn previous_context(
+    state: &State,
+    owner: &str,
+    credential: super::peers::Credential,
+    raw: &[u8],
+) -> Result<Option<Arc<str>>, ApiError> {
+    let Some(id) = responses::previous_response_id(raw)? else {
+        return Ok(None);
+    };
+    let local = state
+        .responses
+        .lock()
+        .ok()
+        .and_then(|store| store.get(&id, owner).map(|s| s.conversation.clone()));
+    if let Some(conversation) = local {
+        return Ok(Some(conversation));
+    }
+    let not_found = || responses::previous_not_found(&id);
+    let cluster = state.cluster.as_ref().ok_or_else(not_found)?;
+    // Only a signed id names an Edge to ask: a forged one is refused without a request.
+    let signed = cluster
+        .responses_key()
+        .is_some_and(|key| crate::response_ids::verify(key, &id));
+    let edge = responses::owner_of(&id)
+        .filter(|edge| signed && *edge != cluster.edge_id)
+        .ok_or_else(not_found)?;
+    let addr = cluster
+        .snapshot()
+        .members
+        .into_iter()
+        .find(|m| m.edge_id == edge)
+        .map(|m| m.http_addr)
+        .ok_or_else(not_found)?;
+    let limit = state.settings().max_body_bytes;
+    super::peers::conversation(&addr, &id, credential, limit)
+        .await
+        .map(Some)
+        .ok_or_else(not_found)
 }
 
 /// The longest a count waits for a provider's tokenizer before answering its estimate.

@@ -5,6 +5,7 @@
 mod admin;
 mod h1;
 pub(crate) mod inference;
+mod peers;
 mod responses;
 
 use std::convert::Infallible;
