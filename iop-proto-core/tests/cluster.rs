@@ -350,6 +350,77 @@ fn configurations_are_offered_once_each_in_order_and_the_outcome_is_written() {
     );
 }
 
+/// The answer `config push` waits for is written under the member lease: one whose lease
+/// an etcd started afresh no longer knows is written again under the next lease, and a
+/// write that failed is tried again, so a push is told the truth.
+#[test]
+fn the_configuration_answer_is_written_again_under_each_new_lease() {
+    let mut member = joined(vec![kv("/iop/config", "first", 3, 0)]);
+    let _ = events(&mut member);
+    member.handle_configured(at(150), 3, Ok(()));
+    let status = transmits(&mut member);
+    assert!(matches!(
+        &status[0].request,
+        EtcdRequest::Put { key, value, lease: 7 } if key == "/iop/status/e1" && value == b"3 ok"
+    ));
+    // The fresh etcd knows no lease 7: the write fails, and is tried again soon.
+    member
+        .handle_reply(at(160), status[0].tag, Reply::Failed)
+        .unwrap();
+    member.handle_timeout(member.poll_timeout().expect("a retry is due"));
+    let again = transmits(&mut member);
+    assert!(
+        again.iter().any(|t| matches!(&t.request,
+            EtcdRequest::Put { key, value, .. } if key == "/iop/status/e1" && value == b"3 ok")),
+        "{again:?}"
+    );
+    // The lease is gone (a renewal says so): under the next one, the member key and then
+    // the same answer are written again.
+    member.handle_timeout(at(3_050));
+    let renew = transmits(&mut member);
+    let keepalive = renew
+        .iter()
+        .find(|t| matches!(t.request, EtcdRequest::KeepAlive { lease: 7 }))
+        .expect("a renewal");
+    member
+        .handle_reply(
+            at(3_060),
+            keepalive.tag,
+            Reply::KeptAlive {
+                ttl: Duration::ZERO,
+            },
+        )
+        .unwrap();
+    assert!(!member.is_member());
+    let asked = transmits(&mut member);
+    let grant = asked
+        .iter()
+        .find(|t| matches!(t.request, EtcdRequest::Grant { .. }))
+        .expect("a new lease is asked for");
+    member
+        .handle_reply(
+            at(3_100),
+            grant.tag,
+            Reply::Granted {
+                lease: 9,
+                ttl: Duration::from_secs(10),
+            },
+        )
+        .unwrap();
+    let key = transmits(&mut member)
+        .into_iter()
+        .find(|t| matches!(&t.request, EtcdRequest::Put { key, lease: 9, .. } if key == "/iop/members/e1"))
+        .expect("the member key under lease 9");
+    member
+        .handle_reply(at(3_120), key.tag, Reply::Put { revision: 2 })
+        .unwrap();
+    assert!(
+        transmits(&mut member).iter().any(|t| matches!(&t.request,
+            EtcdRequest::Put { key, value, lease: 9 } if key == "/iop/status/e1" && value == b"3 ok")),
+        "the answer is written under the new lease"
+    );
+}
+
 /// An etcd started afresh (its data lost) counts revisions from 1 again: what it holds
 /// after a read is offered even at a revision below the one applied before.
 #[test]

@@ -83,10 +83,16 @@ fn find(program: &str) -> PathBuf {
 
 /// A one-member etcd on free loopback ports.
 fn start_etcd(dir: &TempDir) -> (External, u16) {
-    let (client, peer) = (free_port(), free_port());
+    let client = free_port();
+    (start_etcd_at(dir, client, "etcd-data"), client)
+}
+
+/// etcd on `client`, its data in `data` under `dir` (a new name: a fresh store).
+fn start_etcd_at(dir: &TempDir, client: u16, data: &str) -> External {
+    let peer = free_port();
     let client_url = format!("http://127.0.0.1:{client}");
     let peer_url = format!("http://127.0.0.1:{peer}");
-    let data = dir.path().join("etcd-data");
+    let data = dir.path().join(data);
     let etcd = External::start(
         "etcd",
         &[
@@ -116,7 +122,7 @@ fn start_etcd(dir: &TempDir) -> (External, u16) {
         }),
         "etcd did not listen"
     );
-    (etcd, client)
+    etcd
 }
 
 /// HAProxy on a free port in front of `backends` (HTTP ports), checking `/healthz`
@@ -298,7 +304,7 @@ struct Fabric {
     fakes: Vec<Fake>,
     fingerprint: String,
     prefix: String,
-    _etcd: External,
+    etcd: Option<External>,
     dir: TempDir,
 }
 
@@ -349,7 +355,7 @@ impl Fabric {
             fakes,
             fingerprint,
             prefix,
-            _etcd: etcd,
+            etcd: Some(etcd),
         };
         for edge in &fabric.edges {
             assert!(
@@ -700,6 +706,39 @@ fn three_edges_share_config_nodes_and_callers_and_survive_a_killed_edge() {
         false,
         "{:?}",
         c.status()["cluster"]
+    );
+    // A caller that reaches it anyway is answered at once, retryable, not held.
+    let asked = Instant::now();
+    let refused = block(async {
+        Http::new(c.http)
+            .post(
+                "/v1/chat/completions",
+                &json!({"model": "chat", "messages": [{"role": "user", "content": "hi"}]}),
+            )
+            .await
+    });
+    let took = asked.elapsed();
+    assert_eq!(
+        refused.status,
+        503,
+        "{}",
+        String::from_utf8_lossy(&refused.body)
+    );
+    assert_eq!(refused.json()["error"]["code"], "not_a_member");
+    assert!(
+        refused
+            .headers
+            .iter()
+            .any(|(name, value)| name == "retry-after" && value == "1"),
+        "{:?}",
+        refused.headers
+    );
+    // Not held: this cluster's queue wait is 20 s (the answer takes about a millisecond;
+    // the bound only tells a refusal from a wait on a loaded machine).
+    eprintln!("edge-c refused a request in {took:?} after it left");
+    assert!(
+        took < Duration::from_secs(2),
+        "a request to an Edge that left took {took:?}"
     );
     // It drains its node sessions and refuses registers; n3 serves through a and b.
     assert!(
@@ -1074,5 +1113,49 @@ fn a_responses_chain_continues_across_the_edges_of_a_cluster() {
     ));
     assert_eq!(gone.status, 400, "{}", String::from_utf8_lossy(&gone.body));
     assert_eq!(gone.json()["error"]["code"], "previous_response_not_found");
+    drop(node);
+}
+
+/// An etcd replaced by a fresh one (its data gone, every lease with it), and a
+/// configuration pushed right away: every member applies it and says so under its new
+/// lease, so `config push` exits 0 (its answers were once written under the lost lease
+/// and never again).
+#[test]
+fn config_push_right_after_a_fresh_etcd_hears_every_member() {
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let fakes = fakes(&rt, 1);
+    let mut fabric = Fabric::start(&rt, 3, fakes, 4);
+    let node = start_node(
+        &fabric.dir,
+        "n1",
+        &fabric.edges[0],
+        &fabric.fingerprint,
+        "n",
+    );
+    fabric.await_ready(&["n1"], Duration::from_secs(15));
+    drop(fabric.etcd.take());
+    fabric.etcd = Some(start_etcd_at(&fabric.dir, fabric.etcd_port, "etcd-fresh"));
+    let body = shared_body(
+        &fabric.fakes,
+        4,
+        "[[models]]\nname = \"chat-fresh\"\nproviders = [{ node = \"n1\", adapter = \"oa\", target = \"gpt-x\" }]\n",
+    );
+    let file = fabric.dir.write("fresh.toml", &body);
+    // Pushed as soon as the fresh etcd answers (a moment after it listens).
+    let mut pushed = fabric.push(&file, &fabric.edges[0]);
+    let by = Instant::now() + Duration::from_secs(10);
+    while pushed.0 == 1 && pushed.1.contains("etcd unreachable") && Instant::now() < by {
+        std::thread::sleep(Duration::from_millis(100));
+        pushed = fabric.push(&file, &fabric.edges[0]);
+    }
+    let (code, out) = pushed;
+    assert_eq!(code, 0, "{out}");
+    for edge in &fabric.edges {
+        assert!(
+            wait_until(Duration::from_secs(15), || edge.healthz() == 200),
+            "{} did not rejoin the fresh etcd",
+            edge.id
+        );
+    }
     drop(node);
 }

@@ -372,6 +372,24 @@ async fn handle<B: ReqBody>(
     let Some(mut open) = state.drain.enter() else {
         return refuse(&mut finish, &ApiError::shutting_down());
     };
+    // A cluster Edge that is not a member now (it lost etcd past its lease, or has not
+    // joined yet) has fenced its nodes: it answers at once, retryable, rather than hold
+    // a request no node here may serve.
+    if state.cluster.as_ref().is_some_and(|c| !c.is_member()) {
+        let mut response = refuse(
+            &mut finish,
+            &ApiError::new(
+                503,
+                ErrorType::Server,
+                "this edge is not a member of its cluster now; try another",
+                Some("not_a_member"),
+            ),
+        );
+        response
+            .headers_mut()
+            .insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
+        return response;
+    }
     // The provider sees the request under the same id as the caller and both logs.
     let mut headers: Vec<Header> = req
         .headers()

@@ -52,7 +52,9 @@ enum Pending {
     MemberKey {
         lease: LeaseId,
     },
-    Status,
+    Status {
+        lease: LeaseId,
+    },
     Claim {
         ticket: ClaimTicket,
         node_id: String,
@@ -97,6 +99,12 @@ pub struct ClusterMember {
     retry_grant: bool,
     retry_member_key: bool,
     retry_sync: bool,
+    retry_status: bool,
+    /// This Edge's answer to the last configuration offered (`<revision> ok` or
+    /// `<revision> refused: ...`), which `config push` waits for under
+    /// `<prefix>/status/<edge id>`: written with the member lease, so written again under
+    /// each new lease (an etcd started afresh knows none of the old ones).
+    status: Option<Vec<u8>>,
     /// The store as the watch shows it, under the prefix.
     synced: bool,
     syncing: bool,
@@ -161,6 +169,8 @@ impl ClusterMember {
             retry_grant: false,
             retry_member_key: false,
             retry_sync: false,
+            retry_status: false,
+            status: None,
             synced: false,
             syncing: false,
             revision: 0,
@@ -277,6 +287,8 @@ impl ClusterMember {
                     // Its own key is in etcd now, whether or not the watch showed it yet.
                     self.view_changed();
                     self.maybe_join();
+                    // The last answer, under this lease (the one it had may be gone).
+                    self.write_status();
                 }
             }
             (Pending::MemberKey { lease }, _) => {
@@ -284,7 +296,12 @@ impl ClusterMember {
                     self.retry(|m| m.retry_member_key = true);
                 }
             }
-            (Pending::Status, _) => {}
+            (Pending::Status { .. }, Reply::Put { .. }) => {}
+            (Pending::Status { lease }, _) => {
+                if self.lease == Some(lease) {
+                    self.retry(|m| m.retry_status = true);
+                }
+            }
             (
                 Pending::Claim {
                     ticket,
@@ -381,19 +398,27 @@ impl ClusterMember {
     ) {
         self.advance(now);
         self.answered_config = self.answered_config.max(revision);
-        let Some(lease) = self.lease else { return };
         let value = match outcome {
             Ok(()) => format!("{revision} ok"),
             Err(reason) => format!("{revision} refused: {reason}"),
         };
+        self.status = Some(value.into_bytes());
+        self.write_status();
+    }
+
+    /// Writes the last configuration answer under the member lease, when both are there
+    /// (a lease granted later writes it then, once its member key is in).
+    fn write_status(&mut self) {
+        let (Some(lease), Some(value)) = (self.lease, self.status.clone()) else {
+            return;
+        };
+        if !self.member_key_written {
+            return;
+        }
         let key = format!("{}/status/{}", self.config.prefix, self.config.edge_id);
         self.send(
-            EtcdRequest::Put {
-                key,
-                value: value.into_bytes(),
-                lease,
-            },
-            Pending::Status,
+            EtcdRequest::Put { key, value, lease },
+            Pending::Status { lease },
         );
     }
 
@@ -470,6 +495,9 @@ impl ClusterMember {
         }
         if std::mem::take(&mut self.retry_sync) && !self.synced {
             self.sync();
+        }
+        if std::mem::take(&mut self.retry_status) {
+            self.write_status();
         }
     }
 
