@@ -696,9 +696,13 @@ async fn previous_context(
     state: &State,
     owner: &str,
     credential: super::peers::Credential,
-    raw: &[u8],
+    raw: &Bytes,
 ) -> Result<Option<Arc<str>>, ApiError> {
-    let Some(id) = responses::previous_response_id(raw)? else {
+    // Read off the event loop for a large body, as the translation is.
+    let named = offload::run(raw, responses::previous_response_id)
+        .await
+        .map_err(|_| ApiError::shutting_down())?;
+    let Some(id) = named? else {
         return Ok(None);
     };
     let local = state
