@@ -111,6 +111,8 @@ struct World {
     /// The last configuration pushed.
     last_config: Vec<u8>,
     trace: Vec<String>,
+    /// Settling: links heal, and etcd's answers are no longer lost.
+    settling: bool,
 }
 
 fn member_config(id: &str, faults: ClusterFaults) -> ClusterConfig {
@@ -345,8 +347,8 @@ impl World {
                     self.edges[e].watch_from = Some(from);
                     self.edges[e].stalled = false;
                 }
-                // An answer is lost now and then; the request stands.
-                if self.rng.chance(3) {
+                // An answer is lost now and then while faults run; the request stands.
+                if !self.settling && self.rng.chance(3) {
                     Reply::Failed
                 } else {
                     reply
@@ -648,6 +650,7 @@ pub fn run_cluster_seed(seed: u64, faults: ClusterFaults) -> Result<ClusterStats
         stats: ClusterStats::default(),
         last_config: Vec::new(),
         trace: Vec::new(),
+        settling: false,
     };
     world.push_config(b"config start".to_vec());
     let faulty_until = Timestamp::ZERO.saturating_add(FAULTY);
@@ -664,7 +667,10 @@ pub fn run_cluster_seed(seed: u64, faults: ClusterFaults) -> Result<ClusterStats
         }
         world.check()?;
     }
-    // Settle: links heal, the last push is valid, killed Edges come back.
+    // Settle: links heal (no answer is lost any more: three renewals lost in a row
+    // near the end, seed 14144, took a lease the check then found missing), the last
+    // push is valid, killed Edges come back.
+    world.settling = true;
     for edge in &mut world.edges {
         edge.cut_until = world.now;
     }
