@@ -231,6 +231,19 @@ impl Task {
                 let view = &self.parts.handle.view;
                 view.current
                     .store(self.member.is_synced(), Ordering::Relaxed);
+                view.serves.store(self.member.serves(), Ordering::Relaxed);
+                let now = self.clock.now();
+                let unix = |at: Option<iop_proto_core::Timestamp>| {
+                    at.map_or(0, |at| {
+                        crate::membership::unix_ms()
+                            .saturating_sub(now.saturating_duration_since(at).as_millis() as u64)
+                            .max(1)
+                    })
+                };
+                view.detached_since
+                    .store(unix(self.member.detached_since()), Ordering::Relaxed);
+                view.unanswered_since
+                    .store(unix(self.member.unanswered_since()), Ordering::Relaxed);
                 if self.member.is_serving() && !view.serving.swap(true, Ordering::Relaxed) {
                     info!("cluster: the shared configuration is in; judging node registers");
                     let _ = self.parts.core.send(CoreMsg::ClusterServing);
@@ -247,12 +260,12 @@ impl Task {
                 view.member.store(true, Ordering::Relaxed);
                 info!(edge_id = view.edge_id, "cluster: joined; serving");
             }
-            ClusterEvent::Left(reason) => {
+            ClusterEvent::Detached(reason) => {
                 view.member.store(false, Ordering::Relaxed);
                 warn!(
                     edge_id = view.edge_id,
                     reason = ?reason,
-                    "cluster: no longer a member (etcd unreachable?): /healthz answers 503, nodes here are drained, registers refused until etcd answers again"
+                    "cluster: lost the etcd lease (etcd unreachable?): serving on with the nodes, configuration and members last known; no new node instance until etcd answers"
                 );
             }
             ClusterEvent::Members(members) => self.members(members),
@@ -270,7 +283,7 @@ impl Task {
                 warn!(
                     node_id,
                     instance = format_args!("{instance:016x}"),
-                    "cluster: cannot vouch for this node instance any more; draining it"
+                    "cluster: etcd says another instance holds this node id; draining this one"
                 );
                 let _ = self
                     .parts

@@ -2,7 +2,7 @@
 //! core's claims and releases, etcd's answers), and the view of the cluster it keeps for
 //! `/healthz`, `/v1/status` and the dashboard. The task itself is the `cluster` module.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
 use iop_proto_core::ConnId;
@@ -59,6 +59,12 @@ pub struct ClusterView {
     /// This Edge's id.
     pub edge_id: String,
     pub(crate) member: AtomicBool,
+    /// It serves callers: a member, or one that lost its lease and serves on.
+    pub(crate) serves: AtomicBool,
+    /// Unix ms since which it serves without its lease (0: it holds it).
+    pub(crate) detached_since: AtomicU64,
+    /// Unix ms since which etcd has not answered it (0: etcd answers).
+    pub(crate) unanswered_since: AtomicU64,
     /// It may serve: a member with the cluster's shared configuration in (set once).
     pub(crate) serving: AtomicBool,
     pub(crate) current: AtomicBool,
@@ -79,8 +85,15 @@ pub(crate) struct ViewInner {
 pub struct ViewSnapshot {
     /// This Edge's id.
     pub edge_id: String,
-    /// Whether it is a member now (holds its lease; may serve).
+    /// Whether it is a member now (holds its lease; may admit new node instances).
     pub member: bool,
+    /// Whether it serves callers: a member, or one that lost its lease and serves on
+    /// with the nodes, configuration and members it last knew.
+    pub serving: bool,
+    /// Since when (Unix ms) it has served without its lease; absent while it holds it.
+    pub detached_since_unix_ms: Option<u64>,
+    /// Since when (Unix ms) etcd has not answered it; absent while etcd answers.
+    pub etcd_unreachable_since_unix_ms: Option<u64>,
     /// The members, sorted by id.
     pub members: Vec<MemberInfo>,
     /// Whether `members` is the cluster as it is now (the watch runs); `false` while this
@@ -97,6 +110,9 @@ impl ClusterView {
         ClusterView {
             edge_id: edge_id.to_owned(),
             member: AtomicBool::new(false),
+            serves: AtomicBool::new(false),
+            detached_since: AtomicU64::new(0),
+            unanswered_since: AtomicU64::new(0),
             serving: AtomicBool::new(false),
             current: AtomicBool::new(false),
             inner: RwLock::default(),
@@ -114,10 +130,18 @@ impl ClusterView {
         let _ = self.responses_key.set(key);
     }
 
-    /// Whether this Edge is a member now (its `/healthz` answers 200 only then).
+    /// Whether this Edge is a member now: it holds its etcd lease.
     #[must_use]
     pub fn is_member(&self) -> bool {
         self.member.load(Ordering::Relaxed)
+    }
+
+    /// Whether this Edge serves callers: a member, or one that lost its lease and serves
+    /// on ([`ClusterMember::serves`](iop_proto_core::cluster::ClusterMember::serves));
+    /// false before it first joined. Its `/healthz` answers 200 only then.
+    #[must_use]
+    pub fn serves(&self) -> bool {
+        self.serves.load(Ordering::Relaxed)
     }
 
     /// Whether this Edge has served as a member with the cluster's shared configuration
@@ -146,6 +170,11 @@ impl ClusterView {
         ViewSnapshot {
             edge_id: self.edge_id.clone(),
             member: self.is_member(),
+            serving: self.serves(),
+            detached_since_unix_ms: Some(self.detached_since.load(Ordering::Relaxed))
+                .filter(|&ms| ms > 0),
+            etcd_unreachable_since_unix_ms: Some(self.unanswered_since.load(Ordering::Relaxed))
+                .filter(|&ms| ms > 0),
             members: inner.members,
             members_current: self.current.load(Ordering::Relaxed),
             config_revision: inner.config_revision,
@@ -179,4 +208,11 @@ pub fn handle(settings: &ClusterSettings) -> (Handle, mpsc::UnboundedReceiver<In
         },
         rx,
     )
+}
+
+/// The wall clock, in Unix milliseconds.
+pub(crate) fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }

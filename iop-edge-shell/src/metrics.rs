@@ -133,6 +133,7 @@ struct Fleet {
     /// In cluster mode only (a series per this Edge's id; none on a single Edge).
     cluster_member: Family<EdgeLabel, Gauge>,
     cluster_members: Family<EdgeLabel, Gauge>,
+    cluster_detached: Family<EdgeLabel, Gauge>,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -409,13 +410,18 @@ impl Metrics {
         );
         registry.register(
             "iop_cluster_member",
-            "In cluster mode: 1 while this Edge holds its etcd lease and may serve, else 0",
+            "In cluster mode: 1 while this Edge holds its etcd lease and may admit new node instances, else 0",
             fleet.cluster_member.clone(),
         );
         registry.register(
             "iop_cluster_members",
             "In cluster mode: the Edges this one sees in etcd, itself included",
             fleet.cluster_members.clone(),
+        );
+        registry.register(
+            "iop_cluster_detached",
+            "In cluster mode: 1 while this Edge serves on its last known state without its etcd lease (etcd unreachable), else 0",
+            fleet.cluster_detached.clone(),
         );
         registry.register(
             "iop_responses_stored",
@@ -654,6 +660,10 @@ impl Metrics {
                 .cluster_members
                 .get_or_create(&edge)
                 .set(gauge_value(cluster.members.len() as u64));
+            fleet
+                .cluster_detached
+                .get_or_create(&edge)
+                .set(i64::from(cluster.detached_since_unix_ms.is_some()));
         }
         let mut out = String::new();
         // Writing into a String cannot fail.

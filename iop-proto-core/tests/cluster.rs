@@ -140,7 +140,11 @@ fn the_lease_counts_as_lost_a_ttl_after_the_last_confirmed_renewal_was_sent() {
     }
     member.handle_timeout(at(13_050));
     assert!(!member.is_member());
-    assert!(events(&mut member).contains(&ClusterEvent::Left(LeftReason::LeaseExpired)));
+    assert!(events(&mut member).contains(&ClusterEvent::Detached(LeftReason::LeaseExpired)));
+    // It serves on, on what it last knew, and says since when.
+    assert!(member.serves());
+    assert_eq!(member.detached_since(), Some(at(13_050)));
+    assert_eq!(member.unanswered_since(), Some(at(6_060)));
     // It asks for a new lease at once, and reads the cluster afresh: what it saw before
     // is only the last seen.
     let asked = transmits(&mut member);
@@ -265,13 +269,19 @@ fn an_instance_another_edge_claimed_is_served_once_its_lease_is_renewed_from_her
     ));
 }
 
+/// A node lease that cannot be renewed in time stops this Edge vouching for the
+/// instance, not serving it: the instance is claimed again, and fenced only when etcd
+/// says another instance holds the node id.
 #[test]
-fn an_instance_whose_node_lease_cannot_be_renewed_is_fenced_in_time() {
+fn an_instance_whose_node_lease_cannot_be_renewed_is_claimed_again_and_fenced_only_on_etcds_word() {
     let mut member = joined(vec![]);
     let _ = events(&mut member);
     let _ = claim(&mut member, 200, "n1", 41, claimed("n1", 41, 9, 21, true));
-    // The node lease was granted after 200 ms: served until 10.2 s at most. The member's
-    // own lease is renewed meanwhile; the node lease's renewals fail.
+    let _ = claim(&mut member, 300, "n2", 51, claimed("n2", 51, 10, 22, true));
+    assert_eq!(member.vouches("n1"), Some(41));
+    // The node leases were granted after 200 and 300 ms: vouched for until 10.2 and
+    // 10.3 s at most. The member's own lease is renewed meanwhile; the node leases'
+    // renewals fail.
     let mut now = 3_050;
     while now < 10_200 {
         member.handle_timeout(at(now));
@@ -287,7 +297,27 @@ fn an_instance_whose_node_lease_cannot_be_renewed_is_fenced_in_time() {
         now = member.poll_timeout().unwrap().as_millis();
     }
     assert_eq!(now, 10_200);
-    member.handle_timeout(at(now));
+    member.handle_timeout(at(10_300));
+    assert_eq!(events(&mut member), [], "nothing fenced for etcd's silence");
+    assert_eq!(member.vouches("n1"), None);
+    assert_eq!(member.serving("n1"), Some((41, 9)), "served on");
+    let reclaims = transmits(&mut member);
+    assert_eq!(reclaims.len(), 2, "{reclaims:?}");
+    for t in &reclaims {
+        assert!(matches!(&t.request, EtcdRequest::Claim { .. }), "{t:?}");
+    }
+    // n1's key had run out and another instance took it: this one is fenced. n2's
+    // is made again for it: vouched for under the new lease and fence.
+    member
+        .handle_reply(
+            at(10_400),
+            reclaims[0].tag,
+            claimed("n1", 42, 30, 40, false),
+        )
+        .unwrap();
+    member
+        .handle_reply(at(10_400), reclaims[1].tag, claimed("n2", 51, 31, 41, true))
+        .unwrap();
     assert_eq!(
         events(&mut member),
         [ClusterEvent::Fence {
@@ -297,6 +327,199 @@ fn an_instance_whose_node_lease_cannot_be_renewed_is_fenced_in_time() {
     );
     assert!(member.is_member(), "the member itself is fine");
     assert_eq!(member.serving("n1"), None);
+    assert_eq!(member.serving("n2"), Some((51, 31)));
+    assert_eq!(member.vouches("n2"), Some(51));
+    // Renewed under the new lease from now on.
+    member.handle_timeout(at(12_100));
+    assert!(
+        transmits(&mut member)
+            .iter()
+            .any(|t| matches!(t.request, EtcdRequest::KeepAlive { lease: 41 }))
+    );
+}
+
+/// etcd away past the member's lease: the member serves on, detached, with what it
+/// holds; another session of an instance it serves is admitted, a new instance is not.
+/// When etcd answers it joins under a new lease, still listing itself to its nodes, and
+/// claims every instance again, adopting a key another Edge made meanwhile once a renewal
+/// of its lease from here is confirmed.
+#[test]
+fn a_member_that_lost_etcd_serves_on_and_claims_again_when_it_returns() {
+    let mut member = joined(vec![
+        kv("/iop/members/e1", "127.0.0.1:7100", 4, 7),
+        kv("/iop/members/e2", "127.0.0.1:7200", 3, 3),
+    ]);
+    let _ = events(&mut member);
+    let _ = claim(&mut member, 200, "n1", 41, claimed("n1", 41, 9, 21, true));
+    // Every request fails from now on, for 30 s.
+    let mut now = 1_000;
+    while now < 31_000 {
+        member.handle_timeout(at(now));
+        for t in transmits(&mut member) {
+            member
+                .handle_reply(at(now + 500), t.tag, Reply::Failed)
+                .unwrap();
+        }
+        now += 500;
+    }
+    let seen = events(&mut member);
+    assert!(
+        seen.contains(&ClusterEvent::Detached(LeftReason::LeaseExpired)),
+        "{seen:?}"
+    );
+    assert!(
+        !seen
+            .iter()
+            .any(|e| matches!(e, ClusterEvent::Fence { .. } | ClusterEvent::Members(_))),
+        "nothing fenced, no list told: {seen:?}"
+    );
+    assert!(!member.is_member() && member.serves());
+    assert_eq!(member.serving("n1"), Some((41, 9)));
+    assert_eq!(member.vouches("n1"), None);
+    // Another session of n1's instance: admitted at once. Another instance: not now.
+    let again = member.claim_node(at(31_000), "n1", 41).unwrap();
+    let other = member.claim_node(at(31_000), "n3", 71).unwrap();
+    assert!(transmits(&mut member).is_empty(), "etcd is not asked");
+    assert_eq!(
+        events(&mut member),
+        [
+            ClusterEvent::Claim {
+                ticket: again,
+                decision: ClaimDecision::Admitted { fence: 9 }
+            },
+            ClusterEvent::Claim {
+                ticket: other,
+                decision: ClaimDecision::Unavailable
+            }
+        ]
+    );
+    // etcd answers again: a read that no longer shows e1's key (it expired), a new lease.
+    member.handle_timeout(at(32_000));
+    let asked = transmits(&mut member);
+    let grant = asked
+        .iter()
+        .find(|t| matches!(t.request, EtcdRequest::Grant { .. }))
+        .expect("a new lease is asked for");
+    let sync = asked
+        .iter()
+        .find(|t| matches!(t.request, EtcdRequest::Sync { .. }))
+        .expect("the cluster is read again");
+    member
+        .handle_reply(
+            at(32_010),
+            sync.tag,
+            Reply::Synced {
+                revision: 40,
+                kvs: vec![
+                    kv("/iop/members/e2", "127.0.0.1:7200", 38, 33),
+                    kv("/iop/nodes/n1", "41", 39, 34),
+                ],
+            },
+        )
+        .unwrap();
+    assert_eq!(
+        events(&mut member),
+        [],
+        "the list still names this Edge: its nodes keep their sessions"
+    );
+    member
+        .handle_reply(
+            at(32_020),
+            grant.tag,
+            Reply::Granted {
+                lease: 50,
+                ttl: Duration::from_secs(10),
+            },
+        )
+        .unwrap();
+    let put = transmits(&mut member);
+    member
+        .handle_reply(at(32_030), put[0].tag, Reply::Put { revision: 41 })
+        .unwrap();
+    assert!(member.is_member());
+    assert_eq!(member.detached_since(), None);
+    assert_eq!(member.unanswered_since(), None);
+    assert_eq!(events(&mut member), [ClusterEvent::Joined]);
+    let reclaim = transmits(&mut member);
+    let [t] = reclaim.as_slice() else {
+        panic!("one claim again: {reclaim:?}");
+    };
+    assert!(matches!(&t.request, EtcdRequest::Claim { key, .. } if key == "/iop/nodes/n1"));
+    // e2 made the key again for the same instance: renew its lease from here, then vouch.
+    member
+        .handle_reply(at(32_040), t.tag, claimed("n1", 41, 39, 34, false))
+        .unwrap();
+    let renew = transmits(&mut member);
+    assert!(matches!(
+        renew[0].request,
+        EtcdRequest::KeepAlive { lease: 34 }
+    ));
+    assert_eq!(member.vouches("n1"), None, "not before the renewal");
+    member
+        .handle_reply(
+            at(32_050),
+            renew[0].tag,
+            Reply::KeptAlive {
+                ttl: Duration::from_secs(10),
+            },
+        )
+        .unwrap();
+    assert_eq!(member.vouches("n1"), Some(41));
+    assert_eq!(member.serving("n1"), Some((41, 39)));
+    assert_eq!(events(&mut member), []);
+}
+
+/// A member whose key went stays in the list told to the nodes for one TTL: an etcd that
+/// returns after an outage expires every lease at once, and the members' keys are back
+/// within a second or two. One that stays gone leaves the list after that.
+#[test]
+fn a_member_whose_key_went_leaves_the_list_a_ttl_later() {
+    let mut member = joined(vec![
+        kv("/iop/members/e1", "127.0.0.1:7100", 4, 7),
+        kv("/iop/members/e2", "127.0.0.1:7200", 3, 3),
+        kv("/iop/members/e3", "127.0.0.1:7300", 2, 2),
+    ]);
+    let _ = events(&mut member);
+    let listed = |seen: &[ClusterEvent]| {
+        seen.iter().rev().find_map(|e| match e {
+            ClusterEvent::Members(m) => {
+                Some(m.iter().map(|m| m.edge_id.clone()).collect::<Vec<_>>())
+            }
+            _ => None,
+        })
+    };
+    member.handle_watch(
+        at(1_000),
+        vec![
+            WatchEvent::Delete {
+                key: "/iop/members/e2".into(),
+                revision: 6,
+            },
+            WatchEvent::Delete {
+                key: "/iop/members/e3".into(),
+                revision: 7,
+            },
+        ],
+    );
+    assert_eq!(events(&mut member), [], "both still listed");
+    // e2 is back a second later; e3 is not.
+    member.handle_watch(
+        at(2_000),
+        vec![WatchEvent::Put(kv(
+            "/iop/members/e2",
+            "127.0.0.1:7200",
+            8,
+            9,
+        ))],
+    );
+    assert_eq!(events(&mut member), []);
+    let _ = keep_running(&mut member, 2_000, 10_999);
+    assert_eq!(listed(&events(&mut member)), None);
+    let _ = keep_running(&mut member, 10_999, 11_000);
+    assert_eq!(
+        listed(&events(&mut member)),
+        Some(vec!["e1".to_owned(), "e2".to_owned()])
+    );
 }
 
 /// A member serves once it has answered every configuration offered (applied or

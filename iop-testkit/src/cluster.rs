@@ -8,14 +8,25 @@
 //! (deliver nothing, break never) until the member reads the prefix again. Edges are killed
 //! (their lease then runs out in the store) and started again under the same id. Node
 //! instances, two of them for each node id, register with members and end their sessions;
-//! configurations, some invalid, are pushed.
+//! configurations, some invalid, are pushed. In half the seeds etcd itself goes away for
+//! every member at once, for two to four lease TTLs (as a `SIGSTOP` does: nothing
+//! answers, watches stall, leases run out by the store's clock).
 //!
-//! Checked after every step: no node id served by live members for two instances at once;
-//! an instance is served only while the store holds its node id's key naming it, with its
-//! node lease alive; a member serving anything holds a lease the store has not expired; no
-//! invalid configuration applied, and configurations applied in revision order. At the end, once
-//! every link has healed: every live member is a member, sees exactly the live members, and
-//! runs the last configuration pushed (always a valid one), stalled watches included.
+//! Checked after every step (docs/cluster.md, "When etcd is unreachable"):
+//! - **one vouched owner:** no node id is vouched for by live members for two instances
+//!   at once, and an instance a member vouches for is named by its node id's key with its
+//!   node lease alive in the store;
+//! - **admitted only on etcd's word:** a session is admitted for an instance the member
+//!   vouches for, or for one it already serves;
+//! - **stop first:** a member that says it is one holds a lease the store has not expired;
+//! - **silence stops nothing:** a member that has joined serves callers until it is
+//!   killed, and nothing is fenced while etcd is away for everyone;
+//! - no invalid configuration applied, and configurations applied in revision order.
+//!
+//! At the end, once every link has healed: every live member is a member, sees exactly the
+//! live members, and runs the last configuration pushed (always a valid one), stalled
+//! watches included; and every session is vouched for by its member, so no node id is
+//! served for two instances anywhere.
 
 use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
@@ -37,7 +48,7 @@ const SETTLE: Duration = Duration::from_secs(40);
 /// Bugs to plant, to show the checks catch them.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ClusterFaults {
-    /// Members keep serving after their lease is lost (ignore `Fence`).
+    /// Members keep serving an instance etcd says another holds (ignore `Fence`).
     pub ignore_fences: bool,
     /// Members never read the prefix again once synced, trusting a watch that may stall.
     pub no_resync: bool,
@@ -52,10 +63,15 @@ pub struct ClusterStats {
     pub held_by: u64,
     /// Claims refused for want of etcd or membership.
     pub unavailable: u64,
-    /// Instances fenced after a lost lease.
+    /// Instances fenced: etcd named another instance when they were claimed again.
     pub fenced: u64,
-    /// Leases lost.
-    pub left: u64,
+    /// Leases lost (the member served on, detached).
+    pub detached: u64,
+    /// Instances served without etcd's word when a run ended its faults (the most at
+    /// any step).
+    pub most_unvouched: u64,
+    /// Whole-etcd outages.
+    pub outages: u64,
     /// Edges killed.
     pub killed: u64,
     /// Partitions.
@@ -93,6 +109,8 @@ struct Edge {
     applied: Vec<(u64, Vec<u8>)>,
     /// The Edge was killed and starts again then.
     restart_at: Option<Timestamp>,
+    /// This process has joined once.
+    joined: bool,
 }
 
 impl Edge {
@@ -113,6 +131,10 @@ struct World {
     trace: Vec<String>,
     /// Settling: links heal, and etcd's answers are no longer lost.
     settling: bool,
+    /// etcd is away for every member in this span.
+    outage: Option<(Timestamp, Timestamp)>,
+    /// An invariant an event broke, reported at the next check.
+    broken: Option<String>,
 }
 
 fn member_config(id: &str, faults: ClusterFaults) -> ClusterConfig {
@@ -124,6 +146,12 @@ fn member_config(id: &str, faults: ClusterFaults) -> ClusterConfig {
 }
 
 impl World {
+    /// Whether etcd is away for everyone now.
+    fn etcd_away(&self, now: Timestamp) -> bool {
+        self.outage
+            .is_some_and(|(from, to)| now >= from && now < to)
+    }
+
     fn log(&mut self, line: String) {
         if self.trace.len() > 4000 {
             self.trace.drain(..2000);
@@ -191,6 +219,19 @@ impl World {
                 match decision {
                     ClaimDecision::Admitted { .. } => {
                         self.stats.admitted += 1;
+                        let edge = &self.edges[e];
+                        let held = edge
+                            .sessions
+                            .get(&node)
+                            .is_some_and(|(i, _)| *i == instance);
+                        let vouched =
+                            edge.member.as_ref().and_then(|m| m.vouches(&node)) == Some(instance);
+                        if !held && !vouched {
+                            self.broken.get_or_insert(format!(
+                                "{} admitted {node} as {instance} without etcd's word",
+                                edge.id
+                            ));
+                        }
                         let entry = self.edges[e].sessions.entry(node).or_insert((instance, 0));
                         entry.1 += 1;
                     }
@@ -200,6 +241,12 @@ impl World {
             }
             ClusterEvent::Fence { node_id, instance } => {
                 self.stats.fenced += 1;
+                if self.etcd_away(now) {
+                    self.broken.get_or_insert(format!(
+                        "{} fenced {node_id} ({instance}) while etcd was away for everyone",
+                        self.edges[e].id
+                    ));
+                }
                 if !self.faults.ignore_fences
                     && self.edges[e]
                         .sessions
@@ -209,7 +256,7 @@ impl World {
                     self.edges[e].sessions.remove(&node_id);
                 }
             }
-            ClusterEvent::Left(_) => self.stats.left += 1,
+            ClusterEvent::Detached(_) => self.stats.detached += 1,
             ClusterEvent::Configure { revision, text } => {
                 let edge = &mut self.edges[e];
                 let valid = !text.starts_with(b"bad");
@@ -230,7 +277,7 @@ impl World {
             ClusterEvent::Members(members) => {
                 self.edges[e].members = members.into_iter().map(|m| m.edge_id).collect();
             }
-            ClusterEvent::Joined => {}
+            ClusterEvent::Joined => self.edges[e].joined = true,
         }
     }
 
@@ -250,6 +297,7 @@ impl World {
         edge.asked.clear();
         edge.applied.clear();
         edge.restart_at = None;
+        edge.joined = false;
         self.log(format!("{id} starts"));
         self.drain(e);
     }
@@ -285,6 +333,7 @@ impl World {
             }
             if let Some(from) = edge.watch_from
                 && edge.linked(self.now)
+                && !self.etcd_away(self.now)
                 && !edge.stalled
                 && let Some((at, _)) = self.store.history.get(from)
             {
@@ -293,6 +342,13 @@ impl World {
         }
         if let Some(at) = self.store.next_expiry() {
             next = next.min(at.max(self.now));
+        }
+        if let Some((from, to)) = self.outage {
+            for at in [from, to] {
+                if at > self.now {
+                    next = next.min(at);
+                }
+            }
         }
         next
     }
@@ -330,8 +386,9 @@ impl World {
             edge.to_store = later;
             due
         };
+        let away = self.etcd_away(now);
         for (_, tag, request) in due {
-            let linked = self.edges[e].linked(now);
+            let linked = self.edges[e].linked(now) && !away;
             let reply = if linked {
                 let reply = self.store.apply(now, &request);
                 if let (EtcdRequest::Sync { .. }, Reply::Synced { revision, .. }) =
@@ -371,7 +428,7 @@ impl World {
             due
         };
         for (_, tag, reply) in due {
-            let linked = self.edges[e].linked(now);
+            let linked = self.edges[e].linked(now) && !away;
             let reply = if linked { reply } else { Reply::Failed };
             if let Some(member) = self.edges[e].member.as_mut() {
                 // A member restarted since: the answer was for its predecessor.
@@ -390,6 +447,7 @@ impl World {
         }
         if let Some(from) = edge.watch_from
             && edge.linked(now)
+            && !away
             && !edge.stalled
         {
             let until = self.store.history[from..]
@@ -515,24 +573,28 @@ impl World {
         self.drain(e);
     }
 
-    fn check(&self) -> Result<(), String> {
-        // One owner: live sessions of one node id belong to one instance.
+    fn check(&mut self) -> Result<(), String> {
+        if let Some(broken) = self.broken.take() {
+            return Err(self.fail(&broken));
+        }
+        // One vouched owner: what live members vouch for, one instance per node id.
         let mut owners: HashMap<&str, u64> = HashMap::new();
-        for edge in self.edges.iter().filter(|e| e.member.is_some()) {
+        let mut unvouched = 0;
+        for edge in &self.edges {
+            let Some(member) = &edge.member else { continue };
             for (node, (instance, _)) in &edge.sessions {
+                if member.vouches(node) != Some(*instance) {
+                    unvouched += 1;
+                    continue;
+                }
                 if let Some(other) = owners.insert(node, *instance)
                     && other != *instance
                 {
                     return Err(self.fail(&format!(
-                        "node {node} served as instance {other} and {instance} at once"
+                        "node {node} vouched for as instance {other} and {instance} at once"
                     )));
                 }
-            }
-        }
-        for edge in &self.edges {
-            let Some(member) = &edge.member else { continue };
-            // Serving an instance means its key names it and lives.
-            for (node, (instance, _)) in &edge.sessions {
+                // Vouching for an instance means its key names it and lives.
                 let key = format!("{PREFIX}/nodes/{node}");
                 let held = self.store.kvs.get(&key).filter(|s| {
                     s.value == instance.to_string().into_bytes()
@@ -540,19 +602,21 @@ impl World {
                 });
                 if held.is_none() {
                     return Err(self.fail(&format!(
-                        "{} serves {node} as {instance} without its key",
+                        "{} vouches for {node} as {instance} without its key",
                         edge.id
                     )));
                 }
             }
-            // Stop first: serving means a lease the store still holds.
-            if !edge.sessions.is_empty()
-                && !member.lease().is_some_and(|l| self.store.lease_alive(l))
-            {
+            // Stop first: a member holds a lease the store still holds.
+            if member.is_member() && !member.lease().is_some_and(|l| self.store.lease_alive(l)) {
                 return Err(self.fail(&format!(
-                    "{} serves {:?} without a live lease",
-                    edge.id, edge.sessions
+                    "{} says it is a member without a live lease",
+                    edge.id
                 )));
+            }
+            // Silence stops nothing: once joined, it serves callers until killed.
+            if edge.joined && !member.serves() {
+                return Err(self.fail(&format!("{} joined, then stopped serving", edge.id)));
             }
             if edge
                 .applied
@@ -565,6 +629,7 @@ impl World {
                 return Err(self.fail(&format!("{} applied configurations out of order", edge.id)));
             }
         }
+        self.stats.most_unvouched = self.stats.most_unvouched.max(unvouched);
         Ok(())
     }
 
@@ -588,6 +653,15 @@ impl World {
             let Some(member) = &edge.member else { continue };
             if !member.is_member() {
                 return Err(self.fail(&format!("{} is not a member after the faults", edge.id)));
+            }
+            // Every session vouched for: no node id served for two instances anywhere.
+            for (node, (instance, _)) in &edge.sessions {
+                if member.vouches(node) != Some(*instance) {
+                    return Err(self.fail(&format!(
+                        "{} serves {node} as {instance} without etcd's word after the faults",
+                        edge.id
+                    )));
+                }
             }
             if edge.members != live {
                 return Err(self.fail(&format!(
@@ -639,6 +713,7 @@ pub fn run_cluster_seed(seed: u64, faults: ClusterFaults) -> Result<ClusterStats
             asked: HashMap::new(),
             applied: Vec::new(),
             restart_at: Some(Timestamp::ZERO),
+            joined: false,
         })
         .collect();
     let mut world = World {
@@ -651,7 +726,21 @@ pub fn run_cluster_seed(seed: u64, faults: ClusterFaults) -> Result<ClusterStats
         last_config: Vec::new(),
         trace: Vec::new(),
         settling: false,
+        outage: None,
+        broken: None,
     };
+    // etcd away for everyone in half the seeds, for two to four lease TTLs.
+    if world.rng.chance(50) {
+        let from = Timestamp::from_millis(world.rng.range(5_000, 60_000));
+        let to = from.saturating_add(Duration::from_millis(world.rng.range(20_000, 40_000)));
+        world.outage = Some((from, to));
+        world.stats.outages += 1;
+        world.log(format!(
+            "etcd will be away from {}ms to {}ms",
+            from.as_millis(),
+            to.as_millis()
+        ));
+    }
     world.push_config(b"config start".to_vec());
     let faulty_until = Timestamp::ZERO.saturating_add(FAULTY);
     let mut next_act = Timestamp::ZERO;

@@ -372,16 +372,16 @@ async fn handle<B: ReqBody>(
     let Some(mut open) = state.drain.enter() else {
         return refuse(&mut finish, &ApiError::shutting_down());
     };
-    // A cluster Edge that is not a member now (it lost etcd past its lease, or has not
-    // joined yet) has fenced its nodes: it answers at once, retryable, rather than hold
-    // a request no node here may serve.
-    if state.cluster.as_ref().is_some_and(|c| !c.is_member()) {
+    // A cluster Edge that has not joined yet holds no node: it answers at once,
+    // retryable, rather than hold a request no node here may serve. (One that lost etcd
+    // after it joined serves on with the nodes it holds.)
+    if state.cluster.as_ref().is_some_and(|c| !c.serves()) {
         let mut response = refuse(
             &mut finish,
             &ApiError::new(
                 503,
                 ErrorType::Server,
-                "this edge is not a member of its cluster now; try another",
+                "this edge has not joined its cluster yet; try another",
                 Some("not_a_member"),
             ),
         );

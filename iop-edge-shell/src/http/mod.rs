@@ -513,9 +513,9 @@ async fn route<B: ReqBody>(
     }
     match (req.method().clone(), path.as_str()) {
         (Method::GET, "/healthz") => {
-            let member = state.cluster.as_ref().is_none_or(|c| c.is_member());
-            let body: &'static [u8] = if !member {
-                b"not a cluster member (etcd unreachable, or joining)\n"
+            let serves = state.cluster.as_ref().is_none_or(|c| c.serves());
+            let body: &'static [u8] = if !serves {
+                b"not a cluster member yet (joining through etcd)\n"
             } else if !state.core.takes_callers() {
                 b"no node serves any model here (the cluster's other members may)\n"
             } else {

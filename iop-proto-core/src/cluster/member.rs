@@ -26,6 +26,8 @@ enum Timer {
     Node(u64),
     /// Read the prefix again, in case the watch stalled.
     Resync,
+    /// A member whose key went leaves the list told to the nodes.
+    Departed,
 }
 
 impl crate::timer::TimerKey for Timer {
@@ -36,6 +38,7 @@ impl crate::timer::TimerKey for Timer {
             Timer::Retry => "retry",
             Timer::Node(_) => "node lease",
             Timer::Resync => "resync",
+            Timer::Departed => "departed member",
         }
     }
 }
@@ -61,18 +64,37 @@ enum Pending {
         instance: u64,
         sent: Timestamp,
     },
-    /// A keep-alive of a node lease; with a ticket, the admission waiting for it.
+    /// A keep-alive of a node lease, for `purpose`.
     NodeKeepAlive {
         node_id: String,
         instance: u64,
         lease: LeaseId,
         sent: Timestamp,
-        admit: Option<(ClaimTicket, u64)>,
+        purpose: Renewal,
+    },
+    /// A claim of an instance served here without etcd's word (its node lease could not
+    /// be renewed in time, or this Edge lost its own lease).
+    Reclaim {
+        node_id: String,
+        instance: u64,
+        sent: Timestamp,
     },
     /// A read of the prefix; `seen` is the revision the member had reached when it asked.
     Sync {
         seen: u64,
     },
+}
+
+/// Why a node lease is renewed.
+#[derive(Clone, Copy, Debug)]
+enum Renewal {
+    /// It is served here: keep vouching for it.
+    Renew,
+    /// A register waits for it (the key is another Edge's): admit once confirmed.
+    Admit(ClaimTicket, u64),
+    /// An instance served here unvouched found the key naming it, under another Edge's
+    /// lease: vouch for it again once confirmed. With the key's create revision.
+    Adopt(u64),
 }
 
 /// One Edge's membership, configuration and node-id claims (module docs).
@@ -100,6 +122,14 @@ pub struct ClusterMember {
     retry_member_key: bool,
     retry_sync: bool,
     retry_status: bool,
+    retry_reclaim: bool,
+    /// Since when this Edge serves without its lease (it had joined, then lost it); until
+    /// it joins again.
+    detached_since: Option<Timestamp>,
+    /// Since when etcd has not answered: the first failed request after the last answer.
+    unanswered_since: Option<Timestamp>,
+    /// Members whose key went, listed to the nodes until then (module docs).
+    departed: BTreeMap<String, (Vec<u8>, Timestamp)>,
     /// This Edge's answer to the last configuration offered (`<revision> ok` or
     /// `<revision> refused: ...`), which `config push` waits for under
     /// `<prefix>/status/<edge id>`: written with the member lease, so written again under
@@ -129,9 +159,16 @@ struct Served {
     instance: u64,
     fence: u64,
     lease: LeaseId,
-    /// Its `Timer::Node`: served until then unless a renewal sent before is confirmed.
+    /// Its `Timer::Node`: vouched for until then unless a renewal sent before is
+    /// confirmed.
     slot: u64,
     renewing: bool,
+    /// Whether this Edge vouches for it: a renewal of its node lease that it sent within
+    /// the last TTL is confirmed. When not, it is served on the last known state and
+    /// claimed again once etcd answers.
+    vouched: bool,
+    /// A claim again is in flight.
+    reclaiming: bool,
 }
 
 impl ClusterMember {
@@ -170,6 +207,10 @@ impl ClusterMember {
             retry_member_key: false,
             retry_sync: false,
             retry_status: false,
+            retry_reclaim: false,
+            detached_since: None,
+            unanswered_since: None,
+            departed: BTreeMap::new(),
             status: None,
             synced: false,
             syncing: false,
@@ -190,10 +231,44 @@ impl ClusterMember {
 
     // ----- getters -----
 
-    /// Whether this Edge is a member now: it may admit nodes, and `/healthz` says so.
+    /// Whether this Edge is a member now: it holds its lease and may admit new node
+    /// instances.
     #[must_use]
     pub fn is_member(&self) -> bool {
         self.joined
+    }
+
+    /// Whether this Edge serves callers: a member, or one that was and lost its lease
+    /// ([`detached_since`](Self::detached_since)), serving on the last known state. False
+    /// only before it first joined.
+    #[must_use]
+    pub fn serves(&self) -> bool {
+        self.joined || self.detached_since.is_some()
+    }
+
+    /// Since when this Edge has served without its lease (etcd did not renew it in time,
+    /// or said it was gone); `None` while it is a member, and before it first joined.
+    #[must_use]
+    pub fn detached_since(&self) -> Option<Timestamp> {
+        self.detached_since
+    }
+
+    /// Since when etcd has not answered this Edge: the first request that failed after
+    /// the last one answered. `None` while etcd answers.
+    #[must_use]
+    pub fn unanswered_since(&self) -> Option<Timestamp> {
+        self.unanswered_since
+    }
+
+    /// The instance this Edge vouches for under `node_id` (etcd's word that the node id is
+    /// its, renewed within the last TTL); `None` when none is served here, or the one
+    /// served is served on the last known state.
+    #[must_use]
+    pub fn vouches(&self, node_id: &str) -> Option<u64> {
+        self.serving
+            .get(node_id)
+            .filter(|s| s.vouched)
+            .map(|s| s.instance)
     }
 
     /// Whether this Edge may serve as a member: joined, and every shared configuration
@@ -249,6 +324,11 @@ impl ClusterMember {
             .pending
             .remove(&tag)
             .ok_or(ClusterUsageError::UnknownTag(tag))?;
+        if matches!(reply, Reply::Failed) {
+            self.unanswered_since.get_or_insert(now);
+        } else {
+            self.unanswered_since = None;
+        }
         match (pending, reply) {
             // A second grant cannot be asked for while a lease is held; if one came, its
             // lease is left to expire.
@@ -317,10 +397,18 @@ impl ClusterMember {
                     instance,
                     lease,
                     sent,
-                    admit,
+                    purpose,
                 },
                 reply,
-            ) => self.node_renewed(node_id, instance, lease, sent, admit, reply),
+            ) => self.node_renewed(node_id, instance, lease, sent, purpose, reply),
+            (
+                Pending::Reclaim {
+                    node_id,
+                    instance,
+                    sent,
+                },
+                reply,
+            ) => self.reclaimed(node_id, instance, sent, reply),
             (Pending::Sync { seen }, Reply::Synced { revision, kvs }) => {
                 self.syncing = false;
                 self.timers
@@ -434,12 +522,13 @@ impl ClusterMember {
                 }
                 Timer::Node(slot) => {
                     if let Some(node_id) = self.slots.get(&slot).cloned() {
-                        self.fence(node_id);
+                        self.unvouch(&node_id);
                     }
                 }
                 Timer::KeepAlive => self.renew(now),
                 Timer::Retry => self.ask_again(),
                 Timer::Resync => self.sync(),
+                Timer::Departed => self.view_changed(),
             }
         }
     }
@@ -462,7 +551,7 @@ impl ClusterMember {
         let mut due: Vec<(String, Served)> = self
             .serving
             .iter_mut()
-            .filter(|(_, s)| !s.renewing)
+            .filter(|(_, s)| s.vouched && !s.renewing)
             .map(|(node, s)| {
                 s.renewing = true;
                 (node.clone(), *s)
@@ -479,7 +568,7 @@ impl ClusterMember {
                     instance: served.instance,
                     lease: served.lease,
                     sent: now,
-                    admit: None,
+                    purpose: Renewal::Renew,
                 },
             );
         }
@@ -498,6 +587,9 @@ impl ClusterMember {
         }
         if std::mem::take(&mut self.retry_status) {
             self.write_status();
+        }
+        if std::mem::take(&mut self.retry_reclaim) {
+            self.reclaim_all();
         }
     }
 
@@ -522,10 +614,8 @@ impl ClusterMember {
         let ticket = ClaimTicket(self.next_ticket);
         self.next_ticket += 1;
         let decided = |decision| ClusterEvent::Claim { ticket, decision };
-        if self.lease.is_none() || !self.joined {
-            self.events.push_back(decided(ClaimDecision::Unavailable));
-            return Ok(ticket);
-        }
+        // What is served here is decided here, member or not: another session of an
+        // instance held is no new instance.
         match self.serving.get(node_id) {
             Some(served) if served.instance == instance => {
                 let fence = served.fence;
@@ -541,7 +631,7 @@ impl ClusterMember {
             }
             None => {}
         }
-        if self.claiming.contains(node_id) {
+        if self.lease.is_none() || !self.joined || self.claiming.contains(node_id) {
             self.events.push_back(decided(ClaimDecision::Unavailable));
             return Ok(ticket);
         }

@@ -15,16 +15,30 @@
 //! - **A node id is owned once.** Its owner is the instance named by one key,
 //!   `<prefix>/nodes/<node id>` = instance, created only if absent and attached to a lease
 //!   of its own, the *node lease*, that every Edge serving the instance keeps alive. An Edge
-//!   serves an instance only while it has confirmed, within the last TTL, a keep-alive of
+//!   *vouches* for an instance while it has confirmed, within the last TTL, a keep-alive of
 //!   that lease sent by itself: the key cannot have expired meanwhile, so no other instance
-//!   can have created it again. When the last Edge serving the instance stops renewing,
-//!   the lease and the key go, and another instance may take the id. (A first design gave
-//!   each Edge a claim key of its own and made the oldest claim the owner; the simulation
-//!   found a claim written and then refused by an Edge killed midway that became the
-//!   oldest once the claims before it went, while a newer one was being served.)
-//! - **A lease runs out:** the Edge's own lease lost fences every instance served here
-//!   ([`ClusterEvent::Fence`]) and it stops being a member; a node lease it could not renew
-//!   in time fences that instance.
+//!   can have created it again. A new instance is admitted only so (or on etcd's word that
+//!   it created the key). When the last Edge serving the instance stops renewing, the lease
+//!   and the key go, and another instance may take the id. (A first design gave each Edge
+//!   a claim key of its own and made the oldest claim the owner; the simulation found a
+//!   claim written and then refused by an Edge killed midway that became the oldest once
+//!   the claims before it went, while a newer one was being served.)
+//! - **etcd's silence stops nothing that runs** (static stability). A member whose own
+//!   lease runs out, or who cannot renew a node lease in time, keeps serving the instances
+//!   it holds, on the configuration and members it last saw
+//!   ([`ClusterEvent::Detached`]); it only stops what needs etcd's word: admitting an
+//!   instance it does not hold, applying a new configuration. Once etcd answers it claims
+//!   each unvouched instance again ([`EtcdRequest::Claim`]); an instance is fenced
+//!   ([`ClusterEvent::Fence`]) only when etcd says another instance holds its node id.
+//!   What this costs: an instance that reaches only detached Edges lets its node lease
+//!   run out, and a second process started with the same node id may be admitted by an
+//!   Edge that reaches etcd. Both then serve until the detached side hears from etcd; each
+//!   node process's own capacity gate still bounds what its providers see
+//!   (docs/cluster.md, "When etcd is unreachable").
+//! - **A member leaves the list slowly.** A member whose key went is listed to the nodes
+//!   for one more TTL: an etcd that returns after an outage expires every lease at once,
+//!   and the members put their keys back within a second or two; nodes told the short
+//!   list would drop their sessions with every Edge in turn.
 //! - **Configuration** comes from `<prefix>/config`; each revision is offered once, in order
 //!   ([`ClusterEvent::Configure`]), the shell validates and applies it as a reload and says
 //!   how it went ([`handle_configured`](ClusterMember::handle_configured)), and the outcome
@@ -252,7 +266,7 @@ pub enum ClaimDecision {
     Unavailable,
 }
 
-/// Why this Edge stopped being a member.
+/// Why this Edge lost its lease.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LeftReason {
     /// A lease TTL passed without a confirmed keep-alive.
@@ -267,9 +281,11 @@ pub enum ClusterEvent {
     /// This Edge is a member: its lease and member key are written and it has read the
     /// cluster. It may admit nodes and answer `/healthz`.
     Joined,
-    /// This Edge is no longer a member: stop admitting nodes, answer `/healthz` with 503.
-    /// Every instance served here gets a [`ClusterEvent::Fence`] first.
-    Left(LeftReason),
+    /// This Edge lost its lease: it is no longer a member in etcd, but keeps serving the
+    /// instances it holds on the configuration and members it last saw, and answers
+    /// `/healthz` as before. It admits no instance it does not hold until it has joined
+    /// again ([`ClusterEvent::Joined`]), which it tries to at once.
+    Detached(LeftReason),
     /// The members, as the watch shows them now (sorted by edge id), this Edge included
     /// once its own key is written, even before the watch shows it: a list sent to nodes
     /// always names its sender.
@@ -289,7 +305,8 @@ pub enum ClusterEvent {
         /// What to do with the register.
         decision: ClaimDecision,
     },
-    /// Stop serving this instance of the node id: drain its sessions and close them.
+    /// Stop serving this instance of the node id: etcd says another instance holds it.
+    /// Drain its sessions and close them.
     Fence {
         /// The node id.
         node_id: String,
