@@ -103,6 +103,7 @@ fn edge_config() -> EdgeConfig {
             long_context_threshold: None,
             context_tokens: None,
             first_byte_timeout: None,
+            resume_limit: None,
         },
     );
     config

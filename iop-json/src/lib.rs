@@ -6,11 +6,14 @@
 //!   a body with its `"model"` replaced, every other byte untouched;
 //! - [`nonempty_array`], which reads an array's first bytes only;
 //! - [`Object`]: a JSON object's top-level members borrowed from the input, and a body
-//!   rewritten member by member from them.
+//!   rewritten member by member from them;
+//! - [`continuation`]: the body that continues a chat answer cut short, where that can
+//!   be exact.
 //!
 //! Bodies are untrusted: nothing here panics or allocates beyond the input's size on any
 //! input (the fuzz target for request reading covers the skim).
 
+mod continuation;
 mod object;
 
 use std::ops::Range;
@@ -18,6 +21,7 @@ use std::ops::Range;
 use bytes::Bytes;
 use serde_json::value::RawValue;
 
+pub use continuation::continuation;
 pub use object::{Object, array, elements};
 
 /// Replaces the value of the top-level `"model"` key in a JSON object, leaving every other

@@ -69,6 +69,9 @@ pub struct ModelSpec {
     /// is slow, or whose callers ask for long answers without streaming (a non-streamed
     /// tunnel's first byte is its whole answer), wants a longer one.
     pub first_byte_timeout: Option<Duration>,
+    /// How many times a streamed answer lost after its first byte may be continued on
+    /// another provider that can continue it; `None`: once. `Some(0)` never does.
+    pub resume_limit: Option<u32>,
 }
 
 /// Timers of the Edge's node protocol.
@@ -578,6 +581,7 @@ pub(crate) mod tests {
                 long_context_threshold: None,
                 context_tokens: None,
                 first_byte_timeout: None,
+                resume_limit: None,
             },
         );
         cfg

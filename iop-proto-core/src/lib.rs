@@ -78,6 +78,7 @@
 //!     long_context_threshold: None,
 //!     context_tokens: None,
 //!     first_byte_timeout: None,
+//!     resume_limit: None,
 //! });
 //! let mut edge = EdgeCore::new(config)?;
 //! let mut node = NodeSession::new(SessionConfig::new("n1", token));

@@ -382,6 +382,13 @@ pub enum Endpoint {
     Tokenize,
 }
 
+/// The adapter option (read by the Edge) saying a run-served provider continues a final
+/// assistant message exactly (vLLM's and SGLang's `continue_final_message`, llama.cpp's
+/// and Ollama's trailing assistant message, the mock): a streamed answer lost after its
+/// first byte may be continued on it. `"true"` or `"false"`; vLLM adapters default to
+/// `"true"`, others to `"false"`.
+pub const RESUME_OPTION: &str = "resume";
+
 /// The adapter option that says whether a tunnel-served provider answers
 /// [`Endpoint::Tokenize`]: `"true"` or `"false"`; vLLM adapters do unless it says `"false"`.
 pub const TOKENIZE_OPTION: &str = "tokenize";

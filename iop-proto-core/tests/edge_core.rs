@@ -774,6 +774,7 @@ fn a_tokenize_call_goes_only_to_a_tunnel_whose_provider_tokenizes() {
             long_context_threshold: None,
             context_tokens: None,
             first_byte_timeout: None,
+            resume_limit: None,
         },
     );
     let mut h = Harness::with(cfg.clone());
@@ -831,6 +832,7 @@ fn a_waiting_tunnel_request_skips_a_provider_that_stopped_tunnelling() {
             long_context_threshold: None,
             context_tokens: None,
             first_byte_timeout: None,
+            resume_limit: None,
         },
     );
     let mut h = Harness::with(cfg.clone());

@@ -97,6 +97,7 @@ fn world() -> EdgeConfig {
         long_context_threshold: Some(100),
         context_tokens: None,
         first_byte_timeout: None,
+        resume_limit: None,
     };
     cfg.models.insert(
         "m0".into(),

@@ -32,6 +32,7 @@ fn two_providers() -> EdgeConfig {
             long_context_threshold: None,
             context_tokens: None,
             first_byte_timeout: None,
+            resume_limit: None,
         },
     );
     cfg.models.remove("solo");

@@ -481,3 +481,216 @@ async fn a_hung_provider_beside_a_full_one_answers_every_caller_by_its_deadline(
         hung.state.requests().len()
     );
 }
+
+// ----- a stream that survives its provider (issue 73) -----
+
+/// A mock adapter that a lost stream may be continued on, `words` words long, failing as
+/// `fail` says.
+fn resuming_mock(fail: &str, words: u32, delay_ms: u32) -> String {
+    format!(
+        "[[nodes.adapters]]\nname = \"api\"\ntype = \"mock\"\ncapacity = 64\ntargets = [\"m\"]\n[nodes.adapters.options]\n\
+         tokens = \"{words}\"\ntoken_delay_ms = \"{delay_ms}\"\nfail = \"{fail}\"\nresume = \"true\"\n"
+    )
+}
+
+/// What the mock answers every request of `words` words (its default reply, cycled).
+fn mock_answer(words: usize) -> String {
+    let reply = ["Hello", "from", "the", "IOP", "mock", "provider."];
+    (0..words)
+        .map(|i| reply[i % reply.len()])
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// One streamed answer as a caller reads it.
+#[derive(Debug)]
+struct Streamed {
+    text: String,
+    /// Chunks that name the role, ids seen, whether it ended well.
+    roles: usize,
+    ids: std::collections::BTreeSet<String>,
+    whole: bool,
+}
+
+async fn stream_chat(cluster: &Cluster, model: &str) -> Streamed {
+    let ask =
+        json!({"model": model, "stream": true, "messages": [{"role": "user", "content": "hello"}]});
+    let mut response = cluster
+        .http()
+        .post_stream("/v1/chat/completions", &ask)
+        .await;
+    let status = response.status().as_u16();
+    let (events, ended) = read_sse(response.body_mut(), Duration::from_secs(60)).await;
+    let mut got = Streamed {
+        text: String::new(),
+        roles: 0,
+        ids: Default::default(),
+        whole: status == 200 && ended && events.last().is_some_and(|e| e == "[DONE]"),
+    };
+    for event in events.iter().filter(|e| *e != "[DONE]") {
+        let chunk: Value = serde_json::from_str(event).unwrap_or_default();
+        if chunk.get("error").is_some() {
+            got.whole = false;
+        }
+        if let Some(id) = chunk["id"].as_str() {
+            got.ids.insert(id.to_owned());
+        }
+        let delta = &chunk["choices"][0]["delta"];
+        if delta.get("role").is_some() {
+            got.roles += 1;
+        }
+        if let Some(text) = delta["content"].as_str() {
+            got.text.push_str(text);
+        }
+    }
+    got
+}
+
+/// The text of one streamed Messages answer, and how many `message_start` events it had.
+async fn stream_messages(cluster: &Cluster) -> (String, usize, bool) {
+    let ask = json!({"model": "chat", "stream": true, "max_tokens": 1000, "messages": [{"role": "user", "content": "hello"}]});
+    let mut response = cluster.http().post_stream("/v1/messages", &ask).await;
+    let (events, ended) = read_sse(response.body_mut(), Duration::from_secs(60)).await;
+    let mut text = String::new();
+    let mut starts = 0;
+    let mut stopped = false;
+    for event in &events {
+        let e: Value = serde_json::from_str(event).unwrap_or_default();
+        match e["type"].as_str() {
+            Some("message_start") => starts += 1,
+            Some("content_block_delta") => text.push_str(e["delta"]["text"].as_str().unwrap_or("")),
+            Some("message_stop") => stopped = true,
+            _ => {}
+        }
+    }
+    (text, starts, ended && stopped)
+}
+
+/// A provider whose stream fails after five words, beside one that does not: every
+/// stream that lands on it is continued on the other, and its caller reads one
+/// uninterrupted answer, byte for byte the one an unbroken provider gives (one role
+/// chunk, one id; one `message_start` for the Messages API). With `resume_limit = 0`
+/// the break reaches the caller, as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_broken_midway_is_continued_byte_for_byte_elsewhere() {
+    let words = 30;
+    let nodes = format!(
+        "{}[[models]]\nname = \"off\"\nresume_limit = 0\nproviders = [{{ node = \"n1\", adapter = \"api\", target = \"m\" }}]\n",
+        two_nodes(
+            &resuming_mock("after:5", words, 2),
+            &resuming_mock("never", words, 2)
+        )
+    );
+    let cluster = std::sync::Arc::new(Cluster::start(ROUTING, &nodes));
+    let _nodes = [
+        cluster.node("n1", &format!("{TOKEN}-1")),
+        cluster.node("n2", &format!("{TOKEN}-2")),
+    ];
+    cluster.wait_ready("n1").await;
+    cluster.wait_ready("n2").await;
+    let reference = mock_answer(words as usize);
+    let answers = futures_join(&cluster, 24).await;
+    for got in &answers {
+        assert!(got.whole, "{got:?}\n{}", cluster.edge.log());
+        assert_eq!(got.text, reference, "{got:?}");
+        assert_eq!(got.roles, 1, "one role chunk: {got:?}");
+        assert_eq!(got.ids.len(), 1, "one id: {got:?}");
+    }
+    let log = cluster.edge.log();
+    let resumed = log.matches("continuing it on another provider").count();
+    eprintln!("24 streams, {resumed} continued after n1 broke them midway; all byte-identical");
+    assert!(
+        resumed > 0,
+        "no stream landed on the broken provider?\n{log}"
+    );
+    for _ in 0..4 {
+        let (text, starts, whole) = stream_messages(&cluster).await;
+        assert!(whole && starts == 1, "{text:?} {starts}");
+        assert_eq!(text, reference);
+    }
+    for _ in 0..4 {
+        let ask = json!({"model": "chat", "stream": true, "input": "hello"});
+        let mut response = cluster.http().post_stream("/v1/responses", &ask).await;
+        let (events, _) = read_sse(response.body_mut(), Duration::from_secs(60)).await;
+        let mut text = String::new();
+        let (mut created, mut completed) = (0, 0);
+        for event in &events {
+            let e: Value = serde_json::from_str(event).unwrap_or_default();
+            match e["type"].as_str() {
+                Some("response.created") => created += 1,
+                Some("response.completed") => completed += 1,
+                Some("response.output_text.delta") => {
+                    text.push_str(e["delta"].as_str().unwrap_or(""))
+                }
+                _ => {}
+            }
+        }
+        assert_eq!((created, completed), (1, 1), "{events:?}");
+        assert_eq!(text, reference);
+    }
+    // Turned off: the caller sees the break.
+    let off = stream_chat(&cluster, "off").await;
+    assert!(!off.whole, "{off:?}");
+    assert_eq!(off.text, mock_answer(5) + " ", "{off:?}");
+}
+
+async fn futures_join(cluster: &std::sync::Arc<Cluster>, n: usize) -> Vec<Streamed> {
+    let mut tasks = Vec::new();
+    for _ in 0..n {
+        let cluster = cluster.clone();
+        tasks.push(tokio::spawn(
+            async move { stream_chat(&cluster, "chat").await },
+        ));
+    }
+    let mut out = Vec::new();
+    for task in tasks {
+        out.push(task.await.expect("caller"));
+    }
+    out
+}
+
+/// Three nodes, 60 streams of 150 words at once; the node serving a third of them is
+/// killed with `kill -9` midway. Every stream ends normally, byte for byte the answer an
+/// unbroken provider gives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_survive_a_node_killed_midway() {
+    let words = 150;
+    let mock = resuming_mock("never", words, 10);
+    let nodes = format!(
+        "[[nodes]]\nid = \"n1\"\ntoken = \"{TOKEN}-1\"\n{mock}\n[[nodes]]\nid = \"n2\"\ntoken = \"{TOKEN}-2\"\n{mock}\n\
+         [[nodes]]\nid = \"n3\"\ntoken = \"{TOKEN}-3\"\n{mock}\n[[models]]\nname = \"chat\"\nproviders = [{{ node = \"n1\", adapter = \"api\", target = \"m\" }}, \
+         {{ node = \"n2\", adapter = \"api\", target = \"m\" }}, {{ node = \"n3\", adapter = \"api\", target = \"m\" }}]\n"
+    );
+    let cluster = std::sync::Arc::new(Cluster::start(ROUTING, &nodes));
+    let procs = [
+        cluster.node("n1", &format!("{TOKEN}-1")),
+        cluster.node("n2", &format!("{TOKEN}-2")),
+        cluster.node("n3", &format!("{TOKEN}-3")),
+    ];
+    for n in ["n1", "n2", "n3"] {
+        cluster.wait_ready(n).await;
+    }
+    let reference = mock_answer(words as usize);
+    let callers = {
+        let cluster = cluster.clone();
+        tokio::spawn(async move { futures_join(&cluster, 60).await })
+    };
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    procs[0].signal("KILL");
+    let answers = callers.await.expect("callers");
+    let broken: Vec<&Streamed> = answers
+        .iter()
+        .filter(|g| !g.whole || g.text != reference)
+        .collect();
+    let log = cluster.edge.log();
+    let resumed = log.matches("continuing it on another provider").count();
+    eprintln!(
+        "kill -9 of n1 under 60 streams: {resumed} continued elsewhere, {} not whole and identical",
+        broken.len()
+    );
+    assert!(broken.is_empty(), "{broken:?}\n{log}");
+    assert!(resumed >= 10, "n1 served few streams? {resumed}\n{log}");
+    for got in &answers {
+        assert_eq!((got.roles, got.ids.len()), (1, 1), "{got:?}");
+    }
+}

@@ -69,6 +69,9 @@ pub(super) struct RawModel {
     pub(super) long_context_threshold: Option<u64>,
     pub(super) context_tokens: Option<u64>,
     pub(super) first_byte_timeout_sec: Option<f64>,
+    /// How many times a streamed answer lost midway is continued elsewhere (default 1;
+    /// 0: never).
+    pub(super) resume_limit: Option<u32>,
     #[serde(default)]
     pub(super) providers: Vec<RawCandidate>,
 }
@@ -200,6 +203,7 @@ pub(super) fn models(raw: Vec<RawModel>) -> Result<BTreeMap<String, ModelSpec>, 
                     )
                 })
                 .transpose()?,
+            resume_limit: model.resume_limit,
         };
         if models.insert(model.name.clone(), spec).is_some() {
             return Err(invalid(

@@ -87,6 +87,23 @@ impl Task {
                 }
                 info!(request = %request, run = %run, node_id = %node_id, provider_id = %provider_id, why, "provider failed before the first byte: trying another");
             }
+            EdgeEvent::Resumed {
+                request,
+                run,
+                node_id,
+                provider_id,
+                why,
+                delivered,
+            } => {
+                if let Some(entry) = self.requests.get(&request) {
+                    let label = match why {
+                        "node_lost" => "resume_node_lost",
+                        _ => "resume_error",
+                    };
+                    self.metrics.retry(&entry.model, label);
+                }
+                warn!(request = %request, run = %run, node_id = %node_id, provider_id = %provider_id, why, delivered_bytes = delivered, "answer lost midway: continuing it on another provider from what the caller has");
+            }
             EdgeEvent::ProviderEjected {
                 node_id,
                 provider_id,

@@ -19,6 +19,10 @@
 //! - `tokenize = "true"` (read by the Edge): a tunnelled mock answers vLLM's
 //!   `POST /tokenize`, so the Edge counts a prompt's tokens exactly with it.
 //!
+//! - `resume = "true"` (read by the Edge): a stream lost midway may be continued on this
+//!   adapter; the mock continues a final assistant message (`continue_final_message`)
+//!   exactly where its own answer to the conversation before it would be.
+//!
 //! Every answer follows its request's `max_tokens` (words) and `stop` sequences, and says
 //! which ended it ([`plan`]).
 
@@ -98,6 +102,7 @@ impl Mock {
         options.remove("dispatch");
         options.remove(iop_proto_core::tunnel::Dialect::Messages.option());
         options.remove(iop_proto_core::tunnel::TOKENIZE_OPTION);
+        options.remove(iop_proto_core::tunnel::RESUME_OPTION);
         if let Some(key) = options.keys().next() {
             return Err(format!("unknown mock option {key:?}"));
         }

@@ -293,6 +293,7 @@ pub(super) fn of(event: &EdgeEvent, out: &mut VecDeque<Lifecycle>) {
         | EdgeEvent::ReleaseNode { .. }
         | EdgeEvent::Attempt { .. }
         | EdgeEvent::Retried { .. }
+        | EdgeEvent::Resumed { .. }
         | EdgeEvent::CommandAnswered { .. }
         | EdgeEvent::RegisterRejected { .. }
         | EdgeEvent::ConnectionRefused { .. }

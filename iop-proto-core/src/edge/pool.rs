@@ -60,6 +60,9 @@ pub(super) struct ResourceMeta {
     pub(super) native_messages: bool,
     /// A tunnel-served adapter whose provider tokenizes ([`Endpoint::Tokenize`]).
     pub(super) tokenize: bool,
+    /// A run-served adapter that continues a final assistant message exactly (its
+    /// `resume` option; vLLM's by default): a lost stream may be continued on it.
+    pub(super) resumes: bool,
 }
 
 impl ResourceMeta {
@@ -127,6 +130,7 @@ impl Pool {
             shape,
             native_messages: false,
             tokenize: false,
+            resumes: false,
         });
         self.health.push(Health::default());
         r
@@ -148,6 +152,11 @@ impl Pool {
             tunnel && option(crate::tunnel::Dialect::Messages.option()) == Some("true");
         meta.tokenize = tunnel
             && match option(crate::tunnel::TOKENIZE_OPTION) {
+                Some(v) => v == "true",
+                None => adapter.r#type == crate::wire::AdapterType::Vllm as i32,
+            };
+        meta.resumes = !tunnel
+            && match option(crate::tunnel::RESUME_OPTION) {
                 Some(v) => v == "true",
                 None => adapter.r#type == crate::wire::AdapterType::Vllm as i32,
             };

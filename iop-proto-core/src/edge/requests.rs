@@ -113,6 +113,9 @@ pub(super) struct Request {
     last_failure: Option<Outcome>,
     /// Counted in [`Requests::retrying`].
     retrying: bool,
+    /// What a streamed answer keeps to be continued if its run is lost after its first
+    /// byte; `None` for a request that is never continued.
+    resume: Option<Resume>,
 }
 
 /// One dispatch: its lease, its connection and its stream.
@@ -157,6 +160,12 @@ impl Request {
     pub(super) fn retrying(&self) -> bool {
         self.retrying
     }
+
+    /// Whether it is answered by a continuation: only providers that continue exactly
+    /// may serve it.
+    pub(super) fn continued(&self) -> bool {
+        self.resume.as_ref().is_some_and(|r| r.continued)
+    }
 }
 
 impl Requests {
@@ -182,7 +191,10 @@ impl Requests {
         model: Arc<str>,
         long: bool,
         candidates: Arc<[Candidate]>,
+        resume_limit: u32,
     ) -> RequestId {
+        let resume = (call.stream && call.endpoint == Endpoint::Chat && resume_limit > 0)
+            .then(|| Resume::new(resume_limit));
         let id = RequestId(self.next);
         self.next += 1;
         self.map.insert(
@@ -201,6 +213,7 @@ impl Requests {
                 failed: Vec::new(),
                 last_failure: None,
                 retrying: false,
+                resume,
             },
         );
         id
@@ -302,7 +315,17 @@ impl Requests {
                 .is_some_and(|call| match call.dialect {
                     crate::tunnel::Dialect::Messages => meta.native_messages,
                 });
-        let (body, stream) = message(&r.call, &r.model, run, meta, target, lease.long, native);
+        let continuation = r.resume.as_ref().and_then(|c| c.body.clone());
+        let (body, stream) = message(
+            &r.call,
+            continuation,
+            &r.model,
+            run,
+            meta,
+            target,
+            lease.long,
+            native,
+        );
         cx.out.send(conn, body);
         cx.out.event(EdgeEvent::Attempt {
             run,
@@ -435,12 +458,22 @@ impl Requests {
             cx.waits.remove(ticket);
         }
         let siblings: Vec<RunId> = request.live.drain().collect();
-        // No dispatch follows: the body is not needed any more.
-        request.call.body = Bytes::new();
-        request.call.headers = Vec::new();
-        cx.out.request(run.request, dispatched);
+        match request.resume.as_mut() {
+            // No dispatch follows: the body is not needed any more.
+            None => {
+                request.call.body = Bytes::new();
+                request.call.headers = Vec::new();
+            }
+            Some(resume) => resume.body = None,
+        }
+        // A continuation's caller knows who answers already (the log keeps the first).
+        if !request.continued() {
+            cx.out.request(run.request, dispatched);
+        }
         for event in held.into_iter() {
-            cx.out.request(run.request, event);
+            if let Some(event) = deliver(request.resume.as_mut(), event) {
+                cx.out.request(run.request, event);
+            }
         }
         let siblings = self.give_up_all(&siblings);
         let ended = end.is_some();
@@ -549,7 +582,7 @@ impl Requests {
             return Fenced::Nothing;
         }
         if run.committed {
-            return Fenced::Committed(id);
+            return Fenced::Committed(id, lease.resource);
         }
         if let Some(request) = self.map.get_mut(&id) {
             request.live.retain(|&l| l != lease.run);
@@ -656,7 +689,26 @@ impl Requests {
                 Step::Progress
             }
             Ok(end) if committed => {
-                cx.out.request(run.request, item.into_event());
+                let Some(request) = self.map.get_mut(&run.request) else {
+                    return Step::Ignored;
+                };
+                if let Some(Outcome::Failed(RequestError::Provider(detail))) = &end
+                    && detail.retryable
+                    && request.resume.as_ref().is_some_and(Resume::may_continue)
+                {
+                    // The provider's stream failed midway: another may continue it.
+                    self.runs.remove(&run);
+                    cx.timers.stop(TimerKey::CancelGrace(run));
+                    return Step::Broken {
+                        run,
+                        lease,
+                        event: item.into_event(),
+                        outcome: end.unwrap_or(Outcome::Cancelled),
+                    };
+                }
+                if let Some(event) = deliver(request.resume.as_mut(), item.into_event()) {
+                    cx.out.request(run.request, event);
+                }
                 match end {
                     Some(outcome) => {
                         self.runs.remove(&run);
@@ -766,6 +818,54 @@ impl Requests {
     }
 }
 
+impl Requests {
+    /// `id`'s answering run was lost on `resource` after its first byte: it is to be
+    /// continued elsewhere, from what its caller has. False when it cannot be continued
+    /// exactly (then it ends as before).
+    pub(super) fn resume(&mut self, id: RequestId, resource: ResourceId) -> bool {
+        let Some(r) = self.map.get_mut(&id) else {
+            return false;
+        };
+        let Some(resume) = r.resume.as_mut() else {
+            return false;
+        };
+        if resume.continue_from(&r.call.body).is_none() {
+            return false;
+        }
+        r.committed = None;
+        if !r.failed.contains(&resource) {
+            r.failed.push(resource);
+        }
+        true
+    }
+
+    /// Whether `id` may be continued once more (before its body is looked at).
+    pub(super) fn may_resume(&self, id: RequestId) -> bool {
+        self.map
+            .get(&id)
+            .and_then(|r| r.resume.as_ref())
+            .is_some_and(Resume::may_continue)
+    }
+
+    /// Bytes of answer `id`'s caller has.
+    pub(super) fn delivered(&self, id: RequestId) -> usize {
+        self.map
+            .get(&id)
+            .and_then(|r| r.resume.as_ref())
+            .map_or(0, Resume::delivered)
+    }
+}
+
+/// `event` on its way to the caller, through what a resumable request keeps.
+fn deliver(resume: Option<&mut Resume>, event: RequestEvent) -> Option<RequestEvent> {
+    match (resume, event) {
+        (Some(resume), RequestEvent::Run(event)) => resume
+            .deliver(*event)
+            .map(|e| RequestEvent::Run(Box::new(e))),
+        (_, event) => Some(event),
+    }
+}
+
 /// The requests' figures, for tests and status pages.
 impl EdgeCore {
     /// Requests accepted and not yet finished with the node (includes cancelled runs
@@ -777,7 +877,10 @@ impl EdgeCore {
 }
 
 mod few;
+mod resume;
 mod stream;
+
+use resume::Resume;
 
 pub(super) use few::Few;
 pub(super) use stream::{

@@ -382,6 +382,7 @@ impl EdgeCore {
         let node_id = self.registry.node(node).id.clone();
         let mut lost = Vec::new();
         let mut elsewhere = Vec::new();
+        let mut broken = Vec::new();
         for (_, r) in self.registry.node(node).resources.clone() {
             for lease in self.pool.fence(r) {
                 // (Offline now: nothing to pump for a probe slot freed.)
@@ -389,7 +390,7 @@ impl EdgeCore {
                 let mut cx = cx!(self);
                 match self.requests.fenced(&mut cx, lease) {
                     Fenced::Nothing => {}
-                    Fenced::Committed(request) => lost.push(request),
+                    Fenced::Committed(request, resource) => broken.push((request, lease, resource)),
                     Fenced::Uncommitted(request) => elsewhere.push((request, lease)),
                 }
             }
@@ -410,6 +411,13 @@ impl EdgeCore {
                 });
                 retry.push(request);
             } else if !self.requests.has_live(request) {
+                lost.push(request);
+            }
+        }
+        // An answer lost midway is continued elsewhere where it can be, once every
+        // provider of this node is offline (none of them is picked for it).
+        for (request, lease, resource) in broken {
+            if !self.try_resume(request, lease.run, resource, "node_lost") {
                 lost.push(request);
             }
         }
@@ -479,7 +487,15 @@ impl EdgeCore {
                 max_waiting,
             });
         }
-        let request = self.requests.accept(submit, name, long, candidates.clone());
+        let resume_limit = self
+            .config
+            .models
+            .get(&*name)
+            .and_then(|m| m.resume_limit)
+            .unwrap_or(1);
+        let request = self
+            .requests
+            .accept(submit, name, long, candidates.clone(), resume_limit);
         match picked {
             Some(candidate) => self.grant(request, &candidate),
             None => self.wait(request, candidates),
@@ -543,6 +559,53 @@ impl EdgeCore {
         self.may_try_again(request, also, false)
     }
 
+    /// `request`'s answer was lost midway (`run` on `resource`): it is continued on
+    /// another provider that continues exactly, from what its caller has, when its model
+    /// allows another continuation, such a provider is online and the request can be
+    /// continued exactly. False when it is not (its caller then gets the failure, as
+    /// without continuations). The retry budget, which bounds whole requests run again
+    /// before their first byte, does not bound continuations: each is work its caller
+    /// already holds bytes of, bounded per request by the model's `resume_limit`, and a
+    /// node lost takes a third of a three-node fleet's streams at once.
+    fn try_resume(
+        &mut self,
+        request: RequestId,
+        run: RunId,
+        resource: ResourceId,
+        why: &'static str,
+    ) -> bool {
+        if !self.requests.may_resume(request) {
+            return false;
+        }
+        let Some(r) = self.requests.get(request) else {
+            return false;
+        };
+        let endpoint = r.endpoint();
+        let able = r.candidates.iter().any(|c| {
+            let meta = self.pool.meta(c.resource);
+            c.resource != resource
+                && meta.resumes
+                && meta.serves(endpoint)
+                && self.pool.usage(c.resource).capacity > 0
+        });
+        let delivered = self.requests.delivered(request);
+        if !able || !self.requests.resume(request, resource) {
+            return false;
+        }
+        let meta = self.pool.meta(resource);
+        let node_id = self.registry.node(meta.node).id.clone();
+        self.out.event(EdgeEvent::Resumed {
+            request,
+            run,
+            node_id,
+            provider_id: meta.provider_id.clone(),
+            why,
+            delivered,
+        });
+        self.retry(request);
+        true
+    }
+
     /// Whether the ledger explains a node's refusal of `lease`'s run: without that run, the
     /// units this Edge holds and those the node reported held elsewhere fill its capacity
     /// (or its long-context capacity, for a long run). The node reports what its other
@@ -580,10 +643,12 @@ impl EdgeCore {
             }
         }
         let endpoint = r.endpoint();
+        let continued = r.continued();
         r.candidates.iter().any(|c| {
             Some(c.resource) != also
                 && !failed.contains(&c.resource)
                 && self.pool.meta(c.resource).serves(endpoint)
+                && (!continued || self.pool.meta(c.resource).resumes)
                 // Out of the rotation for now (ejected, cooling down after its
                 // `Retry-After`, probed) is no reason to fail: the request waits for it
                 // within its queue deadline.
@@ -597,11 +662,13 @@ impl EdgeCore {
         let r = self.requests.get(request)?;
         let (_, failed) = self.requests.attempts(request)?;
         let endpoint = r.endpoint();
+        let continued = r.continued();
         let candidates = r
             .candidates
             .iter()
             .filter(|c| !failed.contains(&c.resource))
             .filter(|c| self.pool.meta(c.resource).serves(endpoint))
+            .filter(|c| !continued || self.pool.meta(c.resource).resumes)
             .cloned()
             .collect();
         Some((r.model.clone(), r.long, candidates))
@@ -1120,6 +1187,23 @@ impl EdgeCore {
             Step::Ended { lease } => {
                 self.pool.undecided(lease.resource, lease.run);
                 self.release(lease);
+            }
+            Step::Broken {
+                run,
+                lease,
+                event,
+                outcome,
+            } => {
+                self.pool.undecided(lease.resource, lease.run);
+                self.release(lease);
+                // A provider that breaks streams midway is as unhealthy as one that
+                // fails before their first byte: its failures count to its ejection.
+                self.provider_failed(lease.resource, run, None);
+                if !self.try_resume(run.request, run, lease.resource, "error") {
+                    let mut cx = cx!(self);
+                    cx.out.request(run.request, event);
+                    self.requests.end(&mut cx, run.request, outcome);
+                }
             }
             Step::Violated {
                 run,

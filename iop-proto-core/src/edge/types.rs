@@ -353,6 +353,22 @@ pub enum EdgeEvent {
         /// `violation`, `node_lost`, `first_byte_timeout`).
         why: &'static str,
     },
+    /// A streamed answer lost after its first byte (its node lost, or its provider's
+    /// stream failed) is continued on another provider from the text its caller has.
+    Resumed {
+        /// The caller's request it concerns.
+        request: RequestId,
+        /// The run that was lost.
+        run: RunId,
+        /// The node it ran on.
+        node_id: Arc<str>,
+        /// The provider on that node.
+        provider_id: Arc<str>,
+        /// Why, as a stable label (`node_lost`, `error`).
+        why: &'static str,
+        /// Bytes of answer the caller had.
+        delivered: usize,
+    },
     /// A provider was taken out of the rotation until its ejection ends and a probe
     /// succeeds (or, for a `Retry-After`, until the time it asked for).
     ProviderEjected {

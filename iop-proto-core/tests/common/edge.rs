@@ -60,6 +60,7 @@ pub fn config() -> EdgeConfig {
             long_context_threshold: Some(1000),
             context_tokens: None,
             first_byte_timeout: None,
+            resume_limit: None,
         },
     );
     cfg.models.insert(
@@ -69,6 +70,7 @@ pub fn config() -> EdgeConfig {
             long_context_threshold: Some(1000),
             context_tokens: None,
             first_byte_timeout: None,
+            resume_limit: None,
         },
     );
     cfg

@@ -172,6 +172,7 @@ fn edge_config(setup: &Setup) -> EdgeConfig {
             long_context_threshold: Some(100),
             context_tokens: None,
             first_byte_timeout: None,
+            resume_limit: None,
         },
     );
     EdgeConfig {

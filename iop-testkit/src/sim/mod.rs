@@ -321,6 +321,7 @@ pub fn world_config(rev: u32) -> EdgeConfig {
             long_context_threshold: Some(100),
             context_tokens: None,
             first_byte_timeout: None,
+            resume_limit: None,
         },
     );
     models.insert(
@@ -330,6 +331,7 @@ pub fn world_config(rev: u32) -> EdgeConfig {
             long_context_threshold: Some(100),
             context_tokens: None,
             first_byte_timeout: None,
+            resume_limit: None,
         },
     );
     models.insert(
@@ -343,6 +345,7 @@ pub fn world_config(rev: u32) -> EdgeConfig {
             long_context_threshold: Some(100),
             context_tokens: None,
             first_byte_timeout: None,
+            resume_limit: None,
         },
     );
     EdgeConfig {

@@ -41,8 +41,55 @@ impl Mock {
     /// read is answered as one without options).
     pub fn plan(&self, input: &[u8]) -> Plan {
         let object = Object::parse(input).unwrap_or_default();
+        match prefill(&object) {
+            Some(prefix) => self.continued(&object, &prefix),
+            None => self.plan_of(&object, 0),
+        }
+    }
+
+    /// The rest of the answer to the conversation before a final assistant message
+    /// `prefix` that the request asks to continue: exactly what follows `prefix` in the
+    /// answer the mock gives that conversation, when `prefix` begins it (its token limit
+    /// counts the words of `prefix`, as the Edge lowered it by them); else the whole
+    /// answer, as a model would start over.
+    fn continued(&self, object: &Object<'_>, prefix: &str) -> Plan {
+        let mut before = 0;
+        let mut words = 0u64;
+        loop {
+            let word = format!("{} ", self.words[words as usize % self.words.len()]);
+            if !prefix[before..].starts_with(&word) {
+                break;
+            }
+            before += word.len();
+            words += 1;
+        }
+        let whole = self.plan_of(object, words);
+        if whole.tool.is_some() || !whole.pieces.concat().starts_with(prefix) {
+            return whole;
+        }
+        let mut skip = prefix.len();
+        let mut pieces = Vec::new();
+        for piece in whole.pieces {
+            if skip >= piece.len() {
+                skip -= piece.len();
+                continue;
+            }
+            pieces.push(piece[skip..].to_owned());
+            skip = 0;
+        }
+        Plan {
+            tokens: pieces.len() as u64,
+            pieces,
+            ..whole
+        }
+    }
+
+    /// The plan for `object`, its token limit raised by `earlier` words already given.
+    fn plan_of(&self, object: &Object<'_>, earlier: u64) -> Plan {
         let number = |key: &str| object.get(key).and_then(|v| v.get().parse::<u64>().ok());
-        let limit = number("max_completion_tokens").or_else(|| number("max_tokens"));
+        let limit = number("max_completion_tokens")
+            .or_else(|| number("max_tokens"))
+            .map(|n| n.saturating_add(earlier));
         let stops: Vec<String> = object
             .get("stop")
             .and_then(|v| serde_json::from_str::<Stop>(v.get()).ok())
@@ -56,7 +103,7 @@ impl Mock {
             .take(MAX_STOPS)
             .collect();
         if let Some(name) = &self.tool_call
-            && let Some(arguments) = tool_arguments(&object, name)
+            && let Some(arguments) = tool_arguments(object, name)
         {
             return Plan {
                 pieces: Vec::new(),
@@ -112,6 +159,20 @@ impl Mock {
             tool: None,
         }
     }
+}
+
+/// The final assistant message a request asks to continue (`continue_final_message`),
+/// when its content is text.
+fn prefill(object: &Object<'_>) -> Option<String> {
+    if object.get("continue_final_message")?.get() != "true" {
+        return None;
+    }
+    let messages = elements(object.get("messages")?)?;
+    let last: Value = serde_json::from_str(messages.last()?.get()).ok()?;
+    if last["role"] != "assistant" {
+        return None;
+    }
+    last["content"].as_str().map(str::to_owned)
 }
 
 /// The arguments of a call to `name`, when the request offers tools, does not forbid
@@ -207,6 +268,40 @@ fn example(schema: &Value, depth: usize) -> Value {
 mod tests {
     use super::*;
     use std::collections::BTreeMap;
+
+    /// A continuation of any prefix of the mock's answer, cut between words or inside
+    /// one, with the limit lowered as the Edge lowers it, gives exactly the rest.
+    #[test]
+    fn a_continued_answer_is_exactly_the_rest_of_the_whole() {
+        let m = mock("one two three four five six", None);
+        for limit in [None, Some(4u64), Some(6)] {
+            let mut body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+            if let Some(limit) = limit {
+                body["max_tokens"] = json!(limit);
+            }
+            let raw = serde_json::to_vec(&body).unwrap();
+            let whole = m.plan(&raw);
+            let text = whole.pieces.concat();
+            for words in 0..whole.pieces.len() {
+                let at = whole.pieces[..words].concat().len();
+                for cut in [at, at + 1] {
+                    if cut >= text.len() {
+                        continue;
+                    }
+                    let prefix = &text[..cut];
+                    let cont = crate::adapters::json::continuation(&raw, prefix, words as u64)
+                        .expect("continuable");
+                    let rest = m.plan(&cont);
+                    assert_eq!(
+                        format!("{prefix}{}", rest.pieces.concat()),
+                        text,
+                        "limit {limit:?}, cut at {cut}"
+                    );
+                    assert_eq!(rest.finish, whole.finish);
+                }
+            }
+        }
+    }
 
     fn mock(reply: &str, tool: Option<&str>) -> Mock {
         let mut options = BTreeMap::from([("reply".to_owned(), reply.to_owned())]);

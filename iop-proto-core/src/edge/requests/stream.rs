@@ -12,6 +12,7 @@ use crate::edge::Submit;
 use crate::edge::pool::ResourceMeta;
 use crate::lease::Lease;
 use crate::lease::RequestId;
+use crate::lease::ResourceId;
 use crate::lease::RunId;
 use crate::run::RunStep;
 use crate::run::RunTracker;
@@ -26,6 +27,7 @@ use crate::wire::RunEvent;
 use crate::wire::RunEventType;
 use crate::wire::RunRequest;
 use crate::wire::TunnelFrameKind;
+use bytes::Bytes;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -174,6 +176,16 @@ pub(in crate::edge) enum Step {
     /// The run ended: its lease is free (its request, if it still served one, ended
     /// with it).
     Ended { lease: Lease },
+    /// The committed run's provider failed midway (a retryable error in its stream) and
+    /// its request may be continued elsewhere: the run is over, its lease free. When no
+    /// continuation is made, `event` goes to the caller and the request ends with
+    /// `outcome`, as for any other end.
+    Broken {
+        run: RunId,
+        lease: Lease,
+        event: RequestEvent,
+        outcome: Outcome,
+    },
     /// The committed run broke its stream's contract: its request failed. When the item
     /// was its terminal the run is done and its lease free; otherwise, when `cancel`, it
     /// must be cancelled on the node (a run already cancelled waits on).
@@ -207,8 +219,9 @@ pub(in crate::edge) enum Cancel {
 pub(in crate::edge) enum Fenced {
     /// It served nothing any more.
     Nothing,
-    /// It answered its request, which is lost with it.
-    Committed(RequestId),
+    /// It answered its request, which is lost with it unless continued elsewhere
+    /// (the provider it ran on, to try no more).
+    Committed(RequestId, ResourceId),
     /// It had not reached its first byte: its request may be tried elsewhere.
     Uncommitted(RequestId),
 }
@@ -259,8 +272,10 @@ pub(super) fn retry_after(headers: &[Header]) -> Option<Duration> {
 /// The message run `run` of `call` is dispatched with on the provider `meta` describes,
 /// serving `target`, and the stream its answer is checked with; `native`: a tunnel of
 /// the caller's own call ([`Submit::native`]) rather than its translation.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn message(
     call: &Submit,
+    continuation: Option<Bytes>,
     model: &Arc<str>,
     run: RunId,
     meta: &ResourceMeta,
@@ -292,7 +307,7 @@ pub(super) fn message(
                     run_id: run.wire(),
                     adapter: String::from(&*meta.provider_id),
                     target: target.to_owned(),
-                    input: call.body.clone(),
+                    input: continuation.unwrap_or_else(|| call.body.clone()),
                     metadata,
                     long_context: long,
                     ..RunRequest::default()
