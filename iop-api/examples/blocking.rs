@@ -104,6 +104,7 @@ fn edge_config() -> EdgeConfig {
             context_tokens: None,
             first_byte_timeout: None,
             resume_limit: None,
+            stall_timeout: None,
         },
     );
     config

@@ -72,6 +72,10 @@ pub struct ModelSpec {
     /// How many times a streamed answer lost after its first byte may be continued on
     /// another provider that can continue it; `None`: once. `Some(0)` never does.
     pub resume_limit: Option<u32>,
+    /// How long a streamed answer that can be continued may go without an event before
+    /// its provider counts as stalled: the run is cancelled and the answer continued
+    /// elsewhere. `None`: never (a stream waits on, within the request's deadline).
+    pub stall_timeout: Option<Duration>,
 }
 
 /// Timers of the Edge's node protocol.
@@ -582,6 +586,7 @@ pub(crate) mod tests {
                 context_tokens: None,
                 first_byte_timeout: None,
                 resume_limit: None,
+                stall_timeout: None,
             },
         );
         cfg

@@ -79,6 +79,7 @@
 //!     context_tokens: None,
 //!     first_byte_timeout: None,
 //!     resume_limit: None,
+//!     stall_timeout: None,
 //! });
 //! let mut edge = EdgeCore::new(config)?;
 //! let mut node = NodeSession::new(SessionConfig::new("n1", token));

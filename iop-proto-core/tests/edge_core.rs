@@ -775,6 +775,7 @@ fn a_tokenize_call_goes_only_to_a_tunnel_whose_provider_tokenizes() {
             context_tokens: None,
             first_byte_timeout: None,
             resume_limit: None,
+            stall_timeout: None,
         },
     );
     let mut h = Harness::with(cfg.clone());
@@ -833,6 +834,7 @@ fn a_waiting_tunnel_request_skips_a_provider_that_stopped_tunnelling() {
             context_tokens: None,
             first_byte_timeout: None,
             resume_limit: None,
+            stall_timeout: None,
         },
     );
     let mut h = Harness::with(cfg.clone());

@@ -98,6 +98,7 @@ fn world() -> EdgeConfig {
         context_tokens: None,
         first_byte_timeout: None,
         resume_limit: None,
+        stall_timeout: None,
     };
     cfg.models.insert(
         "m0".into(),

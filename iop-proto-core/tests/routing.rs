@@ -33,6 +33,7 @@ fn two_providers() -> EdgeConfig {
             context_tokens: None,
             first_byte_timeout: None,
             resume_limit: None,
+            stall_timeout: None,
         },
     );
     cfg.models.remove("solo");
@@ -691,4 +692,272 @@ fn a_slow_run_denied_a_try_beside_by_the_budget_gets_one_once_it_frees() {
     w.answer(&later, "two");
     let (_, events) = w.h.drain();
     assert_eq!(told(&events, other).0, ["two"]);
+}
+
+// ----- continuing a stream lost midway (issue 73) -----
+
+/// [`two_providers`] whose adapters continue a final assistant message (`resume`), and
+/// a streamed chat request asking for ten tokens.
+fn resuming(limit: Option<u32>) -> (Harness, [ConnId; 2]) {
+    let mut cfg = two_providers();
+    for (node, spec) in cfg.nodes.iter_mut() {
+        for adapter in &mut spec.adapters {
+            adapter.options.insert("resume".into(), "true".into());
+        }
+        assert!(node.starts_with('n'));
+    }
+    cfg.models.get_mut("m").expect("m").resume_limit = limit;
+    let mut h = Harness::with(cfg);
+    let conns = [h.connect("n1"), h.connect("n2")];
+    (h, conns)
+}
+
+const ASKED: &[u8] =
+    br#"{"model":"m","stream":true,"max_tokens":10,"messages":[{"role":"user","content":"hi"}]}"#;
+
+fn submit_streamed(h: &mut Harness) -> RequestId {
+    let mut submit = Submit::chat("m", bytes::Bytes::from_static(ASKED));
+    submit.stream = true;
+    h.edge.handle_submit(h.now, submit).expect("accepted")
+}
+
+fn event(run: &Grant, sequence: u64, kind: RunEventType, delta: &str) -> Body {
+    Body::RunEvent(RunEvent {
+        run_id: run.run.wire(),
+        sequence,
+        r#type: kind as i32,
+        delta: delta.into(),
+        ..Default::default()
+    })
+}
+
+/// The run requests sent to `conn`.
+fn run_inputs(transmits: &[Transmit], conn: ConnId) -> Vec<serde_json::Value> {
+    frames_to(transmits, conn)
+        .into_iter()
+        .filter_map(|b| match b {
+            Body::RunRequest(r) => serde_json::from_slice(&r.input).ok(),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A streamed answer whose node is lost after two deltas is continued on the other
+/// provider: its run is sent the request with the delivered text as a final assistant
+/// message to continue and `max_tokens` lowered by the two tokens produced; the caller
+/// gets no second start and no second dispatch, the continuation's deltas in order, and
+/// usage counting the lost run's tokens.
+#[test]
+fn a_stream_whose_node_is_lost_midway_is_continued_from_what_its_caller_has() {
+    let (mut h, conns) = resuming(None);
+    let request = submit_streamed(&mut h);
+    let (_, events) = h.drain();
+    let first = grants(&events).remove(0);
+    let conn = if &*first.node_id == "n1" {
+        conns[0]
+    } else {
+        conns[1]
+    };
+    let other = if conn == conns[0] { conns[1] } else { conns[0] };
+    h.send(conn, event(&first, 1, RunEventType::Start, ""));
+    h.send(conn, event(&first, 2, RunEventType::Delta, "Hello "));
+    h.send(conn, event(&first, 3, RunEventType::Delta, "wor"));
+    let (_, events) = h.drain();
+    assert_eq!(told(&events, request).0, ["Hello ", "wor"]);
+    h.edge
+        .handle_connection_closed(h.now, conn)
+        .expect("a known connection");
+    let (transmits, events) = h.drain();
+    assert!(
+        events.iter().any(|e| matches!(
+            e,
+            EdgeEvent::Resumed {
+                why: "node_lost",
+                delivered: 9,
+                ..
+            }
+        )),
+        "{events:?}"
+    );
+    assert_eq!(told(&events, request), (Vec::new(), None), "not ended");
+    let again = grants(&events).remove(0);
+    assert_ne!(again.node_id, first.node_id);
+    let input = run_inputs(&transmits, other).remove(0);
+    assert_eq!(
+        input["messages"],
+        serde_json::json!([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello wor"}])
+    );
+    assert_eq!(input["continue_final_message"], true);
+    assert_eq!(input["add_generation_prompt"], false);
+    assert_eq!(input["max_tokens"], 8);
+    h.send(other, event(&again, 1, RunEventType::Start, ""));
+    h.send(other, event(&again, 2, RunEventType::Delta, "ld"));
+    h.send(
+        other,
+        Body::RunEvent(RunEvent {
+            run_id: again.run.wire(),
+            sequence: 3,
+            r#type: RunEventType::Complete as i32,
+            usage: Some(Usage {
+                prompt_tokens: 7,
+                completion_tokens: 1,
+                total_tokens: 8,
+            }),
+            ..Default::default()
+        }),
+    );
+    let (_, events) = h.drain();
+    let mine: Vec<&RequestEvent> = events
+        .iter()
+        .filter_map(|e| match e {
+            EdgeEvent::Request { request: r, event } if *r == request => Some(event),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        !mine
+            .iter()
+            .any(|e| matches!(e, RequestEvent::Dispatched { .. })
+                || matches!(e, RequestEvent::Run(r) if r.r#type == RunEventType::Start as i32)),
+        "{mine:?}"
+    );
+    assert_eq!(
+        told(&events, request),
+        (vec!["ld".to_owned()], Some(Outcome::Completed))
+    );
+    let usage = mine
+        .iter()
+        .find_map(|e| match e {
+            RequestEvent::Run(r) => r.usage,
+            _ => None,
+        })
+        .expect("usage");
+    assert_eq!((usage.completion_tokens, usage.total_tokens), (3, 10));
+}
+
+/// `resume_limit = 0`: the caller gets the loss, as before; a provider failing midway
+/// with a retryable error is continued elsewhere at most `resume_limit` times.
+#[test]
+fn continuations_stop_at_the_models_limit() {
+    let (mut h, conns) = resuming(Some(0));
+    let request = submit_streamed(&mut h);
+    let (_, events) = h.drain();
+    let first = grants(&events).remove(0);
+    let conn = if &*first.node_id == "n1" {
+        conns[0]
+    } else {
+        conns[1]
+    };
+    h.send(conn, event(&first, 1, RunEventType::Start, ""));
+    h.send(conn, event(&first, 2, RunEventType::Delta, "Hello "));
+    h.edge.handle_connection_closed(h.now, conn).expect("known");
+    let (_, events) = h.drain();
+    assert!(grants(&events).is_empty());
+    assert!(matches!(
+        told(&events, request).1,
+        Some(Outcome::Failed(RequestError::NodeLost { .. }))
+    ));
+
+    let (mut h, conns) = resuming(Some(1));
+    let request = submit_streamed(&mut h);
+    let (_, events) = h.drain();
+    let first = grants(&events).remove(0);
+    let conn_of = |g: &Grant| {
+        if &*g.node_id == "n1" {
+            conns[0]
+        } else {
+            conns[1]
+        }
+    };
+    let broken = |h: &mut Harness, g: &Grant, text: &str| {
+        h.send(conn_of(g), event(g, 1, RunEventType::Start, ""));
+        h.send(conn_of(g), event(g, 2, RunEventType::Delta, text));
+        h.send(
+            conn_of(g),
+            Body::RunEvent(RunEvent {
+                run_id: g.run.wire(),
+                sequence: 3,
+                r#type: RunEventType::Error as i32,
+                error: Some(ErrorDetail {
+                    code: "upstream_reset".into(),
+                    message: "the provider's stream broke".into(),
+                    retryable: true,
+                }),
+                ..Default::default()
+            }),
+        );
+    };
+    broken(&mut h, &first, "a ");
+    let (_, events) = h.drain();
+    assert!(
+        events
+            .iter()
+            .any(|e| matches!(e, EdgeEvent::Resumed { why: "error", .. })),
+        "{events:?}"
+    );
+    let second = grants(&events).remove(0);
+    broken(&mut h, &second, "b ");
+    let (_, events) = h.drain();
+    assert!(grants(&events).is_empty(), "once only");
+    let (deltas, end) = told(&events, request);
+    assert_eq!(deltas, ["b "]);
+    assert!(
+        matches!(end, Some(Outcome::Failed(RequestError::Provider(ref d))) if d.code == "upstream_reset"),
+        "{end:?}"
+    );
+}
+
+/// A committed stream that goes silent past its model's stall timeout is cancelled on
+/// its node and continued elsewhere; one that keeps sending is left alone however long
+/// it runs.
+#[test]
+fn a_stream_silent_past_its_stall_timeout_is_continued_elsewhere() {
+    let (mut h, conns) = {
+        let mut cfg = two_providers();
+        for spec in cfg.nodes.values_mut() {
+            for adapter in &mut spec.adapters {
+                adapter.options.insert("resume".into(), "true".into());
+            }
+        }
+        let m = cfg.models.get_mut("m").expect("m");
+        m.stall_timeout = Some(Duration::from_secs(2));
+        let mut h = Harness::with(cfg);
+        let conns = [h.connect("n1"), h.connect("n2")];
+        (h, conns)
+    };
+    let request = submit_streamed(&mut h);
+    let (_, events) = h.drain();
+    let first = grants(&events).remove(0);
+    let conn = if &*first.node_id == "n1" {
+        conns[0]
+    } else {
+        conns[1]
+    };
+    h.send(conn, event(&first, 1, RunEventType::Start, ""));
+    // It keeps sending every second for five seconds: never stalled.
+    for i in 0..5u64 {
+        h.send(conn, event(&first, 2 + i, RunEventType::Delta, "w "));
+        let now = h.now.as_millis();
+        h.at(now + 1_000);
+    }
+    let (transmits, events) = h.drain();
+    assert!(grants(&events).is_empty() && cancels(&transmits).is_empty());
+    // Then silence.
+    let now = h.now.as_millis();
+    h.at(now + 2_100);
+    let (transmits, events) = h.drain();
+    assert!(
+        events
+            .iter()
+            .any(|e| matches!(e, EdgeEvent::Resumed { why: "stall", .. })),
+        "{events:?}"
+    );
+    assert_eq!(cancels(&transmits), [first.run.wire()]);
+    let again = grants(&events).remove(0);
+    assert_ne!(again.node_id, first.node_id);
+    assert_eq!(told(&events, request), (Vec::new(), None));
+    // The stalled run's late words reach nobody.
+    h.send(conn, event(&first, 7, RunEventType::Delta, "late "));
+    let (_, events) = h.drain();
+    assert_eq!(told(&events, request), (Vec::new(), None));
 }

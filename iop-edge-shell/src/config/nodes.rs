@@ -72,6 +72,9 @@ pub(super) struct RawModel {
     /// How many times a streamed answer lost midway is continued elsewhere (default 1;
     /// 0: never).
     pub(super) resume_limit: Option<u32>,
+    /// Seconds without an event after which a stream that can be continued is (off
+    /// unless set).
+    pub(super) stall_timeout_sec: Option<f64>,
     #[serde(default)]
     pub(super) providers: Vec<RawCandidate>,
 }
@@ -204,6 +207,16 @@ pub(super) fn models(raw: Vec<RawModel>) -> Result<BTreeMap<String, ModelSpec>, 
                 })
                 .transpose()?,
             resume_limit: model.resume_limit,
+            stall_timeout: model
+                .stall_timeout_sec
+                .map(|s| {
+                    positive_secs_f64(
+                        &format!("models[{i}].stall_timeout_sec"),
+                        Some(s),
+                        Duration::ZERO,
+                    )
+                })
+                .transpose()?,
         };
         if models.insert(model.name.clone(), spec).is_some() {
             return Err(invalid(

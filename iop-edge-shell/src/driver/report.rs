@@ -98,6 +98,7 @@ impl Task {
                 if let Some(entry) = self.requests.get(&request) {
                     let label = match why {
                         "node_lost" => "resume_node_lost",
+                        "stall" => "resume_stall",
                         _ => "resume_error",
                     };
                     self.metrics.retry(&entry.model, label);

@@ -148,6 +148,8 @@ pub(super) struct Run {
     held_bytes: usize,
     /// It went past its first-byte deadline (another provider may be tried beside it).
     slow: bool,
+    /// When it last sent anything (for a stall of a committed run).
+    pub(super) last_event: Timestamp,
 }
 
 impl Request {
@@ -355,6 +357,7 @@ impl Requests {
                 producing: false,
                 held_bytes: 0,
                 slow: false,
+                last_event: cx.now,
             },
         );
     }
@@ -625,6 +628,7 @@ impl Requests {
             return Step::Ignored;
         };
         let (lease, serving, committed) = (r.lease, r.serving, r.committed);
+        r.last_event = cx.now;
         let Some(observed) = observe(&mut r.stream, &item) else {
             // A broken stream: nothing it sends is trusted any more, except that it
             // ended: the node has stopped the run, so its lease returns now, not at the
@@ -837,6 +841,28 @@ impl Requests {
             r.failed.push(resource);
         }
         true
+    }
+
+    /// `run` answers its request and has sent nothing since `since`: given up (its
+    /// request is to be continued elsewhere). Its lease and connection, to cancel it on
+    /// its node.
+    pub(super) fn stalled(&mut self, run: RunId) -> Option<(Lease, ConnId)> {
+        let r = self.runs.get_mut(&run)?;
+        if !r.serving || !r.committed {
+            return None;
+        }
+        r.serving = false;
+        r.held.clear();
+        Some((r.lease, r.conn))
+    }
+
+    /// Whether `id` could be continued now, its body included.
+    pub(super) fn continuable(&self, id: RequestId) -> bool {
+        self.map.get(&id).is_some_and(|r| {
+            r.resume
+                .as_ref()
+                .is_some_and(|resume| resume.could_continue(&r.call.body))
+        })
     }
 
     /// Whether `id` may be continued once more (before its body is looked at).

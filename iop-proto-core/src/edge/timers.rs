@@ -36,6 +36,9 @@ pub(super) enum TimerKey {
     /// A provider whose node refused work is taken at most until this (see
     /// [`Usage::refused_hold`](crate::lease::Usage::refused_hold)).
     RefusalHold(ResourceId),
+    /// A committed run whose answer can be continued counts as stalled if it sends
+    /// nothing until this (re-armed lazily from its last event).
+    Stall(RunId),
 }
 
 impl crate::timer::TimerKey for TimerKey {
@@ -50,6 +53,7 @@ impl crate::timer::TimerKey for TimerKey {
             TimerKey::Command(_) => "command answer",
             TimerKey::Probe(_) => "probe",
             TimerKey::RefusalHold(_) => "refusal hold",
+            TimerKey::Stall(_) => "stalled stream",
         }
     }
 }

@@ -801,6 +801,8 @@ impl EdgeCore {
         }
         if committed.ended {
             self.release(lease);
+        } else if let Some(stall) = self.stall_timeout(run.request) {
+            self.timers.set(TimerKey::Stall(run), self.now + stall);
         }
         // Its first-byte deadline (and those of runs ahead of it that answered or
         // failed) need no wake-up.
@@ -1539,6 +1541,68 @@ impl EdgeCore {
             }
             TimerKey::Probe(resource) => self.pump(resource),
             TimerKey::RefusalHold(resource) => self.end_refused_hold(resource),
+            TimerKey::Stall(run) => self.stall_check(run),
+        }
+    }
+
+    /// How long a committed run of `request` may go silent before its answer is
+    /// continued elsewhere: its model's stall timeout, for a request that may be
+    /// continued.
+    fn stall_timeout(&self, request: RequestId) -> Option<Duration> {
+        if !self.requests.may_resume(request) {
+            return None;
+        }
+        self.requests
+            .get(request)
+            .and_then(|r| self.config.models.get(&*r.model))
+            .and_then(|m| m.stall_timeout)
+    }
+
+    /// The stall timer of `run` fired: re-armed from its last event while it sends;
+    /// when it has been silent the whole time and its answer can be continued, it is
+    /// cancelled on its node and the answer continued elsewhere. (When it cannot be, the
+    /// stream waits on, as without a stall timeout.)
+    fn stall_check(&mut self, run: RunId) {
+        let Some(stall) = self.stall_timeout(run.request) else {
+            return;
+        };
+        let Some(r) = self.requests.run(run) else {
+            return;
+        };
+        let due = r.last_event + stall;
+        if due > self.now {
+            self.timers.set(TimerKey::Stall(run), due);
+            return;
+        }
+        let resource = r.lease.resource;
+        let Some(r) = self.requests.get(run.request) else {
+            return;
+        };
+        let endpoint = r.endpoint();
+        let able = r.candidates.iter().any(|c| {
+            let meta = self.pool.meta(c.resource);
+            c.resource != resource
+                && meta.resumes
+                && meta.serves(endpoint)
+                && self.pool.usage(c.resource).capacity > 0
+        });
+        if !able || !self.requests.continuable(run.request) {
+            return;
+        }
+        let Some((_, conn)) = self.requests.stalled(run) else {
+            return;
+        };
+        let grace = self.config.timing.cancel_grace;
+        let mut cx = cx!(self);
+        let reason = format!("no event for {} ms: continued elsewhere", stall.as_millis());
+        Requests::cancel_on_node(&mut cx, run, conn, reason, grace);
+        self.provider_failed(resource, run, None);
+        if !self.try_resume(run.request, run, resource, "stall") {
+            // Cannot be continued after all: the caller gets what a lost run gets.
+            let node_id = self.registry.node(self.pool.meta(resource).node).id.clone();
+            let why = Outcome::Failed(RequestError::NodeLost { node_id });
+            let mut cx = cx!(self);
+            self.requests.end(&mut cx, run.request, why);
         }
     }
 

@@ -61,6 +61,7 @@ pub fn config() -> EdgeConfig {
             context_tokens: None,
             first_byte_timeout: None,
             resume_limit: None,
+            stall_timeout: None,
         },
     );
     cfg.models.insert(
@@ -71,6 +72,7 @@ pub fn config() -> EdgeConfig {
             context_tokens: None,
             first_byte_timeout: None,
             resume_limit: None,
+            stall_timeout: None,
         },
     );
     cfg

@@ -173,6 +173,7 @@ fn edge_config(setup: &Setup) -> EdgeConfig {
             context_tokens: None,
             first_byte_timeout: None,
             resume_limit: None,
+            stall_timeout: None,
         },
     );
     EdgeConfig {

@@ -322,6 +322,7 @@ pub fn world_config(rev: u32) -> EdgeConfig {
             context_tokens: None,
             first_byte_timeout: None,
             resume_limit: None,
+            stall_timeout: None,
         },
     );
     models.insert(
@@ -332,6 +333,7 @@ pub fn world_config(rev: u32) -> EdgeConfig {
             context_tokens: None,
             first_byte_timeout: None,
             resume_limit: None,
+            stall_timeout: None,
         },
     );
     models.insert(
@@ -346,6 +348,7 @@ pub fn world_config(rev: u32) -> EdgeConfig {
             context_tokens: None,
             first_byte_timeout: None,
             resume_limit: None,
+            stall_timeout: None,
         },
     );
     EdgeConfig {

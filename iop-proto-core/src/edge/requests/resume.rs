@@ -89,6 +89,11 @@ impl Resume {
         Some(event)
     }
 
+    /// Whether [`continue_from`](Self::continue_from) would continue `original` now.
+    pub(in crate::edge) fn could_continue(&self, original: &[u8]) -> bool {
+        self.may_continue() && iop_json::continuation(original, &self.text, self.produced).is_some()
+    }
+
     /// The body that continues `original` after what was delivered, counting one more
     /// continuation; `None` when it cannot be continued exactly.
     pub(in crate::edge) fn continue_from(&mut self, original: &[u8]) -> Option<Bytes> {
