@@ -22,7 +22,7 @@ use iop_testkit::upgrade::{UpgradeFaults, run_upgrade_seed};
 const BATCH: u64 = 256;
 
 /// The worlds a sweep can run, by name.
-const WORLDS: [&str; 4] = ["main", "upgrade", "multihome", "cluster"];
+const WORLDS: [&str; 5] = ["main", "streams", "upgrade", "multihome", "cluster"];
 
 fn usage() -> ! {
     eprintln!(
@@ -38,6 +38,15 @@ fn run_one(world: &str, seed: u64) -> Result<(), String> {
         "main" => sim::run_seed(seed, SimOptions::default())
             .map(drop)
             .map_err(|f| format!("at {}: {}", f.at, f.message)),
+        "streams" => sim::run_seed(
+            seed,
+            SimOptions {
+                streams: true,
+                ..SimOptions::default()
+            },
+        )
+        .map(drop)
+        .map_err(|f| format!("at {}: {}", f.at, f.message)),
         "upgrade" => run_upgrade_seed(seed, UpgradeFaults::default()).map(drop),
         "multihome" => run_multihome_seed(seed, MultihomeFaults::default()).map(drop),
         "cluster" => run_cluster_seed(seed, ClusterFaults::default()).map(drop),

@@ -432,6 +432,50 @@ fn a_planted_session_blind_to_the_others_is_caught() {
     assert!(failure.contains("above capacity"), "{failure}");
 }
 
+/// The streams world (`SimOptions::streams`): every other request streams a numbered
+/// answer from providers that continue a final assistant message, a quarter of whose
+/// runs break after their second token, among every fault of the main world (nodes
+/// crashed, links cut, reloads). Every completed stream reads the uninterrupted answer
+/// byte for byte, nothing is answered twice, and a dispatch after the first byte is
+/// always a continuation the Edge announced.
+#[test]
+fn every_streams_seed_reads_each_answer_byte_for_byte() {
+    if let Some(seed) = std::env::var("IOP_SIM_STREAMS_SEED")
+        .ok()
+        .and_then(|s| s.parse::<u64>().ok())
+    {
+        let options = SimOptions {
+            streams: true,
+            full_trace: true,
+            ..SimOptions::default()
+        };
+        match sim::run_seed(seed, options) {
+            Ok(stats) => println!("seed {seed} passed: {stats:?}"),
+            Err(failure) => panic!("{failure}"),
+        }
+        return;
+    }
+    let (mut resumed, mut completed) = (0, 0);
+    for seed in 0..seeds() {
+        let options = SimOptions {
+            streams: true,
+            ..SimOptions::default()
+        };
+        match sim::run_seed(seed, options) {
+            Ok(stats) => {
+                resumed += stats.resumed;
+                completed += stats.completed;
+            }
+            Err(failure) => panic!("seed {seed}: {failure}"),
+        }
+    }
+    println!("streams worlds: {completed} requests completed, {resumed} streams continued");
+    assert!(
+        resumed > seeds() / 4,
+        "the worlds continue streams: {resumed}"
+    );
+}
+
 /// The cluster world (`testkit::cluster`): three Edges coordinated through a simulated etcd,
 /// with partitions, lost answers, killed Edges and invalid configurations.
 #[test]

@@ -113,6 +113,8 @@ pub(super) struct Request {
     last_failure: Option<Outcome>,
     /// Counted in [`Requests::retrying`].
     retrying: bool,
+    /// Attempts made before its last continuation (a continuation counts afresh).
+    attempts_before: u32,
     /// What a streamed answer keeps to be continued if its run is lost after its first
     /// byte; `None` for a request that is never continued.
     resume: Option<Resume>,
@@ -215,6 +217,7 @@ impl Requests {
                 failed: Vec::new(),
                 last_failure: None,
                 retrying: false,
+                attempts_before: 0,
                 resume,
             },
         );
@@ -469,6 +472,13 @@ impl Requests {
             }
             Some(resume) => resume.body = None,
         }
+        // A tunnel's answer is the provider's own bytes: never continued (not yet).
+        if let (Some(resume), RequestEvent::Dispatched { shape, .. }) =
+            (request.resume.as_mut(), &dispatched)
+            && *shape == DispatchShape::Tunnel
+        {
+            resume.spoil();
+        }
         // A continuation's caller knows who answers already (the log keeps the first).
         if !request.continued() {
             cx.out.request(run.request, dispatched);
@@ -555,11 +565,16 @@ impl Requests {
             .is_some_and(|r| r.live.iter().any(|&l| l != run))
     }
 
-    /// Dispatches of `id` so far, and the providers it failed on.
+    /// Attempts of `id` so far (dispatches its nodes did not refuse, counted afresh from
+    /// its last continuation), and the providers it failed on.
     pub(super) fn attempts(&self, id: RequestId) -> Option<(u32, &[ResourceId])> {
-        self.map
-            .get(&id)
-            .map(|r| (r.attempts.saturating_sub(r.refused), r.failed.as_slice()))
+        self.map.get(&id).map(|r| {
+            let attempts = r.attempts.saturating_sub(r.refused);
+            (
+                attempts.saturating_sub(r.attempts_before),
+                r.failed.as_slice(),
+            )
+        })
     }
 
     /// The refusals `id` met that its ledger could not explain so far.
@@ -837,6 +852,7 @@ impl Requests {
             return false;
         }
         r.committed = None;
+        r.attempts_before = r.attempts.saturating_sub(r.refused);
         if !r.failed.contains(&resource) {
             r.failed.push(resource);
         }
@@ -888,6 +904,10 @@ fn deliver(resume: Option<&mut Resume>, event: RequestEvent) -> Option<RequestEv
         (Some(resume), RequestEvent::Run(event)) => resume
             .deliver(*event)
             .map(|e| RequestEvent::Run(Box::new(e))),
+        (Some(resume), event @ RequestEvent::Tunnel(_)) => {
+            resume.spoil();
+            Some(event)
+        }
         (_, event) => Some(event),
     }
 }

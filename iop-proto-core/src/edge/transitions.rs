@@ -901,7 +901,8 @@ impl EdgeCore {
     /// > A request has at most `max_attempts` attempts, and at most 8 refusals its Edge's
     /// > ledger did not explain. After a refusal the ledger counts that provider full
     /// > until its node reports its load or one heartbeat interval passes, so the request
-    /// > is not dispatched there again before that.
+    /// > is not dispatched there again before that. A continuation of a stream lost after
+    /// > its first byte counts its attempts afresh.
     fn verdict(
         &self,
         run: RunId,

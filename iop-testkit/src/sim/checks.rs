@@ -77,6 +77,12 @@ impl World {
                 break;
             }
         }
+        // A dispatch after the first byte is a continuation the Edge announced.
+        if let Some(run) = self.clients.values().find_map(|c| c.unannounced.clone()) {
+            problems.push(format!(
+                "{run} dispatched after its request's first byte reached the caller"
+            ));
+        }
         // Every request ends, at the latest when its client gives up.
         let grace = timing().heartbeat_timeout;
         for (request, client) in &self.clients {
@@ -98,6 +104,7 @@ impl World {
     /// Load stops and faults heal: everything must end and every lease come back.
     pub(super) fn quiesce(&mut self) {
         self.log(|| "quiesce: no more load, faults heal".into());
+        self.healed = true;
         let now = self.now;
         for i in 0..self.procs.len() {
             if self.procs[i].impostor || self.procs[i].bad {

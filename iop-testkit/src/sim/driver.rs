@@ -369,6 +369,15 @@ impl World {
     ) {
         let name = format!("m{}", usize::from(model) % MODELS);
         let mut submit = Submit::chat(&name, Bytes::from_static(br#"{"messages":[]}"#));
+        // The streams world: every other request streams a numbered answer.
+        let numbered = (self.streams && !tunnel_only && self.stats.requests.is_multiple_of(2))
+            .then(|| 1 + (self.stats.requests / 2 % 5) as u32);
+        if let Some(tokens) = numbered {
+            submit.body = Bytes::from(format!(
+                r#"{{"stream":true,"max_tokens":{tokens},"messages":[{{"role":"user","content":"count"}}]}}"#
+            ));
+            submit.stream = true;
+        }
         submit.prompt_tokens = if long { 500 } else { 10 };
         if tunnel_only {
             submit.endpoint = iop_api::openai::Endpoint::Embeddings;
@@ -392,6 +401,10 @@ impl World {
                         refused: None,
                         answered: false,
                         got_bytes: false,
+                        expect: numbered.map(|n| (1..=n).map(|i| format!("{i},")).collect()),
+                        text: String::new(),
+                        resumes: 0,
+                        unannounced: None,
                     },
                 );
                 self.client_timers
@@ -529,7 +542,9 @@ impl World {
                 self.rev += 1;
                 let rev = self.rev;
                 self.log(|| format!("edge reloads config rev {rev}"));
-                let result = self.edge.handle_config(now, world_config(rev));
+                let result = self
+                    .edge
+                    .handle_config(now, world_config_with(rev, self.streams));
                 check!(
                     self,
                     result.is_ok(),

@@ -177,7 +177,8 @@ impl World {
         // at most 8 refusals its Edge's ledger did not explain. After a refusal the
         // ledger counts that provider full until its node reports its load or one
         // heartbeat interval passes, so the request is not dispatched there again before
-        // that." A single Edge's ledger explains a refusal only by what the node
+        // that. A continuation of a stream lost after its first byte counts its attempts
+        // afresh." A single Edge's ledger explains a refusal only by what the node
         // reported held elsewhere; the check takes any unit the node freed there (a
         // run's end, a load report, a ready) as leave to go back, and 8 refusals in all.
         let max_attempts = self.edge.config().routing.max_attempts;
@@ -192,8 +193,12 @@ impl World {
             return;
         };
         client.dispatches += 1;
-        let (dispatches, refusals, got_bytes) =
-            (client.dispatches, client.refusals, client.got_bytes);
+        let (dispatches, refusals, got_bytes, client_resumes) = (
+            client.dispatches,
+            client.refusals,
+            client.got_bytes,
+            client.resumes,
+        );
         let back_too_soon = client.refused.as_ref().is_some_and(|(n, a, at, step)| {
             *n == node_id
                 && a == adapter
@@ -204,14 +209,14 @@ impl World {
                     .max(self.node_freed_at.get(&node_id))
                     .is_none_or(|freed| freed <= step)
         });
+        // After the first byte only a continuation is dispatched: the Edge announces it
+        // (`EdgeEvent::Resumed`) in the same step, checked once the step's events are in.
+        if got_bytes && let Some(client) = self.clients.get_mut(&run.request) {
+            client.unannounced = Some(run_id.to_owned());
+        }
         check!(
             self,
-            !got_bytes,
-            "{run_id} dispatched after its request's first byte reached the caller"
-        );
-        check!(
-            self,
-            dispatches - refusals <= max_attempts,
+            dispatches - refusals <= max_attempts * (1 + client_resumes + u32::from(got_bytes)),
             "{run_id}: {} attempts ({dispatches} dispatches, {refusals} refused), more than \
              {max_attempts}",
             dispatches - refusals
@@ -344,6 +349,10 @@ impl World {
                 check!(self, !answered, "{request} answered by two providers");
                 if let Some(client) = self.clients.get_mut(&request) {
                     client.answered = true;
+                    if shape == DispatchShape::Tunnel {
+                        // A tunnel's answer is the provider's bytes, not numbered tokens.
+                        client.expect = None;
+                    }
                     client.checker = Some(match shape {
                         DispatchShape::Run => Checker::Run(RunTracker::new()),
                         DispatchShape::Tunnel => Checker::Tunnel(TunnelOrder::Head),
@@ -356,6 +365,11 @@ impl World {
                 event: RequestEvent::Run(event),
             } => {
                 self.first_bytes(request);
+                if let Some(client) = self.clients.get_mut(&request)
+                    && client.expect.is_some()
+                {
+                    client.text.push_str(&event.delta);
+                }
                 let ok = match self
                     .clients
                     .get_mut(&request)
@@ -396,6 +410,18 @@ impl World {
                 event: RequestEvent::Ended(outcome),
             } => {
                 self.log(|| format!("{request} ended: {outcome:?}"));
+                if outcome == Outcome::Completed
+                    && let Some(client) = self.clients.get(&request)
+                    && let Some(expect) = &client.expect
+                {
+                    check!(
+                        self,
+                        client.text == *expect,
+                        "{request} completed with {:?}, not the uninterrupted {expect:?} ({} continuations)",
+                        client.text,
+                        client.resumes
+                    );
+                }
                 match outcome {
                     Outcome::Completed => self.stats.completed += 1,
                     Outcome::Failed(RequestError::Unsupported { .. }) => {
@@ -410,6 +436,30 @@ impl World {
                     }
                     None => check!(self, false, "{request} ended but was never accepted"),
                 }
+            }
+            EdgeEvent::Resumed {
+                request,
+                run,
+                node_id,
+                why,
+                delivered,
+                ..
+            } => {
+                self.stats.resumed += 1;
+                if let Some(client) = self.clients.get_mut(&request) {
+                    check!(
+                        self,
+                        client.expect.is_some(),
+                        "{request} continued, but it is no stream that may be"
+                    );
+                    // A continuation may be dispatched after the first byte.
+                    client.resumes += 1;
+                    client.got_bytes = false;
+                    client.unannounced = None;
+                }
+                self.log(|| {
+                    format!("{request}: {run} lost on {node_id} ({why}) after {delivered} bytes; continued")
+                });
             }
             EdgeEvent::NodeConnected {
                 node_id,

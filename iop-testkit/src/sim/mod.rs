@@ -214,6 +214,8 @@ pub struct Stats {
     pub bad_refused: u64,
     /// Requests given another provider before their first byte.
     pub retries: u64,
+    /// Streams continued on another provider after their first byte (the streams world).
+    pub resumed: u64,
     /// Providers ejected.
     pub ejections: u64,
     /// Providers restored by a probe.
@@ -257,6 +259,13 @@ pub struct SimOptions {
     /// Only the operations [`generate`] makes: no misconfigured siblings
     /// ([`Op::BadSibling`]) nor broken providers ([`Mode::Refuse`], [`Mode::Unavailable`]).
     pub original_ops: bool,
+    /// Every other request streamed, with a body the mock providers answer as numbered
+    /// tokens (`1,2,…,N,`); the providers' `run` adapters continue a final assistant
+    /// message (`resume`), and a quarter of their runs break with a retryable error
+    /// after their second token. Checked besides: every completed stream's text is the
+    /// uninterrupted answer byte for byte, and a dispatch after the first byte is a
+    /// continuation the Edge announced. Off: the world as it was (its seeds unchanged).
+    pub streams: bool,
 }
 
 const TOKEN: &str = "sim-token";
@@ -288,6 +297,12 @@ fn adapter(name: &str, kind: AdapterType, capacity: u32, long: u32, rev: u32) ->
 /// requests waiting for a tunnel see their providers change shape.
 #[must_use]
 pub fn world_config(rev: u32) -> EdgeConfig {
+    world_config_with(rev, false)
+}
+
+/// [`world_config`]; with `streams`, the `run` adapters continue streams lost midway.
+#[must_use]
+pub fn world_config_with(rev: u32, streams: bool) -> EdgeConfig {
     let mut nodes = BTreeMap::new();
     for n in 0..NODES {
         let mut tun = adapter("tun", AdapterType::OpenaiCompat, 1 + (n as u32 % 2), 1, rev);
@@ -303,7 +318,16 @@ pub fn world_config(rev: u32) -> EdgeConfig {
             format!("n{n}"),
             NodeSpec {
                 token: TokenVerifier::from_secret(TOKEN.as_bytes()),
-                adapters: vec![adapter("run", AdapterType::Mock, 2, 1, rev), tun],
+                adapters: vec![
+                    {
+                        let mut run = adapter("run", AdapterType::Mock, 2, 1, rev);
+                        if streams {
+                            run.options.insert("resume".into(), "true".into());
+                        }
+                        run
+                    },
+                    tun,
+                ],
                 runtime: NodeRuntimeConfig::default(),
             },
         );
@@ -401,6 +425,9 @@ struct Work {
     total: u32,
     cancelled: bool,
     fail: bool,
+    /// A streamed request's numbered answer: the first token's number (after a
+    /// continuation's prefill), and whether this run breaks after its second token.
+    numbered: Option<(u32, bool)>,
 }
 
 #[derive(Debug)]
@@ -532,6 +559,15 @@ struct Client {
     answered: bool,
     /// Bytes of its answer reached it.
     got_bytes: bool,
+    /// A streamed request of the streams world: the answer it must read, and what it
+    /// read.
+    expect: Option<String>,
+    text: String,
+    /// Continuations the Edge announced for it.
+    resumes: u32,
+    /// A run dispatched after its first byte, until the Edge announces it as a
+    /// continuation.
+    unannounced: Option<String>,
 }
 
 struct World {
@@ -564,6 +600,10 @@ struct World {
     freed_at: HashMap<(Arc<str>, String), u64>,
     /// By node: the step at which the Edge last read its load report or its ready.
     node_freed_at: HashMap<Arc<str>, u64>,
+    /// The streams world ([`SimOptions::streams`]).
+    streams: bool,
+    /// Faults have healed: no stream breaks any more.
+    healed: bool,
 }
 
 macro_rules! check {
@@ -620,7 +660,8 @@ fn terminal_frame(frame: &ProviderTunnelFrame) -> bool {
 
 /// Runs `ops` in a world seeded with `seed`.
 pub fn run(seed: u64, ops: &[Op], options: SimOptions) -> Result<Stats, SimFailure> {
-    let edge = EdgeCore::new(world_config(0)).expect("the simulated config is valid");
+    let edge = EdgeCore::new(world_config_with(0, options.streams))
+        .expect("the simulated config is valid");
     let mut seeds = Rng::new(seed ^ 0x6A09_E667_F3BC_C909);
     let mut world = World {
         now: Timestamp::ZERO,
@@ -645,6 +686,8 @@ pub fn run(seed: u64, ops: &[Op], options: SimOptions) -> Result<Stats, SimFailu
         read_count: 0,
         freed_at: HashMap::new(),
         node_freed_at: HashMap::new(),
+        streams: options.streams,
+        healed: false,
     };
     // A machine that panics on a broken internal invariant is a finding too: keep the
     // seed and the trace that led there.

@@ -122,7 +122,20 @@ impl World {
             SessionEvent::Ready => {
                 let _ = self.procs[i].supervisor.handle_ready(now);
             }
-            SessionEvent::StartRun { request } => self.start_work(i, request.run_id, false),
+            SessionEvent::StartRun { request } => {
+                let numbered = self.streams.then(|| numbered(&request.input)).flatten();
+                let run_id = request.run_id.clone();
+                self.start_work(i, request.run_id, false);
+                if let Some((first, total)) = numbered
+                    && let Some(work) = self.procs[i].work.get_mut(&run_id)
+                {
+                    // A quarter of the runs break after their second token.
+                    let breaks = !self.healed
+                        && run_id.bytes().map(u32::from).sum::<u32>().is_multiple_of(4);
+                    work.total = total;
+                    work.numbered = Some((first, breaks));
+                }
+            }
             SessionEvent::StartTunnel { request } => self.start_work(i, request.run_id, true),
             SessionEvent::CancelRun { run_id } => {
                 let at = if self.procs[i].mode == Mode::Stubborn {
@@ -229,6 +242,7 @@ impl World {
                 total,
                 cancelled: false,
                 fail: mode == Mode::Fail,
+                numbered: None,
             },
         );
     }
@@ -241,19 +255,29 @@ impl World {
         let Some(work) = self.procs[i].work.get_mut(run_id) else {
             return;
         };
-        let (tunnel, step, total, cancelled, fail) = (
+        let (tunnel, step, total, cancelled, fail, numbered) = (
             work.tunnel,
             work.step,
             work.total,
             work.cancelled,
             work.fail,
+            work.numbered,
         );
+        // A numbered run that breaks does so after its second token.
+        let broke = numbered.is_some_and(|(_, breaks)| breaks)
+            && step == 3
+            && step <= total
+            && !cancelled
+            && !fail;
         work.step += 1;
         work.next_at = now + delay;
-        // A silent provider goes quiet after its first delta, until cancelled.
+        // A silent provider goes quiet after its first delta, until cancelled. A run
+        // further on when it went quiet pauses where it is: the output due now is not
+        // skipped, it comes when the provider speaks again.
         if mode == Mode::Silent && step >= 1 && !cancelled {
             work.next_at = Timestamp::MAX;
             if step > 1 {
+                work.step -= 1;
                 return;
             }
         }
@@ -264,6 +288,7 @@ impl World {
         let last = cancelled && (tunnel || step >= 1)
             || fail && step >= 1
             || step > total
+            || broke
             || refuse && (tunnel || step >= 1)
             || unavailable && step >= if tunnel { 2 } else { 1 };
         let Some(session) = self.procs[i].session.as_mut() else {
@@ -330,11 +355,19 @@ impl World {
                     code: "upstream_error".into(),
                     ..ErrorDetail::default()
                 })
+            } else if broke {
+                RunOutput::Error(ErrorDetail {
+                    code: "upstream_reset".into(),
+                    message: "the provider's stream broke".into(),
+                    retryable: true,
+                })
             } else if step > total {
                 RunOutput::Complete {
                     usage: None,
                     metadata: BTreeMap::new(),
                 }
+            } else if let Some((first, _)) = numbered {
+                RunOutput::Delta(format!("{},", first + step - 1))
             } else {
                 RunOutput::Delta("x".into())
             };
@@ -387,4 +420,20 @@ impl World {
     }
 
     // ----- the scheduler -----
+}
+
+/// A streamed request's numbered answer, from its run's input: the number its first
+/// token carries (after the tokens of a final assistant message it continues) and how
+/// many tokens it gives (its `max_tokens`). `None` for any other input.
+fn numbered(input: &[u8]) -> Option<(u32, u32)> {
+    let body: serde_json::Value = serde_json::from_slice(input).ok()?;
+    let total = u32::try_from(body["max_tokens"].as_u64()?).ok()?;
+    let mut first = 1;
+    if body["continue_final_message"] == true {
+        let last = body["messages"].as_array()?.last()?;
+        if last["role"] == "assistant" {
+            first += last["content"].as_str()?.matches(',').count() as u32;
+        }
+    }
+    Some((first, total))
 }

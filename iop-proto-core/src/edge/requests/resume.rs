@@ -32,6 +32,9 @@ pub(in crate::edge) struct Resume {
     pub(in crate::edge) body: Option<Bytes>,
     /// A continuation answers (or is being placed): its run's start is not the caller's.
     pub(in crate::edge) continued: bool,
+    /// The last sequence number the caller saw: a continuing run's events are numbered
+    /// on from it, so the caller reads one stream.
+    sequence: u64,
 }
 
 impl Resume {
@@ -45,12 +48,19 @@ impl Resume {
             spoilt: false,
             body: None,
             continued: false,
+            sequence: 0,
         }
     }
 
     /// Bytes of answer the caller has (kept for a continuation).
     pub(in crate::edge) fn delivered(&self) -> usize {
         self.text.len()
+    }
+
+    /// What the caller has cannot be continued (a tunnel's bytes).
+    pub(in crate::edge) fn spoil(&mut self) {
+        self.spoilt = true;
+        self.text = String::new();
     }
 
     /// Whether another continuation may be tried.
@@ -65,6 +75,12 @@ impl Resume {
         let kind = RunEventType::try_from(event.r#type).ok();
         if self.continued && kind == Some(RunEventType::Start) {
             return None;
+        }
+        if self.continued {
+            self.sequence += 1;
+            event.sequence = self.sequence;
+        } else {
+            self.sequence = event.sequence;
         }
         if kind == Some(RunEventType::Delta) {
             if !event.metadata.is_empty() {
