@@ -696,20 +696,30 @@ fn a_slow_run_denied_a_try_beside_by_the_budget_gets_one_once_it_frees() {
 
 // ----- continuing a stream lost midway (issue 73) -----
 
-/// [`two_providers`] whose adapters continue a final assistant message (`resume`), and
-/// a streamed chat request asking for ten tokens.
-fn resuming(limit: Option<u32>) -> (Harness, [ConnId; 2]) {
+/// [`two_providers`] whose adapters continue a final assistant message (`resume`), with
+/// model "m"'s `resume_limit` and `stall_timeout`.
+fn resuming(limit: Option<u32>, stall: Option<Duration>) -> (Harness, [ConnId; 2]) {
     let mut cfg = two_providers();
-    for (node, spec) in cfg.nodes.iter_mut() {
+    for spec in cfg.nodes.values_mut() {
         for adapter in &mut spec.adapters {
             adapter.options.insert("resume".into(), "true".into());
         }
-        assert!(node.starts_with('n'));
     }
-    cfg.models.get_mut("m").expect("m").resume_limit = limit;
+    let m = cfg.models.get_mut("m").expect("m");
+    m.resume_limit = limit;
+    m.stall_timeout = stall;
     let mut h = Harness::with(cfg);
     let conns = [h.connect("n1"), h.connect("n2")];
     (h, conns)
+}
+
+/// The connection of the node `grant` went to.
+fn node_conn(conns: &[ConnId; 2], grant: &Grant) -> ConnId {
+    if &*grant.node_id == "n1" {
+        conns[0]
+    } else {
+        conns[1]
+    }
 }
 
 const ASKED: &[u8] =
@@ -749,15 +759,11 @@ fn run_inputs(transmits: &[Transmit], conn: ConnId) -> Vec<serde_json::Value> {
 /// usage counting the lost run's tokens.
 #[test]
 fn a_stream_whose_node_is_lost_midway_is_continued_from_what_its_caller_has() {
-    let (mut h, conns) = resuming(None);
+    let (mut h, conns) = resuming(None, None);
     let request = submit_streamed(&mut h);
     let (_, events) = h.drain();
     let first = grants(&events).remove(0);
-    let conn = if &*first.node_id == "n1" {
-        conns[0]
-    } else {
-        conns[1]
-    };
+    let conn = node_conn(&conns, &first);
     let other = if conn == conns[0] { conns[1] } else { conns[0] };
     h.send(conn, event(&first, 1, RunEventType::Start, ""));
     h.send(conn, event(&first, 2, RunEventType::Delta, "Hello "));
@@ -839,15 +845,11 @@ fn a_stream_whose_node_is_lost_midway_is_continued_from_what_its_caller_has() {
 /// with a retryable error is continued elsewhere at most `resume_limit` times.
 #[test]
 fn continuations_stop_at_the_models_limit() {
-    let (mut h, conns) = resuming(Some(0));
+    let (mut h, conns) = resuming(Some(0), None);
     let request = submit_streamed(&mut h);
     let (_, events) = h.drain();
     let first = grants(&events).remove(0);
-    let conn = if &*first.node_id == "n1" {
-        conns[0]
-    } else {
-        conns[1]
-    };
+    let conn = node_conn(&conns, &first);
     h.send(conn, event(&first, 1, RunEventType::Start, ""));
     h.send(conn, event(&first, 2, RunEventType::Delta, "Hello "));
     h.edge.handle_connection_closed(h.now, conn).expect("known");
@@ -858,17 +860,11 @@ fn continuations_stop_at_the_models_limit() {
         Some(Outcome::Failed(RequestError::NodeLost { .. }))
     ));
 
-    let (mut h, conns) = resuming(Some(1));
+    let (mut h, conns) = resuming(Some(1), None);
     let request = submit_streamed(&mut h);
     let (_, events) = h.drain();
     let first = grants(&events).remove(0);
-    let conn_of = |g: &Grant| {
-        if &*g.node_id == "n1" {
-            conns[0]
-        } else {
-            conns[1]
-        }
-    };
+    let conn_of = |g: &Grant| node_conn(&conns, g);
     let broken = |h: &mut Harness, g: &Grant, text: &str| {
         h.send(conn_of(g), event(g, 1, RunEventType::Start, ""));
         h.send(conn_of(g), event(g, 2, RunEventType::Delta, text));
@@ -912,27 +908,11 @@ fn continuations_stop_at_the_models_limit() {
 /// it runs.
 #[test]
 fn a_stream_silent_past_its_stall_timeout_is_continued_elsewhere() {
-    let (mut h, conns) = {
-        let mut cfg = two_providers();
-        for spec in cfg.nodes.values_mut() {
-            for adapter in &mut spec.adapters {
-                adapter.options.insert("resume".into(), "true".into());
-            }
-        }
-        let m = cfg.models.get_mut("m").expect("m");
-        m.stall_timeout = Some(Duration::from_secs(2));
-        let mut h = Harness::with(cfg);
-        let conns = [h.connect("n1"), h.connect("n2")];
-        (h, conns)
-    };
+    let (mut h, conns) = resuming(None, Some(Duration::from_secs(2)));
     let request = submit_streamed(&mut h);
     let (_, events) = h.drain();
     let first = grants(&events).remove(0);
-    let conn = if &*first.node_id == "n1" {
-        conns[0]
-    } else {
-        conns[1]
-    };
+    let conn = node_conn(&conns, &first);
     h.send(conn, event(&first, 1, RunEventType::Start, ""));
     // It keeps sending every second for five seconds: never stalled.
     for i in 0..5u64 {

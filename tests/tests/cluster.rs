@@ -546,6 +546,18 @@ fn fakes(rt: &tokio::runtime::Runtime, n: usize) -> Vec<Fake> {
         .collect()
 }
 
+/// Nodes n1, n2 and n3, each configured with one Edge of the three (`tag` names their
+/// logs), once each is ready on every Edge.
+fn start_three_nodes(fabric: &Fabric, tag: &str) -> Vec<Proc> {
+    let nodes: Vec<Proc> = ["n1", "n2", "n3"]
+        .iter()
+        .enumerate()
+        .map(|(i, id)| start_node(&fabric.dir, id, &fabric.edges[i], &fabric.fingerprint, tag))
+        .collect();
+    fabric.await_ready(&["n1", "n2", "n3"], Duration::from_secs(15));
+    nodes
+}
+
 /// The whole scenario, in order: one configuration pushed to every Edge (and a
 /// bad one refused everywhere), two Nodes sharing an id, an Edge cut off from etcd and
 /// back, then one Edge killed under load behind the balancer.
@@ -555,18 +567,8 @@ fn three_edges_share_config_nodes_and_callers_and_survive_a_killed_edge() {
     let capacity = 4;
     let fakes = fakes(&rt, 3);
     let mut fabric = Fabric::start(&rt, 3, fakes, capacity);
-    let mut nodes = Vec::new();
-    for (i, id) in ["n1", "n2", "n3"].iter().enumerate() {
-        nodes.push(start_node(
-            &fabric.dir,
-            id,
-            &fabric.edges[i],
-            &fabric.fingerprint,
-            "first",
-        ));
-    }
     // Every Node keeps a session with every Edge: ready on all three.
-    fabric.await_ready(&["n1", "n2", "n3"], Duration::from_secs(15));
+    let nodes = start_three_nodes(&fabric, "first");
     let metrics = block(async { Http::new(fabric.edges[1].http).get("/metrics").await });
     let text = String::from_utf8_lossy(&metrics.body);
     assert!(
@@ -1164,17 +1166,7 @@ fn an_etcd_stopped_for_three_lease_times_under_load_loses_no_request() {
     let capacity = 4;
     let fakes = fakes(&rt, 3);
     let mut fabric = Fabric::start(&rt, 3, fakes, capacity);
-    let mut nodes = Vec::new();
-    for (i, id) in ["n1", "n2", "n3"].iter().enumerate() {
-        nodes.push(start_node(
-            &fabric.dir,
-            id,
-            &fabric.edges[i],
-            &fabric.fingerprint,
-            "n",
-        ));
-    }
-    fabric.await_ready(&["n1", "n2", "n3"], Duration::from_secs(15));
+    let nodes = start_three_nodes(&fabric, "n");
     let ports: Vec<u16> = fabric.edges.iter().map(|e| e.http).collect();
     let (_haproxy, lb) = start_haproxy(&fabric.dir, &ports);
     std::thread::sleep(Duration::from_millis(800));

@@ -637,11 +637,7 @@ impl ClusterMember {
         }
         self.claiming.insert(node_id.to_owned());
         self.send(
-            EtcdRequest::Claim {
-                key: format!("{}/nodes/{node_id}", self.config.prefix),
-                value: instance.to_string().into_bytes(),
-                ttl: self.config.lease_ttl,
-            },
+            self.claim_request(node_id, instance),
             Pending::Claim {
                 ticket,
                 node_id: node_id.to_owned(),

@@ -487,12 +487,20 @@ impl EdgeCore {
                 max_waiting,
             });
         }
-        let resume_limit = self
-            .config
-            .models
-            .get(&*name)
-            .and_then(|m| m.resume_limit)
-            .unwrap_or(1);
+        // A streamed answer keeps what continuing it needs (its body, its text) only in a
+        // group where some provider continues answers.
+        let resume_limit = if candidates
+            .iter()
+            .any(|c| self.pool.meta(c.resource).resumes)
+        {
+            self.config
+                .models
+                .get(&*name)
+                .and_then(|m| m.resume_limit)
+                .unwrap_or(1)
+        } else {
+            0
+        };
         let request = self
             .requests
             .accept(submit, name, long, candidates.clone(), resume_limit);
@@ -577,19 +585,9 @@ impl EdgeCore {
         if !self.requests.may_resume(request) {
             return false;
         }
-        let Some(r) = self.requests.get(request) else {
-            return false;
-        };
-        let endpoint = r.endpoint();
-        let able = r.candidates.iter().any(|c| {
-            let meta = self.pool.meta(c.resource);
-            c.resource != resource
-                && meta.resumes
-                && meta.serves(endpoint)
-                && self.pool.usage(c.resource).capacity > 0
-        });
         let delivered = self.requests.delivered(request);
-        if !able || !self.requests.resume(request, resource) {
+        if !self.continues_elsewhere(request, resource) || !self.requests.resume(request, resource)
+        {
             return false;
         }
         let meta = self.pool.meta(resource);
@@ -604,6 +602,26 @@ impl EdgeCore {
         });
         self.retry(request);
         true
+    }
+
+    /// Whether a provider of `request`'s group other than `resource`, and none it failed
+    /// on, continues answers exactly and is online (in the rotation or not: the
+    /// continuation may wait for it within its deadline).
+    fn continues_elsewhere(&self, request: RequestId, resource: ResourceId) -> bool {
+        let (Some(r), Some((_, failed))) =
+            (self.requests.get(request), self.requests.attempts(request))
+        else {
+            return false;
+        };
+        let endpoint = r.endpoint();
+        r.candidates.iter().any(|c| {
+            let meta = self.pool.meta(c.resource);
+            c.resource != resource
+                && !failed.contains(&c.resource)
+                && meta.resumes
+                && meta.serves(endpoint)
+                && self.pool.usage(c.resource).capacity > 0
+        })
     }
 
     /// Whether the ledger explains a node's refusal of `lease`'s run: without that run, the
@@ -1576,18 +1594,9 @@ impl EdgeCore {
             return;
         }
         let resource = r.lease.resource;
-        let Some(r) = self.requests.get(run.request) else {
-            return;
-        };
-        let endpoint = r.endpoint();
-        let able = r.candidates.iter().any(|c| {
-            let meta = self.pool.meta(c.resource);
-            c.resource != resource
-                && meta.resumes
-                && meta.serves(endpoint)
-                && self.pool.usage(c.resource).capacity > 0
-        });
-        if !able || !self.requests.continuable(run.request) {
+        if !self.continues_elsewhere(run.request, resource)
+            || !self.requests.continuable(run.request)
+        {
             return;
         }
         let Some((_, conn)) = self.requests.stalled(run) else {

@@ -181,17 +181,22 @@ impl ClusterMember {
         served.reclaiming = true;
         let instance = served.instance;
         self.send(
-            EtcdRequest::Claim {
-                key: format!("{}/nodes/{node_id}", self.config.prefix),
-                value: instance.to_string().into_bytes(),
-                ttl: self.config.lease_ttl,
-            },
+            self.claim_request(&node_id, instance),
             Pending::Reclaim {
                 node_id,
                 instance,
                 sent: self.last_now,
             },
         );
+    }
+
+    /// The one-step claim of `node_id` for `instance` (a register's, or a claim again).
+    pub(super) fn claim_request(&self, node_id: &str, instance: u64) -> EtcdRequest {
+        EtcdRequest::Claim {
+            key: format!("{}/nodes/{node_id}", self.config.prefix),
+            value: instance.to_string().into_bytes(),
+            ttl: self.config.lease_ttl,
+        }
     }
 
     /// Claims again every instance served here without etcd's word.
