@@ -13,6 +13,15 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+/// What the built-in mock answers every request of `words` words (its default reply, cycled).
+pub fn mock_answer(words: usize) -> String {
+    let reply = ["Hello", "from", "the", "IOP", "mock", "provider."];
+    (0..words)
+        .map(|i| reply[i % reply.len()])
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 /// Path of a workspace binary (`iop-edge`, `iop-node`) built into the same target
 /// directory as the running test. Under cargo (`cargo test`, which does not build a
 /// workspace's binaries for another package's tests), the first call of a test process

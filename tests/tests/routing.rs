@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use iop_blackbox::client::{Cluster, read_sse};
 use iop_blackbox::fake::{self, Behaviour, Flavor};
-use iop_blackbox::free_port;
+use iop_blackbox::{free_port, mock_answer};
 use serde_json::{Value, json};
 
 const TOKEN: &str = "routing-token-0123456789";
@@ -491,15 +491,6 @@ fn resuming_mock(fail: &str, words: u32, delay_ms: u32) -> String {
         "[[nodes.adapters]]\nname = \"api\"\ntype = \"mock\"\ncapacity = 64\ntargets = [\"m\"]\n[nodes.adapters.options]\n\
          tokens = \"{words}\"\ntoken_delay_ms = \"{delay_ms}\"\nfail = \"{fail}\"\nresume = \"true\"\n"
     )
-}
-
-/// What the mock answers every request of `words` words (its default reply, cycled).
-fn mock_answer(words: usize) -> String {
-    let reply = ["Hello", "from", "the", "IOP", "mock", "provider."];
-    (0..words)
-        .map(|i| reply[i % reply.len()])
-        .collect::<Vec<_>>()
-        .join(" ")
 }
 
 /// One streamed answer as a caller reads it.

@@ -6,7 +6,9 @@
 //! - `reply`: the text to stream (default `"Hello from the IOP mock provider."`);
 //! - `tokens`: how many words to stream, cycling through the reply (default: its length);
 //! - `token_delay_ms`: delay before each word (default 20);
-//! - `fail`: `never` (default), `always` (fails after START), or `after:N` (after N words);
+//! - `fail`: `never` (default), `always` (fails after START), `after:N` (a retryable
+//!   error after N words), or `stall:N` (after N words the answer goes silent, its stream
+//!   held open until the Edge cancels it: a provider that hangs midway);
 //! - `tool_call`: when set and the request offers `tools` (and does not end with a tool's
 //!   result), the run completes with one call to this function (in `openai_tool_calls`),
 //!   its arguments filled in from the tool's schema, instead of text;
@@ -46,6 +48,8 @@ pub enum Fail {
     Always,
     /// After this many words.
     After(usize),
+    /// Silent after this many words, until cancelled.
+    Stall(usize),
 }
 
 /// The mock provider's settings.
@@ -88,14 +92,18 @@ impl Mock {
         let fail = match options.remove("fail") {
             None | Some("never") => Fail::Never,
             Some("always") => Fail::Always,
-            Some(other) => match other.strip_prefix("after:").and_then(|n| n.parse().ok()) {
-                Some(n) => Fail::After(n),
-                None => {
-                    return Err(format!(
-                        "option fail: {other:?} is not never, always or after:N"
-                    ));
+            Some(other) => {
+                let count = |prefix: &str| other.strip_prefix(prefix).and_then(|n| n.parse().ok());
+                match (count("after:"), count("stall:")) {
+                    (Some(n), _) => Fail::After(n),
+                    (_, Some(n)) => Fail::Stall(n),
+                    _ => {
+                        return Err(format!(
+                            "option fail: {other:?} is not never, always, after:N or stall:N"
+                        ));
+                    }
                 }
-            },
+            }
         };
         let tool_call = options.remove("tool_call").map(str::to_owned);
         // Read by the Edge, not by the adapter.
@@ -167,6 +175,9 @@ impl Mock {
             if self.fail == Fail::After(i) {
                 let _ = sink.run(RunOutput::Error(injected_failure(i))).await;
                 return;
+            }
+            if self.fail == Fail::Stall(i) {
+                cancel.cancelled().await;
             }
             if !self.pause(&cancel).await {
                 let _ = sink.run(RunOutput::Cancelled).await;
@@ -317,6 +328,10 @@ mod tests {
         assert_eq!(
             Mock::from_options(&opts(&[("fail", "after:3")])).map(|m| m.fail),
             Ok(Fail::After(3))
+        );
+        assert_eq!(
+            Mock::from_options(&opts(&[("fail", "stall:7")])).map(|m| m.fail),
+            Ok(Fail::Stall(7))
         );
         assert!(Mock::from_options(&opts(&[("fail", "sometimes")])).is_err());
         assert!(Mock::from_options(&opts(&[("tokens", "x")])).is_err());

@@ -182,6 +182,9 @@ impl Mock {
                         format!("injected failure after {i} tokens"),
                     ));
                 }
+                if self.fail == Fail::Stall(i) {
+                    cancel.cancelled().await;
+                }
                 if !self.pause(cancel).await {
                     cancelled(sink).await;
                     return Ok(());
@@ -239,6 +242,9 @@ impl Mock {
             if self.fail == Fail::After(i) {
                 let _ = sink.tunnel(TunnelOutput::Error(injected_failure(i))).await;
                 return Ok(());
+            }
+            if self.fail == Fail::Stall(i) {
+                cancel.cancelled().await;
             }
             if !self.pause(cancel).await {
                 cancelled(sink).await;
