@@ -8,11 +8,13 @@
 //! - [`Object`]: a JSON object's top-level members borrowed from the input, and a body
 //!   rewritten member by member from them;
 //! - [`continuation`]: the body that continues a chat answer cut short, where that can
-//!   be exact.
+//!   be exact; [`read_chunk`] and [`rejoin_chunk`]: a chat stream's chunks read for what
+//!   they deliver, and a continuation's chunks joined to the stream its caller has.
 //!
 //! Bodies are untrusted: nothing here panics or allocates beyond the input's size on any
 //! input (the fuzz target for request reading covers the skim).
 
+mod chunk;
 mod continuation;
 mod object;
 
@@ -21,6 +23,7 @@ use std::ops::Range;
 use bytes::Bytes;
 use serde_json::value::RawValue;
 
+pub use chunk::{ChunkRead, Joined, read_chunk, rejoin_chunk};
 pub use continuation::continuation;
 pub use object::{Object, array, elements};
 

@@ -54,13 +54,19 @@ impl<'a> Object<'a> {
             .filter(|v| v.get() != "null")
     }
 
+    /// Its members, in order (a later one of the same name included).
+    pub fn members(&self) -> impl Iterator<Item = (&str, &'a RawValue)> {
+        self.members.iter().map(|(k, v)| (k.as_ref(), *v))
+    }
+
     /// Drops every member named `key`.
     pub fn remove(&mut self, key: &str) {
         self.members.retain(|(k, _)| k != key);
     }
 
-    /// The object as JSON, with `set` replacing (or adding) members: each value is JSON
-    /// text. Members not replaced are copied byte for byte.
+    /// The object as JSON, with `set` replacing members where they stand (or adding them
+    /// at the end): each value is JSON text. Members not replaced are copied byte for
+    /// byte; a member named twice is written once, where it first stood.
     #[must_use]
     pub fn write(&self, set: &[(&str, &str)]) -> Vec<u8> {
         let size = self
@@ -82,13 +88,21 @@ impl<'a> Object<'a> {
             out.push(b':');
             out.extend_from_slice(value.as_bytes());
         };
+        let mut written: Vec<&str> = Vec::new();
         for (key, value) in &self.members {
-            if !set.iter().any(|(k, _)| *k == key.as_ref()) {
-                member(&mut out, key, value.get());
+            match set.iter().find(|(k, _)| *k == key.as_ref()) {
+                None => member(&mut out, key, value.get()),
+                Some((k, v)) if !written.contains(k) => {
+                    written.push(k);
+                    member(&mut out, k, v);
+                }
+                Some(_) => {}
             }
         }
         for (key, value) in set {
-            member(&mut out, key, value);
+            if !written.contains(key) {
+                member(&mut out, key, value);
+            }
         }
         out.push(b'}');
         out

@@ -564,12 +564,24 @@ async fn stream_messages(cluster: &Cluster) -> (String, usize, bool) {
 /// the break reaches the caller, as before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_broken_midway_is_continued_byte_for_byte_elsewhere() {
+    broken_midway("").await;
+}
+
+/// The same over raw tunnels: the Edge reads the provider's chat completion stream as it
+/// passes, and joins the continuation's to it (the Messages and Responses APIs are
+/// translated from it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tunnelled_stream_broken_midway_is_continued_byte_for_byte_elsewhere() {
+    broken_midway("dispatch = \"tunnel\"\n").await;
+}
+
+async fn broken_midway(extra: &str) {
     let words = 30;
     let nodes = format!(
         "{}[[models]]\nname = \"off\"\nresume_limit = 0\nproviders = [{{ node = \"n1\", adapter = \"api\", target = \"m\" }}]\n",
         two_nodes(
-            &resuming_mock("after:5", words, 2),
-            &resuming_mock("never", words, 2)
+            &(resuming_mock("after:5", words, 2) + extra),
+            &(resuming_mock("never", words, 2) + extra)
         )
     );
     let cluster = std::sync::Arc::new(Cluster::start(ROUTING, &nodes));

@@ -224,3 +224,10 @@ async fn all_rounds(extra: &str, what: &str) {
 async fn streams_over_runs_survive_a_node_killed_or_stalled_after_1_10_100_500_tokens() {
     all_rounds("", "runs").await;
 }
+
+/// Raw tunnels to an OpenAI-compatible server (the mock answering as one): the Edge
+/// reads their chat completion stream as it passes and joins a continuation's to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_over_tunnels_survive_a_node_killed_or_stalled_after_1_10_100_500_tokens() {
+    all_rounds("dispatch = \"tunnel\"\n", "tunnels").await;
+}

@@ -60,8 +60,8 @@ pub(super) struct ResourceMeta {
     pub(super) native_messages: bool,
     /// A tunnel-served adapter whose provider tokenizes ([`Endpoint::Tokenize`]).
     pub(super) tokenize: bool,
-    /// A run-served adapter that continues a final assistant message exactly (its
-    /// `resume` option; vLLM's by default): a lost stream may be continued on it.
+    /// An adapter that continues a final assistant message exactly (its `resume`
+    /// option; vLLM's by default): a lost stream of its shape may be continued on it.
     pub(super) resumes: bool,
 }
 
@@ -155,11 +155,10 @@ impl Pool {
                 Some(v) => v == "true",
                 None => adapter.r#type == crate::wire::AdapterType::Vllm as i32,
             };
-        meta.resumes = !tunnel
-            && match option(crate::tunnel::RESUME_OPTION) {
-                Some(v) => v == "true",
-                None => adapter.r#type == crate::wire::AdapterType::Vllm as i32,
-            };
+        meta.resumes = match option(crate::tunnel::RESUME_OPTION) {
+            Some(v) => v == "true",
+            None => adapter.r#type == crate::wire::AdapterType::Vllm as i32,
+        };
     }
 
     pub(super) fn usage(&self, r: ResourceId) -> crate::lease::Usage {

@@ -166,9 +166,20 @@ impl Request {
     }
 
     /// Whether it is answered by a continuation: only providers that continue exactly
-    /// may serve it.
+    /// may serve it ([`Self::continues_on`]).
     pub(super) fn continued(&self) -> bool {
         self.resume.as_ref().is_some_and(|r| r.continued)
+    }
+
+    /// Whether the provider `meta` describes may continue its answer: one that declares
+    /// it continues answers exactly, of the shape that answered first (a run's events
+    /// and a tunnel's bytes reach the caller differently).
+    pub(super) fn continues_on(&self, meta: &ResourceMeta) -> bool {
+        meta.resumes
+            && self
+                .resume
+                .as_ref()
+                .is_some_and(|r| r.continues_on(meta.shape))
     }
 }
 
@@ -313,14 +324,15 @@ impl Requests {
             r.retrying = true;
             self.retrying += 1;
         }
+        let continuation = r.resume.as_ref().and_then(|c| c.body.clone());
         let native = meta.shape == DispatchShape::Tunnel
+            && continuation.is_none()
             && r.call
                 .native
                 .as_ref()
                 .is_some_and(|call| match call.dialect {
                     crate::tunnel::Dialect::Messages => meta.native_messages,
                 });
-        let continuation = r.resume.as_ref().and_then(|c| c.body.clone());
         let (body, stream) = message(
             &r.call,
             continuation,
@@ -472,21 +484,19 @@ impl Requests {
             }
             Some(resume) => resume.body = None,
         }
-        // A tunnel's answer is the provider's own bytes: never continued (not yet).
-        if let (Some(resume), RequestEvent::Dispatched { shape, .. }) =
+        if let (Some(resume), RequestEvent::Dispatched { shape, native, .. }) =
             (request.resume.as_mut(), &dispatched)
-            && *shape == DispatchShape::Tunnel
         {
-            resume.spoil();
+            resume.begin(*shape, *native);
         }
         // A continuation's caller knows who answers already (the log keeps the first).
         if !request.continued() {
             cx.out.request(run.request, dispatched);
         }
         for event in held.into_iter() {
-            if let Some(event) = deliver(request.resume.as_mut(), event) {
-                cx.out.request(run.request, event);
-            }
+            deliver(request.resume.as_mut(), event, &mut |e| {
+                cx.out.request(run.request, e);
+            });
         }
         let siblings = self.give_up_all(&siblings);
         let ended = end.is_some();
@@ -725,9 +735,9 @@ impl Requests {
                         outcome: end.unwrap_or(Outcome::Cancelled),
                     };
                 }
-                if let Some(event) = deliver(request.resume.as_mut(), item.into_event()) {
-                    cx.out.request(run.request, event);
-                }
+                deliver(request.resume.as_mut(), item.into_event(), &mut |e| {
+                    cx.out.request(run.request, e);
+                });
                 match end {
                     Some(outcome) => {
                         self.runs.remove(&run);
@@ -748,11 +758,19 @@ impl Requests {
                 r.held_bytes = r.held_bytes.saturating_add(item.size());
                 r.held.push(item.into_event());
                 match status {
-                    Some((code, retry_after)) if retry_on.status(code) => Step::Failed {
-                        run,
-                        cause: Cause::Status(code),
-                        retry_after,
-                    },
+                    // A continuation has no head of its own to give: a provider that
+                    // does not answer it with success failed it.
+                    Some((code, retry_after))
+                        if retry_on.status(code)
+                            || (!(200..300).contains(&code)
+                                && self.map.get(&run.request).is_some_and(Request::continued)) =>
+                    {
+                        Step::Failed {
+                            run,
+                            cause: Cause::Status(code),
+                            retry_after,
+                        }
+                    }
                     Some(_) => Step::FirstByte { run },
                     // A whole answer's first byte is its terminal: until then it is held.
                     None if r.whole && (content || r.producing) => {
@@ -898,17 +916,12 @@ impl Requests {
     }
 }
 
-/// `event` on its way to the caller, through what a resumable request keeps.
-fn deliver(resume: Option<&mut Resume>, event: RequestEvent) -> Option<RequestEvent> {
-    match (resume, event) {
-        (Some(resume), RequestEvent::Run(event)) => resume
-            .deliver(*event)
-            .map(|e| RequestEvent::Run(Box::new(e))),
-        (Some(resume), event @ RequestEvent::Tunnel(_)) => {
-            resume.spoil();
-            Some(event)
-        }
-        (_, event) => Some(event),
+/// `event` on its way to the caller, through what a resumable request keeps: `out` gets
+/// what the caller is sent.
+fn deliver(resume: Option<&mut Resume>, event: RequestEvent, out: &mut impl FnMut(RequestEvent)) {
+    match resume {
+        Some(resume) => resume.deliver(event, out),
+        None => out(event),
     }
 }
 

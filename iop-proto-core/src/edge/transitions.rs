@@ -618,7 +618,7 @@ impl EdgeCore {
             let meta = self.pool.meta(c.resource);
             c.resource != resource
                 && !failed.contains(&c.resource)
-                && meta.resumes
+                && r.continues_on(meta)
                 && meta.serves(endpoint)
                 && self.pool.usage(c.resource).capacity > 0
         })
@@ -666,7 +666,7 @@ impl EdgeCore {
             Some(c.resource) != also
                 && !failed.contains(&c.resource)
                 && self.pool.meta(c.resource).serves(endpoint)
-                && (!continued || self.pool.meta(c.resource).resumes)
+                && (!continued || r.continues_on(self.pool.meta(c.resource)))
                 // Out of the rotation for now (ejected, cooling down after its
                 // `Retry-After`, probed) is no reason to fail: the request waits for it
                 // within its queue deadline.
@@ -686,7 +686,7 @@ impl EdgeCore {
             .iter()
             .filter(|c| !failed.contains(&c.resource))
             .filter(|c| self.pool.meta(c.resource).serves(endpoint))
-            .filter(|c| !continued || self.pool.meta(c.resource).resumes)
+            .filter(|c| !continued || r.continues_on(self.pool.meta(c.resource)))
             .cloned()
             .collect();
         Some((r.model.clone(), r.long, candidates))

@@ -326,8 +326,10 @@ pub(super) fn message(
                     _ => call.endpoint.path().into(),
                 },
                 headers: call.headers.clone(),
-                body: match &call.native {
-                    Some(own) if native => iop_json::for_target(own.body.clone(), target),
+                body: match (&call.native, continuation) {
+                    // A continuation is always of the chat call (`native` is false).
+                    (_, Some(body)) => iop_json::for_target(body, target),
+                    (Some(own), None) if native => iop_json::for_target(own.body.clone(), target),
                     _ => iop_json::for_target(call.body.clone(), target),
                 },
                 stream: call.stream,
