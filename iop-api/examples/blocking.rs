@@ -105,6 +105,7 @@ fn edge_config() -> EdgeConfig {
             first_byte_timeout: None,
             resume_limit: None,
             stall_timeout: None,
+            affinity: None,
         },
     );
     config

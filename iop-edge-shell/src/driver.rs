@@ -480,6 +480,8 @@ impl Task {
                     routing: self.core.provider_routing(),
                     cluster: None,
                     responses_store: iop_api::responses::StoreFigures::default(),
+                    affinity: self.core.affinity_figures(),
+                    affinity_config: self.core.config().routing.affinity,
                 });
             }
         }

@@ -129,6 +129,10 @@ struct Fleet {
     nodes_draining: Gauge,
     responses_stored: Gauge,
     responses_store_bytes: Gauge,
+    affinity_placed: Family<ReasonLabel, Gauge>,
+    affinity_matched_blocks: Gauge,
+    affinity_prefix_entries: Gauge,
+    affinity_prefix_bytes: Gauge,
     ejected: Family<ProviderLabels, Gauge>,
     /// In cluster mode only (a series per this Edge's id; none on a single Edge).
     cluster_member: Family<EdgeLabel, Gauge>,
@@ -424,6 +428,26 @@ impl Metrics {
             fleet.cluster_detached.clone(),
         );
         registry.register(
+            "iop_affinity_placed",
+            "Requests placed by their conversation since the Edge started, by reason: session (its session key), prefix (a remembered prefix past its anchor), anchor (its anchor), balance (every provider of its order over the load bound or full: the least loaded)",
+            fleet.affinity_placed.clone(),
+        );
+        registry.register(
+            "iop_affinity_matched_blocks",
+            "64-byte prompt blocks the providers of placed requests were remembered to hold, since the Edge started",
+            fleet.affinity_matched_blocks.clone(),
+        );
+        registry.register(
+            "iop_affinity_prefix_entries",
+            "Prompt fingerprints this Edge remembers (bounded by routing.prefix_entries)",
+            fleet.affinity_prefix_entries.clone(),
+        );
+        registry.register(
+            "iop_affinity_prefix_bytes",
+            "About the bytes the remembered prompt fingerprints take",
+            fleet.affinity_prefix_bytes.clone(),
+        );
+        registry.register(
             "iop_responses_stored",
             "Responses this Edge keeps for previous_response_id ([responses] store caps)",
             fleet.responses_stored.clone(),
@@ -641,6 +665,26 @@ impl Metrics {
         fleet.nodes_ready.set(gauge_value(ready as u64));
         let draining = snapshot.nodes.iter().filter(|n| n.draining).count();
         fleet.nodes_draining.set(gauge_value(draining as u64));
+        for (why, n) in iop_proto_core::edge::Placed::ALL
+            .iter()
+            .zip(snapshot.affinity.placed)
+        {
+            fleet
+                .affinity_placed
+                .get_or_create(&ReasonLabel {
+                    reason: why.as_str(),
+                })
+                .set(gauge_value(n));
+        }
+        fleet
+            .affinity_matched_blocks
+            .set(gauge_value(snapshot.affinity.matched_blocks));
+        fleet
+            .affinity_prefix_entries
+            .set(gauge_value(snapshot.affinity.prefix_entries as u64));
+        fleet
+            .affinity_prefix_bytes
+            .set(gauge_value(snapshot.affinity.prefix_bytes as u64));
         let store = &snapshot.responses_store;
         fleet
             .responses_stored

@@ -24,4 +24,8 @@ pub struct Snapshot {
     pub cluster: Option<crate::membership::ViewSnapshot>,
     /// The stored responses (filled in by the HTTP layer).
     pub responses_store: iop_api::responses::StoreFigures,
+    /// How requests were placed by their conversation, and the prefix index's size.
+    pub affinity: iop_proto_core::edge::AffinityFigures,
+    /// The placement settings in force.
+    pub affinity_config: iop_proto_core::edge::Affinity,
 }

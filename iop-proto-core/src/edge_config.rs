@@ -76,6 +76,8 @@ pub struct ModelSpec {
     /// its provider counts as stalled: the run is cancelled and the answer continued
     /// elsewhere. `None`: never (a stream waits on, within the request's deadline).
     pub stall_timeout: Option<Duration>,
+    /// How its requests are placed; `None`: [`Routing::affinity`]'s mode.
+    pub affinity: Option<crate::edge::AffinityMode>,
 }
 
 /// Timers of the Edge's node protocol.
@@ -235,6 +237,8 @@ pub struct Routing {
     pub max_ejected_percent: u32,
     /// The longest a provider's `Retry-After` cools it down.
     pub retry_after_max: Duration,
+    /// Placing requests by their conversation ([`crate::edge::AffinityMode`]).
+    pub affinity: crate::edge::Affinity,
 }
 
 impl Default for Routing {
@@ -253,6 +257,7 @@ impl Default for Routing {
             eject_max: Duration::from_secs(60),
             max_ejected_percent: 50,
             retry_after_max: Duration::from_secs(300),
+            affinity: crate::edge::Affinity::default(),
         }
     }
 }
@@ -587,6 +592,7 @@ pub(crate) mod tests {
                 first_byte_timeout: None,
                 resume_limit: None,
                 stall_timeout: None,
+                affinity: None,
             },
         );
         cfg

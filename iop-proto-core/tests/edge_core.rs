@@ -776,6 +776,7 @@ fn a_tokenize_call_goes_only_to_a_tunnel_whose_provider_tokenizes() {
             first_byte_timeout: None,
             resume_limit: None,
             stall_timeout: None,
+            affinity: None,
         },
     );
     let mut h = Harness::with(cfg.clone());
@@ -835,6 +836,7 @@ fn a_waiting_tunnel_request_skips_a_provider_that_stopped_tunnelling() {
             first_byte_timeout: None,
             resume_limit: None,
             stall_timeout: None,
+            affinity: None,
         },
     );
     let mut h = Harness::with(cfg.clone());

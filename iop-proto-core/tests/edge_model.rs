@@ -99,6 +99,7 @@ fn world() -> EdgeConfig {
         first_byte_timeout: None,
         resume_limit: None,
         stall_timeout: None,
+        affinity: None,
     };
     cfg.models.insert(
         "m0".into(),

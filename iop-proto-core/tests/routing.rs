@@ -34,6 +34,7 @@ fn two_providers() -> EdgeConfig {
             first_byte_timeout: None,
             resume_limit: None,
             stall_timeout: None,
+            affinity: None,
         },
     );
     cfg.models.remove("solo");

@@ -213,6 +213,7 @@ pub fn translate(raw: &[u8], options: TranslateOptions) -> Result<Translated, Ap
             include_usage: true,
         }),
     };
+    let session = chat.user.as_deref().map(str::to_owned);
     let written = serde_json::to_vec(&chat).map_err(|err| invalid(err.to_string()))?;
     let prompt_tokens = crate::openai::estimate_tokens(&written);
     Ok(Translated {
@@ -223,6 +224,7 @@ pub fn translate(raw: &[u8], options: TranslateOptions) -> Result<Translated, Ap
             wants_tools,
             prompt_tokens,
             max_tokens,
+            session: session.filter(|s| !s.is_empty() && s.len() <= 256),
         },
         chat: bytes::Bytes::from(written),
         stop_sequences,

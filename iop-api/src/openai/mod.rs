@@ -38,6 +38,7 @@ mod render;
 mod request;
 
 pub use render::{Out, Responder, ResponseOptions, SSE_DONE, SSE_KEEPALIVE, parse_text_tool_calls};
+pub(crate) use request::session_of;
 pub use request::{RequestFacts, estimate_tokens, inspect};
 
 use bytes::Bytes;

@@ -23,6 +23,9 @@ pub struct RequestFacts {
     /// The most tokens it may generate (`max_completion_tokens`, else `max_tokens`), when
     /// it says (a key's tokens per minute count it at admission).
     pub max_tokens: Option<u64>,
+    /// The session the body names, for placing the request by its conversation:
+    /// `prompt_cache_key`, else `user` (the Messages API's `metadata.user_id`).
+    pub session: Option<String>,
 }
 
 /// The fields decided on, as borrowed raw JSON: no document tree is built, so a body of
@@ -47,6 +50,22 @@ struct Head<'a> {
     max_tokens: Option<&'a RawValue>,
     #[serde(borrow)]
     max_completion_tokens: Option<&'a RawValue>,
+    #[serde(borrow)]
+    prompt_cache_key: Option<&'a RawValue>,
+    #[serde(borrow)]
+    user: Option<&'a RawValue>,
+}
+
+/// The session `prompt_cache_key`, else `user`, names (a non-empty string, at most 256
+/// bytes: a longer one is not a key).
+pub(crate) fn session_of(
+    prompt_cache_key: Option<&RawValue>,
+    user: Option<&RawValue>,
+) -> Option<String> {
+    [prompt_cache_key, user].into_iter().find_map(|v| {
+        let v: String = serde_json::from_str(given(v)?.get()).ok()?;
+        (!v.is_empty() && v.len() <= 256).then_some(v)
+    })
 }
 
 /// A present, non-null field.
@@ -122,6 +141,7 @@ pub fn inspect(raw: &[u8], endpoint: Endpoint) -> Result<RequestFacts, ApiError>
         wants_tools,
         prompt_tokens: estimate_text(text),
         max_tokens,
+        session: session_of(head.prompt_cache_key, head.user),
     })
 }
 

@@ -276,6 +276,7 @@ pub fn translate(raw: &[u8], context: Option<&str>) -> Result<Translated, ApiErr
             include_usage: true,
         }),
     };
+    let session = crate::openai::session_of(body.prompt_cache_key, body.user);
     let written = serde_json::to_vec(&chat).map_err(|err| invalid(err.to_string()))?;
     let prompt_tokens = crate::openai::estimate_tokens(&written);
     Ok(Translated {
@@ -286,6 +287,7 @@ pub fn translate(raw: &[u8], context: Option<&str>) -> Result<Translated, ApiErr
             wants_tools,
             prompt_tokens,
             max_tokens,
+            session,
         },
         chat: bytes::Bytes::from(written),
         store,

@@ -166,6 +166,9 @@ pub struct HttpSettings {
     /// `responses.store_max_entries` and `store_max_bytes`: the caps of the stored
     /// responses (0 entries: none is kept).
     pub responses_store: (usize, usize),
+    /// `routing.session_header`: a request header naming the caller's session, read
+    /// before the well-known ones.
+    pub session_header: Option<http::HeaderName>,
 }
 
 /// A named client key: what logs, metrics and the dashboard call it, its secret, and
@@ -423,6 +426,7 @@ pub(super) fn http_settings(
         display_names: std::collections::BTreeMap::new(),
         keep_billing_header: false,
         responses_store: (0, 0),
+        session_header: None,
         shutdown_grace: match limits
             .shutdown_grace_sec
             .unwrap_or(DEFAULT_SHUTDOWN_GRACE_SEC)

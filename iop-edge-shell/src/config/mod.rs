@@ -273,6 +273,7 @@ impl Config {
                 (m.name.clone(), Arc::from(shown))
             })
             .collect();
+        let session_header = routing::session_header(&raw.routing)?;
         let core = EdgeConfig {
             nodes: nodes::nodes(raw.nodes, nodes_addr, &timing)?,
             models: nodes::models(raw.models)?,
@@ -315,6 +316,7 @@ impl Config {
                 store_entries,
                 usize::try_from(store_bytes).unwrap_or(usize::MAX),
             ),
+            session_header,
             ..http
         };
         let worker_threads = match raw.runtime.worker_threads {

@@ -75,6 +75,8 @@ pub(super) struct RawModel {
     /// Seconds without an event after which a stream that can be continued is (off
     /// unless set).
     pub(super) stall_timeout_sec: Option<f64>,
+    /// How its requests are placed (`routing.affinity` when left out).
+    pub(super) affinity: Option<String>,
     #[serde(default)]
     pub(super) providers: Vec<RawCandidate>,
 }
@@ -216,6 +218,11 @@ pub(super) fn models(raw: Vec<RawModel>) -> Result<BTreeMap<String, ModelSpec>, 
                         Duration::ZERO,
                     )
                 })
+                .transpose()?,
+            affinity: model
+                .affinity
+                .as_deref()
+                .map(|word| super::routing::affinity_mode(&format!("models[{i}].affinity"), word))
                 .transpose()?,
         };
         if models.insert(model.name.clone(), spec).is_some() {

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use iop_proto_core::edge::{Affinity, AffinityMode};
 use iop_proto_core::edge_config::{RetryOn, Routing};
 use iop_shell_common::config::{ConfigError, invalid};
 use serde::Deserialize;
@@ -25,6 +26,78 @@ pub(super) struct RawRouting {
     pub(super) eject_max_sec: Option<f64>,
     pub(super) max_ejected_percent: Option<u32>,
     pub(super) retry_after_max_sec: Option<u64>,
+    /// How requests are placed: `off`, `session` or `prefix`.
+    pub(super) affinity: Option<String>,
+    /// No provider above this many times the group's mean load (at least 1).
+    pub(super) load_factor: Option<f64>,
+    /// Prompt fingerprints remembered.
+    pub(super) prefix_entries: Option<usize>,
+    /// The most of a prompt its anchor spans.
+    pub(super) anchor_bytes: Option<usize>,
+    /// A request header naming the caller's session, read before the well-known ones.
+    pub(super) session_header: Option<String>,
+}
+
+/// The most prompt fingerprints `routing.prefix_entries` may ask to remember (about
+/// 20 bytes each: 640 MiB).
+const MAX_PREFIX_ENTRIES: usize = 32 << 20;
+
+/// `routing.affinity` (or a model's `affinity`).
+pub(super) fn affinity_mode(key: &str, word: &str) -> Result<AffinityMode, ConfigError> {
+    AffinityMode::parse(word).ok_or_else(|| {
+        invalid(
+            key,
+            format!("unknown affinity {word:?}; one of \"off\", \"session\", \"prefix\""),
+        )
+    })
+}
+
+fn affinity(raw: &RawRouting) -> Result<Affinity, ConfigError> {
+    let d = Affinity::default();
+    let load_factor_percent = match raw.load_factor {
+        None => d.load_factor_percent,
+        Some(f) if f.is_finite() && (1.0..=100.0).contains(&f) => (f * 100.0).round() as u32,
+        Some(_) => {
+            return Err(invalid(
+                "routing.load_factor",
+                "must be a number from 1 to 100 (the most a provider may take of the group's mean load)",
+            ));
+        }
+    };
+    let prefix_entries = raw.prefix_entries.unwrap_or(d.prefix_entries);
+    if !(1..=MAX_PREFIX_ENTRIES).contains(&prefix_entries) {
+        return Err(invalid(
+            "routing.prefix_entries",
+            format!("must be from 1 to {MAX_PREFIX_ENTRIES}"),
+        ));
+    }
+    let anchor_bytes = raw.anchor_bytes.unwrap_or(d.anchor_bytes);
+    if !(64..=1 << 20).contains(&anchor_bytes) {
+        return Err(invalid(
+            "routing.anchor_bytes",
+            "must be from 64 to 1048576",
+        ));
+    }
+    Ok(Affinity {
+        mode: match &raw.affinity {
+            None => d.mode,
+            Some(word) => affinity_mode("routing.affinity", word)?,
+        },
+        load_factor_percent,
+        prefix_entries,
+        anchor_bytes,
+    })
+}
+
+/// `routing.session_header`, checked as a header name.
+pub(super) fn session_header(raw: &RawRouting) -> Result<Option<http::HeaderName>, ConfigError> {
+    raw.session_header
+        .as_deref()
+        .map(|name| {
+            http::HeaderName::from_bytes(name.to_ascii_lowercase().as_bytes())
+                .map_err(|_| invalid("routing.session_header", "is not a header name"))
+        })
+        .transpose()
 }
 
 /// The failures `routing.retry_on` may list.
@@ -77,6 +150,7 @@ pub(super) fn positive_secs_f64(
 pub(super) fn routing(raw: RawRouting) -> Result<Routing, ConfigError> {
     let d = Routing::default();
     Ok(Routing {
+        affinity: affinity(&raw)?,
         max_attempts: raw.max_attempts.unwrap_or(d.max_attempts),
         retry_budget_percent: raw.retry_budget_percent.unwrap_or(d.retry_budget_percent),
         retry_budget_min: raw.retry_budget_min.unwrap_or(d.retry_budget_min),

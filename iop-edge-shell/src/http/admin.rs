@@ -263,6 +263,22 @@ pub(super) async fn status(state: &State) -> Response<ResBody> {
             "max_entries": store.max_entries,
             "max_bytes": store.max_bytes,
         },
+        // Placing requests by their conversation: how many went where for which reason,
+        // and what this Edge remembers of the prompts it sent (bounded by
+        // `routing.prefix_entries`).
+        "affinity": {
+            "mode": snapshot.affinity_config.mode.as_str(),
+            "load_factor": f64::from(snapshot.affinity_config.load_factor_percent) / 100.0,
+            "placed": iop_proto_core::edge::Placed::ALL
+                .iter()
+                .zip(snapshot.affinity.placed)
+                .map(|(why, n)| (why.as_str().to_owned(), json!(n)))
+                .collect::<serde_json::Map<String, serde_json::Value>>(),
+            "matched_blocks": snapshot.affinity.matched_blocks,
+            "prefix_entries": snapshot.affinity.prefix_entries,
+            "prefix_bytes": snapshot.affinity.prefix_bytes,
+            "prefix_max_entries": snapshot.affinity_config.prefix_entries,
+        },
     });
     json_response(StatusCode::OK, Bytes::from(body.to_string()))
 }

@@ -415,6 +415,7 @@ async fn handle<B: ReqBody>(
         _ => None,
     };
     let content_length = declared_length(req.headers());
+    let session_header = session_header(req.headers(), settings.session_header.as_ref());
     let memory = RequestMemory::new(state.budget.clone());
     // From here the body and everything buffered for the caller count against the budget
     // until the handler is done.
@@ -532,6 +533,9 @@ async fn handle<B: ReqBody>(
             request_id,
             timeout: settings.response_timeout,
             native,
+            session: session_header
+                .or_else(|| facts.session.clone())
+                .map(Arc::from),
         },
         events: tx,
         memory,
@@ -739,6 +743,27 @@ async fn previous_context(
 /// The longest a count waits for a provider's tokenizer before answering its estimate.
 const TOKENIZE_WAIT: Duration = Duration::from_secs(3);
 
+/// The session a request's headers name: the configured header's, else the first of
+/// [`iop_proto_core::edge::SESSION_HEADERS`] present (a non-empty value of at most
+/// [`iop_proto_core::edge::MAX_SESSION_KEY`] bytes).
+fn session_header(
+    headers: &http::HeaderMap,
+    configured: Option<&http::HeaderName>,
+) -> Option<String> {
+    let value = |name: &str| {
+        let value = headers.get(name)?.to_str().ok()?.trim();
+        (!value.is_empty() && value.len() <= iop_proto_core::edge::MAX_SESSION_KEY)
+            .then(|| value.to_owned())
+    };
+    configured
+        .and_then(|name| value(name.as_str()))
+        .or_else(|| {
+            iop_proto_core::edge::SESSION_HEADERS
+                .iter()
+                .find_map(|name| value(name))
+        })
+}
+
 /// A prompt's exact token count from one of its model's providers that tokenizes
 /// ([`iop_api::tokenize`]), dispatched through the core as any tunnel (the core picks
 /// the provider, and refuses at once when none tokenizes); `None`, and the caller's
@@ -773,6 +798,7 @@ async fn exact_count(
             request_id: request_id.clone(),
             timeout: TOKENIZE_WAIT,
             native: None,
+            session: None,
         },
         events: tx,
         memory,

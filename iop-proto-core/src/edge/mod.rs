@@ -55,6 +55,7 @@ use crate::time::Timestamp;
 use crate::timer::{TimerTable, Wake};
 use crate::wire::{Body, Envelope};
 
+mod affinity;
 mod cluster;
 mod control;
 mod health;
@@ -68,6 +69,9 @@ mod types;
 mod violation;
 
 pub use crate::lease::{Generation, RequestId, ResourceId, RunId};
+pub use affinity::{
+    Affinity, AffinityFigures, AffinityMode, MAX_SESSION_KEY, Placed, Placement, SESSION_HEADERS,
+};
 pub use health::{Ejection, Standing};
 pub use lifecycle::Lifecycle;
 pub use registry::throttled_reason;
@@ -89,6 +93,10 @@ pub struct EdgeCore {
     out: Outbox,
     now: Timestamp,
     cluster: cluster::ClusterState,
+    /// Which provider this Edge sent which prompts to, and how requests were placed.
+    prefixes: affinity::PrefixIndex,
+    placed: [u64; 4],
+    matched_blocks: u64,
 }
 
 /// What the machine hands out, in order: transmits for the transport, events for the
@@ -172,6 +180,9 @@ impl EdgeCore {
             out: Outbox::default(),
             now: Timestamp::ZERO,
             cluster: cluster::ClusterState::default(),
+            prefixes: affinity::PrefixIndex::new(config.routing.affinity.prefix_entries),
+            placed: [0; 4],
+            matched_blocks: 0,
         };
         core.install(config);
         Ok(core)

@@ -65,6 +65,12 @@ pub(super) struct ResourceMeta {
     pub(super) resumes: bool,
 }
 
+/// How long a waiter placed on a provider by its conversation lets waiters placed on
+/// another go first there.
+pub(super) const PREFER_PATIENCE: std::time::Duration = std::time::Duration::from_millis(500);
+/// How many waiters behind the oldest are looked at for one placed on the freed provider.
+pub(super) const PREFER_SCAN: usize = 16;
+
 impl ResourceMeta {
     /// Whether it can answer a call to `endpoint` as it is served now: a run answers
     /// chat only; a tunnel every OpenAI route, and tokenizes when its provider does.
@@ -159,6 +165,11 @@ impl Pool {
             Some(v) => v == "true",
             None => adapter.r#type == crate::wire::AdapterType::Vllm as i32,
         };
+    }
+
+    /// Units free at `r` (long-context ones for a `long` request).
+    pub(super) fn free(&self, r: ResourceId, long: bool) -> u32 {
+        self.ledger.free(r, long)
     }
 
     pub(super) fn usage(&self, r: ResourceId) -> crate::lease::Usage {
@@ -429,14 +440,25 @@ impl Pool {
     }
 
     /// The oldest waiter that `r`'s free capacity can serve, taken out of the queue; none
-    /// while `r` is out of the rotation.
+    /// while `r` is out of the rotation. A waiter placed on another provider by its
+    /// conversation ([`Waiter::prefer`]) that has waited less than [`PREFER_PATIENCE`]
+    /// gives way to one of the next [`PREFER_SCAN`] placed on `r`.
     pub(super) fn next_for(&mut self, now: Timestamp, r: ResourceId) -> Option<Waiter> {
         if !self.health[r.index()].pickable(now) {
             return None;
         }
         let short_free = self.ledger.free(r, false) > 0;
         let long_free = self.ledger.free(r, true) > 0;
-        let ticket = self.queue.oldest_fitting(r, short_free, long_free)?;
+        let mut ticket = self.queue.oldest_fitting(r, short_free, long_free)?;
+        // A conversation placed elsewhere that has not waited long gives way to one
+        // placed here, among the next few waiters.
+        if let Some(oldest) = self.queue.get(ticket)
+            && oldest.prefer.is_some_and(|p| p != r)
+            && now.saturating_duration_since(oldest.since) < PREFER_PATIENCE
+            && let Some(preferring) = self.queue.preferring(r, short_free, long_free, PREFER_SCAN)
+        {
+            ticket = preferring;
+        }
         self.queue.remove(ticket)
     }
 

@@ -118,6 +118,8 @@ pub(super) struct Request {
     /// What a streamed answer keeps to be continued if its run is lost after its first
     /// byte; `None` for a request that is never continued.
     resume: Option<Resume>,
+    /// What it says of its conversation, when its group places by it.
+    pub(super) placement: Option<Arc<crate::edge::Placement>>,
 }
 
 /// One dispatch: its lease, its connection and its stream.
@@ -207,6 +209,7 @@ impl Requests {
         long: bool,
         candidates: Arc<[Candidate]>,
         resume_limit: u32,
+        placement: Option<Arc<crate::edge::Placement>>,
     ) -> RequestId {
         let resume = (call.stream && call.endpoint == Endpoint::Chat && resume_limit > 0)
             .then(|| Resume::new(resume_limit));
@@ -230,6 +233,7 @@ impl Requests {
                 retrying: false,
                 attempts_before: 0,
                 resume,
+                placement,
             },
         );
         id
@@ -290,7 +294,14 @@ impl Requests {
             long: r.long,
             candidates,
             deadline,
+            prefer: None,
+            since: deadline,
         })
+    }
+
+    /// How `id` is placed by its conversation, if it is.
+    pub(super) fn placement(&self, id: RequestId) -> Option<Arc<crate::edge::Placement>> {
+        self.map.get(&id)?.placement.clone()
     }
 
     /// The next run of `id`.

@@ -64,6 +64,8 @@ use super::Lifecycle;
 use super::MAX_REFRESH_TRIES;
 use super::NodeStatus;
 use super::Outcome;
+use super::Placed;
+use super::Placement;
 use super::ProviderRouting;
 use super::RefreshFailure;
 use super::RejectReason;
@@ -479,7 +481,8 @@ impl EdgeCore {
             return Err(SubmitError::NoCandidates(submit.model.to_string()));
         }
         let name = model.name.clone();
-        let picked = self.pick(&name, &candidates, long);
+        let placement = self.placement(&name, &submit, candidates.len());
+        let picked = self.pick(&name, &candidates, long, placement.as_deref());
         let max_waiting = self.config.queue.max_waiting;
         if picked.is_none() && self.pool.waiting_for(&name) >= max_waiting {
             return Err(SubmitError::QueueFull {
@@ -501,9 +504,14 @@ impl EdgeCore {
         } else {
             0
         };
-        let request = self
-            .requests
-            .accept(submit, name, long, candidates.clone(), resume_limit);
+        let request = self.requests.accept(
+            submit,
+            name,
+            long,
+            candidates.clone(),
+            resume_limit,
+            placement,
+        );
         match picked {
             Some(candidate) => self.grant(request, &candidate),
             None => self.wait(request, candidates),
@@ -537,6 +545,13 @@ impl EdgeCore {
             &candidate.target,
         );
         self.pool.dispatched(self.now, candidate.resource, run);
+        if let Some(placement) = self
+            .requests
+            .get(request)
+            .and_then(|r| r.placement.as_deref())
+        {
+            self.prefixes.record(placement, candidate.resource);
+        }
         let deadline = self.first_byte_timeout(request);
         self.first_bytes.push(self.now, deadline, run);
     }
@@ -554,7 +569,14 @@ impl EdgeCore {
     /// `request` waits in the queue for one of `candidates`.
     fn wait(&mut self, request: RequestId, candidates: Arc<[Candidate]>) {
         let deadline = self.now + self.config.queue.wait_timeout;
-        if let Some(waiter) = self.requests.waiter(request, candidates.clone(), deadline) {
+        if let Some(mut waiter) = self.requests.waiter(request, candidates.clone(), deadline) {
+            waiter.since = self.now;
+            waiter.prefer = self.requests.get(request).and_then(|r| {
+                let placement = r.placement.as_deref()?;
+                self.order(&candidates, placement)
+                    .first()
+                    .map(|o| o.resource)
+            });
             let ticket = self.pool.wait(waiter);
             self.requests.queued(request, ticket, candidates);
         }
@@ -722,7 +744,8 @@ impl EdgeCore {
             self.requests.end_failed(&mut cx, request, nothing);
             return;
         }
-        match self.pick(&model, &candidates, long) {
+        let placement = self.requests.placement(request);
+        match self.pick(&model, &candidates, long, placement.as_deref()) {
             Some(candidate) => self.grant(request, &candidate),
             None => {
                 self.requests.retry_queued(request);
@@ -989,7 +1012,8 @@ impl EdgeCore {
         if candidates.is_empty() {
             return;
         }
-        match self.pick(&model, &candidates, long) {
+        let placement = self.requests.placement(request);
+        match self.pick(&model, &candidates, long, placement.as_deref()) {
             Some(candidate) => self.grant(request, &candidate),
             None => {
                 // Every other provider is busy: the first one free is tried beside it.
@@ -999,13 +1023,112 @@ impl EdgeCore {
         }
     }
 
-    /// `Pool::pick` among nodes heard from within their heartbeat timeout.
-    fn pick(&mut self, model: &str, candidates: &[Candidate], long: bool) -> Option<Candidate> {
+    /// A provider among `candidates` with room, on a node heard from within its
+    /// heartbeat timeout: by `placement`'s order within the load bound where the request
+    /// is placed by its conversation ([`affinity`](super::affinity)), else (and when no
+    /// provider of that order is within the bound) `Pool::pick`'s least loaded.
+    fn pick(
+        &mut self,
+        model: &str,
+        candidates: &[Candidate],
+        long: bool,
+        placement: Option<&Placement>,
+    ) -> Option<Candidate> {
+        if let Some(placement) = placement
+            && candidates.len() > 1
+        {
+            let order = self.order(candidates, placement);
+            let total: u64 = order.iter().map(|o| u64::from(o.load)).sum();
+            let live = order.len() as u64;
+            // Consistent hashing with bounded loads: no provider above `load_factor`
+            // times the mean, this request counted.
+            let factor = u64::from(self.config.routing.affinity.load_factor_percent);
+            let bound = ((total + 1) * factor).div_ceil(100 * live.max(1));
+            let anchor = placement.anchor_blocks();
+            for o in &order {
+                if u64::from(o.load) < bound && self.pool.free(o.resource, long) > 0 {
+                    let why = if placement.keyed() {
+                        Placed::Session
+                    } else if o.matched > anchor {
+                        Placed::Prefix
+                    } else {
+                        Placed::Anchor
+                    };
+                    self.placed[why.index()] += 1;
+                    self.matched_blocks += o.matched as u64;
+                    return candidates
+                        .iter()
+                        .find(|c| c.resource == o.resource)
+                        .cloned();
+                }
+            }
+            let (registry, now) = (&self.registry, self.now);
+            let timeout = self.config.timing.heartbeat_timeout;
+            let picked = self.pool.pick(now, model, candidates, long, |node| {
+                registry.heard_within(node, now, timeout)
+            });
+            if picked.is_some() {
+                self.placed[Placed::Balance.index()] += 1;
+            }
+            return picked;
+        }
         let (registry, now) = (&self.registry, self.now);
         let timeout = self.config.timing.heartbeat_timeout;
         self.pool.pick(now, model, candidates, long, |node| {
             registry.heard_within(node, now, timeout)
         })
+    }
+
+    /// `candidates` in `placement`'s order, those in the rotation on a node heard from
+    /// only: a remembered prefix reaching past the anchor first (longest first), then by
+    /// rendezvous rank (ties by configuration order).
+    fn order(&self, candidates: &[Candidate], placement: &Placement) -> Vec<Ordered> {
+        let timeout = self.config.timing.heartbeat_timeout;
+        let anchor = placement.anchor_blocks();
+        let mut order: Vec<Ordered> = candidates
+            .iter()
+            .filter(|c| self.pool.pickable(self.now, c.resource))
+            .filter_map(|c| {
+                let meta = self.pool.meta(c.resource);
+                let node = self.registry.node(meta.node);
+                if !self.registry.heard_within(meta.node, self.now, timeout) {
+                    return None;
+                }
+                let usage = self.pool.usage(c.resource);
+                let matched = self.prefixes.matched(placement, c.resource);
+                Some(Ordered {
+                    resource: c.resource,
+                    rank: placement.rank((&node.id, &meta.provider_id)),
+                    past_anchor: if matched > anchor { matched } else { 0 },
+                    matched,
+                    load: usage.in_flight + usage.held_elsewhere,
+                })
+            })
+            .collect();
+        order.sort_by(|a, b| b.past_anchor.cmp(&a.past_anchor).then(b.rank.cmp(&a.rank)));
+        order
+    }
+
+    /// How `submit` is placed, in a group of `candidates` providers: `None` by load.
+    fn placement(&self, model: &str, submit: &Submit, candidates: usize) -> Option<Arc<Placement>> {
+        if candidates < 2 {
+            return None;
+        }
+        let affinity = &self.config.routing.affinity;
+        let mode = self
+            .config
+            .models
+            .get(model)
+            .and_then(|m| m.affinity)
+            .unwrap_or(affinity.mode);
+        Placement::of(
+            mode,
+            model,
+            submit.session.as_deref(),
+            &submit.body,
+            affinity.anchor_bytes,
+        )
+        .map(Arc::new)
     }
 
     /// Serves waiters listing `resource` while it has free capacity, oldest first (none
@@ -1067,7 +1190,13 @@ impl EdgeCore {
             self.requests.end(&mut cx, request, outcome);
             return;
         }
-        if let Some(candidate) = self.pick(&waiter.model, &candidates, waiter.long) {
+        let placement = self.requests.placement(request);
+        if let Some(candidate) = self.pick(
+            &waiter.model,
+            &candidates,
+            waiter.long,
+            placement.as_deref(),
+        ) {
             self.grant(request, &candidate);
             return;
         }
@@ -1412,6 +1541,7 @@ impl EdgeCore {
 
     /// Adopts a validated configuration: nodes, resources and model groups.
     pub(super) fn install(&mut self, config: EdgeConfig) {
+        self.prefixes.resize(config.routing.affinity.prefix_entries);
         for (node, name) in self.registry.install(&config) {
             let shape = self
                 .registry
@@ -1995,4 +2125,15 @@ enum Verdict {
     /// Nothing else can answer: the caller gets what the run said (a provider's status
     /// and body, a node's refusal).
     Answered,
+}
+
+/// A candidate in a placement's order ([`EdgeCore::order`]).
+#[derive(Clone, Copy, Debug)]
+struct Ordered {
+    resource: ResourceId,
+    rank: u64,
+    /// Blocks remembered past the anchor (0 when not past it).
+    past_anchor: usize,
+    matched: usize,
+    load: u32,
 }

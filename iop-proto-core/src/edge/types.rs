@@ -709,6 +709,10 @@ pub struct Submit {
     /// a tunnel-served provider whose adapter says so is sent it (its `model` rewritten)
     /// instead of `body`, and [`RequestEvent::Dispatched`] says `native`.
     pub native: Option<NativeCall>,
+    /// The session the caller named (a header or body field the shell read, see
+    /// [`Placement`](crate::edge::Placement)): in a group placing requests by their
+    /// conversation, every request of a session goes to the same provider.
+    pub session: Option<Arc<str>>,
 }
 
 /// A call as the caller wrote it, for providers that serve its dialect themselves.
@@ -735,6 +739,7 @@ impl Submit {
             request_id: Arc::from(""),
             timeout: Duration::from_secs(60),
             native: None,
+            session: None,
         }
     }
 

@@ -62,6 +62,7 @@ pub fn config() -> EdgeConfig {
             first_byte_timeout: None,
             resume_limit: None,
             stall_timeout: None,
+            affinity: None,
         },
     );
     cfg.models.insert(
@@ -73,6 +74,7 @@ pub fn config() -> EdgeConfig {
             first_byte_timeout: None,
             resume_limit: None,
             stall_timeout: None,
+            affinity: None,
         },
     );
     cfg

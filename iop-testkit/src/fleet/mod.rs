@@ -174,6 +174,7 @@ fn edge_config(setup: &Setup) -> EdgeConfig {
             first_byte_timeout: None,
             resume_limit: None,
             stall_timeout: None,
+            affinity: None,
         },
     );
     EdgeConfig {

@@ -347,6 +347,7 @@ pub fn world_config_with(rev: u32, streams: bool) -> EdgeConfig {
             first_byte_timeout: None,
             resume_limit: None,
             stall_timeout: None,
+            affinity: None,
         },
     );
     models.insert(
@@ -358,6 +359,7 @@ pub fn world_config_with(rev: u32, streams: bool) -> EdgeConfig {
             first_byte_timeout: None,
             resume_limit: None,
             stall_timeout: None,
+            affinity: None,
         },
     );
     models.insert(
@@ -373,6 +375,7 @@ pub fn world_config_with(rev: u32, streams: bool) -> EdgeConfig {
             first_byte_timeout: None,
             resume_limit: None,
             stall_timeout: None,
+            affinity: None,
         },
     );
     EdgeConfig {

@@ -1,0 +1,534 @@
+//! Placing a request by its conversation (docs in README, "Placing a conversation"), so
+//! that the providers' prefix caches stay warm, agreed by every Edge of a cluster with
+//! nothing shared between them, and never at the cost of balance:
+//!
+//! - **What a request says** ([`Placement`], computed once at submit, tokenizer-free):
+//!   its session key when it names one (a header or a body field the shell read), else
+//!   its *anchor*: the start of its prompt up to the end of its first user message (at
+//!   most [`Affinity::anchor_bytes`]), which every turn of a conversation repeats
+//!   unchanged and which a shared prefix of that length covers; and a fingerprint of
+//!   its prompt, chained hashes of 64-byte blocks (every fourth kept).
+//! - **Rendezvous order.** Candidates are ranked by a hash of the key (session, else
+//!   anchor) and the provider's name (node and adapter, the same on every Edge), so every
+//!   Edge ranks them alike without talking to the others.
+//! - **Prefix match.** Each Edge remembers which provider it sent which fingerprints to
+//!   ([`PrefixIndex`], bounded); a provider whose remembered prefix of the request reaches
+//!   past its anchor (a conversation that went on on this Edge, a shared prefix longer
+//!   than the anchor) goes first, longest match first, rendezvous order on ties.
+//! - **Bounded load.** The first provider in that order with room whose load (requests in
+//!   flight there, from this Edge and as its node reports from others) stays within
+//!   `load_factor` times the group's mean, counting this request, takes it (consistent
+//!   hashing with bounded loads); with none, the least loaded by the usual pick.
+
+use std::collections::HashSet;
+use std::hash::{BuildHasher, RandomState};
+
+use foldhash::fast::FixedState;
+
+use crate::lease::ResourceId;
+
+/// How a model group places requests (`[routing] affinity`, per model `affinity`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AffinityMode {
+    /// By load alone (the least loaded, weighted by first-byte latency).
+    #[default]
+    Off,
+    /// A request naming its session by rendezvous hashing with bounded load; others by
+    /// load.
+    Session,
+    /// Sessions as above; every other request by its anchor and its prefix match.
+    Prefix,
+}
+
+impl AffinityMode {
+    /// Its configuration word.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AffinityMode::Off => "off",
+            AffinityMode::Session => "session",
+            AffinityMode::Prefix => "prefix",
+        }
+    }
+
+    /// The mode `word` names.
+    #[must_use]
+    pub fn parse(word: &str) -> Option<Self> {
+        Some(match word {
+            "off" => AffinityMode::Off,
+            "session" => AffinityMode::Session,
+            "prefix" => AffinityMode::Prefix,
+            _ => return None,
+        })
+    }
+}
+
+/// The placement settings (`[routing]`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Affinity {
+    /// The mode of model groups that do not set their own.
+    pub mode: AffinityMode,
+    /// No provider takes a placed request above this share (percent) of the group's mean
+    /// load, counting the request (`load_factor` 1.25: 125).
+    pub load_factor_percent: u32,
+    /// Fingerprints remembered per Edge (each one provider's block): the memory bound of
+    /// the prefix index (about 20 bytes each).
+    pub prefix_entries: usize,
+    /// The most of a prompt its anchor spans.
+    pub anchor_bytes: usize,
+}
+
+impl Default for Affinity {
+    fn default() -> Self {
+        Affinity {
+            mode: AffinityMode::Off,
+            load_factor_percent: 125,
+            prefix_entries: 1 << 20,
+            anchor_bytes: 2048,
+        }
+    }
+}
+
+/// Request headers that name a caller's session, in the order they are read (after
+/// `routing.session_header`): Claude Code's, and Codex's (both spellings).
+pub const SESSION_HEADERS: [&str; 3] = ["x-claude-code-session-id", "session_id", "session-id"];
+
+/// The longest session key used; a longer one is not a key (hashed as it is otherwise).
+pub const MAX_SESSION_KEY: usize = 256;
+
+/// Bytes per block of a prompt's fingerprint (matched blocks count these).
+pub(super) const BLOCK: usize = 64;
+/// One block's chained hash in this many is kept.
+const STRIDE: usize = 4;
+/// Most blocks of a prompt read (256 KiB).
+const MAX_BLOCKS: usize = 4096;
+
+/// Why a request went where it went.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placed {
+    /// By its session key.
+    Session,
+    /// By a remembered prefix reaching past its anchor.
+    Prefix,
+    /// By its anchor.
+    Anchor,
+    /// Every provider of its order was over the load bound or full: the least loaded.
+    Balance,
+}
+
+impl Placed {
+    /// Its metric label.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Placed::Session => "session",
+            Placed::Prefix => "prefix",
+            Placed::Anchor => "anchor",
+            Placed::Balance => "balance",
+        }
+    }
+
+    pub(super) fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// What a request says of its conversation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Placement {
+    /// The rendezvous key: the session key's hash, or the anchor's.
+    key: u64,
+    /// It came from a session key.
+    keyed: bool,
+    /// The prompt's fingerprint: the chained hash of every [`STRIDE`]th block.
+    chain: Box<[u64]>,
+    /// Entries of `chain` the anchor covers.
+    anchor: usize,
+}
+
+/// The fixed hasher of keys and fingerprints: the same on every Edge.
+fn fixed(seed: u64) -> FixedState {
+    FixedState::with_seed(seed)
+}
+
+impl Placement {
+    /// What `body` (a chat completion or completion request for `model`) says of its
+    /// conversation, with `session` the key the caller named, if any; `None` when
+    /// `mode` places by load, or places by session and there is none.
+    #[must_use]
+    pub fn of(
+        mode: AffinityMode,
+        model: &str,
+        session: Option<&str>,
+        body: &[u8],
+        anchor_bytes: usize,
+    ) -> Option<Placement> {
+        let seed = fixed(0x10_9e_37).hash_one(model);
+        let chain = || -> (Box<[u64]>, usize, u64) {
+            let prompt = prompt(body);
+            let anchor = anchor_end(prompt, anchor_bytes);
+            let hasher = fixed(seed);
+            let mut chain = Vec::with_capacity((prompt.len() / BLOCK).min(MAX_BLOCKS) / STRIDE);
+            let mut h = seed;
+            for (i, block) in prompt.chunks_exact(BLOCK).take(MAX_BLOCKS).enumerate() {
+                h = hasher.hash_one((h, block));
+                if (i + 1) % STRIDE == 0 {
+                    chain.push(h);
+                }
+            }
+            let key = hasher.hash_one(&prompt[..anchor]);
+            (chain.into(), anchor / (BLOCK * STRIDE), key)
+        };
+        match (mode, session) {
+            (AffinityMode::Off, _) | (AffinityMode::Session, None) => None,
+            (AffinityMode::Session, Some(session)) => Some(Placement {
+                key: fixed(seed).hash_one(session),
+                keyed: true,
+                chain: Box::new([]),
+                anchor: 0,
+            }),
+            (AffinityMode::Prefix, session) => {
+                let (chain, anchor, key) = chain();
+                Some(match session {
+                    Some(session) => Placement {
+                        key: fixed(seed).hash_one(session),
+                        keyed: true,
+                        chain,
+                        anchor,
+                    },
+                    None => Placement {
+                        key,
+                        keyed: false,
+                        chain,
+                        anchor,
+                    },
+                })
+            }
+        }
+    }
+
+    /// Whether it came from a session key.
+    #[must_use]
+    pub fn keyed(&self) -> bool {
+        self.keyed
+    }
+
+    /// The rendezvous rank of the provider named `name` (`node/adapter`) for it: higher
+    /// goes first.
+    #[must_use]
+    pub fn rank(&self, name: (&str, &str)) -> u64 {
+        fixed(self.key).hash_one(name)
+    }
+
+    /// Blocks of its prompt the fingerprint spans.
+    #[must_use]
+    pub fn blocks(&self) -> usize {
+        self.chain.len() * STRIDE
+    }
+
+    /// Blocks its anchor spans (rounded down to a kept block).
+    #[must_use]
+    pub fn anchor_blocks(&self) -> usize {
+        self.anchor * STRIDE
+    }
+}
+
+/// Where the prompt starts in `body`: at its `messages` (chat) or `prompt` (completions)
+/// value, or the whole body. The members before it (a model name, settings) are the
+/// same for every turn of a conversation or not part of the prompt.
+fn prompt(body: &[u8]) -> &[u8] {
+    for key in [&b"\"messages\""[..], b"\"prompt\""] {
+        if let Some(at) = find(body, key) {
+            return &body[at + key.len()..];
+        }
+    }
+    body
+}
+
+/// The first place `needle` is in `hay`.
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    let first = *needle.first()?;
+    let mut from = 0;
+    while let Some(at) = hay.get(from..)?.iter().position(|&b| b == first) {
+        let at = from + at;
+        if hay.get(at..at + needle.len()) == Some(needle) {
+            return Some(at);
+        }
+        from = at + 1;
+    }
+    None
+}
+
+/// `at` moved past JSON whitespace in `text`.
+fn skip_ws(text: &[u8], mut at: usize) -> usize {
+    while text.get(at).is_some_and(u8::is_ascii_whitespace) {
+        at += 1;
+    }
+    at
+}
+
+/// Where the anchor of `prompt` ends: after the text of its first user message, at most
+/// `max` bytes in. The skim reads only that far; a prompt written another way (content
+/// before role, content in parts) is anchored at `max`.
+fn anchor_end(prompt: &[u8], max: usize) -> usize {
+    let window = &prompt[..prompt.len().min(max)];
+    let mut from = 0;
+    while let Some(at) = window.get(from..).and_then(|w| find(w, b"\"role\"")) {
+        let at = from + at + 6;
+        from = at;
+        let colon = skip_ws(window, at);
+        if window.get(colon) != Some(&b':') {
+            continue;
+        }
+        let value = skip_ws(window, colon + 1);
+        if window.get(value..value + 6) != Some(b"\"user\"") {
+            continue;
+        }
+        let Some(content) = window.get(value..).and_then(|w| find(w, b"\"content\"")) else {
+            return window.len();
+        };
+        let colon = skip_ws(window, value + content + 9);
+        if window.get(colon) != Some(&b':') {
+            return window.len();
+        }
+        let text = skip_ws(window, colon + 1);
+        if window.get(text) != Some(&b'"') {
+            return window.len();
+        }
+        // The string's end: its first quote not escaped.
+        let mut i = text + 1;
+        while let Some(&b) = window.get(i) {
+            match b {
+                b'\\' => i += 2,
+                b'"' => return i + 1,
+                _ => i += 1,
+            }
+        }
+        return window.len();
+    }
+    window.len()
+}
+
+/// Which provider this Edge sent which prompt fingerprints to: a bounded set of
+/// `(fingerprint, provider)` entries in two generations (the newest half and the one
+/// before), so the least recently sent are forgotten first. Lookups assume a provider
+/// that has a prompt's block has the blocks before it (they are sent together), and
+/// search for the longest such prefix.
+#[derive(Debug)]
+pub(super) struct PrefixIndex {
+    /// Hashed with a per-process key: prompts are callers' text.
+    current: HashSet<u64, RandomState>,
+    previous: HashSet<u64, RandomState>,
+    per_generation: usize,
+}
+
+impl PrefixIndex {
+    pub(super) fn new(entries: usize) -> Self {
+        PrefixIndex {
+            current: HashSet::default(),
+            previous: HashSet::default(),
+            per_generation: (entries / 2).max(1),
+        }
+    }
+
+    /// The bound changed (a configuration).
+    pub(super) fn resize(&mut self, entries: usize) {
+        self.per_generation = (entries / 2).max(1);
+        if self.current.len() >= self.per_generation {
+            self.previous = std::mem::take(&mut self.current);
+            if self.previous.len() > self.per_generation {
+                self.previous.clear();
+            }
+        }
+    }
+
+    fn entry(fingerprint: u64, r: ResourceId) -> u64 {
+        fingerprint ^ (r.index() as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+    }
+
+    fn has(&self, entry: u64) -> bool {
+        self.current.contains(&entry) || self.previous.contains(&entry)
+    }
+
+    /// Blocks of `placement`'s prompt that `r` was sent last (a prefix).
+    pub(super) fn matched(&self, placement: &Placement, r: ResourceId) -> usize {
+        let chain = &placement.chain;
+        // The longest prefix whose last kept block `r` has: a binary search.
+        let (mut lo, mut hi) = (0, chain.len());
+        while lo < hi {
+            let mid = lo + (hi - lo).div_ceil(2);
+            if self.has(Self::entry(chain[mid - 1], r)) {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        lo * STRIDE
+    }
+
+    /// `placement`'s prompt was sent to `r`.
+    pub(super) fn record(&mut self, placement: &Placement, r: ResourceId) {
+        for &fingerprint in placement.chain.iter() {
+            if self.current.len() >= self.per_generation {
+                self.previous = std::mem::take(&mut self.current);
+            }
+            self.current.insert(Self::entry(fingerprint, r));
+        }
+    }
+
+    /// Entries held, and about the bytes they take.
+    pub(super) fn size(&self) -> (usize, usize) {
+        let slots = self.current.capacity() + self.previous.capacity();
+        (
+            self.current.len() + self.previous.len(),
+            slots * (std::mem::size_of::<u64>() + 1),
+        )
+    }
+}
+
+/// How this Edge placed requests by their conversation, and what it remembers to.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AffinityFigures {
+    /// Requests placed, by why ([`Placed`]), in the order of [`Placed::ALL`].
+    pub placed: [u64; 4],
+    /// Blocks of prompts ([`BLOCK`] bytes each) a placed request's provider was
+    /// remembered to have, summed.
+    pub matched_blocks: u64,
+    /// Prefix fingerprints remembered (each one provider's block).
+    pub prefix_entries: usize,
+    /// About the bytes they take.
+    pub prefix_bytes: usize,
+}
+
+impl Placed {
+    /// Every reason, in [`AffinityFigures::placed`]'s order.
+    pub const ALL: [Placed; 4] = [
+        Placed::Session,
+        Placed::Prefix,
+        Placed::Anchor,
+        Placed::Balance,
+    ];
+}
+
+impl super::EdgeCore {
+    /// How requests were placed by their conversation so far, and the prefix index's
+    /// size.
+    #[must_use]
+    pub fn affinity_figures(&self) -> AffinityFigures {
+        let (prefix_entries, prefix_bytes) = self.prefixes.size();
+        AffinityFigures {
+            placed: self.placed,
+            matched_blocks: self.matched_blocks,
+            prefix_entries,
+            prefix_bytes,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(messages: &str) -> Vec<u8> {
+        format!(r#"{{"model":"m","stream":true,"messages":[{messages}],"max_tokens":64}}"#)
+            .into_bytes()
+    }
+
+    fn place(body: &[u8], session: Option<&str>) -> Placement {
+        Placement::of(AffinityMode::Prefix, "m", session, body, 2048).expect("placed")
+    }
+
+    #[test]
+    fn every_turn_of_a_conversation_has_its_first_turns_anchor() {
+        let system = r#"{"role":"system","content":"You are terse."}"#;
+        let first = format!(r#"{system},{{"role":"user","content":"Plan a \"trip\" to Rome"}}"#);
+        let second = format!(
+            r#"{first},{{"role":"assistant","content":"Day one: the Forum."}},{{"role":"user","content":"And day two?"}}"#
+        );
+        let other = format!(r#"{system},{{"role": "user", "content": "Plan a trip to Oslo"}}"#);
+        let (a, b, c) = (
+            place(&chat(&first), None),
+            place(&chat(&second), None),
+            place(&chat(&other), None),
+        );
+        assert_eq!(a.key, b.key, "the anchor ends after the first user message");
+        assert_ne!(a.key, c.key, "another conversation");
+        assert!(!a.keyed());
+        // A session key wins over the anchor, and is the same whatever the prompt.
+        let keyed = place(&chat(&second), Some("s-1"));
+        assert!(keyed.keyed());
+        assert_eq!(keyed.key, place(&chat(&other), Some("s-1")).key);
+        // Session mode places only keyed requests; off places nothing.
+        assert!(Placement::of(AffinityMode::Session, "m", None, &chat(&first), 2048).is_none());
+        assert!(Placement::of(AffinityMode::Off, "m", Some("s"), &chat(&first), 2048).is_none());
+        // Another model, another key.
+        let there = Placement::of(AffinityMode::Prefix, "n", None, &chat(&first), 2048).unwrap();
+        assert_ne!(there.key, a.key);
+    }
+
+    #[test]
+    fn a_long_first_message_is_anchored_at_the_bound() {
+        let shared = "x".repeat(4096);
+        let one = chat(&format!(
+            r#"{{"role":"user","content":"{shared} first question"}}"#
+        ));
+        let two = chat(&format!(
+            r#"{{"role":"user","content":"{shared} another one"}}"#
+        ));
+        let (a, b) = (place(&one, None), place(&two, None));
+        assert_eq!(a.key, b.key, "both anchored inside the shared prefix");
+        assert_eq!(a.anchor_blocks(), 2048 / BLOCK);
+        assert!(a.blocks() >= 4096 / BLOCK);
+        // Unterminated or odd JSON is anchored at the bound, never read past it.
+        assert_eq!(anchor_end(br#"[{"role":"user","content":"abc"#, 10), 10);
+        assert_eq!(
+            anchor_end(br#"[{"role":"user","content":"a\"b"}]"#, 100),
+            32
+        );
+        assert_eq!(anchor_end(b"", 100), 0);
+    }
+
+    #[test]
+    fn the_index_finds_the_longest_prefix_each_provider_was_sent() {
+        let (p, q) = (ResourceId(0), ResourceId(1));
+        let mut index = PrefixIndex::new(1 << 16);
+        let base = "{\"role\":\"user\",\"content\":\"".to_owned() + &"y".repeat(3000) + "\"}";
+        let short = place(&chat(&base), None);
+        let long = place(
+            &chat(&format!(
+                r#"{base},{{"role":"assistant","content":"{}"}}"#,
+                "z".repeat(2000)
+            )),
+            None,
+        );
+        assert_eq!(index.matched(&long, p), 0);
+        index.record(&short, p);
+        index.record(&long, q);
+        let on_p = index.matched(&long, p);
+        assert!(on_p > 0 && on_p <= short.blocks(), "{on_p}");
+        assert_eq!(index.matched(&long, q), long.blocks());
+        // Bounded: the oldest generation goes.
+        let mut small = PrefixIndex::new(8);
+        small.record(&long, p);
+        assert!(small.size().0 <= 8);
+        assert_eq!(small.matched(&short, p), 0, "forgotten");
+    }
+
+    #[test]
+    fn ranks_are_the_same_for_every_edge_and_spread() {
+        let a = place(&chat(r#"{"role":"user","content":"hi"}"#), Some("k"));
+        let b = place(&chat(r#"{"role":"user","content":"hi"}"#), Some("k"));
+        assert_eq!(a.rank(("n1", "api")), b.rank(("n1", "api")));
+        let mut firsts = [0u32; 4];
+        for s in 0..4000 {
+            let p = place(b"{}", Some(&s.to_string()));
+            let best = (0..4)
+                .max_by_key(|i| p.rank((&format!("n{i}"), "api")))
+                .unwrap();
+            firsts[best] += 1;
+        }
+        for n in firsts {
+            assert!((850..1150).contains(&n), "{firsts:?}");
+        }
+    }
+}
