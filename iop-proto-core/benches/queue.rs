@@ -103,8 +103,6 @@ impl Indexed {
             long: false,
             candidates,
             deadline: Timestamp::from_millis(self.next_id),
-            prefer: None,
-            since: Timestamp::ZERO,
         });
         self.next_id += 1;
     }

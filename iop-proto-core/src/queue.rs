@@ -52,11 +52,6 @@ pub struct Waiter {
     pub candidates: Arc<[Candidate]>,
     /// When it gives up.
     pub deadline: Timestamp,
-    /// The provider its conversation is placed on, if it is: a unit freed there serves
-    /// it before older waiters that prefer another, for a while ([`WaitQueue::preferring`]).
-    pub prefer: Option<ResourceId>,
-    /// When it began to wait.
-    pub since: Timestamp,
 }
 
 /// A waiter's place in the queue. Tickets order by arrival (the FIFO order); a ticket
@@ -406,33 +401,6 @@ impl WaitQueue {
         }
     }
 
-    /// Among the first `scan` live waiters listing `resource` that fit what is free there
-    /// (as [`Self::oldest_fitting`]), the oldest that prefers it.
-    pub fn preferring(
-        &self,
-        resource: ResourceId,
-        short_free: bool,
-        long_free: bool,
-        scan: usize,
-    ) -> Option<Ticket> {
-        let lanes = self.lanes.get(resource.index())?;
-        let mut best: Option<Ticket> = None;
-        for (lane, free) in [(&lanes.short, short_free), (&lanes.long, long_free)] {
-            if !free {
-                continue;
-            }
-            let found = lane
-                .iter()
-                .filter(|t| self.live.contains(t.seq))
-                .take(scan)
-                .find(|&&t| self.get(t).is_some_and(|w| w.prefer == Some(resource)));
-            if let Some(&t) = found {
-                best = Some(best.map_or(t, |b| b.min(t)));
-            }
-        }
-        best
-    }
-
     /// `(queued, long_queued)` for `resource`: unique waiters listing it as a candidate.
     #[must_use]
     pub fn queued_at(&self, resource: ResourceId) -> (usize, usize) {
@@ -488,8 +456,6 @@ mod tests {
             long,
             candidates: candidates(resources),
             deadline: Timestamp::from_millis(deadline),
-            prefer: None,
-            since: Timestamp::ZERO,
         }
     }
 

@@ -138,19 +138,11 @@ fn turns_of_a_conversation_follow_its_anchor_and_a_shared_prefix_its_provider() 
 
 #[test]
 fn one_prefix_at_once_is_spread_within_the_load_bound() {
-    // Room for all: 64 requests with one prompt on 4 providers, load factor 1.25:
-    // none above ceil(1.25 * 64 / 4) = 20.
-    let mut h = edge(64, AffinityMode::Prefix);
+    // 64 requests with one prompt on 4 providers of 8 slots: a provider takes them while
+    // it has room, then the next; once the load passes a provider's capacity, the bound
+    // (1.25 x the mean) decides which provider each waits for.
+    let mut h = edge(8, AffinityMode::Prefix);
     let body = chat(r#"{"role":"user","content":"the same question"}"#);
-    let mut per = BTreeMap::<String, u32>::new();
-    for _ in 0..64 {
-        *per.entry(place(&mut h, body.clone(), None).expect("room"))
-            .or_default() += 1;
-    }
-    assert!(per.values().all(|&n| n <= 20), "{per:?}");
-    assert_eq!(per.values().sum::<u32>(), 64);
-    // Four slots each: the first sixteen fill every provider, the rest wait.
-    let mut h = edge(4, AffinityMode::Prefix);
     let mut per = BTreeMap::<String, u32>::new();
     let mut waiting = 0;
     for _ in 0..64 {
@@ -159,8 +151,11 @@ fn one_prefix_at_once_is_spread_within_the_load_bound() {
             None => waiting += 1,
         }
     }
-    assert_eq!(per.values().copied().collect::<Vec<_>>(), vec![4, 4, 4, 4]);
-    assert_eq!(waiting, 48);
+    assert_eq!(per.len(), 4, "every provider took some: {per:?}");
+    assert!(per.values().all(|&n| n <= 8), "{per:?}");
+    assert_eq!(per.values().sum::<u32>() + waiting, 64);
+    let figures = h.edge.affinity_figures();
+    assert_eq!(figures.placed.iter().sum::<u64>(), 64, "{figures:?}");
 }
 
 #[test]
@@ -223,4 +218,58 @@ fn a_freed_provider_serves_a_waiter_placed_on_it_first() {
     assert_eq!(next[0].node_id, freed.node_id);
     // The waiter placed here went first: it is the newer request.
     assert!(next[0].run.request.0 > holders[3].run.request.0 + 1);
+}
+
+/// A session key whose first choice among n0..n3 is `n{node}`, and not `taken`.
+fn key_on(node: usize, taken: &[String]) -> String {
+    (0..1000)
+        .map(|s| format!("k-{s}"))
+        .find(|k| {
+            let p = Placement::of(AffinityMode::Session, "m", Some(k), b"{}", 2048).unwrap();
+            !taken.contains(k)
+                && (0..4)
+                    .max_by_key(|n| p.rank((&format!("n{n}"), "a")))
+                    .is_some_and(|n| n == node)
+        })
+        .expect("a key placed there")
+}
+
+#[test]
+fn a_request_waits_for_its_full_provider_at_most_the_affinity_wait() {
+    let mut h = edge(1, AffinityMode::Session);
+    let mut holders = Vec::new();
+    let mut keys = Vec::new();
+    for n in 0..4 {
+        let key = key_on(n, &keys);
+        keys.push(key.clone());
+        let mut submit = Submit::chat("m", chat(r#"{"role":"user","content":"x"}"#));
+        submit.session = Some(key.as_str().into());
+        h.edge.handle_submit(h.now, submit).expect("accepted");
+        holders.extend(grants(&h.events()));
+    }
+    assert_eq!(holders.len(), 4, "{holders:?}");
+    // A session placed on n0 while n0 is full: it waits for n0, not for the first free.
+    let key = key_on(0, &keys);
+    let mut submit = Submit::chat("m", chat(r#"{"role":"user","content":"y"}"#));
+    submit.session = Some(key.as_str().into());
+    let waiting = h.edge.handle_submit(h.now, submit).expect("queued");
+    assert!(grants(&h.events()).is_empty());
+    // n1 frees: the request keeps waiting for n0.
+    let on_n1 = holders
+        .iter()
+        .find(|g| &*g.node_id == "n1")
+        .expect("n1 busy")
+        .clone();
+    let run_id = h.dispatch(&on_n1);
+    h.run_event(ConnId(2), &run_id, RunEventType::Start, 1);
+    h.run_event(ConnId(2), &run_id, RunEventType::Complete, 2);
+    assert!(
+        grants(&h.events()).is_empty(),
+        "n1 does not take a request placed on n0"
+    );
+    // Past the affinity wait (3 s), any provider may: n1 takes it.
+    h.at(3_001);
+    let next = grants(&h.events());
+    assert_eq!(next.len(), 1, "{next:?}");
+    assert_eq!((next[0].request, &*next[0].node_id), (waiting, "n1"));
 }

@@ -812,8 +812,6 @@ pub fn lease_queue(data: &[u8]) {
                 let long = extra & 0x80 != 0;
                 let deadline = Timestamp::from_millis(u64::from(input.u16() % 512));
                 let ticket = queue.push(Waiter {
-                    prefer: None,
-                    since: iop_proto_core::time::Timestamp::ZERO,
                     request: RequestId(next),
                     model: "m".into(),
                     long,

@@ -4,6 +4,7 @@
 pub mod client;
 pub mod fake;
 pub mod fleet;
+pub mod kvfake;
 pub mod procfs;
 pub mod rogue;
 

@@ -315,12 +315,24 @@ impl Fabric {
         fakes: Vec<Fake>,
         capacity: u32,
     ) -> Fabric {
+        Self::start_with(rt, edges, fakes, capacity, "")
+    }
+
+    /// [`Fabric::start`] with `extra` after the model `chat`'s providers (its settings,
+    /// or more models).
+    fn start_with(
+        rt: &tokio::runtime::Runtime,
+        edges: usize,
+        fakes: Vec<Fake>,
+        capacity: u32,
+        extra: &str,
+    ) -> Fabric {
         let dir = TempDir::new("etcd-cluster");
         let fingerprint = gen_cert(&dir, "edge-cert", &["localhost", "127.0.0.1"], &[]);
         let (etcd, etcd_port) = start_etcd(&dir);
         let relay = rt.block_on(Relay::start(etcd_port));
         let prefix = format!("/iop-test-{}", free_port());
-        let body = shared_body(&fakes, capacity, "");
+        let body = shared_body(&fakes, capacity, extra);
         let mut list = Vec::new();
         for (i, id) in ["edge-a", "edge-b", "edge-c"]
             .iter()
@@ -1284,4 +1296,123 @@ fn an_etcd_stopped_for_three_lease_times_under_load_loses_no_request() {
         );
     }
     drop(nodes);
+}
+
+/// Issue 74: three Edges of a cluster, four providers of four slots, models placed by
+/// their conversation. Sessions named by a header, and conversations without a key,
+/// each turn sent to the next Edge in turn: every Edge picks the same provider for a
+/// conversation without asking the others (rendezvous ranks of its key or anchor), within
+/// the load bound.
+#[test]
+fn three_edges_send_each_conversation_to_one_provider() {
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let fakes: Vec<Fake> = (0..4)
+        .map(|_| {
+            rt.block_on(fake::start(
+                Flavor::OpenAi,
+                Behaviour {
+                    words: 4,
+                    delay: Duration::from_millis(1),
+                    ..Behaviour::default()
+                },
+            ))
+        })
+        .collect();
+    let fabric = Fabric::start_with(&rt, 3, fakes, 4, "affinity = \"prefix\"\n");
+    let _nodes: Vec<Proc> = (0..4)
+        .map(|i| {
+            start_node(
+                &fabric.dir,
+                &format!("n{}", i + 1),
+                &fabric.edges[i % 3],
+                &fabric.fingerprint,
+                "affinity",
+            )
+        })
+        .collect();
+    fabric.await_ready(&["n1", "n2", "n3", "n4"], Duration::from_secs(15));
+    let ports: Vec<u16> = fabric.edges.iter().map(|e| e.http).collect();
+    let system = "You are a careful travel planner. ".repeat(20);
+    let conversation = |c: usize, keyed: bool| {
+        let ports = ports.clone();
+        let system = system.clone();
+        async move {
+            let mut messages = vec![json!({"role": "system", "content": system})];
+            for turn in 0..4 {
+                messages.push(json!({"role": "user", "content": format!("{keyed} conversation {c} turn {turn}: and then?")}));
+                let mut http = Http::new(ports[(c + turn) % ports.len()]);
+                if keyed {
+                    http = http.with_header("x-claude-code-session-id", &format!("session-{c}"));
+                }
+                let body = json!({"model": "chat", "messages": messages});
+                let r = http.post("/v1/chat/completions", &body).await;
+                assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+                let text = r.json()["choices"][0]["message"]["content"]
+                    .as_str()
+                    .unwrap_or("")
+                    .to_owned();
+                messages.push(json!({"role": "assistant", "content": text}));
+            }
+        }
+    };
+    rt.block_on(async {
+        // Eight conversations at once: the fleet half busy.
+        for batch in 0..10 {
+            let mut tasks = Vec::new();
+            for c in batch * 8..(batch + 1) * 8 {
+                tasks.push(tokio::spawn(conversation(c, c % 2 == 0)));
+            }
+            for task in tasks {
+                task.await.expect("conversation");
+            }
+        }
+    });
+    // Which provider answered each turn: the fake that got its last user message.
+    let mut served: std::collections::BTreeMap<(bool, usize), Vec<usize>> = Default::default();
+    for (i, fake) in fabric.fakes.iter().enumerate() {
+        for request in fake.state.requests() {
+            let body: Value = serde_json::from_slice(&request.body).unwrap_or_default();
+            let Some(last) = body["messages"].as_array().and_then(|m| m.last()) else {
+                continue;
+            };
+            let text = last["content"].as_str().unwrap_or("");
+            let mut words = text.split(' ');
+            let (Some(keyed), Some(_), Some(c)) = (words.next(), words.next(), words.next()) else {
+                continue;
+            };
+            let (Ok(keyed), Ok(c)) = (keyed.parse::<bool>(), c.parse::<usize>()) else {
+                continue;
+            };
+            served.entry((keyed, c)).or_default().push(i);
+        }
+    }
+    let mut same = [0usize; 2];
+    let mut all = [0usize; 2];
+    for ((keyed, _), providers) in &served {
+        let mut counts = [0usize; 4];
+        for &p in providers {
+            counts[p] += 1;
+        }
+        let k = usize::from(*keyed);
+        same[k] += counts.iter().max().copied().unwrap_or(0);
+        all[k] += providers.len();
+    }
+    let per_provider: Vec<usize> = fabric
+        .fakes
+        .iter()
+        .map(|f| f.state.requests().len())
+        .collect();
+    eprintln!(
+        "three Edges: keyed {}/{} turns on their session's provider, keyless {}/{}; per provider {per_provider:?}",
+        same[1], all[1], same[0], all[0]
+    );
+    assert_eq!(all, [160, 160], "every turn answered once: {served:?}");
+    assert!(same[1] * 100 >= all[1] * 99, "keyed: {same:?} of {all:?}");
+    assert!(same[0] * 100 >= all[0] * 95, "keyless: {same:?} of {all:?}");
+    let status = fabric.edges[0].status();
+    assert!(
+        status["affinity"]["placed"]["session"].as_u64() > Some(0),
+        "{}",
+        status["affinity"]
+    );
 }

@@ -36,6 +36,8 @@ pub(super) struct RawRouting {
     pub(super) anchor_bytes: Option<usize>,
     /// A request header naming the caller's session, read before the well-known ones.
     pub(super) session_header: Option<String>,
+    /// How long a request placed on a full provider waits for it (milliseconds).
+    pub(super) affinity_wait_ms: Option<u64>,
 }
 
 /// The most prompt fingerprints `routing.prefix_entries` may ask to remember (about
@@ -78,7 +80,18 @@ fn affinity(raw: &RawRouting) -> Result<Affinity, ConfigError> {
             "must be from 64 to 1048576",
         ));
     }
+    let wait = match raw.affinity_wait_ms {
+        None => d.wait,
+        Some(ms @ 0..=600_000) => std::time::Duration::from_millis(ms),
+        Some(_) => {
+            return Err(invalid(
+                "routing.affinity_wait_ms",
+                "must be at most 600000 (ten minutes)",
+            ));
+        }
+    };
     Ok(Affinity {
+        wait,
         mode: match &raw.affinity {
             None => d.mode,
             Some(word) => affinity_mode("routing.affinity", word)?,

@@ -5,9 +5,10 @@
 //! - **What a request says** ([`Placement`], computed once at submit, tokenizer-free):
 //!   its session key when it names one (a header or a body field the shell read), else
 //!   its *anchor*: the start of its prompt up to the end of its first user message (at
-//!   most [`Affinity::anchor_bytes`]), which every turn of a conversation repeats
-//!   unchanged and which a shared prefix of that length covers; and a fingerprint of
-//!   its prompt, chained hashes of 64-byte blocks (every fourth kept).
+//!   most [`Affinity::anchor_bytes`] of that message), which every turn of a
+//!   conversation repeats unchanged and which a prefix shared at the start of a first
+//!   message covers; and a fingerprint of its prompt, chained hashes of 64-byte blocks
+//!   (every fourth kept).
 //! - **Rendezvous order.** Candidates are ranked by a hash of the key (session, else
 //!   anchor) and the provider's name (node and adapter, the same on every Edge), so every
 //!   Edge ranks them alike without talking to the others.
@@ -15,10 +16,12 @@
 //!   ([`PrefixIndex`], bounded); a provider whose remembered prefix of the request reaches
 //!   past its anchor (a conversation that went on on this Edge, a shared prefix longer
 //!   than the anchor) goes first, longest match first, rendezvous order on ties.
-//! - **Bounded load.** The first provider in that order with room whose load (requests in
-//!   flight there, from this Edge and as its node reports from others) stays within
-//!   `load_factor` times the group's mean, counting this request, takes it (consistent
-//!   hashing with bounded loads); with none, the least loaded by the usual pick.
+//! - **Bounded load.** The first provider in that order whose load (requests in flight
+//!   there, from this Edge and as its node reports from others, and waiting for it)
+//!   stays within `load_factor` times the group's mean, counting this request, takes it
+//!   (consistent hashing with bounded loads): at once when it has room, else the request
+//!   waits for it, at most [`Affinity::wait`], then for any provider. With none within
+//!   the bound, the least loaded by the usual pick.
 
 use std::collections::HashSet;
 use std::hash::{BuildHasher, RandomState};
@@ -74,8 +77,11 @@ pub struct Affinity {
     /// Fingerprints remembered per Edge (each one provider's block): the memory bound of
     /// the prefix index (about 20 bytes each).
     pub prefix_entries: usize,
-    /// The most of a prompt its anchor spans.
+    /// The most of a prompt's first user message its anchor spans.
     pub anchor_bytes: usize,
+    /// How long a request placed on a provider that is full waits for it before any
+    /// provider may take it.
+    pub wait: std::time::Duration,
 }
 
 impl Default for Affinity {
@@ -85,6 +91,7 @@ impl Default for Affinity {
             load_factor_percent: 125,
             prefix_entries: 1 << 20,
             anchor_bytes: 2048,
+            wait: std::time::Duration::from_secs(3),
         }
     }
 }
@@ -239,7 +246,10 @@ impl Placement {
 fn prompt(body: &[u8]) -> &[u8] {
     for key in [&b"\"messages\""[..], b"\"prompt\""] {
         if let Some(at) = find(body, key) {
-            return &body[at + key.len()..];
+            let colon = skip_ws(body, at + key.len());
+            if body.get(colon) == Some(&b':') {
+                return &body[skip_ws(body, colon + 1)..];
+            }
         }
     }
     body
@@ -267,46 +277,164 @@ fn skip_ws(text: &[u8], mut at: usize) -> usize {
     at
 }
 
-/// Where the anchor of `prompt` ends: after the text of its first user message, at most
-/// `max` bytes in. The skim reads only that far; a prompt written another way (content
-/// before role, content in parts) is anchored at `max`.
+/// Where the anchor of `prompt` (a `messages` value and what follows it) ends: after the
+/// text of its first user message, at most `max` bytes into that text; what comes before
+/// it, system prompts, is all in. Messages are skimmed in order, their members in any
+/// order, nothing decoded; a prompt that is not an array of messages (a completion's
+/// `prompt`) is anchored at `max`, and so is a first user message whose content is not
+/// a string (at `max` bytes after its start).
 fn anchor_end(prompt: &[u8], max: usize) -> usize {
-    let window = &prompt[..prompt.len().min(max)];
-    let mut from = 0;
-    while let Some(at) = window.get(from..).and_then(|w| find(w, b"\"role\"")) {
-        let at = from + at + 6;
-        from = at;
-        let colon = skip_ws(window, at);
-        if window.get(colon) != Some(&b':') {
-            continue;
+    let fallback = prompt.len().min(max);
+    let mut skim = Skim { s: prompt, i: 0 };
+    skim.ws();
+    if skim.peek() != Some(b'[') {
+        return fallback;
+    }
+    skim.i += 1;
+    loop {
+        skim.ws();
+        if skim.peek() != Some(b'{') {
+            return fallback;
         }
-        let value = skip_ws(window, colon + 1);
-        if window.get(value..value + 6) != Some(b"\"user\"") {
-            continue;
-        }
-        let Some(content) = window.get(value..).and_then(|w| find(w, b"\"content\"")) else {
-            return window.len();
-        };
-        let colon = skip_ws(window, value + content + 9);
-        if window.get(colon) != Some(&b':') {
-            return window.len();
-        }
-        let text = skip_ws(window, colon + 1);
-        if window.get(text) != Some(&b'"') {
-            return window.len();
-        }
-        // The string's end: its first quote not escaped.
-        let mut i = text + 1;
-        while let Some(&b) = window.get(i) {
-            match b {
-                b'\\' => i += 2,
-                b'"' => return i + 1,
-                _ => i += 1,
+        let start = skim.i;
+        skim.i += 1;
+        let (mut user, mut content) = (false, None);
+        loop {
+            skim.ws();
+            match skim.peek() {
+                Some(b'}') => {
+                    skim.i += 1;
+                    break;
+                }
+                Some(b',') => {
+                    skim.i += 1;
+                    continue;
+                }
+                Some(b'"') => {}
+                _ => return fallback,
+            }
+            let key = skim.i;
+            let Some(key_end) = skim.string(usize::MAX) else {
+                return fallback;
+            };
+            skim.ws();
+            if skim.peek() != Some(b':') {
+                return fallback;
+            }
+            skim.i += 1;
+            skim.ws();
+            let value = skim.i;
+            match &prompt[key..key_end] {
+                b"\"role\"" => {
+                    let Some(end) = skim.string(usize::MAX) else {
+                        return fallback;
+                    };
+                    user = &prompt[value..end] == b"\"user\"";
+                }
+                b"\"content\"" if skim.peek() == Some(b'"') => {
+                    // Read no further than the anchor could reach.
+                    let limit = value.saturating_add(1).saturating_add(max);
+                    match skim.string(limit) {
+                        Some(end) => content = Some(end.min(limit)),
+                        None if skim.i >= limit => content = Some(limit),
+                        None => return fallback,
+                    }
+                    if skim.i >= limit && user {
+                        return limit.min(prompt.len());
+                    }
+                    if skim.i >= limit {
+                        // A longer text: skip the rest of it.
+                        skim.i = value;
+                        if skim.string(usize::MAX).is_none() {
+                            return fallback;
+                        }
+                    }
+                }
+                _ => {
+                    if !skim.value() {
+                        return fallback;
+                    }
+                }
             }
         }
-        return window.len();
+        if user {
+            return content.unwrap_or_else(|| prompt.len().min(start.saturating_add(max)));
+        }
+        skim.ws();
+        match skim.peek() {
+            Some(b',') => skim.i += 1,
+            _ => return fallback,
+        }
     }
-    window.len()
+}
+
+/// A forward-only JSON skimmer over a prompt: where strings and values end.
+struct Skim<'a> {
+    s: &'a [u8],
+    i: usize,
+}
+
+impl Skim<'_> {
+    fn peek(&self) -> Option<u8> {
+        self.s.get(self.i).copied()
+    }
+
+    fn ws(&mut self) {
+        self.i = skip_ws(self.s, self.i);
+    }
+
+    /// Past the string at `i` (its end), stopping at `limit` (then `None`, `i` there).
+    fn string(&mut self, limit: usize) -> Option<usize> {
+        if self.peek() != Some(b'"') {
+            return None;
+        }
+        self.i += 1;
+        while self.i < limit {
+            match *self.s.get(self.i)? {
+                b'\\' => self.i += 2,
+                b'"' => {
+                    self.i += 1;
+                    return Some(self.i);
+                }
+                _ => self.i += 1,
+            }
+        }
+        self.i = limit;
+        None
+    }
+
+    /// Past one value (nested ones counted, strings skipped whole); false if the text
+    /// ends first.
+    fn value(&mut self) -> bool {
+        let mut depth = 0usize;
+        loop {
+            match self.peek() {
+                None => return false,
+                Some(b'"') => {
+                    if self.string(usize::MAX).is_none() {
+                        return false;
+                    }
+                }
+                Some(b'{' | b'[') => {
+                    depth += 1;
+                    self.i += 1;
+                }
+                Some(b'}' | b']') => {
+                    if depth == 0 {
+                        return true;
+                    }
+                    depth -= 1;
+                    self.i += 1;
+                }
+                Some(b',') if depth == 0 => return true,
+                Some(_) => self.i += 1,
+            }
+            if depth == 0 && matches!(self.s.get(self.i.wrapping_sub(1)), Some(b'"' | b'}' | b']'))
+            {
+                return true;
+            }
+        }
+    }
 }
 
 /// Which provider this Edge sent which prompt fingerprints to: a bounded set of
@@ -478,9 +606,43 @@ mod tests {
         let (a, b) = (place(&one, None), place(&two, None));
         assert_eq!(a.key, b.key, "both anchored inside the shared prefix");
         assert_eq!(a.anchor_blocks(), 2048 / BLOCK);
+        // A long system prompt is all in the anchor, and the first user message after it.
+        let system = format!(r#"{{"role":"system","content":"{}"}}"#, "s".repeat(4096));
+        let c1 = place(
+            &chat(&format!(r#"{system},{{"role":"user","content":"one"}}"#)),
+            None,
+        );
+        let c2 = place(
+            &chat(&format!(r#"{system},{{"role":"user","content":"two"}}"#)),
+            None,
+        );
+        assert_ne!(c1.key, c2.key, "two conversations under one system prompt");
         assert!(a.blocks() >= 4096 / BLOCK);
         // Unterminated or odd JSON is anchored at the bound, never read past it.
-        assert_eq!(anchor_end(br#"[{"role":"user","content":"abc"#, 10), 10);
+        assert_eq!(
+            anchor_end(br#"[{"role":"user","content":"abcdefghijkl"#, 4),
+            31
+        );
+        // Content before role (alphabetical writers): the same anchor.
+        assert_eq!(
+            anchor_end(
+                br#"[{"content":"sys","role":"system"},{"content":"hello","role":"user"}]"#,
+                100
+            ),
+            53
+        );
+        assert_eq!(
+            anchor_end(
+                br#"[{"content":"sys","role":"system"},{"content":"hello there","role":"user"}]"#,
+                3
+            ),
+            50
+        );
+        assert_eq!(
+            anchor_end(br#"[{"role":"user","content":[{"type":"text"}]}]"#, 5),
+            6
+        );
+        assert_eq!(anchor_end(b"\"just a prompt\"", 4), 4);
         assert_eq!(
             anchor_end(br#"[{"role":"user","content":"a\"b"}]"#, 100),
             32

@@ -65,12 +65,6 @@ pub(super) struct ResourceMeta {
     pub(super) resumes: bool,
 }
 
-/// How long a waiter placed on a provider by its conversation lets waiters placed on
-/// another go first there.
-pub(super) const PREFER_PATIENCE: std::time::Duration = std::time::Duration::from_millis(500);
-/// How many waiters behind the oldest are looked at for one placed on the freed provider.
-pub(super) const PREFER_SCAN: usize = 16;
-
 impl ResourceMeta {
     /// Whether it can answer a call to `endpoint` as it is served now: a run answers
     /// chat only; a tunnel every OpenAI route, and tokenizes when its provider does.
@@ -440,25 +434,14 @@ impl Pool {
     }
 
     /// The oldest waiter that `r`'s free capacity can serve, taken out of the queue; none
-    /// while `r` is out of the rotation. A waiter placed on another provider by its
-    /// conversation ([`Waiter::prefer`]) that has waited less than [`PREFER_PATIENCE`]
-    /// gives way to one of the next [`PREFER_SCAN`] placed on `r`.
+    /// while `r` is out of the rotation.
     pub(super) fn next_for(&mut self, now: Timestamp, r: ResourceId) -> Option<Waiter> {
         if !self.health[r.index()].pickable(now) {
             return None;
         }
         let short_free = self.ledger.free(r, false) > 0;
         let long_free = self.ledger.free(r, true) > 0;
-        let mut ticket = self.queue.oldest_fitting(r, short_free, long_free)?;
-        // A conversation placed elsewhere that has not waited long gives way to one
-        // placed here, among the next few waiters.
-        if let Some(oldest) = self.queue.get(ticket)
-            && oldest.prefer.is_some_and(|p| p != r)
-            && now.saturating_duration_since(oldest.since) < PREFER_PATIENCE
-            && let Some(preferring) = self.queue.preferring(r, short_free, long_free, PREFER_SCAN)
-        {
-            ticket = preferring;
-        }
+        let ticket = self.queue.oldest_fitting(r, short_free, long_free)?;
         self.queue.remove(ticket)
     }
 

@@ -265,6 +265,18 @@ impl Requests {
         self.map.get(&id).is_some_and(|r| r.ticket.is_some())
     }
 
+    /// `id`'s wait, taken out of `waits` (it is to wait otherwise); `None` when it does not
+    /// wait.
+    pub(super) fn unwait(
+        &mut self,
+        waits: &mut crate::queue::WaitQueue,
+        id: RequestId,
+    ) -> Option<Waiter> {
+        let r = self.map.get_mut(&id)?;
+        let ticket = r.ticket.take()?;
+        waits.remove(ticket)
+    }
+
     /// The wait of `id` ended without a dispatch (it timed out while a run still tries).
     pub(super) fn unqueued(&mut self, id: RequestId) {
         if let Some(r) = self.map.get_mut(&id) {
@@ -294,8 +306,6 @@ impl Requests {
             long: r.long,
             candidates,
             deadline,
-            prefer: None,
-            since: deadline,
         })
     }
 

@@ -3,6 +3,7 @@
 //! it fires is in `transitions` (`EdgeCore::fire`).
 
 use super::ConnId;
+use crate::lease::RequestId;
 use crate::lease::ResourceId;
 use crate::lease::RunId;
 use crate::time::Timestamp;
@@ -39,6 +40,9 @@ pub(super) enum TimerKey {
     /// A committed run whose answer can be continued counts as stalled if it sends
     /// nothing until this (re-armed lazily from its last event).
     Stall(RunId),
+    /// A request waiting for the provider its conversation is placed on waits for any
+    /// from this instant.
+    Placed(RequestId),
 }
 
 impl crate::timer::TimerKey for TimerKey {
@@ -54,6 +58,7 @@ impl crate::timer::TimerKey for TimerKey {
             TimerKey::Probe(_) => "probe",
             TimerKey::RefusalHold(_) => "refusal hold",
             TimerKey::Stall(_) => "stalled stream",
+            TimerKey::Placed(_) => "placed wait",
         }
     }
 }

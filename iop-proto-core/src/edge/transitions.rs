@@ -484,7 +484,7 @@ impl EdgeCore {
         let placement = self.placement(&name, &submit, candidates.len());
         let picked = self.pick(&name, &candidates, long, placement.as_deref());
         let max_waiting = self.config.queue.max_waiting;
-        if picked.is_none() && self.pool.waiting_for(&name) >= max_waiting {
+        if !matches!(picked, Pick::Now(_)) && self.pool.waiting_for(&name) >= max_waiting {
             return Err(SubmitError::QueueFull {
                 model: name.to_string(),
                 max_waiting,
@@ -513,8 +513,9 @@ impl EdgeCore {
             placement,
         );
         match picked {
-            Some(candidate) => self.grant(request, &candidate),
-            None => self.wait(request, candidates),
+            Pick::Now(candidate) => self.grant(request, &candidate),
+            Pick::WaitFor(candidate) => self.wait(request, candidates, Some(candidate)),
+            Pick::Busy => self.wait(request, candidates, None),
         }
         Ok(request)
     }
@@ -530,6 +531,7 @@ impl EdgeCore {
         let Some(lease) = self.pool.acquire(candidate.resource, run, long) else {
             unreachable!("grant without free capacity");
         };
+        self.timers.stop(TimerKey::Placed(request));
         let meta = &self.pool.resources[candidate.resource.index()];
         let node = self.registry.node(meta.node);
         let Some(owner) = node.owner.filter(|o| o.ready) else {
@@ -566,19 +568,54 @@ impl EdgeCore {
             .unwrap_or(self.config.routing.first_byte_timeout)
     }
 
-    /// `request` waits in the queue for one of `candidates`.
-    fn wait(&mut self, request: RequestId, candidates: Arc<[Candidate]>) {
+    /// `request` waits in the queue for one of `candidates`, or, placed by its
+    /// conversation on a provider that is full (`placed`), for that one alone until
+    /// `affinity_wait_ms` has passed ([`TimerKey::Placed`]); its deadline is its queue
+    /// wait either way.
+    fn wait(
+        &mut self,
+        request: RequestId,
+        candidates: Arc<[Candidate]>,
+        placed: Option<Candidate>,
+    ) {
         let deadline = self.now + self.config.queue.wait_timeout;
-        if let Some(mut waiter) = self.requests.waiter(request, candidates.clone(), deadline) {
-            waiter.since = self.now;
-            waiter.prefer = self.requests.get(request).and_then(|r| {
-                let placement = r.placement.as_deref()?;
-                self.order(&candidates, placement)
-                    .first()
-                    .map(|o| o.resource)
-            });
+        let serving: Arc<[Candidate]> = match &placed {
+            Some(candidate) => Arc::from(vec![candidate.clone()]),
+            None => candidates.clone(),
+        };
+        if let Some(waiter) = self.requests.waiter(request, serving, deadline) {
             let ticket = self.pool.wait(waiter);
             self.requests.queued(request, ticket, candidates);
+            if placed.is_some() {
+                let until = self.now + self.config.routing.affinity.wait;
+                self.timers.set(TimerKey::Placed(request), until);
+            }
+        }
+    }
+
+    /// `request` waited for the provider its conversation is placed on as long as it may:
+    /// it waits on for any of its candidates (or is dispatched at once where one has
+    /// room), its queue deadline kept.
+    pub(super) fn placed_wait_over(&mut self, request: RequestId) {
+        let Some(waiter) = self.requests.unwait(&mut self.pool.queue, request) else {
+            return;
+        };
+        let Some((model, long, candidates)) = self
+            .requests
+            .get(request)
+            .map(|r| (r.model.clone(), r.long, r.candidates.clone()))
+        else {
+            return;
+        };
+        match self.pick(&model, &candidates, long, None) {
+            Pick::Now(candidate) => self.grant(request, &candidate),
+            _ => {
+                let ticket = self.pool.wait(Waiter {
+                    candidates: candidates.clone(),
+                    ..waiter
+                });
+                self.requests.queued(request, ticket, candidates);
+            }
         }
     }
 
@@ -746,10 +783,14 @@ impl EdgeCore {
         }
         let placement = self.requests.placement(request);
         match self.pick(&model, &candidates, long, placement.as_deref()) {
-            Some(candidate) => self.grant(request, &candidate),
-            None => {
+            Pick::Now(candidate) => self.grant(request, &candidate),
+            Pick::WaitFor(candidate) => {
                 self.requests.retry_queued(request);
-                self.wait(request, candidates);
+                self.wait(request, candidates, Some(candidate));
+            }
+            Pick::Busy => {
+                self.requests.retry_queued(request);
+                self.wait(request, candidates, None);
             }
         }
     }
@@ -1012,28 +1053,30 @@ impl EdgeCore {
         if candidates.is_empty() {
             return;
         }
-        let placement = self.requests.placement(request);
-        match self.pick(&model, &candidates, long, placement.as_deref()) {
-            Some(candidate) => self.grant(request, &candidate),
-            None => {
+        // Beside a slow run the first provider free will do: no waiting for a placement.
+        match self.pick(&model, &candidates, long, None) {
+            Pick::Now(candidate) => self.grant(request, &candidate),
+            _ => {
                 // Every other provider is busy: the first one free is tried beside it.
                 self.requests.retry_queued(request);
-                self.wait(request, candidates);
+                self.wait(request, candidates, None);
             }
         }
     }
 
-    /// A provider among `candidates` with room, on a node heard from within its
-    /// heartbeat timeout: by `placement`'s order within the load bound where the request
-    /// is placed by its conversation ([`affinity`](super::affinity)), else (and when no
-    /// provider of that order is within the bound) `Pool::pick`'s least loaded.
+    /// Where a request goes now among `candidates`, on a node heard from within its
+    /// heartbeat timeout. Placed by its conversation (`placement`,
+    /// [`affinity`](super::affinity)): the first provider of its order whose load (in
+    /// flight and waiting for it) stays within the bound, at once if it has room, else it
+    /// waits for that one; with none within the bound, and without a placement,
+    /// `Pool::pick`'s least loaded with room.
     fn pick(
         &mut self,
         model: &str,
         candidates: &[Candidate],
         long: bool,
         placement: Option<&Placement>,
-    ) -> Option<Candidate> {
+    ) -> Pick {
         if let Some(placement) = placement
             && candidates.len() > 1
         {
@@ -1041,42 +1084,44 @@ impl EdgeCore {
             let total: u64 = order.iter().map(|o| u64::from(o.load)).sum();
             let live = order.len() as u64;
             // Consistent hashing with bounded loads: no provider above `load_factor`
-            // times the mean, this request counted.
+            // times the mean, this request counted, unless it is within its own
+            // capacity (a provider with room is no hot spot, and an Edge that sees
+            // little of a cluster's load would otherwise scatter conversations).
             let factor = u64::from(self.config.routing.affinity.load_factor_percent);
             let bound = ((total + 1) * factor).div_ceil(100 * live.max(1));
             let anchor = placement.anchor_blocks();
-            for o in &order {
-                if u64::from(o.load) < bound && self.pool.free(o.resource, long) > 0 {
-                    let why = if placement.keyed() {
-                        Placed::Session
-                    } else if o.matched > anchor {
-                        Placed::Prefix
-                    } else {
-                        Placed::Anchor
-                    };
-                    self.placed[why.index()] += 1;
-                    self.matched_blocks += o.matched as u64;
-                    return candidates
-                        .iter()
-                        .find(|c| c.resource == o.resource)
-                        .cloned();
-                }
+            if let Some(o) = order
+                .iter()
+                .find(|o| u64::from(o.load) < bound.max(u64::from(o.capacity)))
+            {
+                let why = if placement.keyed() {
+                    Placed::Session
+                } else if o.matched > anchor {
+                    Placed::Prefix
+                } else {
+                    Placed::Anchor
+                };
+                self.placed[why.index()] += 1;
+                self.matched_blocks += o.matched as u64;
+                let Some(candidate) = candidates.iter().find(|c| c.resource == o.resource) else {
+                    return Pick::Busy;
+                };
+                return if self.pool.free(o.resource, long) > 0 {
+                    Pick::Now(candidate.clone())
+                } else {
+                    Pick::WaitFor(candidate.clone())
+                };
             }
-            let (registry, now) = (&self.registry, self.now);
-            let timeout = self.config.timing.heartbeat_timeout;
-            let picked = self.pool.pick(now, model, candidates, long, |node| {
-                registry.heard_within(node, now, timeout)
-            });
-            if picked.is_some() {
-                self.placed[Placed::Balance.index()] += 1;
-            }
-            return picked;
+            self.placed[Placed::Balance.index()] += 1;
         }
         let (registry, now) = (&self.registry, self.now);
         let timeout = self.config.timing.heartbeat_timeout;
-        self.pool.pick(now, model, candidates, long, |node| {
+        match self.pool.pick(now, model, candidates, long, |node| {
             registry.heard_within(node, now, timeout)
-        })
+        }) {
+            Some(candidate) => Pick::Now(candidate),
+            None => Pick::Busy,
+        }
     }
 
     /// `candidates` in `placement`'s order, those in the rotation on a node heard from
@@ -1095,13 +1140,17 @@ impl EdgeCore {
                     return None;
                 }
                 let usage = self.pool.usage(c.resource);
+                let (queued, _) = self.pool.queued_at(c.resource);
                 let matched = self.prefixes.matched(placement, c.resource);
                 Some(Ordered {
                     resource: c.resource,
                     rank: placement.rank((&node.id, &meta.provider_id)),
                     past_anchor: if matched > anchor { matched } else { 0 },
                     matched,
-                    load: usage.in_flight + usage.held_elsewhere,
+                    load: usage.in_flight
+                        + usage.held_elsewhere
+                        + u32::try_from(queued).unwrap_or(u32::MAX),
+                    capacity: usage.capacity,
                 })
             })
             .collect();
@@ -1172,8 +1221,12 @@ impl EdgeCore {
         let Some(endpoint) = self.requests.endpoint(request) else {
             return;
         };
-        let candidates: Arc<[Candidate]> = waiter
-            .candidates
+        // The request's candidates: a waiter placed on one provider lists only that one.
+        let listed = self
+            .requests
+            .get(request)
+            .map_or_else(|| waiter.candidates.clone(), |r| r.candidates.clone());
+        let candidates: Arc<[Candidate]> = listed
             .iter()
             .filter(|c| self.pool.meta(c.resource).serves(endpoint))
             .cloned()
@@ -1190,13 +1243,7 @@ impl EdgeCore {
             self.requests.end(&mut cx, request, outcome);
             return;
         }
-        let placement = self.requests.placement(request);
-        if let Some(candidate) = self.pick(
-            &waiter.model,
-            &candidates,
-            waiter.long,
-            placement.as_deref(),
-        ) {
+        if let Pick::Now(candidate) = self.pick(&waiter.model, &candidates, waiter.long, None) {
             self.grant(request, &candidate);
             return;
         }
@@ -1274,7 +1321,7 @@ impl EdgeCore {
                 // until one answers or its caller's deadline ends it.
                 self.requests.unqueued(waiter.request);
                 if self.requests.only_slow_live(waiter.request) {
-                    self.wait(waiter.request, waiter.candidates);
+                    self.wait(waiter.request, waiter.candidates, None);
                 }
                 continue;
             }
@@ -1691,6 +1738,7 @@ impl EdgeCore {
             TimerKey::Probe(resource) => self.pump(resource),
             TimerKey::RefusalHold(resource) => self.end_refused_hold(resource),
             TimerKey::Stall(run) => self.stall_check(run),
+            TimerKey::Placed(request) => self.placed_wait_over(request),
         }
     }
 
@@ -2127,6 +2175,17 @@ enum Verdict {
     Answered,
 }
 
+/// Where [`EdgeCore::pick`] sends a request.
+#[derive(Debug)]
+enum Pick {
+    /// There, now.
+    Now(Candidate),
+    /// Placed there by its conversation, which is full: it waits for it.
+    WaitFor(Candidate),
+    /// Nowhere has room: it waits for any.
+    Busy,
+}
+
 /// A candidate in a placement's order ([`EdgeCore::order`]).
 #[derive(Clone, Copy, Debug)]
 struct Ordered {
@@ -2135,5 +2194,9 @@ struct Ordered {
     /// Blocks remembered past the anchor (0 when not past it).
     past_anchor: usize,
     matched: usize,
+    /// Requests in flight there (from this Edge and, as its node reports, others) and
+    /// waiting for it.
     load: u32,
+    /// Requests it takes at once.
+    capacity: u32,
 }
