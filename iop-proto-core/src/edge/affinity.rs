@@ -443,7 +443,7 @@ impl Skim<'_> {
 /// that has a prompt's block has the blocks before it (they are sent together), and
 /// search for the longest such prefix.
 #[derive(Debug)]
-pub(super) struct PrefixIndex {
+pub struct PrefixIndex {
     /// Hashed with a per-process key: prompts are callers' text.
     current: HashSet<u64, RandomState>,
     previous: HashSet<u64, RandomState>,
@@ -451,7 +451,9 @@ pub(super) struct PrefixIndex {
 }
 
 impl PrefixIndex {
-    pub(super) fn new(entries: usize) -> Self {
+    /// An empty index of at most about `entries` entries.
+    #[must_use]
+    pub fn new(entries: usize) -> Self {
         PrefixIndex {
             current: HashSet::default(),
             previous: HashSet::default(),
@@ -479,7 +481,8 @@ impl PrefixIndex {
     }
 
     /// Blocks of `placement`'s prompt that `r` was sent last (a prefix).
-    pub(super) fn matched(&self, placement: &Placement, r: ResourceId) -> usize {
+    #[must_use]
+    pub fn matched(&self, placement: &Placement, r: ResourceId) -> usize {
         let chain = &placement.chain;
         // The longest prefix whose last kept block `r` has: a binary search.
         let (mut lo, mut hi) = (0, chain.len());
@@ -495,7 +498,7 @@ impl PrefixIndex {
     }
 
     /// `placement`'s prompt was sent to `r`.
-    pub(super) fn record(&mut self, placement: &Placement, r: ResourceId) {
+    pub fn record(&mut self, placement: &Placement, r: ResourceId) {
         for &fingerprint in placement.chain.iter() {
             if self.current.len() >= self.per_generation {
                 self.previous = std::mem::take(&mut self.current);
@@ -505,7 +508,8 @@ impl PrefixIndex {
     }
 
     /// Entries held, and about the bytes they take.
-    pub(super) fn size(&self) -> (usize, usize) {
+    #[must_use]
+    pub fn size(&self) -> (usize, usize) {
         let slots = self.current.capacity() + self.previous.capacity();
         (
             self.current.len() + self.previous.len(),

@@ -70,7 +70,8 @@ mod violation;
 
 pub use crate::lease::{Generation, RequestId, ResourceId, RunId};
 pub use affinity::{
-    Affinity, AffinityFigures, AffinityMode, MAX_SESSION_KEY, Placed, Placement, SESSION_HEADERS,
+    Affinity, AffinityFigures, AffinityMode, MAX_SESSION_KEY, Placed, Placement, PrefixIndex,
+    SESSION_HEADERS,
 };
 pub use health::{Ejection, Standing};
 pub use lifecycle::Lifecycle;

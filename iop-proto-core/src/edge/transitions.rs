@@ -600,13 +600,16 @@ impl EdgeCore {
         let Some(waiter) = self.requests.unwait(&mut self.pool.queue, request) else {
             return;
         };
-        let Some((model, long, candidates)) = self
-            .requests
-            .get(request)
-            .map(|r| (r.model.clone(), r.long, r.candidates.clone()))
-        else {
+        // Its candidates as they serve it now (a refresh may have changed a shape), but
+        // those it failed on.
+        let Some((model, long, candidates)) = self.untried(request) else {
             return;
         };
+        if candidates.is_empty() {
+            // Nothing serves it any more: the queue's answer, as for any waiter.
+            self.requeue_for_endpoint(waiter);
+            return;
+        }
         match self.pick(&model, &candidates, long, None) {
             Pick::Now(candidate) => self.grant(request, &candidate),
             _ => {

@@ -264,7 +264,9 @@ pub struct SimOptions {
     /// message (`resume`), and a quarter of their runs break with a retryable error
     /// after their second token. Checked besides: every completed stream's text is the
     /// uninterrupted answer byte for byte, and a dispatch after the first byte is a
-    /// continuation the Edge announced. Off: the world as it was (its seeds unchanged).
+    /// continuation the Edge announced; model m2 places its requests by their
+    /// conversation (`affinity = "prefix"`). Off: the world as it was (its seeds
+    /// unchanged).
     pub streams: bool,
 }
 
@@ -375,7 +377,9 @@ pub fn world_config_with(rev: u32, streams: bool) -> EdgeConfig {
             first_byte_timeout: None,
             resume_limit: None,
             stall_timeout: None,
-            affinity: None,
+            // The streams world places m2's requests by their conversation: waits for a
+            // full provider and the load bound among every fault.
+            affinity: streams.then_some(iop_proto_core::edge::AffinityMode::Prefix),
         },
     );
     EdgeConfig {
@@ -415,6 +419,10 @@ pub fn world_config_with(rev: u32, streams: bool) -> EdgeConfig {
             eject_window: Duration::from_millis(2000),
             eject_min_requests: 5,
             retry_after_max: Duration::from_millis(1000),
+            affinity: iop_proto_core::edge::Affinity {
+                wait: Duration::from_millis(300),
+                ..iop_proto_core::edge::Affinity::default()
+            },
             ..iop_proto_core::edge_config::Routing::default()
         },
     }
