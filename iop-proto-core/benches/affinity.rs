@@ -28,7 +28,11 @@ fn body(chars: usize, conversation: usize) -> Vec<u8> {
         ));
         turn += 1;
     }
-    format!(r#"{{"model":"m","stream":true,"messages":[{}]}}"#, messages.join(",")).into_bytes()
+    format!(
+        r#"{{"model":"m","stream":true,"messages":[{}]}}"#,
+        messages.join(",")
+    )
+    .into_bytes()
 }
 
 fn providers() -> Vec<ResourceId> {
@@ -38,8 +42,7 @@ fn providers() -> Vec<ResourceId> {
 
 /// Placement and lookup for four providers, as a pick does them.
 fn place(index: &PrefixIndex, body: &[u8], providers: &[ResourceId]) -> usize {
-    let placement =
-        Placement::of(AffinityMode::Prefix, "m", None, body, 2048).expect("placed");
+    let placement = Placement::of(AffinityMode::Prefix, "m", None, body, 2048).expect("placed");
     let names = ["n0", "n1", "n2", "n3"];
     providers
         .iter()

@@ -80,6 +80,7 @@
 //!     first_byte_timeout: None,
 //!     resume_limit: None,
 //!     stall_timeout: None,
+//!     affinity: None,
 //! });
 //! let mut edge = EdgeCore::new(config)?;
 //! let mut node = NodeSession::new(SessionConfig::new("n1", token));
