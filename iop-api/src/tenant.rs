@@ -33,6 +33,10 @@ use serde::{Deserialize, Serialize};
 
 use iop_proto_core::Timestamp;
 
+mod cluster;
+
+pub use cluster::{ClusterKey, EdgeShare, KeyShare};
+
 /// `HashMap` keyed by configured key names (never chosen by a caller).
 type IdMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::FixedState>;
 
@@ -297,6 +301,8 @@ struct Key {
     tokens: Window,
     in_flight: u32,
     spent: Spent,
+    /// In a cluster: its part of the minute's limits until the next sync.
+    part: cluster::Part,
 }
 
 /// Every key's limits, windows, budgets and usage. See the [module documentation](self).
@@ -307,6 +313,8 @@ pub struct Tenants {
     usage: BTreeMap<(Arc<str>, Arc<str>, u32), Counts>,
     /// The day usage was last pruned on.
     pruned: u32,
+    /// In a cluster: the other Edges' figures (see [`Tenants::handle_cluster`]).
+    sharing: Option<cluster::Sharing>,
 }
 
 impl Tenants {
@@ -427,6 +435,21 @@ impl Tenants {
             // Nothing says when one ends: a second is a fair guess to come back.
             return refuse(k, Refusal::Concurrency, Some(Duration::from_secs(1)));
         }
+        // The other Edges of a cluster: within a sync interval, the view changes.
+        if let Some(over) = self
+            .sharing
+            .as_ref()
+            .and_then(|s| s.over(key, k, now_ms, estimate))
+        {
+            let refusal = match over {
+                cluster::Over::Budget => Refusal::Budget,
+                cluster::Over::Requests => Refusal::Requests,
+                cluster::Over::Tokens => Refusal::Tokens,
+                cluster::Over::Concurrency => Refusal::Concurrency,
+            };
+            return refuse(k, refusal, Some(Duration::from_secs(1)));
+        }
+        k.part.take(estimate);
         k.in_flight += 1;
         // Windows are kept for the limits there are (an unlimited key counts only its
         // usage); a limit set later starts from an empty window.

@@ -33,6 +33,7 @@ pub(crate) struct Parts {
     pub(crate) handle: Handle,
     pub(crate) rx: mpsc::UnboundedReceiver<Input>,
     pub(crate) shutdown: CancellationToken,
+    pub(crate) tenants: Arc<crate::tenants::TenantBook>,
 }
 
 struct Task {
@@ -92,6 +93,13 @@ pub(crate) async fn run(settings: ClusterSettings, parts: Parts) {
         etcd.clone(),
         settings.prefix.clone(),
         parts.handle.view.clone(),
+        parts.shutdown.clone(),
+    ));
+    tokio::spawn(crate::key_sync::run(
+        etcd.clone(),
+        settings.prefix.clone(),
+        settings.edge_id.clone(),
+        parts.tenants.clone(),
         parts.shutdown.clone(),
     ));
     let mut task = Task {

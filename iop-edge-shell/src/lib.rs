@@ -25,6 +25,7 @@ pub mod etcd;
 pub mod events;
 pub mod http;
 pub mod inbox;
+mod key_sync;
 pub mod limit;
 pub mod membership;
 pub mod memory;
@@ -190,6 +191,7 @@ pub async fn run(
                 handle,
                 rx,
                 shutdown: shutdown.clone(),
+                tenants: tenants.clone(),
             },
         ))),
         _ => None,

@@ -19,7 +19,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use iop_api::tenant::{
-    Admitted, KeyPolicy, KeyReport, Limited, RateLimits, Saved, Tenants, TokenUsage, UsageRow,
+    Admitted, ClusterKey, EdgeShare, KeyPolicy, KeyReport, Limited, RateLimits, Saved, Tenants,
+    TokenUsage, UsageRow,
 };
 use iop_proto_core::Timestamp;
 use tokio_util::sync::CancellationToken;
@@ -110,6 +111,45 @@ impl TenantBook {
     #[must_use]
     pub fn usage(&self) -> Vec<UsageRow> {
         self.lock().usage()
+    }
+
+    /// This Edge's figures, to publish to the cluster.
+    #[must_use]
+    pub fn share(&self) -> EdgeShare {
+        self.lock().share(wall())
+    }
+
+    /// The other Edges' figures as read from etcd (`edges`: by Edge id, whether each
+    /// still shares the limits; `members`: the Edges sharing them, this one included).
+    pub fn handle_cluster(
+        &self,
+        members: u32,
+        edges: std::collections::BTreeMap<String, (bool, EdgeShare)>,
+    ) {
+        self.lock().handle_cluster(wall(), members, edges);
+    }
+
+    /// etcd is unreachable: each Edge keeps to its share of every limit.
+    pub fn handle_detached(&self) {
+        self.lock().handle_detached();
+    }
+
+    /// Whether the limits are shared and etcd is unreachable.
+    #[must_use]
+    pub fn detached(&self) -> bool {
+        self.lock().detached()
+    }
+
+    /// What this Edge published before a restart: the spend it had is spent.
+    pub fn restore_share(&self, own: &EdgeShare) {
+        self.lock().restore_share(wall(), own);
+        self.dirty.store(true, Ordering::Relaxed);
+    }
+
+    /// Every key's figures across the cluster (empty on a single Edge).
+    #[must_use]
+    pub fn cluster_report(&self, edge_id: &str) -> std::collections::BTreeMap<String, ClusterKey> {
+        self.lock().cluster_report(wall(), edge_id)
     }
 
     /// A reloaded configuration.

@@ -77,7 +77,7 @@ pub struct ModelSpec {
     /// elsewhere. `None`: never (a stream waits on, within the request's deadline).
     pub stall_timeout: Option<Duration>,
     /// How its requests are placed; `None`: [`Routing::affinity`]'s mode.
-    pub affinity: Option<crate::edge::AffinityMode>,
+    pub affinity: Option<AffinityMode>,
 }
 
 /// Timers of the Edge's node protocol.
@@ -237,8 +237,8 @@ pub struct Routing {
     pub max_ejected_percent: u32,
     /// The longest a provider's `Retry-After` cools it down.
     pub retry_after_max: Duration,
-    /// Placing requests by their conversation ([`crate::edge::AffinityMode`]).
-    pub affinity: crate::edge::Affinity,
+    /// Placing requests by their conversation ([`AffinityMode`]).
+    pub affinity: Affinity,
 }
 
 impl Default for Routing {
@@ -257,7 +257,7 @@ impl Default for Routing {
             eject_max: Duration::from_secs(60),
             max_ejected_percent: 50,
             retry_after_max: Duration::from_secs(300),
-            affinity: crate::edge::Affinity::default(),
+            affinity: Affinity::default(),
         }
     }
 }
@@ -552,6 +552,72 @@ pub fn category_of(kind: AdapterType) -> crate::wire::ProviderCategory {
             crate::wire::ProviderCategory::LocalInference
         }
         AdapterType::Unspecified => crate::wire::ProviderCategory::Unspecified,
+    }
+}
+
+/// How a model group places requests (`[routing] affinity`, per model `affinity`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AffinityMode {
+    /// By load alone (the least loaded, weighted by first-byte latency).
+    #[default]
+    Off,
+    /// A request naming its session by rendezvous hashing with bounded load; others by
+    /// load.
+    Session,
+    /// Sessions as above; every other request by its anchor and its prefix match.
+    Prefix,
+}
+
+impl AffinityMode {
+    /// Its configuration word.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AffinityMode::Off => "off",
+            AffinityMode::Session => "session",
+            AffinityMode::Prefix => "prefix",
+        }
+    }
+
+    /// The mode `word` names.
+    #[must_use]
+    pub fn parse(word: &str) -> Option<Self> {
+        Some(match word {
+            "off" => AffinityMode::Off,
+            "session" => AffinityMode::Session,
+            "prefix" => AffinityMode::Prefix,
+            _ => return None,
+        })
+    }
+}
+
+/// The placement settings (`[routing]`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Affinity {
+    /// The mode of model groups that do not set their own.
+    pub mode: AffinityMode,
+    /// No provider takes a placed request above this share (percent) of the group's mean
+    /// load, counting the request (`load_factor` 1.25: 125).
+    pub load_factor_percent: u32,
+    /// Fingerprints remembered per Edge (each one provider's block): the memory bound of
+    /// the prefix index (about 20 bytes each).
+    pub prefix_entries: usize,
+    /// The most of a prompt's first user message its anchor spans.
+    pub anchor_bytes: usize,
+    /// How long a request placed on a provider that is full waits for it before any
+    /// provider may take it.
+    pub wait: std::time::Duration,
+}
+
+impl Default for Affinity {
+    fn default() -> Self {
+        Affinity {
+            mode: AffinityMode::Off,
+            load_factor_percent: 125,
+            prefix_entries: 1 << 20,
+            anchor_bytes: 2048,
+            wait: std::time::Duration::from_secs(3),
+        }
     }
 }
 

@@ -1416,3 +1416,174 @@ fn three_edges_send_each_conversation_to_one_provider() {
         status["affinity"]
     );
 }
+
+/// Issue 75: a key's limits hold for the whole cluster. Three Edges on etcd, one shared
+/// configuration with key `k6` (6 requests a minute) and key `kb` (a budget of 40
+/// tokens a day; each answer reports 12): 18 requests of `k6` round-robin over the Edges
+/// get at most 7 answers; `kb` spent on one Edge is refused on the others within a sync;
+/// every Edge's `/v1/usage` reports the cluster's totals; a killed and restarted Edge
+/// keeps the spend it had.
+#[test]
+fn a_keys_limits_and_budget_hold_across_the_cluster() {
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let fakes: Vec<Fake> = (0..1)
+        .map(|_| {
+            rt.block_on(fake::start(
+                Flavor::OpenAi,
+                Behaviour {
+                    words: 3,
+                    delay: Duration::from_millis(1),
+                    ..Behaviour::default()
+                },
+            ))
+        })
+        .collect();
+    let keys = "[[auth.keys]]\nname = \"k6\"\nkey = \"sk-cluster-k6-0123456789abcdef\"\nrequests_per_minute = 6\n\n\
+                [[auth.keys]]\nname = \"kb\"\nkey = \"sk-cluster-kb-0123456789abcdef\"\ntoken_budget = 40\nbudget_period = \"day\"\n";
+    let mut fabric = Fabric::start_with(&rt, 3, fakes, 8, keys);
+    let _node = start_node(
+        &fabric.dir,
+        "n1",
+        &fabric.edges[0],
+        &fabric.fingerprint,
+        "keys",
+    );
+    fabric.await_ready(&["n1"], Duration::from_secs(15));
+    // Two syncs: every Edge has read the others'.
+    std::thread::sleep(Duration::from_millis(2500));
+    let ask = |port: u16, key: &str| {
+        let key = key.to_owned();
+        block(async move {
+            let body = json!({"model": "chat", "messages": [{"role": "user", "content": "hi"}]});
+            Http::new(port)
+                .with_key(&key)
+                .post("/v1/chat/completions", &body)
+                .await
+                .status
+        })
+    };
+    let ports: Vec<u16> = fabric.edges.iter().map(|e| e.http).collect();
+    let mut answered = 0;
+    for i in 0..18 {
+        if ask(ports[i % 3], "sk-cluster-k6-0123456789abcdef") == 200 {
+            answered += 1;
+        }
+        std::thread::sleep(Duration::from_millis(150));
+    }
+    eprintln!("k6 (6 a minute): {answered} of 18 answered over three Edges");
+    assert!((1..=7).contains(&answered), "{answered}");
+    // kb: four answers of 12 tokens spend its 40 on edge-a.
+    let mut spent_on_a = 0;
+    while ask(ports[0], "sk-cluster-kb-0123456789abcdef") == 200 {
+        spent_on_a += 1;
+        assert!(spent_on_a <= 4, "the budget stops the key on edge-a");
+    }
+    std::thread::sleep(Duration::from_millis(2200));
+    for &port in &ports[1..] {
+        assert_eq!(
+            ask(port, "sk-cluster-kb-0123456789abcdef"),
+            429,
+            "spent on edge-a"
+        );
+    }
+    // Every Edge reports the cluster's totals.
+    for edge in &fabric.edges {
+        let usage = block(async { Http::new(edge.http).get("/v1/usage").await.json() });
+        let kb = &usage["cluster"]["keys"]["kb"];
+        assert!(
+            kb["budget_spent"].as_u64() >= Some(40),
+            "{}: {usage}",
+            edge.id
+        );
+        let k6 = &usage["cluster"]["keys"]["k6"];
+        assert_eq!(
+            k6["today"]["requests"].as_u64(),
+            Some(answered as u64),
+            "{}: {usage}",
+            edge.id
+        );
+    }
+    // edge-a killed and started again: its spend is still spent.
+    let a = &mut fabric.edges[0];
+    if let Some(p) = a.proc.take() {
+        p.signal("KILL");
+    }
+    a.start(&fabric.dir);
+    std::thread::sleep(Duration::from_millis(2500));
+    let usage = block(async { Http::new(ports[0]).get("/v1/usage").await.json() });
+    let kb = usage["keys"]
+        .as_array()
+        .and_then(|keys| keys.iter().find(|k| k["key"] == "kb"))
+        .cloned()
+        .unwrap_or_default();
+    assert!(kb["budget"]["spent"].as_u64() >= Some(40), "{usage}");
+    let status = fabric.edges[1].status();
+    assert_eq!(status["keys_across_cluster"]["detached"], false, "{status}");
+}
+
+/// Issue 75: the keys' figures cost etcd a write per Edge and sync interval, whatever
+/// the request rate: callers as fast as this machine lets them through three Edges with
+/// a limited key for ten seconds, and etcd's own count of writes.
+#[test]
+fn sharing_keys_costs_etcd_a_write_per_edge_and_second_under_load() {
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let fakes: Vec<Fake> = (0..1)
+        .map(|_| {
+            rt.block_on(fake::start(
+                Flavor::OpenAi,
+                Behaviour {
+                    words: 1,
+                    delay: Duration::ZERO,
+                    ..Behaviour::default()
+                },
+            ))
+        })
+        .collect();
+    let keys = "[[auth.keys]]\nname = \"busy\"\nkey = \"sk-cluster-busy-0123456789abcdef\"\nrequests_per_minute = 10000000\n";
+    let fabric = Fabric::start_with(&rt, 3, fakes, 64, keys);
+    let _node = start_node(&fabric.dir, "n1", &fabric.edges[0], &fabric.fingerprint, "load");
+    fabric.await_ready(&["n1"], Duration::from_secs(15));
+    let etcd_writes = || {
+        let port = fabric.etcd_port;
+        let text = block(async move {
+            String::from_utf8_lossy(&Http::new(port).get("/metrics").await.body).into_owned()
+        });
+        text.lines()
+            .filter(|l| l.starts_with("etcd_mvcc_put_total") || l.starts_with("etcd_mvcc_txn_total"))
+            .filter_map(|l| l.split_whitespace().last()?.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    let ports: Vec<u16> = fabric.edges.iter().map(|e| e.http).collect();
+    let before = etcd_writes();
+    let started = Instant::now();
+    let answered = Arc::new(AtomicUsize::new(0));
+    rt.block_on(async {
+        let mut tasks = Vec::new();
+        for c in 0..24 {
+            let port = ports[c % 3];
+            let answered = answered.clone();
+            tasks.push(tokio::spawn(async move {
+                let http = Http::new(port).with_key("sk-cluster-busy-0123456789abcdef");
+                let body = json!({"model": "chat", "messages": [{"role": "user", "content": "hi"}]});
+                while started.elapsed() < Duration::from_secs(10) {
+                    if http.post("/v1/chat/completions", &body).await.status == 200 {
+                        answered.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }));
+        }
+        for task in tasks {
+            task.await.expect("caller");
+        }
+    });
+    let seconds = started.elapsed().as_secs_f64();
+    let writes = etcd_writes() - before;
+    let rate = answered.load(Ordering::Relaxed) as f64 / seconds;
+    eprintln!(
+        "three Edges, {rate:.0} requests/s of a limited key for {seconds:.1} s: {writes} etcd writes, {:.1}/s",
+        writes / seconds
+    );
+    assert!(rate > 100.0, "the load reached {rate:.0} requests/s");
+    // A write per Edge and second, and a few for membership: not a write per request.
+    assert!(writes / seconds <= 6.0, "{writes} writes in {seconds:.1} s");
+}

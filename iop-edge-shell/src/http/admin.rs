@@ -255,6 +255,13 @@ pub(super) async fn status(state: &State) -> Response<ResBody> {
         "registrations": registrations,
         // In cluster mode: this Edge's id, whether it is a member, and every member.
         "cluster": state.cluster.as_ref().map(|c| c.snapshot()),
+        // In cluster mode: keys are limited across the Edges, or, while etcd is
+        // unreachable, each Edge keeps to its share of every limit (`detached`).
+        "keys_across_cluster": state.cluster.as_ref().map(|_| json!({
+            "detached": state.tenants.detached(),
+            "sync_every_ms": crate::key_sync::SYNC_EVERY.as_millis() as u64,
+            "etcd_writes": crate::key_sync::WRITES.load(std::sync::atomic::Ordering::Relaxed),
+        })),
         // The stored responses `previous_response_id` continues from (this Edge's).
         "responses_store": {
             "entries": store.entries,
@@ -413,8 +420,54 @@ pub(super) fn usage(state: &State) -> Response<ResBody> {
             })
         })
         .collect();
+    // In cluster mode: each key's figures across every Edge (this one's now, the
+    // others' as last read from etcd), and each Edge's own.
+    let cluster = state.cluster.as_ref().map(|view| {
+        let share = |s: &iop_api::tenant::KeyShare| {
+            json!({
+                "requests_last_minute": s.requests,
+                "tokens_last_minute": s.tokens,
+                "in_flight": s.in_flight,
+                "budget_spent": s.spent,
+                "today": {
+                    "requests": s.today.requests,
+                    "prompt_tokens": s.today.prompt_tokens,
+                    "completion_tokens": s.today.completion_tokens,
+                },
+            })
+        };
+        let keys: serde_json::Map<String, Value> = state
+            .tenants
+            .cluster_report(&view.snapshot().edge_id)
+            .into_iter()
+            .map(|(key, k)| {
+                let edges: serde_json::Map<String, Value> = k
+                    .edges
+                    .iter()
+                    .map(|(id, s)| (id.clone(), share(s)))
+                    .collect();
+                (
+                    key,
+                    json!({
+                        "requests_last_minute": k.requests,
+                        "tokens_last_minute": k.tokens,
+                        "in_flight": k.in_flight,
+                        "budget_spent": k.spent,
+                        "today": {
+                            "requests": k.today.requests,
+                            "prompt_tokens": k.today.prompt_tokens,
+                            "completion_tokens": k.today.completion_tokens,
+                            "total_tokens": k.today.prompt_tokens + k.today.completion_tokens,
+                        },
+                        "edges": edges,
+                    }),
+                )
+            })
+            .collect();
+        json!({ "detached": state.tenants.detached(), "keys": keys })
+    });
     json_response(
         StatusCode::OK,
-        Bytes::from(json!({ "keys": keys, "usage": usage }).to_string()),
+        Bytes::from(json!({ "keys": keys, "usage": usage, "cluster": cluster }).to_string()),
     )
 }

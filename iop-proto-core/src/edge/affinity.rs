@@ -30,71 +30,7 @@ use foldhash::fast::FixedState;
 
 use crate::lease::ResourceId;
 
-/// How a model group places requests (`[routing] affinity`, per model `affinity`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum AffinityMode {
-    /// By load alone (the least loaded, weighted by first-byte latency).
-    #[default]
-    Off,
-    /// A request naming its session by rendezvous hashing with bounded load; others by
-    /// load.
-    Session,
-    /// Sessions as above; every other request by its anchor and its prefix match.
-    Prefix,
-}
-
-impl AffinityMode {
-    /// Its configuration word.
-    #[must_use]
-    pub fn as_str(self) -> &'static str {
-        match self {
-            AffinityMode::Off => "off",
-            AffinityMode::Session => "session",
-            AffinityMode::Prefix => "prefix",
-        }
-    }
-
-    /// The mode `word` names.
-    #[must_use]
-    pub fn parse(word: &str) -> Option<Self> {
-        Some(match word {
-            "off" => AffinityMode::Off,
-            "session" => AffinityMode::Session,
-            "prefix" => AffinityMode::Prefix,
-            _ => return None,
-        })
-    }
-}
-
-/// The placement settings (`[routing]`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Affinity {
-    /// The mode of model groups that do not set their own.
-    pub mode: AffinityMode,
-    /// No provider takes a placed request above this share (percent) of the group's mean
-    /// load, counting the request (`load_factor` 1.25: 125).
-    pub load_factor_percent: u32,
-    /// Fingerprints remembered per Edge (each one provider's block): the memory bound of
-    /// the prefix index (about 20 bytes each).
-    pub prefix_entries: usize,
-    /// The most of a prompt's first user message its anchor spans.
-    pub anchor_bytes: usize,
-    /// How long a request placed on a provider that is full waits for it before any
-    /// provider may take it.
-    pub wait: std::time::Duration,
-}
-
-impl Default for Affinity {
-    fn default() -> Self {
-        Affinity {
-            mode: AffinityMode::Off,
-            load_factor_percent: 125,
-            prefix_entries: 1 << 20,
-            anchor_bytes: 2048,
-            wait: std::time::Duration::from_secs(3),
-        }
-    }
-}
+pub use crate::edge_config::{Affinity, AffinityMode};
 
 /// Request headers that name a caller's session, in the order they are read (after
 /// `routing.session_header`): Claude Code's, and Codex's (both spellings).
