@@ -1541,7 +1541,13 @@ fn sharing_keys_costs_etcd_a_write_per_edge_and_second_under_load() {
         .collect();
     let keys = "[[auth.keys]]\nname = \"busy\"\nkey = \"sk-cluster-busy-0123456789abcdef\"\nrequests_per_minute = 10000000\n";
     let fabric = Fabric::start_with(&rt, 3, fakes, 64, keys);
-    let _node = start_node(&fabric.dir, "n1", &fabric.edges[0], &fabric.fingerprint, "load");
+    let _node = start_node(
+        &fabric.dir,
+        "n1",
+        &fabric.edges[0],
+        &fabric.fingerprint,
+        "load",
+    );
     fabric.await_ready(&["n1"], Duration::from_secs(15));
     let etcd_writes = || {
         let port = fabric.etcd_port;
@@ -1549,7 +1555,9 @@ fn sharing_keys_costs_etcd_a_write_per_edge_and_second_under_load() {
             String::from_utf8_lossy(&Http::new(port).get("/metrics").await.body).into_owned()
         });
         text.lines()
-            .filter(|l| l.starts_with("etcd_mvcc_put_total") || l.starts_with("etcd_mvcc_txn_total"))
+            .filter(|l| {
+                l.starts_with("etcd_mvcc_put_total") || l.starts_with("etcd_mvcc_txn_total")
+            })
             .filter_map(|l| l.split_whitespace().last()?.parse::<f64>().ok())
             .sum::<f64>()
     };
@@ -1564,7 +1572,8 @@ fn sharing_keys_costs_etcd_a_write_per_edge_and_second_under_load() {
             let answered = answered.clone();
             tasks.push(tokio::spawn(async move {
                 let http = Http::new(port).with_key("sk-cluster-busy-0123456789abcdef");
-                let body = json!({"model": "chat", "messages": [{"role": "user", "content": "hi"}]});
+                let body =
+                    json!({"model": "chat", "messages": [{"role": "user", "content": "hi"}]});
                 while started.elapsed() < Duration::from_secs(10) {
                     if http.post("/v1/chat/completions", &body).await.status == 200 {
                         answered.fetch_add(1, Ordering::Relaxed);

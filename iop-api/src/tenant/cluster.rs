@@ -252,11 +252,24 @@ impl Tenants {
     }
 
     /// This Edge's own last published figures (read back from etcd at start, `own`):
-    /// the budgets it had spent this period are spent still.
+    /// the budgets it had spent this period are spent still, and what it admitted within
+    /// the minute before it stopped counts in its windows until the minute has passed.
     pub fn restore_share(&mut self, now: Timestamp, own: &EdgeShare) {
         let now_ms = now.as_millis();
+        let second = own.at_ms / 1000;
         for (name, k) in &mut self.keys {
-            let (Some(budget), Some(s)) = (k.policy.budget, own.keys.get(&**name)) else {
+            let Some(s) = own.keys.get(&**name) else {
+                continue;
+            };
+            if own.at_ms <= now_ms && now_ms - own.at_ms < super::WINDOW.as_millis() as u64 {
+                if k.policy.requests_per_minute.is_some() && s.requests > 0 {
+                    k.requests.add(second, s.requests);
+                }
+                if k.policy.tokens_per_minute.is_some() && s.tokens > 0 {
+                    k.tokens.add(second, s.tokens);
+                }
+            }
+            let Some(budget) = k.policy.budget else {
                 continue;
             };
             let period = period_of(budget.period, now_ms);
