@@ -134,7 +134,7 @@ proptest! {
             match step {
                 Step::Tick => {
                     w.now += 100;
-                    if w.now % 1_000 == 0 {
+                    if w.now.is_multiple_of(1_000) {
                         w.sync_all();
                     }
                 }
