@@ -1356,10 +1356,11 @@ fn three_edges_send_each_conversation_to_one_provider() {
         }
     };
     rt.block_on(async {
-        // Eight conversations at once: the fleet half busy.
-        for batch in 0..10 {
+        // Four conversations at once, as many as one provider holds: every Edge's load
+        // bound leaves a conversation on its provider.
+        for batch in 0..20 {
             let mut tasks = Vec::new();
-            for c in batch * 8..(batch + 1) * 8 {
+            for c in batch * 4..(batch + 1) * 4 {
                 tasks.push(tokio::spawn(conversation(c, c % 2 == 0)));
             }
             for task in tasks {
