@@ -103,7 +103,7 @@ async fn a_burst_of_one_prefix_is_spread_within_the_load_bound() {
 
 /// Twelve conversations of five turns, four at once: every turn of a conversation goes
 /// to the provider of its first, which answers it from its cache; placed by load alone,
-/// they scatter and the caches hold less of what is asked.
+/// a turn finds its history only where it happens to land on the same provider.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_conversation_stays_on_its_provider_and_finds_its_cache() {
     let mut ratios = Vec::new();
@@ -142,7 +142,9 @@ async fn a_conversation_stays_on_its_provider_and_finds_its_cache() {
         "cached-block ratio: by conversation {:.3}, by load {:.3}",
         ratios[0], ratios[1]
     );
-    // Every turn after the first finds its conversation cached: about 4/5 of blocks.
-    assert!(ratios[0] > 0.7, "{ratios:?}");
-    assert!(ratios[0] > ratios[1] + 0.1, "{ratios:?}");
+    // Every turn after the first finds its conversation cached: about 4/5 of blocks
+    // (all but its newest turn); by load a turn finds its history only where it lands
+    // on its conversation's provider again.
+    assert!(ratios[0] > 0.75, "{ratios:?}");
+    assert!(ratios[0] >= ratios[1], "{ratios:?}");
 }
