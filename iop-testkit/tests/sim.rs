@@ -476,6 +476,23 @@ fn every_streams_seed_reads_each_answer_byte_for_byte() {
     );
 }
 
+/// Seeds of the streams world that once broke an invariant, with the rule they broke.
+#[test]
+fn streams_regression_seeds_keep_every_invariant() {
+    // A tunnel-only request is never dispatched as a run: one that waited for the
+    // provider its conversation is placed on, past the affinity wait, was placed again
+    // among candidates a refresh had turned into runs.
+    for seed in [7_940, 14_151, 18_351] {
+        let options = SimOptions {
+            streams: true,
+            ..SimOptions::default()
+        };
+        if let Err(failure) = sim::run_seed(seed, options) {
+            panic!("seed {seed}: {failure}");
+        }
+    }
+}
+
 /// The cluster world (`testkit::cluster`): three Edges coordinated through a simulated etcd,
 /// with partitions, lost answers, killed Edges and invalid configurations.
 #[test]
