@@ -4,6 +4,8 @@
 //! - the skim ([`member_value`], [`for_target`], [`rewrite_model`]): where a top-level
 //!   member's value sits, found by a forward pass that decodes and allocates nothing, and
 //!   a body with its `"model"` replaced, every other byte untouched;
+//! - [`member_start`], where a member's value begins, and [`first_user_message`], where
+//!   a chat's first user message and its text sit, by the same skim;
 //! - [`nonempty_array`], which reads an array's first bytes only;
 //! - [`Object`]: a JSON object's top-level members borrowed from the input, and a body
 //!   rewritten member by member from them;
@@ -80,6 +82,22 @@ pub fn for_target(raw: Bytes, target: &str) -> Bytes {
 /// validated beyond what the skim needs.
 #[must_use]
 pub fn member_value(raw: &[u8], key: &str) -> Option<std::ops::Range<usize>> {
+    let mut scan = member(raw, key)?;
+    let start = scan.i;
+    scan.value()?;
+    Some(start..scan.i)
+}
+
+/// Where the value of the first top-level member named `key` starts in `raw`, as
+/// [`member_value`] finds it, without reading the value itself (a chat body's
+/// `messages` are not skimmed to their end).
+#[must_use]
+pub fn member_start(raw: &[u8], key: &str) -> Option<usize> {
+    member(raw, key).map(|scan| scan.i)
+}
+
+/// A scanner at the value of `raw`'s first top-level member named `key`.
+fn member<'a>(raw: &'a [u8], key: &str) -> Option<Scanner<'a>> {
     let mut scan = Scanner { s: raw, i: 0 };
     scan.ws();
     scan.eat(b'{')?;
@@ -94,19 +112,70 @@ pub fn member_value(raw: &[u8], key: &str) -> Option<std::ops::Range<usize>> {
         scan.ws();
         scan.eat(b':')?;
         scan.ws();
-        let value_start = scan.i;
-        scan.value()?;
         let named = written.get(1..written.len() - 1) == Some(key.as_bytes())
             || (written.contains(&b'\\')
                 && serde_json::from_slice::<String>(written).ok().as_deref() == Some(key));
         if named {
-            return Some(value_start..scan.i);
+            return Some(scan);
         }
+        scan.value()?;
         scan.ws();
         match scan.peek()? {
             b',' => scan.i += 1,
             _ => return None,
         }
+    }
+}
+
+/// The first message of `messages` (a chat `messages` array, and whatever follows it)
+/// whose `role` is `"user"`: where its object starts, and where its `content` string
+/// sits (quotes included) when it is one. Members are read in any order; nothing is
+/// decoded or allocated. `None` when the text is not an array of objects as far as the
+/// skim reaches, or has no user message.
+#[must_use]
+pub fn first_user_message(messages: &[u8]) -> Option<(usize, Option<std::ops::Range<usize>>)> {
+    let mut scan = Scanner { s: messages, i: 0 };
+    scan.ws();
+    scan.eat(b'[')?;
+    loop {
+        scan.ws();
+        let start = scan.i;
+        scan.eat(b'{')?;
+        let (mut user, mut content) = (false, None);
+        loop {
+            scan.ws();
+            match scan.peek()? {
+                b'}' => {
+                    scan.i += 1;
+                    break;
+                }
+                b',' => {
+                    scan.i += 1;
+                    continue;
+                }
+                _ => {}
+            }
+            let key_start = scan.i;
+            scan.string()?;
+            let key = &messages[key_start..scan.i];
+            scan.ws();
+            scan.eat(b':')?;
+            scan.ws();
+            let value = scan.i;
+            scan.value()?;
+            match key {
+                b"\"role\"" => user = &messages[value..scan.i] == b"\"user\"",
+                b"\"content\"" if messages.get(value) == Some(&b'"') => {
+                    content = Some(value..scan.i);
+                }
+                _ => {}
+            }
+        }
+        if user {
+            return Some((start, content));
+        }
+        scan.ws();
+        scan.eat(b',')?;
     }
 }
 

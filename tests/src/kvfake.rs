@@ -132,6 +132,30 @@ impl KvFake {
     }
 }
 
+/// Nodes `n0`, `n1`, ... (token `<token>-<i>`), each with one `openai_compat` adapter
+/// `kv` of `capacity` in front of `providers[i]`, and model `m` served by all of them
+/// with `model_extra` among its settings.
+#[must_use]
+pub fn fleet_toml(providers: &[KvFake], token: &str, capacity: usize, model_extra: &str) -> String {
+    let mut body = String::new();
+    let mut listed = Vec::new();
+    for (i, p) in providers.iter().enumerate() {
+        body.push_str(&format!(
+            "[[nodes]]\nid = \"n{i}\"\ntoken = \"{token}-{i}\"\n[[nodes.adapters]]\nname = \"kv\"\ntype = \"openai_compat\"\n\
+             base_url = \"{}\"\ncapacity = {capacity}\ntargets = [\"m\"]\n",
+            p.url()
+        ));
+        listed.push(format!(
+            "{{ node = \"n{i}\", adapter = \"kv\", target = \"m\" }}"
+        ));
+    }
+    body.push_str(&format!(
+        "[[models]]\nname = \"m\"\n{model_extra}providers = [{}]\n",
+        listed.join(", ")
+    ));
+    body
+}
+
 /// The blocks of `request`'s prompt, as chained hashes (a block's hash says the whole
 /// prefix up to it).
 #[must_use]

@@ -27,22 +27,12 @@ async fn fleet(affinity: &str) -> (Cluster, Vec<iop_blackbox::Proc>, Vec<KvFake>
             .await,
         );
     }
-    let mut body = String::new();
-    let mut listed = Vec::new();
-    for (i, p) in providers.iter().enumerate() {
-        body.push_str(&format!(
-            "[[nodes]]\nid = \"n{i}\"\ntoken = \"{TOKEN}-{i}\"\n[[nodes.adapters]]\nname = \"kv\"\ntype = \"openai_compat\"\n\
-             base_url = \"{}\"\ncapacity = 4\ntargets = [\"m\"]\n",
-            p.url()
-        ));
-        listed.push(format!(
-            "{{ node = \"n{i}\", adapter = \"kv\", target = \"m\" }}"
-        ));
-    }
-    body.push_str(&format!(
-        "[[models]]\nname = \"m\"\naffinity = \"{affinity}\"\nproviders = [{}]\n",
-        listed.join(", ")
-    ));
+    let body = kvfake::fleet_toml(
+        &providers,
+        TOKEN,
+        4,
+        &format!("affinity = \"{affinity}\"\n"),
+    );
     let cluster = Cluster::start_with(Link::Plaintext, "[queue]\nmax_waiting = 512\n", &body);
     let nodes = (0..4)
         .map(|i| cluster.node(&format!("n{i}"), &format!("{TOKEN}-{i}")))

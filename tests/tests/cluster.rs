@@ -543,18 +543,22 @@ impl Load {
 }
 
 fn fakes(rt: &tokio::runtime::Runtime, n: usize) -> Vec<Fake> {
+    fakes_with(
+        rt,
+        n,
+        &Behaviour {
+            words: 20,
+            delay: Duration::from_millis(50),
+            whole_delay: Duration::from_millis(20),
+            ..Behaviour::default()
+        },
+    )
+}
+
+/// `n` fake OpenAI-compatible providers behaving as `behaviour` says.
+fn fakes_with(rt: &tokio::runtime::Runtime, n: usize, behaviour: &Behaviour) -> Vec<Fake> {
     (0..n)
-        .map(|_| {
-            rt.block_on(fake::start(
-                Flavor::OpenAi,
-                Behaviour {
-                    words: 20,
-                    delay: Duration::from_millis(50),
-                    whole_delay: Duration::from_millis(20),
-                    ..Behaviour::default()
-                },
-            ))
-        })
+        .map(|_| rt.block_on(fake::start(Flavor::OpenAi, behaviour.clone())))
         .collect()
 }
 
@@ -1306,18 +1310,15 @@ fn an_etcd_stopped_for_three_lease_times_under_load_loses_no_request() {
 #[test]
 fn three_edges_send_each_conversation_to_one_provider() {
     let rt = tokio::runtime::Runtime::new().expect("runtime");
-    let fakes: Vec<Fake> = (0..4)
-        .map(|_| {
-            rt.block_on(fake::start(
-                Flavor::OpenAi,
-                Behaviour {
-                    words: 4,
-                    delay: Duration::from_millis(1),
-                    ..Behaviour::default()
-                },
-            ))
-        })
-        .collect();
+    let fakes = fakes_with(
+        &rt,
+        4,
+        &Behaviour {
+            words: 4,
+            delay: Duration::from_millis(1),
+            ..Behaviour::default()
+        },
+    );
     let fabric = Fabric::start_with(&rt, 3, fakes, 4, "affinity = \"prefix\"\n");
     let _nodes: Vec<Proc> = (0..4)
         .map(|i| {
@@ -1427,18 +1428,15 @@ fn three_edges_send_each_conversation_to_one_provider() {
 #[test]
 fn a_keys_limits_and_budget_hold_across_the_cluster() {
     let rt = tokio::runtime::Runtime::new().expect("runtime");
-    let fakes: Vec<Fake> = (0..1)
-        .map(|_| {
-            rt.block_on(fake::start(
-                Flavor::OpenAi,
-                Behaviour {
-                    words: 3,
-                    delay: Duration::from_millis(1),
-                    ..Behaviour::default()
-                },
-            ))
-        })
-        .collect();
+    let fakes = fakes_with(
+        &rt,
+        1,
+        &Behaviour {
+            words: 3,
+            delay: Duration::from_millis(1),
+            ..Behaviour::default()
+        },
+    );
     let keys = "[[auth.keys]]\nname = \"k6\"\nkey = \"sk-cluster-k6-0123456789abcdef\"\nrequests_per_minute = 6\n\n\
                 [[auth.keys]]\nname = \"kb\"\nkey = \"sk-cluster-kb-0123456789abcdef\"\ntoken_budget = 40\nbudget_period = \"day\"\n";
     let mut fabric = Fabric::start_with(&rt, 3, fakes, 8, keys);
@@ -1528,18 +1526,15 @@ fn a_keys_limits_and_budget_hold_across_the_cluster() {
 #[test]
 fn sharing_keys_costs_etcd_a_write_per_edge_and_second_under_load() {
     let rt = tokio::runtime::Runtime::new().expect("runtime");
-    let fakes: Vec<Fake> = (0..1)
-        .map(|_| {
-            rt.block_on(fake::start(
-                Flavor::OpenAi,
-                Behaviour {
-                    words: 1,
-                    delay: Duration::ZERO,
-                    ..Behaviour::default()
-                },
-            ))
-        })
-        .collect();
+    let fakes = fakes_with(
+        &rt,
+        1,
+        &Behaviour {
+            words: 1,
+            delay: Duration::ZERO,
+            ..Behaviour::default()
+        },
+    );
     let keys = "[[auth.keys]]\nname = \"busy\"\nkey = \"sk-cluster-busy-0123456789abcdef\"\nrequests_per_minute = 10000000\n";
     let fabric = Fabric::start_with(&rt, 3, fakes, 64, keys);
     let _node = start_node(

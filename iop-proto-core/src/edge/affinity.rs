@@ -180,196 +180,24 @@ impl Placement {
 /// value, or the whole body. The members before it (a model name, settings) are the
 /// same for every turn of a conversation or not part of the prompt.
 fn prompt(body: &[u8]) -> &[u8] {
-    for key in [&b"\"messages\""[..], b"\"prompt\""] {
-        if let Some(at) = find(body, key) {
-            let colon = skip_ws(body, at + key.len());
-            if body.get(colon) == Some(&b':') {
-                return &body[skip_ws(body, colon + 1)..];
-            }
-        }
-    }
-    body
-}
-
-/// The first place `needle` is in `hay`.
-fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    let first = *needle.first()?;
-    let mut from = 0;
-    while let Some(at) = hay.get(from..)?.iter().position(|&b| b == first) {
-        let at = from + at;
-        if hay.get(at..at + needle.len()) == Some(needle) {
-            return Some(at);
-        }
-        from = at + 1;
-    }
-    None
-}
-
-/// `at` moved past JSON whitespace in `text`.
-fn skip_ws(text: &[u8], mut at: usize) -> usize {
-    while text.get(at).is_some_and(u8::is_ascii_whitespace) {
-        at += 1;
-    }
-    at
+    ["messages", "prompt"]
+        .iter()
+        .find_map(|key| iop_json::member_start(body, key))
+        .map_or(body, |start| &body[start..])
 }
 
 /// Where the anchor of `prompt` (a `messages` value and what follows it) ends: after the
 /// text of its first user message, at most `max` bytes into that text; what comes before
-/// it, system prompts, is all in. Messages are skimmed in order, their members in any
-/// order, nothing decoded; a prompt that is not an array of messages (a completion's
-/// `prompt`) is anchored at `max`, and so is a first user message whose content is not
-/// a string (at `max` bytes after its start).
+/// it, system prompts, is all in ([`iop_json::first_user_message`]). A prompt that is
+/// not an array of messages (a completion's `prompt`) is anchored at `max`, and so is a
+/// first user message whose content is not a string (at `max` bytes after its start).
 fn anchor_end(prompt: &[u8], max: usize) -> usize {
-    let fallback = prompt.len().min(max);
-    let mut skim = Skim { s: prompt, i: 0 };
-    skim.ws();
-    if skim.peek() != Some(b'[') {
-        return fallback;
-    }
-    skim.i += 1;
-    loop {
-        skim.ws();
-        if skim.peek() != Some(b'{') {
-            return fallback;
-        }
-        let start = skim.i;
-        skim.i += 1;
-        let (mut user, mut content) = (false, None);
-        loop {
-            skim.ws();
-            match skim.peek() {
-                Some(b'}') => {
-                    skim.i += 1;
-                    break;
-                }
-                Some(b',') => {
-                    skim.i += 1;
-                    continue;
-                }
-                Some(b'"') => {}
-                _ => return fallback,
-            }
-            let key = skim.i;
-            let Some(key_end) = skim.string(usize::MAX) else {
-                return fallback;
-            };
-            skim.ws();
-            if skim.peek() != Some(b':') {
-                return fallback;
-            }
-            skim.i += 1;
-            skim.ws();
-            let value = skim.i;
-            match &prompt[key..key_end] {
-                b"\"role\"" => {
-                    let Some(end) = skim.string(usize::MAX) else {
-                        return fallback;
-                    };
-                    user = &prompt[value..end] == b"\"user\"";
-                }
-                b"\"content\"" if skim.peek() == Some(b'"') => {
-                    // Read no further than the anchor could reach.
-                    let limit = value.saturating_add(1).saturating_add(max);
-                    match skim.string(limit) {
-                        Some(end) => content = Some(end.min(limit)),
-                        None if skim.i >= limit => content = Some(limit),
-                        None => return fallback,
-                    }
-                    if skim.i >= limit && user {
-                        return limit.min(prompt.len());
-                    }
-                    if skim.i >= limit {
-                        // A longer text: skip the rest of it.
-                        skim.i = value;
-                        if skim.string(usize::MAX).is_none() {
-                            return fallback;
-                        }
-                    }
-                }
-                _ => {
-                    if !skim.value() {
-                        return fallback;
-                    }
-                }
-            }
-        }
-        if user {
-            return content.unwrap_or_else(|| prompt.len().min(start.saturating_add(max)));
-        }
-        skim.ws();
-        match skim.peek() {
-            Some(b',') => skim.i += 1,
-            _ => return fallback,
-        }
-    }
-}
-
-/// A forward-only JSON skimmer over a prompt: where strings and values end.
-struct Skim<'a> {
-    s: &'a [u8],
-    i: usize,
-}
-
-impl Skim<'_> {
-    fn peek(&self) -> Option<u8> {
-        self.s.get(self.i).copied()
-    }
-
-    fn ws(&mut self) {
-        self.i = skip_ws(self.s, self.i);
-    }
-
-    /// Past the string at `i` (its end), stopping at `limit` (then `None`, `i` there).
-    fn string(&mut self, limit: usize) -> Option<usize> {
-        if self.peek() != Some(b'"') {
-            return None;
-        }
-        self.i += 1;
-        while self.i < limit {
-            match *self.s.get(self.i)? {
-                b'\\' => self.i += 2,
-                b'"' => {
-                    self.i += 1;
-                    return Some(self.i);
-                }
-                _ => self.i += 1,
-            }
-        }
-        self.i = limit;
-        None
-    }
-
-    /// Past one value (nested ones counted, strings skipped whole); false if the text
-    /// ends first.
-    fn value(&mut self) -> bool {
-        let mut depth = 0usize;
-        loop {
-            match self.peek() {
-                None => return false,
-                Some(b'"') => {
-                    if self.string(usize::MAX).is_none() {
-                        return false;
-                    }
-                }
-                Some(b'{' | b'[') => {
-                    depth += 1;
-                    self.i += 1;
-                }
-                Some(b'}' | b']') => {
-                    if depth == 0 {
-                        return true;
-                    }
-                    depth -= 1;
-                    self.i += 1;
-                }
-                Some(b',') if depth == 0 => return true,
-                Some(_) => self.i += 1,
-            }
-            if depth == 0 && matches!(self.s.get(self.i.wrapping_sub(1)), Some(b'"' | b'}' | b']'))
-            {
-                return true;
-            }
-        }
+    match iop_json::first_user_message(prompt) {
+        None => prompt.len().min(max),
+        Some((_, Some(text))) => text
+            .end
+            .min(text.start.saturating_add(1).saturating_add(max)),
+        Some((start, None)) => prompt.len().min(start.saturating_add(max)),
     }
 }
 
@@ -558,10 +386,15 @@ mod tests {
         );
         assert_ne!(c1.key, c2.key, "two conversations under one system prompt");
         assert!(a.blocks() >= 4096 / BLOCK);
-        // Unterminated or odd JSON is anchored at the bound, never read past it.
+        // A long text is anchored `max` bytes into it; unterminated JSON at the bound
+        // from the start.
+        assert_eq!(
+            anchor_end(br#"[{"role":"user","content":"abcdefghijkl"}]"#, 4),
+            31
+        );
         assert_eq!(
             anchor_end(br#"[{"role":"user","content":"abcdefghijkl"#, 4),
-            31
+            4
         );
         // Content before role (alphabetical writers): the same anchor.
         assert_eq!(

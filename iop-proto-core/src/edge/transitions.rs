@@ -531,7 +531,6 @@ impl EdgeCore {
         let Some(lease) = self.pool.acquire(candidate.resource, run, long) else {
             unreachable!("grant without free capacity");
         };
-        self.timers.stop(TimerKey::Placed(request));
         let meta = &self.pool.resources[candidate.resource.index()];
         let node = self.registry.node(meta.node);
         let Some(owner) = node.owner.filter(|o| o.ready) else {
@@ -552,6 +551,8 @@ impl EdgeCore {
             .get(request)
             .and_then(|r| r.placement.as_deref())
         {
+            // A wait for the provider it was placed on, if it waited, is over.
+            self.timers.stop(TimerKey::Placed(request));
             self.prefixes.record(placement, candidate.resource);
         }
         let deadline = self.first_byte_timeout(request);
@@ -1128,8 +1129,8 @@ impl EdgeCore {
     }
 
     /// `candidates` in `placement`'s order, those in the rotation on a node heard from
-    /// only: a remembered prefix reaching past the anchor first (longest first), then by
-    /// rendezvous rank (ties by configuration order).
+    /// only: without a session key, a remembered prefix reaching past the anchor first
+    /// (longest first); then by rendezvous rank (ties by configuration order).
     fn order(&self, candidates: &[Candidate], placement: &Placement) -> Vec<Ordered> {
         let timeout = self.config.timing.heartbeat_timeout;
         let anchor = placement.anchor_blocks();
@@ -1148,7 +1149,13 @@ impl EdgeCore {
                 Some(Ordered {
                     resource: c.resource,
                     rank: placement.rank((&node.id, &meta.provider_id)),
-                    past_anchor: if matched > anchor { matched } else { 0 },
+                    // A session goes by its key alone: what this Edge remembers of other
+                    // sessions' prompts must not move it where other Edges would not.
+                    past_anchor: if matched > anchor && !placement.keyed() {
+                        matched
+                    } else {
+                        0
+                    },
                     matched,
                     load: usage.in_flight
                         + usage.held_elsewhere

@@ -286,22 +286,7 @@ fn figures(policy: &str, providers: &[KvFake], failed: usize, wall: Duration) ->
 
 /// An Edge placing by `affinity` over four Nodes, one per provider.
 fn edge(providers: &[KvFake], affinity: &str) -> (Cluster, Vec<iop_blackbox::Proc>) {
-    let mut body = String::new();
-    let mut listed = Vec::new();
-    for (i, p) in providers.iter().enumerate() {
-        body.push_str(&format!(
-            "[[nodes]]\nid = \"n{i}\"\ntoken = \"{TOKEN}-{i}\"\n[[nodes.adapters]]\nname = \"kv\"\ntype = \"openai_compat\"\n\
-             base_url = \"{}\"\ncapacity = {SLOTS}\ntargets = [\"m\"]\n",
-            p.url()
-        ));
-        listed.push(format!(
-            "{{ node = \"n{i}\", adapter = \"kv\", target = \"m\" }}"
-        ));
-    }
-    body.push_str(&format!(
-        "[[models]]\nname = \"m\"\nproviders = [{}]\n",
-        listed.join(", ")
-    ));
+    let body = kvfake::fleet_toml(providers, TOKEN, SLOTS, "");
     let head = format!("[routing]\naffinity = \"{affinity}\"\n[queue]\nmax_waiting = 1024\n");
     let cluster = Cluster::start_with(Link::Plaintext, &head, &body);
     let nodes = (0..providers.len())
