@@ -750,18 +750,31 @@ fn session_header(
     headers: &http::HeaderMap,
     configured: Option<&http::HeaderName>,
 ) -> Option<String> {
-    let value = |name: &str| {
-        let value = headers.get(name)?.to_str().ok()?.trim();
-        (!value.is_empty() && value.len() <= iop_proto_core::edge::MAX_SESSION_KEY)
-            .then(|| value.to_owned())
-    };
-    configured
-        .and_then(|name| value(name.as_str()))
-        .or_else(|| {
-            iop_proto_core::edge::SESSION_HEADERS
+    // One pass over the request's few headers, the configured name first, then the list's
+    // order: a lookup by a `&str` name parses that name anew for each of four names.
+    let mut best: Option<(usize, &str)> = None;
+    for (name, value) in headers {
+        let rank = if configured == Some(name) {
+            0
+        } else {
+            match iop_proto_core::edge::SESSION_HEADERS
                 .iter()
-                .find_map(|name| value(name))
-        })
+                .position(|known| *known == name.as_str())
+            {
+                Some(at) => at + 1,
+                None => continue,
+            }
+        };
+        if best.is_some_and(|(taken, _)| taken <= rank) {
+            continue;
+        }
+        let Ok(value) = value.to_str() else { continue };
+        let value = value.trim();
+        if !value.is_empty() && value.len() <= iop_proto_core::edge::MAX_SESSION_KEY {
+            best = Some((rank, value));
+        }
+    }
+    best.map(|(_, value)| value.to_owned())
 }
 
 /// A prompt's exact token count from one of its model's providers that tokenizes
