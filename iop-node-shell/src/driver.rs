@@ -16,6 +16,7 @@ use iop_proto_core::wire::{self, FrameDecoder};
 use iop_proto_core::{
     Failure, NodeSession, NodeTransmit, SessionConfig, SessionEnd, SessionEvent, Supervisor,
 };
+use iop_shell_common::logging::{Field, info_direct};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
@@ -590,42 +591,58 @@ impl Conn {
             }
             SessionEvent::StartRun { request } => {
                 let request_id = request_id_of(&request.metadata);
-                info!(
-                    node_id,
-                    run_id = request.run_id,
-                    request_id,
-                    adapter = request.adapter,
-                    "run started"
-                );
+                let fields = [
+                    ("node_id", Some(Field::Str(node_id))),
+                    ("run_id", Some(Field::Str(&request.run_id))),
+                    ("request_id", Some(Field::Str(request_id))),
+                    ("adapter", Some(Field::Str(&request.adapter))),
+                ];
+                if tracing::enabled!(tracing::Level::INFO) && !info_direct("run started", &fields) {
+                    info!(
+                        node_id,
+                        run_id = request.run_id,
+                        request_id,
+                        adapter = request.adapter,
+                        "run started"
+                    );
+                }
                 // No span around the work: adapters log nothing of their own, and entering
                 // one on every poll of a stream is paid on every event.
-                let (run_id, adapter) = (request.run_id.clone(), request.adapter.clone());
+                let adapter = self.host.get(&request.adapter);
                 spawn_work(
-                    &self.host,
+                    adapter,
                     &mut self.tasks,
                     &self.out_tx,
-                    run_id,
-                    &adapter,
+                    request.run_id.clone(),
                     |adapter, sink, token| async move { adapter.run(request, sink, token).await },
                 );
             }
             SessionEvent::StartTunnel { request } => {
                 let request_id = request_id_of(&request.metadata);
-                info!(
-                    node_id,
-                    run_id = request.run_id,
-                    request_id,
-                    adapter = request.adapter,
-                    path = request.path,
-                    "tunnel opened"
-                );
-                let (run_id, adapter) = (request.run_id.clone(), request.adapter.clone());
+                let fields = [
+                    ("node_id", Some(Field::Str(node_id))),
+                    ("run_id", Some(Field::Str(&request.run_id))),
+                    ("request_id", Some(Field::Str(request_id))),
+                    ("adapter", Some(Field::Str(&request.adapter))),
+                    ("path", Some(Field::Str(&request.path))),
+                ];
+                if tracing::enabled!(tracing::Level::INFO) && !info_direct("tunnel opened", &fields)
+                {
+                    info!(
+                        node_id,
+                        run_id = request.run_id,
+                        request_id,
+                        adapter = request.adapter,
+                        path = request.path,
+                        "tunnel opened"
+                    );
+                }
+                let adapter = self.host.get(&request.adapter);
                 spawn_work(
-                    &self.host,
+                    adapter,
                     &mut self.tasks,
                     &self.out_tx,
-                    run_id,
-                    &adapter,
+                    request.run_id.clone(),
                     |adapter, sink, token| async move { adapter.tunnel(request, sink, token).await },
                 );
             }
@@ -693,18 +710,17 @@ fn request_id_of(metadata: &std::collections::BTreeMap<String, String>) -> &str 
 /// cancellable by `run_id`; when the task returns or its adapter panics the driver is
 /// told, so work that ended without a terminal is closed.
 fn spawn_work<F, Fut>(
-    host: &AdapterHost,
+    adapter: Option<Arc<crate::adapters::Adapter>>,
     tasks: &mut HashMap<String, CancellationToken>,
     out_tx: &mpsc::Sender<Output>,
     run_id: String,
-    adapter: &str,
     work: F,
 ) where
     F: FnOnce(Arc<crate::adapters::Adapter>, Sink, CancellationToken) -> Fut + Send + 'static,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
     // The session admitted the work, so the adapter exists in the config it applied.
-    let Some(adapter) = host.get(adapter) else {
+    let Some(adapter) = adapter else {
         return;
     };
     let token = CancellationToken::new();

@@ -160,6 +160,7 @@ pub fn flush() {
 /// Installs the global subscriber (idempotent enough for one call per process).
 pub fn init(format: LogFormat) -> LogGuard {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let mut buffered = true;
     let writer = if let Some(shared) = SHARED.get() {
         BoxMakeWriter::new(Buffered(shared.clone()))
     } else {
@@ -178,6 +179,7 @@ pub fn init(format: LogFormat) -> LogGuard {
             BoxMakeWriter::new(Buffered(shared))
         } else {
             // No thread to write for us: every line is its own write, as it comes.
+            buffered = false;
             BoxMakeWriter::new(std::io::stderr)
         }
     };
@@ -186,7 +188,7 @@ pub fn init(format: LogFormat) -> LogGuard {
         .with_writer(writer)
         .with_timer(Clock)
         .with_target(false);
-    let _ = match format {
+    let installed = match format {
         LogFormat::Text => builder
             .with_ansi(false)
             .fmt_fields(TextFields)
@@ -194,7 +196,113 @@ pub fn init(format: LogFormat) -> LogGuard {
             .try_init(),
         LogFormat::Json => builder.json().flatten_event(true).try_init(),
     };
+    if installed.is_ok() {
+        DIRECT.store(
+            buffered && format == LogFormat::Text,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
     LogGuard(())
+}
+
+/// Whether the installed subscriber writes text lines into the buffer, so that
+/// [`info_direct`] may write a line there itself.
+static DIRECT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// One value of an [`info_direct`] line, written as the text format writes that value
+/// when `tracing` records it.
+#[derive(Clone, Copy, Debug)]
+pub enum Field<'a> {
+    /// A string (`name = value`): quoted, escaped as `Debug` escapes it where it must be.
+    Str(&'a str),
+    /// A string shown as it displays (`name = %value`): neither quoted nor escaped.
+    Bare(&'a str),
+    /// An unsigned integer (every unsigned width records as one).
+    U64(u64),
+    /// A float, in thousandths where that is exact.
+    F64(f64),
+    /// A count of thousandths, written as the float `n / 1000` is (`-1.0`, `0.15`,
+    /// `18.467`) without the float's arithmetic.
+    Milli(i64),
+}
+
+/// Writes an INFO line of `message` and `fields` into the log's buffer, byte for byte as
+/// `tracing::info!(name = value, ..., "message")` writes it through the text format
+/// (a field that is `None` left out, as `tracing` leaves out an `Option` that is `None`),
+/// without `tracing`'s per-field dispatch: a line per request that went through it cost
+/// the Edge about 5,500 instructions (BENCHMARKS.md). The caller checks first that the
+/// event is enabled (`tracing::enabled!` with its target). `false`, with nothing written,
+/// where the line must go through `tracing` instead: JSON lines, no buffered writer, or
+/// inside a span (whose fields the line would carry).
+pub fn info_direct(message: &str, fields: &[(&str, Option<Field<'_>>)]) -> bool {
+    if !DIRECT.load(std::sync::atomic::Ordering::Relaxed) {
+        return false;
+    }
+    let Some(shared) = SHARED.get() else {
+        return false;
+    };
+    if !tracing::Span::current().is_none() {
+        return false;
+    }
+    let Some(stamp) = Clock::stamp() else {
+        return false;
+    };
+    with_scratch(|out| {
+        out.push_str(std::str::from_utf8(&stamp).unwrap_or(""));
+        out.push_str("  INFO ");
+        if write_fields(out, message, fields).is_ok() {
+            out.push('\n');
+            shared.append(out.as_bytes());
+        }
+    });
+    true
+}
+
+/// `message` and `fields` as [`TextFields`] writes an event's.
+fn write_fields(
+    out: &mut String,
+    message: &str,
+    fields: &[(&str, Option<Field<'_>>)],
+) -> std::fmt::Result {
+    use std::fmt::Write;
+    Message(out).write_str(message)?;
+    for (name, value) in fields {
+        let Some(value) = value else { continue };
+        out.push(' ');
+        out.push_str(name);
+        out.push('=');
+        match *value {
+            Field::Str(text) if plain(text) => {
+                out.push('"');
+                out.push_str(text);
+                out.push('"');
+            }
+            Field::Str(text) => write!(out, "{text:?}")?,
+            Field::Bare(text) => out.push_str(text),
+            Field::U64(n) => out.push_str(decimal(&mut [0u8; 20], n)),
+            Field::F64(x) => match thousandths(&mut [0u8; 32], x) {
+                Some(text) => out.push_str(text),
+                None => write!(out, "{x:?}")?,
+            },
+            Field::Milli(n) => {
+                if n < 0 {
+                    out.push('-');
+                }
+                let n = n.unsigned_abs();
+                out.push_str(decimal(&mut [0u8; 20], n / 1000));
+                out.push('.');
+                let mut fraction = [0u8; 3];
+                digits(&mut fraction, n % 1000);
+                let keep = fraction
+                    .iter()
+                    .rposition(|&d| d != b'0')
+                    .map_or(1, |at| at + 1);
+                // ASCII digits only.
+                out.push_str(std::str::from_utf8(&fraction[..keep]).unwrap_or("0"));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Each line's timestamp as tracing-subscriber's `SystemTime` writes it (RFC 3339 in UTC

@@ -360,6 +360,7 @@ async fn handle<B: ReqBody>(
         ticket: None,
         trace: None,
         tracer: state.tracer.clone(),
+        series: None,
     };
     let dialect = route.dialect();
     let refuse = |finish: &mut Finish, refusal: &ApiError| {
@@ -391,22 +392,24 @@ async fn handle<B: ReqBody>(
         return response;
     }
     // The provider sees the request under the same id as the caller and both logs.
-    let mut headers: Vec<Header> = req
-        .headers()
-        .iter()
-        .filter(|(name, _)| {
-            iop_proto_core::tunnel::forwards_request_header(name.as_str())
-                && *name != REQUEST_ID_HEADER
-        })
-        .map(|(name, value)| Header {
-            name: name.as_str().to_owned(),
-            value: Bytes::copy_from_slice(value.as_bytes()),
-        })
-        .chain(std::iter::once(Header {
-            name: REQUEST_ID_HEADER.to_owned(),
-            value: Bytes::copy_from_slice(request_id.as_bytes()),
-        }))
-        .collect();
+    // Sized once: the forwarded headers, the request id and the trace context's two.
+    let mut headers: Vec<Header> = Vec::with_capacity(req.headers().len() + 3);
+    headers.extend(
+        req.headers()
+            .iter()
+            .filter(|(name, _)| {
+                iop_proto_core::tunnel::forwards_request_header(name.as_str())
+                    && *name != REQUEST_ID_HEADER
+            })
+            .map(|(name, value)| Header {
+                name: name.as_str().to_owned(),
+                value: Bytes::copy_from_slice(value.as_bytes()),
+            }),
+    );
+    headers.push(Header {
+        name: REQUEST_ID_HEADER.to_owned(),
+        value: Bytes::copy_from_slice(request_id.as_bytes()),
+    });
     finish.trace = RequestTrace::begin(req.headers(), &state.tracer, &mut headers);
     // A Responses turn may need a stored conversation from another Edge, asked for with
     // the caller's own credential.
@@ -1097,7 +1100,8 @@ fn head(status: u16, headers: &[Header]) -> Result<Response<ResBody>, ApiError> 
     *response.status_mut() = StatusCode::from_u16(status).map_err(|_| invalid())?;
     for h in headers {
         let name = HeaderName::from_bytes(h.name.as_bytes()).map_err(|_| invalid())?;
-        let value = HeaderValue::from_bytes(&h.value).map_err(|_| invalid())?;
+        // The frame's bytes are shared, not copied.
+        let value = HeaderValue::from_maybe_shared(h.value.clone()).map_err(|_| invalid())?;
         response.headers_mut().append(name, value);
     }
     Ok(response)

@@ -141,11 +141,10 @@ async fn an_adapter_that_panics_still_reports_that_its_work_returned() {
     let (tx, mut rx) = mpsc::channel(8);
     let mut tasks = HashMap::new();
     spawn_work(
-        &host,
+        host.get("m"),
         &mut tasks,
         &tx,
         "run-1".into(),
-        "m",
         |_, _, _| async {
             panic!("an adapter bug");
         },

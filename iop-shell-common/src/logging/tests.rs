@@ -253,3 +253,54 @@ fn lines_beyond_the_bound_are_counted_not_kept() {
     shared.write_out_to(&mut Vec::new(), &mut again);
     assert!(again.is_empty());
 }
+
+#[test]
+fn direct_lines_read_as_the_text_format_writes_the_same_event() {
+    let caller = "api_keys[0]";
+    let none: Option<&str> = None;
+    let log = || {
+        tracing::info!(
+            request_id = "req_1",
+            trace_id = none,
+            caller = %caller,
+            odd = "a \"quoted\" \\ and \u{7}",
+            status = 200u16,
+            queue_ms = Some(0.15),
+            ttfb_ms = 1.0 / 3.0,
+            huge = 1e12,
+            missing_ms = -1.0,
+            small_ms = 0.007,
+            whole_ms = 12.0,
+            long_ms = 123_456.789,
+            prompt_tokens = Some(17u64),
+            completion_tokens = None::<u64>,
+            "request"
+        );
+    };
+    let mut direct = String::new();
+    write_fields(
+        &mut direct,
+        "request",
+        &[
+            ("request_id", Some(Field::Str("req_1"))),
+            ("trace_id", none.map(Field::Str)),
+            ("caller", Some(Field::Bare(caller))),
+            ("odd", Some(Field::Str("a \"quoted\" \\ and \u{7}"))),
+            ("status", Some(Field::U64(200))),
+            ("queue_ms", Some(Field::F64(0.15))),
+            ("ttfb_ms", Some(Field::F64(1.0 / 3.0))),
+            ("huge", Some(Field::F64(1e12))),
+            ("missing_ms", Some(Field::Milli(-1000))),
+            ("small_ms", Some(Field::Milli(7))),
+            ("whole_ms", Some(Field::Milli(12_000))),
+            ("long_ms", Some(Field::Milli(123_456_789))),
+            ("prompt_tokens", Some(Field::U64(17))),
+            ("completion_tokens", None),
+        ],
+    )
+    .unwrap();
+    assert_eq!(direct, line(true, log));
+    assert_eq!(direct, line(false, log));
+    // Not installed here: the caller logs through tracing.
+    assert!(!info_direct("request", &[]));
+}

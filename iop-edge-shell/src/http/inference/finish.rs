@@ -59,6 +59,8 @@ pub(super) struct Finish {
     /// Its trace, when the caller sent one or spans are exported.
     pub(super) trace: Option<RequestTrace>,
     pub(super) tracer: Arc<Tracer>,
+    /// The series of `model` once looked up (its first byte and its end record into it).
+    pub(super) series: Option<(Arc<str>, Arc<crate::metrics::ModelMetrics>)>,
 }
 
 /// A request's place in a trace (the core's decision), and when it arrived.
@@ -105,6 +107,18 @@ impl RequestTrace {
 }
 
 impl Finish {
+    /// The series `model`'s figures record into, looked up once per request.
+    fn series(&mut self) -> Arc<crate::metrics::ModelMetrics> {
+        match &self.series {
+            Some((model, series)) if Arc::ptr_eq(model, &self.model) => series.clone(),
+            _ => {
+                let series = self.metrics.model(&self.model);
+                self.series = Some((self.model.clone(), series.clone()));
+                series
+            }
+        }
+    }
+
     pub(super) fn dispatched(&mut self, node: Arc<str>, provider: Arc<str>) {
         self.dispatched = Some((node, provider, self.started.elapsed()));
     }
@@ -113,7 +127,7 @@ impl Finish {
         if self.first_byte.is_none() {
             let ttfb = self.started.elapsed();
             self.first_byte = Some(ttfb);
-            self.metrics.model(&self.model).first_byte(ttfb);
+            self.series().first_byte(ttfb);
         }
     }
 
@@ -121,7 +135,7 @@ impl Finish {
     /// log line.
     pub(super) fn done(&mut self, status: u16, usage: Option<&Usage>) {
         let duration = self.started.elapsed();
-        let metrics = self.metrics.model(&self.model);
+        let metrics = self.series();
         metrics.request(status, duration, self.route.dialect());
         if let (Some(u), Some((node, provider, _))) = (usage, &self.dispatched) {
             metrics.tokens(
@@ -149,13 +163,47 @@ impl Finish {
             self.tracer
                 .export(self.spans(trace, status, usage, duration));
         }
-        // Milliseconds to the microsecond; -1 for a step the request never reached.
-        // Through u64: converting the u128 of `as_micros` to f64 is a library call.
-        let ms = |d: Option<Duration>| {
-            d.map_or(-1.0, |d| {
-                u64::try_from(d.as_micros()).unwrap_or(u64::MAX) as f64 / 1e3
-            })
+        // Milliseconds to the microsecond, counted in thousandths; -1 for a step the
+        // request never reached.
+        let micros = |d: Option<Duration>| {
+            d.map_or(-1000, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
         };
+        let (queue_us, ttfb_us, duration_us) = (
+            micros(queued),
+            micros(self.first_byte),
+            micros(Some(duration)),
+        );
+        if !tracing::enabled!(target: "iop::request", tracing::Level::INFO) {
+            return;
+        }
+        use iop_shell_common::logging::{Field, info_direct};
+        // The same line as the `info!` below, written without tracing's per-field dispatch
+        // where the text format allows it.
+        let direct = info_direct(
+            "request",
+            &[
+                ("request_id", Some(Field::Str(&self.request_id))),
+                ("trace_id", trace_id.as_deref().map(Field::Str)),
+                ("caller", Some(Field::Bare(&self.caller.name))),
+                ("endpoint", Some(Field::Str(self.route.path()))),
+                ("dialect", Some(Field::Str(self.route.dialect().as_str()))),
+                ("model", Some(Field::Bare(&self.model))),
+                ("node", Some(Field::Str(node))),
+                ("provider", Some(Field::Str(provider))),
+                ("status", Some(Field::U64(status.into()))),
+                ("queue_ms", Some(Field::Milli(queue_us))),
+                ("ttfb_ms", Some(Field::Milli(ttfb_us))),
+                ("duration_ms", Some(Field::Milli(duration_us))),
+                ("prompt_tokens", usage.map(|u| Field::U64(u.prompt_tokens))),
+                (
+                    "completion_tokens",
+                    usage.map(|u| Field::U64(u.completion_tokens)),
+                ),
+            ],
+        );
+        if direct {
+            return;
+        }
         info!(
             target: "iop::request",
             request_id = &*self.request_id,
@@ -167,9 +215,9 @@ impl Finish {
             node,
             provider,
             status,
-            queue_ms = ms(queued),
-            ttfb_ms = ms(self.first_byte),
-            duration_ms = ms(Some(duration)),
+            queue_ms = queue_us as f64 / 1e3,
+            ttfb_ms = ttfb_us as f64 / 1e3,
+            duration_ms = duration_us as f64 / 1e3,
             prompt_tokens = usage.map(|u| u.prompt_tokens),
             completion_tokens = usage.map(|u| u.completion_tokens),
             "request"
