@@ -284,22 +284,7 @@ fn write_fields(
                 Some(text) => out.push_str(text),
                 None => write!(out, "{x:?}")?,
             },
-            Field::Milli(n) => {
-                if n < 0 {
-                    out.push('-');
-                }
-                let n = n.unsigned_abs();
-                out.push_str(decimal(&mut [0u8; 20], n / 1000));
-                out.push('.');
-                let mut fraction = [0u8; 3];
-                digits(&mut fraction, n % 1000);
-                let keep = fraction
-                    .iter()
-                    .rposition(|&d| d != b'0')
-                    .map_or(1, |at| at + 1);
-                // ASCII digits only.
-                out.push_str(std::str::from_utf8(&fraction[..keep]).unwrap_or("0"));
-            }
+            Field::Milli(n) => out.push_str(milli(&mut [0u8; 32], n < 0, n.unsigned_abs())),
         }
     }
     Ok(())
@@ -644,6 +629,12 @@ fn thousandths(buf: &mut [u8; 32], value: f64) -> Option<&str> {
     // In range by the check above: below 10^12.
     #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
     let n = scaled as u64;
+    Some(milli(buf, value.is_sign_negative(), n))
+}
+
+/// `n` thousandths, negative when `negative`, as `Debug` writes the float `n / 1000`
+/// (`-1.0`, `0.15`, `18.467`), into `buf` (any `u64` fits).
+fn milli(buf: &mut [u8; 32], negative: bool, n: u64) -> &str {
     let mut digits_buf = [0u8; 20];
     let whole = decimal(&mut digits_buf, n / 1000);
     let mut len = 0;
@@ -651,7 +642,7 @@ fn thousandths(buf: &mut [u8; 32], value: f64) -> Option<&str> {
         buf[len..len + bytes.len()].copy_from_slice(bytes);
         len += bytes.len();
     };
-    if value.is_sign_negative() {
+    if negative {
         put(b"-");
     }
     put(whole.as_bytes());
@@ -663,7 +654,8 @@ fn thousandths(buf: &mut [u8; 32], value: f64) -> Option<&str> {
         .rposition(|&d| d != b'0')
         .map_or(1, |at| at + 1);
     put(&fraction[..keep]);
-    std::str::from_utf8(&buf[..len]).ok()
+    // ASCII digits, a sign and a point only.
+    std::str::from_utf8(&buf[..len]).unwrap_or("?")
 }
 
 /// `value` in decimal, written into the end of `buf` (20 digits hold any `u64`).
