@@ -214,15 +214,8 @@ impl Scanner<'_> {
     fn string(&mut self) -> Option<()> {
         self.eat(b'"')?;
         loop {
-            // The next quote or backslash; what lies between needs no look. Most strings
-            // (keys, short values) end within a few bytes, found in place; `memchr2`'s
-            // setup costs more than such a string, and pays only on a longer one.
-            let rest = self.s.get(self.i..)?;
-            let near = &rest[..rest.len().min(16)];
-            self.i += match near.iter().position(|&b| b == b'"' || b == b'\\') {
-                Some(at) => at,
-                None => near.len() + memchr::memchr2(b'"', b'\\', &rest[near.len()..])?,
-            };
+            // The next quote or backslash; what lies between needs no look.
+            self.i += memchr::memchr2(b'"', b'\\', self.s.get(self.i..)?)?;
             if self.peek()? == b'"' {
                 self.i += 1;
                 return Some(());
