@@ -219,8 +219,6 @@ pub enum Field<'a> {
     Bare(&'a str),
     /// An unsigned integer (every unsigned width records as one).
     U64(u64),
-    /// A float, in thousandths where that is exact.
-    F64(f64),
     /// A count of thousandths, written as the float `n / 1000` is (`-1.0`, `0.15`,
     /// `18.467`) without the float's arithmetic.
     Milli(i64),
@@ -280,10 +278,6 @@ fn write_fields(
             Field::Str(text) => write!(out, "{text:?}")?,
             Field::Bare(text) => out.push_str(text),
             Field::U64(n) => out.push_str(decimal(&mut [0u8; 20], n)),
-            Field::F64(x) => match thousandths(&mut [0u8; 32], x) {
-                Some(text) => out.push_str(text),
-                None => write!(out, "{x:?}")?,
-            },
             Field::Milli(n) => out.push_str(milli(&mut [0u8; 32], n < 0, n.unsigned_abs())),
         }
     }
