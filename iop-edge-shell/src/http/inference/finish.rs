@@ -173,35 +173,31 @@ impl Finish {
             micros(self.first_byte),
             micros(Some(duration)),
         );
-        if !tracing::enabled!(target: "iop::request", tracing::Level::INFO) {
-            return;
-        }
         use iop_shell_common::logging::{Field, info_direct};
         // The same line as the `info!` below, written without tracing's per-field dispatch
         // where the text format allows it.
-        let direct = info_direct(
-            "request",
-            &[
-                ("request_id", Some(Field::Str(&self.request_id))),
-                ("trace_id", trace_id.as_deref().map(Field::Str)),
-                ("caller", Some(Field::Bare(&self.caller.name))),
-                ("endpoint", Some(Field::Str(self.route.path()))),
-                ("dialect", Some(Field::Str(self.route.dialect().as_str()))),
-                ("model", Some(Field::Bare(&self.model))),
-                ("node", Some(Field::Str(node))),
-                ("provider", Some(Field::Str(provider))),
-                ("status", Some(Field::U64(status.into()))),
-                ("queue_ms", Some(Field::Milli(queue_us))),
-                ("ttfb_ms", Some(Field::Milli(ttfb_us))),
-                ("duration_ms", Some(Field::Milli(duration_us))),
-                ("prompt_tokens", usage.map(|u| Field::U64(u.prompt_tokens))),
-                (
-                    "completion_tokens",
-                    usage.map(|u| Field::U64(u.completion_tokens)),
-                ),
-            ],
-        );
-        if direct {
+        let fields = [
+            ("request_id", Some(Field::Str(&self.request_id))),
+            ("trace_id", trace_id.as_deref().map(Field::Str)),
+            ("caller", Some(Field::Bare(&self.caller.name))),
+            ("endpoint", Some(Field::Str(self.route.path()))),
+            ("dialect", Some(Field::Str(self.route.dialect().as_str()))),
+            ("model", Some(Field::Bare(&self.model))),
+            ("node", Some(Field::Str(node))),
+            ("provider", Some(Field::Str(provider))),
+            ("status", Some(Field::U64(status.into()))),
+            ("queue_ms", Some(Field::Milli(queue_us))),
+            ("ttfb_ms", Some(Field::Milli(ttfb_us))),
+            ("duration_ms", Some(Field::Milli(duration_us))),
+            ("prompt_tokens", usage.map(|u| Field::U64(u.prompt_tokens))),
+            (
+                "completion_tokens",
+                usage.map(|u| Field::U64(u.completion_tokens)),
+            ),
+        ];
+        if !tracing::enabled!(target: "iop::request", tracing::Level::INFO)
+            || info_direct("request", &fields)
+        {
             return;
         }
         info!(
