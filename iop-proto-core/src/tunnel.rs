@@ -365,6 +365,166 @@ impl Iterator for BodyFrames<'_> {
 
 impl ExactSizeIterator for BodyFrames<'_> {}
 
+/// Where a part sits in a merged frame: `STATUS`, then `BODY`, then `USAGE`, then `END`.
+/// `HEADERS` and `ERROR` are never merged.
+fn stage(kind: TunnelFrameKind) -> Option<u8> {
+    match kind {
+        TunnelFrameKind::Status => Some(0),
+        TunnelFrameKind::Body => Some(1),
+        TunnelFrameKind::Usage => Some(2),
+        TunnelFrameKind::End => Some(3),
+        _ => None,
+    }
+}
+
+/// The stage of the last part `frame` carries; `None` for a kind never merged.
+fn last_stage(frame: &ProviderTunnelFrame) -> Option<u8> {
+    let kind = TunnelFrameKind::try_from(frame.kind).ok()?;
+    let first = stage(kind)?;
+    Some(if frame.end {
+        3
+    } else if frame.usage.is_some() {
+        first.max(2)
+    } else if !frame.body.is_empty() {
+        first.max(1)
+    } else {
+        first
+    })
+}
+
+/// How many parts `frame` carries: 1 unless it is merged (`STATUS` with a body, usage or
+/// the end; `BODY` with usage or the end; `USAGE` with the end).
+#[must_use]
+pub fn part_count(frame: &ProviderTunnelFrame) -> u64 {
+    let Ok(kind) = TunnelFrameKind::try_from(frame.kind) else {
+        return 1;
+    };
+    match kind {
+        TunnelFrameKind::Status => {
+            1 + u64::from(!frame.body.is_empty())
+                + u64::from(frame.usage.is_some())
+                + u64::from(frame.end)
+        }
+        TunnelFrameKind::Body => 1 + u64::from(frame.usage.is_some()) + u64::from(frame.end),
+        TunnelFrameKind::Usage => 1 + u64::from(frame.end),
+        _ => 1,
+    }
+}
+
+/// Whether `frame` ends its tunnel: `END`, `ERROR`, or a merged frame whose last part is
+/// `END`.
+#[must_use]
+pub fn ends_tunnel(frame: &ProviderTunnelFrame) -> bool {
+    match TunnelFrameKind::try_from(frame.kind) {
+        Ok(TunnelFrameKind::End | TunnelFrameKind::Error) => true,
+        Ok(TunnelFrameKind::Status | TunnelFrameKind::Body | TunnelFrameKind::Usage) => frame.end,
+        _ => false,
+    }
+}
+
+/// Merges `part`, the frame that follows `into` in the same tunnel, into `into` when the
+/// wire's merge rule allows it (`ProviderTunnelFrame` in the schema): a body into a
+/// `STATUS` without one, usage into a `STATUS` or `BODY` without it, the end into a
+/// `STATUS`, `BODY` or `USAGE`. The merged frame is exactly `into` then `part`, one frame
+/// on the wire instead of two: `None`. Anything else (another tunnel, a sequence gap,
+/// `HEADERS`, `ERROR`, a part out of the order) is handed back unchanged, to be sent on
+/// its own.
+#[must_use = "a part handed back must still be sent"]
+pub fn merge_into(
+    into: &mut ProviderTunnelFrame,
+    part: ProviderTunnelFrame,
+) -> Option<ProviderTunnelFrame> {
+    let (Some(held), Ok(kind)) = (last_stage(into), TunnelFrameKind::try_from(part.kind)) else {
+        return Some(part);
+    };
+    let joins = held < 3
+        && part_count(&part) == 1
+        && part.sequence == into.sequence.saturating_add(part_count(into))
+        && part.run_id == into.run_id
+        && part.metadata.is_empty()
+        && part.error.is_none()
+        && match kind {
+            TunnelFrameKind::Body => held == 0 && !part.body.is_empty() && part.headers.is_empty(),
+            TunnelFrameKind::Usage => held < 2 && part.usage.is_some(),
+            TunnelFrameKind::End => true,
+            _ => false,
+        };
+    if !joins {
+        return Some(part);
+    }
+    match kind {
+        TunnelFrameKind::Body => into.body = part.body,
+        TunnelFrameKind::Usage => into.usage = part.usage,
+        _ => into.end = true,
+    }
+    None
+}
+
+/// The parts of `frame`, in order, each a frame of its own kind numbered from `frame`'s
+/// sequence: what a merged frame stands for ([`merge_into`]); a frame that is not merged
+/// is its only part.
+pub fn split(frame: ProviderTunnelFrame) -> Parts {
+    Parts { rest: Some(frame) }
+}
+
+/// The parts of one tunnel frame, from [`split`].
+#[derive(Debug)]
+#[must_use = "the parts are made as they are taken"]
+pub struct Parts {
+    rest: Option<ProviderTunnelFrame>,
+}
+
+impl Iterator for Parts {
+    type Item = ProviderTunnelFrame;
+
+    fn next(&mut self) -> Option<ProviderTunnelFrame> {
+        let mut rest = self.rest.take()?;
+        if part_count(&rest) == 1 {
+            return Some(rest);
+        }
+        let kind = TunnelFrameKind::try_from(rest.kind).unwrap_or(TunnelFrameKind::Unspecified);
+        // The first part keeps what is its own; the rest goes on as the next kind.
+        let mut first = ProviderTunnelFrame {
+            run_id: rest.run_id.clone(),
+            sequence: rest.sequence,
+            kind: rest.kind,
+            status_code: std::mem::take(&mut rest.status_code),
+            headers: std::mem::take(&mut rest.headers),
+            metadata: std::mem::take(&mut rest.metadata),
+            ..ProviderTunnelFrame::default()
+        };
+        rest.sequence = rest.sequence.saturating_add(1);
+        let next = match kind {
+            TunnelFrameKind::Status if !rest.body.is_empty() => TunnelFrameKind::Body,
+            TunnelFrameKind::Status | TunnelFrameKind::Body if rest.usage.is_some() => {
+                if kind == TunnelFrameKind::Body {
+                    first.body = std::mem::take(&mut rest.body);
+                }
+                TunnelFrameKind::Usage
+            }
+            _ => {
+                match kind {
+                    TunnelFrameKind::Body => first.body = std::mem::take(&mut rest.body),
+                    TunnelFrameKind::Usage => first.usage = rest.usage.take(),
+                    _ => {}
+                }
+                TunnelFrameKind::End
+            }
+        };
+        rest.kind = next as i32;
+        self.rest = Some(rest);
+        Some(first)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let n = self
+            .rest
+            .as_ref()
+            .map_or(0, |f| usize::try_from(part_count(f)).unwrap_or(usize::MAX));
+        (n, Some(n))
+    }
+}
+
 /// The inference route a request came by: which requests a provider may serve (a
 /// normalized run serves chat only; every other route is a raw call a tunnel forwards to
 /// the same path).

@@ -28,6 +28,8 @@ struct H {
     now: u64,
     /// Events drained along with transmits, not yet looked at.
     pending_events: Vec<SessionEvent>,
+    /// The Edge's `RegisterResponse.merged_tunnel_frames`.
+    merged: bool,
 }
 
 impl H {
@@ -48,6 +50,7 @@ impl H {
             s: NodeSession::new(cfg),
             now: 0,
             pending_events: Vec::new(),
+            merged: false,
         }
     }
 
@@ -96,6 +99,7 @@ impl H {
             retry_after_ms: 0,
             load_reports: true,
             cluster: None,
+            merged_tunnel_frames: self.merged,
         }));
     }
 
@@ -105,7 +109,13 @@ impl H {
     }
 
     fn ready_with(tweak: impl FnOnce(&mut SessionConfig)) -> Self {
+        Self::ready_merging(false, tweak)
+    }
+
+    /// Ready, with an Edge that takes merged tunnel frames or not.
+    fn ready_merging(merged: bool, tweak: impl FnOnce(&mut SessionConfig)) -> Self {
         let mut h = H::with(tweak);
+        h.merged = merged;
         h.s.handle_connected(h.t()).expect("connecting");
         h.accept(vec![adapter("a", AdapterType::Mock, 2, 1)]);
         h.s.handle_config_applied(h.t(), Ok(()))
@@ -753,6 +763,65 @@ fn work_before_ready_is_a_protocol_violation() {
     h.s.handle_connected(h.t()).expect("connecting");
     h.run("r1", "a", false);
     assert!(matches!(h.s.end(), Some(SessionEnd::ProtocolViolation(_))));
+}
+
+/// The frames of tunnel `t1` a whole response makes when its outputs reach the session
+/// before the shell drains it: the head, a body of `body_len` bytes, usage, the end.
+fn whole_response(merged: bool, body_len: usize) -> Vec<ProviderTunnelFrame> {
+    let mut h = H::ready_merging(merged, |c| c.chunk_size = 8);
+    h.tunnel("t1", "a");
+    h.events();
+    let t = h.t();
+    let body = Bytes::from(vec![b'x'; body_len]);
+    for output in [
+        TunnelOutput::Status {
+            status: 200,
+            headers: vec![Header {
+                name: "content-type".into(),
+                value: Bytes::from_static(b"application/json"),
+            }],
+        },
+        TunnelOutput::Body(body),
+        TunnelOutput::Usage(Usage {
+            prompt_tokens: 3,
+            completion_tokens: 4,
+            total_tokens: 7,
+        }),
+        TunnelOutput::End,
+    ] {
+        h.s.handle_tunnel_output(t, "t1", output).expect("in order");
+    }
+    h.tx()
+        .into_iter()
+        .filter_map(|b| match b {
+            Body::ProviderTunnelFrame(f) => Some(f),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_whole_response_leaves_as_one_frame_only_for_an_edge_that_takes_merged_frames() {
+    let separate = whole_response(false, 5);
+    assert_eq!(separate.len(), 4, "an older Edge gets one frame per part");
+    let merged = whole_response(true, 5);
+    assert_eq!(merged.len(), 1, "{merged:?}");
+    assert_eq!(merged[0].kind, TunnelFrameKind::Status as i32);
+    assert!(merged[0].end && merged[0].usage.is_some() && merged[0].body.len() == 5);
+    // What the Edge reads from it is exactly the separate frames.
+    let parts: Vec<_> = merged.into_iter().flat_map(tunnel::split).collect();
+    assert_eq!(parts, separate);
+    // A body of several chunks: the head takes the first, the last takes usage and end.
+    let separate = whole_response(false, 20);
+    let merged = whole_response(true, 20);
+    assert_eq!((separate.len(), merged.len()), (6, 3), "{merged:?}");
+    let parts: Vec<_> = merged.into_iter().flat_map(tunnel::split).collect();
+    assert_eq!(parts, separate);
+    let mut rx = TunnelReceiver::new();
+    for part in &parts {
+        rx.observe(part).expect("valid part");
+    }
+    assert!(rx.is_ended());
 }
 
 #[test]

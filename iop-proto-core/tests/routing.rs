@@ -544,13 +544,15 @@ fn a_wait_beside_a_hung_run_that_times_out_waits_again() {
 }
 
 /// Sends a whole tunnel answer for `grant`: `status` (with `retry-after` when given),
-/// one body chunk, the end.
+/// one body chunk, the end; in one merged frame when `merged`, as a node does for an Edge
+/// that takes them.
 fn tunnel_answer(
     h: &mut Harness,
     conn: ConnId,
     grant: &Grant,
     status: u32,
     retry_after: Option<&str>,
+    merged: bool,
 ) {
     let frame = |sequence, kind: TunnelFrameKind| ProviderTunnelFrame {
         run_id: grant.run.wire(),
@@ -570,16 +572,49 @@ fn tunnel_answer(
     body.body = bytes::Bytes::from_static(b"{}");
     let mut end = frame(2, TunnelFrameKind::End);
     end.end = true;
+    if merged {
+        assert!(
+            tunnel::merge_into(&mut head, body).is_none(),
+            "the body joins"
+        );
+        assert!(
+            tunnel::merge_into(&mut head, end).is_none(),
+            "the end joins"
+        );
+        h.send(conn, Body::ProviderTunnelFrame(head));
+        return;
+    }
     for f in [head, body, end] {
         h.send(conn, Body::ProviderTunnelFrame(f));
     }
 }
 
+/// What the caller of `request` was given, in order.
+fn given(events: &[EdgeEvent], request: RequestId) -> Vec<RequestEvent> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            EdgeEvent::Request { request: r, event } if *r == request => Some(event.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
 /// A provider that answers 503 with `Retry-After` is taken out of the rotation for that
 /// long even where the ejection caps would keep it (here: the group's last provider in
-/// the rotation); a request then waits for capacity instead of receiving its 503.
+/// the rotation); a request then waits for capacity instead of receiving its 503. The
+/// same whether the answers come as separate frames or merged ones, and the callers are
+/// given the same.
 #[test]
 fn a_retry_after_cools_a_provider_whatever_the_cap_and_requests_wait_for_capacity() {
+    let separate = retry_after_world(false);
+    let merged = retry_after_world(true);
+    assert!(!separate.is_empty());
+    assert_eq!(format!("{separate:?}"), format!("{merged:?}"));
+}
+
+/// The retry-after scenario with answers `merged` or not: what its callers were given.
+fn retry_after_world(merged: bool) -> Vec<RequestEvent> {
     let mut cfg = two_providers();
     for (node_id, name) in [("n1", "a"), ("n2", "b")] {
         cfg.nodes.insert(
@@ -600,22 +635,23 @@ fn a_retry_after_cools_a_provider_whatever_the_cap_and_requests_wait_for_capacit
     let r1 = h.submit_tunnel("m").expect("accepted");
     let (_, events) = h.drain();
     let x = grants(&events).remove(0);
-    tunnel_answer(&mut h, conn_of(&x), &x, 503, Some("2"));
+    tunnel_answer(&mut h, conn_of(&x), &x, 503, Some("2"), merged);
     let (_, events) = h.drain();
     let y = grants(&events)
         .into_iter()
         .find(|g| g.request == r1)
         .expect("tried on the other provider");
     assert_ne!(y.node_id, x.node_id);
-    tunnel_answer(&mut h, conn_of(&y), &y, 200, None);
-    h.drain();
+    tunnel_answer(&mut h, conn_of(&y), &y, 200, None, merged);
+    let (_, events) = h.drain();
+    let mut caller = given(&events, r1);
     // The other one asks for thirty: out too, though it was the last in the rotation;
     // the request waits for the first one's probe instead of receiving the 503.
     let r2 = h.submit_tunnel("m").expect("accepted");
     let (_, events) = h.drain();
     let y2 = grants(&events).remove(0);
     assert_eq!(y2.node_id, y.node_id);
-    tunnel_answer(&mut h, conn_of(&y2), &y2, 503, Some("30"));
+    tunnel_answer(&mut h, conn_of(&y2), &y2, 503, Some("30"), merged);
     let (_, events) = h.drain();
     assert!(
         ended(&events).is_empty(),
@@ -637,13 +673,15 @@ fn a_retry_after_cools_a_provider_whatever_the_cap_and_requests_wait_for_capacit
         .find(|g| g.request == r2)
         .expect("dispatched to the first provider's probe");
     assert_eq!(probe.node_id, x.node_id);
-    tunnel_answer(&mut h, conn_of(&probe), &probe, 200, None);
+    tunnel_answer(&mut h, conn_of(&probe), &probe, 200, None, merged);
     let (_, events) = h.drain();
     let (_, outcome) = ended(&events)
         .into_iter()
         .find(|(r, _)| *r == r2)
         .expect("ended");
     assert_eq!(outcome, Outcome::Completed);
+    caller.extend(given(&events, r2));
+    caller
 }
 
 /// A run past its first-byte deadline whose request may not be tried beside it yet (the

@@ -148,6 +148,98 @@ proptest! {
         prop_assert_eq!(emitter.is_ended(), receiver.is_ended());
     }
 
+    /// Whatever the adapter does, merging its frames as a node does (each into the frame
+    /// before it, where the merge rule allows) and splitting them as an Edge does gives
+    /// back exactly the frames it made, in order; no merged frame holds a chunk larger
+    /// than the chunk size, and the merged frames are never more than the parts.
+    #[test]
+    fn merged_frames_split_back_into_the_frames_merged(
+        ops in vec(tunnel_op(), 0..20),
+        chunk in 1usize..64,
+        flush in vec(any::<bool>(), 20),
+    ) {
+        let mut emitter = TunnelEmitter::new("t", chunk);
+        let mut parts = Vec::new();
+        let mut merged: Vec<ProviderTunnelFrame> = Vec::new();
+        // Frames already sent (the shell drained) are not merged into any more.
+        let mut sent = 0;
+        for (op, flush) in ops.into_iter().zip(flush) {
+            let frames: Vec<ProviderTunnelFrame> = match op {
+                TunnelOp::Status(code) => emitter.status(code, Vec::new()).into_iter().collect(),
+                TunnelOp::Body(data) => emitter.body(Bytes::from(data)).collect(),
+                TunnelOp::Headers => emitter.headers(Vec::new()).into_iter().collect(),
+                TunnelOp::Usage => emitter.usage(Usage { prompt_tokens: 1, ..Usage::default() }).into_iter().collect(),
+                TunnelOp::End => emitter.end().into_iter().collect(),
+                TunnelOp::Error => emitter.error(ErrorDetail::default()).into_iter().collect(),
+            };
+            for frame in frames {
+                parts.push(frame.clone());
+                let open = merged.len() > sent;
+                let frame = match merged.last_mut() {
+                    Some(last) if open => match tunnel::merge_into(last, frame) {
+                        None => continue,
+                        Some(frame) => frame,
+                    },
+                    _ => frame,
+                };
+                merged.push(frame);
+            }
+            if flush {
+                sent = merged.len();
+            }
+        }
+        prop_assert!(merged.len() <= parts.len());
+        let mut receiver = TunnelReceiver::new();
+        let mut split = Vec::new();
+        for frame in merged {
+            prop_assert!(frame.body.len() <= chunk);
+            let count = tunnel::part_count(&frame);
+            let before = split.len();
+            split.extend(tunnel::split(frame));
+            prop_assert_eq!(split.len() - before, count as usize);
+        }
+        for part in &split {
+            prop_assert!(receiver.observe(part).is_ok(), "refused {:?}", part);
+        }
+        prop_assert_eq!(split, parts);
+    }
+
+    /// Any frame a peer may send splits into parts each of one kind alone (no part is
+    /// merged again), numbered on from its sequence, as many as `part_count` says.
+    #[test]
+    fn any_frame_splits_into_plain_parts(
+        kind in 0..8i32,
+        sequence in any::<u64>(),
+        body in vec(any::<u8>(), 0..4),
+        usage in any::<bool>(),
+        end in any::<bool>(),
+    ) {
+        let frame = ProviderTunnelFrame {
+            run_id: "t".into(),
+            sequence,
+            kind,
+            status_code: 200,
+            body: Bytes::from(body.clone()),
+            usage: usage.then(Usage::default),
+            end,
+            ..Default::default()
+        };
+        let count = tunnel::part_count(&frame);
+        let parts: Vec<_> = tunnel::split(frame.clone()).collect();
+        prop_assert_eq!(parts.len() as u64, count);
+        if count == 1 {
+            prop_assert_eq!(&parts[0], &frame);
+        }
+        let mut total = 0;
+        for (i, part) in parts.iter().enumerate() {
+            prop_assert_eq!(tunnel::part_count(part), 1);
+            prop_assert_eq!(part.sequence, sequence.saturating_add(i as u64));
+            prop_assert_eq!(&part.run_id, "t");
+            total += part.body.len();
+        }
+        prop_assert_eq!(total, body.len());
+    }
+
     /// Chunking reassembles the exact body for any body and chunk size.
     #[test]
     fn chunking_reassembles_the_exact_body(body in vec(any::<u8>(), 0..5000), chunk in 1usize..700) {

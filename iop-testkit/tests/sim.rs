@@ -44,7 +44,7 @@ fn every_seed_keeps_every_invariant() {
     let (mut requests, mut completed, mut frames, mut unsupported, mut conflicts, mut garbled) =
         (0, 0, 0, 0, 0, 0);
     let (mut drained, mut held_off, mut bad_refused, mut bad_throttled) = (0, 0, 0, 0);
-    let (mut retries, mut ejections, mut restored) = (0, 0, 0);
+    let (mut retries, mut ejections, mut restored, mut merged) = (0, 0, 0, 0);
     for seed in 0..seeds() {
         match sim::run_seed(seed, SimOptions::default()) {
             Ok(stats) => {
@@ -62,6 +62,7 @@ fn every_seed_keeps_every_invariant() {
                 retries += stats.retries;
                 ejections += stats.ejections;
                 restored += stats.restored;
+                merged += stats.merged;
             }
             Err(failure) => panic!("{failure}"),
         }
@@ -69,7 +70,8 @@ fn every_seed_keeps_every_invariant() {
     let real = started.elapsed();
     println!(
         "simulated {:.0} s in {:.1} s real ({:.0}x), {requests} requests ({completed} completed, \
-         {unsupported} left without a tunnel by a reload), {frames} frames, {conflicts} node-id \
+         {unsupported} left without a tunnel by a reload), {frames} frames ({merged} merged \
+         tunnel frames), {conflicts} node-id \
          conflicts, {garbled} unknown message kinds, {drained} graceful stops drained, \
          {held_off} restarts held off while their node drained, {bad_refused} registrations \
          of misconfigured siblings refused ({bad_throttled} held back), {retries} requests \
@@ -95,6 +97,7 @@ fn every_seed_keeps_every_invariant() {
         "no provider was ever ejected and restored"
     );
     assert!(held_off > 0, "no restart met its node still draining");
+    assert!(merged > 0, "no node ever merged a tunnel's frames");
 }
 
 /// Seeds a wide sweep once found breaking an invariant, each with the rule that was broken.

@@ -203,7 +203,10 @@ impl EdgeCore {
             Body::HeartbeatAck(ack) => self.registry.heartbeat_answered(self.now, conn, ack.nonce),
             Body::RunEvent(event) => self.on_stream(conn, phase, StreamItem::Run(event)),
             Body::ProviderTunnelFrame(frame) => {
-                self.on_stream(conn, phase, StreamItem::Frame(frame));
+                // A merged frame is its parts one by one (`merged_tunnel_frames`).
+                for part in crate::tunnel::split(frame) {
+                    self.on_stream(conn, phase, StreamItem::Frame(part));
+                }
             }
             Body::NodeConfigRefreshResponse(resp) => self.on_refresh_response(conn, phase, resp),
             Body::NodeCommandResponse(resp) => {

@@ -124,6 +124,8 @@ pub struct NodeSession {
     rehomed: bool,
     /// The Edge takes `NodeLoadReport` (`RegisterResponse.load_reports`).
     load_reports: bool,
+    /// The Edge takes merged tunnel frames (`RegisterResponse.merged_tunnel_frames`).
+    merged_tunnel_frames: bool,
     /// What the node's work for other, draining sessions holds, by adapter (sorted, no
     /// empty entries): in the `NodeReadyRequest`, in the gates, and reported on change.
     held_elsewhere: Vec<AdapterLoad>,
@@ -163,6 +165,7 @@ impl NodeSession {
             draining: false,
             rehomed: false,
             load_reports: false,
+            merged_tunnel_frames: false,
             held_elsewhere: Vec::new(),
             load_changes: 0,
             cancelling: false,
@@ -656,6 +659,7 @@ impl NodeSession {
                 }
                 self.state = SessionState::Configuring;
                 self.load_reports = resp.load_reports;
+                self.merged_tunnel_frames = resp.merged_tunnel_frames;
                 if let Some(members) = resp.cluster.filter(|_| self.config.cluster) {
                     self.events.push_back(SessionEvent::Members(members));
                 }

@@ -303,12 +303,25 @@ impl NodeSession {
         output: TunnelOutput,
     ) -> Result<WorkStep, SessionError> {
         self.advance(now);
+        let merge = self.merged_tunnel_frames;
         let (work, queue) = self.work_in_flight(run_id, "tunnel output")?;
         let WorkKind::Tunnel(emitter) = &mut work.kind else {
             return Err(SessionError::WrongKind(run_id.to_owned()));
         };
-        // Frames go straight to the transmit queue (no list of them per body chunk).
+        // Frames go straight to the transmit queue (no list of them per body chunk). To an
+        // Edge that takes them, a part joins the tunnel's frame still waiting at the back
+        // of the queue: a response the provider gave at once (its head, its whole body,
+        // its usage and its end read before the shell drained) leaves as one frame.
         let mut send = |frame| {
+            let frame = match queue.back_mut() {
+                Some(NodeTransmit::Frame(Envelope {
+                    body: Some(Body::ProviderTunnelFrame(last)),
+                })) if merge => match crate::tunnel::merge_into(last, frame) {
+                    None => return,
+                    Some(frame) => frame,
+                },
+                _ => frame,
+            };
             queue.push_back(NodeTransmit::Frame(Envelope::new(
                 Body::ProviderTunnelFrame(frame),
             )));

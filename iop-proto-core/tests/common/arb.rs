@@ -154,7 +154,8 @@ pub fn body() -> impl Strategy<Value = Body> {
             any::<u32>(),
             any::<u32>(),
             any::<bool>(),
-            option::of(cluster_members())
+            option::of(cluster_members()),
+            any::<bool>()
         )
             .prop_map(
                 |(
@@ -166,6 +167,7 @@ pub fn body() -> impl Strategy<Value = Body> {
                     retry_after_ms,
                     load_reports,
                     cluster,
+                    merged_tunnel_frames,
                 )| {
                     Body::RegisterResponse(RegisterResponse {
                         accepted,
@@ -176,6 +178,7 @@ pub fn body() -> impl Strategy<Value = Body> {
                         retry_after_ms,
                         load_reports,
                         cluster,
+                        merged_tunnel_frames,
                     })
                 }
             ),

@@ -341,8 +341,9 @@ impl World {
             .map(|(id, _)| id.clone())
             .collect();
         for run_id in due {
-            self.progress_work(i, &run_id);
-            self.drain_node(i);
+            if !self.progress_work(i, &run_id) {
+                self.drain_node(i);
+            }
         }
     }
 

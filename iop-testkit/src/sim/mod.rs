@@ -201,6 +201,8 @@ pub struct Stats {
     pub unsupported: u64,
     /// Frames carried by the links.
     pub frames: u64,
+    /// Of those, tunnel frames that carried several parts (merged by the node).
+    pub merged: u64,
     /// Node ids that became a conflict (impostors fighting the real node).
     pub conflicts: u64,
     /// Messages of unknown kinds the nodes sent (each fails one run, never a connection).
@@ -662,11 +664,7 @@ fn terminal_event(event: &RunEvent) -> bool {
 }
 
 fn terminal_frame(frame: &ProviderTunnelFrame) -> bool {
-    matches!(
-        iop_proto_core::wire::TunnelFrameKind::try_from(frame.kind),
-        Ok(iop_proto_core::wire::TunnelFrameKind::End
-            | iop_proto_core::wire::TunnelFrameKind::Error)
-    )
+    iop_proto_core::tunnel::ends_tunnel(frame)
 }
 
 /// Runs `ops` in a world seeded with `seed`.

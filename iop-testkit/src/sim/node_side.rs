@@ -100,6 +100,11 @@ impl World {
         }
         if link.to_edge.send(envelope, now + latency) {
             self.stats.frames += 1;
+            if let Some(wire::Body::ProviderTunnelFrame(frame)) = &envelope.body
+                && iop_proto_core::tunnel::part_count(frame) > 1
+            {
+                self.stats.merged += 1;
+            }
         }
     }
 
@@ -247,13 +252,16 @@ impl World {
         );
     }
 
-    /// Advances one piece of provider work by one output.
-    pub(super) fn progress_work(&mut self, i: usize, run_id: &str) {
+    /// Advances one piece of provider work by one output; true when the output is held
+    /// in the session, not drained yet: a third of the tunnels answer whole, as a
+    /// provider does that sends its head, body and end at once, and what they say reaches
+    /// the session's queue before the shell drains it (the node merges their frames).
+    pub(super) fn progress_work(&mut self, i: usize, run_id: &str) -> bool {
         let now = self.now;
         let mode = self.procs[i].mode;
         let delay = self.provider_delay(mode);
         let Some(work) = self.procs[i].work.get_mut(run_id) else {
-            return;
+            return false;
         };
         let (tunnel, step, total, cancelled, fail, numbered) = (
             work.tunnel,
@@ -278,7 +286,7 @@ impl World {
             work.next_at = Timestamp::MAX;
             if step > 1 {
                 work.step -= 1;
-                return;
+                return false;
             }
         }
         let refuse = mode == Mode::Refuse && !cancelled;
@@ -292,8 +300,9 @@ impl World {
             || refuse && (tunnel || step >= 1)
             || unavailable && step >= if tunnel { 2 } else { 1 };
         let Some(session) = self.procs[i].session.as_mut() else {
-            return;
+            return false;
         };
+        let whole = tunnel && run_id.bytes().map(u32::from).sum::<u32>().is_multiple_of(3);
         let unreachable = || ErrorDetail {
             code: "upstream_unreachable".into(),
             message: "connection refused".into(),
@@ -381,6 +390,7 @@ impl World {
                 let _ = session.handle_work_returned(now, run_id);
             }
         }
+        whole && !last
     }
 
     /// A process that ended while its restart already runs beside it: the restart takes

@@ -199,6 +199,7 @@ impl Registry {
                 heartbeat_interval_ms: millis(timing.heartbeat_interval),
                 retry_after_ms: 0,
                 load_reports: true,
+                merged_tunnel_frames: true,
                 cluster: cluster.filter(|_| req.cluster).cloned(),
             }),
         );
