@@ -225,6 +225,14 @@ impl TunnelEmitter {
         }
     }
 
+    /// An emitter whose frames name no run (an empty `run_id`), for a caller that names
+    /// the frames it sends itself: the Node session, where a part that joins the frame
+    /// before it ([`merge_into`]) needs no name of its own.
+    #[must_use]
+    pub fn unnamed(chunk_size: usize) -> Self {
+        Self::new(String::new(), chunk_size)
+    }
+
     /// True once `END` or `ERROR` was produced.
     #[must_use]
     pub fn is_ended(&self) -> bool {
@@ -434,13 +442,24 @@ pub fn merge_into(
     into: &mut ProviderTunnelFrame,
     part: ProviderTunnelFrame,
 ) -> Option<ProviderTunnelFrame> {
+    if part.run_id != into.run_id {
+        return Some(part);
+    }
+    merge_part(into, part)
+}
+
+/// [`merge_into`] for a part whose tunnel the caller knows is `into`'s (its name is not
+/// looked at: an [`TunnelEmitter::unnamed`] part).
+pub(crate) fn merge_part(
+    into: &mut ProviderTunnelFrame,
+    part: ProviderTunnelFrame,
+) -> Option<ProviderTunnelFrame> {
     let (Some(held), Ok(kind)) = (last_stage(into), TunnelFrameKind::try_from(part.kind)) else {
         return Some(part);
     };
     let joins = held < 3
         && part_count(&part) == 1
         && part.sequence == into.sequence.saturating_add(part_count(into))
-        && part.run_id == into.run_id
         && part.metadata.is_empty()
         && part.error.is_none()
         && match kind {
@@ -464,14 +483,28 @@ pub fn merge_into(
 /// sequence: what a merged frame stands for ([`merge_into`]); a frame that is not merged
 /// is its only part.
 pub fn split(frame: ProviderTunnelFrame) -> Parts {
-    Parts { rest: Some(frame) }
+    Parts {
+        rest: Some(frame),
+        named: true,
+    }
 }
 
-/// The parts of one tunnel frame, from [`split`].
+/// [`split`], but the parts of a merged frame name no run (an empty `run_id`): for a
+/// caller that looked the frame's run up once (the Edge), so that no part copies its name.
+/// A frame that is not merged comes back as it is.
+pub fn split_unnamed(frame: ProviderTunnelFrame) -> Parts {
+    Parts {
+        rest: Some(frame),
+        named: false,
+    }
+}
+
+/// The parts of one tunnel frame, from [`split`] or [`split_unnamed`].
 #[derive(Debug)]
 #[must_use = "the parts are made as they are taken"]
 pub struct Parts {
     rest: Option<ProviderTunnelFrame>,
+    named: bool,
 }
 
 impl Iterator for Parts {
@@ -484,6 +517,9 @@ impl Iterator for Parts {
         }
         let kind = TunnelFrameKind::try_from(rest.kind).unwrap_or(TunnelFrameKind::Unspecified);
         // The first part keeps what is its own; the rest goes on as the next kind.
+        if !self.named {
+            rest.run_id = String::new();
+        }
         let mut first = ProviderTunnelFrame {
             run_id: rest.run_id.clone(),
             sequence: rest.sequence,

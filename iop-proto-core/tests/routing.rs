@@ -589,12 +589,19 @@ fn tunnel_answer(
     }
 }
 
-/// What the caller of `request` was given, in order.
+/// What the caller of `request` was given, in order (the frames without their run's
+/// name, which the parts of a merged frame do not carry and no caller reads).
 fn given(events: &[EdgeEvent], request: RequestId) -> Vec<RequestEvent> {
     events
         .iter()
         .filter_map(|e| match e {
-            EdgeEvent::Request { request: r, event } if *r == request => Some(event.clone()),
+            EdgeEvent::Request { request: r, event } if *r == request => {
+                let mut event = event.clone();
+                if let RequestEvent::Tunnel(tunnel::TunnelPart::Frame(frame)) = &mut event {
+                    frame.run_id.clear();
+                }
+                Some(event)
+            }
             _ => None,
         })
         .collect()

@@ -238,6 +238,18 @@ proptest! {
             total += part.body.len();
         }
         prop_assert_eq!(total, body.len());
+        // Unnamed, the same parts without the name; a plain frame keeps it.
+        let unnamed: Vec<_> = tunnel::split_unnamed(frame).collect();
+        let expected: Vec<_> = parts
+            .into_iter()
+            .map(|mut part| {
+                if count > 1 {
+                    part.run_id.clear();
+                }
+                part
+            })
+            .collect();
+        prop_assert_eq!(unnamed, expected);
     }
 
     /// Chunking reassembles the exact body for any body and chunk size.

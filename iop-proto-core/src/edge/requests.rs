@@ -657,20 +657,22 @@ impl Requests {
         (self.runs.get(&run)?.conn == conn).then_some(run)
     }
 
-    /// A run event or tunnel frame from `conn`: checked against its run's contract;
-    /// before the run's first byte held back (and judged: a first byte, or a failure
-    /// worth another provider), after it passed to the caller.
+    /// A run event or tunnel frame from `conn` for `run` (what [`Self::run_on`] found for
+    /// its name): checked against its run's contract; before the run's first byte held
+    /// back (and judged: a first byte, or a failure worth another provider), after it
+    /// passed to the caller.
     pub(super) fn observe(
         &mut self,
         cx: &mut Cx<'_>,
         conn: ConnId,
+        run: Option<RunId>,
         item: StreamItem,
         retry_on: &RetryOn,
     ) -> Step {
-        let Some(run) = self.run_on(conn, item.run_id()) else {
+        let Some(run) = run else {
             return Step::Ignored;
         };
-        let Some(r) = self.runs.get_mut(&run) else {
+        let Some(r) = self.runs.get_mut(&run).filter(|r| r.conn == conn) else {
             return Step::Ignored;
         };
         let (lease, serving, committed) = (r.lease, r.serving, r.committed);

@@ -202,10 +202,15 @@ impl EdgeCore {
             ),
             Body::HeartbeatAck(ack) => self.registry.heartbeat_answered(self.now, conn, ack.nonce),
             Body::RunEvent(event) => self.on_stream(conn, phase, StreamItem::Run(event)),
+            Body::ProviderTunnelFrame(frame) if crate::tunnel::part_count(&frame) == 1 => {
+                self.on_stream(conn, phase, StreamItem::Frame(frame));
+            }
             Body::ProviderTunnelFrame(frame) => {
-                // A merged frame is its parts one by one (`merged_tunnel_frames`).
-                for part in crate::tunnel::split(frame) {
-                    self.on_stream(conn, phase, StreamItem::Frame(part));
+                // A merged frame is its parts one by one (`merged_tunnel_frames`), of the
+                // run its name gives, looked up once: the parts carry no name.
+                let run = self.requests.run_on(conn, &frame.run_id);
+                for part in crate::tunnel::split_unnamed(frame) {
+                    self.on_stream_of(conn, phase, run, StreamItem::Frame(part));
                 }
             }
             Body::NodeConfigRefreshResponse(resp) => self.on_refresh_response(conn, phase, resp),
@@ -1362,12 +1367,19 @@ impl EdgeCore {
     /// A run event or tunnel frame: only from the current ready owner, for a run on that
     /// connection; checked against its stream's contract; its end returns its lease.
     pub(super) fn on_stream(&mut self, conn: ConnId, phase: Phase, item: StreamItem) {
+        let run = self.requests.run_on(conn, item.run_id());
+        self.on_stream_of(conn, phase, run, item);
+    }
+
+    /// [`Self::on_stream`] for an item of `run`, the run on `conn` its name gives (looked
+    /// up by the caller; `None`: no run of this connection).
+    fn on_stream_of(&mut self, conn: ConnId, phase: Phase, run: Option<RunId>, item: StreamItem) {
         if !self.stream_allowed(conn, phase) {
             return;
         }
         let mut cx = cx!(self);
         let retry_on = self.config.routing.retry_on;
-        let step = self.requests.observe(&mut cx, conn, item, &retry_on);
+        let step = self.requests.observe(&mut cx, conn, run, item, &retry_on);
         self.after_step(conn, step);
     }
 

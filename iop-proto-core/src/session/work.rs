@@ -135,7 +135,8 @@ impl NodeSession {
             request.adapter.clone(),
             request.long_context,
         );
-        let kind = WorkKind::Tunnel(TunnelEmitter::new(run_id.clone(), self.config.chunk_size));
+        // The session names the frames it sends (`handle_tunnel_output`).
+        let kind = WorkKind::Tunnel(TunnelEmitter::unnamed(self.config.chunk_size));
         self.on_work(checked, run_id, adapter, long, kind, || {
             SessionEvent::StartTunnel { request }
         });
@@ -192,7 +193,8 @@ impl NodeSession {
                 }
             }
             WorkKind::Tunnel(mut emitter) => {
-                if let Some(frame) = emitter.error(detail) {
+                if let Some(mut frame) = emitter.error(detail) {
+                    frame.run_id.clone_from(&run_id);
                     self.send(Body::ProviderTunnelFrame(frame));
                 }
             }
@@ -308,20 +310,24 @@ impl NodeSession {
         let WorkKind::Tunnel(emitter) = &mut work.kind else {
             return Err(SessionError::WrongKind(run_id.to_owned()));
         };
-        // Frames go straight to the transmit queue (no list of them per body chunk). To an
-        // Edge that takes them, a part joins the tunnel's frame still waiting at the back
-        // of the queue: a response the provider gave at once (its head, its whole body,
-        // its usage and its end read before the shell drained) leaves as one frame.
+        // Frames go straight to the transmit queue (no list of them per body chunk), named
+        // here (the emitter's are unnamed). To an Edge that takes them, a part joins the
+        // tunnel's frame still waiting at the back of the queue: a response the provider
+        // gave at once (its head, its whole body, its usage and its end read before the
+        // shell drained) leaves as one frame, and the parts that joined need no name.
         let mut send = |frame| {
-            let frame = match queue.back_mut() {
+            let mut frame = match queue.back_mut() {
                 Some(NodeTransmit::Frame(Envelope {
                     body: Some(Body::ProviderTunnelFrame(last)),
-                })) if merge => match crate::tunnel::merge_into(last, frame) {
-                    None => return,
-                    Some(frame) => frame,
-                },
+                })) if merge && last.run_id == run_id => {
+                    match crate::tunnel::merge_part(last, frame) {
+                        None => return,
+                        Some(frame) => frame,
+                    }
+                }
                 _ => frame,
             };
+            frame.run_id = run_id.to_owned();
             queue.push_back(NodeTransmit::Frame(Envelope::new(
                 Body::ProviderTunnelFrame(frame),
             )));
