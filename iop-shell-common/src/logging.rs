@@ -277,8 +277,8 @@ fn write_fields(
             }
             Field::Str(text) => write!(out, "{text:?}")?,
             Field::Bare(text) => out.push_str(text),
-            Field::U64(n) => out.push_str(decimal(&mut [0u8; 20], n)),
-            Field::Milli(n) => out.push_str(milli(&mut [0u8; 32], n < 0, n.unsigned_abs())),
+            Field::U64(n) => push_decimal(out, n),
+            Field::Milli(n) => push_milli(out, n < 0, n.unsigned_abs()),
         }
     }
     Ok(())
@@ -562,21 +562,19 @@ impl tracing::field::Visit for TextVisitor<'_> {
         if self.result.is_err() {
             return;
         }
-        let mut buf = [0u8; 20];
         self.name(field);
-        self.out.push_str(decimal(&mut buf, value));
+        push_decimal(self.out, value);
     }
 
     fn record_i64(&mut self, field: &tracing::field::Field, value: i64) {
         if self.result.is_err() {
             return;
         }
-        let mut buf = [0u8; 20];
         self.name(field);
         if value < 0 {
             self.out.push('-');
         }
-        self.out.push_str(decimal(&mut buf, value.unsigned_abs()));
+        push_decimal(self.out, value.unsigned_abs());
     }
 
     fn record_f64(&mut self, field: &tracing::field::Field, value: f64) {
@@ -584,10 +582,9 @@ impl tracing::field::Visit for TextVisitor<'_> {
         if self.result.is_err() {
             return;
         }
-        let mut buf = [0u8; 32];
         self.name(field);
-        match thousandths(&mut buf, value) {
-            Some(text) => self.out.push_str(text),
+        match thousandths(value) {
+            Some(n) => push_milli(self.out, value.is_sign_negative(), n),
             None => self.result = write!(self.out, "{value:?}"),
         }
     }
@@ -606,11 +603,12 @@ impl tracing::field::Visit for TextVisitor<'_> {
     }
 }
 
-/// `value` as `{value:?}` writes it, when it is a whole number of thousandths below a
+/// The count of thousandths `value` is, when it is a whole number of them below a
 /// billion (the log lines' milliseconds to the microsecond); `None` for any other value.
 /// Below 10^9 an f64 tells apart every two thousandths, so the digits that name the
-/// thousandth are the shortest that read back as `value`, which is what `Debug` writes.
-fn thousandths(buf: &mut [u8; 32], value: f64) -> Option<&str> {
+/// thousandth are the shortest that read back as `value`, which is what `Debug` writes
+/// ([`push_milli`]).
+fn thousandths(value: f64) -> Option<u64> {
     let magnitude = value.abs();
     // NaN and the infinities fail this too.
     if !value.is_finite() || magnitude >= 1e9 {
@@ -622,42 +620,39 @@ fn thousandths(buf: &mut [u8; 32], value: f64) -> Option<&str> {
     }
     // In range by the check above: below 10^12.
     #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-    let n = scaled as u64;
-    Some(milli(buf, value.is_sign_negative(), n))
+    Some(scaled as u64)
 }
 
-/// `n` thousandths, negative when `negative`, as `Debug` writes the float `n / 1000`
-/// (`-1.0`, `0.15`, `18.467`), into `buf` (any `u64` fits).
-fn milli(buf: &mut [u8; 32], negative: bool, n: u64) -> &str {
-    let mut digits_buf = [0u8; 20];
-    let whole = decimal(&mut digits_buf, n / 1000);
-    let mut len = 0;
-    let mut put = |bytes: &[u8]| {
-        buf[len..len + bytes.len()].copy_from_slice(bytes);
-        len += bytes.len();
-    };
+/// Appends `n` thousandths, negative when `negative`, as `Debug` writes the float
+/// `n / 1000` (`-1.0`, `0.15`, `18.467`); any `u64` is written.
+fn push_milli(out: &mut String, negative: bool, n: u64) {
     if negative {
-        put(b"-");
+        out.push('-');
     }
-    put(whole.as_bytes());
-    put(b".");
+    push_decimal(out, n / 1000);
+    out.push('.');
     let mut fraction = [0u8; 3];
     digits(&mut fraction, n % 1000);
     let keep = fraction
         .iter()
         .rposition(|&d| d != b'0')
         .map_or(1, |at| at + 1);
-    put(&fraction[..keep]);
-    // ASCII digits, a sign and a point only.
-    std::str::from_utf8(&buf[..len]).unwrap_or("?")
+    for &digit in &fraction[..keep] {
+        out.push(char::from(digit));
+    }
 }
 
-/// `value` in decimal, written into the end of `buf` (20 digits hold any `u64`).
-fn decimal(buf: &mut [u8; 20], value: u64) -> &str {
+/// Appends `value` in decimal, one ASCII digit at a time: a log line's numbers are short,
+/// and pushing their digits costs less than checking a formatted buffer as UTF-8 and
+/// copying it in.
+fn push_decimal(out: &mut String, value: u64) {
     let len = value.checked_ilog10().map_or(1, |log| log as usize + 1);
-    let out = &mut buf[20 - len..];
-    digits(out, value);
-    std::str::from_utf8(out).unwrap_or("?")
+    let mut buf = [0u8; 20];
+    let digits_of = &mut buf[20 - len..];
+    digits(digits_of, value);
+    for &digit in &*digits_of {
+        out.push(char::from(digit));
+    }
 }
 
 /// Bounds the log lines one noisy source writes: at most `burst` lines per `interval`,

@@ -111,6 +111,29 @@ fn whole_lines_read_as_the_default_format_writes_them() {
     assert!(stamp.ends_with('Z') && stamp.len() == 27, "{stamp}");
 }
 
+/// `value` as the log writes a float it can write without the float's formatter.
+fn as_thousandths(value: f64) -> Option<String> {
+    let n = thousandths(value)?;
+    let mut out = String::from("x");
+    push_milli(&mut out, value.is_sign_negative(), n);
+    Some(out.split_off(1))
+}
+
+#[test]
+fn numbers_are_written_as_display_writes_them() {
+    let mut values = vec![0, 1, 9, 10, 99, 100, 12_345, u64::MAX - 1, u64::MAX];
+    values.extend((0..64).map(|bit| 1u64 << bit));
+    values.extend((1..20).map(|exp| 10u64.pow(exp) - 1));
+    for value in values {
+        let mut out = String::from("n=");
+        push_decimal(&mut out, value);
+        assert_eq!(out, format!("n={value}"));
+    }
+    let mut out = String::new();
+    push_milli(&mut out, true, u64::MAX);
+    assert_eq!(out, format!("-{}.{}", u64::MAX / 1000, u64::MAX % 1000));
+}
+
 #[test]
 fn thousandths_read_as_debug_writes_them() {
     let mut values = vec![
@@ -150,9 +173,8 @@ fn thousandths_read_as_debug_writes_them() {
         micros = micros * 5 / 4 + 1;
     }
     for value in values {
-        let mut buf = [0u8; 32];
         let debug = format!("{value:?}");
-        if let Some(text) = thousandths(&mut buf, value) {
+        if let Some(text) = as_thousandths(value) {
             assert_eq!(text, debug, "{value}");
         } else {
             assert!(
@@ -161,9 +183,8 @@ fn thousandths_read_as_debug_writes_them() {
             );
         }
     }
-    let mut buf = [0u8; 32];
-    assert_eq!(thousandths(&mut buf, 2.5), Some("2.5"));
-    assert_eq!(thousandths(&mut buf, 1.0 / 3.0), None);
+    assert_eq!(as_thousandths(2.5).as_deref(), Some("2.5"));
+    assert_eq!(as_thousandths(1.0 / 3.0), None);
 }
 
 #[test]
