@@ -60,9 +60,17 @@ pub fn forwards_request_header(name: &str) -> bool {
 /// through a tunnel.
 #[must_use]
 pub fn forwards_response_header(name: &str) -> bool {
+    forwarded_response_header(name.as_bytes()).is_some()
+}
+
+/// The name a provider response header (or trailer) named `name` (any case, as read off
+/// the wire: bytes that need not be UTF-8) goes back through a tunnel under: its entry
+/// of [`FORWARDED_RESPONSE_HEADERS`], lower-case; `None` for a header that stays behind.
+#[must_use]
+pub fn forwarded_response_header(name: &[u8]) -> Option<&'static str> {
     FORWARDED_RESPONSE_HEADERS
-        .iter()
-        .any(|h| h.eq_ignore_ascii_case(name))
+        .into_iter()
+        .find(|h| h.as_bytes().eq_ignore_ascii_case(name))
 }
 
 /// What a valid frame carried.
@@ -675,7 +683,19 @@ mod tests {
             "x-request-id",
         ] {
             assert!(forwards_response_header(name), "{name}");
+            assert_eq!(
+                forwarded_response_header(name.as_bytes()),
+                Some(name.to_ascii_lowercase().as_str()),
+                "{name}"
+            );
         }
+        // A name that is not UTF-8, or that only folds to a listed one outside ASCII,
+        // stays behind.
+        assert_eq!(forwarded_response_header(b"content-typ\xe9"), None);
+        assert_eq!(
+            forwarded_response_header("x-request-\u{131}d".as_bytes()),
+            None
+        );
         for name in [
             "openai-organization",
             "openai-project",

@@ -261,9 +261,11 @@ pub fn raw_wire_headers(head: &RawHead) -> Vec<Header> {
         .fields
         .iter()
         .filter_map(|(name, value)| {
-            let name = std::str::from_utf8(&head.bytes[name.clone()]).ok()?;
-            iop_proto_core::tunnel::forwards_response_header(name).then(|| Header {
-                name: name.to_ascii_lowercase(),
+            // Matched as bytes: only a forwarded name, which is ASCII, is made a string.
+            let name =
+                iop_proto_core::tunnel::forwarded_response_header(&head.bytes[name.clone()])?;
+            Some(Header {
+                name: name.to_owned(),
                 value: head.bytes.slice(value.clone()),
             })
         })
