@@ -134,6 +134,13 @@ fn run_edge(
             while let Some(transmit) = edge.poll_transmit() {
                 match transmit {
                     Transmit::Frame { envelope, .. } => wire::encode(&envelope, &mut out)?,
+                    Transmit::Tunnel { dispatch, .. } => {
+                        if let Some(body) =
+                            dispatch.encode(&mut out, wire::DEFAULT_MAX_FRAME_LEN)?
+                        {
+                            out.extend_from_slice(&body);
+                        }
+                    }
                     Transmit::FrameLimit { max_frame_len, .. } => {
                         decoder.set_max_frame_len(max_frame_len);
                     }

@@ -172,6 +172,30 @@ pub type CommandReply = oneshot::Sender<
     Result<iop_proto_core::wire::NodeCommandResponse, iop_proto_core::edge::CommandError>,
 >;
 
+/// A drain's frames per connection: the bytes to queue and how many frames they end.
+#[derive(Default)]
+struct Batches(Vec<(ConnId, (BytesMut, u64))>);
+
+impl Batches {
+    /// The batch of `conn`, begun if there is none.
+    fn of(&mut self, conn: ConnId) -> &mut (BytesMut, u64) {
+        let at = match self.0.iter().position(|(c, _)| *c == conn) {
+            Some(at) => at,
+            None => {
+                self.0.push((conn, (BytesMut::new(), 0)));
+                self.0.len() - 1
+            }
+        };
+        &mut self.0[at].1
+    }
+
+    /// The batch of `conn`, taken out.
+    fn take(&mut self, conn: ConnId) -> Option<(BytesMut, u64)> {
+        let at = self.0.iter().position(|(c, _)| *c == conn)?;
+        Some(self.0.swap_remove(at).1)
+    }
+}
+
 struct Task {
     commands: HashMap<String, CommandReply>,
     core: EdgeCore,
@@ -491,38 +515,24 @@ impl Task {
     /// connection per drain), closes, and events to their requests.
     fn drain(&mut self) {
         loop {
-            let mut batches: HashMap<ConnId, (BytesMut, u64)> = HashMap::new();
+            // One buffer per connection written to (seldom more than one: a Vec).
+            let mut batches = Batches::default();
             let mut progressed = false;
             while let Some(transmit) = self.core.poll_transmit() {
                 progressed = true;
-                match transmit {
+                // A large tunnel body or run input is not copied into the batch: it is
+                // queued after the batch, as the caller's bytes.
+                let (conn, encoded, kind) = match transmit {
                     Transmit::Frame { conn, mut envelope } => {
-                        let (buf, frames) = batches.entry(conn).or_default();
-                        // A large tunnel body or run input is not copied into the batch:
-                        // it is queued after the batch, as the caller's bytes.
-                        match wire::encode_split(&mut envelope, buf, wire::DEFAULT_MAX_FRAME_LEN) {
-                            Ok(payload) => {
-                                *frames += 1;
-                                if let Some(payload) = payload {
-                                    let batch = batches.remove(&conn);
-                                    self.flush(conn, batch);
-                                    self.queue(conn, payload, 0);
-                                }
-                            }
-                            Err(err) => {
-                                warn!(conn = conn.0, %err, kind = envelope.kind(), "frame cannot be encoded")
-                            }
-                        }
-                        drop(envelope);
-                        // Hand large batches over at once: several big run inputs must not
-                        // pile up in one buffer.
-                        if batches
-                            .get(&conn)
-                            .is_some_and(|(buf, _)| buf.len() >= 1 << 20)
-                        {
-                            let batch = batches.remove(&conn);
-                            self.flush(conn, batch);
-                        }
+                        let buf = &mut batches.of(conn).0;
+                        let encoded =
+                            wire::encode_split(&mut envelope, buf, wire::DEFAULT_MAX_FRAME_LEN);
+                        (conn, encoded, envelope.kind())
+                    }
+                    Transmit::Tunnel { conn, dispatch } => {
+                        let buf = &mut batches.of(conn).0;
+                        let encoded = dispatch.encode(buf, wire::DEFAULT_MAX_FRAME_LEN);
+                        (conn, encoded, "provider_tunnel_request")
                     }
                     Transmit::FrameLimit {
                         conn,
@@ -533,31 +543,33 @@ impl Task {
                         if let Some(c) = self.conns.get(&conn) {
                             c.frame_limit.store(max_frame_len, Ordering::Relaxed);
                         }
+                        continue;
                     }
                     Transmit::Close { conn, reason } => {
-                        self.flush(conn, batches.remove(&conn));
-                        if matches!(
-                            reason,
-                            CloseReason::RegisterRejected(_)
-                                | CloseReason::TooManyPending
-                                | CloseReason::HandshakeTimeout
-                        ) {
-                            // Unauthenticated peers can cause these at will: the core's
-                            // RegisterRejected and ConnectionRefused events are logged,
-                            // rate-limited, instead.
-                            debug!(conn = conn.0, reason = ?reason, "closing node connection");
-                        } else {
-                            info!(conn = conn.0, reason = ?reason, "closing node connection");
-                        }
-                        // Dropping the handle closes its outbox: what is queued is still written,
-                        // then the socket is shut down.
-                        if let Some(c) = self.conns.remove(&conn) {
-                            c.closer.cancel();
+                        self.flush(conn, batches.take(conn));
+                        self.close(conn, &reason);
+                        continue;
+                    }
+                };
+                match encoded {
+                    Ok(payload) => {
+                        batches.of(conn).1 += 1;
+                        if let Some(payload) = payload {
+                            let batch = batches.take(conn);
+                            self.flush(conn, batch);
+                            self.queue(conn, payload, 0);
                         }
                     }
+                    Err(err) => warn!(conn = conn.0, %err, kind, "frame cannot be encoded"),
+                }
+                // Hand large batches over at once: several big run inputs must not pile
+                // up in one buffer.
+                if batches.of(conn).0.len() >= 1 << 20 {
+                    let batch = batches.take(conn);
+                    self.flush(conn, batch);
                 }
             }
-            for (conn, batch) in batches {
+            for (conn, batch) in batches.0 {
                 self.flush(conn, Some(batch));
             }
             // What it means to an operator, published before it is acted on (never waits).
@@ -571,6 +583,27 @@ impl Task {
             if !progressed {
                 return;
             }
+        }
+    }
+
+    /// Closes node connection `conn` for `reason`, once what was queued is written.
+    fn close(&mut self, conn: ConnId, reason: &CloseReason) {
+        if matches!(
+            reason,
+            CloseReason::RegisterRejected(_)
+                | CloseReason::TooManyPending
+                | CloseReason::HandshakeTimeout
+        ) {
+            // Unauthenticated peers can cause these at will: the core's RegisterRejected
+            // and ConnectionRefused events are logged, rate-limited, instead.
+            debug!(conn = conn.0, reason = ?reason, "closing node connection");
+        } else {
+            info!(conn = conn.0, reason = ?reason, "closing node connection");
+        }
+        // Dropping the handle closes its outbox: what is queued is still written, then
+        // the socket is shut down.
+        if let Some(c) = self.conns.remove(&conn) {
+            c.closer.cancel();
         }
     }
 

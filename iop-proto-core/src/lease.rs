@@ -82,20 +82,33 @@ impl RunId {
         })
     }
 
+    /// The longest wire form: the prefix, a `u64`, a dash and a `u32`.
+    pub const MAX_WIRE_LEN: usize = Self::PREFIX.len() + 20 + 1 + 10;
+
     /// The wire form (as `Display` writes it), without the formatter: it is made once
     /// per dispatch.
     #[must_use]
     pub fn wire(self) -> String {
-        let mut buf = [0u8; 20];
-        let digits = decimal(&mut buf, self.request.0);
-        let mut text = String::with_capacity(Self::PREFIX.len() + digits.len() + 4);
-        text.push_str(Self::PREFIX);
-        text.push_str(digits);
+        let mut buf = [0u8; Self::MAX_WIRE_LEN];
+        String::from_utf8_lossy(self.write_wire(&mut buf)).into_owned()
+    }
+
+    /// The wire form written into `buf`, without allocating: a dispatch's frame is
+    /// encoded from it.
+    pub fn write_wire(self, buf: &mut [u8; Self::MAX_WIRE_LEN]) -> &[u8] {
+        let mut digits = [0u8; 20];
+        let mut len = 0;
+        let mut put = |bytes: &[u8]| {
+            buf[len..len + bytes.len()].copy_from_slice(bytes);
+            len += bytes.len();
+        };
+        put(Self::PREFIX.as_bytes());
+        put(decimal(&mut digits, self.request.0).as_bytes());
         if self.attempt > 0 {
-            text.push('-');
-            text.push_str(decimal(&mut buf, u64::from(self.attempt)));
+            put(b"-");
+            put(decimal(&mut digits, u64::from(self.attempt)).as_bytes());
         }
-        text
+        &buf[..len]
     }
 }
 
@@ -133,7 +146,9 @@ fn decimal(buf: &mut [u8; 20], mut n: u64) -> &str {
 
 impl std::fmt::Display for RunId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.wire())
+        let mut buf = [0u8; Self::MAX_WIRE_LEN];
+        // ASCII only, so this cannot fail.
+        f.write_str(std::str::from_utf8(self.write_wire(&mut buf)).unwrap_or_default())
     }
 }
 

@@ -442,7 +442,7 @@ fn dispatch_shape_follows_the_adapter_type() {
     assert_eq!((&*g.node_id, g.shape), ("n2", DispatchShape::Tunnel));
     let run_id = h.dispatch(&g);
     let tx = h.transmits();
-    let Some(Transmit::Frame { envelope, .. }) = tx.first() else {
+    let Some((_, envelope)) = tx.first().and_then(Transmit::frame) else {
         panic!("dispatch transmits");
     };
     let Some(Body::ProviderTunnelRequest(req)) = &envelope.body else {

@@ -12,12 +12,41 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 
 use crate::rng::Rng;
-use iop_proto_core::edge::{ConnId, EdgeCore, EdgeEvent, Peer, RequestEvent, Transmit};
+use iop_proto_core::edge::{
+    ConnId, EdgeCore, EdgeEvent, Peer, RequestEvent, Transmit, TunnelDispatch,
+};
 use iop_proto_core::session::{NodeSession, NodeTransmit, RunOutput, SessionEvent};
 use iop_proto_core::time::Timestamp;
 use iop_proto_core::wire::{self, Body, DecodeError, Envelope, FrameDecoder};
 
 pub use iop_proto_core::testkit::{drain_edge, drain_node};
+
+/// The envelope a Node reads from the frame `dispatch` is written as: encoded by
+/// [`TunnelDispatch::encode`], as the Edge shell writes it, and decoded. Panics unless it
+/// is the message [`TunnelDispatch::to_envelope`] builds, so every simulated dispatch
+/// checks the encoder against prost's.
+#[must_use]
+pub fn sent_envelope(dispatch: &TunnelDispatch) -> Envelope {
+    let mut out = BytesMut::new();
+    let payload = dispatch
+        .encode(&mut out, wire::DEFAULT_MAX_FRAME_LEN)
+        .expect("a dispatch the Edge makes fits a frame");
+    let mut decoder = FrameDecoder::new();
+    decoder.push(&out);
+    if let Some(payload) = payload {
+        decoder.push(&payload);
+    }
+    let envelope = decoder
+        .next_envelope()
+        .expect("a dispatch decodes")
+        .expect("a dispatch is one whole frame");
+    assert_eq!(
+        envelope,
+        dispatch.to_envelope(),
+        "a dispatch's frame is its message"
+    );
+    envelope
+}
 
 /// A simulated provider's piece of work on a node: start, one delta, complete (or
 /// cancelled), each step after a seeded delay. The upgrade and multi-homed worlds run
@@ -365,6 +394,13 @@ impl Pair {
 
     fn edge_transmit(&mut self, transmit: Transmit) {
         match transmit {
+            Transmit::Tunnel { dispatch, .. } => {
+                let envelope = sent_envelope(&dispatch);
+                let body = envelope.body.as_ref().map(describe).unwrap_or_default();
+                self.log(format_args!("edge -> node {body}"));
+                let at = self.now + self.netem.delay();
+                self.to_node.send(&envelope, at);
+            }
             Transmit::Frame { envelope, .. } => {
                 let body = envelope.body.as_ref().map(describe).unwrap_or_default();
                 self.log(format_args!("edge -> node {body}"));

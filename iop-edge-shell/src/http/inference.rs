@@ -532,7 +532,7 @@ async fn handle<B: ReqBody>(
             body,
             stream: facts.stream,
             prompt_tokens: facts.prompt_tokens,
-            headers,
+            headers: headers.into(),
             request_id,
             timeout: settings.response_timeout,
             native,
@@ -807,10 +807,10 @@ async fn exact_count(
             body: counted.tokenize.clone(),
             stream: false,
             prompt_tokens: counted.input_tokens,
-            headers: vec![Header {
+            headers: Arc::new([Header {
                 name: REQUEST_ID_HEADER.to_owned(),
                 value: Bytes::copy_from_slice(request_id.as_bytes()),
-            }],
+            }]),
             request_id: request_id.clone(),
             timeout: TOKENIZE_WAIT,
             native: None,

@@ -58,6 +58,7 @@ use crate::wire::{Body, Envelope};
 mod affinity;
 mod cluster;
 mod control;
+mod dispatch;
 mod health;
 mod lifecycle;
 mod pool;
@@ -73,6 +74,7 @@ pub use affinity::{
     Affinity, AffinityFigures, AffinityMode, MAX_SESSION_KEY, Placed, Placement, PrefixIndex,
     SESSION_HEADERS,
 };
+pub use dispatch::TunnelDispatch;
 pub use health::{Ejection, Standing};
 pub use lifecycle::Lifecycle;
 pub use registry::throttled_reason;
@@ -116,6 +118,12 @@ impl Outbox {
             conn,
             envelope: Envelope::new(body),
         });
+    }
+
+    /// A tunnel request for `conn`.
+    fn send_tunnel(&mut self, conn: ConnId, dispatch: TunnelDispatch) {
+        self.transmits
+            .push_back(Transmit::Tunnel { conn, dispatch });
     }
 
     /// An event, with the lifecycle events it means to an operator.

@@ -332,7 +332,7 @@ impl Requests {
         conn: ConnId,
         meta: &ResourceMeta,
         node_id: &Arc<str>,
-        target: &str,
+        target: &Arc<str>,
     ) {
         let run = lease.run;
         let Some(r) = self.map.get_mut(&run.request) else {
@@ -364,7 +364,10 @@ impl Requests {
             lease.long,
             native,
         );
-        cx.out.send(conn, body);
+        match body {
+            stream::Dispatched::Run(body) => cx.out.send(conn, body),
+            stream::Dispatched::Tunnel(dispatch) => cx.out.send_tunnel(conn, dispatch),
+        }
         cx.out.event(EdgeEvent::Attempt {
             run,
             node_id: node_id.clone(),
@@ -501,7 +504,7 @@ impl Requests {
             // No dispatch follows: the body is not needed any more.
             None => {
                 request.call.body = Bytes::new();
-                request.call.headers = Vec::new();
+                request.call.headers = Arc::default();
             }
             Some(resume) => resume.body = None,
         }

@@ -175,6 +175,14 @@ pub enum Transmit {
         /// The envelope; encode it after every earlier frame of the connection.
         envelope: Envelope,
     },
+    /// Write this tunnel request on the connection ([`TunnelDispatch::encode`] writes
+    /// its frame), after every earlier frame of the connection.
+    Tunnel {
+        /// Target connection.
+        conn: ConnId,
+        /// The request.
+        dispatch: super::TunnelDispatch,
+    },
     /// From now on accept frames of up to `max_frame_len` bytes on the connection.
     /// Connections start at [`Admission::pending_frame_len`](crate::edge_config::Admission)
     /// (the shell's decoder begins there); the limit rises to the full one just before the
@@ -192,6 +200,20 @@ pub enum Transmit {
         /// Why, for the log (the peer is not told).
         reason: CloseReason,
     },
+}
+
+impl Transmit {
+    /// The connection and envelope of a frame, or of a tunnel request with its message
+    /// built ([`TunnelDispatch::to_envelope`](super::TunnelDispatch::to_envelope)), for
+    /// tests and embedders that look at envelopes; `None` for the other transmits.
+    #[must_use]
+    pub fn frame(&self) -> Option<(ConnId, Envelope)> {
+        match self {
+            Transmit::Frame { conn, envelope } => Some((*conn, envelope.clone())),
+            Transmit::Tunnel { conn, dispatch } => Some((*conn, dispatch.to_envelope())),
+            Transmit::FrameLimit { .. } | Transmit::Close { .. } => None,
+        }
+    }
 }
 
 /// Which message a granted request must be dispatched as. Decided by the provider's
@@ -698,8 +720,8 @@ pub struct Submit {
     /// Estimated prompt tokens, compared with the model's long-context threshold.
     pub prompt_tokens: u64,
     /// Request headers a tunnel forwards to the provider (allow-listed by the shell, see
-    /// [`crate::tunnel::forwards_request_header`]).
-    pub headers: Vec<Header>,
+    /// [`crate::tunnel::forwards_request_header`]); shared with every dispatch of it.
+    pub headers: Arc<[Header]>,
     /// The caller's request id (`x-request-id`), sent to the node in each dispatch's
     /// metadata so both sides' logs name the same request.
     pub request_id: Arc<str>,
@@ -735,7 +757,7 @@ impl Submit {
             body,
             stream: false,
             prompt_tokens: 0,
-            headers: Vec::new(),
+            headers: Arc::default(),
             request_id: Arc::from(""),
             timeout: Duration::from_secs(60),
             native: None,

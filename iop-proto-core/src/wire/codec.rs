@@ -159,7 +159,7 @@ fn split_head<M: Message>(
 }
 
 /// The header of a frame of `len` bytes, unless that is over `max_frame_len`.
-fn frame_header(len: usize, max_frame_len: usize) -> Result<u32, EncodeError> {
+pub(crate) fn frame_header(len: usize, max_frame_len: usize) -> Result<u32, EncodeError> {
     match u32::try_from(len) {
         Ok(header) if len <= max_frame_len => Ok(header),
         _ => Err(EncodeError::FrameTooLarge {

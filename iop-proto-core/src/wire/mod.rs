@@ -5,7 +5,7 @@
 //! [`bytes::Bytes`], so a frame decoded from a `Bytes` buffer shares its payload instead of
 //! copying it.
 
-mod codec;
+pub(crate) mod codec;
 mod validate;
 
 #[allow(

@@ -316,8 +316,8 @@ pub fn ended(events: &[EdgeEvent]) -> Vec<(RequestId, Outcome)> {
 pub fn frames_to(transmits: &[Transmit], conn: ConnId) -> Vec<Body> {
     transmits
         .iter()
-        .filter_map(|t| match t {
-            Transmit::Frame { conn: c, envelope } if *c == conn => envelope.body.clone(),
+        .filter_map(|t| match t.frame() {
+            Some((c, envelope)) if c == conn => envelope.body,
             _ => None,
         })
         .collect()

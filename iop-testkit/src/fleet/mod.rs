@@ -310,6 +310,10 @@ impl Fleet {
                 progressed = true;
                 match t {
                     Transmit::Frame { conn, envelope } => self.edge_writes(e, conn, envelope)?,
+                    Transmit::Tunnel { conn, dispatch } => {
+                        let envelope = crate::harness::sent_envelope(&dispatch);
+                        self.edge_writes(e, conn, envelope)?;
+                    }
                     Transmit::Close { conn, reason } => {
                         self.log(|| format!("edge {e} closes conn {} ({reason:?})", conn.0));
                         if let Some(l) = self.link_of(e, conn) {

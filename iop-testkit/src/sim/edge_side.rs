@@ -21,6 +21,10 @@ impl World {
                 progressed = true;
                 match transmit {
                     Transmit::Frame { conn, envelope } => self.shell_writes(conn, envelope),
+                    Transmit::Tunnel { conn, dispatch } => {
+                        let envelope = crate::harness::sent_envelope(&dispatch);
+                        self.shell_writes(conn, envelope);
+                    }
                     Transmit::FrameLimit {
                         conn,
                         max_frame_len,

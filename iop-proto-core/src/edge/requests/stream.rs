@@ -9,6 +9,7 @@ use crate::edge::RequestError;
 use crate::edge::RequestEvent;
 use crate::edge::StreamViolation;
 use crate::edge::Submit;
+use crate::edge::TunnelDispatch;
 use crate::edge::pool::ResourceMeta;
 use crate::lease::Lease;
 use crate::lease::RequestId;
@@ -22,7 +23,6 @@ use crate::wire::Body;
 use crate::wire::ErrorDetail;
 use crate::wire::Header;
 use crate::wire::ProviderTunnelFrame;
-use crate::wire::ProviderTunnelRequest;
 use crate::wire::RunEvent;
 use crate::wire::RunEventType;
 use crate::wire::RunRequest;
@@ -269,6 +269,14 @@ pub(super) fn retry_after(headers: &[Header]) -> Option<Duration> {
     Some(Duration::from_secs(seconds))
 }
 
+/// What a run is dispatched with: a run request's frame, or a tunnel request.
+pub(super) enum Dispatched {
+    /// A `RunRequest`, built.
+    Run(Body),
+    /// A tunnel request, from the request's own handles.
+    Tunnel(TunnelDispatch),
+}
+
 /// The message run `run` of `call` is dispatched with on the provider `meta` describes,
 /// serving `target`, and the stream its answer is checked with; `native`: a tunnel of
 /// the caller's own call ([`Submit::native`]) rather than its translation.
@@ -279,23 +287,23 @@ pub(super) fn message(
     model: &Arc<str>,
     run: RunId,
     meta: &ResourceMeta,
-    target: &str,
+    target: &Arc<str>,
     long: bool,
     native: bool,
-) -> (Body, Stream) {
-    let mut metadata = BTreeMap::new();
-    if !call.request_id.is_empty() {
-        metadata.insert(
-            crate::wire::REQUEST_ID_KEY.to_owned(),
-            String::from(&*call.request_id),
-        );
-    }
+) -> (Dispatched, Stream) {
     match meta.shape {
         DispatchShape::Run => {
+            let mut metadata = BTreeMap::new();
+            if !call.request_id.is_empty() {
+                metadata.insert(
+                    crate::wire::REQUEST_ID_KEY.to_owned(),
+                    String::from(&*call.request_id),
+                );
+            }
             metadata.insert("model".to_owned(), String::from(&**model));
             // A run's provider call is the Node's to make: the trace context it passes on
             // travels in the metadata (a tunnel carries it among its headers).
-            for header in &call.headers {
+            for header in call.headers.iter() {
                 if crate::wire::TRACE_KEYS.contains(&header.name.as_str())
                     && let Ok(value) = std::str::from_utf8(&header.value)
                 {
@@ -303,27 +311,26 @@ pub(super) fn message(
                 }
             }
             (
-                Body::RunRequest(RunRequest {
+                Dispatched::Run(Body::RunRequest(RunRequest {
                     run_id: run.wire(),
                     adapter: String::from(&*meta.provider_id),
-                    target: target.to_owned(),
+                    target: String::from(&**target),
                     input: continuation.unwrap_or_else(|| call.body.clone()),
                     metadata,
                     long_context: long,
                     ..RunRequest::default()
-                }),
+                })),
                 Stream::Run(RunTracker::new()),
             )
         }
         DispatchShape::Tunnel => (
-            Body::ProviderTunnelRequest(ProviderTunnelRequest {
-                run_id: run.wire(),
-                adapter: String::from(&*meta.provider_id),
-                target: target.to_owned(),
-                method: "POST".into(),
+            Dispatched::Tunnel(TunnelDispatch {
+                run,
+                adapter: meta.provider_id.clone(),
+                target: target.clone(),
                 path: match &call.native {
-                    Some(own) if native => own.dialect.path().into(),
-                    _ => call.endpoint.path().into(),
+                    Some(own) if native => own.dialect.path(),
+                    _ => call.endpoint.path(),
                 },
                 headers: call.headers.clone(),
                 body: match (&call.native, continuation) {
@@ -334,9 +341,8 @@ pub(super) fn message(
                 },
                 stream: call.stream,
                 timeout_sec: u32::try_from(call.timeout.as_secs()).unwrap_or(u32::MAX),
-                metadata,
+                request_id: call.request_id.clone(),
                 long_context: long,
-                ..ProviderTunnelRequest::default()
             }),
             Stream::Tunnel(TunnelReceiver::new()),
         ),

@@ -1,0 +1,329 @@
+//! A provider tunnel as the Edge dispatches it: the `ProviderTunnelRequest` a Node is
+//! sent, held as the request's own shared handles and written straight into its frame.
+//!
+//! Building the prost message for every dispatch costs a dozen allocations (each string
+//! field, the forwarded headers, the metadata map) that live only until the frame is
+//! written. [`TunnelDispatch::encode`] writes the same bytes prost would from the
+//! handles the request already holds; a property test holds the two encodings equal.
+
+use std::sync::Arc;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint, key_len};
+
+use crate::lease::RunId;
+use crate::wire::codec::{HEADER_LEN, SPLIT_PAYLOAD_MIN, frame_header};
+use crate::wire::{Body, EncodeError, Envelope, Header, ProviderTunnelRequest, REQUEST_ID_KEY};
+
+/// The one method a tunnel dispatch uses.
+const METHOD: &str = "POST";
+
+/// Field numbers of `runtime.proto` this encoder writes (the equality property test fails
+/// if they drift from the schema).
+mod tag {
+    pub(super) const ENVELOPE_TUNNEL_REQUEST: u32 = 9;
+    pub(super) const RUN_ID: u32 = 1;
+    pub(super) const ADAPTER: u32 = 2;
+    pub(super) const TARGET: u32 = 3;
+    pub(super) const METHOD: u32 = 4;
+    pub(super) const PATH: u32 = 5;
+    pub(super) const HEADERS: u32 = 6;
+    pub(super) const BODY: u32 = 7;
+    pub(super) const STREAM: u32 = 8;
+    pub(super) const TIMEOUT_SEC: u32 = 9;
+    pub(super) const METADATA: u32 = 10;
+    pub(super) const LONG_CONTEXT: u32 = 12;
+    pub(super) const HEADER_NAME: u32 = 1;
+    pub(super) const HEADER_VALUE: u32 = 2;
+    pub(super) const ENTRY_KEY: u32 = 1;
+    pub(super) const ENTRY_VALUE: u32 = 2;
+}
+
+/// One `ProviderTunnelRequest` the Edge sends ([`Transmit::Tunnel`](super::Transmit)):
+/// its fields as handles shared with the request it serves, so a dispatch copies no
+/// string. The method is always `POST` and the metadata holds the caller's request id
+/// alone (nothing when it is empty), as every tunnel the Edge opens.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TunnelDispatch {
+    /// The run it opens; every frame of the answer names it.
+    pub run: RunId,
+    /// Adapter instance name on the node.
+    pub adapter: Arc<str>,
+    /// The model name the provider knows, already written into `body`.
+    pub target: Arc<str>,
+    /// Path relative to the adapter's base URL.
+    pub path: &'static str,
+    /// Request headers the provider is forwarded.
+    pub headers: Arc<[Header]>,
+    /// The body, passed through byte for byte.
+    pub body: Bytes,
+    /// Whether the caller asked for a stream.
+    pub stream: bool,
+    /// The longest the node may take over the provider call, in seconds.
+    pub timeout_sec: u32,
+    /// The caller's request id, sent in the metadata unless empty.
+    pub request_id: Arc<str>,
+    /// Whether it holds long-context capacity.
+    pub long_context: bool,
+}
+
+impl TunnelDispatch {
+    /// The message the frame carries, built: what [`encode`](Self::encode) writes, for
+    /// tests and embedders that look at what the Edge sent.
+    #[must_use]
+    pub fn to_message(&self) -> ProviderTunnelRequest {
+        let mut metadata = std::collections::BTreeMap::new();
+        if !self.request_id.is_empty() {
+            metadata.insert(REQUEST_ID_KEY.to_owned(), String::from(&*self.request_id));
+        }
+        ProviderTunnelRequest {
+            run_id: self.run.wire(),
+            adapter: String::from(&*self.adapter),
+            target: String::from(&*self.target),
+            method: METHOD.to_owned(),
+            path: self.path.to_owned(),
+            headers: self.headers.to_vec(),
+            body: self.body.clone(),
+            stream: self.stream,
+            timeout_sec: self.timeout_sec,
+            metadata,
+            long_context: self.long_context,
+            ..ProviderTunnelRequest::default()
+        }
+    }
+
+    /// [`to_message`](Self::to_message) in its envelope.
+    #[must_use]
+    pub fn to_envelope(&self) -> Envelope {
+        Envelope::new(Body::ProviderTunnelRequest(self.to_message()))
+    }
+
+    /// Appends the frame carrying this request to `dst`: the bytes
+    /// [`wire::encode_split`](crate::wire::encode_split) writes for
+    /// [`to_envelope`](Self::to_envelope), without building it. A body of at least
+    /// [`SPLIT_PAYLOAD_MIN`] bytes is handed back instead of copied, to be written right
+    /// after the rest. Refuses a frame over `max_frame_len`, leaving `dst` unchanged.
+    pub fn encode(
+        &self,
+        dst: &mut BytesMut,
+        max_frame_len: usize,
+    ) -> Result<Option<Bytes>, EncodeError> {
+        let mut run = [0u8; RunId::MAX_WIRE_LEN];
+        let run = self.run.write_wire(&mut run);
+        let split = self.body.len() >= SPLIT_PAYLOAD_MIN;
+        let body_field = bytes_len(tag::BODY, self.body.len());
+        let message_len = self.head_len(run) + body_field;
+        let len = key_len(tag::ENVELOPE_TUNNEL_REQUEST)
+            + encoded_len_varint(message_len as u64)
+            + message_len;
+        let header = frame_header(len, max_frame_len)?;
+        let copied = if split { 0 } else { self.body.len() };
+        dst.reserve(HEADER_LEN + len - self.body.len() + copied);
+        dst.put_u32(header);
+        encode_key(tag::ENVELOPE_TUNNEL_REQUEST, WireType::LengthDelimited, dst);
+        encode_varint(message_len as u64, dst);
+        // Fields in their numbers' order, as prost writes them, but for a body handed
+        // back: protobuf takes fields in any order, so it goes last, after its key.
+        put_bytes(dst, tag::RUN_ID, run);
+        put_bytes(dst, tag::ADAPTER, self.adapter.as_bytes());
+        put_bytes(dst, tag::TARGET, self.target.as_bytes());
+        put_bytes(dst, tag::METHOD, METHOD.as_bytes());
+        put_bytes(dst, tag::PATH, self.path.as_bytes());
+        for h in self.headers.iter() {
+            encode_key(tag::HEADERS, WireType::LengthDelimited, dst);
+            encode_varint(header_len(h) as u64, dst);
+            put_bytes(dst, tag::HEADER_NAME, h.name.as_bytes());
+            put_bytes(dst, tag::HEADER_VALUE, &h.value);
+        }
+        if !split {
+            put_bytes(dst, tag::BODY, &self.body);
+        }
+        put_bool(dst, tag::STREAM, self.stream);
+        if self.timeout_sec != 0 {
+            encode_key(tag::TIMEOUT_SEC, WireType::Varint, dst);
+            encode_varint(u64::from(self.timeout_sec), dst);
+        }
+        if !self.request_id.is_empty() {
+            encode_key(tag::METADATA, WireType::LengthDelimited, dst);
+            encode_varint(self.entry_len() as u64, dst);
+            put_bytes(dst, tag::ENTRY_KEY, REQUEST_ID_KEY.as_bytes());
+            put_bytes(dst, tag::ENTRY_VALUE, self.request_id.as_bytes());
+        }
+        put_bool(dst, tag::LONG_CONTEXT, self.long_context);
+        if split {
+            encode_key(tag::BODY, WireType::LengthDelimited, dst);
+            encode_varint(self.body.len() as u64, dst);
+            return Ok(Some(self.body.clone()));
+        }
+        Ok(None)
+    }
+
+    /// The message's encoded length without its body field.
+    fn head_len(&self, run: &[u8]) -> usize {
+        let headers: usize = self
+            .headers
+            .iter()
+            .map(|h| {
+                let len = header_len(h);
+                key_len(tag::HEADERS) + encoded_len_varint(len as u64) + len
+            })
+            .sum();
+        let timeout = if self.timeout_sec == 0 {
+            0
+        } else {
+            key_len(tag::TIMEOUT_SEC) + encoded_len_varint(u64::from(self.timeout_sec))
+        };
+        let metadata = if self.request_id.is_empty() {
+            0
+        } else {
+            let len = self.entry_len();
+            key_len(tag::METADATA) + encoded_len_varint(len as u64) + len
+        };
+        bytes_len(tag::RUN_ID, run.len())
+            + bytes_len(tag::ADAPTER, self.adapter.len())
+            + bytes_len(tag::TARGET, self.target.len())
+            + bytes_len(tag::METHOD, METHOD.len())
+            + bytes_len(tag::PATH, self.path.len())
+            + headers
+            + bool_len(tag::STREAM, self.stream)
+            + timeout
+            + metadata
+            + bool_len(tag::LONG_CONTEXT, self.long_context)
+    }
+
+    /// The encoded length of the metadata's one entry (its key is never empty).
+    fn entry_len(&self) -> usize {
+        bytes_len(tag::ENTRY_KEY, REQUEST_ID_KEY.len())
+            + bytes_len(tag::ENTRY_VALUE, self.request_id.len())
+    }
+}
+
+/// The encoded length of a header message's fields.
+fn header_len(h: &Header) -> usize {
+    bytes_len(tag::HEADER_NAME, h.name.len()) + bytes_len(tag::HEADER_VALUE, h.value.len())
+}
+
+/// The encoded length of a string or bytes field of `len` bytes (nothing when empty, as
+/// proto3 leaves a default value out).
+fn bytes_len(tag: u32, len: usize) -> usize {
+    if len == 0 {
+        0
+    } else {
+        key_len(tag) + encoded_len_varint(len as u64) + len
+    }
+}
+
+/// The encoded length of a bool field.
+fn bool_len(tag: u32, value: bool) -> usize {
+    if value { key_len(tag) + 1 } else { 0 }
+}
+
+/// Writes a string or bytes field unless it is empty.
+fn put_bytes(dst: &mut BytesMut, tag: u32, value: &[u8]) {
+    if !value.is_empty() {
+        encode_key(tag, WireType::LengthDelimited, dst);
+        encode_varint(value.len() as u64, dst);
+        dst.put_slice(value);
+    }
+}
+
+/// Writes a bool field unless it is false.
+fn put_bool(dst: &mut BytesMut, tag: u32, value: bool) {
+    if value {
+        encode_key(tag, WireType::Varint, dst);
+        dst.put_u8(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lease::RequestId;
+    use crate::wire::{self, FrameDecoder};
+    use proptest::prelude::*;
+
+    fn header() -> impl Strategy<Value = Header> {
+        (
+            "[a-z-]{0,12}",
+            proptest::collection::vec(any::<u8>(), 0..40),
+        )
+            .prop_map(|(name, value)| Header {
+                name,
+                value: Bytes::from(value),
+            })
+    }
+
+    fn dispatch() -> impl Strategy<Value = TunnelDispatch> {
+        (
+            (any::<u64>(), any::<u32>()),
+            ("\\PC{0,20}", "\\PC{0,20}"),
+            prop_oneof![Just("/v1/chat/completions"), Just("/v1/messages"), Just("")],
+            proptest::collection::vec(header(), 0..5),
+            prop_oneof![
+                0usize..300,
+                Just(SPLIT_PAYLOAD_MIN - 1),
+                Just(SPLIT_PAYLOAD_MIN),
+                SPLIT_PAYLOAD_MIN..SPLIT_PAYLOAD_MIN + 300
+            ],
+            (any::<bool>(), any::<u32>(), "\\PC{0,40}", any::<bool>()),
+        )
+            .prop_map(
+                |((request, attempt), (adapter, target), path, headers, body_len, rest)| {
+                    let (stream, timeout_sec, request_id, long_context) = rest;
+                    TunnelDispatch {
+                        run: RunId {
+                            request: RequestId(request),
+                            attempt,
+                        },
+                        adapter: adapter.into(),
+                        target: target.into(),
+                        path,
+                        headers: headers.into(),
+                        body: Bytes::from((0..body_len).map(|i| i as u8).collect::<Vec<_>>()),
+                        stream,
+                        timeout_sec,
+                        request_id: request_id.into(),
+                        long_context,
+                    }
+                },
+            )
+    }
+
+    proptest! {
+        /// The bytes written are prost's for the built message, split alike, and they
+        /// decode back into it.
+        #[test]
+        fn encodes_as_prost_encodes_the_message(d in dispatch(), prefix in 0usize..8) {
+            let mut ours = BytesMut::from(&vec![7u8; prefix][..]);
+            let mut theirs = ours.clone();
+            let payload = d.encode(&mut ours, wire::DEFAULT_MAX_FRAME_LEN).unwrap();
+            let mut envelope = d.to_envelope();
+            let expected =
+                wire::encode_split(&mut envelope, &mut theirs, wire::DEFAULT_MAX_FRAME_LEN)
+                    .unwrap();
+            prop_assert_eq!(&ours, &theirs);
+            prop_assert_eq!(&payload, &expected);
+            prop_assert_eq!(payload.is_some(), d.body.len() >= SPLIT_PAYLOAD_MIN);
+            let mut decoder = FrameDecoder::new();
+            decoder.push(&ours[prefix..]);
+            if let Some(payload) = &payload {
+                decoder.push(payload);
+            }
+            prop_assert_eq!(decoder.next_envelope().unwrap(), Some(envelope));
+        }
+
+        /// A frame over the limit is refused as prost's encoding refuses it, with nothing
+        /// written.
+        #[test]
+        fn refuses_what_prost_refuses(d in dispatch(), max in 0usize..400) {
+            let mut ours = BytesMut::new();
+            let mut theirs = BytesMut::new();
+            let result = d.encode(&mut ours, max);
+            let expected = wire::encode_split(&mut d.to_envelope(), &mut theirs, max);
+            prop_assert_eq!(&result, &expected);
+            if result.is_err() {
+                prop_assert!(ours.is_empty());
+            }
+        }
+    }
+}
