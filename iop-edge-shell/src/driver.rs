@@ -210,6 +210,8 @@ struct Task {
     kicks: Vec<Arc<Outbox>>,
     /// Request tasks given events by this drain, to wake once the lock is released.
     wakes: Vec<std::task::Waker>,
+    /// A drain's frames per connection; kept, empty, between drains for its capacity.
+    batches: Batches,
     /// In a cluster: where claims and releases go.
     cluster: Option<tokio::sync::mpsc::UnboundedSender<crate::membership::Input>>,
 }
@@ -260,6 +262,7 @@ impl Core {
             armed: u64::MAX,
             kicks: Vec::new(),
             wakes: Vec::new(),
+            batches: Batches::default(),
             cluster: None,
         };
         Core {
@@ -516,7 +519,7 @@ impl Task {
     fn drain(&mut self) {
         loop {
             // One buffer per connection written to (seldom more than one: a Vec).
-            let mut batches = Batches::default();
+            let mut batches = std::mem::take(&mut self.batches);
             let mut progressed = false;
             while let Some(transmit) = self.core.poll_transmit() {
                 progressed = true;
@@ -569,9 +572,10 @@ impl Task {
                     self.flush(conn, batch);
                 }
             }
-            for (conn, batch) in batches.0 {
+            for (conn, batch) in batches.0.drain(..) {
                 self.flush(conn, Some(batch));
             }
+            self.batches = batches;
             // What it means to an operator, published before it is acted on (never waits).
             while let Some(lifecycle) = self.core.poll_lifecycle() {
                 self.events.publish(&lifecycle);

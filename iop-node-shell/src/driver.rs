@@ -95,7 +95,7 @@ struct Conn {
     /// The task of each piece of work the session has in flight, by run id: cancelled
     /// when the Edge cancels it or the session closes, forgotten when the session says
     /// the work ended (or its task returned). The session decides; this only follows.
-    tasks: HashMap<String, CancellationToken>,
+    tasks: HashMap<Arc<str>, CancellationToken>,
     /// Where adapter tasks send their output.
     out_tx: mpsc::Sender<Output>,
     /// Encoded frames not yet taken by the socket, and whether a write awaits its flush.
@@ -240,10 +240,10 @@ const LINGER_MAX: Duration = Duration::from_secs(10);
 fn linger(
     ctx: &Context,
     key: u64,
-    tasks: &HashMap<String, CancellationToken>,
+    tasks: &HashMap<Arc<str>, CancellationToken>,
     mut out_rx: mpsc::Receiver<Output>,
 ) {
-    let mut running: std::collections::HashSet<String> = tasks.keys().cloned().collect();
+    let mut running: std::collections::HashSet<Arc<str>> = tasks.keys().cloned().collect();
     if running.is_empty() {
         ctx.elsewhere.leave(key);
         return;
@@ -526,13 +526,14 @@ impl Conn {
             }
             Output::Finished { run_id } => {
                 // Its task is over, whatever its work said.
-                self.tasks.remove(&run_id);
+                self.tasks.remove(&*run_id);
                 match self.session.handle_work_returned(now, &run_id) {
                     Ok(Returned::Done) => {}
                     Ok(Returned::Unfinished) => {
                         warn!(
                             node_id = self.node_id,
-                            run_id, "adapter returned without a terminal event"
+                            run_id = &*run_id,
+                            "adapter returned without a terminal event"
                         );
                     }
                     Err(err) => debug!(node_id = self.node_id, %err, "adapter output not sent"),
@@ -609,11 +610,12 @@ impl Conn {
                 // No span around the work: adapters log nothing of their own, and entering
                 // one on every poll of a stream is paid on every event.
                 let adapter = self.host.get(&request.adapter);
+                let run_id = Arc::from(request.run_id.as_str());
                 spawn_work(
                     adapter,
                     &mut self.tasks,
                     &self.out_tx,
-                    request.run_id.clone(),
+                    run_id,
                     |adapter, sink, token| async move { adapter.run(request, sink, token).await },
                 );
             }
@@ -638,17 +640,18 @@ impl Conn {
                     );
                 }
                 let adapter = self.host.get(&request.adapter);
+                let run_id = Arc::from(request.run_id.as_str());
                 spawn_work(
                     adapter,
                     &mut self.tasks,
                     &self.out_tx,
-                    request.run_id.clone(),
+                    run_id,
                     |adapter, sink, token| async move { adapter.tunnel(request, sink, token).await },
                 );
             }
             SessionEvent::CancelRun { run_id } => {
                 info!(node_id, run_id, "cancel requested by the edge");
-                if let Some(token) = self.tasks.get(&run_id) {
+                if let Some(token) = self.tasks.get(run_id.as_str()) {
                     token.cancel();
                 }
             }
@@ -711,9 +714,9 @@ fn request_id_of(metadata: &std::collections::BTreeMap<String, String>) -> &str 
 /// told, so work that ended without a terminal is closed.
 fn spawn_work<F, Fut>(
     adapter: Option<Arc<crate::adapters::Adapter>>,
-    tasks: &mut HashMap<String, CancellationToken>,
+    tasks: &mut HashMap<Arc<str>, CancellationToken>,
     out_tx: &mpsc::Sender<Output>,
-    run_id: String,
+    run_id: Arc<str>,
     work: F,
 ) where
     F: FnOnce(Arc<crate::adapters::Adapter>, Sink, CancellationToken) -> Fut + Send + 'static,
@@ -737,7 +740,7 @@ fn spawn_work<F, Fut>(
         // returned and closes it, instead of keeping it in flight for good.
         let run = std::panic::AssertUnwindSafe(async move { work(adapter, sink, token).await });
         if futures_util::FutureExt::catch_unwind(run).await.is_err() {
-            error!(run_id, "adapter panicked; its work ends here");
+            error!(run_id = &*run_id, "adapter panicked; its work ends here");
         }
         let _ = done.send(Output::Finished { run_id }).await;
     }));

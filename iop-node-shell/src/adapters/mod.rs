@@ -50,7 +50,7 @@ pub enum Output {
     /// The adapter task returned (the session ends the work if no terminal was reported).
     Finished {
         /// The run or tunnel.
-        run_id: String,
+        run_id: Arc<str>,
     },
     /// The answer to a command.
     Command(NodeCommandResponse),
@@ -66,11 +66,8 @@ pub struct Sink {
 impl Sink {
     /// A sink for `run_id`.
     #[must_use]
-    pub fn new(run_id: String, tx: mpsc::Sender<Output>) -> Self {
-        Sink {
-            run_id: run_id.into(),
-            tx,
-        }
+    pub fn new(run_id: Arc<str>, tx: mpsc::Sender<Output>) -> Self {
+        Sink { run_id, tx }
     }
 
     /// Reports run progress; false once the connection is gone.
