@@ -102,7 +102,9 @@
 //!     // ...the Edge's to the node...
 //!     while let Some(transmit) = edge.poll_transmit() {
 //!         moved = true;
-//!         if let Transmit::Frame { envelope, .. } = transmit {
+//!         // A frame, or a tunnel request with its message built (a shell writes that
+//!         // with `TunnelDispatch::encode` instead).
+//!         if let Some((_, envelope)) = transmit.frame() {
 //!             node.handle_envelope(now, envelope)?;
 //!         }
 //!     }
