@@ -189,6 +189,14 @@ impl Batches {
         &mut self.0[at].1
     }
 
+    /// How many bytes the batch of `conn` holds (none when it has no batch).
+    fn len(&self, conn: ConnId) -> usize {
+        self.0
+            .iter()
+            .find(|(c, _)| *c == conn)
+            .map_or(0, |(_, (buf, _))| buf.len())
+    }
+
     /// The batch of `conn`, taken out.
     fn take(&mut self, conn: ConnId) -> Option<(BytesMut, u64)> {
         let at = self.0.iter().position(|(c, _)| *c == conn)?;
@@ -567,7 +575,7 @@ impl Task {
                 }
                 // Hand large batches over at once: several big run inputs must not pile
                 // up in one buffer.
-                if batches.of(conn).0.len() >= 1 << 20 {
+                if batches.len(conn) >= 1 << 20 {
                     let batch = batches.take(conn);
                     self.flush(conn, batch);
                 }

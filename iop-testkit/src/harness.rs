@@ -394,12 +394,11 @@ impl Pair {
 
     fn edge_transmit(&mut self, transmit: Transmit) {
         match transmit {
-            Transmit::Tunnel { dispatch, .. } => {
-                let envelope = sent_envelope(&dispatch);
-                let body = envelope.body.as_ref().map(describe).unwrap_or_default();
-                self.log(format_args!("edge -> node {body}"));
-                let at = self.now + self.netem.delay();
-                self.to_node.send(&envelope, at);
+            Transmit::Tunnel { conn, dispatch } => {
+                self.edge_transmit(Transmit::Frame {
+                    conn,
+                    envelope: sent_envelope(&dispatch),
+                });
             }
             Transmit::Frame { envelope, .. } => {
                 let body = envelope.body.as_ref().map(describe).unwrap_or_default();
