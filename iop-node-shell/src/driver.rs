@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use bytes::{Buf, BytesMut};
 use iop_proto_core::session::{Returned, WorkStep};
-use iop_proto_core::wire::{self, FrameDecoder};
+use iop_proto_core::wire::{self, FrameDecoder, REQUEST_ID_KEY};
 use iop_proto_core::{
     Failure, NodeSession, NodeTransmit, SessionConfig, SessionEnd, SessionEvent, Supervisor,
 };
@@ -489,10 +489,10 @@ impl Conn {
                 self.decoder.push_bytes(self.read_buf.split().freeze());
                 // Once the session has ended, the rest of the buffer is moot.
                 while session.end().is_none() {
-                    match self.decoder.next_envelope() {
-                        Ok(Some(envelope)) => {
+                    match self.decoder.next_inbound() {
+                        Ok(Some(inbound)) => {
                             TransportStats::add(&ctx.stats.frames_in, 1);
-                            misuse("envelope", session.handle_envelope(now, envelope));
+                            misuse("envelope", session.handle_inbound(now, inbound));
                         }
                         Ok(None) => break,
                         Err(err) => {
@@ -620,27 +620,28 @@ impl Conn {
                 );
             }
             SessionEvent::StartTunnel { request } => {
-                let request_id = request_id_of(&request.metadata);
+                let (run_id, adapter) = (request.run_id(), request.adapter());
+                let request_id = request_id_or_dash(request.request_id());
                 let fields = [
                     ("node_id", Some(Field::Str(node_id))),
-                    ("run_id", Some(Field::Str(&request.run_id))),
+                    ("run_id", Some(Field::Str(run_id))),
                     ("request_id", Some(Field::Str(request_id))),
-                    ("adapter", Some(Field::Str(&request.adapter))),
-                    ("path", Some(Field::Str(&request.path))),
+                    ("adapter", Some(Field::Str(adapter))),
+                    ("path", Some(Field::Str(request.path()))),
                 ];
                 if tracing::enabled!(tracing::Level::INFO) && !info_direct("tunnel opened", &fields)
                 {
                     info!(
                         node_id,
-                        run_id = request.run_id,
+                        run_id,
                         request_id,
-                        adapter = request.adapter,
-                        path = request.path,
+                        adapter,
+                        path = request.path(),
                         "tunnel opened"
                     );
                 }
-                let adapter = self.host.get(&request.adapter);
-                let run_id = Arc::from(request.run_id.as_str());
+                let adapter = self.host.get(adapter);
+                let run_id = Arc::from(run_id);
                 spawn_work(
                     adapter,
                     &mut self.tasks,
@@ -701,10 +702,13 @@ impl Conn {
 /// The Edge's request id from a request's metadata; `-` when there is none or it is not
 /// one the contract admits (it goes into log lines). Observation only.
 fn request_id_of(metadata: &std::collections::BTreeMap<String, String>) -> &str {
-    metadata
-        .get(iop_proto_core::wire::REQUEST_ID_KEY)
-        .filter(|id| iop_proto_core::wire::is_request_id(id.as_bytes()))
-        .map_or("-", String::as_str)
+    request_id_or_dash(metadata.get(REQUEST_ID_KEY).map(String::as_str))
+}
+
+/// A request id fit for a log line, or `-`.
+fn request_id_or_dash(id: Option<&str>) -> &str {
+    id.filter(|id| iop_proto_core::wire::is_request_id(id.as_bytes()))
+        .unwrap_or("-")
 }
 
 /// Runs one piece of work on its adapter in its own task (each with tokio's fair

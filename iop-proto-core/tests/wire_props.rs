@@ -4,7 +4,7 @@ mod common;
 
 use bytes::{Bytes, BytesMut};
 use common::arb;
-use iop_proto_core::wire::{self, Envelope, FrameDecoder};
+use iop_proto_core::wire::{self, DecodeError, Envelope, FrameDecoder, Inbound, TunnelRequest};
 use proptest::collection::vec;
 use proptest::prelude::*;
 
@@ -164,4 +164,147 @@ fn a_split_frame_over_the_limit_is_refused_and_nothing_is_taken() {
     ));
     assert!(dst.is_empty());
     assert_eq!(sent, envelope);
+}
+
+/// One frame carrying `message` (any bytes) as the envelope's tunnel request, as every
+/// encoder writes it: the only shape the in-place reader takes.
+fn tunnel_frame(message: &[u8]) -> Bytes {
+    let mut envelope = BytesMut::new();
+    prost::encoding::encode_key(9, prost::encoding::WireType::LengthDelimited, &mut envelope);
+    prost::encoding::encode_varint(message.len() as u64, &mut envelope);
+    envelope.extend_from_slice(message);
+    let mut frame = BytesMut::new();
+    frame.extend_from_slice(&u32::try_from(envelope.len()).unwrap().to_be_bytes());
+    frame.extend_from_slice(&envelope);
+    frame.freeze()
+}
+
+/// What `frame` decodes to through each of the decoder's two readings.
+fn both_readings(
+    frame: &Bytes,
+) -> (
+    Result<Option<Envelope>, DecodeError>,
+    Result<Option<Inbound>, DecodeError>,
+) {
+    let mut decoder = FrameDecoder::new();
+    decoder.push_bytes(frame.clone());
+    let envelope = decoder.next_envelope();
+    let mut decoder = FrameDecoder::new();
+    decoder.push_bytes(frame.clone());
+    (envelope, decoder.next_inbound())
+}
+
+/// One protobuf field with any number and wire type (groups, fixed widths and wrong wire
+/// types included) and a payload to match, for messages prost may or may not take.
+fn raw_field() -> impl Strategy<Value = Vec<u8>> {
+    let payload = prop_oneof![
+        arb::text().prop_map(String::into_bytes),
+        vec(any::<u8>(), 0..12),
+        // A header or map entry: two string-ish fields, sometimes not UTF-8.
+        (
+            prop_oneof![arb::text(), Just(wire::REQUEST_ID_KEY.to_owned())],
+            prop_oneof![
+                arb::text().prop_map(String::into_bytes),
+                vec(any::<u8>(), 0..6)
+            ],
+        )
+            .prop_map(|(a, b)| {
+                let mut out = Vec::new();
+                prost::encoding::string::encode(1, &a, &mut out);
+                prost::encoding::bytes::encode(2, &b, &mut out);
+                out
+            }),
+    ];
+    // Mostly the schema's own fields, length-delimited, where a reader's mistakes hide.
+    let number = prop_oneof![3 => 1u32..13, 1 => 0u32..16];
+    let wire = prop_oneof![2 => Just(2u64), 1 => 0u64..8];
+    (number, wire, any::<u64>(), payload).prop_map(|(number, wire, varint, payload)| {
+        let mut out = Vec::new();
+        prost::encoding::encode_varint(u64::from(number) << 3 | wire, &mut out);
+        match wire {
+            0 => prost::encoding::encode_varint(varint, &mut out),
+            1 => out.extend_from_slice(&varint.to_le_bytes()),
+            2 => {
+                prost::encoding::encode_varint(payload.len() as u64, &mut out);
+                out.extend_from_slice(&payload);
+            }
+            5 => out.extend_from_slice(&varint.to_le_bytes()[..4]),
+            // Groups and invalid wire types: the key alone, or the payload raw.
+            _ => out.extend_from_slice(&payload[..payload.len().min(3)]),
+        }
+        out
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 1024, ..ProptestConfig::default() })]
+
+    /// Every envelope reads the same through `next_inbound` as through `next_envelope`,
+    /// and a tunnel request is read in place.
+    #[test]
+    fn an_inbound_frame_is_the_envelope_it_carries(envelope in arb::envelope()) {
+        let frame = frames(std::slice::from_ref(&envelope));
+        let (decoded, inbound) = both_readings(&frame);
+        let inbound = inbound.expect("valid").expect("whole");
+        if let Some(wire::Body::ProviderTunnelRequest(request)) = &envelope.body {
+            let Inbound::TunnelRequest(read) = &inbound else {
+                panic!("a tunnel request was decoded, not read in place: {inbound:?}");
+            };
+            prop_assert_eq!(&read.to_message(), request);
+            prop_assert_eq!(read, &TunnelRequest::from(request.clone()));
+            let headers: Vec<(&str, &[u8])> = read.headers().map(|h| (h.name, h.value)).collect();
+            let want: Vec<(&str, &[u8])> = request.headers.iter().map(|h| (h.name.as_str(), &h.value[..])).collect();
+            prop_assert_eq!(headers, want);
+            for (key, value) in &request.metadata {
+                prop_assert_eq!(read.metadata(key), Some(value.as_str()));
+            }
+            prop_assert_eq!(read.request_id(), request.metadata.get(wire::REQUEST_ID_KEY).map(String::as_str));
+        }
+        prop_assert_eq!(decoded, Ok(Some(inbound.into_envelope())));
+    }
+
+    /// Whatever a tunnel request's message holds (fields repeated, unknown, of the wrong
+    /// wire type, groups, strings that are not UTF-8, lengths past the end), reading it in
+    /// place gives what prost decodes, or prost's own error.
+    #[test]
+    fn a_tunnel_request_read_in_place_is_what_prost_decodes(
+        mut request in arb::tunnel_request(),
+        request_id in proptest::option::of(arb::text()),
+        extra in vec(raw_field(), 0..6),
+        at in any::<prop::sample::Index>(),
+        where_ in any::<u8>(),
+        flip in proptest::option::weighted(0.3, (any::<prop::sample::Index>(), any::<u8>())),
+        cut in proptest::option::weighted(0.2, any::<prop::sample::Index>()),
+    ) {
+        use prost::Message;
+        if let Some(id) = request_id {
+            request.metadata.insert(wire::REQUEST_ID_KEY.to_owned(), id);
+        }
+        let mut message = request.encode_to_vec();
+        // Extra fields go first, last, or anywhere (between whole fields only if `at`
+        // falls on a boundary; elsewhere they corrupt the message, as good a test).
+        let mut insert = match where_ % 3 {
+            0 => 0,
+            1 => message.len(),
+            _ => at.index(message.len() + 1),
+        };
+        for field in &extra {
+            message.splice(insert..insert, field.iter().copied());
+            insert += field.len();
+        }
+        if let Some((i, byte)) = flip && !message.is_empty() {
+            let i = i.index(message.len());
+            message[i] ^= byte;
+        }
+        if let Some(cut) = cut {
+            message.truncate(cut.index(message.len() + 1));
+        }
+        let frame = tunnel_frame(&message);
+        let (decoded, inbound) = both_readings(&frame);
+        if let Ok(Some(Inbound::TunnelRequest(read))) = &inbound {
+            let message = read.to_message();
+            prop_assert_eq!(read.request_id(), message.metadata.get(wire::REQUEST_ID_KEY).map(String::as_str));
+        }
+        prop_assert_eq!(decoded, inbound.map(|got| got.map(Inbound::into_envelope)));
+    }
 }

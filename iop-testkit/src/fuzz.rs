@@ -12,7 +12,8 @@ use iop_proto_core::testkit::Inspect;
 use iop_proto_core::wire::{self, DecodeError, Envelope, FrameDecoder, Validate};
 
 /// Feeds `data` to a [`FrameDecoder`] in uneven pieces and checks that:
-/// the result does not depend on how the input was split; the decoder never holds more
+/// the result does not depend on how the input was split, nor on whether tunnel requests
+/// are read in place ([`FrameDecoder::next_inbound`]); the decoder never holds more
 /// memory than the input warrants; an error is sticky; every decoded envelope validates
 /// or fails validation without panicking, and re-encodes to a frame that decodes to the
 /// same envelope.
@@ -39,6 +40,22 @@ pub fn frame_decoder(data: &[u8]) {
         }
     });
     assert_eq!(whole, split, "decoding depends on how the input was split");
+    // The Node's reading (a tunnel request read in place) gives the same envelopes.
+    let mut decoder = FrameDecoder::with_max_frame_len(MAX);
+    decoder.push_bytes(Bytes::copy_from_slice(data));
+    let mut read = Vec::new();
+    let outcome = loop {
+        match decoder.next_inbound() {
+            Ok(Some(inbound)) => read.push(inbound.into_envelope()),
+            Ok(None) => break decoder.finish().or_else(truncation_is_ok),
+            Err(err) => break Err(err),
+        }
+    };
+    assert_eq!(
+        (read, outcome),
+        whole,
+        "reading in place differs from decoding"
+    );
 
     let (envelopes, outcome) = whole;
     for envelope in &envelopes {

@@ -17,7 +17,7 @@ use iop_proto_core::edge::{
 };
 use iop_proto_core::session::{NodeSession, NodeTransmit, RunOutput, SessionEvent};
 use iop_proto_core::time::Timestamp;
-use iop_proto_core::wire::{self, Body, DecodeError, Envelope, FrameDecoder};
+use iop_proto_core::wire::{self, Body, DecodeError, Envelope, FrameDecoder, Inbound};
 
 pub use iop_proto_core::testkit::{drain_edge, drain_node};
 
@@ -235,9 +235,28 @@ impl Wire {
         Ok(out)
     }
 
+    /// [`receive`](Self::receive) as the Node's shell reads its frames.
+    pub fn receive_inbound(&mut self, now: Timestamp) -> Result<Vec<Inbound>, DecodeError> {
+        let mut out = Vec::new();
+        while let Some(frames) = self.receive_one_inbound(now) {
+            out.extend(frames?);
+        }
+        Ok(out)
+    }
+
     /// The next frame if it has arrived by `now`, decoded (so a receiver can react to
     /// each frame before the next, as a shell reading a socket does).
     pub fn receive_one(&mut self, now: Timestamp) -> Option<Result<Vec<Envelope>, DecodeError>> {
+        self.receive_one_inbound(now)
+            .map(|frames| Ok(frames?.into_iter().map(Inbound::into_envelope).collect()))
+    }
+
+    /// [`receive_one`](Self::receive_one) as the Node's shell reads its frames
+    /// ([`FrameDecoder::next_inbound`]: a tunnel request read in place).
+    pub fn receive_one_inbound(
+        &mut self,
+        now: Timestamp,
+    ) -> Option<Result<Vec<Inbound>, DecodeError>> {
         if self.next_arrival()? > now {
             return None;
         }
@@ -245,8 +264,8 @@ impl Wire {
         self.decoder.push_bytes(bytes);
         let mut out = Vec::new();
         loop {
-            match self.decoder.next_envelope() {
-                Ok(Some(envelope)) => out.push(envelope),
+            match self.decoder.next_inbound() {
+                Ok(Some(inbound)) => out.push(inbound),
                 Ok(None) => return Some(Ok(out)),
                 Err(err) => return Some(Err(err)),
             }
@@ -357,10 +376,14 @@ impl Pair {
                 moved = true;
                 self.edge_transmit(transmit);
             }
-            for envelope in self.to_node.receive(self.now).expect("the codec decodes") {
+            for inbound in self
+                .to_node
+                .receive_inbound(self.now)
+                .expect("the codec decodes")
+            {
                 moved = true;
                 // A closed session takes nothing more; the shell stops reading.
-                let _ = self.node.handle_envelope(self.now, envelope);
+                let _ = self.node.handle_inbound(self.now, inbound);
             }
             while let Some(event) = self.node.poll_event() {
                 moved = true;

@@ -12,7 +12,7 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Method, Request};
 use hyper_util::client::legacy::connect::HttpConnector;
 use iop_http1 as http1;
-use iop_proto_core::wire::{Header, ProviderHealth};
+use iop_proto_core::wire::{Header, HeaderRef, ProviderHealth};
 
 /// Builds the shared client. TLS trusts the Mozilla roots, plus the PEM certificates in
 /// `extra_ca` (for providers behind a private CA).
@@ -197,11 +197,11 @@ impl Upstream {
     /// the body's length. A method or target that could not be sent (one that could split
     /// the request) is an error; a header that could not be is left out, as the `http`
     /// types would leave it out.
-    pub fn tunnel_head(
+    pub fn tunnel_head<'a>(
         &self,
         method: &str,
         path: &str,
-        headers: &[Header],
+        headers: impl IntoIterator<Item = HeaderRef<'a>>,
         body_len: usize,
     ) -> Result<Vec<u8>, String> {
         let prefix = self.origin.prefix();
@@ -210,8 +210,8 @@ impl Upstream {
             .map_err(|err| format!("cannot build request: {err} ({method:?} {prefix}{path:?})"))?;
         http1::encode_field(b"host", self.origin.host(), &mut out);
         for header in headers {
-            if forwardable(&header.name) && !header.name.eq_ignore_ascii_case("authorization") {
-                http1::encode_field(header.name.as_bytes(), &header.value, &mut out);
+            if forwardable(header.name) && !header.name.eq_ignore_ascii_case("authorization") {
+                http1::encode_field(header.name.as_bytes(), header.value, &mut out);
             }
         }
         if let Some(auth) = &self.auth {
@@ -303,6 +303,13 @@ pub async fn probe(client: &HttpClient, upstream: &Upstream, path: &str) -> Prov
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn refs(headers: &[Header]) -> impl Iterator<Item = HeaderRef<'_>> {
+        headers.iter().map(|h| HeaderRef {
+            name: &h.name,
+            value: &h.value,
+        })
+    }
 
     fn header(name: &str, value: &str) -> Header {
         Header {
@@ -409,7 +416,7 @@ mod tests {
             header("bad name", "v"),
         ];
         let head = upstream
-            .tunnel_head("POST", "/v1/chat/completions?x=1", &headers, 2)
+            .tunnel_head("POST", "/v1/chat/completions?x=1", refs(&headers), 2)
             .unwrap();
         let (method, target, fields) = parsed(&head);
         assert_eq!(
@@ -441,7 +448,7 @@ mod tests {
         }
 
         let keyless = Upstream::new("http://127.0.0.1:9000", "").unwrap();
-        let (_, _, fields) = parsed(&keyless.tunnel_head("GET", "/health", &[], 0).unwrap());
+        let (_, _, fields) = parsed(&keyless.tunnel_head("GET", "/health", [], 0).unwrap());
         assert_eq!(
             fields,
             [("host".to_owned(), "127.0.0.1:9000".to_owned())],
@@ -457,7 +464,7 @@ mod tests {
             ("GET", "/é"),
         ] {
             assert!(
-                keyless.tunnel_head(method, path, &[], 0).is_err(),
+                keyless.tunnel_head(method, path, [], 0).is_err(),
                 "{method:?} {path:?}"
             );
         }

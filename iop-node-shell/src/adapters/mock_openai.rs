@@ -22,7 +22,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use base64::Engine as _;
 use bytes::Bytes;
 use iop_proto_core::TunnelOutput;
-use iop_proto_core::wire::{Header, ProviderTunnelRequest, Usage};
+use iop_proto_core::wire::{Header, TunnelRequest, Usage};
 use serde::Deserialize;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -91,30 +91,26 @@ enum Endpoint {
 
 impl Mock {
     /// Answers a tunnel as an OpenAI-compatible server would.
-    pub async fn tunnel(
-        &self,
-        request: ProviderTunnelRequest,
-        sink: Sink,
-        cancel: CancellationToken,
-    ) {
-        let id = format!("mock-{}", request.run_id);
-        let path = request.path.split('?').next().unwrap_or_default();
-        let answer = match (request.method.as_str(), path) {
+    pub async fn tunnel(&self, request: TunnelRequest, sink: Sink, cancel: CancellationToken) {
+        let id = format!("mock-{}", request.run_id());
+        let path = request.path().split('?').next().unwrap_or_default();
+        let body = request.body();
+        let answer = match (request.method(), path) {
             ("POST", "/v1/chat/completions") => {
-                self.generate(Endpoint::Chat, &id, &request.body, &sink, &cancel)
+                self.generate(Endpoint::Chat, &id, &body, &sink, &cancel)
                     .await
             }
             ("POST", "/v1/completions") => {
-                self.generate(Endpoint::Text, &id, &request.body, &sink, &cancel)
+                self.generate(Endpoint::Text, &id, &body, &sink, &cancel)
                     .await
             }
-            ("POST", "/v1/embeddings") => embeddings(&request.body, &sink).await,
-            ("POST", "/v1/messages") => self.messages(&id, &request.body, &sink, &cancel).await,
-            ("POST", "/tokenize") => tokenize(&request.body, &sink).await,
+            ("POST", "/v1/embeddings") => embeddings(&body, &sink).await,
+            ("POST", "/v1/messages") => self.messages(&id, &body, &sink, &cancel).await,
+            ("POST", "/tokenize") => tokenize(&body, &sink).await,
             _ => Err(Refusal::new(
                 404,
                 "not_found",
-                format!("the mock serves no {} {path}", request.method),
+                format!("the mock serves no {} {path}", request.method()),
             )),
         };
         if let Err(refusal) = answer {
@@ -735,7 +731,7 @@ mod tests {
         let mock = Mock::from_options(&[("token_delay_ms".to_owned(), "0".to_owned())].into())
             .expect("options");
         let (tx, mut rx) = tokio::sync::mpsc::channel(64);
-        let request = ProviderTunnelRequest {
+        let request = iop_proto_core::wire::ProviderTunnelRequest {
             run_id: "r1".into(),
             method: method.into(),
             path: path.into(),
@@ -743,7 +739,7 @@ mod tests {
             ..Default::default()
         };
         mock.tunnel(
-            request,
+            request.into(),
             Sink::new("r1".into(), tx),
             CancellationToken::new(),
         )

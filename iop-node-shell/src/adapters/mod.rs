@@ -22,7 +22,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use iop_proto_core::wire::{
     AdapterConfig, AdapterType, ErrorDetail, NodeCommandRequest, NodeCommandResponse,
-    NodeCommandType, NodeConfigPayload, ProviderHealth, ProviderTunnelRequest, RunRequest,
+    NodeCommandType, NodeConfigPayload, ProviderHealth, RunRequest, TunnelRequest,
 };
 use iop_proto_core::{RunOutput, TunnelOutput};
 use tokio::sync::mpsc;
@@ -181,12 +181,7 @@ impl Adapter {
     }
 
     /// Executes a raw tunnel to its terminal output.
-    pub async fn tunnel(
-        &self,
-        request: ProviderTunnelRequest,
-        sink: Sink,
-        cancel: CancellationToken,
-    ) {
+    pub async fn tunnel(&self, request: TunnelRequest, sink: Sink, cancel: CancellationToken) {
         // The mock's future is boxed so that a provider's tunnel task is sized for its own.
         match self {
             Adapter::OpenAi(o) => o.tunnel(request, sink, cancel).await,

@@ -16,7 +16,7 @@ use http_body_util::BodyExt;
 use hyper::body::{Body, Frame};
 use iop_json::nonempty_array;
 use iop_proto_core::wire::{
-    AdapterConfig, Header, ProviderHealth, ProviderTunnelRequest, RunRequest, Usage,
+    AdapterConfig, Header, ProviderHealth, RunRequest, TunnelRequest, Usage,
 };
 use iop_proto_core::{RunOutput, TunnelOutput};
 use serde_json::{Value, json};
@@ -293,12 +293,7 @@ impl OpenAi {
     }
 
     /// Raw pass-through of one HTTP request.
-    pub async fn tunnel(
-        &self,
-        request: ProviderTunnelRequest,
-        sink: Sink,
-        cancel: CancellationToken,
-    ) {
+    pub async fn tunnel(&self, request: TunnelRequest, sink: Sink, cancel: CancellationToken) {
         if let Err(err) = self.tunnel_inner(request, &sink, &cancel).await {
             let _ = sink.tunnel(TunnelOutput::Error(err.detail())).await;
         }
@@ -306,25 +301,26 @@ impl OpenAi {
 
     async fn tunnel_inner(
         &self,
-        request: ProviderTunnelRequest,
+        request: TunnelRequest,
         sink: &Sink,
         cancel: &CancellationToken,
     ) -> Result<(), CallError> {
-        let mut watch = Watch::new(self.deadline(request.timeout_sec), cancel);
+        let mut watch = Watch::new(self.deadline(request.timeout_sec()), cancel);
+        let method = request.method();
         // The head is written straight from the tunnel request and the answer's head kept
         // as read: a pass-through needs no `http` request or header map on either side.
         let head = self
             .upstream
             .tunnel_head(
-                &request.method,
-                &request.path,
-                &request.headers,
-                request.body.len(),
+                method,
+                request.path(),
+                request.headers(),
+                request.body_len(),
             )
             .map_err(CallError::Unreachable)?;
-        let answer =
-            self.upstream
-                .send_raw(&self.client, head, request.body, request.method == "HEAD");
+        let answer = self
+            .upstream
+            .send_raw(&self.client, head, request.body(), method == "HEAD");
         let (head, body) = watch
             .run(answer)
             .await?

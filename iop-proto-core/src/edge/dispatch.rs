@@ -13,31 +13,11 @@ use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint, k
 
 use crate::lease::RunId;
 use crate::wire::codec::{HEADER_LEN, SPLIT_PAYLOAD_MIN, frame_header};
+use crate::wire::tunnel_request::tag;
 use crate::wire::{Body, EncodeError, Envelope, Header, ProviderTunnelRequest, REQUEST_ID_KEY};
 
 /// The one method a tunnel dispatch uses.
 const METHOD: &str = "POST";
-
-/// Field numbers of `runtime.proto` this encoder writes (the equality property test fails
-/// if they drift from the schema).
-mod tag {
-    pub(super) const ENVELOPE_TUNNEL_REQUEST: u32 = 9;
-    pub(super) const RUN_ID: u32 = 1;
-    pub(super) const ADAPTER: u32 = 2;
-    pub(super) const TARGET: u32 = 3;
-    pub(super) const METHOD: u32 = 4;
-    pub(super) const PATH: u32 = 5;
-    pub(super) const HEADERS: u32 = 6;
-    pub(super) const BODY: u32 = 7;
-    pub(super) const STREAM: u32 = 8;
-    pub(super) const TIMEOUT_SEC: u32 = 9;
-    pub(super) const METADATA: u32 = 10;
-    pub(super) const LONG_CONTEXT: u32 = 12;
-    pub(super) const HEADER_NAME: u32 = 1;
-    pub(super) const HEADER_VALUE: u32 = 2;
-    pub(super) const ENTRY_KEY: u32 = 1;
-    pub(super) const ENTRY_VALUE: u32 = 2;
-}
 
 /// One `ProviderTunnelRequest` the Edge sends ([`Transmit::Tunnel`](super::Transmit)):
 /// its fields as handles shared with the request it serves, so a dispatch copies no

@@ -34,9 +34,9 @@ use crate::idhash::{IdMap, IdSet};
 use crate::reconnect::Failure;
 use crate::time::Timestamp;
 use crate::wire::{
-    AdapterLoad, Body, Envelope, Heartbeat, HeartbeatAck, NodeCommandResponse, NodeConfigPayload,
-    NodeConfigRefreshResponse, NodeDrainRequest, NodeLoadReport, NodeReadyRequest, RefreshStatus,
-    RegisterRequest, Validate,
+    AdapterLoad, Body, Envelope, Heartbeat, HeartbeatAck, Inbound, NodeCommandResponse,
+    NodeConfigPayload, NodeConfigRefreshResponse, NodeDrainRequest, NodeLoadReport,
+    NodeReadyRequest, RefreshStatus, RegisterRequest, TunnelRequest, Validate,
 };
 
 mod board;
@@ -619,15 +619,45 @@ impl NodeSession {
         now: Timestamp,
         envelope: Envelope,
     ) -> Result<(), SessionError> {
+        self.received(now)?;
+        if let Some(body) = envelope.body {
+            self.on_message(body);
+        }
+        Ok(())
+    }
+
+    /// A frame from the Edge as [`FrameDecoder::next_inbound`](crate::wire::FrameDecoder::next_inbound)
+    /// reads it: the same as [`handle_envelope`](Self::handle_envelope) with the
+    /// envelope it carries, but a tunnel request costs no copy of its fields.
+    pub fn handle_inbound(&mut self, now: Timestamp, inbound: Inbound) -> Result<(), SessionError> {
+        match inbound {
+            Inbound::Envelope(envelope) => self.handle_envelope(now, envelope),
+            Inbound::TunnelRequest(request) => {
+                self.received(now)?;
+                self.on_tunnel(request);
+                Ok(())
+            }
+        }
+    }
+
+    /// A frame arrived: refused before the session connected or after it closed, and
+    /// otherwise a sign of life.
+    fn received(&mut self, now: Timestamp) -> Result<(), SessionError> {
         self.advance(now);
         if matches!(self.state, SessionState::Connecting | SessionState::Closed) {
             return Err(self.wrong_state("envelope"));
         }
         self.last_rx = self.now;
-        if let Some(body) = envelope.body {
-            self.on_message(body);
-        }
         Ok(())
+    }
+
+    /// A tunnel request, admitted only once the session is ready.
+    fn on_tunnel(&mut self, request: TunnelRequest) {
+        if self.state == SessionState::Ready {
+            self.on_tunnel_request(request);
+        } else {
+            self.unexpected("provider_tunnel_request");
+        }
     }
 
     fn on_message(&mut self, body: Body) {
@@ -698,9 +728,7 @@ impl NodeSession {
                 }
             }
             Body::RunRequest(req) if self.state == SessionState::Ready => self.on_run_request(req),
-            Body::ProviderTunnelRequest(req) if self.state == SessionState::Ready => {
-                self.on_tunnel_request(req);
-            }
+            Body::ProviderTunnelRequest(req) => self.on_tunnel(req.into()),
             Body::CancelRequest(req) if self.state == SessionState::Ready => self.on_cancel(&req),
             Body::NodeCommandRequest(req) if self.state == SessionState::Ready => {
                 self.on_command(req)
@@ -723,17 +751,20 @@ impl NodeSession {
                         .push_back(SessionEvent::Rehome { reason: req.reason });
                 }
             }
-            other => {
-                let violation = EdgeViolation::Unexpected {
-                    message: other.kind(),
-                    state: self.state,
-                };
-                self.events.push_back(SessionEvent::PeerViolation {
-                    violation: violation.clone(),
-                });
-                self.close(SessionEnd::ProtocolViolation(violation));
-            }
+            other => self.unexpected(other.kind()),
         }
+    }
+
+    /// A message the session's state does not admit: a violation that closes it.
+    fn unexpected(&mut self, message: &'static str) {
+        let violation = EdgeViolation::Unexpected {
+            message,
+            state: self.state,
+        };
+        self.events.push_back(SessionEvent::PeerViolation {
+            violation: violation.clone(),
+        });
+        self.close(SessionEnd::ProtocolViolation(violation));
     }
 
     fn close(&mut self, end: SessionEnd) {

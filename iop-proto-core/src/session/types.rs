@@ -11,8 +11,8 @@ use crate::wire::ErrorDetail;
 use crate::wire::Header;
 use crate::wire::NodeCommandRequest;
 use crate::wire::NodeConfigPayload;
-use crate::wire::ProviderTunnelRequest;
 use crate::wire::RunRequest;
+use crate::wire::TunnelRequest;
 use crate::wire::Usage;
 use bytes::Bytes;
 use std::collections::BTreeMap;
@@ -282,8 +282,9 @@ pub enum SessionEvent {
     },
     /// Open a provider tunnel (its capacity unit is taken).
     StartTunnel {
-        /// The tunnel to open on `request.adapter`; report its output with [`NodeSession::handle_tunnel_output`](super::NodeSession::handle_tunnel_output).
-        request: ProviderTunnelRequest,
+        /// The tunnel to open on `request.adapter()`, read in place from its frame; report
+        /// its output with [`NodeSession::handle_tunnel_output`](super::NodeSession::handle_tunnel_output).
+        request: TunnelRequest,
     },
     /// Abort this run's upstream request; it still ends with a terminal output.
     CancelRun {

@@ -23,9 +23,9 @@ use crate::wire::Envelope;
 use crate::wire::ErrorDetail;
 use crate::wire::NodeCommandRequest;
 use crate::wire::NodeCommandResponse;
-use crate::wire::ProviderTunnelRequest;
 use crate::wire::RunEventType;
 use crate::wire::RunRequest;
+use crate::wire::TunnelRequest;
 use bytes::Bytes;
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -128,12 +128,12 @@ impl NodeSession {
         });
     }
 
-    pub(super) fn on_tunnel_request(&mut self, request: ProviderTunnelRequest) {
+    pub(super) fn on_tunnel_request(&mut self, request: TunnelRequest) {
         let checked = request.validate().map_err(WorkRefusal::Invalid);
         let (run_id, adapter, long) = (
-            request.run_id.clone(),
-            request.adapter.clone(),
-            request.long_context,
+            request.run_id().to_owned(),
+            request.adapter().to_owned(),
+            request.long_context(),
         );
         // The session names the frames it sends (`handle_tunnel_output`).
         let kind = WorkKind::Tunnel(TunnelEmitter::unnamed(self.config.chunk_size));

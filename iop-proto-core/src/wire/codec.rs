@@ -11,6 +11,7 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 use prost::Message;
 
 use super::Envelope;
+use super::tunnel_request::TunnelRequest;
 
 /// Length of the frame header: a big-endian `u32` byte count of the envelope that follows.
 pub const HEADER_LEN: usize = 4;
@@ -187,6 +188,35 @@ pub fn encode_with_limit(
     Ok(())
 }
 
+/// One frame as [`FrameDecoder::next_inbound`] reads it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Inbound {
+    /// A tunnel request, read in place.
+    TunnelRequest(TunnelRequest),
+    /// Any other envelope, decoded.
+    Envelope(Envelope),
+}
+
+impl Inbound {
+    /// The message name, for logs (as [`Envelope::kind`]).
+    #[must_use]
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Inbound::TunnelRequest(_) => "provider_tunnel_request",
+            Inbound::Envelope(envelope) => envelope.kind(),
+        }
+    }
+
+    /// The envelope this frame carries, as [`FrameDecoder::next_envelope`] decodes it.
+    #[must_use]
+    pub fn into_envelope(self) -> Envelope {
+        match self {
+            Inbound::TunnelRequest(request) => request.into(),
+            Inbound::Envelope(envelope) => envelope,
+        }
+    }
+}
+
 /// Incremental, IO-free frame decoder.
 ///
 /// Drive it by pushing whatever the transport delivered ([`push`](Self::push) for a
@@ -293,6 +323,26 @@ impl FrameDecoder {
         let result = self.next_frame().and_then(|frame| match frame {
             None => Ok(None),
             Some(frame) => decode_envelope(frame).map(Some),
+        });
+        if let Err(err) = &result {
+            self.fail(err.clone());
+        }
+        result
+    }
+
+    /// The next whole frame as [`next_envelope`](Self::next_envelope) decodes it, but
+    /// with a tunnel request read in place ([`TunnelRequest`]) rather than decoded into
+    /// owned strings: what the Node reads its frames with.
+    pub fn next_inbound(&mut self) -> Result<Option<Inbound>, DecodeError> {
+        if let Some(err) = &self.failed {
+            return Err(err.clone());
+        }
+        let result = self.next_frame().and_then(|frame| match frame {
+            None => Ok(None),
+            Some(frame) => match TunnelRequest::read_frame(&frame) {
+                Some(request) => Ok(Some(Inbound::TunnelRequest(request))),
+                None => decode_envelope(frame).map(|envelope| Some(Inbound::Envelope(envelope))),
+            },
         });
         if let Err(err) = &result {
             self.fail(err.clone());

@@ -6,6 +6,7 @@
 //! copying it.
 
 pub(crate) mod codec;
+pub(crate) mod tunnel_request;
 mod validate;
 
 #[allow(
@@ -21,10 +22,11 @@ mod generated {
 }
 
 pub use codec::{
-    DEFAULT_MAX_FRAME_LEN, DecodeError, EncodeError, FrameDecoder, HEADER_LEN, SPLIT_PAYLOAD_MIN,
-    encode, encode_split, encode_with_limit, encoded_frame_len,
+    DEFAULT_MAX_FRAME_LEN, DecodeError, EncodeError, FrameDecoder, HEADER_LEN, Inbound,
+    SPLIT_PAYLOAD_MIN, encode, encode_split, encode_with_limit, encoded_frame_len,
 };
 pub use generated::*;
+pub use tunnel_request::{HeaderRef, TunnelRequest};
 pub use validate::{
     FINISH_REASON_KEY, MAX_CLUSTER_MEMBERS, MAX_DRAIN_REASON_BYTES, MAX_LOAD_ENTRIES,
     MAX_NODE_ID_BYTES, MAX_REGISTER_ENTRIES, MAX_TOKEN_BYTES, OLLAMA_API_ENDPOINTS, REQUEST_ID_KEY,

@@ -11,7 +11,7 @@ use super::{
     NodeConfigPayload, NodeConfigRefreshRequest, NodeConfigRefreshResponse, NodeDrainRequest,
     NodeReadyRequest, NodeReadyResponse, NodeRehomeRequest, ProviderTunnelFrame,
     ProviderTunnelRequest, RefreshStatus, RegisterRequest, RegisterResponse, RunEvent,
-    RunEventType, RunRequest, TunnelFrameKind,
+    RunEventType, RunRequest, TunnelFrameKind, TunnelRequest,
 };
 
 /// The read-only Ollama endpoints an `OLLAMA_API` command may reach.
@@ -366,18 +366,34 @@ impl Validate for RunEvent {
 
 impl Validate for ProviderTunnelRequest {
     fn validate(&self) -> Result<(), ValidationError> {
-        const M: &str = "ProviderTunnelRequest";
-        non_empty(&self.run_id, M, "run_id")?;
-        non_empty(&self.adapter, M, "adapter")?;
-        non_empty(&self.method, M, "method")?;
-        if !self.path.starts_with('/') {
-            return Err(ValidationError::RelativePath {
-                message: M,
-                path: self.path.clone(),
-            });
-        }
-        Ok(())
+        let set = [&self.run_id, &self.adapter, &self.method].map(|field| !field.is_empty());
+        tunnel_request(set, self.path.as_bytes())
     }
+}
+
+impl Validate for TunnelRequest {
+    fn validate(&self) -> Result<(), ValidationError> {
+        let (set, path) = self.required();
+        tunnel_request(set, path)
+    }
+}
+
+/// A tunnel request's rules, read from either form of it: whether its run id, adapter and
+/// method are set, and its path's bytes.
+fn tunnel_request(set: [bool; 3], path: &[u8]) -> Result<(), ValidationError> {
+    const M: &str = "ProviderTunnelRequest";
+    for (set, field) in set.into_iter().zip(["run_id", "adapter", "method"]) {
+        if !set {
+            return Err(ValidationError::EmptyField { message: M, field });
+        }
+    }
+    if path.first() != Some(&b'/') {
+        return Err(ValidationError::RelativePath {
+            message: M,
+            path: String::from_utf8_lossy(path).into_owned(),
+        });
+    }
+    Ok(())
 }
 
 impl Validate for ProviderTunnelFrame {

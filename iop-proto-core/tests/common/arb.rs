@@ -32,6 +32,43 @@ fn headers() -> impl Strategy<Value = Vec<Header>> {
     )
 }
 
+/// Any tunnel request.
+pub fn tunnel_request() -> impl Strategy<Value = ProviderTunnelRequest> {
+    (
+        (text(), text(), text(), text(), text()),
+        (
+            headers(),
+            blob(64),
+            any::<bool>(),
+            any::<u32>(),
+            labels(),
+            text(),
+            any::<bool>(),
+        ),
+    )
+        .prop_map(
+            |(
+                (run_id, adapter, target, method, path),
+                (headers, body, stream, timeout_sec, metadata, session_id, long_context),
+            )| {
+                ProviderTunnelRequest {
+                    run_id,
+                    adapter,
+                    target,
+                    method,
+                    path,
+                    headers,
+                    body,
+                    stream,
+                    timeout_sec,
+                    metadata,
+                    session_id,
+                    long_context,
+                }
+            },
+        )
+}
+
 fn usage() -> impl Strategy<Value = Option<Usage>> {
     option::of(any::<(u64, u64, u64)>().prop_map(|(p, c, t)| Usage {
         prompt_tokens: p,
@@ -245,39 +282,7 @@ pub fn body() -> impl Strategy<Value = Body> {
                     })
                 }
             ),
-        (
-            (text(), text(), text(), text(), text()),
-            (
-                headers(),
-                blob(64),
-                any::<bool>(),
-                any::<u32>(),
-                labels(),
-                text(),
-                any::<bool>()
-            )
-        )
-            .prop_map(
-                |(
-                    (run_id, adapter, target, method, path),
-                    (headers, body, stream, timeout_sec, metadata, session_id, long_context),
-                )| {
-                    Body::ProviderTunnelRequest(ProviderTunnelRequest {
-                        run_id,
-                        adapter,
-                        target,
-                        method,
-                        path,
-                        headers,
-                        body,
-                        stream,
-                        timeout_sec,
-                        metadata,
-                        session_id,
-                        long_context,
-                    })
-                }
-            ),
+        tunnel_request().prop_map(Body::ProviderTunnelRequest),
         (
             (text(), any::<u64>(), enum_value(), any::<u32>(), headers()),
             (blob(256), any::<bool>(), error_detail(), usage(), labels())

@@ -500,17 +500,17 @@ impl Fleet {
                 }
                 self.drain_edge(e)?;
             }
-            while let Some(frames) = self.links[l].to_node.receive_one(now) {
+            while let Some(frames) = self.links[l].to_node.receive_one_inbound(now) {
                 let frames = frames.map_err(|err| format!("codec: {err}"))?;
                 let Some((n, s)) = self.session_of(l) else {
                     continue;
                 };
                 // What the others hold, right before this session handles its Edge.
                 self.take_in(n, s);
-                for envelope in frames {
+                for inbound in frames {
                     let _ = self.nodes[n].sessions[s]
                         .session
-                        .handle_envelope(now, envelope);
+                        .handle_inbound(now, inbound);
                 }
                 self.drain_node(n)?;
             }

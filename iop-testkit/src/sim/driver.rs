@@ -211,16 +211,16 @@ impl World {
             if link.held_until > now || link.node_closed || !self.procs[i].runnable(now) {
                 break;
             }
-            match link.to_node.receive_one(now) {
+            match link.to_node.receive_one_inbound(now) {
                 Some(decoded) => {
-                    let envelopes = decoded.unwrap_or_default();
-                    for envelope in envelopes {
-                        let kind = envelope.kind();
+                    let frames = decoded.unwrap_or_default();
+                    for inbound in frames {
+                        let kind = inbound.kind();
                         self.log(|| format!("conn {} edge->node {kind}", conn.0));
                         if self.procs[i].conn == Some(conn)
                             && let Some(s) = self.procs[i].session.as_mut()
                         {
-                            let taken = s.handle_envelope(now, envelope);
+                            let taken = s.handle_inbound(now, inbound);
                             check!(
                                 self,
                                 taken.is_ok(),

@@ -141,7 +141,9 @@ impl World {
                     work.numbered = Some((first, breaks));
                 }
             }
-            SessionEvent::StartTunnel { request } => self.start_work(i, request.run_id, true),
+            SessionEvent::StartTunnel { request } => {
+                self.start_work(i, request.run_id().to_owned(), true);
+            }
             SessionEvent::CancelRun { run_id } => {
                 let at = if self.procs[i].mode == Mode::Stubborn {
                     now + Duration::from_secs(1)
