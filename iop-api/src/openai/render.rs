@@ -48,9 +48,16 @@ impl ResponseOptions {
     /// The options for the request `asked`, served as `run_id`, created at `created`.
     #[must_use]
     pub fn new(asked: &RequestFacts, run_id: &str, created: u64) -> Self {
+        Self::serving(asked.model.clone(), asked, run_id.to_owned(), created)
+    }
+
+    /// As [`new`](Self::new), with the model name and run id the caller already owns
+    /// (an Edge has them from the request it admitted), so nothing is copied.
+    #[must_use]
+    pub fn serving(model: String, asked: &RequestFacts, run_id: String, created: u64) -> Self {
         ResponseOptions {
-            model: asked.model.clone(),
-            run_id: run_id.to_owned(),
+            model,
+            run_id,
             created,
             stream: asked.stream,
             include_usage: asked.include_usage,

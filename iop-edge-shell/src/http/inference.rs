@@ -571,29 +571,34 @@ async fn handle<B: ReqBody>(
         reason: "caller disconnected",
     };
     let run_id = iop_proto_core::edge::run_id_of(request);
-    let responder = match &asked {
-        Asked::OpenAi(facts) => Responder::OpenAi(openai::Responder::new(
-            openai::ResponseOptions::new(facts, &run_id, now_secs()),
-        )),
-        Asked::Anthropic(translated) => Responder::Anthropic(Box::new(anthropic::Responder::new(
-            translated.response_options(&run_id, &finish.request_id),
-        ))),
-        Asked::Responses(translated) => Responder::Responses(Box::new(responses::Responder::new(
-            translated.response_options(
-                &response_id(&run_id, state.cluster.as_deref()),
-                &finish.request_id,
-                now_secs(),
-            ),
-        ))),
-    };
     // A stored response is kept once it ends well, for its caller alone.
-    let keep = match asked {
-        Asked::Responses(translated) if translated.store => Some(Keep {
-            store: state.responses.clone(),
-            owner: finish.caller.name.clone(),
-            asked: translated,
-        }),
-        _ => None,
+    let (responder, keep) = match asked {
+        Asked::OpenAi(mut facts) => {
+            // The request's own model name and run id, moved rather than copied.
+            let model = std::mem::take(&mut facts.model);
+            let options = openai::ResponseOptions::serving(model, &facts, run_id, now_secs());
+            (Responder::OpenAi(openai::Responder::new(options)), None)
+        }
+        Asked::Anthropic(translated) => (
+            Responder::Anthropic(Box::new(anthropic::Responder::new(
+                translated.response_options(&run_id, &finish.request_id),
+            ))),
+            None,
+        ),
+        Asked::Responses(translated) => (
+            Responder::Responses(Box::new(responses::Responder::new(
+                translated.response_options(
+                    &response_id(&run_id, state.cluster.as_deref()),
+                    &finish.request_id,
+                    now_secs(),
+                ),
+            ))),
+            translated.store.then(|| Keep {
+                store: state.responses.clone(),
+                owner: finish.caller.name.clone(),
+                asked: translated,
+            }),
+        ),
     };
     // The timer moves from the body's deadline to the response's (or an earlier
     // keep-alive comment).
