@@ -54,41 +54,51 @@ impl CallError {
     }
 }
 
-/// The deadline and cancellation of one provider call, armed once for every await of
-/// it (a timer per body frame cost a timer-wheel update per chunk).
-///
-/// Work that is ready is taken without polling the two: they are polled, and so set to
-/// wake the task, only when the work is pending, once for each wait (polled before every
-/// read of a streamed body as well, they were a measurable share of a paced event's
-/// cost: docs/benchmarks-history.md). A cancel or a passed deadline still ends the
-/// call before any more work: both are looked at first, by a flag each (the token's, and
-/// the timer's, which the runtime sets when the deadline passes once the timer is
-/// registered; the first call registers it).
-pub(crate) struct Watch {
-    sleep: std::pin::Pin<Box<tokio::time::Sleep>>,
-    cancelled: std::pin::Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>,
-    token: CancellationToken,
-    /// Whether the timer and the cancel have been polled, so registered to wake the task.
-    registered: bool,
+pin_project_lite::pin_project! {
+    /// The deadline and cancellation of one provider call, armed once for every await of
+    /// it (a timer per body frame cost a timer-wheel update per chunk).
+    ///
+    /// Work that is ready is taken without polling the two: they are polled, and so set to
+    /// wake the task, only when the work is pending, once for each wait (polled before every
+    /// read of a streamed body as well, they were a measurable share of a paced event's
+    /// cost: docs/benchmarks-history.md). A cancel or a passed deadline still ends the
+    /// call before any more work: both are looked at first, by a flag each (the token's, and
+    /// the timer's, which the runtime sets when the deadline passes once the timer is
+    /// registered; the first call registers it).
+    pub(crate) struct Watch {
+        #[pin]
+        sleep: tokio::time::Sleep,
+        #[pin]
+        cancelled: tokio_util::sync::WaitForCancellationFutureOwned,
+        token: CancellationToken,
+        // Whether the timer and the cancel have been polled, so registered to wake the task.
+        registered: bool,
+    }
 }
 
 impl Watch {
+    /// A watch to pin where the call's future lives (`std::pin::pin!`): its timer and
+    /// cancel wait inside it, not in allocations of their own.
     pub(crate) fn new(deadline: Instant, cancel: &CancellationToken) -> Self {
         Watch {
-            sleep: Box::pin(tokio::time::sleep_until(deadline)),
-            cancelled: Box::pin(cancel.clone().cancelled_owned()),
+            sleep: tokio::time::sleep_until(deadline),
+            cancelled: cancel.clone().cancelled_owned(),
             token: cancel.clone(),
             registered: false,
         }
     }
 
     /// `work`, unless the call is cancelled or its deadline passes first.
-    async fn run<F: std::future::Future>(&mut self, work: F) -> Result<F::Output, CallError> {
-        if !self.registered {
+    async fn run<F: std::future::Future>(
+        self: Pin<&mut Self>,
+        work: F,
+    ) -> Result<F::Output, CallError> {
+        let mut this = self.project();
+        if !*this.registered {
             // Registered before any work, so that work that is always ready still meets
             // the deadline.
-            self.registered = true;
-            let (cancelled, sleep) = (&mut self.cancelled, &mut self.sleep);
+            *this.registered = true;
+            let (cancelled, sleep) = (&mut this.cancelled, &mut this.sleep);
             let ended = std::future::poll_fn(|cx| {
                 Poll::Ready(if cancelled.as_mut().poll(cx).is_ready() {
                     Some(CallError::Cancelled)
@@ -103,17 +113,17 @@ impl Watch {
                 return Err(ended);
             }
         }
-        if self.token.is_cancelled() {
+        if this.token.is_cancelled() {
             return Err(CallError::Cancelled);
         }
-        if self.sleep.is_elapsed() {
+        if this.sleep.is_elapsed() {
             return Err(CallError::TimedOut);
         }
         tokio::select! {
             biased;
             out = work => Ok(out),
-            () = &mut self.cancelled => Err(CallError::Cancelled),
-            () = &mut self.sleep => Err(CallError::TimedOut),
+            () = this.cancelled => Err(CallError::Cancelled),
+            () = this.sleep => Err(CallError::TimedOut),
         }
     }
 }
@@ -131,7 +141,7 @@ async fn send(
     client: &HttpClient,
     upstream: &Upstream,
     request: hyper::Request<Bytes>,
-    watch: &mut Watch,
+    watch: Pin<&mut Watch>,
 ) -> Result<hyper::Response<ProviderBody>, CallError> {
     watch
         .run(upstream.send(client, request))
@@ -142,7 +152,7 @@ async fn send(
 /// The next body frame under `watch`.
 async fn next_frame(
     body: &mut ProviderBody,
-    watch: &mut Watch,
+    watch: Pin<&mut Watch>,
 ) -> Result<Option<Frame<Bytes>>, CallError> {
     match watch.run(body.frame()).await? {
         None => Ok(None),
@@ -191,7 +201,7 @@ where
     }
 
     /// The next frame under `watch`, data joined with the data ready behind it.
-    async fn frame(&mut self, watch: &mut Watch) -> Result<Option<Frame<Bytes>>, CallError> {
+    async fn frame(&mut self, watch: Pin<&mut Watch>) -> Result<Option<Frame<Bytes>>, CallError> {
         let next = match self.ahead.take() {
             Some(next) => next,
             None => watch.run(self.body.frame()).await?,
@@ -244,10 +254,10 @@ where
 }
 
 /// Reads at most `limit` bytes of a body, for error messages.
-async fn excerpt(body: &mut ProviderBody, limit: usize, watch: &mut Watch) -> String {
+async fn excerpt(body: &mut ProviderBody, limit: usize, mut watch: Pin<&mut Watch>) -> String {
     let mut out = Vec::new();
     while out.len() < limit {
-        match next_frame(body, watch).await {
+        match next_frame(body, watch.as_mut()).await {
             Ok(Some(frame)) => {
                 if let Ok(data) = frame.into_data() {
                     out.extend_from_slice(&data);
@@ -305,7 +315,7 @@ impl OpenAi {
         sink: &Sink,
         cancel: &CancellationToken,
     ) -> Result<(), CallError> {
-        let mut watch = Watch::new(self.deadline(request.timeout_sec()), cancel);
+        let mut watch = std::pin::pin!(Watch::new(self.deadline(request.timeout_sec()), cancel));
         let method = request.method();
         // The head is written straight from the tunnel request and the answer's head kept
         // as read: a pass-through needs no `http` request or header map on either side.
@@ -322,6 +332,7 @@ impl OpenAi {
             .upstream
             .send_raw(&self.client, head, request.body(), method == "HEAD");
         let (head, body) = watch
+            .as_mut()
             .run(answer)
             .await?
             .map_err(|err| CallError::Unreachable(format!("request failed: {err}")))?;
@@ -342,7 +353,7 @@ impl OpenAi {
         }
         drop(head);
         let mut body = Joined::new(body);
-        while let Some(frame) = body.frame(&mut watch).await? {
+        while let Some(frame) = body.frame(watch.as_mut()).await? {
             match frame.into_data() {
                 Ok(data) => {
                     watcher.push(&data);
@@ -384,7 +395,7 @@ impl OpenAi {
         sink: &Sink,
         cancel: &CancellationToken,
     ) -> Result<RunOutput, CallError> {
-        let mut watch = Watch::new(self.deadline(0), cancel);
+        let mut watch = std::pin::pin!(Watch::new(self.deadline(0), cancel));
         // The caller's body, copied member by member with the run's members replaced: no
         // tree of it is built, and a large one is read off the Node's thread.
         let model: Arc<str> = Value::from(request.target.as_str()).to_string().into();
@@ -392,6 +403,7 @@ impl OpenAi {
             let model = Arc::clone(&model);
             // A cancelled run does not wait for a conversion slot.
             watch
+                .as_mut()
                 .run(super::convert_input(&request.input, move |raw| {
                     let input = json::Object::parse(raw)?;
                     let body = Bytes::from(input.write(&run_members(&model)));
@@ -414,12 +426,12 @@ impl OpenAi {
                 .upstream
                 .request("POST", "/v1/chat/completions", &headers, body.clone())
                 .map_err(CallError::Unreachable)?;
-            let mut response = send(&self.client, &self.upstream, upstream, &mut watch).await?;
+            let mut response = send(&self.client, &self.upstream, upstream, watch.as_mut()).await?;
             let status = response.status();
             if status.is_success() {
                 break response;
             }
-            let text = excerpt(response.body_mut(), 4096, &mut watch).await;
+            let text = excerpt(response.body_mut(), 4096, watch.as_mut()).await;
             if status.is_client_error()
                 && had_tools
                 && !fallback
@@ -428,6 +440,7 @@ impl OpenAi {
                 fallback = true;
                 let model = Arc::clone(&model);
                 let rewritten = watch
+                    .as_mut()
                     .run(super::convert_input(&request.input, move |raw| {
                         json::Object::parse(raw).map(|input| {
                             Bytes::from(text_tool_fallback(&input, &run_members(&model)))
@@ -452,7 +465,7 @@ impl OpenAi {
         let mut finish: Option<String> = None;
         let mut stop_sequence: Option<String> = None;
         let mut body = response.into_body();
-        'stream: while let Some(frame) = next_frame(&mut body, &mut watch).await? {
+        'stream: while let Some(frame) = next_frame(&mut body, watch.as_mut()).await? {
             let Ok(data) = frame.into_data() else {
                 continue;
             };
@@ -660,8 +673,11 @@ mod tests {
         ];
         let mut body = Joined::new(Script(script.into_iter().collect()));
         let cancel = CancellationToken::new();
-        let mut watch = Watch::new(Instant::now() + Duration::from_secs(60), &cancel);
-        let mut next = async || body.frame(&mut watch).await;
+        let mut watch = std::pin::pin!(Watch::new(
+            Instant::now() + Duration::from_secs(60),
+            &cancel
+        ));
+        let mut next = async || body.frame(watch.as_mut()).await;
         let text = |frame: Option<Frame<Bytes>>| {
             let data = frame.expect("frame").into_data().expect("data");
             String::from_utf8(data.to_vec()).expect("utf-8")
@@ -685,9 +701,15 @@ mod tests {
     #[tokio::test(flavor = "current_thread")]
     async fn ready_work_still_meets_a_cancel_and_the_deadline() {
         let cancel = CancellationToken::new();
-        let mut watch = Watch::new(Instant::now() + Duration::from_secs(60), &cancel);
+        let mut watch = std::pin::pin!(Watch::new(
+            Instant::now() + Duration::from_secs(60),
+            &cancel
+        ));
         for _ in 0..3 {
-            assert!(matches!(watch.run(std::future::ready(1)).await, Ok(1)));
+            assert!(matches!(
+                watch.as_mut().run(std::future::ready(1)).await,
+                Ok(1)
+            ));
         }
         cancel.cancel();
         let mut polled = false;
@@ -695,36 +717,57 @@ mod tests {
             polled = true;
             Poll::Ready(())
         });
-        assert!(matches!(watch.run(work).await, Err(CallError::Cancelled)));
+        assert!(matches!(
+            watch.as_mut().run(work).await,
+            Err(CallError::Cancelled)
+        ));
         assert!(!polled, "work ran after the cancel");
 
         // The deadline passes while the task waits elsewhere (as a body read that used up
         // its budget does); the next ready work is not taken.
         let cancel = CancellationToken::new();
-        let mut watch = Watch::new(Instant::now() + Duration::from_millis(30), &cancel);
-        assert!(matches!(watch.run(std::future::ready(())).await, Ok(())));
+        let mut watch = std::pin::pin!(Watch::new(
+            Instant::now() + Duration::from_millis(30),
+            &cancel
+        ));
+        assert!(matches!(
+            watch.as_mut().run(std::future::ready(())).await,
+            Ok(())
+        ));
         tokio::time::sleep(Duration::from_millis(60)).await;
         assert!(matches!(
-            watch.run(std::future::ready(())).await,
+            watch.as_mut().run(std::future::ready(())).await,
             Err(CallError::TimedOut)
         ));
 
         // Pending work waits for either, as before.
-        let mut watch = Watch::new(Instant::now() + Duration::from_millis(30), &cancel);
+        let mut watch = std::pin::pin!(Watch::new(
+            Instant::now() + Duration::from_millis(30),
+            &cancel
+        ));
         let pending = std::future::pending::<()>();
-        assert!(matches!(watch.run(pending).await, Err(CallError::TimedOut)));
-        let mut watch = Watch::new(Instant::now() + Duration::from_secs(60), &cancel);
+        assert!(matches!(
+            watch.as_mut().run(pending).await,
+            Err(CallError::TimedOut)
+        ));
+        let mut watch = std::pin::pin!(Watch::new(
+            Instant::now() + Duration::from_secs(60),
+            &cancel
+        ));
         let canceller = cancel.clone();
         tokio::spawn(async move { canceller.cancel() });
         let pending = std::future::pending::<()>();
         assert!(matches!(
-            watch.run(pending).await,
+            watch.as_mut().run(pending).await,
             Err(CallError::Cancelled)
         ));
         // A watch made after the cancel ends at once, before any work.
-        let mut watch = Watch::new(Instant::now() + Duration::from_secs(60), &cancel);
+        let mut watch = std::pin::pin!(Watch::new(
+            Instant::now() + Duration::from_secs(60),
+            &cancel
+        ));
         assert!(matches!(
-            watch.run(std::future::ready(())).await,
+            watch.as_mut().run(std::future::ready(())).await,
             Err(CallError::Cancelled)
         ));
     }
@@ -735,9 +778,12 @@ mod tests {
         let script = [data(&big), data(&big), data(&big), None];
         let mut body = Joined::new(Script(script.into_iter().collect()));
         let cancel = CancellationToken::new();
-        let mut watch = Watch::new(Instant::now() + Duration::from_secs(60), &cancel);
+        let mut watch = std::pin::pin!(Watch::new(
+            Instant::now() + Duration::from_secs(60),
+            &cancel
+        ));
         let mut sizes = Vec::new();
-        while let Some(frame) = body.frame(&mut watch).await.ok().flatten() {
+        while let Some(frame) = body.frame(watch.as_mut()).await.ok().flatten() {
             sizes.push(frame.into_data().map_or(0, |d| d.len()));
         }
         assert_eq!(sizes, [2 * big.len(), big.len()]);
