@@ -317,33 +317,30 @@ impl FrameDecoder {
     /// The next whole envelope, `Ok(None)` when more bytes are needed, or the error that
     /// failed the stream.
     pub fn next_envelope(&mut self) -> Result<Option<Envelope>, DecodeError> {
-        if let Some(err) = &self.failed {
-            return Err(err.clone());
-        }
-        let result = self.next_frame().and_then(|frame| match frame {
-            None => Ok(None),
-            Some(frame) => decode_envelope(frame).map(Some),
-        });
-        if let Err(err) = &result {
-            self.fail(err.clone());
-        }
-        result
+        self.next_decoded(decode_envelope)
     }
 
     /// The next whole frame as [`next_envelope`](Self::next_envelope) decodes it, but
     /// with a tunnel request read in place ([`TunnelRequest`]) rather than decoded into
     /// owned strings: what the Node reads its frames with.
     pub fn next_inbound(&mut self) -> Result<Option<Inbound>, DecodeError> {
+        self.next_decoded(|frame| match TunnelRequest::read_frame(&frame) {
+            Some(request) => Ok(Inbound::TunnelRequest(request)),
+            None => decode_envelope(frame).map(Inbound::Envelope),
+        })
+    }
+
+    /// The next whole frame through `decode`; its first error fails the decoder.
+    fn next_decoded<T>(
+        &mut self,
+        decode: impl FnOnce(Bytes) -> Result<T, DecodeError>,
+    ) -> Result<Option<T>, DecodeError> {
         if let Some(err) = &self.failed {
             return Err(err.clone());
         }
-        let result = self.next_frame().and_then(|frame| match frame {
-            None => Ok(None),
-            Some(frame) => match TunnelRequest::read_frame(&frame) {
-                Some(request) => Ok(Some(Inbound::TunnelRequest(request))),
-                None => decode_envelope(frame).map(|envelope| Some(Inbound::Envelope(envelope))),
-            },
-        });
+        let result = self
+            .next_frame()
+            .and_then(|frame| frame.map(decode).transpose());
         if let Err(err) = &result {
             self.fail(err.clone());
         }
