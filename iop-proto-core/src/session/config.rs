@@ -90,7 +90,7 @@ impl NodeSession {
                     Some(gate) => gate.resize(adapter.capacity, adapter.long_capacity),
                     None => {
                         self.gates.insert(
-                            name.to_owned(),
+                            name.into(),
                             CapacityGate::new(adapter.capacity, adapter.long_capacity),
                         );
                     }
@@ -98,7 +98,7 @@ impl NodeSession {
             }
         }
         for name in &diff.removed {
-            if let Some(gate) = self.gates.get_mut(name) {
+            if let Some(gate) = self.gates.get_mut(name.as_str()) {
                 gate.close();
             }
         }

@@ -112,8 +112,8 @@ pub struct NodeSession {
     pending_refresh: Option<(String, NodeConfigPayload)>,
     pending_commands: IdSet<String>,
     /// (Crate-visible: tests read a gate through `testkit::InspectSession`.)
-    pub(crate) gates: IdMap<String, CapacityGate>,
-    work: IdMap<String, Work>,
+    pub(crate) gates: IdMap<Arc<str>, CapacityGate>,
+    work: IdMap<Arc<str>, Work>,
     /// Finished run ids, oldest first, and the same ids for lookup (one allocation each).
     finished: VecDeque<Arc<str>>,
     finished_set: IdSet<Arc<str>>,
@@ -494,7 +494,7 @@ impl NodeSession {
             let (n, long) = self
                 .held_elsewhere
                 .iter()
-                .find(|l| l.adapter == *name)
+                .find(|l| *l.adapter == **name)
                 .map_or((0, 0), |l| (l.in_flight, l.long_in_flight));
             gate.set_held(n, long);
         }
@@ -509,7 +509,7 @@ impl NodeSession {
             .iter()
             .filter(|(_, g)| g.in_flight() > 0)
             .map(|(name, g)| AdapterLoad {
-                adapter: name.clone(),
+                adapter: String::from(&**name),
                 in_flight: g.in_flight(),
                 long_in_flight: g.long_in_flight(),
             })
@@ -544,10 +544,10 @@ impl NodeSession {
         self.cancelling = true;
         self.timers
             .set(SessionTimer::Cancel, self.now + self.config.shutdown_grace);
-        let mut runs: Vec<String> = self.work.keys().cloned().collect();
+        let mut runs: Vec<String> = self.work.keys().map(|id| String::from(&**id)).collect();
         runs.sort();
         for run_id in runs {
-            if let Some(work) = self.work.get_mut(&run_id) {
+            if let Some(work) = self.work.get_mut(run_id.as_str()) {
                 work.cancel_requested = true;
             }
             self.events.push_back(SessionEvent::CancelRun { run_id });
@@ -772,7 +772,11 @@ impl NodeSession {
             return;
         }
         self.state = SessionState::Closed;
-        let mut abandoned: Vec<String> = self.work.drain().map(|(id, _)| id).collect();
+        let mut abandoned: Vec<String> = self
+            .work
+            .drain()
+            .map(|(id, _)| String::from(&*id))
+            .collect();
         abandoned.sort();
         self.pending_refresh = None;
         self.pending_commands.clear();

@@ -38,7 +38,8 @@ pub(super) enum WorkKind {
 
 #[derive(Debug)]
 pub(super) struct Work {
-    pub(super) adapter: String,
+    /// Its adapter, the name its gate is kept under.
+    pub(super) adapter: Arc<str>,
     pub(super) long: bool,
     pub(super) kind: WorkKind,
     pub(super) cancel_requested: bool,
@@ -80,7 +81,6 @@ impl NodeSession {
         }
         // An id the Edge used again after it finished is remembered once, so the queue
         // and the set stay the same ids and the oldest is forgotten first.
-        let run_id: Arc<str> = run_id.into();
         if self.finished_set.insert(run_id.clone()) {
             self.finished.push_back(run_id);
         }
@@ -90,13 +90,14 @@ impl NodeSession {
         }
     }
 
-    /// Takes a capacity unit for new work, or explains the refusal.
+    /// Takes a capacity unit for new work (the name its adapter's gate is kept under), or
+    /// explains the refusal.
     pub(super) fn admit(
         &mut self,
         run_id: &str,
         adapter: &str,
         long: bool,
-    ) -> Result<(), WorkRefusal> {
+    ) -> Result<Arc<str>, WorkRefusal> {
         if self.work.contains_key(run_id) {
             return Err(WorkRefusal::Duplicate(run_id.to_owned()));
         }
@@ -106,39 +107,44 @@ impl NodeSession {
         if self.rehomed {
             return Err(WorkRefusal::Rehomed);
         }
-        let gate = self
+        let Some(name) = self
             .gates
-            .get_mut(adapter)
-            .ok_or_else(|| WorkRefusal::UnknownAdapter(adapter.to_owned()))?;
-        gate.try_acquire(long)?;
+            .get_key_value(adapter)
+            .map(|(name, _)| name.clone())
+        else {
+            return Err(WorkRefusal::UnknownAdapter(adapter.to_owned()));
+        };
+        if let Some(gate) = self.gates.get_mut(adapter) {
+            gate.try_acquire(long)?;
+        }
         self.load_changes += 1;
-        Ok(())
+        Ok(name)
     }
 
     pub(super) fn on_run_request(&mut self, request: RunRequest) {
-        let checked = request.validate().map_err(WorkRefusal::Invalid);
-        let (run_id, adapter, long) = (
-            request.run_id.clone(),
-            request.adapter.clone(),
-            request.long_context,
-        );
-        let kind = WorkKind::Run(RunEmitter::new(run_id.clone()), RunTracker::new());
-        self.on_work(checked, run_id, adapter, long, kind, || {
-            SessionEvent::StartRun { request }
+        let run_id: Arc<str> = request.run_id.as_str().into();
+        let admitted = request
+            .validate()
+            .map_err(WorkRefusal::Invalid)
+            .and_then(|()| self.admit(&run_id, &request.adapter, request.long_context));
+        let long = request.long_context;
+        let kind = WorkKind::Run(RunEmitter::new(request.run_id.clone()), RunTracker::new());
+        self.on_work(admitted, run_id, long, kind, || SessionEvent::StartRun {
+            request,
         });
     }
 
     pub(super) fn on_tunnel_request(&mut self, request: TunnelRequest) {
-        let checked = request.validate().map_err(WorkRefusal::Invalid);
-        let (run_id, adapter, long) = (
-            request.run_id().to_owned(),
-            request.adapter().to_owned(),
-            request.long_context(),
-        );
+        let run_id: Arc<str> = request.run_id().into();
+        let admitted = request
+            .validate()
+            .map_err(WorkRefusal::Invalid)
+            .and_then(|()| self.admit(&run_id, request.adapter(), request.long_context()));
+        let long = request.long_context();
         // The session names the frames it sends (`handle_tunnel_output`).
         let kind = WorkKind::Tunnel(TunnelEmitter::unnamed(self.config.chunk_size));
-        self.on_work(checked, run_id, adapter, long, kind, || {
-            SessionEvent::StartTunnel { request }
+        self.on_work(admitted, run_id, long, kind, || SessionEvent::StartTunnel {
+            request,
         });
     }
 
@@ -147,16 +153,14 @@ impl NodeSession {
     /// run's stream (a duplicate or empty run id), which is a violation instead.
     fn on_work(
         &mut self,
-        checked: Result<(), WorkRefusal>,
-        run_id: String,
-        adapter: String,
+        admitted: Result<Arc<str>, WorkRefusal>,
+        run_id: Arc<str>,
         long: bool,
         kind: WorkKind,
         start: impl FnOnce() -> SessionEvent,
     ) {
-        let admitted = checked.and_then(|()| self.admit(&run_id, &adapter, long));
         let reason = match admitted {
-            Ok(()) => {
+            Ok(adapter) => {
                 self.work.insert(
                     run_id,
                     Work {
@@ -194,13 +198,15 @@ impl NodeSession {
             }
             WorkKind::Tunnel(mut emitter) => {
                 if let Some(mut frame) = emitter.error(detail) {
-                    frame.run_id.clone_from(&run_id);
+                    frame.run_id = String::from(&*run_id);
                     self.send(Body::ProviderTunnelFrame(frame));
                 }
             }
         }
-        self.events
-            .push_back(SessionEvent::WorkRefused { run_id, reason });
+        self.events.push_back(SessionEvent::WorkRefused {
+            run_id: String::from(&*run_id),
+            reason,
+        });
     }
 
     pub(super) fn on_cancel(&mut self, request: &CancelRequest) {
@@ -212,7 +218,7 @@ impl NodeSession {
             return;
         }
         // Both kinds cancel exactly the named run: the node keeps no session state.
-        match self.work.get_mut(&request.run_id) {
+        match self.work.get_mut(request.run_id.as_str()) {
             Some(work) if !work.cancel_requested => {
                 work.cancel_requested = true;
                 self.events.push_back(SessionEvent::CancelRun {
