@@ -638,23 +638,61 @@ impl Dialect {
     }
 }
 
-/// A tunnel frame as a response needs it: a `BODY` frame is its bytes alone (an SSE
-/// stream is made of them, and a request's queue holds them without an allocation); any
-/// other frame is kept whole, boxed, as it is rare and large.
+/// A tunnel frame as a response needs it: the parts every answer is made of (a `BODY`'s
+/// bytes, a bare `STATUS`, `USAGE` or `END`) are kept without an allocation, as a request's
+/// queue holds them; any other frame (an `ERROR`, `HEADERS`, or one carrying more than its
+/// kind's own fields, such as metadata) is kept whole, boxed, as it is rare and large.
 #[derive(Clone, Debug, PartialEq)]
 pub enum TunnelPart {
     /// The bytes of a `BODY` frame.
     Body(Bytes),
+    /// A `STATUS` frame with nothing else: the provider's status and response headers.
+    Status {
+        /// HTTP status code.
+        code: u32,
+        /// Response headers.
+        headers: Vec<Header>,
+    },
+    /// A `USAGE` frame with nothing else.
+    Usage(Usage),
+    /// An `END` frame with nothing else.
+    End,
     /// Any other frame.
     Frame(Box<ProviderTunnelFrame>),
 }
 
 impl From<ProviderTunnelFrame> for TunnelPart {
     fn from(frame: ProviderTunnelFrame) -> Self {
-        if frame.kind == TunnelFrameKind::Body as i32 {
-            TunnelPart::Body(frame.body)
-        } else {
-            TunnelPart::Frame(Box::new(frame))
+        let kind = TunnelFrameKind::try_from(frame.kind).ok();
+        if kind == Some(TunnelFrameKind::Body) {
+            return TunnelPart::Body(frame.body);
+        }
+        // What no bare part carries, beside the fields its kind may.
+        let plain = frame.body.is_empty() && frame.error.is_none() && frame.metadata.is_empty();
+        match kind {
+            Some(TunnelFrameKind::Status) if plain && frame.usage.is_none() && !frame.end => {
+                TunnelPart::Status {
+                    code: frame.status_code,
+                    headers: frame.headers,
+                }
+            }
+            Some(TunnelFrameKind::Usage)
+                if plain && !frame.end && frame.status_code == 0 && frame.headers.is_empty() =>
+            {
+                match frame.usage {
+                    Some(usage) => TunnelPart::Usage(usage),
+                    None => TunnelPart::Frame(Box::new(frame)),
+                }
+            }
+            Some(TunnelFrameKind::End)
+                if plain
+                    && frame.usage.is_none()
+                    && frame.status_code == 0
+                    && frame.headers.is_empty() =>
+            {
+                TunnelPart::End
+            }
+            _ => TunnelPart::Frame(Box::new(frame)),
         }
     }
 }
@@ -666,6 +704,50 @@ impl TunnelPart {
         match self {
             TunnelPart::Body(body) => body.len(),
             TunnelPart::Frame(frame) => frame.body.len(),
+            TunnelPart::Status { .. } | TunnelPart::Usage(_) | TunnelPart::End => 0,
+        }
+    }
+
+    /// The kind of frame it is (`None` for a kept frame of a kind this build does not
+    /// know, which validation does not let through).
+    #[must_use]
+    pub fn kind(&self) -> Option<TunnelFrameKind> {
+        match self {
+            TunnelPart::Body(_) => Some(TunnelFrameKind::Body),
+            TunnelPart::Status { .. } => Some(TunnelFrameKind::Status),
+            TunnelPart::Usage(_) => Some(TunnelFrameKind::Usage),
+            TunnelPart::End => Some(TunnelFrameKind::End),
+            TunnelPart::Frame(frame) => TunnelFrameKind::try_from(frame.kind).ok(),
+        }
+    }
+
+    /// The frame it stands for (without a run id or sequence number, which the Edge
+    /// checked before it kept the part): for a consumer that reads every kind alike.
+    #[must_use]
+    pub fn into_frame(self) -> ProviderTunnelFrame {
+        let bare = |kind: TunnelFrameKind| ProviderTunnelFrame {
+            kind: kind as i32,
+            ..ProviderTunnelFrame::default()
+        };
+        match self {
+            TunnelPart::Body(body) => ProviderTunnelFrame {
+                body,
+                ..bare(TunnelFrameKind::Body)
+            },
+            TunnelPart::Status { code, headers } => ProviderTunnelFrame {
+                status_code: code,
+                headers,
+                ..bare(TunnelFrameKind::Status)
+            },
+            TunnelPart::Usage(usage) => ProviderTunnelFrame {
+                usage: Some(usage),
+                ..bare(TunnelFrameKind::Usage)
+            },
+            TunnelPart::End => ProviderTunnelFrame {
+                end: true,
+                ..bare(TunnelFrameKind::End)
+            },
+            TunnelPart::Frame(frame) => *frame,
         }
     }
 }
@@ -821,5 +903,92 @@ mod tests {
             tx.status(1000, Vec::new()).map(|f| f.status_code),
             Some(502)
         );
+    }
+
+    /// The parts every answer is made of are kept without a box, and every part stands
+    /// for the frame it came from (its run id and sequence aside, checked before).
+    #[test]
+    fn a_tunnel_part_is_the_frame_it_keeps() {
+        let usage = Some(Usage {
+            prompt_tokens: 3,
+            completion_tokens: 4,
+            total_tokens: 7,
+        });
+        let header = vec![Header {
+            name: "content-type".into(),
+            value: Bytes::from_static(b"application/json"),
+        }];
+        let of = |kind: TunnelFrameKind| ProviderTunnelFrame {
+            kind: kind as i32,
+            ..ProviderTunnelFrame::default()
+        };
+        let slim = [
+            ProviderTunnelFrame {
+                body: Bytes::from_static(b"{}"),
+                ..of(TunnelFrameKind::Body)
+            },
+            ProviderTunnelFrame {
+                status_code: 200,
+                headers: header.clone(),
+                ..of(TunnelFrameKind::Status)
+            },
+            ProviderTunnelFrame {
+                usage,
+                ..of(TunnelFrameKind::Usage)
+            },
+            ProviderTunnelFrame {
+                end: true,
+                ..of(TunnelFrameKind::End)
+            },
+        ];
+        for frame in slim {
+            let part = TunnelPart::from(frame.clone());
+            assert!(!matches!(part, TunnelPart::Frame(_)), "{part:?}");
+            assert_eq!(part.kind(), TunnelFrameKind::try_from(frame.kind).ok());
+            assert_eq!(part.body_len(), frame.body.len());
+            assert_eq!(part.into_frame(), frame);
+        }
+        let mut metadata = std::collections::BTreeMap::new();
+        metadata.insert("k".to_owned(), "v".to_owned());
+        let whole = [
+            ProviderTunnelFrame {
+                error: Some(ErrorDetail::default()),
+                ..of(TunnelFrameKind::Error)
+            },
+            ProviderTunnelFrame {
+                headers: header.clone(),
+                ..of(TunnelFrameKind::Headers)
+            },
+            ProviderTunnelFrame {
+                status_code: 200,
+                metadata: metadata.clone(),
+                ..of(TunnelFrameKind::Status)
+            },
+            ProviderTunnelFrame {
+                usage,
+                metadata,
+                ..of(TunnelFrameKind::Usage)
+            },
+            ProviderTunnelFrame {
+                status_code: 200,
+                body: Bytes::from_static(b"{}"),
+                usage,
+                end: true,
+                ..of(TunnelFrameKind::Status)
+            },
+            of(TunnelFrameKind::Usage),
+            ProviderTunnelFrame {
+                headers: header,
+                end: true,
+                ..of(TunnelFrameKind::End)
+            },
+        ];
+        for frame in whole {
+            let part = TunnelPart::from(frame.clone());
+            assert!(matches!(part, TunnelPart::Frame(_)), "{part:?}");
+            assert_eq!(part.kind(), TunnelFrameKind::try_from(frame.kind).ok());
+            assert_eq!(part.body_len(), frame.body.len());
+            assert_eq!(part.into_frame(), frame);
+        }
     }
 }

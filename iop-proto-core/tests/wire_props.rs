@@ -308,3 +308,26 @@ proptest! {
         prop_assert_eq!(decoded, inbound.map(|got| got.map(Inbound::into_envelope)));
     }
 }
+
+proptest! {
+    /// Forwarded headers read back as they were pushed, in order, as prost's message
+    /// holds them, and as a Node reads them from a tunnel request (the dispatch's own
+    /// property test holds its frames equal to prost's).
+    #[test]
+    fn forwarded_headers_are_the_headers_pushed(headers in arb::headers(), capacity in 0usize..64) {
+        let mut builder = wire::ForwardedHeaders::builder(capacity);
+        for h in &headers {
+            builder.push(&h.name, &h.value);
+        }
+        let forwarded = builder.finish();
+        let read: Vec<(&str, &[u8])> = forwarded.iter().map(|h| (h.name, h.value)).collect();
+        let want: Vec<(&str, &[u8])> = headers.iter().map(|h| (h.name.as_str(), &h.value[..])).collect();
+        prop_assert_eq!(read, want);
+        prop_assert_eq!(forwarded.is_empty(), headers.is_empty());
+        prop_assert_eq!(&forwarded.to_vec(), &headers);
+        prop_assert_eq!(&wire::ForwardedHeaders::from(headers.clone()), &forwarded);
+        let request = wire::ProviderTunnelRequest { headers, ..Default::default() };
+        let message = TunnelRequest::from(request);
+        prop_assert!(message.headers().eq(forwarded.iter()));
+    }
+}

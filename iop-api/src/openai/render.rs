@@ -271,7 +271,7 @@ impl Responder {
     pub fn handle_tunnel_part(&mut self, part: TunnelPart) {
         match part {
             TunnelPart::Body(body) => self.tunnel_body(body),
-            TunnelPart::Frame(frame) => self.handle_tunnel_frame(*frame),
+            part => self.handle_tunnel_frame(part.into_frame()),
         }
     }
 

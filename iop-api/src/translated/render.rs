@@ -208,7 +208,7 @@ impl<C: Compose> Responder<C> {
     pub fn handle_tunnel_part(&mut self, part: TunnelPart) {
         match part {
             TunnelPart::Body(body) => self.tunnel_body(&body),
-            TunnelPart::Frame(frame) => self.handle_tunnel_frame(*frame),
+            part => self.handle_tunnel_frame(part.into_frame()),
         }
     }
 

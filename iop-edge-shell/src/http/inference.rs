@@ -22,7 +22,7 @@ use iop_api::openai::{
 use iop_api::responses;
 use iop_api::tenant::{RateLimits, Refusal};
 use iop_proto_core::RequestEvent;
-use iop_proto_core::wire::Header;
+use iop_proto_core::wire::{ForwardedHeaders, Header};
 use iop_shell_common::offload;
 use tokio::sync::oneshot;
 use tokio::time::{Instant, Sleep};
@@ -335,6 +335,10 @@ pub(super) async fn inference<B: ReqBody>(
 }
 
 /// The header the Anthropic SDKs read a request's id from.
+/// Bytes first set aside for a request's forwarded headers, encoded: the usual few, the
+/// request id and a trace context fit.
+const FORWARDED_CAPACITY: usize = 256;
+
 static ANTHROPIC_REQUEST_ID: HeaderName = HeaderName::from_static("request-id");
 
 async fn handle<B: ReqBody>(
@@ -392,24 +396,17 @@ async fn handle<B: ReqBody>(
         return response;
     }
     // The provider sees the request under the same id as the caller and both logs.
-    // Sized once: the forwarded headers, the request id and the trace context's two.
-    let mut headers: Vec<Header> = Vec::with_capacity(req.headers().len() + 3);
-    headers.extend(
-        req.headers()
-            .iter()
-            .filter(|(name, _)| {
-                iop_proto_core::tunnel::forwards_request_header(name.as_str())
-                    && *name != REQUEST_ID_HEADER
-            })
-            .map(|(name, value)| Header {
-                name: name.as_str().to_owned(),
-                value: Bytes::copy_from_slice(value.as_bytes()),
-            }),
-    );
-    headers.push(Header {
-        name: REQUEST_ID_HEADER.to_owned(),
-        value: Bytes::copy_from_slice(request_id.as_bytes()),
-    });
+    // Encoded as the tunnel request carries them, in one buffer (room for the usual few
+    // and the trace context's two; it grows for more).
+    let mut headers = ForwardedHeaders::builder(FORWARDED_CAPACITY);
+    for (name, value) in req.headers() {
+        if iop_proto_core::tunnel::forwards_request_header(name.as_str())
+            && *name != REQUEST_ID_HEADER
+        {
+            headers.push(name.as_str(), value.as_bytes());
+        }
+    }
+    headers.push(REQUEST_ID_HEADER, request_id.as_bytes());
     finish.trace = RequestTrace::begin(req.headers(), &state.tracer, &mut headers);
     // A Responses turn may need a stored conversation from another Edge, asked for with
     // the caller's own credential.
@@ -532,7 +529,7 @@ async fn handle<B: ReqBody>(
             body,
             stream: facts.stream,
             prompt_tokens: facts.prompt_tokens,
-            headers: headers.into(),
+            headers: headers.finish(),
             request_id,
             timeout: settings.response_timeout,
             native,
@@ -812,10 +809,11 @@ async fn exact_count(
             body: counted.tokenize.clone(),
             stream: false,
             prompt_tokens: counted.input_tokens,
-            headers: Arc::new([Header {
-                name: REQUEST_ID_HEADER.to_owned(),
-                value: Bytes::copy_from_slice(request_id.as_bytes()),
-            }]),
+            headers: {
+                let mut headers = ForwardedHeaders::builder(FORWARDED_CAPACITY);
+                headers.push(REQUEST_ID_HEADER, request_id.as_bytes());
+                headers.finish()
+            },
             request_id: request_id.clone(),
             timeout: TOKENIZE_WAIT,
             native: None,
@@ -848,7 +846,8 @@ async fn exact_count(
                         whole &= bytes.len() <= room;
                         prefix.extend_from_slice(&bytes[..bytes.len().min(room)]);
                     }
-                    iop_proto_core::tunnel::TunnelPart::Frame(frame) => {
+                    part => {
+                        let frame = part.into_frame();
                         if status.is_none() && frame.status_code != 0 {
                             status = Some(frame.status_code);
                         }

@@ -13,8 +13,12 @@ use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint, k
 
 use crate::lease::RunId;
 use crate::wire::codec::{HEADER_LEN, SPLIT_PAYLOAD_MIN, frame_header};
-use crate::wire::tunnel_request::tag;
-use crate::wire::{Body, EncodeError, Envelope, Header, ProviderTunnelRequest, REQUEST_ID_KEY};
+use crate::wire::tunnel_request::{
+    bytes_field_len as bytes_len, put_bytes_field as put_bytes, tag,
+};
+use crate::wire::{
+    Body, EncodeError, Envelope, ForwardedHeaders, ProviderTunnelRequest, REQUEST_ID_KEY,
+};
 
 /// The one method a tunnel dispatch uses.
 const METHOD: &str = "POST";
@@ -34,7 +38,7 @@ pub struct TunnelDispatch {
     /// Path relative to the adapter's base URL.
     pub path: &'static str,
     /// Request headers the provider is forwarded.
-    pub headers: Arc<[Header]>,
+    pub headers: ForwardedHeaders,
     /// The body, passed through byte for byte.
     pub body: Bytes,
     /// Whether the caller asked for a stream.
@@ -109,12 +113,7 @@ impl TunnelDispatch {
         put_bytes(dst, tag::TARGET, self.target.as_bytes());
         put_bytes(dst, tag::METHOD, METHOD.as_bytes());
         put_bytes(dst, tag::PATH, self.path.as_bytes());
-        for h in self.headers.iter() {
-            encode_key(tag::HEADERS, WireType::LengthDelimited, dst);
-            encode_varint(header_len(h) as u64, dst);
-            put_bytes(dst, tag::HEADER_NAME, h.name.as_bytes());
-            put_bytes(dst, tag::HEADER_VALUE, &h.value);
-        }
+        dst.put_slice(self.headers.encoded());
         if !split {
             put_bytes(dst, tag::BODY, &self.body);
         }
@@ -140,14 +139,7 @@ impl TunnelDispatch {
 
     /// The message's encoded length without its body field.
     fn head_len(&self, run: &[u8]) -> usize {
-        let headers: usize = self
-            .headers
-            .iter()
-            .map(|h| {
-                let len = header_len(h);
-                key_len(tag::HEADERS) + encoded_len_varint(len as u64) + len
-            })
-            .sum();
+        let headers = self.headers.encoded().len();
         let timeout = if self.timeout_sec == 0 {
             0
         } else {
@@ -178,33 +170,9 @@ impl TunnelDispatch {
     }
 }
 
-/// The encoded length of a header message's fields.
-fn header_len(h: &Header) -> usize {
-    bytes_len(tag::HEADER_NAME, h.name.len()) + bytes_len(tag::HEADER_VALUE, h.value.len())
-}
-
-/// The encoded length of a string or bytes field of `len` bytes (nothing when empty, as
-/// proto3 leaves a default value out).
-fn bytes_len(tag: u32, len: usize) -> usize {
-    if len == 0 {
-        0
-    } else {
-        key_len(tag) + encoded_len_varint(len as u64) + len
-    }
-}
-
 /// The encoded length of a bool field.
 fn bool_len(tag: u32, value: bool) -> usize {
     if value { key_len(tag) + 1 } else { 0 }
-}
-
-/// Writes a string or bytes field unless it is empty.
-fn put_bytes(dst: &mut BytesMut, tag: u32, value: &[u8]) {
-    if !value.is_empty() {
-        encode_key(tag, WireType::LengthDelimited, dst);
-        encode_varint(value.len() as u64, dst);
-        dst.put_slice(value);
-    }
 }
 
 /// Writes a bool field unless it is false.
@@ -219,7 +187,7 @@ fn put_bool(dst: &mut BytesMut, tag: u32, value: bool) {
 mod tests {
     use super::*;
     use crate::lease::RequestId;
-    use crate::wire::{self, FrameDecoder};
+    use crate::wire::{self, FrameDecoder, Header};
     use proptest::prelude::*;
 
     fn header() -> impl Strategy<Value = Header> {

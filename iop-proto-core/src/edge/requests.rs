@@ -504,7 +504,7 @@ impl Requests {
             // No dispatch follows: the body is not needed any more.
             None => {
                 request.call.body = Bytes::new();
-                request.call.headers = Arc::default();
+                request.call.headers = crate::wire::ForwardedHeaders::default();
             }
             Some(resume) => resume.body = None,
         }

@@ -17,7 +17,6 @@ use crate::wire::AdapterConfig;
 use crate::wire::AdapterType;
 use crate::wire::Envelope;
 use crate::wire::ErrorDetail;
-use crate::wire::Header;
 use crate::wire::NodeCommandResponse;
 use crate::wire::RefreshStatus;
 use crate::wire::RunEvent;
@@ -721,7 +720,7 @@ pub struct Submit {
     pub prompt_tokens: u64,
     /// Request headers a tunnel forwards to the provider (allow-listed by the shell, see
     /// [`crate::tunnel::forwards_request_header`]); shared with every dispatch of it.
-    pub headers: Arc<[Header]>,
+    pub headers: crate::wire::ForwardedHeaders,
     /// The caller's request id (`x-request-id`), sent to the node in each dispatch's
     /// metadata so both sides' logs name the same request.
     pub request_id: Arc<str>,
@@ -757,7 +756,7 @@ impl Submit {
             body,
             stream: false,
             prompt_tokens: 0,
-            headers: Arc::default(),
+            headers: crate::wire::ForwardedHeaders::default(),
             request_id: Arc::from(""),
             timeout: Duration::from_secs(60),
             native: None,

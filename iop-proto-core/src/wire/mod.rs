@@ -26,7 +26,7 @@ pub use codec::{
     SPLIT_PAYLOAD_MIN, encode, encode_split, encode_with_limit, encoded_frame_len,
 };
 pub use generated::*;
-pub use tunnel_request::{HeaderRef, TunnelRequest};
+pub use tunnel_request::{ForwardedHeaders, ForwardedHeadersBuilder, HeaderRef, TunnelRequest};
 pub use validate::{
     FINISH_REASON_KEY, MAX_CLUSTER_MEMBERS, MAX_DRAIN_REASON_BYTES, MAX_LOAD_ENTRIES,
     MAX_NODE_ID_BYTES, MAX_REGISTER_ENTRIES, MAX_TOKEN_BYTES, OLLAMA_API_ENDPOINTS, REQUEST_ID_KEY,

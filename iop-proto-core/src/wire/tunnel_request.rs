@@ -408,6 +408,137 @@ impl fmt::Debug for TunnelRequest {
     }
 }
 
+/// The request headers a tunnel forwards to its provider, held as the bytes of the
+/// `ProviderTunnelRequest`'s `headers` fields (each a `Header` message under its key, as
+/// prost writes it): built with one allocation, shared by every dispatch of a request, and
+/// written into each dispatch's frame with one copy. A `Vec<Header>` costs an allocation
+/// per name and per value besides the list's own.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct ForwardedHeaders {
+    encoded: Bytes,
+}
+
+/// Builds [`ForwardedHeaders`], one header at a time, in the order they are forwarded.
+#[derive(Debug, Default)]
+pub struct ForwardedHeadersBuilder {
+    buf: bytes::BytesMut,
+}
+
+impl ForwardedHeaders {
+    /// A builder with room for `capacity` encoded bytes (about each header's name and
+    /// value and four bytes more); it grows past that when it must.
+    #[must_use]
+    pub fn builder(capacity: usize) -> ForwardedHeadersBuilder {
+        ForwardedHeadersBuilder {
+            buf: bytes::BytesMut::with_capacity(capacity),
+        }
+    }
+
+    /// The headers in the order they were pushed.
+    pub fn iter(&self) -> impl Iterator<Item = HeaderRef<'_>> + '_ {
+        let raw: &[u8] = &self.encoded;
+        // Built by the builder alone, so it always reads; a length past the spans' reach
+        // (no header list is that long) reads as none.
+        let whole = u32::try_from(raw.len()).map_or(Span::default(), |_| Span::new(0, raw.len()));
+        let mut reader = Reader::new(raw, whole);
+        std::iter::from_fn(move || {
+            let (_, Value::Bytes(span)) = reader.field()? else {
+                return None;
+            };
+            let (name, value) = read_pair(raw, span, tag::HEADER_NAME, tag::HEADER_VALUE)?;
+            Some(HeaderRef {
+                name: std::str::from_utf8(name.of(raw)).unwrap_or_default(),
+                value: value.of(raw),
+            })
+        })
+    }
+
+    /// Whether there is none.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.encoded.is_empty()
+    }
+
+    /// The headers as prost messages (for a built `ProviderTunnelRequest`).
+    #[must_use]
+    pub fn to_vec(&self) -> Vec<Header> {
+        self.iter()
+            .map(|h| Header {
+                name: h.name.to_owned(),
+                value: Bytes::copy_from_slice(h.value),
+            })
+            .collect()
+    }
+
+    /// The encoded `headers` fields, as a tunnel request's frame carries them.
+    pub(crate) fn encoded(&self) -> &[u8] {
+        &self.encoded
+    }
+}
+
+impl ForwardedHeadersBuilder {
+    /// Appends a header.
+    pub fn push(&mut self, name: &str, value: &[u8]) {
+        let len = bytes_field_len(tag::HEADER_NAME, name.len())
+            + bytes_field_len(tag::HEADER_VALUE, value.len());
+        let buf = &mut self.buf;
+        buf.reserve(prost::encoding::key_len(tag::HEADERS) + 10 + len);
+        prost::encoding::encode_key(tag::HEADERS, WireType::LengthDelimited, buf);
+        prost::encoding::encode_varint(len as u64, buf);
+        put_bytes_field(buf, tag::HEADER_NAME, name.as_bytes());
+        put_bytes_field(buf, tag::HEADER_VALUE, value);
+    }
+
+    /// The headers pushed.
+    #[must_use]
+    pub fn finish(self) -> ForwardedHeaders {
+        ForwardedHeaders {
+            encoded: self.buf.freeze(),
+        }
+    }
+}
+
+impl From<&[Header]> for ForwardedHeaders {
+    fn from(headers: &[Header]) -> Self {
+        let mut builder = ForwardedHeaders::builder(0);
+        for h in headers {
+            builder.push(&h.name, &h.value);
+        }
+        builder.finish()
+    }
+}
+
+impl From<Vec<Header>> for ForwardedHeaders {
+    fn from(headers: Vec<Header>) -> Self {
+        ForwardedHeaders::from(headers.as_slice())
+    }
+}
+
+impl fmt::Debug for ForwardedHeaders {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
+/// The encoded length of a string or bytes field of `len` bytes (nothing when empty, as
+/// proto3 leaves a default value out).
+pub(crate) fn bytes_field_len(tag: u32, len: usize) -> usize {
+    if len == 0 {
+        0
+    } else {
+        prost::encoding::key_len(tag) + prost::encoding::encoded_len_varint(len as u64) + len
+    }
+}
+
+/// Writes a string or bytes field unless it is empty.
+pub(crate) fn put_bytes_field(dst: &mut impl bytes::BufMut, tag: u32, value: &[u8]) {
+    if !value.is_empty() {
+        prost::encoding::encode_key(tag, WireType::LengthDelimited, dst);
+        prost::encoding::encode_varint(value.len() as u64, dst);
+        dst.put_slice(value);
+    }
+}
+
 /// The smallest span holding `span` (empty for none yet) and `field`, which follows it.
 fn widen(span: Span, field: Span) -> Span {
     if span == Span::default() {

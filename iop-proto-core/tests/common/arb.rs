@@ -25,7 +25,8 @@ fn labels() -> impl Strategy<Value = BTreeMap<String, String>> {
     btree_map(text(), text(), 0..3)
 }
 
-fn headers() -> impl Strategy<Value = Vec<Header>> {
+/// Any list of headers.
+pub fn headers() -> impl Strategy<Value = Vec<Header>> {
     vec(
         (text(), blob(16)).prop_map(|(name, value)| Header { name, value }),
         0..3,

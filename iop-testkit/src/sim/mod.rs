@@ -534,12 +534,7 @@ enum TunnelOrder {
 
 impl TunnelOrder {
     fn observe(&mut self, part: &TunnelPart) -> Result<(), String> {
-        let kind = match part {
-            TunnelPart::Body(_) => TunnelFrameKind::Body,
-            TunnelPart::Frame(frame) => {
-                TunnelFrameKind::try_from(frame.kind).map_err(|_| "unknown frame kind")?
-            }
-        };
+        let kind = part.kind().ok_or("unknown frame kind")?;
         *self = match (*self, kind) {
             (TunnelOrder::Head, TunnelFrameKind::Status) => TunnelOrder::Body,
             (TunnelOrder::Head, TunnelFrameKind::Error) => TunnelOrder::Done,

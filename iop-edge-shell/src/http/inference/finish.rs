@@ -5,11 +5,10 @@ use crate::driver::{Core, CoreMsg};
 use crate::metrics::Metrics;
 use crate::tenants::Ticket;
 use crate::traces::Tracer;
-use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
 use iop_api::tenant::TokenUsage;
 use iop_proto_core::RequestId;
-use iop_proto_core::wire::{Header, Usage};
+use iop_proto_core::wire::{ForwardedHeadersBuilder, Usage};
 use iop_trace::{AttrValue, HopTrace, Span, TRACEPARENT, TRACESTATE, Timing};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -76,7 +75,7 @@ impl RequestTrace {
     pub(super) fn begin(
         headers: &http::HeaderMap,
         tracer: &Tracer,
-        forward: &mut Vec<Header>,
+        forward: &mut ForwardedHeadersBuilder,
     ) -> Option<Self> {
         // Names made once: a `&str` key is parsed into a header name on every lookup.
         static TRACEPARENT_NAME: HeaderName = HeaderName::from_static(TRACEPARENT);
@@ -89,15 +88,9 @@ impl RequestTrace {
             state.map(HeaderValue::as_bytes),
             tracer,
         )?;
-        forward.push(Header {
-            name: TRACEPARENT.to_owned(),
-            value: Bytes::from(hop.traceparent.clone()),
-        });
+        forward.push(TRACEPARENT, &hop.traceparent);
         if let Some(state) = &hop.tracestate {
-            forward.push(Header {
-                name: TRACESTATE.to_owned(),
-                value: Bytes::from(state.clone()),
-            });
+            forward.push(TRACESTATE, state);
         }
         let start_ns = SystemTime::now()
             .duration_since(UNIX_EPOCH)

@@ -208,27 +208,31 @@ impl Resume {
     /// caller has (its head dropped, the caller's id, creation time and model, no second
     /// role, usage counting the earlier runs' output).
     fn deliver_tunnel(&mut self, part: TunnelPart, out: &mut impl FnMut(RequestEvent)) {
-        let frame = match part {
+        let mut part = match part {
             TunnelPart::Body(body) => {
                 if let Some(whole) = self.whole_events(body) {
                     out(RequestEvent::Tunnel(TunnelPart::Body(whole)));
                 }
                 return;
             }
-            TunnelPart::Frame(frame) => frame,
+            other => other,
         };
-        let kind = TunnelFrameKind::try_from(frame.kind).ok();
+        let kind = part.kind();
         if self.continued {
             match kind {
                 // The caller has its head.
                 Some(TunnelFrameKind::Status) => return,
                 Some(TunnelFrameKind::Usage) if self.earlier > 0 => {
-                    let mut frame = frame;
-                    if let Some(usage) = frame.usage.as_mut() {
+                    let usage = match &mut part {
+                        TunnelPart::Usage(usage) => Some(usage),
+                        TunnelPart::Frame(frame) => frame.usage.as_mut(),
+                        _ => None,
+                    };
+                    if let Some(usage) = usage {
                         usage.completion_tokens += self.earlier;
                         usage.total_tokens += self.earlier;
                     }
-                    out(RequestEvent::Tunnel(TunnelPart::Frame(frame)));
+                    out(RequestEvent::Tunnel(part));
                     return;
                 }
                 _ => {}
@@ -241,7 +245,7 @@ impl Resume {
             let rest = self.sse.pending.split().freeze();
             out(RequestEvent::Tunnel(TunnelPart::Body(rest)));
         }
-        out(RequestEvent::Tunnel(TunnelPart::Frame(frame)));
+        out(RequestEvent::Tunnel(part));
     }
 
     /// `body` added to what is held back: the whole events now complete, as the caller
@@ -388,16 +392,20 @@ mod tests {
     }
 
     fn frame(kind: TunnelFrameKind) -> RequestEvent {
-        RequestEvent::Tunnel(TunnelPart::Frame(Box::new(ProviderTunnelFrame {
+        RequestEvent::Tunnel(TunnelPart::from(ProviderTunnelFrame {
             kind: kind as i32,
-            status_code: 200,
+            status_code: if kind == TunnelFrameKind::Status {
+                200
+            } else {
+                0
+            },
             usage: (kind == TunnelFrameKind::Usage).then_some(Usage {
                 prompt_tokens: 10,
                 completion_tokens: 2,
                 total_tokens: 12,
             }),
             ..ProviderTunnelFrame::default()
-        })))
+        }))
     }
 
     /// What the caller is sent for `events`, as text (`<kind>` for a frame).
@@ -408,7 +416,8 @@ mod tests {
                 RequestEvent::Tunnel(TunnelPart::Body(b)) => {
                     sent.push_str(std::str::from_utf8(&b).expect("utf-8"));
                 }
-                RequestEvent::Tunnel(TunnelPart::Frame(f)) => {
+                RequestEvent::Tunnel(part) => {
+                    let f = part.into_frame();
                     let usage = f.usage.map(|u| format!(" {}", u.completion_tokens));
                     sent.push_str(&format!("<{}{}>", f.kind, usage.unwrap_or_default()));
                 }

@@ -304,10 +304,10 @@ pub(super) fn message(
             // A run's provider call is the Node's to make: the trace context it passes on
             // travels in the metadata (a tunnel carries it among its headers).
             for header in call.headers.iter() {
-                if crate::wire::TRACE_KEYS.contains(&header.name.as_str())
-                    && let Ok(value) = std::str::from_utf8(&header.value)
+                if crate::wire::TRACE_KEYS.contains(&header.name)
+                    && let Ok(value) = std::str::from_utf8(header.value)
                 {
-                    metadata.insert(header.name.clone(), value.to_owned());
+                    metadata.insert(header.name.to_owned(), value.to_owned());
                 }
             }
             (
