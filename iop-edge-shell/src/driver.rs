@@ -34,20 +34,63 @@ use iop_shell_common::misuse;
 /// Bytes a request may have waiting for a slow client before it is cancelled.
 pub const MAX_BUFFERED_PER_REQUEST: usize = 16 << 20;
 
-/// A request's event channel and the memory it holds; dropping it returns that memory
-/// to the budget.
+/// A request's event channel, holding the request's memory (its body and the response
+/// bytes buffered for it; the handler reports what it takes) and the core's answer to its
+/// submission; dropping it returns that memory to the budget.
 #[derive(Debug)]
 pub struct Events {
     /// Events in order.
-    pub rx: crate::inbox::Inbox<RequestEvent>,
-    /// Body and buffered response bytes (the handler reports what it takes).
-    pub memory: Arc<RequestMemory>,
+    pub rx: crate::inbox::Inbox<RequestEvent, Held>,
+}
+
+/// What a request's handler and the core's task share beside its events, in the event
+/// queue's own allocation.
+#[derive(Debug)]
+pub struct Held {
+    memory: RequestMemory,
+    /// The core's answer to the submission, until the handler takes it.
+    submitted: Mutex<Option<Result<RequestId, SubmitError>>>,
+}
+
+impl Events {
+    /// The request's memory.
+    #[must_use]
+    pub fn memory(&self) -> &RequestMemory {
+        &self.rx.attached().memory
+    }
+
+    /// The core's answer to the request's submission ([`CoreMsg::Submit`]): its id, or
+    /// why it was refused; `None` if the core's task ended without answering.
+    pub async fn submitted(&mut self) -> Option<Result<RequestId, SubmitError>> {
+        std::future::poll_fn(|cx| {
+            self.rx.poll_attached(cx, |held| {
+                held.submitted
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .take()
+            })
+        })
+        .await
+    }
 }
 
 impl Drop for Events {
     fn drop(&mut self) {
-        self.memory.close();
+        self.memory().close();
     }
+}
+
+/// A request's event channel as the core's task holds it.
+pub type EventOutlet = crate::inbox::Outlet<RequestEvent, Held>;
+
+/// A request's event channel's two ends, holding accounting for it against `budget`.
+#[must_use]
+pub fn events(budget: Arc<crate::memory::Budget>) -> (EventOutlet, Events) {
+    let (tx, rx) = crate::inbox::inbox_with(Held {
+        memory: RequestMemory::new(budget),
+        submitted: Mutex::new(None),
+    });
+    (tx, Events { rx })
 }
 
 /// The size a buffered event counts for.
@@ -95,12 +138,9 @@ pub enum CoreMsg {
     Submit {
         /// The request.
         submit: iop_proto_core::Submit,
-        /// Where its events go.
-        events: crate::inbox::Outlet<RequestEvent>,
-        /// The memory it holds.
-        memory: Arc<RequestMemory>,
-        /// The id, or why it was refused.
-        reply: oneshot::Sender<Result<RequestId, SubmitError>>,
+        /// Where its events go, with the memory it holds; the core's answer (its id, or
+        /// why it was refused) goes there too ([`Events::submitted`]).
+        events: EventOutlet,
     },
     /// The caller gave up.
     Cancel {
@@ -161,8 +201,7 @@ pub enum CoreMsg {
 }
 
 struct Entry {
-    events: crate::inbox::Outlet<RequestEvent>,
-    memory: Arc<RequestMemory>,
+    events: EventOutlet,
     model: Arc<str>,
     submitted: Instant,
 }
@@ -434,26 +473,26 @@ impl Task {
                 );
                 self.conns.remove(&conn);
             }
-            CoreMsg::Submit {
-                submit,
-                events,
-                memory,
-                reply,
-            } => {
+            CoreMsg::Submit { submit, events } => {
                 let model = submit.model.clone();
                 let result = self.core.handle_submit(now, submit);
-                if let Ok(request) = result {
+                let admitted = result.as_ref().ok().copied();
+                *events
+                    .attached()
+                    .submitted
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(result);
+                events.wake(&mut self.wakes);
+                if let Some(request) = admitted {
                     self.requests.insert(
                         request,
                         Entry {
                             events,
-                            memory,
                             model,
                             submitted: Instant::now(),
                         },
                     );
                 }
-                let _ = reply.send(result);
             }
             CoreMsg::Cancel { request, reason } => {
                 if self.core.handle_cancel(now, request, reason) == Cancelled::Now {
@@ -658,7 +697,7 @@ impl Task {
         let Some(entry) = self.requests.get(&request) else {
             return;
         };
-        let buffered = entry.memory.buffer(event_size(&event));
+        let buffered = entry.events.attached().memory.buffer(event_size(&event));
         let sent = buffered.is_some() && entry.events.queue(event, &mut self.wakes).is_ok();
         if !sent || buffered.is_some_and(|b| b > MAX_BUFFERED_PER_REQUEST) {
             // The caller is gone or not reading: stop the work upstream.

@@ -5,7 +5,8 @@
 //! for every open request however few events it carries (its cost per stream:
 //! docs/benchmarks-history.md). This queue is a `VecDeque` behind a mutex that only these two sides
 //! take: empty until the first event, a few slots for a stream whose events are read as
-//! they come, and shrunk again after a burst.
+//! they come, and shrunk again after a burst. What both sides share besides the queue (a
+//! request's memory accounting) lives in the same allocation ([`inbox_with`]).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -17,12 +18,21 @@ const KEEP_SLOTS: usize = 8;
 /// A new queue's two ends.
 #[must_use]
 pub fn inbox<T>() -> (Outlet<T>, Inbox<T>) {
-    let shared = Arc::new(Shared(Mutex::new(State {
-        items: VecDeque::new(),
-        waker: None,
-        outlet_gone: false,
-        inbox_gone: false,
-    })));
+    inbox_with(())
+}
+
+/// A new queue's two ends, both holding `attached` (in the queue's own allocation).
+#[must_use]
+pub fn inbox_with<T, A>(attached: A) -> (Outlet<T, A>, Inbox<T, A>) {
+    let shared = Arc::new(Shared {
+        state: Mutex::new(State {
+            items: VecDeque::new(),
+            waker: None,
+            outlet_gone: false,
+            inbox_gone: false,
+        }),
+        attached,
+    });
     (
         Outlet {
             shared: shared.clone(),
@@ -31,12 +41,15 @@ pub fn inbox<T>() -> (Outlet<T>, Inbox<T>) {
     )
 }
 
-struct Shared<T>(Mutex<State<T>>);
+struct Shared<T, A> {
+    state: Mutex<State<T>>,
+    attached: A,
+}
 
-impl<T> Shared<T> {
+impl<T, A> Shared<T, A> {
     fn lock(&self) -> MutexGuard<'_, State<T>> {
         // Nothing panics under this lock; a poisoned queue is still a queue.
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -58,17 +71,30 @@ struct State<T> {
 }
 
 /// The sending end.
-pub struct Outlet<T> {
-    shared: Arc<Shared<T>>,
+pub struct Outlet<T, A = ()> {
+    shared: Arc<Shared<T, A>>,
 }
 
-impl<T> std::fmt::Debug for Outlet<T> {
+impl<T, A> std::fmt::Debug for Outlet<T, A> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Outlet").finish_non_exhaustive()
     }
 }
 
-impl<T> Outlet<T> {
+impl<T, A> Outlet<T, A> {
+    /// What both ends hold.
+    pub fn attached(&self) -> &A {
+        &self.shared.attached
+    }
+
+    /// Hands the waiting reader's waker, if any, to `wakes` (as [`queue`](Self::queue)
+    /// does): for a change to the attachment that [`Inbox::poll_attached`] waits for.
+    pub fn wake(&self, wakes: &mut Vec<Waker>) {
+        if let Some(waker) = self.shared.lock().waker.take() {
+            wakes.push(waker);
+        }
+    }
+
     /// Queues `item`, or gives it back when the reader is gone. A waiting reader's waker
     /// goes to `wakes` instead of being woken here: the caller wakes it once it holds no
     /// lock (a wake can be a system call that rouses another thread, and the core's lock
@@ -91,7 +117,7 @@ impl<T> Outlet<T> {
     }
 }
 
-impl<T> Drop for Outlet<T> {
+impl<T, A> Drop for Outlet<T, A> {
     fn drop(&mut self) {
         let mut state = self.shared.lock();
         state.outlet_gone = true;
@@ -100,17 +126,44 @@ impl<T> Drop for Outlet<T> {
 }
 
 /// The receiving end.
-pub struct Inbox<T> {
-    shared: Arc<Shared<T>>,
+pub struct Inbox<T, A = ()> {
+    shared: Arc<Shared<T, A>>,
 }
 
-impl<T> std::fmt::Debug for Inbox<T> {
+impl<T, A> std::fmt::Debug for Inbox<T, A> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Inbox").finish_non_exhaustive()
     }
 }
 
-impl<T> Inbox<T> {
+impl<T, A> Inbox<T, A> {
+    /// What both ends hold.
+    pub fn attached(&self) -> &A {
+        &self.shared.attached
+    }
+
+    /// What `take` finds in the attachment; `Ready(None)` once the outlet is gone without
+    /// it; otherwise waits for [`Outlet::wake`] (checked under the queue's lock, which the
+    /// wake takes after the attachment changed, so no change is missed).
+    pub fn poll_attached<R>(
+        &mut self,
+        cx: &mut Context<'_>,
+        take: impl FnOnce(&A) -> Option<R>,
+    ) -> Poll<Option<R>> {
+        let mut state = self.shared.lock();
+        if let Some(found) = take(&self.shared.attached) {
+            return Poll::Ready(Some(found));
+        }
+        if state.outlet_gone {
+            return Poll::Ready(None);
+        }
+        match &mut state.waker {
+            Some(waker) => waker.clone_from(cx.waker()),
+            None => state.waker = Some(cx.waker().clone()),
+        }
+        Poll::Pending
+    }
+
     /// The next item; `Ready(None)` once the queue is empty and the outlet is gone.
     pub fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<T>> {
         let mut state = self.shared.lock();
@@ -131,7 +184,7 @@ impl<T> Inbox<T> {
     }
 }
 
-impl<T> Drop for Inbox<T> {
+impl<T, A> Drop for Inbox<T, A> {
     fn drop(&mut self) {
         let mut state = self.shared.lock();
         state.inbox_gone = true;
@@ -160,14 +213,14 @@ mod tests {
 
     /// Queues `item` and wakes the reader at once, as the core's drain does once it has
     /// let go of its lock.
-    fn send<T>(outlet: &Outlet<T>, item: T) -> Result<(), T> {
+    fn send<T, A>(outlet: &Outlet<T, A>, item: T) -> Result<(), T> {
         let mut wakes = Vec::new();
         outlet.queue(item, &mut wakes)?;
         wakes.into_iter().for_each(Waker::wake);
         Ok(())
     }
 
-    fn poll<T>(inbox: &mut Inbox<T>, wakes: &Arc<Count>) -> Poll<Option<T>> {
+    fn poll<T, A>(inbox: &mut Inbox<T, A>, wakes: &Arc<Count>) -> Poll<Option<T>> {
         let waker = Waker::from(wakes.clone());
         inbox.poll_recv(&mut Context::from_waker(&waker))
     }
@@ -258,5 +311,37 @@ mod tests {
             assert_eq!(poll(&mut inbox, &wakes), Poll::Ready(Some(i)));
         }
         assert!(outlet.shared.lock().items.capacity() <= KEEP_SLOTS);
+    }
+
+    #[test]
+    fn both_ends_hold_the_attachment_until_the_last_goes() {
+        let held = Arc::new(());
+        let (outlet, inbox) = inbox_with::<u8, _>(held.clone());
+        assert!(Arc::ptr_eq(outlet.attached(), inbox.attached()));
+        assert_eq!(Arc::strong_count(&held), 2);
+        drop(outlet);
+        assert_eq!(Arc::strong_count(inbox.attached()), 2, "the reader still holds it");
+        drop(inbox);
+        assert_eq!(Arc::strong_count(&held), 1);
+    }
+
+    #[test]
+    fn a_reader_waiting_on_the_attachment_is_woken_when_it_changes_or_the_outlet_goes() {
+        let (outlet, mut inbox) = inbox_with::<u8, _>(Mutex::new(None::<u32>));
+        let wakes = Arc::new(Count::default());
+        let waker = Waker::from(wakes.clone());
+        let mut cx = Context::from_waker(&waker);
+        let take = |slot: &Mutex<Option<u32>>| slot.lock().unwrap().take();
+        assert_eq!(inbox.poll_attached(&mut cx, take), Poll::Pending);
+        *outlet.attached().lock().unwrap() = Some(7);
+        let mut deferred = Vec::new();
+        outlet.wake(&mut deferred);
+        deferred.drain(..).for_each(Waker::wake);
+        assert_eq!(wakes.0.load(Ordering::SeqCst), 1);
+        assert_eq!(inbox.poll_attached(&mut cx, take), Poll::Ready(Some(7)));
+        assert_eq!(inbox.poll_attached(&mut cx, take), Poll::Pending);
+        drop(outlet);
+        assert_eq!(wakes.0.load(Ordering::SeqCst), 2);
+        assert_eq!(inbox.poll_attached(&mut cx, take), Poll::Ready(None));
     }
 }

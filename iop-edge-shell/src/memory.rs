@@ -72,12 +72,12 @@ pub struct RequestMemory {
 impl RequestMemory {
     /// Accounting for a request against `budget`, holding nothing yet.
     #[must_use]
-    pub fn new(budget: Arc<Budget>) -> Arc<Self> {
-        Arc::new(RequestMemory {
+    pub fn new(budget: Arc<Budget>) -> Self {
+        RequestMemory {
             budget,
             body: AtomicUsize::new(0),
             buffered: AtomicUsize::new(0),
-        })
+        }
     }
 
     /// Takes `n` more bytes of body if they fit the budget.
@@ -121,6 +121,14 @@ impl RequestMemory {
     }
 }
 
+impl Drop for RequestMemory {
+    /// Whatever it still holds goes back: a handler that reads a body without a response
+    /// to buffer (a token count, a node command) returns it when it is done.
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -143,6 +151,16 @@ mod tests {
         a.close();
         assert_eq!(budget.used(), 40);
         b.close();
+        assert_eq!(budget.used(), 0);
+    }
+
+    #[test]
+    fn a_request_dropped_without_closing_gives_its_body_back() {
+        let budget = Arc::new(Budget::new(100));
+        let a = RequestMemory::new(budget.clone());
+        assert!(a.reserve_body(60));
+        assert_eq!(a.buffer(10), Some(10));
+        drop(a);
         assert_eq!(budget.used(), 0);
     }
 }

@@ -619,12 +619,12 @@ impl Conn {
                     |adapter, sink, token| async move { adapter.run(request, sink, token).await },
                 );
             }
-            SessionEvent::StartTunnel { request } => {
-                let (run_id, adapter) = (request.run_id(), request.adapter());
+            SessionEvent::StartTunnel { request, run_id } => {
+                let adapter = request.adapter();
                 let request_id = request_id_or_dash(request.request_id());
                 let fields = [
                     ("node_id", Some(Field::Str(node_id))),
-                    ("run_id", Some(Field::Str(run_id))),
+                    ("run_id", Some(Field::Str(&run_id))),
                     ("request_id", Some(Field::Str(request_id))),
                     ("adapter", Some(Field::Str(adapter))),
                     ("path", Some(Field::Str(request.path()))),
@@ -633,7 +633,7 @@ impl Conn {
                 {
                     info!(
                         node_id,
-                        run_id,
+                        run_id = &*run_id,
                         request_id,
                         adapter,
                         path = request.path(),
@@ -641,7 +641,6 @@ impl Conn {
                     );
                 }
                 let adapter = self.host.get(adapter);
-                let run_id = Arc::from(run_id);
                 spawn_work(
                     adapter,
                     &mut self.tasks,

@@ -24,7 +24,6 @@ use iop_api::tenant::{RateLimits, Refusal};
 use iop_proto_core::RequestEvent;
 use iop_proto_core::wire::{ForwardedHeaders, Header};
 use iop_shell_common::offload;
-use tokio::sync::oneshot;
 use tokio::time::{Instant, Sleep};
 use tracing::error;
 
@@ -416,14 +415,9 @@ async fn handle<B: ReqBody>(
     };
     let content_length = declared_length(req.headers());
     let session_header = session_header(req.headers(), settings.session_header.as_ref());
-    let memory = RequestMemory::new(state.budget.clone());
     // From here the body and everything buffered for the caller count against the budget
     // until the handler is done.
-    let (tx, rx) = crate::inbox::inbox();
-    let events = Events {
-        rx,
-        memory: memory.clone(),
-    };
+    let (tx, mut events) = crate::driver::events(state.budget.clone());
     // The request's one timer: the body's deadline now, the response's later.
     let mut timer = Box::pin(tokio::time::sleep_until(
         started + settings.body_read_timeout,
@@ -432,7 +426,7 @@ async fn handle<B: ReqBody>(
         req.into_body(),
         content_length,
         &settings,
-        &memory,
+        events.memory(),
         timer.as_mut(),
     )
     .await
@@ -507,7 +501,6 @@ async fn handle<B: ReqBody>(
         }
     }
 
-    let (reply, answer) = oneshot::channel();
     let model: Arc<str> = Arc::from(facts.model.as_str());
     // A Messages request is dispatched as its chat translation; a provider that serves
     // the Messages API itself is sent the caller's body.
@@ -538,18 +531,16 @@ async fn handle<B: ReqBody>(
                 .map(Arc::from),
         },
         events: tx,
-        memory,
-        reply,
     };
     if state.core.send(submit).is_err() {
         return refuse(&mut finish, &ApiError::shutting_down());
     }
     finish.model = model;
-    let answer = answer.await;
+    let answer = events.submitted().await;
     open.submitted();
     let request = match answer {
-        Ok(Ok(request)) => request,
-        Ok(Err(refused)) => {
+        Some(Ok(request)) => request,
+        Some(Err(refused)) => {
             if matches!(refused, iop_proto_core::SubmitError::UnknownModel(_)) {
                 // Unknown names are caller input: keep them out of metric labels.
                 finish.model = crate::metrics::unknown_model();
@@ -559,7 +550,7 @@ async fn handle<B: ReqBody>(
                 &ApiError::from_submit(&refused, route.endpoint()),
             );
         }
-        Err(_) => return refuse(&mut finish, &ApiError::shutting_down()),
+        None => return refuse(&mut finish, &ApiError::shutting_down()),
     };
     let guard = CancelGuard {
         core: state.core.clone(),
@@ -795,13 +786,7 @@ async fn exact_count(
     if counted.tokenize.is_empty() {
         return None;
     }
-    let memory = RequestMemory::new(state.budget.clone());
-    let (tx, rx) = crate::inbox::inbox();
-    let mut events = Events {
-        rx,
-        memory: memory.clone(),
-    };
-    let (reply, answer) = oneshot::channel();
+    let (tx, mut events) = crate::driver::events(state.budget.clone());
     let submit = CoreMsg::Submit {
         submit: iop_proto_core::Submit {
             model: Arc::from(counted.model.as_str()),
@@ -820,12 +805,10 @@ async fn exact_count(
             session: None,
         },
         events: tx,
-        memory,
-        reply,
     };
     state.core.send(submit).ok()?;
     // Refused (no provider of the model tokenizes): the estimate stands.
-    let request = answer.await.ok()?.ok()?;
+    let request = events.submitted().await?.ok()?;
     let mut guard = CancelGuard {
         core: state.core.clone(),
         request,
@@ -838,7 +821,7 @@ async fn exact_count(
         let mut whole = true;
         loop {
             let event = std::future::poll_fn(|cx| events.rx.poll_recv(cx)).await?;
-            events.memory.consumed(crate::driver::event_size(&event));
+            events.memory().consumed(crate::driver::event_size(&event));
             match event {
                 RequestEvent::Tunnel(part) => match part {
                     iop_proto_core::tunnel::TunnelPart::Body(bytes) => {
@@ -927,7 +910,7 @@ impl Live {
             match self.events.rx.poll_recv(cx) {
                 Poll::Ready(Some(event)) => {
                     self.events
-                        .memory
+                        .memory()
                         .consumed(crate::driver::event_size(&event));
                     self.last_activity = Instant::now();
                     self.feed(event);

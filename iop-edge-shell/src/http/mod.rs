@@ -469,8 +469,11 @@ async fn route<B: ReqBody>(
     state: Arc<State>,
     peer: std::net::SocketAddr,
 ) -> Response<ResBody> {
-    let path = req.uri().path().to_owned();
-    let dialect = dialect_of(&path);
+    // The path outlives `req`, which a handler takes: borrowed from a clone of the URI
+    // (which shares the request head's bytes) rather than copied out.
+    let uri = req.uri().clone();
+    let path = uri.path();
+    let dialect = dialect_of(path);
     // An error of the Messages API's routes names the request as its answers do.
     let refuse = |req: &Request<B>, error: &ApiError| match dialect {
         Dialect::OpenAi | Dialect::Responses => api_error(error),
@@ -484,7 +487,7 @@ async fn route<B: ReqBody>(
             r
         }
     };
-    let caller = match authorize(&req, peer, &state.settings(), access(&path)) {
+    let caller = match authorize(&req, peer, &state.settings(), access(path)) {
         Ok(caller) => caller,
         Err(denied) => {
             let mut r = refuse(&req, &denied);
@@ -495,7 +498,7 @@ async fn route<B: ReqBody>(
             return r;
         }
     };
-    if let Some(allow) = allowed_method(&path)
+    if let Some(allow) = allowed_method(path)
         && !allow.split(", ").any(|m| m == req.method().as_str())
     {
         let mut r = refuse(
@@ -511,7 +514,7 @@ async fn route<B: ReqBody>(
             .insert(header::ALLOW, HeaderValue::from_static(allow));
         return r;
     }
-    match (req.method().clone(), path.as_str()) {
+    match (req.method().clone(), path) {
         (Method::GET, "/healthz") => {
             let serves = state.cluster.as_ref().is_none_or(|c| c.serves());
             let body: &'static [u8] = if !serves {

@@ -285,6 +285,8 @@ pub enum SessionEvent {
         /// The tunnel to open on `request.adapter()`, read in place from its frame; report
         /// its output with [`NodeSession::handle_tunnel_output`](super::NodeSession::handle_tunnel_output).
         request: TunnelRequest,
+        /// Its run id (`request.run_id()`), shared with the session's own record of it.
+        run_id: std::sync::Arc<str>,
     },
     /// Abort this run's upstream request; it still ends with a terminal output.
     CancelRun {

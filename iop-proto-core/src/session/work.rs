@@ -129,7 +129,7 @@ impl NodeSession {
             .and_then(|()| self.admit(&run_id, &request.adapter, request.long_context));
         let long = request.long_context;
         let kind = WorkKind::Run(RunEmitter::new(request.run_id.clone()), RunTracker::new());
-        self.on_work(admitted, run_id, long, kind, || SessionEvent::StartRun {
+        self.on_work(admitted, run_id, long, kind, |_| SessionEvent::StartRun {
             request,
         });
     }
@@ -143,8 +143,8 @@ impl NodeSession {
         let long = request.long_context();
         // The session names the frames it sends (`handle_tunnel_output`).
         let kind = WorkKind::Tunnel(TunnelEmitter::unnamed(self.config.chunk_size));
-        self.on_work(admitted, run_id, long, kind, || SessionEvent::StartTunnel {
-            request,
+        self.on_work(admitted, run_id, long, kind, |run_id| {
+            SessionEvent::StartTunnel { request, run_id }
         });
     }
 
@@ -157,12 +157,12 @@ impl NodeSession {
         run_id: Arc<str>,
         long: bool,
         kind: WorkKind,
-        start: impl FnOnce() -> SessionEvent,
+        start: impl FnOnce(Arc<str>) -> SessionEvent,
     ) {
         let reason = match admitted {
             Ok(adapter) => {
                 self.work.insert(
-                    run_id,
+                    run_id.clone(),
                     Work {
                         adapter,
                         long,
@@ -170,7 +170,7 @@ impl NodeSession {
                         cancel_requested: false,
                     },
                 );
-                self.events.push_back(start());
+                self.events.push_back(start(run_id));
                 return;
             }
             Err(reason) => reason,

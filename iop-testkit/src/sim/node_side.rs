@@ -141,7 +141,7 @@ impl World {
                     work.numbered = Some((first, breaks));
                 }
             }
-            SessionEvent::StartTunnel { request } => {
+            SessionEvent::StartTunnel { request, .. } => {
                 self.start_work(i, request.run_id().to_owned(), true);
             }
             SessionEvent::CancelRun { run_id } => {
