@@ -320,7 +320,11 @@ mod tests {
         assert!(Arc::ptr_eq(outlet.attached(), inbox.attached()));
         assert_eq!(Arc::strong_count(&held), 2);
         drop(outlet);
-        assert_eq!(Arc::strong_count(inbox.attached()), 2, "the reader still holds it");
+        assert_eq!(
+            Arc::strong_count(inbox.attached()),
+            2,
+            "the reader still holds it"
+        );
         drop(inbox);
         assert_eq!(Arc::strong_count(&held), 1);
     }

@@ -881,3 +881,35 @@ async fn a_link_that_stops_draining_delays_a_stream_and_loses_nothing() {
         .sum();
     assert_eq!(words, TOKENS, "every word arrives, once");
 }
+
+/// A token count's body goes back to the in-flight byte budget once it is answered:
+/// counts far past the budget in total leave it whole for the requests after them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn token_counts_give_their_bodies_back_to_the_memory_budget() {
+    let cluster = Cluster::start(
+        "[limits]\nmax_body_bytes = 4096\nmax_inflight_bytes = 8192\n",
+        &body("hi", 0),
+    );
+    let _node = cluster.node("n1", "tok-1-long-enough-secret");
+    cluster.wait_ready("n1").await;
+    let count = json!({
+        "model": "chat",
+        "max_tokens": 16,
+        "messages": [{"role": "user", "content": "x".repeat(3000)}],
+    });
+    // Each holds about 3 KB while it is read: three at once would not fit.
+    for i in 0..10 {
+        let r = cluster
+            .http()
+            .post("/v1/messages/count_tokens", &count)
+            .await;
+        assert_eq!(
+            r.status,
+            200,
+            "count {i}: {}",
+            String::from_utf8_lossy(&r.body)
+        );
+        assert!(r.json()["input_tokens"].as_u64() > Some(0), "count {i}");
+    }
+    assert!(reply_text(&cluster).await.starts_with("hi"));
+}
