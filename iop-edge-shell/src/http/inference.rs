@@ -418,8 +418,8 @@ async fn handle<B: ReqBody>(
     // From here the body and everything buffered for the caller count against the budget
     // until the handler is done.
     let (tx, mut events) = crate::driver::events(state.budget.clone());
-    // The request's one timer: the body's deadline now, the response's later.
-    let mut timer = Box::pin(tokio::time::sleep_until(
+    // The body's deadline (the response's is `Live`'s).
+    let timer = std::pin::pin!(tokio::time::sleep_until(
         started + settings.body_read_timeout,
     ));
     let raw = match read_body(
@@ -427,7 +427,7 @@ async fn handle<B: ReqBody>(
         content_length,
         &settings,
         events.memory(),
-        timer.as_mut(),
+        timer,
     )
     .await
     {
@@ -593,20 +593,21 @@ async fn handle<B: ReqBody>(
     let now = Instant::now();
     let deadline = started + settings.response_timeout;
     let keepalive = settings.sse_keepalive;
-    timer.as_mut().reset((now + keepalive).min(deadline));
-    respond(Box::new(Live {
-        events,
-        responder,
-        guard,
-        finish,
-        deadline,
-        timer,
-        last_activity: now,
-        keepalive,
-        recorded: false,
-        keep,
-        _permit: permit,
-        _open: open,
+    respond(Box::pin(Live {
+        timer: tokio::time::sleep_until((now + keepalive).min(deadline)),
+        serving: Serving {
+            events,
+            responder,
+            guard,
+            finish,
+            deadline,
+            last_activity: now,
+            keepalive,
+            recorded: false,
+            keep,
+            _permit: permit,
+            _open: open,
+        },
     }))
     .await
 }
@@ -868,17 +869,13 @@ async fn exact_count(
 /// response head, then becomes the response body, which hyper polls directly: no task and
 /// no channel between the request's events and the socket. Dropping it (the caller left)
 /// cancels the request through its guard.
-pub(crate) struct Live {
+pub(crate) struct Serving {
     events: Events,
     responder: Responder,
     guard: CancelGuard,
     finish: Finish,
     /// When the response times out.
     deadline: Instant,
-    /// The request's one timer: due at the deadline or at the latest `keepalive` after
-    /// the last activity, whichever comes first; moved lazily (an event only records its
-    /// time, so a busy stream never touches the timer).
-    timer: Pin<Box<Sleep>>,
     last_activity: Instant,
     keepalive: Duration,
     recorded: bool,
@@ -888,17 +885,42 @@ pub(crate) struct Live {
     _open: crate::drain::Open,
 }
 
+pin_project_lite::pin_project! {
+    /// A request being answered ([`Serving`]) and its one timer, held in place beside
+    /// it: due at the deadline or at the latest `keepalive` after the last activity,
+    /// whichever comes first; moved lazily (an event only records its time, so a busy
+    /// stream never touches the timer).
+    pub(crate) struct Live {
+        #[pin]
+        timer: Sleep,
+        serving: Serving,
+    }
+}
+
 impl std::fmt::Debug for Live {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Live")
-            .field("responder", &self.responder)
+            .field("responder", &self.serving.responder)
             .finish_non_exhaustive()
     }
 }
 
 impl Live {
     /// The next piece of the response: `Ready(None)` once it is complete.
-    fn poll_out(&mut self, cx: &mut Context<'_>) -> Poll<Option<Out>> {
+    fn poll_out(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Out>> {
+        let this = self.project();
+        this.serving.poll_out(this.timer, cx)
+    }
+
+    /// The request being answered.
+    fn serving(self: Pin<&mut Self>) -> &mut Serving {
+        self.project().serving
+    }
+}
+
+impl Serving {
+    /// The next piece of the response: `Ready(None)` once it is complete.
+    fn poll_out(&mut self, mut timer: Pin<&mut Sleep>, cx: &mut Context<'_>) -> Poll<Option<Out>> {
         loop {
             if let Some(out) = self.responder.poll_output() {
                 return Poll::Ready(Some(out));
@@ -924,7 +946,7 @@ impl Live {
                 }
                 Poll::Pending => {}
             }
-            if self.timer.as_mut().poll(cx).is_pending() {
+            if timer.as_mut().poll(cx).is_pending() {
                 return Poll::Pending;
             }
             let now = Instant::now();
@@ -939,7 +961,7 @@ impl Live {
                 self.last_activity = now;
             }
             let next = (self.last_activity + self.keepalive).min(self.deadline);
-            self.timer.as_mut().reset(next);
+            timer.as_mut().reset(next);
         }
     }
 
@@ -979,7 +1001,7 @@ impl Live {
     }
 }
 
-impl Drop for Live {
+impl Drop for Serving {
     /// Records the request's figures and writes its log line: after the response is
     /// written (the writer drops it then), so that neither delays the caller, and also
     /// for a caller who left before the end (`499` if no head was sent, like nginx).
@@ -998,17 +1020,16 @@ impl http_body::Body for Live {
     type Error = std::io::Error;
 
     fn poll_frame(
-        self: Pin<&mut Self>,
+        mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
-        let this = self.get_mut();
         loop {
-            return match this.poll_out(cx) {
+            return match self.as_mut().poll_out(cx) {
                 Poll::Pending => Poll::Pending,
                 Poll::Ready(None) => Poll::Ready(None),
                 Poll::Ready(Some(Out::Data(bytes))) => Poll::Ready(Some(Ok(Frame::data(bytes)))),
                 Poll::Ready(Some(Out::Abort(message))) => {
-                    this.settle();
+                    self.as_mut().serving().settle();
                     Poll::Ready(Some(Err(std::io::Error::other(message))))
                 }
                 Poll::Ready(Some(other)) => {
@@ -1023,11 +1044,11 @@ impl http_body::Body for Live {
 
 /// Polls `live` until the response head: a whole response is returned as it is; a head
 /// becomes a response whose body is `live` itself.
-async fn respond(mut live: Box<Live>) -> Response<ResBody> {
+async fn respond(mut live: Pin<Box<Live>>) -> Response<ResBody> {
     loop {
-        match std::future::poll_fn(|cx| live.poll_out(cx)).await {
+        match std::future::poll_fn(|cx| live.as_mut().poll_out(cx)).await {
             Some(Out::Whole { status, body }) => {
-                live.settle();
+                live.as_mut().serving().settle();
                 let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
                 let mut response = json_response(status, Bytes::new());
                 // The request is recorded once the body is written and dropped.
@@ -1044,14 +1065,16 @@ async fn respond(mut live: Box<Live>) -> Response<ResBody> {
                         response
                     }
                     Err(refusal) => {
+                        let serving = live.as_mut().serving();
                         let response = dialect_error(
-                            live.responder.dialect(),
+                            serving.responder.dialect(),
                             &refusal,
-                            &live.finish.request_id,
+                            &serving.finish.request_id,
                         );
-                        live.finish
-                            .done(response.status().as_u16(), live.responder.usage());
-                        live.recorded = true;
+                        serving
+                            .finish
+                            .done(response.status().as_u16(), serving.responder.usage());
+                        serving.recorded = true;
                         response
                     }
                 };
@@ -1064,9 +1087,9 @@ async fn respond(mut live: Box<Live>) -> Response<ResBody> {
             None => {
                 error!("a response ended without a head");
                 return dialect_error(
-                    live.responder.dialect(),
+                    live.serving.responder.dialect(),
                     &ApiError::timeout(),
-                    &live.finish.request_id,
+                    &live.serving.finish.request_id,
                 );
             }
         }

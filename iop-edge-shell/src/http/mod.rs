@@ -57,10 +57,10 @@ pub(crate) enum ResBody {
         /// The answer.
         body: Option<Bytes>,
         /// The request, recorded when this is dropped.
-        _request: Box<inference::Live>,
+        _request: Pin<Box<inference::Live>>,
     },
     /// A streamed response, rendered from its request's events as hyper polls it.
-    Live(Box<inference::Live>),
+    Live(Pin<Box<inference::Live>>),
     /// `GET /v1/events`: SSE bytes from the event hub; ends when the subscriber is dropped.
     Events(tokio::sync::mpsc::Receiver<Bytes>),
 }
@@ -74,7 +74,7 @@ impl Body for ResBody {
             ResBody::Full(data) | ResBody::Done { body: data, .. } => {
                 Poll::Ready(data.take().map(|d| Ok(Frame::data(d))))
             }
-            ResBody::Live(live) => Pin::new(live.as_mut()).poll_frame(cx),
+            ResBody::Live(live) => live.as_mut().poll_frame(cx),
             ResBody::Events(rx) => rx
                 .poll_recv(cx)
                 .map(|bytes| bytes.map(|b| Ok(Frame::data(b)))),
