@@ -62,6 +62,19 @@ fn wake_reader<T>(mut state: MutexGuard<'_, State<T>>) {
     }
 }
 
+/// Nothing to take: `Ready(None)` once the outlet is gone, otherwise `Pending` with the
+/// reader's waker kept for the outlet's next queue or wake.
+fn wait<T, R>(state: &mut State<T>, cx: &Context<'_>) -> Poll<Option<R>> {
+    if state.outlet_gone {
+        return Poll::Ready(None);
+    }
+    match &mut state.waker {
+        Some(waker) => waker.clone_from(cx.waker()),
+        None => state.waker = Some(cx.waker().clone()),
+    }
+    Poll::Pending
+}
+
 struct State<T> {
     items: VecDeque<T>,
     /// The reader waiting for the next item.
@@ -154,14 +167,7 @@ impl<T, A> Inbox<T, A> {
         if let Some(found) = take(&self.shared.attached) {
             return Poll::Ready(Some(found));
         }
-        if state.outlet_gone {
-            return Poll::Ready(None);
-        }
-        match &mut state.waker {
-            Some(waker) => waker.clone_from(cx.waker()),
-            None => state.waker = Some(cx.waker().clone()),
-        }
-        Poll::Pending
+        wait(&mut state, cx)
     }
 
     /// The next item; `Ready(None)` once the queue is empty and the outlet is gone.
@@ -173,14 +179,7 @@ impl<T, A> Inbox<T, A> {
             }
             return Poll::Ready(Some(item));
         }
-        if state.outlet_gone {
-            return Poll::Ready(None);
-        }
-        match &mut state.waker {
-            Some(waker) => waker.clone_from(cx.waker()),
-            None => state.waker = Some(cx.waker().clone()),
-        }
-        Poll::Pending
+        wait(&mut state, cx)
     }
 }
 
