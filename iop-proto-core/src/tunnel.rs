@@ -158,7 +158,33 @@ impl TunnelReceiver {
     /// Checks `frame`, the next frame of this tunnel. After a violation or a terminal
     /// frame every further frame is refused.
     pub fn observe(&mut self, frame: &ProviderTunnelFrame) -> Result<TunnelStep, TunnelViolation> {
-        let result = self.check(frame);
+        self.step(frame.kind, frame.sequence, frame.status_code)
+    }
+
+    /// [`observe`](Self::observe) for `part`, the next part of this tunnel, numbered
+    /// `sequence` ([`split_parts`]): the same checks, on what the part kept of its frame.
+    pub fn observe_part(
+        &mut self,
+        sequence: u64,
+        part: &TunnelPart,
+    ) -> Result<TunnelStep, TunnelViolation> {
+        let (kind, status_code) = match part {
+            TunnelPart::Frame(frame) => (frame.kind, frame.status_code),
+            TunnelPart::Status { code, .. } => (TunnelFrameKind::Status as i32, *code),
+            TunnelPart::Body(_) => (TunnelFrameKind::Body as i32, 0),
+            TunnelPart::Usage(_) => (TunnelFrameKind::Usage as i32, 0),
+            TunnelPart::End => (TunnelFrameKind::End as i32, 0),
+        };
+        self.step(kind, sequence, status_code)
+    }
+
+    fn step(
+        &mut self,
+        kind: i32,
+        sequence: u64,
+        status_code: u32,
+    ) -> Result<TunnelStep, TunnelViolation> {
+        let result = self.check(kind, sequence, status_code);
         match result {
             Ok(step) if !step.is_terminal() => self.phase = Phase::Streaming,
             _ => self.phase = Phase::Ended,
@@ -169,28 +195,34 @@ impl TunnelReceiver {
         result
     }
 
-    fn check(&self, frame: &ProviderTunnelFrame) -> Result<TunnelStep, TunnelViolation> {
-        let kind = match TunnelFrameKind::try_from(frame.kind) {
+    fn check(
+        &self,
+        kind: i32,
+        sequence: u64,
+        status_code: u32,
+    ) -> Result<TunnelStep, TunnelViolation> {
+        let raw = kind;
+        let kind = match TunnelFrameKind::try_from(raw) {
             Ok(TunnelFrameKind::Unspecified) | Err(_) => {
-                return Err(TunnelViolation::UnknownKind(frame.kind));
+                return Err(TunnelViolation::UnknownKind(raw));
             }
             Ok(kind) => kind,
         };
         if self.phase == Phase::Ended {
             return Err(TunnelViolation::AfterTerminal(kind));
         }
-        if frame.sequence != self.next_sequence {
+        if sequence != self.next_sequence {
             return Err(TunnelViolation::OutOfSequence {
                 expected: self.next_sequence,
-                got: frame.sequence,
+                got: sequence,
             });
         }
         match (self.phase, kind) {
             (Phase::AwaitStatus, TunnelFrameKind::Status) => {
-                if (100..=599).contains(&frame.status_code) {
+                if (100..=599).contains(&status_code) {
                     Ok(TunnelStep::Status)
                 } else {
-                    Err(TunnelViolation::InvalidStatus(frame.status_code))
+                    Err(TunnelViolation::InvalidStatus(status_code))
                 }
             }
             // A tunnel may fail before the provider answered at all.
@@ -491,28 +523,107 @@ pub(crate) fn merge_part(
 /// sequence: what a merged frame stands for ([`merge_into`]); a frame that is not merged
 /// is its only part.
 pub fn split(frame: ProviderTunnelFrame) -> Parts {
-    Parts {
+    Parts { rest: Some(frame) }
+}
+
+/// The parts of `frame` as the Edge keeps them: each with its sequence number, as a
+/// [`TunnelPart`], made straight from the frame's fields (a merged frame's parts are
+/// never built as frames of their own, and name no run). Each part is what [`split`]
+/// gives turned into a [`TunnelPart`], the run id of a kept whole frame that was merged
+/// aside; a frame that is not merged is its only part.
+pub fn split_parts(frame: ProviderTunnelFrame) -> TunnelParts {
+    TunnelParts {
+        merged: part_count(&frame) > 1,
         rest: Some(frame),
-        named: true,
     }
 }
 
-/// [`split`], but the parts of a merged frame name no run (an empty `run_id`): for a
-/// caller that looked the frame's run up once (the Edge), so that no part copies its name.
-/// A frame that is not merged comes back as it is.
-pub fn split_unnamed(frame: ProviderTunnelFrame) -> Parts {
-    Parts {
-        rest: Some(frame),
-        named: false,
+/// The parts of one tunnel frame with their sequence numbers, from [`split_parts`].
+#[derive(Debug)]
+#[must_use = "the parts are made as they are taken"]
+pub struct TunnelParts {
+    rest: Option<ProviderTunnelFrame>,
+    merged: bool,
+}
+
+impl Iterator for TunnelParts {
+    type Item = (u64, TunnelPart);
+
+    fn next(&mut self) -> Option<(u64, TunnelPart)> {
+        let mut rest = self.rest.take()?;
+        let sequence = rest.sequence;
+        if part_count(&rest) == 1 {
+            let mut part = TunnelPart::from(rest);
+            if let TunnelPart::Frame(frame) = &mut part
+                && self.merged
+            {
+                frame.run_id.clear();
+            }
+            return Some((sequence, part));
+        }
+        let kind = TunnelFrameKind::try_from(rest.kind).unwrap_or(TunnelFrameKind::Unspecified);
+        // The first part keeps what is its own (as [`Parts`] cuts it); the rest goes on as
+        // the next kind.
+        let status_code = std::mem::take(&mut rest.status_code);
+        let headers = std::mem::take(&mut rest.headers);
+        let metadata = std::mem::take(&mut rest.metadata);
+        rest.sequence = sequence.saturating_add(1);
+        let (next, body, usage) = match kind {
+            TunnelFrameKind::Status if !rest.body.is_empty() => {
+                (TunnelFrameKind::Body, Bytes::new(), None)
+            }
+            TunnelFrameKind::Status if rest.usage.is_some() => {
+                (TunnelFrameKind::Usage, Bytes::new(), None)
+            }
+            TunnelFrameKind::Body if rest.usage.is_some() => {
+                (TunnelFrameKind::Usage, std::mem::take(&mut rest.body), None)
+            }
+            TunnelFrameKind::Body => (TunnelFrameKind::End, std::mem::take(&mut rest.body), None),
+            TunnelFrameKind::Usage => (TunnelFrameKind::End, Bytes::new(), rest.usage.take()),
+            _ => (TunnelFrameKind::End, Bytes::new(), None),
+        };
+        rest.kind = next as i32;
+        self.rest = Some(rest);
+        // As `TunnelPart::from` keeps the frame `Parts` would give.
+        let part = match (kind, usage) {
+            (TunnelFrameKind::Body, _) => TunnelPart::Body(body),
+            (TunnelFrameKind::Status, None) if metadata.is_empty() => TunnelPart::Status {
+                code: status_code,
+                headers,
+            },
+            (TunnelFrameKind::Usage, Some(usage))
+                if metadata.is_empty() && status_code == 0 && headers.is_empty() =>
+            {
+                TunnelPart::Usage(usage)
+            }
+            (kind, usage) => TunnelPart::Frame(Box::new(ProviderTunnelFrame {
+                sequence,
+                kind: kind as i32,
+                status_code,
+                headers,
+                metadata,
+                body,
+                usage,
+                ..ProviderTunnelFrame::default()
+            })),
+        };
+        Some((sequence, part))
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let n = self
+            .rest
+            .as_ref()
+            .map_or(0, |f| usize::try_from(part_count(f)).unwrap_or(usize::MAX));
+        (n, Some(n))
     }
 }
 
-/// The parts of one tunnel frame, from [`split`] or [`split_unnamed`].
+/// The parts of one tunnel frame, from [`split`].
 #[derive(Debug)]
 #[must_use = "the parts are made as they are taken"]
 pub struct Parts {
     rest: Option<ProviderTunnelFrame>,
-    named: bool,
 }
 
 impl Iterator for Parts {
@@ -525,9 +636,6 @@ impl Iterator for Parts {
         }
         let kind = TunnelFrameKind::try_from(rest.kind).unwrap_or(TunnelFrameKind::Unspecified);
         // The first part keeps what is its own; the rest goes on as the next kind.
-        if !self.named {
-            rest.run_id = String::new();
-        }
         let mut first = ProviderTunnelFrame {
             run_id: rest.run_id.clone(),
             sequence: rest.sequence,

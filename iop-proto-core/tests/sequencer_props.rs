@@ -205,24 +205,40 @@ proptest! {
     }
 
     /// Any frame a peer may send splits into parts each of one kind alone (no part is
-    /// merged again), numbered on from its sequence, as many as `part_count` says.
+    /// merged again), numbered on from its sequence, as many as `part_count` says; the
+    /// Edge's parts (`split_parts`) are those frames as it keeps them, each checked by
+    /// the receiver as its frame is.
     #[test]
     fn any_frame_splits_into_plain_parts(
         kind in 0..8i32,
-        sequence in any::<u64>(),
+        sequence in prop_oneof![Just(0u64), any::<u64>()],
+        status_code in prop_oneof![Just(0u32), Just(200), Just(429), Just(1000)],
         body in vec(any::<u8>(), 0..4),
         usage in any::<bool>(),
         end in any::<bool>(),
+        headers in any::<bool>(),
+        metadata in any::<bool>(),
+        error in any::<bool>(),
     ) {
         let frame = ProviderTunnelFrame {
             run_id: "t".into(),
             sequence,
             kind,
-            status_code: 200,
+            status_code,
+            headers: if headers {
+                vec![Header { name: "retry-after".into(), value: Bytes::from_static(b"1") }]
+            } else {
+                Vec::new()
+            },
+            metadata: if metadata {
+                [("k".to_owned(), "v".to_owned())].into()
+            } else {
+                Default::default()
+            },
             body: Bytes::from(body.clone()),
             usage: usage.then(Usage::default),
+            error: error.then(ErrorDetail::default),
             end,
-            ..Default::default()
         };
         let count = tunnel::part_count(&frame);
         let parts: Vec<_> = tunnel::split(frame.clone()).collect();
@@ -238,18 +254,26 @@ proptest! {
             total += part.body.len();
         }
         prop_assert_eq!(total, body.len());
-        // Unnamed, the same parts without the name; a plain frame keeps it.
-        let unnamed: Vec<_> = tunnel::split_unnamed(frame).collect();
+        // As the Edge keeps them: each part a `TunnelPart` of its frame, a kept whole
+        // frame without the name when it was merged; a plain frame keeps it.
+        let kept: Vec<_> = tunnel::split_parts(frame).collect();
         let expected: Vec<_> = parts
-            .into_iter()
+            .iter()
+            .cloned()
             .map(|mut part| {
                 if count > 1 {
                     part.run_id.clear();
                 }
-                part
+                (part.sequence, tunnel::TunnelPart::from(part))
             })
             .collect();
-        prop_assert_eq!(unnamed, expected);
+        prop_assert_eq!(&kept, &expected);
+        // The receiver judges a part as it judges its frame.
+        let (mut by_frame, mut by_part) = (TunnelReceiver::new(), TunnelReceiver::new());
+        for (part, (sequence, kept)) in parts.iter().zip(&kept) {
+            prop_assert_eq!(by_frame.observe(part), by_part.observe_part(*sequence, kept));
+            prop_assert_eq!(by_frame.is_ended(), by_part.is_ended());
+        }
     }
 
     /// Chunking reassembles the exact body for any body and chunk size.

@@ -39,6 +39,7 @@ use crate::queue::Ticket;
 use crate::queue::Waiter;
 use crate::time::Timestamp;
 use crate::tunnel::Endpoint;
+use crate::tunnel::TunnelPart;
 use crate::wire::Body;
 use crate::wire::CancelKind;
 use crate::wire::CancelRequest;
@@ -775,7 +776,12 @@ impl Requests {
             }
             Ok(None) => {
                 let status = match &item {
-                    StreamItem::Frame(frame) if frame.kind == TunnelFrameKind::Status as i32 => {
+                    StreamItem::Part(_, TunnelPart::Status { code, headers }) => {
+                        Some((*code, retry_after(headers)))
+                    }
+                    StreamItem::Part(_, TunnelPart::Frame(frame))
+                        if frame.kind == TunnelFrameKind::Status as i32 =>
+                    {
                         Some((frame.status_code, retry_after(&frame.headers)))
                     }
                     _ => None,

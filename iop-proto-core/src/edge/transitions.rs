@@ -21,10 +21,10 @@
 //! - **A request is dispatched where it was granted** ([`grant`](EdgeCore::grant)): the
 //!   lease is taken and the message built and sent in the same transition; nothing is
 //!   dispatched to a node that is not its ready owner.
-//! - **A stream's end returns its lease** ([`on_stream`](EdgeCore::on_stream)); a broken
+//! - **A stream's end returns its lease** ([`on_stream_of`](EdgeCore::on_stream_of)); a broken
 //!   stream fails its request and is cancelled on the node, which keeps the lease until
 //!   it ends the run or the cancel grace passes.
-//! - **Nothing reaches the caller before a run's first byte** ([`on_stream`](EdgeCore::on_stream)):
+//! - **Nothing reaches the caller before a run's first byte** ([`on_stream_of`](EdgeCore::on_stream_of)):
 //!   a run that fails before it (the provider unreachable, 5xx, 429, 408, a broken
 //!   stream, its node lost) is given up and its request dispatched again on another
 //!   provider ([`retry`](EdgeCore::retry)), within `max_attempts` and the retry budget;
@@ -201,16 +201,16 @@ impl EdgeCore {
                 }),
             ),
             Body::HeartbeatAck(ack) => self.registry.heartbeat_answered(self.now, conn, ack.nonce),
-            Body::RunEvent(event) => self.on_stream(conn, phase, StreamItem::Run(event)),
-            Body::ProviderTunnelFrame(frame) if crate::tunnel::part_count(&frame) == 1 => {
-                self.on_stream(conn, phase, StreamItem::Frame(frame));
+            Body::RunEvent(event) => {
+                let run = self.requests.run_on(conn, &event.run_id);
+                self.on_stream_of(conn, phase, run, StreamItem::Run(event));
             }
             Body::ProviderTunnelFrame(frame) => {
                 // A merged frame is its parts one by one (`merged_tunnel_frames`), of the
                 // run its name gives, looked up once: the parts carry no name.
                 let run = self.requests.run_on(conn, &frame.run_id);
-                for part in crate::tunnel::split_unnamed(frame) {
-                    self.on_stream_of(conn, phase, run, StreamItem::Frame(part));
+                for (sequence, part) in crate::tunnel::split_parts(frame) {
+                    self.on_stream_of(conn, phase, run, StreamItem::Part(sequence, part));
                 }
             }
             Body::NodeConfigRefreshResponse(resp) => self.on_refresh_response(conn, phase, resp),
@@ -1364,15 +1364,9 @@ impl EdgeCore {
         }
     }
 
-    /// A run event or tunnel frame: only from the current ready owner, for a run on that
-    /// connection; checked against its stream's contract; its end returns its lease.
-    pub(super) fn on_stream(&mut self, conn: ConnId, phase: Phase, item: StreamItem) {
-        let run = self.requests.run_on(conn, item.run_id());
-        self.on_stream_of(conn, phase, run, item);
-    }
-
-    /// [`Self::on_stream`] for an item of `run`, the run on `conn` its name gives (looked
-    /// up by the caller; `None`: no run of this connection).
+    /// A run event or tunnel part from `conn` for `run`, the run on `conn` its name gives
+    /// (looked up by the caller; `None`: no run of this connection): only from the current
+    /// ready owner; checked against its stream's contract; its end returns its lease.
     fn on_stream_of(&mut self, conn: ConnId, phase: Phase, run: Option<RunId>, item: StreamItem) {
         if !self.stream_allowed(conn, phase) {
             return;

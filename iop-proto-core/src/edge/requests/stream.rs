@@ -17,12 +17,12 @@ use crate::lease::ResourceId;
 use crate::lease::RunId;
 use crate::run::RunStep;
 use crate::run::RunTracker;
+use crate::tunnel::TunnelPart;
 use crate::tunnel::TunnelReceiver;
 use crate::tunnel::TunnelStep;
 use crate::wire::Body;
 use crate::wire::ErrorDetail;
 use crate::wire::Header;
-use crate::wire::ProviderTunnelFrame;
 use crate::wire::RunEvent;
 use crate::wire::RunEventType;
 use crate::wire::RunRequest;
@@ -40,21 +40,15 @@ pub(in crate::edge) enum Stream {
     Broken,
 }
 
-/// One item of a run's stream.
+/// One item of a run's stream: a run event, or a tunnel's part with its sequence number
+/// (a merged frame is its parts one by one: `tunnel::split_parts`).
 #[derive(Debug)]
 pub(in crate::edge) enum StreamItem {
     Run(RunEvent),
-    Frame(ProviderTunnelFrame),
+    Part(u64, TunnelPart),
 }
 
 impl StreamItem {
-    pub(in crate::edge) fn run_id(&self) -> &str {
-        match self {
-            StreamItem::Run(event) => &event.run_id,
-            StreamItem::Frame(frame) => &frame.run_id,
-        }
-    }
-
     /// Whether it ends its stream, whatever else is wrong with it.
     pub(in crate::edge) fn is_terminal(&self) -> bool {
         match self {
@@ -62,9 +56,9 @@ impl StreamItem {
                 RunEventType::try_from(event.r#type),
                 Ok(RunEventType::Complete | RunEventType::Error | RunEventType::Cancelled)
             ),
-            StreamItem::Frame(frame) => matches!(
-                TunnelFrameKind::try_from(frame.kind),
-                Ok(TunnelFrameKind::End | TunnelFrameKind::Error)
+            StreamItem::Part(_, part) => matches!(
+                part.kind(),
+                Some(TunnelFrameKind::End | TunnelFrameKind::Error)
             ),
         }
     }
@@ -75,7 +69,7 @@ impl StreamItem {
             StreamItem::Run(event) => {
                 !event.delta.is_empty() || event.metadata.contains_key("openai_tool_calls")
             }
-            StreamItem::Frame(_) => false,
+            StreamItem::Part(..) => false,
         }
     }
 
@@ -90,14 +84,14 @@ impl StreamItem {
                         .map(|(k, v)| k.len() + v.len())
                         .sum::<usize>()
             }
-            StreamItem::Frame(frame) => 64 + frame.body.len(),
+            StreamItem::Part(_, part) => 64 + part.body_len(),
         }
     }
 
     pub(in crate::edge) fn into_event(self) -> RequestEvent {
         match self {
             StreamItem::Run(event) => RequestEvent::Run(Box::new(event)),
-            StreamItem::Frame(frame) => RequestEvent::Tunnel(frame.into()),
+            StreamItem::Part(_, part) => RequestEvent::Tunnel(part),
         }
     }
 }
@@ -244,13 +238,18 @@ pub(super) fn observe(
             Ok(_) => Ok(None),
             Err(violation) => Err(StreamViolation::Run(violation)),
         },
-        (Stream::Tunnel(receiver), StreamItem::Frame(frame)) => match receiver.observe(frame) {
-            Ok(TunnelStep::End) => Ok(Some(Outcome::Completed)),
-            Ok(TunnelStep::Error) => Ok(Some(provider_error(&frame.error))),
-            Ok(_) => Ok(None),
-            Err(violation) => Err(StreamViolation::Tunnel(violation)),
-        },
-        (Stream::Run(_), StreamItem::Frame(_)) => Err(StreamViolation::FrameForRun),
+        (Stream::Tunnel(receiver), StreamItem::Part(sequence, part)) => {
+            match receiver.observe_part(*sequence, part) {
+                Ok(TunnelStep::End) => Ok(Some(Outcome::Completed)),
+                Ok(TunnelStep::Error) => Ok(Some(match part {
+                    TunnelPart::Frame(frame) => provider_error(&frame.error),
+                    _ => provider_error(&None),
+                })),
+                Ok(_) => Ok(None),
+                Err(violation) => Err(StreamViolation::Tunnel(violation)),
+            }
+        }
+        (Stream::Run(_), StreamItem::Part(..)) => Err(StreamViolation::FrameForRun),
         (Stream::Tunnel(_), StreamItem::Run(_)) => Err(StreamViolation::EventForTunnel),
     })
 }
