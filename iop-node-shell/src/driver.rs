@@ -22,7 +22,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
-use crate::adapters::{AdapterHost, HttpClient, Output, Sink};
+use crate::adapters::{AdapterHost, HttpClient, Output, Sink, TunnelTail};
 use crate::stats::TransportStats;
 use iop_shell_common::clock::Clock;
 use iop_shell_common::misuse;
@@ -253,7 +253,7 @@ fn linger(
         let ended = async {
             while !running.is_empty() {
                 match out_rx.recv().await {
-                    Some(Output::Finished { run_id }) => {
+                    Some(Output::Finished { run_id, .. }) => {
                         running.remove(&run_id);
                     }
                     Some(_) => {}
@@ -524,7 +524,12 @@ impl Conn {
                 let step = self.session.handle_tunnel_output(now, &run_id, output);
                 (run_id, step)
             }
-            Output::Finished { run_id } => {
+            Output::Finished { run_id, tail } => {
+                for output in tail.into_iter().flat_map(TunnelTail::outputs) {
+                    if let Err(err) = self.session.handle_tunnel_output(now, &run_id, output) {
+                        debug!(node_id = self.node_id, %err, "adapter output not sent");
+                    }
+                }
                 // Its task is over, whatever its work said.
                 self.tasks.remove(&*run_id);
                 match self.session.handle_work_returned(now, &run_id) {
@@ -616,7 +621,10 @@ impl Conn {
                     &mut self.tasks,
                     &self.out_tx,
                     run_id,
-                    |adapter, sink, token| async move { adapter.run(request, sink, token).await },
+                    |adapter, sink, token| async move {
+                        adapter.run(request, sink, token).await;
+                        None
+                    },
                 );
             }
             SessionEvent::StartTunnel { request, run_id } => {
@@ -723,7 +731,7 @@ fn spawn_work<F, Fut>(
     work: F,
 ) where
     F: FnOnce(Arc<crate::adapters::Adapter>, Sink, CancellationToken) -> Fut + Send + 'static,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
+    Fut: std::future::Future<Output = Option<TunnelTail>> + Send + 'static,
 {
     // The session admitted the work, so the adapter exists in the config it applied.
     let Some(adapter) = adapter else {
@@ -742,10 +750,14 @@ fn spawn_work<F, Fut>(
         // A panicking adapter ends its own work: the session still hears that it
         // returned and closes it, instead of keeping it in flight for good.
         let run = std::panic::AssertUnwindSafe(async move { work(adapter, sink, token).await });
-        if futures_util::FutureExt::catch_unwind(run).await.is_err() {
-            error!(run_id = &*run_id, "adapter panicked; its work ends here");
-        }
-        let _ = done.send(Output::Finished { run_id }).await;
+        let tail = match futures_util::FutureExt::catch_unwind(run).await {
+            Ok(tail) => tail,
+            Err(_) => {
+                error!(run_id = &*run_id, "adapter panicked; its work ends here");
+                None
+            }
+        };
+        let _ = done.send(Output::Finished { run_id, tail }).await;
     }));
 }
 

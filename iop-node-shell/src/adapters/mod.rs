@@ -21,8 +21,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use iop_proto_core::wire::{
-    AdapterConfig, AdapterType, ErrorDetail, NodeCommandRequest, NodeCommandResponse,
-    NodeCommandType, NodeConfigPayload, ProviderHealth, RunRequest, TunnelRequest,
+    AdapterConfig, AdapterType, ErrorDetail, Header, NodeCommandRequest, NodeCommandResponse,
+    NodeCommandType, NodeConfigPayload, ProviderHealth, RunRequest, TunnelRequest, Usage,
 };
 use iop_proto_core::{RunOutput, TunnelOutput};
 use tokio::sync::mpsc;
@@ -51,9 +51,42 @@ pub enum Output {
     Finished {
         /// The run or tunnel.
         run_id: Arc<str>,
+        /// The outputs a tunnel ended with, reported with its return rather than one
+        /// message each.
+        tail: Option<TunnelTail>,
     },
     /// The answer to a command.
     Command(NodeCommandResponse),
+}
+
+/// The outputs a tunnel's work ends with, handed back when it returns: its status when
+/// the whole answer was ready behind it, its last body bytes, the usage it observed, then
+/// its end. A small answer reaches the session with the task's return in one message
+/// instead of five.
+#[derive(Debug, Default)]
+pub struct TunnelTail {
+    /// The status and response headers, not yet reported.
+    pub status: Option<(u32, Vec<Header>)>,
+    /// The last body bytes, not yet reported.
+    pub body: Option<Bytes>,
+    /// The usage observed in the response.
+    pub usage: Option<Usage>,
+}
+
+impl TunnelTail {
+    /// The outputs it stands for, in order: the status, the body bytes, the usage, the end.
+    pub fn outputs(self) -> impl Iterator<Item = TunnelOutput> {
+        let status = self
+            .status
+            .map(|(status, headers)| TunnelOutput::Status { status, headers });
+        let body = self.body.map(TunnelOutput::Body);
+        let usage = self.usage.map(TunnelOutput::Usage);
+        status
+            .into_iter()
+            .chain(body)
+            .chain(usage)
+            .chain(std::iter::once(TunnelOutput::End))
+    }
 }
 
 /// Where an adapter task reports progress.
@@ -180,12 +213,21 @@ impl Adapter {
         }
     }
 
-    /// Executes a raw tunnel to its terminal output.
-    pub async fn tunnel(&self, request: TunnelRequest, sink: Sink, cancel: CancellationToken) {
+    /// Executes a raw tunnel to its terminal output: reported through `sink`, or the
+    /// outputs it ends with handed back ([`TunnelTail`]).
+    pub async fn tunnel(
+        &self,
+        request: TunnelRequest,
+        sink: Sink,
+        cancel: CancellationToken,
+    ) -> Option<TunnelTail> {
         // The mock's future is boxed so that a provider's tunnel task is sized for its own.
         match self {
             Adapter::OpenAi(o) => o.tunnel(request, sink, cancel).await,
-            Adapter::Mock(m) => Box::pin(m.tunnel(request, sink, cancel)).await,
+            Adapter::Mock(m) => {
+                Box::pin(m.tunnel(request, sink, cancel)).await;
+                None
+            }
             Adapter::Ollama(_) => {
                 let _ = sink
                     .tunnel(TunnelOutput::Error(error(
@@ -194,6 +236,7 @@ impl Adapter {
                         false,
                     )))
                     .await;
+                None
             }
         }
     }

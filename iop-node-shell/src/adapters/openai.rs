@@ -26,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 use super::http::{self, HttpClient, Upstream, raw_wire_headers, wire_headers};
 use super::json;
 use super::sse::{Lines, UsageWatcher, sse_data, usage_of};
-use super::{Sink, error};
+use super::{Sink, TunnelTail, error};
 
 /// An OpenAI-compatible backend (`vllm` adds its `/health` endpoint).
 #[derive(Debug)]
@@ -161,6 +161,11 @@ async fn next_frame(
     }
 }
 
+/// A tunnel's status output.
+fn status_output((status, headers): (u32, Vec<Header>)) -> TunnelOutput {
+    TunnelOutput::Status { status, headers }
+}
+
 fn body_failed(err: &dyn std::fmt::Display) -> CallError {
     CallError::Unreachable(format!("response body failed: {err}"))
 }
@@ -197,6 +202,28 @@ where
             body,
             ahead: None,
             parts: Vec::new(),
+        }
+    }
+
+    /// Whether a frame (or the body's end) is ready now, polled without waiting; what the
+    /// poll found is returned next.
+    fn ready(&mut self) -> bool {
+        if self.ahead.is_none() {
+            let mut cx = Context::from_waker(Waker::noop());
+            if let Poll::Ready(next) = Pin::new(&mut self.body).poll_frame(&mut cx) {
+                self.ahead = Some(next);
+            }
+        }
+        self.ahead.is_some()
+    }
+
+    /// Whether the body is known to have ended behind the frames returned so far (a look
+    /// ahead found its end, or it says so itself).
+    fn at_end(&self) -> bool {
+        match &self.ahead {
+            Some(None) => true,
+            Some(Some(_)) => false,
+            None => self.body.is_end_stream(),
         }
     }
 
@@ -302,10 +329,20 @@ impl OpenAi {
         Instant::now() + timeout
     }
 
-    /// Raw pass-through of one HTTP request.
-    pub async fn tunnel(&self, request: TunnelRequest, sink: Sink, cancel: CancellationToken) {
-        if let Err(err) = self.tunnel_inner(request, &sink, &cancel).await {
-            let _ = sink.tunnel(TunnelOutput::Error(err.detail())).await;
+    /// Raw pass-through of one HTTP request; a tunnel that reaches the end of the answer
+    /// hands its last outputs back.
+    pub async fn tunnel(
+        &self,
+        request: TunnelRequest,
+        sink: Sink,
+        cancel: CancellationToken,
+    ) -> Option<TunnelTail> {
+        match self.tunnel_inner(request, &sink, &cancel).await {
+            Ok(tail) => tail,
+            Err(err) => {
+                let _ = sink.tunnel(TunnelOutput::Error(err.detail())).await;
+                None
+            }
         }
     }
 
@@ -314,7 +351,7 @@ impl OpenAi {
         request: TunnelRequest,
         sink: &Sink,
         cancel: &CancellationToken,
-    ) -> Result<(), CallError> {
+    ) -> Result<Option<TunnelTail>, CallError> {
         let mut watch = std::pin::pin!(Watch::new(self.deadline(request.timeout_sec()), cancel));
         let method = request.method();
         // The head is written straight from the tunnel request and the answer's head kept
@@ -341,24 +378,42 @@ impl OpenAi {
                 .and_then(|v| std::str::from_utf8(v).ok())
                 .unwrap_or(""),
         );
-        let status = u32::from(head.parsed.status);
-        if !sink
-            .tunnel(TunnelOutput::Status {
-                status,
-                headers: raw_wire_headers(&head),
-            })
-            .await
-        {
-            return Ok(());
-        }
+        let mut status = Some((u32::from(head.parsed.status), raw_wire_headers(&head)));
         drop(head);
         let mut body = Joined::new(body);
-        while let Some(frame) = body.frame(watch.as_mut()).await? {
+        // The status waits only for what is ready behind the head: a small answer is often
+        // whole there, and then its status, body, usage and end go back together.
+        if !body.ready()
+            && let Some(status) = status.take()
+            && !sink.tunnel(status_output(status)).await
+        {
+            return Ok(None);
+        }
+        let mut last = None;
+        loop {
+            let frame = body.frame(watch.as_mut()).await;
+            // Everything but the answer's last bytes (or its end) goes out behind the status.
+            let last_data = matches!(&frame, Ok(Some(frame)) if frame.is_data()) && body.at_end();
+            if !last_data
+                && !matches!(frame, Ok(None))
+                && let Some(status) = status.take()
+                && !sink.tunnel(status_output(status)).await
+            {
+                return Ok(None);
+            }
+            let Some(frame) = frame? else {
+                break;
+            };
             match frame.into_data() {
                 Ok(data) => {
                     watcher.push(&data);
+                    if last_data {
+                        // The answer's last bytes: they go with its usage and end.
+                        last = Some(data);
+                        break;
+                    }
                     if !sink.tunnel(TunnelOutput::Body(data)).await {
-                        return Ok(());
+                        return Ok(None);
                     }
                 }
                 Err(frame) => {
@@ -369,11 +424,11 @@ impl OpenAi {
                 }
             }
         }
-        if let Some(usage) = watcher.finish() {
-            let _ = sink.tunnel(TunnelOutput::Usage(usage)).await;
-        }
-        let _ = sink.tunnel(TunnelOutput::End).await;
-        Ok(())
+        Ok(Some(TunnelTail {
+            status,
+            body: last,
+            usage: watcher.finish(),
+        }))
     }
 
     /// A normalized run through `/v1/chat/completions` with `stream: true`.
@@ -694,6 +749,32 @@ mod tests {
         // The error found while looking ahead comes after the data before it.
         assert_eq!(text(next().await.ok().flatten()), "data: late\n\n");
         assert!(matches!(next().await, Err(CallError::Unreachable(why)) if why.contains("reset")));
+    }
+
+    /// A body is known to have ended once a look ahead found its end: the data before
+    /// it is the answer's last, handed back with the usage and the end; a pending body
+    /// or trailers behind the data leave it open.
+    #[tokio::test]
+    async fn the_last_data_is_known_once_the_end_is_found_behind_it() {
+        let cancel = CancellationToken::new();
+        let mut watch = std::pin::pin!(Watch::new(
+            Instant::now() + Duration::from_secs(60),
+            &cancel
+        ));
+        let script = [data("a"), data(""), data("b"), None];
+        let mut body = Joined::new(Script(script.into_iter().collect()));
+        assert!(!body.at_end());
+        assert!(body.frame(watch.as_mut()).await.ok().flatten().is_some());
+        assert!(!body.at_end(), "nothing was ready behind the first data");
+        assert!(body.frame(watch.as_mut()).await.ok().flatten().is_some());
+        assert!(body.at_end(), "the end was ready behind the last data");
+        assert!(body.frame(watch.as_mut()).await.ok().flatten().is_none());
+        let mut trailers = hyper::HeaderMap::new();
+        trailers.insert("x-done", hyper::header::HeaderValue::from_static("1"));
+        let script = [data("a"), Some(Ok(Frame::trailers(trailers))), None];
+        let mut body = Joined::new(Script(script.into_iter().collect()));
+        assert!(body.frame(watch.as_mut()).await.ok().flatten().is_some());
+        assert!(!body.at_end(), "trailers follow the data");
     }
 
     /// Work that is always ready (a provider streaming faster than it is read) is taken

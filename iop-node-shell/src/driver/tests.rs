@@ -153,7 +153,7 @@ async fn an_adapter_that_panics_still_reports_that_its_work_returned() {
         .await
         .expect("an output in time");
     assert!(
-        matches!(&output, Some(Output::Finished { run_id }) if &**run_id == "run-1"),
+        matches!(&output, Some(Output::Finished { run_id, .. }) if &**run_id == "run-1"),
         "{output:?}"
     );
     assert!(
