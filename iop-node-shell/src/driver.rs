@@ -525,10 +525,12 @@ impl Conn {
                 (run_id, step)
             }
             Output::Finished { run_id, tail } => {
-                for output in tail.into_iter().flat_map(TunnelTail::outputs) {
-                    if let Err(err) = self.session.handle_tunnel_output(now, &run_id, output) {
-                        debug!(node_id = self.node_id, %err, "adapter output not sent");
-                    }
+                if let Some(tail) = tail
+                    && let Err(err) =
+                        self.session
+                            .handle_tunnel_outputs(now, &run_id, tail.outputs())
+                {
+                    debug!(node_id = self.node_id, %err, "adapter output not sent");
                 }
                 // Its task is over, whatever its work said.
                 self.tasks.remove(&*run_id);

@@ -824,6 +824,56 @@ fn a_whole_response_leaves_as_one_frame_only_for_an_edge_that_takes_merged_frame
     assert!(rx.is_ended());
 }
 
+/// Outputs handed to the session together (what an adapter ends with) are taken exactly
+/// as one by one: the same frames, the same step, the same first refusal.
+#[test]
+fn outputs_given_together_are_taken_as_given_one_by_one() {
+    let status = || TunnelOutput::Status {
+        status: 200,
+        headers: Vec::new(),
+    };
+    let body = |n: usize| TunnelOutput::Body(Bytes::from(vec![b'x'; n]));
+    let usage = || TunnelOutput::Usage(Usage::default());
+    let error = || TunnelOutput::Error(ErrorDetail::default());
+    let cases: Vec<Vec<TunnelOutput>> = vec![
+        vec![status(), body(20), usage(), TunnelOutput::End],
+        vec![body(3), usage(), TunnelOutput::End],
+        vec![status(), body(0), TunnelOutput::End],
+        vec![body(4)],
+        vec![status(), TunnelOutput::End, usage()],
+        vec![status(), status(), body(1)],
+        vec![error(), TunnelOutput::End],
+        vec![TunnelOutput::Trailers(Vec::new()), TunnelOutput::End],
+        vec![],
+    ];
+    for merged in [false, true] {
+        for case in &cases {
+            let replay = || case.iter().map(|o| format!("{o:?}")).collect::<Vec<_>>();
+            let start = |h: &mut H| {
+                h.tunnel("t1", "a");
+                h.events();
+            };
+            let mut one = H::ready_merging(merged, |c| c.chunk_size = 8);
+            start(&mut one);
+            let t = one.t();
+            let mut by_one = Ok(WorkStep::Going);
+            for output in case.iter().cloned() {
+                by_one = one.s.handle_tunnel_output(t, "t1", output);
+                if by_one.is_err() {
+                    break;
+                }
+            }
+            let mut all = H::ready_merging(merged, |c| c.chunk_size = 8);
+            start(&mut all);
+            let t = all.t();
+            let together = all.s.handle_tunnel_outputs(t, "t1", case.iter().cloned());
+            assert_eq!(together, by_one, "{:?}", replay());
+            assert_eq!(all.tx(), one.tx(), "{:?}", replay());
+            assert_eq!(all.s.in_flight(), one.s.in_flight(), "{:?}", replay());
+        }
+    }
+}
+
 #[test]
 fn work_whose_adapter_returned_without_a_terminal_ends_with_an_error() {
     let mut h = H::ready();

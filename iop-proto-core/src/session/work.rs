@@ -310,6 +310,19 @@ impl NodeSession {
         run_id: &str,
         output: TunnelOutput,
     ) -> Result<WorkStep, SessionError> {
+        self.handle_tunnel_outputs(now, run_id, std::iter::once(output))
+    }
+
+    /// Several outputs of one tunnel in order (what its adapter ended with), as many
+    /// [`handle_tunnel_output`](Self::handle_tunnel_output) calls would take them, the
+    /// tunnel looked up once: the first refused output is the error, and an output after
+    /// the terminal one finds the tunnel gone.
+    pub fn handle_tunnel_outputs(
+        &mut self,
+        now: Timestamp,
+        run_id: &str,
+        outputs: impl IntoIterator<Item = TunnelOutput>,
+    ) -> Result<WorkStep, SessionError> {
         self.advance(now);
         let merge = self.merged_tunnel_frames;
         let (work, queue) = self.work_in_flight(run_id, "tunnel output")?;
@@ -338,33 +351,43 @@ impl NodeSession {
                 Body::ProviderTunnelFrame(frame),
             )));
         };
-        let sent = match output {
-            TunnelOutput::Status { status, headers } => {
-                emitter.status(status, headers).map(&mut send).is_some()
-            }
-            TunnelOutput::Body(data) if data.is_empty() => return Ok(WorkStep::Going),
-            TunnelOutput::Body(data) => {
-                let mut any = false;
-                for frame in emitter.body(data) {
-                    send(frame);
-                    any = true;
+        let mut outputs = outputs.into_iter();
+        for output in outputs.by_ref() {
+            let sent = match output {
+                TunnelOutput::Status { status, headers } => {
+                    emitter.status(status, headers).map(&mut send).is_some()
                 }
-                any
+                TunnelOutput::Body(data) if data.is_empty() => true,
+                TunnelOutput::Body(data) => {
+                    let mut any = false;
+                    for frame in emitter.body(data) {
+                        send(frame);
+                        any = true;
+                    }
+                    any
+                }
+                TunnelOutput::Trailers(headers) => {
+                    emitter.headers(headers).map(&mut send).is_some()
+                }
+                TunnelOutput::Usage(usage) => emitter.usage(usage).map(&mut send).is_some(),
+                TunnelOutput::End => emitter.end().map(&mut send).is_some(),
+                TunnelOutput::Error(error) => emitter.error(error).map(&mut send).is_some(),
+            };
+            if !sent {
+                return Err(SessionError::InvalidTunnelOutput(run_id.to_owned()));
             }
-            TunnelOutput::Trailers(headers) => emitter.headers(headers).map(&mut send).is_some(),
-            TunnelOutput::Usage(usage) => emitter.usage(usage).map(&mut send).is_some(),
-            TunnelOutput::End => emitter.end().map(&mut send).is_some(),
-            TunnelOutput::Error(error) => emitter.error(error).map(&mut send).is_some(),
-        };
-        if !sent {
-            return Err(SessionError::InvalidTunnelOutput(run_id.to_owned()));
+            if emitter.is_ended() {
+                break;
+            }
         }
-        let ended = emitter.is_ended();
-        if ended {
-            self.finish(run_id);
-            return Ok(WorkStep::Ended);
+        if !emitter.is_ended() {
+            return Ok(WorkStep::Going);
         }
-        Ok(WorkStep::Going)
+        self.finish(run_id);
+        match outputs.next() {
+            Some(_) => Err(SessionError::UnknownRun(run_id.to_owned())),
+            None => Ok(WorkStep::Ended),
+        }
     }
 
     /// The adapter task for `run_id` returned. Work it left without a terminal ends here
