@@ -64,8 +64,8 @@ fn insert_rate_limits(
 /// The response header that names a request; the caller may choose the value.
 pub(super) const REQUEST_ID_HEADER: &str = "x-request-id";
 
-/// [`REQUEST_ID_HEADER`] as a header name, made once (a `&str` key is parsed, and a
-/// custom name allocated, on every insert).
+/// [`REQUEST_ID_HEADER`] as a header name, made once (a `&str` key is parsed on every
+/// lookup, and a custom name allocated on every insert).
 static REQUEST_ID: HeaderName = HeaderName::from_static(REQUEST_ID_HEADER);
 
 /// Where a tunnelled provider's own `x-request-id` goes when it differs from ours.
@@ -162,7 +162,7 @@ async fn inspect_off_loop(
 /// ([`iop_proto_core::wire::is_request_id`]); else a fresh id.
 pub(super) fn request_id(headers: &http::HeaderMap) -> Arc<str> {
     match headers
-        .get(REQUEST_ID_HEADER)
+        .get(&REQUEST_ID)
         .and_then(|v| v.to_str().ok())
         .filter(|v| iop_proto_core::wire::is_request_id(v.as_bytes()))
     {

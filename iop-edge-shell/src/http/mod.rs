@@ -692,9 +692,11 @@ fn bearer<B>(req: &Request<B>) -> Option<&str> {
             .then(|| token.trim())
             .filter(|t| !t.is_empty())
     };
+    // A `&str` key would be parsed as a header name on every lookup.
+    static X_API_KEY: header::HeaderName = header::HeaderName::from_static("x-api-key");
     bearer().or_else(|| {
         req.headers()
-            .get("x-api-key")?
+            .get(&X_API_KEY)?
             .to_str()
             .ok()
             .map(str::trim)
