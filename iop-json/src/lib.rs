@@ -112,9 +112,13 @@ fn member<'a>(raw: &'a [u8], key: &str) -> Option<Scanner<'a>> {
         scan.ws();
         scan.eat(b':')?;
         scan.ws();
-        let named = written.get(1..written.len() - 1) == Some(key.as_bytes())
-            || (written.contains(&b'\\')
-                && serde_json::from_slice::<String>(written).ok().as_deref() == Some(key));
+        // Written without escapes, the key is its bytes; with them it is decoded: the key
+        // `"` is written `"\""`, whose inner bytes spell another key, `\"`.
+        let named = if written.contains(&b'\\') {
+            serde_json::from_slice::<String>(written).ok().as_deref() == Some(key)
+        } else {
+            written.get(1..written.len() - 1) == Some(key.as_bytes())
+        };
         if named {
             return Some(scan);
         }

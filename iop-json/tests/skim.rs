@@ -62,3 +62,13 @@ proptest! {
         prop_assert!(iop_json::member_value(&raw, absent).is_none());
     }
 }
+
+/// A key written with escapes is the key they decode to, never the key its written bytes
+/// spell: `"\""` is the key `"`, not the key `\"` (a case the property test found).
+#[test]
+fn an_escaped_key_is_not_the_key_its_bytes_spell() {
+    let raw = br#"{"\"":false,"\\\"":null}"#;
+    let value = |key: &str| iop_json::member_value(raw, key).map(|range| &raw[range]);
+    assert_eq!(value("\""), Some(&b"false"[..]));
+    assert_eq!(value("\\\""), Some(&b"null"[..]));
+}
