@@ -561,48 +561,29 @@ impl Iterator for TunnelParts {
             }
             return Some((sequence, part));
         }
-        let kind = TunnelFrameKind::try_from(rest.kind).unwrap_or(TunnelFrameKind::Unspecified);
-        // The first part keeps what is its own (as [`Parts`] cuts it); the rest goes on as
-        // the next kind.
-        let status_code = std::mem::take(&mut rest.status_code);
-        let headers = std::mem::take(&mut rest.headers);
-        let metadata = std::mem::take(&mut rest.metadata);
-        rest.sequence = sequence.saturating_add(1);
-        let (next, body, usage) = match kind {
-            TunnelFrameKind::Status if !rest.body.is_empty() => {
-                (TunnelFrameKind::Body, Bytes::new(), None)
-            }
-            TunnelFrameKind::Status if rest.usage.is_some() => {
-                (TunnelFrameKind::Usage, Bytes::new(), None)
-            }
-            TunnelFrameKind::Body if rest.usage.is_some() => {
-                (TunnelFrameKind::Usage, std::mem::take(&mut rest.body), None)
-            }
-            TunnelFrameKind::Body => (TunnelFrameKind::End, std::mem::take(&mut rest.body), None),
-            TunnelFrameKind::Usage => (TunnelFrameKind::End, Bytes::new(), rest.usage.take()),
-            _ => (TunnelFrameKind::End, Bytes::new(), None),
-        };
-        rest.kind = next as i32;
+        let first = take_first(&mut rest);
         self.rest = Some(rest);
         // As `TunnelPart::from` keeps the frame `Parts` would give.
-        let part = match (kind, usage) {
-            (TunnelFrameKind::Body, _) => TunnelPart::Body(body),
-            (TunnelFrameKind::Status, None) if metadata.is_empty() => TunnelPart::Status {
-                code: status_code,
-                headers,
+        let part = match (first.kind, first.usage) {
+            (TunnelFrameKind::Body, _) => TunnelPart::Body(first.body),
+            (TunnelFrameKind::Status, None) if first.metadata.is_empty() => TunnelPart::Status {
+                code: first.status_code,
+                headers: first.headers,
             },
             (TunnelFrameKind::Usage, Some(usage))
-                if metadata.is_empty() && status_code == 0 && headers.is_empty() =>
+                if first.metadata.is_empty()
+                    && first.status_code == 0
+                    && first.headers.is_empty() =>
             {
                 TunnelPart::Usage(usage)
             }
             (kind, usage) => TunnelPart::Frame(Box::new(ProviderTunnelFrame {
                 sequence,
                 kind: kind as i32,
-                status_code,
-                headers,
-                metadata,
-                body,
+                status_code: first.status_code,
+                headers: first.headers,
+                metadata: first.metadata,
+                body: first.body,
                 usage,
                 ..ProviderTunnelFrame::default()
             })),
@@ -611,11 +592,7 @@ impl Iterator for TunnelParts {
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {
-        let n = self
-            .rest
-            .as_ref()
-            .map_or(0, |f| usize::try_from(part_count(f)).unwrap_or(usize::MAX));
-        (n, Some(n))
+        remaining(self.rest.as_ref())
     }
 }
 
@@ -634,47 +611,80 @@ impl Iterator for Parts {
         if part_count(&rest) == 1 {
             return Some(rest);
         }
-        let kind = TunnelFrameKind::try_from(rest.kind).unwrap_or(TunnelFrameKind::Unspecified);
-        // The first part keeps what is its own; the rest goes on as the next kind.
-        let mut first = ProviderTunnelFrame {
-            run_id: rest.run_id.clone(),
-            sequence: rest.sequence,
-            kind: rest.kind,
-            status_code: std::mem::take(&mut rest.status_code),
-            headers: std::mem::take(&mut rest.headers),
-            metadata: std::mem::take(&mut rest.metadata),
-            ..ProviderTunnelFrame::default()
-        };
-        rest.sequence = rest.sequence.saturating_add(1);
-        let next = match kind {
-            TunnelFrameKind::Status if !rest.body.is_empty() => TunnelFrameKind::Body,
-            TunnelFrameKind::Status | TunnelFrameKind::Body if rest.usage.is_some() => {
-                if kind == TunnelFrameKind::Body {
-                    first.body = std::mem::take(&mut rest.body);
-                }
-                TunnelFrameKind::Usage
-            }
-            _ => {
-                match kind {
-                    TunnelFrameKind::Body => first.body = std::mem::take(&mut rest.body),
-                    TunnelFrameKind::Usage => first.usage = rest.usage.take(),
-                    _ => {}
-                }
-                TunnelFrameKind::End
-            }
-        };
-        rest.kind = next as i32;
+        let run_id = rest.run_id.clone();
+        let first = take_first(&mut rest);
         self.rest = Some(rest);
-        Some(first)
+        Some(ProviderTunnelFrame {
+            run_id,
+            sequence: first.sequence,
+            kind: first.kind as i32,
+            status_code: first.status_code,
+            headers: first.headers,
+            metadata: first.metadata,
+            body: first.body,
+            usage: first.usage,
+            ..ProviderTunnelFrame::default()
+        })
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {
-        let n = self
-            .rest
-            .as_ref()
-            .map_or(0, |f| usize::try_from(part_count(f)).unwrap_or(usize::MAX));
-        (n, Some(n))
+        remaining(self.rest.as_ref())
     }
+}
+
+/// What the first part of a merged frame keeps, cut off it by [`take_first`].
+struct FirstPart {
+    sequence: u64,
+    kind: TunnelFrameKind,
+    status_code: u32,
+    headers: Vec<Header>,
+    metadata: std::collections::BTreeMap<String, String>,
+    body: Bytes,
+    usage: Option<Usage>,
+}
+
+/// Cuts the first part off `rest`, a merged frame ([`part_count`] more than one, so of a
+/// known kind): the one rule of what a merged frame's first part keeps, for [`Parts`] and
+/// [`TunnelParts`] alike. `rest` is left as the parts after it: the next kind, numbered
+/// one on.
+fn take_first(rest: &mut ProviderTunnelFrame) -> FirstPart {
+    let kind = TunnelFrameKind::try_from(rest.kind).unwrap_or(TunnelFrameKind::Unspecified);
+    // The first part keeps what is its own; the rest goes on as the next kind.
+    let mut first = FirstPart {
+        sequence: rest.sequence,
+        kind,
+        status_code: std::mem::take(&mut rest.status_code),
+        headers: std::mem::take(&mut rest.headers),
+        metadata: std::mem::take(&mut rest.metadata),
+        body: Bytes::new(),
+        usage: None,
+    };
+    rest.sequence = rest.sequence.saturating_add(1);
+    let next = match kind {
+        TunnelFrameKind::Status if !rest.body.is_empty() => TunnelFrameKind::Body,
+        TunnelFrameKind::Status if rest.usage.is_some() => TunnelFrameKind::Usage,
+        TunnelFrameKind::Body => {
+            first.body = std::mem::take(&mut rest.body);
+            if rest.usage.is_some() {
+                TunnelFrameKind::Usage
+            } else {
+                TunnelFrameKind::End
+            }
+        }
+        TunnelFrameKind::Usage => {
+            first.usage = rest.usage.take();
+            TunnelFrameKind::End
+        }
+        _ => TunnelFrameKind::End,
+    };
+    rest.kind = next as i32;
+    first
+}
+
+/// How many parts are left of `rest` (an iterator's exact size hint).
+fn remaining(rest: Option<&ProviderTunnelFrame>) -> (usize, Option<usize>) {
+    let n = rest.map_or(0, |f| usize::try_from(part_count(f)).unwrap_or(usize::MAX));
+    (n, Some(n))
 }
 
 /// The inference route a request came by: which requests a provider may serve (a
