@@ -743,22 +743,27 @@ fn spawn_work<F, Fut>(
     tasks.insert(run_id.clone(), token.clone());
     let sink = Sink::new(run_id.clone(), out_tx.clone());
     let done = out_tx.clone();
-    // The work's future is made inside the task's: made outside and awaited inside, it
-    // would be stored twice (the captured value and the awaited one). And it is boxed
-    // once, here: tokio moves a task's future into its cell and its stages by value, and
-    // those copies of a large future were a visible share of the Node's instructions per
-    // small request (docs/benchmarks-history.md).
+    // The work's future is made inside the task's and polled where it lies: made outside
+    // and awaited inside, it would be stored twice (the captured value and the awaited
+    // one); wrapped in an unwind guard by value, it was copied into the guard and its await
+    // slot in turn. And the task is boxed once, here: tokio moves a task's future into its
+    // cell and its stages by value. Those copies of a large future were a visible share of
+    // the Node's instructions per small request (docs/benchmarks-history.md).
     tokio::spawn(Box::pin(async move {
+        let mut work = std::pin::pin!(work(adapter, sink, token));
         // A panicking adapter ends its own work: the session still hears that it
         // returned and closes it, instead of keeping it in flight for good.
-        let run = std::panic::AssertUnwindSafe(async move { work(adapter, sink, token).await });
-        let tail = match futures_util::FutureExt::catch_unwind(run).await {
-            Ok(tail) => tail,
-            Err(_) => {
-                error!(run_id = &*run_id, "adapter panicked; its work ends here");
-                None
+        let tail = std::future::poll_fn(|cx| {
+            let poll = std::panic::AssertUnwindSafe(|| work.as_mut().poll(cx));
+            match std::panic::catch_unwind(poll) {
+                Ok(poll) => poll,
+                Err(_) => {
+                    error!(run_id = &*run_id, "adapter panicked; its work ends here");
+                    std::task::Poll::Ready(None)
+                }
             }
-        };
+        })
+        .await;
         let _ = done.send(Output::Finished { run_id, tail }).await;
     }));
 }

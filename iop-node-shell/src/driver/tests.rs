@@ -149,15 +149,31 @@ async fn an_adapter_that_panics_still_reports_that_its_work_returned() {
             panic!("an adapter bug");
         },
     );
-    let output = tokio::time::timeout(Duration::from_secs(5), rx.recv())
-        .await
-        .expect("an output in time");
-    assert!(
-        matches!(&output, Some(Output::Finished { run_id, .. }) if &**run_id == "run-1"),
-        "{output:?}"
+    // A panic on a later poll, after the work waited once, is caught as well.
+    spawn_work(
+        host.get("m"),
+        &mut tasks,
+        &tx,
+        "run-2".into(),
+        |_, _, _| async {
+            tokio::task::yield_now().await;
+            panic!("an adapter bug after a wait");
+        },
     );
+    let mut finished = Vec::new();
+    for _ in 0..2 {
+        let output = tokio::time::timeout(Duration::from_secs(5), rx.recv())
+            .await
+            .expect("an output in time");
+        match output {
+            Some(Output::Finished { run_id, tail: None }) => finished.push(run_id.to_string()),
+            other => panic!("{other:?}"),
+        }
+    }
+    finished.sort();
+    assert_eq!(finished, ["run-1", "run-2"]);
     assert!(
-        tasks.contains_key("run-1"),
-        "still listed: the session closes it"
+        tasks.contains_key("run-1") && tasks.contains_key("run-2"),
+        "still listed: the session closes them"
     );
 }
