@@ -321,3 +321,41 @@ fn direct_lines_read_as_the_text_format_writes_the_same_event() {
     // Not installed here: the caller logs through tracing.
     assert!(!info_direct("request", &[]));
 }
+
+#[test]
+fn the_eight_at_a_time_check_reads_every_byte_as_the_byte_by_byte_one() {
+    let bytewise = |bytes: &[u8]| {
+        bytes
+            .iter()
+            .all(|&b| (b' '..0x7f).contains(&b) && b != b'"' && b != b'\\')
+    };
+    // Every byte value at every place of the first and second word and the remainder.
+    for len in [1, 7, 8, 9, 16, 17, 23] {
+        for at in 0..len {
+            for byte in 0..=u8::MAX {
+                let mut text = vec![b'a'; len];
+                text[at] = byte;
+                assert_eq!(
+                    plain_ascii(&text),
+                    bytewise(&text),
+                    "byte {byte:#04x} at {at} of {len}"
+                );
+            }
+        }
+    }
+    // Neighbours of the bounds beside each other, where a borrow between bytes could
+    // hide one.
+    for pair in [
+        [0x1f, 0x20],
+        [0x20, 0x1f],
+        [0x7e, 0x7f],
+        [0x00, 0x21],
+        [0x21, 0x00],
+    ] {
+        let mut text = [b' '; 16];
+        text[3..5].copy_from_slice(&pair);
+        assert_eq!(plain_ascii(&text), bytewise(&text), "{pair:?}");
+    }
+    assert!(plain_ascii(b""));
+    assert!(plain_ascii(b"req_0123456789abcdef01234567 ~!"));
+}
