@@ -4,6 +4,8 @@
 //! - the skim ([`member_value`], [`for_target`], [`rewrite_model`]): where a top-level
 //!   member's value sits, found by a forward pass that decodes and allocates nothing, and
 //!   a body with its `"model"` replaced, every other byte untouched;
+//! - [`last_member_value`]: the last member of a name, found from the object's end (an
+//!   answer's `usage`, without reading the `choices` before it);
 //! - [`member_start`], where a member's value begins, and [`first_user_message`], where
 //!   a chat's first user message and its text sit, by the same skim;
 //! - [`nonempty_array`], which reads an array's first bytes only;
@@ -112,14 +114,7 @@ fn member<'a>(raw: &'a [u8], key: &str) -> Option<Scanner<'a>> {
         scan.ws();
         scan.eat(b':')?;
         scan.ws();
-        // Written without escapes, the key is its bytes; with them it is decoded: the key
-        // `"` is written `"\""`, whose inner bytes spell another key, `\"`.
-        let named = if written.contains(&b'\\') {
-            serde_json::from_slice::<String>(written).ok().as_deref() == Some(key)
-        } else {
-            written.get(1..written.len() - 1) == Some(key.as_bytes())
-        };
-        if named {
+        if names(written, key) {
             return Some(scan);
         }
         scan.value()?;
@@ -128,6 +123,204 @@ fn member<'a>(raw: &'a [u8], key: &str) -> Option<Scanner<'a>> {
             b',' => scan.i += 1,
             _ => return None,
         }
+    }
+}
+
+/// Whether `written`, a key as written (quotes included), names `key`. Written without
+/// escapes, the key is its bytes; with them it is decoded: the key `"` is written `"\""`,
+/// whose inner bytes spell another key, `\"`.
+fn names(written: &[u8], key: &str) -> bool {
+    if written.contains(&b'\\') {
+        serde_json::from_slice::<String>(written).ok().as_deref() == Some(key)
+    } else {
+        written.get(1..written.len().saturating_sub(1)) == Some(key.as_bytes())
+    }
+}
+
+/// Where the value of the last top-level member named `key` sits in `raw`, a JSON object
+/// (a later member of a name wins, as serde keeps it). Found from the object's end: an
+/// answer's `usage` comes last or nearly so, so the few members after it are read and
+/// the `choices` before it are not. When the backward skim cannot read the text before
+/// it finds the member (the text's end is not an object's; its start is not only that
+/// object) the object is skimmed forward instead, and the last member named `key` found
+/// before that skim stops is the one. Nothing is decoded or allocated (but a key written
+/// with escapes); `None` when there is no such member as far as the skims reach. The text
+/// is not validated beyond what the skims need: what comes before a member found from
+/// the end is not read at all, so for a text that is not one object (cut after an inner
+/// object's end, say) the member found may be one the forward skim would not find.
+#[must_use]
+pub fn last_member_value(raw: &[u8], key: &str) -> Option<Range<usize>> {
+    match (Back {
+        s: raw,
+        i: raw.len(),
+    })
+    .last_member(key)
+    {
+        Some(found) => found,
+        None => forward_last_member(raw, key),
+    }
+}
+
+/// [`last_member_value`] by the forward skim: every member is read.
+fn forward_last_member(raw: &[u8], key: &str) -> Option<Range<usize>> {
+    let mut scan = Scanner { s: raw, i: 0 };
+    let mut found = None;
+    scan.ws();
+    scan.eat(b'{')?;
+    loop {
+        scan.ws();
+        if scan.peek() == Some(b'}') {
+            return found;
+        }
+        let key_start = scan.i;
+        if scan.string().is_none() {
+            return found;
+        }
+        let written = &raw[key_start..scan.i];
+        scan.ws();
+        if scan.eat(b':').is_none() {
+            return found;
+        }
+        scan.ws();
+        let start = scan.i;
+        if scan.value().is_none() {
+            return found;
+        }
+        if names(written, key) {
+            found = Some(start..scan.i);
+        }
+        scan.ws();
+        if scan.eat(b',').is_none() {
+            return found;
+        }
+    }
+}
+
+/// A backward JSON skimmer: reads `s[..i]` from its end. A string is skimmed from its
+/// closing quote to the unescaped quote before it (a quote inside a string is always
+/// preceded by an odd run of backslashes), so where strings lie is as certain read
+/// backward as forward.
+struct Back<'a> {
+    s: &'a [u8],
+    i: usize,
+}
+
+impl Back<'_> {
+    fn peek(&self) -> Option<u8> {
+        self.s.get(self.i.checked_sub(1)?).copied()
+    }
+
+    fn eat(&mut self, b: u8) -> Option<()> {
+        (self.peek()? == b).then(|| self.i -= 1)
+    }
+
+    fn ws(&mut self) {
+        while matches!(self.peek(), Some(b' ' | b'\t' | b'\r' | b'\n')) {
+            self.i -= 1;
+        }
+    }
+
+    fn string(&mut self) -> Option<()> {
+        self.eat(b'"')?;
+        loop {
+            let quote = memchr::memrchr(b'"', self.s.get(..self.i)?)?;
+            let before = self.s.get(..quote)?;
+            let slashes = before.iter().rev().take_while(|&&b| b == b'\\').count();
+            self.i = quote;
+            if slashes % 2 == 0 {
+                return Some(());
+            }
+        }
+    }
+
+    fn value(&mut self) -> Option<()> {
+        match self.peek()? {
+            b'"' => self.string(),
+            b'}' | b']' => {
+                let mut depth = 0usize;
+                loop {
+                    match self.peek()? {
+                        b'"' => {
+                            self.string()?;
+                            continue;
+                        }
+                        b'}' | b']' => depth += 1,
+                        b'{' | b'[' => {
+                            depth = depth.checked_sub(1)?;
+                            if depth == 0 {
+                                self.i -= 1;
+                                return Some(());
+                            }
+                        }
+                        _ => {}
+                    }
+                    self.i -= 1;
+                }
+            }
+            _ => {
+                let end = self.i;
+                while !matches!(
+                    self.peek(),
+                    None | Some(
+                        b',' | b':'
+                            | b'{'
+                            | b'['
+                            | b'}'
+                            | b']'
+                            | b'"'
+                            | b' '
+                            | b'\t'
+                            | b'\r'
+                            | b'\n'
+                    )
+                ) {
+                    self.i -= 1;
+                }
+                (self.i < end).then_some(())
+            }
+        }
+    }
+
+    /// The last member named `key`, `Some(None)` when the object has none, or `None` when
+    /// the text cannot be read backward as one object.
+    fn last_member(mut self, key: &str) -> Option<Option<Range<usize>>> {
+        self.ws();
+        self.eat(b'}')?;
+        loop {
+            self.ws();
+            if self.peek() == Some(b'{') {
+                // Only an empty object (or a comma before its brace, read forward).
+                self.i -= 1;
+                return self.at_start().then_some(None);
+            }
+            let end = self.i;
+            self.value()?;
+            let start = self.i;
+            self.ws();
+            self.eat(b':')?;
+            self.ws();
+            let key_end = self.i;
+            self.string()?;
+            if names(self.s.get(self.i..key_end)?, key) {
+                return Some(Some(start..end));
+            }
+            self.ws();
+            match self.peek()? {
+                b',' => self.i -= 1,
+                b'{' => {
+                    self.i -= 1;
+                    return self.at_start().then_some(None);
+                }
+                _ => return None,
+            }
+        }
+    }
+
+    /// Whether only whitespace is left: the object read is the whole text.
+    fn at_start(&self) -> bool {
+        self.s[..self.i]
+            .iter()
+            .all(|b| matches!(b, b' ' | b'\t' | b'\r' | b'\n'))
     }
 }
 

@@ -509,10 +509,11 @@ pub fn tunnel_receiver(data: &[u8]) {
 /// is the public estimate of the same bytes, and only for UTF-8; the estimate never
 /// counts more tokens than the body has bytes (it decides long-context routing); the
 /// model rewrite changes exactly the bytes of the top-level `model` value, and happens
-/// exactly when that member is found; member ranges lie inside the body.
+/// exactly when that member is found; member ranges lie inside the body, and in a body
+/// that is one JSON object the member found from the end is the one serde keeps.
 pub fn openai_request(data: &[u8]) {
     use iop_api::openai::{Endpoint, estimate_tokens, inspect};
-    use iop_json::{for_target, member_value, rewrite_model};
+    use iop_json::{for_target, last_member_value, member_value, rewrite_model};
 
     let Some((&pick, body)) = data.split_first() else {
         return;
@@ -538,11 +539,24 @@ pub fn openai_request(data: &[u8]) {
     messages_request(body);
     responses_request(body);
     for key in ["model", "messages", "usage"] {
-        if let Some(range) = member_value(body, key) {
+        for range in [member_value(body, key), last_member_value(body, key)]
+            .into_iter()
+            .flatten()
+        {
             assert!(
                 range.start <= range.end && range.end <= body.len(),
                 "{range:?}"
             );
+        }
+    }
+    // One JSON object: the member found from its end is the one serde keeps.
+    if let Ok(serde_json::Value::Object(object)) = serde_json::from_slice(body) {
+        for key in ["model", "usage"] {
+            let found = last_member_value(body, key).map(|range| {
+                serde_json::from_slice::<serde_json::Value>(&body[range])
+                    .expect("a member found from the end is a whole value")
+            });
+            assert_eq!(found.as_ref(), object.get(key), "member {key}");
         }
     }
     let target = "fuzz/model \"x\"";

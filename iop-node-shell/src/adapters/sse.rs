@@ -1,7 +1,7 @@
 //! Incremental line splitting for SSE and NDJSON streams, and usage observation.
 
 use bytes::{Bytes, BytesMut};
-use iop_json::member_value;
+use iop_json::last_member_value;
 use iop_proto_core::wire::Usage;
 
 /// Longest line kept while waiting for its end; longer lines are dropped (they are still
@@ -142,8 +142,9 @@ pub fn usage_of(value: &serde_json::Value) -> Option<Usage> {
 }
 
 /// The `usage` member of a JSON object, read without building a tree of the rest: the
-/// top-level member is located by the core's [`member_value`] and only its value is
-/// deserialised.
+/// last top-level member of the name (as serde keeps it) is located from the object's end
+/// by [`last_member_value`], so an answer's `choices` before its `usage` are not read,
+/// and only its value is deserialised.
 #[must_use]
 pub fn usage_in(json: &[u8]) -> Option<Usage> {
     use serde::Deserialize;
@@ -153,7 +154,7 @@ pub fn usage_in(json: &[u8]) -> Option<Usage> {
         completion_tokens: Option<u64>,
         total_tokens: Option<u64>,
     }
-    let value = member_value(json, "usage")?;
+    let value = last_member_value(json, "usage")?;
     let raw = &json[value];
     let [prompt, completion, total] = match plain_counts(raw) {
         Some(counts) => counts,
@@ -420,6 +421,24 @@ mod tests {
         assert_eq!(usage(r#"[{"usage":{"total_tokens":2}}]"#), None);
         assert_eq!(usage(r#"{"usage":null}"#), None);
         assert_eq!(usage(r#"{"usage":"many"}"#), None);
+        // Members after it, as OpenAI and vLLM write them; named twice, the last counts
+        // (as serde keeps it).
+        assert_eq!(
+            usage(
+                r#"{"choices":[],"usage":{"total_tokens":4},"service_tier":"default","system_fingerprint":"fp_}\""}"#
+            ),
+            Some(4)
+        );
+        assert_eq!(
+            usage(r#"{"usage":{"total_tokens":4},"prompt_logprobs":null,"kv":[{"usage":1}]}"#),
+            Some(4)
+        );
+        assert_eq!(
+            usage(r#"{"usage":{"total_tokens":1},"x":2,"usage":{"total_tokens":3}}"#),
+            Some(3)
+        );
+        // Bytes after the object: read forward.
+        assert_eq!(usage(r#"{"usage":{"total_tokens":6}} trailing"#), Some(6));
         // Cut short anywhere, it never reads past the end.
         let whole = r#"{"id":"a\"b","usage":{"prompt_tokens":2,"completion_tokens":3}}"#;
         for cut in 0..whole.len() {
@@ -491,7 +510,7 @@ mod tests {
             let body = [&br#"{"id":"x","usage":"#[..], raw, b"}"].concat();
             assert_eq!(
                 usage_in(&body),
-                member_value(&body, "usage").and_then(|v| usage_by_serde(&body[v])),
+                iop_json::member_value(&body, "usage").and_then(|v| usage_by_serde(&body[v])),
                 "{}",
                 String::from_utf8_lossy(raw)
             );
@@ -529,7 +548,7 @@ mod tests {
             let body = body.as_bytes();
             proptest::prop_assert_eq!(
                 usage_in(body),
-                member_value(body, "usage").and_then(|v| usage_by_serde(&body[v]))
+                iop_json::member_value(body, "usage").and_then(|v| usage_by_serde(&body[v]))
             );
         }
     }
