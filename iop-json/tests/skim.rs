@@ -162,3 +162,22 @@ fn an_escaped_key_is_not_the_key_its_bytes_spell() {
     assert_eq!(value("\""), Some(&b"false"[..]));
     assert_eq!(value("\\\""), Some(&b"null"[..]));
 }
+
+/// Read backward, a quote ends a string only after an even run of backslashes: strings
+/// that end in escaped backslashes, hold escaped quotes, or look like members inside.
+#[test]
+fn strings_are_skimmed_backward_over_escaped_quotes_and_backslash_runs() {
+    let raw = br#"{"a":"\\","b":"x\"}\\\",\"usage\":1","usage":{"k":"\\\\\""}, "z" : "\\\\" }"#;
+    let read: Map<String, Value> = serde_json::from_slice(raw).expect("an object");
+    for (key, expected) in &read {
+        let range = iop_json::last_member_value(raw, key).expect("found");
+        let found: Value = serde_json::from_slice(&raw[range]).expect("a whole value");
+        assert_eq!(&found, expected, "{key}");
+    }
+    assert_eq!(read.len(), 4);
+    assert_eq!(
+        iop_json::last_member_value(raw, "k"),
+        None,
+        "nested, not a member"
+    );
+}
