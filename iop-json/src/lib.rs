@@ -205,19 +205,20 @@ struct Back<'a> {
     i: usize,
 }
 
-impl Back<'_> {
+impl Skim for Back<'_> {
+    const INTO: [u8; 2] = [b'}', b']'];
+    const OUT: [u8; 2] = [b'{', b'['];
+
     fn peek(&self) -> Option<u8> {
         self.s.get(self.i.checked_sub(1)?).copied()
     }
 
-    fn eat(&mut self, b: u8) -> Option<()> {
-        (self.peek()? == b).then(|| self.i -= 1)
+    fn step(&mut self) {
+        self.i -= 1;
     }
 
-    fn ws(&mut self) {
-        while matches!(self.peek(), Some(b' ' | b'\t' | b'\r' | b'\n')) {
-            self.i -= 1;
-        }
+    fn pos(&self) -> usize {
+        self.i
     }
 
     fn string(&mut self) -> Option<()> {
@@ -233,54 +234,15 @@ impl Back<'_> {
         }
     }
 
-    fn value(&mut self) -> Option<()> {
-        match self.peek()? {
-            b'"' => self.string(),
-            b'}' | b']' => {
-                let mut depth = 0usize;
-                loop {
-                    match self.peek()? {
-                        b'"' => {
-                            self.string()?;
-                            continue;
-                        }
-                        b'}' | b']' => depth += 1,
-                        b'{' | b'[' => {
-                            depth = depth.checked_sub(1)?;
-                            if depth == 0 {
-                                self.i -= 1;
-                                return Some(());
-                            }
-                        }
-                        _ => {}
-                    }
-                    self.i -= 1;
-                }
-            }
-            _ => {
-                let end = self.i;
-                while !matches!(
-                    self.peek(),
-                    None | Some(
-                        b',' | b':'
-                            | b'{'
-                            | b'['
-                            | b'}'
-                            | b']'
-                            | b'"'
-                            | b' '
-                            | b'\t'
-                            | b'\r'
-                            | b'\n'
-                    )
-                ) {
-                    self.i -= 1;
-                }
-                (self.i < end).then_some(())
-            }
-        }
+    fn ends_scalar(b: u8) -> bool {
+        matches!(
+            b,
+            b',' | b':' | b'{' | b'[' | b'}' | b']' | b'"' | b' ' | b'\t' | b'\r' | b'\n'
+        )
     }
+}
 
+impl Back<'_> {
     /// The last member named `key`, `Some(None)` when the object has none, or `None` when
     /// the text cannot be read backward as one object.
     fn last_member(mut self, key: &str) -> Option<Option<Range<usize>>> {
@@ -393,19 +355,20 @@ struct Scanner<'a> {
     i: usize,
 }
 
-impl Scanner<'_> {
+impl Skim for Scanner<'_> {
+    const INTO: [u8; 2] = [b'{', b'['];
+    const OUT: [u8; 2] = [b'}', b']'];
+
     fn peek(&self) -> Option<u8> {
         self.s.get(self.i).copied()
     }
 
-    fn eat(&mut self, b: u8) -> Option<()> {
-        (self.peek()? == b).then(|| self.i += 1)
+    fn step(&mut self) {
+        self.i += 1;
     }
 
-    fn ws(&mut self) {
-        while matches!(self.peek(), Some(b' ' | b'\t' | b'\r' | b'\n')) {
-            self.i += 1;
-        }
+    fn pos(&self) -> usize {
+        self.i
     }
 
     fn string(&mut self) -> Option<()> {
@@ -421,40 +384,77 @@ impl Scanner<'_> {
         }
     }
 
+    fn ends_scalar(b: u8) -> bool {
+        matches!(b, b',' | b'}' | b']' | b' ' | b'\t' | b'\r' | b'\n')
+    }
+}
+
+/// One direction of the skim: forward from a value's first byte ([`Scanner`]) or backward
+/// from its last ([`Back`]). What a value is and where it ends is written once, here, for
+/// both; a direction gives its steps, its strings and which bytes enter a container.
+trait Skim {
+    /// The bytes that enter a container when met in this direction (`{` and `[` forward,
+    /// `}` and `]` backward).
+    const INTO: [u8; 2];
+    /// The bytes that leave one.
+    const OUT: [u8; 2];
+
+    /// The next byte in this direction.
+    fn peek(&self) -> Option<u8>;
+
+    /// Moves past the next byte.
+    fn step(&mut self);
+
+    /// Where the skim is.
+    fn pos(&self) -> usize;
+
+    /// Moves past the string whose quote is next.
+    fn string(&mut self) -> Option<()>;
+
+    /// Whether `b` ends a number or literal read in this direction.
+    fn ends_scalar(b: u8) -> bool;
+
+    fn eat(&mut self, b: u8) -> Option<()> {
+        (self.peek()? == b).then(|| self.step())
+    }
+
+    fn ws(&mut self) {
+        while matches!(self.peek(), Some(b' ' | b'\t' | b'\r' | b'\n')) {
+            self.step();
+        }
+    }
+
+    /// Moves past the value that is next: a string, a container with everything in it, or
+    /// a number or literal (at least one byte).
     fn value(&mut self) -> Option<()> {
-        match self.peek()? {
-            b'"' => self.string(),
-            b'{' | b'[' => {
-                let mut depth = 0usize;
-                loop {
-                    match self.peek()? {
-                        b'"' => {
-                            self.string()?;
-                            continue;
-                        }
-                        b'{' | b'[' => depth += 1,
-                        b'}' | b']' => {
-                            depth = depth.checked_sub(1)?;
-                            if depth == 0 {
-                                self.i += 1;
-                                return Some(());
-                            }
-                        }
-                        _ => {}
+        let first = self.peek()?;
+        if first == b'"' {
+            return self.string();
+        }
+        if Self::INTO.contains(&first) {
+            let mut depth = 0usize;
+            loop {
+                let b = self.peek()?;
+                if b == b'"' {
+                    self.string()?;
+                    continue;
+                }
+                if Self::INTO.contains(&b) {
+                    depth += 1;
+                } else if Self::OUT.contains(&b) {
+                    depth = depth.checked_sub(1)?;
+                    if depth == 0 {
+                        self.step();
+                        return Some(());
                     }
-                    self.i += 1;
                 }
-            }
-            _ => {
-                let start = self.i;
-                while !matches!(
-                    self.peek(),
-                    None | Some(b',' | b'}' | b']' | b' ' | b'\t' | b'\r' | b'\n')
-                ) {
-                    self.i += 1;
-                }
-                (self.i > start).then_some(())
+                self.step();
             }
         }
+        let start = self.pos();
+        while self.peek().is_some_and(|b| !Self::ends_scalar(b)) {
+            self.step();
+        }
+        (self.pos() != start).then_some(())
     }
 }
