@@ -35,10 +35,9 @@ pub struct Drain {
 }
 
 impl Drain {
-    /// A request arrives: counted until the returned guard is dropped, or `None` when the
-    /// Edge is draining (the caller is told it is shutting down).
-    #[must_use]
-    pub fn enter(self: &Arc<Self>) -> Option<Open> {
+    /// A request arrives: counted until the returned guard is dropped, or refused when
+    /// the Edge is draining.
+    pub fn enter(self: &Arc<Self>) -> Result<Open, Refused> {
         // Counted before the flag is read, and the flag set before the count is read (both
         // sequentially consistent): a request that arrives as the drain begins is either
         // refused or waited for, never cut.
@@ -49,9 +48,13 @@ impl Drain {
             arriving: true,
         };
         if self.draining.load(Ordering::SeqCst) {
-            return None;
+            return Err(if self.mover.get().is_some() {
+                Refused::HandedOver
+            } else {
+                Refused::Draining
+            });
         }
-        Some(open)
+        Ok(open)
     }
 
     /// From now on requests are refused, and idle connections closed.
@@ -108,6 +111,17 @@ impl Drain {
     }
 }
 
+/// Why [`Drain::enter`] refused a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    /// The Edge is stopping: the caller is told it is shutting down.
+    Draining,
+    /// A successor took over the listeners and this process is on its way out: nothing
+    /// reached a provider, and the caller's retry (on a new connection) reaches the
+    /// successor.
+    HandedOver,
+}
+
 /// An open request; dropping it closes it.
 #[derive(Debug)]
 pub struct Open {
@@ -145,9 +159,26 @@ mod tests {
         assert_eq!(drain.open(), 1);
         drain.begin();
         assert!(drain.is_draining());
-        assert!(drain.enter().is_none(), "refused while draining");
+        assert_eq!(
+            drain.enter().err(),
+            Some(Refused::Draining),
+            "refused while draining"
+        );
         assert_eq!(drain.open(), 1, "a refused request is not counted");
         drop(second);
+        assert_eq!(drain.open(), 0);
+    }
+
+    #[test]
+    fn after_a_hand_over_a_late_request_is_told_to_retry_at_the_successor() {
+        let drain = Arc::new(Drain::default());
+        let open = drain.enter().expect("taken");
+        drain.hand_over(crate::upgrade::Mover::gone());
+        let during = drain.enter().expect("still taken while the nodes stay");
+        drain.begin();
+        assert_eq!(drain.enter().err(), Some(Refused::HandedOver));
+        assert_eq!(drain.open(), 2, "the requests taken before are waited for");
+        drop((open, during));
         assert_eq!(drain.open(), 0);
     }
 

@@ -299,6 +299,14 @@ impl Mover {
     }
 }
 
+#[cfg(test)]
+impl Mover {
+    /// A mover whose successor is gone: for tests of what a hand-over changes elsewhere.
+    pub(crate) fn gone() -> Self {
+        Self(std::sync::mpsc::channel().0)
+    }
+}
+
 /// The mover's thread, which a process handing over waits for before it exits: a
 /// connection queued to move but not yet sent would close with the process.
 #[derive(Debug)]

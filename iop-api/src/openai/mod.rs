@@ -382,7 +382,8 @@ impl ApiError {
     /// A request this Edge process could not take because it handed over to its
     /// successor: nothing reached a provider, and a retry (on a new connection) reaches
     /// the successor.
-    fn handing_over() -> Self {
+    #[must_use]
+    pub fn handing_over() -> Self {
         Self::new(
             503,
             ErrorType::Server,

@@ -256,6 +256,12 @@ async fn serve_from(
                 return;
             }
         };
+        // A successor took over while this head was read: the request is served there,
+        // with its bytes (nothing of it was answered here).
+        if state.drain.mover().is_some() && conn.movable() {
+            conn.move_on(&state, first);
+            return;
+        }
         first = false;
         match conn.exchange(head, &state).await {
             // Also a response that began before the Edge started draining (or handing
@@ -363,6 +369,13 @@ impl Conn {
                 Some(Ok(_)) => {}
             }
         }
+    }
+
+    /// Whether [`Conn::move_on`] can move this connection: its client has not closed its
+    /// side, and what was read of its next request fits a move.
+    fn movable(&self) -> bool {
+        let read = lock(&self.read);
+        !read.eof && read.buf.len() <= crate::upgrade::MAX_MOVED_BYTES
     }
 
     /// Moves this connection, between requests, to the successor that took over (with

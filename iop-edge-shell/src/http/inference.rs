@@ -372,9 +372,16 @@ async fn handle<B: ReqBody>(
         response
     };
     // Counted from here to the end of its response, so that a draining Edge waits for
-    // it; one that arrives while the Edge drains is refused.
-    let Some(mut open) = state.drain.enter() else {
-        return refuse(&mut finish, &ApiError::shutting_down());
+    // it; one that arrives while the Edge drains is refused (after a hand-over, with the
+    // successor's retryable answer).
+    let mut open = match state.drain.enter() {
+        Ok(open) => open,
+        Err(crate::drain::Refused::Draining) => {
+            return refuse(&mut finish, &ApiError::shutting_down());
+        }
+        Err(crate::drain::Refused::HandedOver) => {
+            return refuse(&mut finish, &ApiError::handing_over());
+        }
     };
     // A cluster Edge that has not joined yet holds no node: it answers at once,
     // retryable, rather than hold a request no node here may serve. (One that lost etcd
