@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as B64;
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -571,7 +571,7 @@ impl Etcd {
                     None => break,
                 }
             }
-            let _ = buf.split_to(used);
+            buf.advance(used);
         }
     }
 }

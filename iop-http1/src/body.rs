@@ -1,6 +1,6 @@
 //! Message body framing (RFC 9112 §6.3, §7.1): where a body ends and its chunks.
 
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 
 /// The longest chunk-size line (with extensions) accepted.
 pub const MAX_CHUNK_LINE: usize = 4 << 10;
@@ -83,7 +83,7 @@ impl Framing {
                 }
                 Framing::Chunked(chunk) => match chunk {
                     Chunk::Size => {
-                        let Some(end) = memchr::memchr(b'\n', buf) else {
+                        let Some(end) = line_feed(buf) else {
                             if buf.len() > MAX_CHUNK_LINE {
                                 return Err(BodyError::Malformed("chunk size line too long"));
                             }
@@ -93,7 +93,7 @@ impl Framing {
                             return Err(BodyError::Malformed("chunk size line too long"));
                         }
                         let size = chunk_size(&buf[..end])?;
-                        let _ = buf.split_to(end + 1);
+                        buf.advance(end + 1);
                         *chunk = if size == 0 {
                             Chunk::Trailers
                         } else {
@@ -117,7 +117,7 @@ impl Framing {
                             return Err(BodyError::Malformed("chunk data longer than its size"));
                         }
                         Some(n) => {
-                            let _ = buf.split_to(n);
+                            buf.advance(n);
                             *chunk = Chunk::Size;
                         }
                     },
@@ -126,7 +126,7 @@ impl Framing {
                             None => return Ok(None),
                             Some(0) => {}
                             Some(n) => {
-                                let _ = buf.split_to(n);
+                                buf.advance(n);
                                 *self = Framing::Done;
                                 return Ok(Some(Decoded::End));
                             }
@@ -212,24 +212,41 @@ fn line_end(buf: &[u8]) -> Option<usize> {
     }
 }
 
+/// Where the first LF in `buf` is. A chunk-size line is a few bytes long: they are looked
+/// at one by one before `memchr`'s setup is worth it.
+fn line_feed(buf: &[u8]) -> Option<usize> {
+    const NEAR: usize = 16;
+    match buf.iter().take(NEAR).position(|&b| b == b'\n') {
+        Some(at) => Some(at),
+        None => memchr::memchr(b'\n', buf.get(NEAR..)?).map(|at| at + NEAR),
+    }
+}
+
 /// The size of a chunk-size line (without its LF): hex digits, then optional extensions.
 fn chunk_size(line: &[u8]) -> Result<u64, BodyError> {
     let invalid = BodyError::Malformed("invalid chunk size");
     let line = line.strip_suffix(b"\r").unwrap_or(line);
-    let digits = line.iter().take_while(|b| b.is_ascii_hexdigit()).count();
-    let rest = &line[digits..];
-    if digits == 0 || digits > 15 || !(rest.is_empty() || matches!(rest[0], b';' | b' ' | b'\t')) {
-        return Err(invalid);
-    }
-    // Fifteen hex digits fit in a u64 without overflow.
-    Ok(line[..digits].iter().fold(0u64, |n, &b| {
+    let mut size = 0u64;
+    let mut digits = 0;
+    for &b in line {
         let digit = match b {
             b'0'..=b'9' => b - b'0',
             b'a'..=b'f' => b - b'a' + 10,
-            _ => b - b'A' + 10,
+            b'A'..=b'F' => b - b'A' + 10,
+            _ => break,
         };
-        (n << 4) | u64::from(digit)
-    }))
+        // Fifteen hex digits fit in a u64 without overflow.
+        if digits == 15 {
+            return Err(invalid);
+        }
+        size = (size << 4) | u64::from(digit);
+        digits += 1;
+    }
+    let rest = &line[digits..];
+    if digits == 0 || !(rest.is_empty() || matches!(rest[0], b';' | b' ' | b'\t')) {
+        return Err(invalid);
+    }
+    Ok(size)
 }
 
 #[cfg(test)]
@@ -257,6 +274,19 @@ mod tests {
         let mut broken = Framing::Chunked(Chunk::Size);
         assert!(!broken.discard_buffered(&mut BytesMut::from(&b"zz\r\n"[..]), 10));
         assert!(!broken.is_done(), "a broken body never ends");
+    }
+
+    #[test]
+    fn a_line_feed_is_found_near_or_far() {
+        for len in 0..40 {
+            for at in 0..=len {
+                let mut buf = vec![b'a'; len];
+                if let Some(slot) = buf.get_mut(at) {
+                    *slot = b'\n';
+                }
+                assert_eq!(line_feed(&buf), memchr::memchr(b'\n', &buf), "{len} {at}");
+            }
+        }
     }
 
     #[test]
