@@ -649,32 +649,56 @@ fn thousandths(value: f64) -> Option<u64> {
 /// Appends `n` thousandths, negative when `negative`, as `Debug` writes the float
 /// `n / 1000` (`-1.0`, `0.15`, `18.467`); any `u64` is written.
 fn push_milli(out: &mut String, negative: bool, n: u64) {
+    // `-`, up to 17 digits, `.`, up to 3 digits: put together at the end of one buffer.
+    let mut buf = [0u8; 24];
+    let fraction = n % 1000;
+    buf[20] = b'.';
+    buf[21] = b'0' + (fraction / 100) as u8;
+    buf[22] = b'0' + (fraction / 10 % 10) as u8;
+    buf[23] = b'0' + (fraction % 10) as u8;
+    // `Debug` writes the fewest digits, and at least one.
+    let keep = if fraction % 100 == 0 {
+        1
+    } else if fraction % 10 == 0 {
+        2
+    } else {
+        3
+    };
+    let mut at = decimal_before(&mut buf, 20, n / 1000);
     if negative {
-        out.push('-');
+        at -= 1;
+        buf[at] = b'-';
     }
-    push_decimal(out, n / 1000);
-    out.push('.');
-    let mut fraction = [0u8; 3];
-    digits(&mut fraction, n % 1000);
-    let keep = fraction
-        .iter()
-        .rposition(|&d| d != b'0')
-        .map_or(1, |at| at + 1);
-    for &digit in &fraction[..keep] {
-        out.push(char::from(digit));
+    push_ascii(out, &buf[at..21 + keep]);
+}
+
+/// Appends `value` in decimal.
+fn push_decimal(out: &mut String, value: u64) {
+    let mut buf = [0u8; 24];
+    let at = decimal_before(&mut buf, 24, value);
+    push_ascii(out, &buf[at..]);
+}
+
+/// Writes `value`'s decimal digits into `buf` so that they end before `end` (at least 20
+/// places, a `u64`'s most); where they start.
+fn decimal_before(buf: &mut [u8; 24], end: usize, mut value: u64) -> usize {
+    let mut at = end;
+    loop {
+        at -= 1;
+        buf[at] = b'0' + (value % 10) as u8;
+        value /= 10;
+        if value == 0 {
+            return at;
+        }
     }
 }
 
-/// Appends `value` in decimal, one ASCII digit at a time: a log line's numbers are short,
-/// and pushing their digits costs less than checking a formatted buffer as UTF-8 and
-/// copying it in.
-fn push_decimal(out: &mut String, value: u64) {
-    let len = value.checked_ilog10().map_or(1, |log| log as usize + 1);
-    let mut buf = [0u8; 20];
-    let digits_of = &mut buf[20 - len..];
-    digits(digits_of, value);
-    for &digit in &*digits_of {
-        out.push(char::from(digit));
+/// Appends ASCII `bytes` a character at a time: a log line's numbers are short, and
+/// pushing their digits costs less than checking them as UTF-8 and copying them in.
+fn push_ascii(out: &mut String, bytes: &[u8]) {
+    out.reserve(bytes.len());
+    for &b in bytes {
+        out.push(char::from(b));
     }
 }
 
