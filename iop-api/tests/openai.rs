@@ -1301,3 +1301,167 @@ fn rate_limit_headers_read_as_openai_writes_them() {
         far[2].is_some_and(|v| v.to_string().ends_with("h59m59s") || v.to_string().ends_with('s'))
     );
 }
+
+// ----- the validating pass of `inspect` against serde -----
+
+/// JSON text of any value, with the members `inspect` decides on among others, escapes
+/// (surrogates too), numbers of every shape and whitespace.
+fn json_value() -> impl proptest::strategy::Strategy<Value = String> {
+    use proptest::prelude::*;
+    let leaf = prop_oneof![
+        Just("null".to_owned()),
+        Just("true".to_owned()),
+        Just("false".to_owned()),
+        r"-?(0|[1-9][0-9]{0,3})(\.[0-9]{1,3})?([eE][+-]?[0-9]{1,3})?",
+        r#""([a-z ]|\\[nt"\\/bfr]|\\u00e9|\\u0041|\\ud83d\\ude00|\\ud800|é|😀|한){0,6}""#,
+    ];
+    leaf.prop_recursive(4, 24, 5, |inner| {
+        prop_oneof![
+            proptest::collection::vec(inner.clone(), 0..4)
+                .prop_map(|v| format!("[{}]", v.join(","))),
+            proptest::collection::vec((json_key(), inner), 0..4).prop_map(|members| {
+                let members: Vec<String> = members
+                    .into_iter()
+                    .map(|(k, v)| format!("{k}:{v}"))
+                    .collect();
+                format!("{{{}}}", members.join(","))
+            }),
+        ]
+    })
+}
+
+fn json_key() -> impl proptest::strategy::Strategy<Value = String> {
+    use proptest::strategy::Strategy as _;
+    proptest::sample::select(vec![
+        r#""model""#,
+        r#""messages""#,
+        r#""prompt""#,
+        r#""input""#,
+        r#""stream""#,
+        r#""stream_options""#,
+        r#""include_usage""#,
+        r#""tools""#,
+        r#""max_tokens""#,
+        r#""max_completion_tokens""#,
+        r#""prompt_cache_key""#,
+        r#""user""#,
+        r#""temperature""#,
+        r#""""#,
+        r#""mo\u0064el""#,
+        r#""Model""#,
+    ])
+    .prop_map(str::to_owned)
+}
+
+/// A request body: an object of such members with whitespace around its tokens, often
+/// with a plain model and messages, then maybe one byte inserted, removed or replaced.
+fn request_body() -> impl proptest::strategy::Strategy<Value = Vec<u8>> {
+    use proptest::prelude::*;
+    let ws = proptest::sample::select(vec!["", "", " ", "\n", "\t", " \r\n "]);
+    let member = (ws.clone(), json_key(), ws.clone(), json_value(), ws.clone())
+        .prop_map(|(a, k, b, v, c)| format!("{a}{k}{b}:{v}{c}"));
+    let plain = proptest::sample::select(vec![
+        vec![],
+        vec![
+            r#""model":"m""#.to_owned(),
+            r#""messages":[{"role":"user","content":"hi"}]"#.to_owned(),
+        ],
+        vec![
+            r#""model":"m""#.to_owned(),
+            r#""prompt":"once""#.to_owned(),
+            r#""input":[1,2]"#.to_owned(),
+        ],
+    ]);
+    let edit = proptest::option::of((
+        any::<proptest::sample::Index>(),
+        0u8..3,
+        proptest::sample::select(b"{}[]\",:\\ 0123456789-+.eEtrufalsn\x00\x1f\x7f\xc3".to_vec()),
+    ));
+    (plain, proptest::collection::vec(member, 0..5), ws, edit).prop_map(
+        |(plain, more, ws, edit)| {
+            let members: Vec<String> = plain.into_iter().chain(more).collect();
+            let mut body = format!("{ws}{{{}}}{ws}", members.join(",")).into_bytes();
+            if let Some((at, kind, byte)) = edit {
+                let at = at.index(body.len() + 1);
+                match kind {
+                    0 => body.insert(at, byte),
+                    1 if at < body.len() => {
+                        body.remove(at);
+                    }
+                    _ if at < body.len() => body[at] = byte,
+                    _ => {}
+                }
+            }
+            body
+        },
+    )
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(4096))]
+    /// The validating pass takes a body only where serde would read it the same: on any
+    /// body, `inspect` answers as serde alone does (facts, or the same 400).
+    #[test]
+    fn inspect_answers_as_serde_alone_on_any_body(body in request_body()) {
+        for endpoint in [Endpoint::Chat, Endpoint::Completions, Endpoint::Embeddings] {
+            proptest::prop_assert_eq!(
+                inspect(&body, endpoint),
+                inspect_by_serde(&body, endpoint),
+                "{}", String::from_utf8_lossy(&body)
+            );
+        }
+    }
+}
+
+#[test]
+fn the_validating_pass_leaves_to_serde_what_only_serde_can_judge() {
+    let same = |raw: &str| {
+        assert_eq!(
+            inspect(raw.as_bytes(), Endpoint::Chat),
+            inspect_by_serde(raw.as_bytes(), Endpoint::Chat),
+            "{raw}"
+        );
+    };
+    let chat = r#""model":"m","messages":[{}]"#;
+    // A repeated member, an escaped key, a surrogate, deep nesting, odd numbers.
+    same(&format!(r#"{{{chat},"model":"n"}}"#));
+    same(&format!(r#"{{{chat},"stream":true,"stream":false}}"#));
+    same(r#"{"mo\u0064el":"m","messages":[{}]}"#);
+    same(&format!(r#"{{{chat},"user":"\ud800"}}"#));
+    same(&format!(r#"{{{chat},"user":"\ud83d\ude00"}}"#));
+    same(&format!(
+        r#"{{{chat},"x":{}{}}}"#,
+        "[".repeat(200),
+        "]".repeat(200)
+    ));
+    same(&format!(
+        r#"{{{chat},"x":{}{}}}"#,
+        "[".repeat(99),
+        "]".repeat(99)
+    ));
+    for number in [
+        "01", "1.", "-", "1e", "1e+", ".5", "+1", "1.5e-3", "-0", "0.0E0", "1x",
+    ] {
+        same(&format!(r#"{{{chat},"n":{number}}}"#));
+    }
+    same(&format!("{{{chat}}}x"));
+    same(&format!("{{{chat},}}"));
+    same(&format!("{{{chat}\u{0}}}"));
+    same(&format!("{{{chat},\"t\":\"tab\there\"}}"));
+    same(r#"{"model":"a\"b","messages":[{}]}"#);
+    // And it takes the plain body itself, with its facts as serde reads them.
+    let facts = inspect(
+        br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"user":"u1","max_tokens":9}"#,
+        Endpoint::Chat,
+    )
+    .expect("a plain body");
+    assert_eq!(
+        (
+            facts.model.as_str(),
+            facts.stream,
+            facts.session.as_deref(),
+            facts.max_tokens
+        ),
+        ("m", true, Some("u1"), Some(9))
+    );
+}

@@ -343,8 +343,13 @@ pub fn first_user_message(messages: &[u8]) -> Option<(usize, Option<std::ops::Ra
 /// (for a chat body that would be most of the body a second time).
 #[must_use]
 pub fn nonempty_array(raw: &RawValue) -> bool {
-    raw.get()
-        .trim_ascii_start()
+    nonempty_array_text(raw.get())
+}
+
+/// [`nonempty_array`] of a value's JSON text, which must be validated JSON.
+#[must_use]
+pub fn nonempty_array_text(raw: &str) -> bool {
+    raw.trim_ascii_start()
         .strip_prefix('[')
         .is_some_and(|rest| !rest.trim_ascii_start().starts_with(']'))
 }

@@ -505,8 +505,10 @@ pub fn tunnel_receiver(data: &[u8]) {
 }
 
 /// An untrusted request body (the first byte picks the OpenAI endpoint) through what the
-/// Edge reads of it, in every dialect (the same bytes as a Messages request too). Checks that: `inspect` answers a 400 or facts whose token estimate
-/// is the public estimate of the same bytes, and only for UTF-8; the estimate never
+/// Edge reads of it, in every dialect (the same bytes as a Messages request too). Checks
+/// that: `inspect` answers exactly as serde alone does (its validating pass takes only
+/// what serde reads the same), a 400 or facts whose token estimate is the public
+/// estimate of the same bytes, and only for UTF-8; the estimate never
 /// counts more tokens than the body has bytes (it decides long-context routing); the
 /// model rewrite changes exactly the bytes of the top-level `model` value, and happens
 /// exactly when that member is found; member ranges lie inside the body, and in a body
@@ -526,7 +528,13 @@ pub fn openai_request(data: &[u8]) {
         "{estimate} tokens for {} bytes",
         body.len()
     );
-    match inspect(body, endpoint) {
+    let inspected = inspect(body, endpoint);
+    assert_eq!(
+        inspected,
+        iop_api::openai::inspect_by_serde(body, endpoint),
+        "the validating pass and serde read a body differently"
+    );
+    match inspected {
         Ok(facts) => {
             assert!(
                 std::str::from_utf8(body).is_ok(),

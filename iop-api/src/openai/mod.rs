@@ -38,6 +38,8 @@ mod render;
 mod request;
 
 pub use render::{Out, Responder, ResponseOptions, SSE_DONE, SSE_KEEPALIVE, parse_text_tool_calls};
+#[doc(hidden)]
+pub use request::inspect_by_serde;
 pub(crate) use request::session_of;
 pub use request::{RequestFacts, estimate_tokens, inspect};
 

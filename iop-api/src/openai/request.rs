@@ -5,7 +5,9 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use super::{ApiError, Endpoint};
-use iop_json::nonempty_array;
+use iop_json::nonempty_array_text;
+
+mod plain;
 
 /// The facts of a request body the Edge acts on.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -62,10 +64,10 @@ pub(crate) fn session_of(
     prompt_cache_key: Option<&RawValue>,
     user: Option<&RawValue>,
 ) -> Option<String> {
-    [prompt_cache_key, user].into_iter().find_map(|v| {
-        let v: String = serde_json::from_str(given(v)?.get()).ok()?;
-        (!v.is_empty() && v.len() <= 256).then_some(v)
-    })
+    session_in(
+        given(prompt_cache_key).map(RawValue::get),
+        given(user).map(RawValue::get),
+    )
 }
 
 /// A present, non-null field.
@@ -80,12 +82,30 @@ pub fn inspect(raw: &[u8], endpoint: Endpoint) -> Result<RequestFacts, ApiError>
     // JSON text is UTF-8 (RFC 8259 section 8.1). Checked once here, so neither the parse
     // nor the token estimate validates it again (for CJK text each pass costs as much as
     // the parse).
-    let Ok(text) = std::str::from_utf8(raw) else {
-        return Err(ApiError::bad_request(
-            "invalid JSON: the request body is not UTF-8",
-            None,
-        ));
-    };
+    let text = utf8(raw)?;
+    // One validating pass takes the members of a plainly written body (most bodies);
+    // serde reads the rest, and says what is wrong with a body that is not JSON.
+    match plain::members(text) {
+        Some(members) => facts(text, &members, endpoint),
+        None => facts(text, &parse(text)?, endpoint),
+    }
+}
+
+/// [`inspect`] by serde alone, as it read every body before the validating pass: the
+/// reference the pass is tested against (equal on every input).
+#[doc(hidden)]
+pub fn inspect_by_serde(raw: &[u8], endpoint: Endpoint) -> Result<RequestFacts, ApiError> {
+    let text = utf8(raw)?;
+    facts(text, &parse(text)?, endpoint)
+}
+
+fn utf8(raw: &[u8]) -> Result<&str, ApiError> {
+    std::str::from_utf8(raw)
+        .map_err(|_| ApiError::bad_request("invalid JSON: the request body is not UTF-8", None))
+}
+
+/// The members serde reads, or the 400 for a body that is not a JSON object.
+fn parse(text: &str) -> Result<Members<'_>, ApiError> {
     let head: Head<'_> = match serde_json::from_str(text) {
         Ok(head) => head,
         Err(err) if err.is_data() && text.trim_ascii_start().as_bytes().first() != Some(&b'{') => {
@@ -96,15 +116,50 @@ pub fn inspect(raw: &[u8], endpoint: Endpoint) -> Result<RequestFacts, ApiError>
         }
         Err(err) => return Err(ApiError::bad_request(format!("invalid JSON: {err}"), None)),
     };
-    let model = given(head.model)
-        .and_then(|m| serde_json::from_str::<String>(m.get()).ok())
-        .ok_or_else(|| {
-            ApiError::bad_request("you must provide a model parameter", Some("missing_model"))
-        })?;
+    Ok(Members {
+        model: head.model.map(RawValue::get),
+        stream: head.stream.map(RawValue::get),
+        stream_options: head.stream_options.map(RawValue::get),
+        messages: head.messages.map(RawValue::get),
+        prompt: head.prompt.map(RawValue::get),
+        input: head.input.map(RawValue::get),
+        tools: head.tools.map(RawValue::get),
+        max_tokens: head.max_tokens.map(RawValue::get),
+        max_completion_tokens: head.max_completion_tokens.map(RawValue::get),
+        prompt_cache_key: head.prompt_cache_key.map(RawValue::get),
+        user: head.user.map(RawValue::get),
+    })
+}
+
+/// The top-level members [`inspect`] decides on, each as the JSON text of its value (of
+/// a validated body).
+#[derive(Default)]
+struct Members<'a> {
+    model: Option<&'a str>,
+    stream: Option<&'a str>,
+    stream_options: Option<&'a str>,
+    messages: Option<&'a str>,
+    prompt: Option<&'a str>,
+    input: Option<&'a str>,
+    tools: Option<&'a str>,
+    max_tokens: Option<&'a str>,
+    max_completion_tokens: Option<&'a str>,
+    prompt_cache_key: Option<&'a str>,
+    user: Option<&'a str>,
+}
+
+/// What the members of a validated body say, or the 400 to answer.
+fn facts(text: &str, m: &Members<'_>, endpoint: Endpoint) -> Result<RequestFacts, ApiError> {
+    fn given(v: Option<&str>) -> Option<&str> {
+        v.filter(|v| *v != "null")
+    }
+    let model = given(m.model).and_then(string).ok_or_else(|| {
+        ApiError::bad_request("you must provide a model parameter", Some("missing_model"))
+    })?;
     let present = match endpoint {
-        Endpoint::Chat | Endpoint::Tokenize => given(head.messages).is_some_and(nonempty_array),
-        Endpoint::Completions => given(head.prompt).is_some(),
-        Endpoint::Embeddings => given(head.input).is_some(),
+        Endpoint::Chat | Endpoint::Tokenize => given(m.messages).is_some_and(nonempty_array_text),
+        Endpoint::Completions => given(m.prompt).is_some(),
+        Endpoint::Embeddings => given(m.input).is_some(),
     };
     if !present {
         return Err(ApiError::bad_request(
@@ -115,25 +170,29 @@ pub fn inspect(raw: &[u8], endpoint: Endpoint) -> Result<RequestFacts, ApiError>
             Some("invalid_value"),
         ));
     }
-    let stream = match given(head.stream) {
-        None => false,
-        Some(v) => serde_json::from_str::<bool>(v.get()).map_err(|_| {
-            ApiError::bad_request("stream must be a boolean", Some("invalid_value"))
-        })?,
+    let stream = match given(m.stream) {
+        None | Some("false") => false,
+        Some("true") => true,
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "stream must be a boolean",
+                Some("invalid_value"),
+            ));
+        }
     };
     #[derive(Deserialize)]
     struct StreamOptions {
         include_usage: Option<bool>,
     }
-    let include_usage = given(head.stream_options)
-        .and_then(|v| serde_json::from_str::<StreamOptions>(v.get()).ok())
+    let include_usage = given(m.stream_options)
+        .and_then(|v| serde_json::from_str::<StreamOptions>(v).ok())
         .and_then(|o| o.include_usage)
         == Some(true);
-    let wants_tools = given(head.tools).is_some_and(nonempty_array);
+    let wants_tools = given(m.tools).is_some_and(nonempty_array_text);
     // A count that is not one is the provider's to refuse; here it only weighs less.
-    let max_tokens = given(head.max_completion_tokens)
-        .or(given(head.max_tokens))
-        .and_then(|v| v.get().parse::<u64>().ok());
+    let max_tokens = given(m.max_completion_tokens)
+        .or(given(m.max_tokens))
+        .and_then(|v| v.parse::<u64>().ok());
     Ok(RequestFacts {
         model,
         stream,
@@ -141,7 +200,24 @@ pub fn inspect(raw: &[u8], endpoint: Endpoint) -> Result<RequestFacts, ApiError>
         wants_tools,
         prompt_tokens: estimate_text(text),
         max_tokens,
-        session: session_of(head.prompt_cache_key, head.user),
+        session: session_in(given(m.prompt_cache_key), given(m.user)),
+    })
+}
+
+/// The string a validated JSON value is, if it is one: a string written without escapes
+/// is its text as it stands (no decoding, one copy).
+fn string(value: &str) -> Option<String> {
+    match value.strip_prefix('"').and_then(|v| v.strip_suffix('"')) {
+        Some(inner) if !inner.contains('\\') => Some(inner.to_owned()),
+        _ => serde_json::from_str::<String>(value).ok(),
+    }
+}
+
+/// The session `prompt_cache_key`, else `user`, names, from their values' JSON text.
+fn session_in(prompt_cache_key: Option<&str>, user: Option<&str>) -> Option<String> {
+    [prompt_cache_key, user].into_iter().find_map(|v| {
+        let v = string(v?)?;
+        (!v.is_empty() && v.len() <= 256).then_some(v)
     })
 }
 

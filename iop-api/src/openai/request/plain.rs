@@ -1,0 +1,249 @@
+//! One validating pass over a request body that takes the top-level members
+//! [`super::inspect`] decides on, where serde's derive cost the Edge about 1,750
+//! instructions for a 74-byte chat body (BENCHMARKS.md).
+//!
+//! It accepts a subset of what serde accepts, never more: where it says `None` the body
+//! goes to serde, which reads it or says what is wrong with it. Left to serde are a body
+//! that is not valid JSON, one nested deeper than [`MAX_DEPTH`], a `\u` escape of a
+//! surrogate (serde's reading of those depends on where they sit), a key written with
+//! escapes, and a member it decides on given twice (serde refuses that). So on any input
+//! [`super::inspect`] answers as serde alone would (`inspect_by_serde`, held to it by the
+//! tests).
+
+use super::Members;
+
+/// Deepest nesting the pass reads (serde's own limit is 128).
+const MAX_DEPTH: u32 = 100;
+
+/// The members of `text`, a JSON object, when the pass reads it whole; `None` to leave it
+/// to serde.
+pub(super) fn members(text: &str) -> Option<Members<'_>> {
+    let mut pass = Pass {
+        b: text.as_bytes(),
+        i: 0,
+    };
+    let mut members = Members::default();
+    pass.ws();
+    pass.eat(b'{')?;
+    pass.ws();
+    if pass.eat(b'}').is_none() {
+        loop {
+            let key = pass.key()?;
+            pass.ws();
+            pass.eat(b':')?;
+            pass.ws();
+            let start = pass.i;
+            pass.value(1)?;
+            let value = text.get(start..pass.i)?;
+            // serde refuses a member it reads given twice.
+            if let Some(slot) = slot(&mut members, key)
+                && slot.replace(value).is_some()
+            {
+                return None;
+            }
+            pass.ws();
+            match pass.next()? {
+                b',' => pass.ws(),
+                b'}' => break,
+                _ => return None,
+            }
+        }
+    }
+    pass.ws();
+    (pass.i == pass.b.len()).then_some(members)
+}
+
+/// Where the member named `key` (as written, without escapes) goes, if it is one
+/// [`super::inspect`] decides on.
+fn slot<'m, 'a>(members: &'m mut Members<'a>, key: &[u8]) -> Option<&'m mut Option<&'a str>> {
+    Some(match key {
+        b"model" => &mut members.model,
+        b"stream" => &mut members.stream,
+        b"stream_options" => &mut members.stream_options,
+        b"messages" => &mut members.messages,
+        b"prompt" => &mut members.prompt,
+        b"input" => &mut members.input,
+        b"tools" => &mut members.tools,
+        b"max_tokens" => &mut members.max_tokens,
+        b"max_completion_tokens" => &mut members.max_completion_tokens,
+        b"prompt_cache_key" => &mut members.prompt_cache_key,
+        b"user" => &mut members.user,
+        _ => return None,
+    })
+}
+
+/// What a byte inside a string is to the pass: `true` where the plain run stops (the
+/// closing quote, an escape, a control character).
+static STOP: [bool; 256] = {
+    let mut table = [false; 256];
+    let mut b = 0;
+    while b < 0x20 {
+        table[b] = true;
+        b += 1;
+    }
+    table[b'"' as usize] = true;
+    table[b'\\' as usize] = true;
+    table
+};
+
+struct Pass<'a> {
+    b: &'a [u8],
+    i: usize,
+}
+
+impl<'a> Pass<'a> {
+    fn next(&mut self) -> Option<u8> {
+        let b = *self.b.get(self.i)?;
+        self.i += 1;
+        Some(b)
+    }
+
+    fn eat(&mut self, want: u8) -> Option<()> {
+        (self.b.get(self.i) == Some(&want)).then(|| self.i += 1)
+    }
+
+    fn ws(&mut self) {
+        while let Some(b' ' | b'\t' | b'\n' | b'\r') = self.b.get(self.i) {
+            self.i += 1;
+        }
+    }
+
+    /// A member's key, without its quotes; `None` for one written with escapes.
+    fn key(&mut self) -> Option<&'a [u8]> {
+        let b = self.b;
+        let start = self.i + 1;
+        if self.string()? {
+            return None;
+        }
+        b.get(start..self.i - 1)
+    }
+
+    /// A string from its opening quote; whether it holds escapes.
+    fn string(&mut self) -> Option<bool> {
+        self.eat(b'"')?;
+        let mut escaped = false;
+        loop {
+            let run = self
+                .b
+                .get(self.i..)?
+                .iter()
+                .position(|&b| STOP[usize::from(b)])?;
+            self.i += run;
+            match self.next()? {
+                b'"' => return Some(escaped),
+                b'\\' => {
+                    escaped = true;
+                    match self.next()? {
+                        b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => {}
+                        b'u' => {
+                            let hex = self.b.get(self.i..self.i + 4)?;
+                            let code = hex.iter().try_fold(0u32, |code, &h| {
+                                Some(code << 4 | char::from(h).to_digit(16)?)
+                            })?;
+                            if (0xD800..0xE000).contains(&code) {
+                                return None;
+                            }
+                            self.i += 4;
+                        }
+                        _ => return None,
+                    }
+                }
+                // A control character.
+                _ => return None,
+            }
+        }
+    }
+
+    /// Any value, at nesting `depth`.
+    fn value(&mut self, depth: u32) -> Option<()> {
+        match *self.b.get(self.i)? {
+            b'"' => self.string().map(drop),
+            b'{' => {
+                self.deeper(depth)?;
+                self.i += 1;
+                self.ws();
+                if self.eat(b'}').is_some() {
+                    return Some(());
+                }
+                loop {
+                    self.string()?;
+                    self.ws();
+                    self.eat(b':')?;
+                    self.ws();
+                    self.value(depth + 1)?;
+                    self.ws();
+                    match self.next()? {
+                        b',' => self.ws(),
+                        b'}' => return Some(()),
+                        _ => return None,
+                    }
+                }
+            }
+            b'[' => {
+                self.deeper(depth)?;
+                self.i += 1;
+                self.ws();
+                if self.eat(b']').is_some() {
+                    return Some(());
+                }
+                loop {
+                    self.value(depth + 1)?;
+                    self.ws();
+                    match self.next()? {
+                        b',' => self.ws(),
+                        b']' => return Some(()),
+                        _ => return None,
+                    }
+                }
+            }
+            b't' => self.word(b"true"),
+            b'f' => self.word(b"false"),
+            b'n' => self.word(b"null"),
+            _ => self.number(),
+        }
+    }
+
+    fn deeper(&self, depth: u32) -> Option<()> {
+        (depth < MAX_DEPTH).then_some(())
+    }
+
+    fn word(&mut self, word: &[u8]) -> Option<()> {
+        let end = self.i + word.len();
+        (self.b.get(self.i..end)? == word).then(|| self.i = end)
+    }
+
+    /// `-? (0 | [1-9][0-9]*) (. [0-9]+)? ([eE] [+-]? [0-9]+)?`
+    fn number(&mut self) -> Option<()> {
+        let _ = self.eat(b'-');
+        match self.next()? {
+            b'0' => {}
+            b'1'..=b'9' => self.digits(),
+            _ => return None,
+        }
+        if self.eat(b'.').is_some() {
+            self.some_digits()?;
+        }
+        if let Some(b'e' | b'E') = self.b.get(self.i) {
+            self.i += 1;
+            if let Some(b'+' | b'-') = self.b.get(self.i) {
+                self.i += 1;
+            }
+            self.some_digits()?;
+        }
+        // serde refuses a number run into a digit or letter (`01`, `1x`); those fall to
+        // it, as anything after a value but `,` `]` `}` and whitespace does.
+        Some(())
+    }
+
+    fn digits(&mut self) {
+        while let Some(b'0'..=b'9') = self.b.get(self.i) {
+            self.i += 1;
+        }
+    }
+
+    fn some_digits(&mut self) -> Option<()> {
+        let start = self.i;
+        self.digits();
+        (self.i > start).then_some(())
+    }
+}
