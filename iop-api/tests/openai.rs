@@ -1313,7 +1313,7 @@ fn json_value() -> impl proptest::strategy::Strategy<Value = String> {
         Just("true".to_owned()),
         Just("false".to_owned()),
         r"-?(0|[1-9][0-9]{0,3})(\.[0-9]{1,3})?([eE][+-]?[0-9]{1,3})?",
-        r#""([a-z ]|\\[nt"\\/bfr]|\\u00e9|\\u0041|\\ud83d\\ude00|\\ud800|é|😀|한){0,6}""#,
+        r#""([a-zA-Z ]{1,9}|[0-9]{1,4}|[.,!?'\x7f]|\\[nt"\\/bfr]|\\u00e9|\\u0041|\\ud83d\\ude00|\\ud800|é|😀|한|我|。|ー|\u{2000}|\u{3000}){0,6}""#,
     ];
     leaf.prop_recursive(4, 24, 5, |inner| {
         prop_oneof![

@@ -86,8 +86,8 @@ pub fn inspect(raw: &[u8], endpoint: Endpoint) -> Result<RequestFacts, ApiError>
     // One validating pass takes the members of a plainly written body (most bodies);
     // serde reads the rest, and says what is wrong with a body that is not JSON.
     match plain::members(text) {
-        Some(members) => facts(text, &members, endpoint),
-        None => facts(text, &parse(text)?, endpoint),
+        Some((members, prompt_tokens)) => facts(&members, prompt_tokens, endpoint),
+        None => facts(&parse(text)?, estimate_text(text), endpoint),
     }
 }
 
@@ -96,7 +96,7 @@ pub fn inspect(raw: &[u8], endpoint: Endpoint) -> Result<RequestFacts, ApiError>
 #[doc(hidden)]
 pub fn inspect_by_serde(raw: &[u8], endpoint: Endpoint) -> Result<RequestFacts, ApiError> {
     let text = utf8(raw)?;
-    facts(text, &parse(text)?, endpoint)
+    facts(&parse(text)?, estimate_text(text), endpoint)
 }
 
 fn utf8(raw: &[u8]) -> Result<&str, ApiError> {
@@ -148,8 +148,13 @@ struct Members<'a> {
     user: Option<&'a str>,
 }
 
-/// What the members of a validated body say, or the 400 to answer.
-fn facts(text: &str, m: &Members<'_>, endpoint: Endpoint) -> Result<RequestFacts, ApiError> {
+/// What the members of a validated body (of `prompt_tokens`, [`estimate_tokens`]) say,
+/// or the 400 to answer.
+fn facts(
+    m: &Members<'_>,
+    prompt_tokens: u64,
+    endpoint: Endpoint,
+) -> Result<RequestFacts, ApiError> {
     fn given(v: Option<&str>) -> Option<&str> {
         v.filter(|v| *v != "null")
     }
@@ -198,7 +203,7 @@ fn facts(text: &str, m: &Members<'_>, endpoint: Endpoint) -> Result<RequestFacts
         stream,
         include_usage,
         wants_tools,
-        prompt_tokens: estimate_text(text),
+        prompt_tokens,
         max_tokens,
         session: session_in(given(m.prompt_cache_key), given(m.user)),
     })
@@ -264,38 +269,19 @@ fn estimate_text(text: &str) -> u64 {
             at += 1;
             continue;
         }
-        // ASCII, most of any body, is classified by a table and read a run at a time:
-        // a word's letters or a number's digits change the count only where they end.
-        match CLASS[usize::from(b)] {
-            Class::Letter => {
-                let run = run_of(bytes, at, Class::Letter);
-                if est.digits > 0 {
-                    est.flush();
-                }
-                est.word += run as u64;
-                at += run;
-            }
-            Class::Digit => {
-                let run = run_of(bytes, at, Class::Digit);
-                if est.word > 0 {
-                    est.word += run as u64;
-                } else {
-                    est.digits += run as u64;
-                }
-                at += run;
-            }
-            Class::Space => {
-                est.flush();
-                at += 1;
-            }
-            Class::Quote => {
+        let Some(stop) = est.string_run(text, at) else {
+            break;
+        };
+        at = stop;
+        match bytes.get(at) {
+            None => break,
+            Some(b'"') => {
                 est.flush();
                 est.in_string = false;
                 at += 1;
             }
-            Class::Escape => {
-                est.flush();
-                est.tokens += 1;
+            Some(b'\\') => {
+                est.escape();
                 // The escaped character; after `u`, its four hex digits too.
                 at += 1;
                 let escaped = bytes.get(at).copied();
@@ -304,53 +290,11 @@ fn estimate_text(text: &str) -> u64 {
                     at = skip_chars(text, at, 4);
                 }
             }
-            Class::Symbol => {
+            // A control character: whitespace (tab, line feed...) or a symbol.
+            Some(&control) => {
                 est.flush();
-                est.tokens += 1;
+                est.tokens += u64::from(!matches!(control, b'\t'..=b'\r'));
                 at += 1;
-            }
-            Class::NonAscii => {
-                // Ideographs, kana and Hangul are three bytes each, read here without
-                // the general decoding (`text` is UTF-8, so `at` starts a character).
-                if let Some(&[lead @ 0xE0..=0xEF, b1, b2]) = bytes.get(at..at + 3) {
-                    let c = (u32::from(lead & 0x0F) << 12)
-                        | (u32::from(b1 & 0x3F) << 6)
-                        | u32::from(b2 & 0x3F);
-                    if is_cjk_code(c) {
-                        est.flush();
-                        est.tokens += 1;
-                        at += 3;
-                        continue;
-                    }
-                    // CJK punctuation (、。「」), which `is_alphabetic` would look up in
-                    // its slow tables: no whitespace but U+3000, few letters.
-                    if let Some(bit) = c.checked_sub(0x3000).filter(|&bit| bit < 64) {
-                        if CJK_PUNCTUATION_LETTERS >> bit & 1 == 1 {
-                            est.letter();
-                        } else {
-                            est.flush();
-                            est.tokens += u64::from(bit != 0) * 2;
-                        }
-                        at += 3;
-                        continue;
-                    }
-                }
-                let Some(c) = text.get(at..).and_then(|rest| rest.chars().next()) else {
-                    break;
-                };
-                at += c.len_utf8();
-                if is_cjk(c) {
-                    // Checked first: cheaper than `is_alphabetic`, and it decides alone.
-                    est.flush();
-                    est.tokens += 1;
-                } else if c.is_alphabetic() {
-                    est.letter();
-                } else if c.is_whitespace() {
-                    est.flush();
-                } else {
-                    est.flush();
-                    est.tokens += if u32::from(c) < 0x2000 { 1 } else { 2 };
-                }
             }
         }
     }
@@ -363,11 +307,13 @@ fn estimate_text(text: &str) -> u64 {
 enum Class {
     Letter,
     Digit,
-    /// ASCII whitespace, as `char::is_whitespace` has it.
+    /// The space (the other ASCII whitespace is [`Class::Control`]).
     Space,
     Quote,
     Escape,
-    /// Any other ASCII character: punctuation, symbols, controls.
+    /// A control character (which JSON writes escaped), whitespace ones included.
+    Control,
+    /// Any other ASCII character: punctuation, symbols, DEL.
     Symbol,
     /// The first or a later byte of a multi-byte character.
     NonAscii,
@@ -380,7 +326,8 @@ const CLASS: [Class; 256] = {
         table[b] = match b as u8 {
             b'a'..=b'z' | b'A'..=b'Z' => Class::Letter,
             b'0'..=b'9' => Class::Digit,
-            b' ' | b'\t'..=b'\r' => Class::Space,
+            b' ' => Class::Space,
+            0..0x20 => Class::Control,
             b'"' => Class::Quote,
             b'\\' => Class::Escape,
             _ => Class::Symbol,
@@ -444,6 +391,94 @@ struct Estimate {
 }
 
 impl Estimate {
+    /// Counts the text of a JSON string from `at` up to where it stops being plain: its
+    /// closing quote, an escape, a control character, or the end of `text`; that place.
+    /// ASCII, most of any body, is classified by a table and read a run at a time: a
+    /// word's letters or a number's digits change the count only where they end. `None`
+    /// where `at` falls inside a character (never, for a place the count reached).
+    fn string_run(&mut self, text: &str, mut at: usize) -> Option<usize> {
+        let bytes = text.as_bytes();
+        while let Some(&b) = bytes.get(at) {
+            match CLASS[usize::from(b)] {
+                Class::Letter => {
+                    let run = run_of(bytes, at, Class::Letter);
+                    if self.digits > 0 {
+                        self.flush();
+                    }
+                    self.word += run as u64;
+                    at += run;
+                }
+                Class::Digit => {
+                    let run = run_of(bytes, at, Class::Digit);
+                    if self.word > 0 {
+                        self.word += run as u64;
+                    } else {
+                        self.digits += run as u64;
+                    }
+                    at += run;
+                }
+                Class::Space => {
+                    self.flush();
+                    at += 1;
+                }
+                Class::Quote | Class::Escape | Class::Control => return Some(at),
+                Class::Symbol => {
+                    self.flush();
+                    self.tokens += 1;
+                    at += 1;
+                }
+                Class::NonAscii => {
+                    // Ideographs, kana and Hangul are three bytes each, read here without
+                    // the general decoding (`text` is UTF-8, so `at` starts a character).
+                    if let Some(&[lead @ 0xE0..=0xEF, b1, b2]) = bytes.get(at..at + 3) {
+                        let c = (u32::from(lead & 0x0F) << 12)
+                            | (u32::from(b1 & 0x3F) << 6)
+                            | u32::from(b2 & 0x3F);
+                        if is_cjk_code(c) {
+                            self.flush();
+                            self.tokens += 1;
+                            at += 3;
+                            continue;
+                        }
+                        // CJK punctuation (、。「」), which `is_alphabetic` would look up in
+                        // its slow tables: no whitespace but U+3000, few letters.
+                        if let Some(bit) = c.checked_sub(0x3000).filter(|&bit| bit < 64) {
+                            if CJK_PUNCTUATION_LETTERS >> bit & 1 == 1 {
+                                self.letter();
+                            } else {
+                                self.flush();
+                                self.tokens += u64::from(bit != 0) * 2;
+                            }
+                            at += 3;
+                            continue;
+                        }
+                    }
+                    let c = text.get(at..)?.chars().next()?;
+                    at += c.len_utf8();
+                    if is_cjk(c) {
+                        // Checked first: cheaper than `is_alphabetic`, and it decides alone.
+                        self.flush();
+                        self.tokens += 1;
+                    } else if c.is_alphabetic() {
+                        self.letter();
+                    } else if c.is_whitespace() {
+                        self.flush();
+                    } else {
+                        self.flush();
+                        self.tokens += if u32::from(c) < 0x2000 { 1 } else { 2 };
+                    }
+                }
+            }
+        }
+        Some(at)
+    }
+
+    /// An escape sequence: a token of its own.
+    fn escape(&mut self) {
+        self.flush();
+        self.tokens += 1;
+    }
+
     /// Ends the word or number being read.
     fn flush(&mut self) {
         if self.word > 0 {

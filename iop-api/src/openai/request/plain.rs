@@ -1,6 +1,7 @@
 //! One validating pass over a request body that takes the top-level members
-//! [`super::inspect`] decides on, where serde's derive cost the Edge about 1,750
-//! instructions for a 74-byte chat body (BENCHMARKS.md).
+//! [`super::inspect`] decides on and counts the prompt's tokens as it goes, where serde's
+//! derive and then the estimate's own pass cost the Edge about 3,000 instructions for a
+//! 74-byte chat body (BENCHMARKS.md).
 //!
 //! It accepts a subset of what serde accepts, never more: where it says `None` the body
 //! goes to serde, which reads it or says what is wrong with it. Left to serde are a body
@@ -10,17 +11,19 @@
 //! [`super::inspect`] answers as serde alone would (`inspect_by_serde`, held to it by the
 //! tests).
 
-use super::Members;
+use super::{Estimate, Members};
 
 /// Deepest nesting the pass reads (serde's own limit is 128).
 const MAX_DEPTH: u32 = 100;
 
-/// The members of `text`, a JSON object, when the pass reads it whole; `None` to leave it
-/// to serde.
-pub(super) fn members(text: &str) -> Option<Members<'_>> {
+/// The members of `text`, a JSON object, and its [`super::estimate_tokens`], when the
+/// pass reads it whole; `None` to leave it to serde.
+pub(super) fn members(text: &str) -> Option<(Members<'_>, u64)> {
     let mut pass = Pass {
+        text,
         b: text.as_bytes(),
         i: 0,
+        est: Estimate::default(),
     };
     let mut members = Members::default();
     pass.ws();
@@ -50,7 +53,10 @@ pub(super) fn members(text: &str) -> Option<Members<'_>> {
         }
     }
     pass.ws();
-    (pass.i == pass.b.len()).then_some(members)
+    (pass.i == pass.b.len()).then(|| {
+        pass.est.flush();
+        (members, pass.est.tokens)
+    })
 }
 
 /// Where the member named `key` (as written, without escapes) goes, if it is one
@@ -72,23 +78,13 @@ fn slot<'m, 'a>(members: &'m mut Members<'a>, key: &[u8]) -> Option<&'m mut Opti
     })
 }
 
-/// What a byte inside a string is to the pass: `true` where the plain run stops (the
-/// closing quote, an escape, a control character).
-static STOP: [bool; 256] = {
-    let mut table = [false; 256];
-    let mut b = 0;
-    while b < 0x20 {
-        table[b] = true;
-        b += 1;
-    }
-    table[b'"' as usize] = true;
-    table[b'\\' as usize] = true;
-    table
-};
-
 struct Pass<'a> {
+    text: &'a str,
     b: &'a [u8],
     i: usize,
+    /// The token count, as [`super::estimate_tokens`] reads the same text: each string
+    /// counted as it is validated, each run of a number's digits one token.
+    est: Estimate,
 }
 
 impl<'a> Pass<'a> {
@@ -123,16 +119,15 @@ impl<'a> Pass<'a> {
         self.eat(b'"')?;
         let mut escaped = false;
         loop {
-            let run = self
-                .b
-                .get(self.i..)?
-                .iter()
-                .position(|&b| STOP[usize::from(b)])?;
-            self.i += run;
+            self.i = self.est.string_run(self.text, self.i)?;
             match self.next()? {
-                b'"' => return Some(escaped),
+                b'"' => {
+                    self.est.flush();
+                    return Some(escaped);
+                }
                 b'\\' => {
                     escaped = true;
+                    self.est.escape();
                     match self.next()? {
                         b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => {}
                         b'u' => {
@@ -220,6 +215,7 @@ impl<'a> Pass<'a> {
             b'1'..=b'9' => self.digits(),
             _ => return None,
         }
+        self.est.tokens += 1;
         if self.eat(b'.').is_some() {
             self.some_digits()?;
         }
@@ -241,9 +237,11 @@ impl<'a> Pass<'a> {
         }
     }
 
+    /// A run of digits after `.` or an exponent: a token of the estimate.
     fn some_digits(&mut self) -> Option<()> {
         let start = self.i;
         self.digits();
+        self.est.tokens += 1;
         (self.i > start).then_some(())
     }
 }
