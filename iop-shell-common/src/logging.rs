@@ -242,18 +242,17 @@ pub fn info_direct(message: &str, fields: &[(&str, Option<Field<'_>>)]) -> bool 
     if !tracing::Span::current().is_none() {
         return false;
     }
-    let Some(stamp) = Clock::stamp() else {
-        return false;
-    };
     with_scratch(|out| {
-        out.push_str(std::str::from_utf8(&stamp).unwrap_or(""));
+        if !Clock::push_stamp(out) {
+            return false;
+        }
         out.push_str("  INFO ");
         if write_fields(out, message, fields).is_ok() {
             out.push('\n');
             shared.append(out.as_bytes());
         }
-    });
-    true
+        true
+    })
 }
 
 /// `message` and `fields` as [`TextFields`] writes an event's.
@@ -292,38 +291,48 @@ fn write_fields(
 struct Clock;
 
 impl Clock {
-    /// The timestamp's 27 bytes, or `None` for a clock outside years 1970-9999.
-    fn stamp() -> Option<[u8; 27]> {
-        use std::cell::Cell;
+    /// Appends the timestamp's 27 characters; `false`, with nothing written, for a clock
+    /// outside years 1970-9999. The second's text is kept as a `String`, so a line copies
+    /// it in and pushes the microseconds: nothing is checked as UTF-8 per line.
+    fn push_stamp(out: &mut String) -> bool {
+        use std::cell::RefCell;
         thread_local! {
             /// The second last formatted and its `YYYY-MM-DDTHH:MM:SS.`.
-            static LAST: Cell<(u64, [u8; 20])> = const { Cell::new((u64::MAX, [0; 20])) };
+            static LAST: RefCell<(u64, String)> = const { RefCell::new((u64::MAX, String::new())) };
         }
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .ok()?;
+        let Ok(now) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) else {
+            return false;
+        };
         let secs = now.as_secs();
-        let (cached, mut prefix) = LAST.get();
-        if cached != secs {
-            prefix = second_prefix(secs)?;
-            LAST.set((secs, prefix));
-        }
-        let mut line = [0u8; 27];
-        line[..20].copy_from_slice(&prefix);
-        digits(&mut line[20..26], now.subsec_micros().into());
-        line[26] = b'Z';
-        Some(line)
+        LAST.with_borrow_mut(|(cached, prefix)| {
+            if *cached != secs {
+                let Some(text) = second_prefix(secs) else {
+                    return false;
+                };
+                prefix.clear();
+                push_ascii(prefix, &text);
+                *cached = secs;
+            }
+            out.push_str(prefix);
+            let mut micros = [0u8; 6];
+            digits(&mut micros, now.subsec_micros().into());
+            push_ascii(out, &micros);
+            out.push('Z');
+            true
+        })
     }
 }
 
 impl tracing_subscriber::fmt::time::FormatTime for Clock {
     fn format_time(&self, w: &mut tracing_subscriber::fmt::format::Writer<'_>) -> std::fmt::Result {
-        match Clock::stamp() {
-            // Only ASCII digits and punctuation were written.
-            Some(line) => w.write_str(std::str::from_utf8(&line).map_err(|_| std::fmt::Error)?),
-            // A clock before 1970: the general formatter knows how to write it.
-            None => tracing_subscriber::fmt::time::SystemTime.format_time(w),
-        }
+        with_scratch(|out| {
+            if Clock::push_stamp(out) {
+                w.write_str(out)
+            } else {
+                // A clock before 1970: the general formatter knows how to write it.
+                tracing_subscriber::fmt::time::SystemTime.format_time(w)
+            }
+        })
     }
 }
 
@@ -443,15 +452,13 @@ where
         use std::fmt::Write;
         with_scratch(|out| {
             if self.time {
-                match Clock::stamp() {
-                    Some(stamp) => out.push_str(std::str::from_utf8(&stamp).unwrap_or("")),
-                    None => {
-                        let mut w = tracing_subscriber::fmt::format::Writer::new(&mut *out);
-                        tracing_subscriber::fmt::time::FormatTime::format_time(
-                            &tracing_subscriber::fmt::time::SystemTime,
-                            &mut w,
-                        )?;
-                    }
+                if !Clock::push_stamp(out) {
+                    // A clock before 1970: the general formatter knows how to write it.
+                    let mut w = tracing_subscriber::fmt::format::Writer::new(&mut *out);
+                    tracing_subscriber::fmt::time::FormatTime::format_time(
+                        &tracing_subscriber::fmt::time::SystemTime,
+                        &mut w,
+                    )?;
                 }
                 out.push(' ');
             }
@@ -534,7 +541,8 @@ struct Message<'a>(&'a mut String);
 
 impl std::fmt::Write for Message<'_> {
     fn write_str(&mut self, text: &str) -> std::fmt::Result {
-        if !text.chars().any(control) {
+        // Printable ASCII decides most messages eight bytes at a time.
+        if plain_ascii(text.as_bytes()) || !text.chars().any(control) {
             self.0.push_str(text);
             return Ok(());
         }
@@ -657,9 +665,9 @@ fn push_milli(out: &mut String, negative: bool, n: u64) {
     buf[22] = b'0' + (fraction / 10 % 10) as u8;
     buf[23] = b'0' + (fraction % 10) as u8;
     // `Debug` writes the fewest digits, and at least one.
-    let keep = if fraction % 100 == 0 {
+    let keep = if fraction.is_multiple_of(100) {
         1
-    } else if fraction % 10 == 0 {
+    } else if fraction.is_multiple_of(10) {
         2
     } else {
         3

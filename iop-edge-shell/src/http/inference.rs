@@ -928,6 +928,8 @@ impl Live {
 impl Serving {
     /// The next piece of the response: `Ready(None)` once it is complete.
     fn poll_out(&mut self, mut timer: Pin<&mut Sleep>, cx: &mut Context<'_>) -> Poll<Option<Out>> {
+        // The events taken in one poll arrived together: one clock read stamps them all.
+        let mut received = None;
         loop {
             if let Some(out) = self.responder.poll_output() {
                 return Poll::Ready(Some(out));
@@ -941,7 +943,7 @@ impl Serving {
                     self.events
                         .memory()
                         .consumed(crate::driver::event_size(&event));
-                    self.last_activity = Instant::now();
+                    self.last_activity = *received.get_or_insert_with(Instant::now);
                     self.feed(event);
                     continue;
                 }

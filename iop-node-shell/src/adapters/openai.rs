@@ -373,11 +373,7 @@ impl OpenAi {
             .run(answer)
             .await?
             .map_err(|err| CallError::Unreachable(format!("request failed: {err}")))?;
-        let mut watcher = UsageWatcher::new(
-            head.field("content-type")
-                .and_then(|v| std::str::from_utf8(v).ok())
-                .unwrap_or(""),
-        );
+        let mut watcher = UsageWatcher::new(head.field("content-type").unwrap_or_default());
         let mut status = Some((u32::from(head.parsed.status), raw_wire_headers(&head)));
         drop(head);
         let mut body = Joined::new(body);

@@ -270,17 +270,18 @@ pub struct UsageWatcher {
 const MAX_JSON: usize = 8 << 20;
 
 impl UsageWatcher {
-    /// A watcher for a response of this content type.
+    /// A watcher for a response of this content type (its bytes as the head has them: no
+    /// need to check them as UTF-8 first).
     #[must_use]
-    pub fn new(content_type: &str) -> Self {
+    pub fn new(content_type: &[u8]) -> Self {
         UsageWatcher {
-            sse: content_type.starts_with("text/event-stream"),
+            sse: content_type.starts_with(b"text/event-stream"),
             lines: Lines::default(),
             json: Vec::new(),
             json_len: 0,
             // `str::contains` sets up a general searcher, which costs more than looking
             // at a content type's few bytes.
-            json_overflow: !content_type.as_bytes().windows(4).any(|w| w == b"json"),
+            json_overflow: !content_type.windows(4).any(|w| w == b"json"),
             usage: None,
         }
     }
@@ -391,17 +392,17 @@ mod tests {
 
     #[test]
     fn usage_is_found_in_sse_and_json() {
-        let mut sse = UsageWatcher::new("text/event-stream");
+        let mut sse = UsageWatcher::new(b"text/event-stream");
         sse.push(&Bytes::from_static(b"data: {\"choices\":[]}\n\ndata: {\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":4}}\n\ndata: [DONE]\n\n"));
         assert_eq!(sse.finish().map(|u| u.total_tokens), Some(7));
-        let mut json = UsageWatcher::new("application/json");
+        let mut json = UsageWatcher::new(b"application/json");
         json.push(&Bytes::from_static(b"{\"usage\":{\"prompt_tokens\":1,"));
         json.push(&Bytes::from_static(
             b"\"completion_tokens\":2,\"total_tokens\":3}}",
         ));
         assert_eq!(json.finish().map(|u| u.completion_tokens), Some(2));
         // A usage of null, a usage only mentioned in a string, a line too long to keep.
-        let mut odd = UsageWatcher::new("text/event-stream");
+        let mut odd = UsageWatcher::new(b"text/event-stream");
         odd.push(&Bytes::from_static(
             b"data: {\"usage\":null}\n\ndata: {\"note\":\"\\\"usage\\\"\"}\n\n",
         ));
@@ -448,7 +449,7 @@ mod tests {
         }
         assert_eq!(usage(whole), Some(5));
         // A body that arrived in pieces is read whole.
-        let mut json = UsageWatcher::new("application/json");
+        let mut json = UsageWatcher::new(b"application/json");
         for piece in whole.as_bytes().chunks(7) {
             json.push(&Bytes::copy_from_slice(piece));
         }

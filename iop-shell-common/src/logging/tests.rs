@@ -106,9 +106,21 @@ fn whole_lines_read_as_the_default_format_writes_them() {
     );
     assert_eq!(ours, run(false));
     // With the time: the stamp, then the level as the default pads it.
-    let stamp = Clock::stamp().expect("a clock after 1970");
-    let stamp = std::str::from_utf8(&stamp).unwrap();
-    assert!(stamp.ends_with('Z') && stamp.len() == 27, "{stamp}");
+    let mut stamp = String::from("x");
+    assert!(Clock::push_stamp(&mut stamp), "a clock after 1970");
+    let stamp = stamp.split_off(1);
+    let shape: String = stamp
+        .chars()
+        .map(|c| if c.is_ascii_digit() { '9' } else { c })
+        .collect();
+    assert_eq!(shape, "9999-99-99T99:99:99.999999Z", "{stamp}");
+    // The second's text is kept: a second stamp in the same second starts the same.
+    let mut again = String::new();
+    assert!(Clock::push_stamp(&mut again));
+    assert!(
+        again[..17] == stamp[..17] || again > stamp,
+        "{again} after {stamp}"
+    );
 }
 
 /// `value` as the log writes a float it can write without the float's formatter.
