@@ -1444,6 +1444,19 @@ fn the_validating_pass_leaves_to_serde_what_only_serde_can_judge() {
     ] {
         same(&format!(r#"{{{chat},"n":{number}}}"#));
     }
+    // Brackets closed by the other kind, at the top and inside.
+    for wrong in [
+        r#"{"model":"m","messages":[{}}}"#,
+        r#"{"model":"m","messages":[{}],"x":{"a":1]}"#,
+        r#"{"model":"m","messages":[{}]]"#,
+        r#"{"model":"m","messages":[{]]}"#,
+    ] {
+        same(wrong);
+        assert!(
+            inspect(wrong.as_bytes(), Endpoint::Chat).is_err(),
+            "{wrong}"
+        );
+    }
     same(&format!("{{{chat}}}x"));
     same(&format!("{{{chat},}}"));
     same(&format!("{{{chat}\u{0}}}"));

@@ -384,13 +384,13 @@ impl Conn {
         let Some(mover) = state.drain.mover() else {
             return;
         };
+        if !self.movable() {
+            return;
+        }
         let read = self
             .read
             .into_inner()
             .unwrap_or_else(PoisonError::into_inner);
-        if read.eof || read.buf.len() > crate::upgrade::MAX_MOVED_BYTES {
-            return;
-        }
         let Ok(stream) = self.stream.into_std() else {
             return;
         };
