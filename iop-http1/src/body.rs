@@ -148,6 +148,64 @@ impl Framing {
         }
     }
 
+    /// As [`decode`](Self::decode), but when a chunked body's step is data, the data of
+    /// the chunks that `buf` already holds behind it comes out in the same step, copied
+    /// into one buffer, up to `max` bytes in all (a first step longer than `max` is not
+    /// cut). A stream its sender writes a chunk per event, read many events at once,
+    /// then costs one step and one buffer instead of one per chunk. Joining stops before
+    /// anything that is not data: the last chunk, trailers, broken framing and a chunk
+    /// whose size line or first byte has not arrived are left in `buf` for the next call.
+    /// The bytes, their order and every error are those that [`decode`](Self::decode)
+    /// gives.
+    pub fn decode_joined(
+        &mut self,
+        buf: &mut BytesMut,
+        max: usize,
+    ) -> Result<Option<Decoded>, BodyError> {
+        let first = match self.decode(buf)? {
+            Some(Decoded::Data(first)) => first,
+            other => return Ok(other),
+        };
+        let mut joined = BytesMut::new();
+        loop {
+            let total = if joined.is_empty() {
+                first.len()
+            } else {
+                joined.len()
+            };
+            let Framing::Chunked(chunk) = self else {
+                break;
+            };
+            let Some(room) = max.checked_sub(total).filter(|&room| room > 0) else {
+                break;
+            };
+            let Some((start, size)) = next_chunk(*chunk, buf) else {
+                break;
+            };
+            if joined.is_empty() {
+                // One allocation for what is here, bounded by `max`.
+                joined.reserve(total + (buf.len() - start).min(room));
+                joined.extend_from_slice(&first);
+            }
+            buf.advance(start);
+            let take = buf.len().min(room);
+            let take = usize::try_from(size).map_or(take, |size| size.min(take));
+            joined.extend_from_slice(&buf[..take]);
+            buf.advance(take);
+            let left = size - take as u64;
+            *chunk = if left == 0 {
+                Chunk::DataEnd
+            } else {
+                Chunk::Data(left)
+            };
+        }
+        Ok(Some(Decoded::Data(if joined.is_empty() {
+            first
+        } else {
+            joined.freeze()
+        })))
+    }
+
     /// What the peer's close of the connection means for this body: its end, or
     /// [`BodyError::Incomplete`].
     pub fn at_eof(&mut self) -> Result<Decoded, BodyError> {
@@ -212,6 +270,27 @@ fn line_end(buf: &[u8]) -> Option<usize> {
     }
 }
 
+/// Where the data of the next chunk starts in `buf` and the chunk's size, for a decoder
+/// in state `chunk`: `Some` only when the CRLF that ends the chunk before it, the chunk's
+/// size line and at least one byte of its data are all in `buf`, the line is well formed
+/// and the size is not 0. Nothing is taken: whatever this declines, [`Framing::decode`]
+/// reads (and refuses) as it always does.
+fn next_chunk(chunk: Chunk, buf: &[u8]) -> Option<(usize, u64)> {
+    let line_at = match chunk {
+        Chunk::DataEnd => match line_end(buf) {
+            Some(n @ 1..) => n,
+            _ => return None,
+        },
+        Chunk::Size => 0,
+        Chunk::Data(_) | Chunk::Trailers => return None,
+    };
+    let rest = &buf[line_at..];
+    let end = line_feed(rest).filter(|&end| end <= MAX_CHUNK_LINE)?;
+    let size = chunk_size(&rest[..end]).ok().filter(|&size| size > 0)?;
+    let start = line_at + end + 1;
+    (start < buf.len()).then_some((start, size))
+}
+
 /// Where the first LF in `buf` is. A chunk-size line is a few bytes long: they are looked
 /// at one by one before `memchr`'s setup is worth it.
 fn line_feed(buf: &[u8]) -> Option<usize> {
@@ -274,6 +353,74 @@ mod tests {
         let mut broken = Framing::Chunked(Chunk::Size);
         assert!(!broken.discard_buffered(&mut BytesMut::from(&b"zz\r\n"[..]), 10));
         assert!(!broken.is_done(), "a broken body never ends");
+    }
+
+    /// Every step of `wire` read at once by [`Framing::decode_joined`] under `max`.
+    fn joined_steps(wire: &[u8], max: usize) -> Vec<Result<Decoded, BodyError>> {
+        let mut framing = Framing::Chunked(Chunk::Size);
+        let mut buf = BytesMut::from(wire);
+        let mut out = Vec::new();
+        loop {
+            match framing.decode_joined(&mut buf, max) {
+                Ok(Some(Decoded::End)) => return out,
+                Ok(Some(step)) => out.push(Ok(step)),
+                Ok(None) => return out,
+                Err(err) => {
+                    out.push(Err(err));
+                    return out;
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn chunks_read_at_once_come_out_joined_up_to_the_limit() {
+        let data = |d: &'static [u8]| Ok(Decoded::Data(Bytes::from_static(d)));
+        let wire = b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n";
+        assert_eq!(joined_steps(wire, 100), vec![data(b"abcde")]);
+        // The limit cuts the chunk it reaches; the rest comes next.
+        assert_eq!(joined_steps(wire, 4), vec![data(b"abcd"), data(b"e")]);
+        // A first chunk past the limit is not cut.
+        assert_eq!(joined_steps(wire, 2), vec![data(b"abc"), data(b"de")]);
+        // Trailers, broken framing and a chunk not here yet stop the join; the next call
+        // reads them as `decode` does.
+        assert_eq!(
+            joined_steps(b"3\r\nabc\r\n0\r\nX-A: 1\r\n\r\n", 100),
+            vec![
+                data(b"abc"),
+                Ok(Decoded::Trailers(Bytes::from_static(b"X-A: 1\r\n\r\n")))
+            ]
+        );
+        assert_eq!(
+            joined_steps(b"3\r\nabc\r\nzz\r\nab\r\n", 100),
+            vec![
+                data(b"abc"),
+                Err(BodyError::Malformed("invalid chunk size"))
+            ]
+        );
+        assert_eq!(
+            joined_steps(b"3\r\nabc2\r\nde\r\n0\r\n\r\n", 100),
+            vec![
+                data(b"abc"),
+                Err(BodyError::Malformed("chunk data longer than its size"))
+            ]
+        );
+        assert_eq!(
+            joined_steps(b"3\r\nabcX2\r\nde\r\n", 100),
+            vec![
+                data(b"abc"),
+                Err(BodyError::Malformed("chunk data longer than its size"))
+            ]
+        );
+        assert_eq!(joined_steps(b"3\r\nabc\r\n2\r\n", 100), vec![data(b"abc")]);
+        assert_eq!(joined_steps(b"3\r\nabc\r", 100), vec![data(b"abc")]);
+        // A body framed by length is one step, as `decode` gives it.
+        let mut framing = Framing::Length(5);
+        let mut buf = BytesMut::from(&b"abcdefg"[..]);
+        assert_eq!(
+            framing.decode_joined(&mut buf, 2),
+            Ok(Some(Decoded::Data(Bytes::from_static(b"abcde"))))
+        );
     }
 
     #[test]

@@ -110,3 +110,92 @@ proptest! {
         iop_testkit::fuzz::http1_request(&changed);
     }
 }
+
+/// A chunked body as sent a chunk per event: `sizes` cycled over `body`, then the last
+/// chunk, with a trailer section when `trailer` says.
+fn chunked(body: &[u8], sizes: &[usize], trailer: bool) -> Vec<u8> {
+    let mut out = Vec::new();
+    let mut rest = body;
+    let mut i = 0;
+    while !rest.is_empty() {
+        let n = sizes[i % sizes.len()].min(rest.len());
+        out.extend_from_slice(format!("{n:x}\r\n").as_bytes());
+        out.extend_from_slice(&rest[..n]);
+        out.extend_from_slice(b"\r\n");
+        rest = &rest[n..];
+        i += 1;
+    }
+    out.extend_from_slice(if trailer {
+        b"0\r\nX-Tail: 1\r\n\r\n"
+    } else {
+        b"0\r\n\r\n"
+    });
+    out
+}
+
+/// A body's data, its trailer sections, and how it ended.
+type BodyRead = (Vec<u8>, Vec<Vec<u8>>, Result<bool, iop_http1::BodyError>);
+
+/// What reading `wire` as a chunked body gives, fed in `reads` (cycled), each step by
+/// `decode` or, with `join`, `decode_joined` under that limit: the data, the trailers,
+/// how it ended (`Ok(true)` at its end, `Ok(false)` input used up), and the longest data
+/// step.
+fn read_chunked(wire: &[u8], reads: &[usize], join: Option<usize>) -> (BodyRead, usize) {
+    let mut framing = iop_http1::Framing::Chunked(iop_http1::Chunk::Size);
+    let (mut buf, mut fed, mut i) = (BytesMut::new(), 0, 0);
+    let (mut data, mut trailers, mut longest) = (Vec::new(), Vec::new(), 0);
+    let ended = loop {
+        let step = match join {
+            None => framing.decode(&mut buf),
+            Some(max) => framing.decode_joined(&mut buf, max),
+        };
+        match step {
+            Ok(Some(Decoded::Data(d))) => {
+                assert!(!d.is_empty());
+                longest = longest.max(d.len());
+                data.extend_from_slice(&d);
+            }
+            Ok(Some(Decoded::Trailers(t))) => trailers.push(t.to_vec()),
+            Ok(Some(Decoded::End)) => break Ok(true),
+            Ok(None) if fed < wire.len() => {
+                let n = reads[i % reads.len()].min(wire.len() - fed);
+                buf.extend_from_slice(&wire[fed..fed + n]);
+                fed += n;
+                i += 1;
+            }
+            Ok(None) => break Ok(false),
+            Err(err) => break Err(err),
+        }
+    };
+    ((data, trailers, ended), longest)
+}
+
+proptest! {
+    /// Chunks read many at a time come out joined, and the body, its trailers and how it
+    /// ends are what reading a chunk at a time gives, on any split of the input, with
+    /// one byte changed or not.
+    #[test]
+    fn chunks_joined_read_as_chunks_one_by_one(
+        body in proptest::collection::vec(any::<u8>(), 0..400),
+        sizes in proptest::collection::vec(1usize..40, 1..6),
+        trailer in any::<bool>(),
+        reads in proptest::collection::vec(1usize..300, 1..5),
+        max in 1usize..200,
+        flip in proptest::option::of(any::<(proptest::sample::Index, u8)>()),
+    ) {
+        let mut wire = chunked(&body, &sizes, trailer);
+        if let Some((at, byte)) = flip {
+            let at = at.index(wire.len());
+            wire[at] = byte;
+        }
+        let (one_by_one, _) = read_chunked(&wire, &reads, None);
+        let (joined, longest) = read_chunked(&wire, &reads, Some(max));
+        prop_assert_eq!(&joined, &one_by_one);
+        if flip.is_none() {
+            prop_assert_eq!(&joined.0, &body);
+            prop_assert_eq!(&joined.2, &Ok(true));
+            // Only a single chunk's data passes the limit.
+            prop_assert!(longest <= max.max(*sizes.iter().max().unwrap()));
+        }
+    }
+}

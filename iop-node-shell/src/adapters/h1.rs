@@ -35,6 +35,8 @@ pub use iop_http1::{BodyError, Chunk, Decoded, Framing};
 pub const MAX_HEAD: usize = 64 << 10;
 /// The most one read takes.
 const READ_MAX: usize = 64 << 10;
+/// The most body data of chunks already read that one body step joins.
+const JOIN_DATA: usize = 64 << 10;
 /// A connection's buffer that held more than this is let go once it is empty, so a
 /// stream waiting for its next event keeps at most about twice this.
 const KEEP_MAX: usize = 8 << 10;
@@ -319,9 +321,12 @@ impl Conn {
         Poll::Ready(Ok(read))
     }
 
-    /// The body of the response whose head was read next.
+    /// The body of the response whose head was read next. The chunks of a chunked body
+    /// that one read brought in come out as one step, up to [`JOIN_DATA`] bytes
+    /// ([`Framing::decode_joined`]): an SSE stream sent a chunk per event and read in a
+    /// burst is one body frame downstream, not one per event.
     pub fn decode(&mut self, framing: &mut Framing) -> Result<Option<Decoded>, H1Error> {
-        Ok(framing.decode(&mut self.buf)?)
+        Ok(framing.decode_joined(&mut self.buf, JOIN_DATA)?)
     }
 
     /// Whether an idle connection can take another request: nothing unread, and the

@@ -55,18 +55,33 @@ impl Lines {
         }
     }
 
-    /// Splits `data` as [`Lines::next_line`] would, lending each line it completes to
-    /// `each` instead of handing out shared slices: for a reader that only looks at
-    /// lines, a buffer costs no reference counting. Do not mix with [`Lines::push`].
-    pub fn split(&mut self, mut data: &[u8], mut each: impl FnMut(&[u8])) {
+    /// Splits `data` as [`Lines::next_line`] would, but lends only the lines that hold
+    /// `needle` (which holds no line feed) to `each`, instead of handing out shared
+    /// slices: for a reader that looks at some lines only, a buffer costs no reference
+    /// counting, and a burst of lines one search for the needle over all of it instead of
+    /// a search for a line feed and one for the needle per line. (An empty needle lends
+    /// every line.) Do not mix with [`Lines::push`].
+    pub fn split_where(
+        &mut self,
+        mut data: &[u8],
+        needle: &memchr::memmem::Finder<'_>,
+        mut each: impl FnMut(&[u8]),
+    ) {
         debug_assert!(self.pending.is_empty(), "split after push");
-        while let Some(end) = memchr::memchr(b'\n', data) {
+        debug_assert!(!needle.needle().contains(&b'\n'));
+        if !self.partial.is_empty() || self.overflow {
+            // The line begun in earlier input ends first, as `split` ends it.
+            let Some(end) = memchr::memchr(b'\n', data) else {
+                self.keep(data);
+                return;
+            };
             let line = &data[..end];
             data = &data[end + 1..];
-            if self.partial.is_empty() && !self.overflow {
-                each(line.strip_suffix(b"\r").unwrap_or(line));
-            } else if self.join(line) {
-                each(self.partial.strip_suffix(b"\r").unwrap_or(&self.partial));
+            if self.join(line) {
+                let whole = self.partial.strip_suffix(b"\r").unwrap_or(&self.partial);
+                if needle.find(whole).is_some() {
+                    each(whole);
+                }
                 if self.partial.capacity() > KEEP_PARTIAL {
                     self.partial = BytesMut::new();
                 } else {
@@ -74,7 +89,25 @@ impl Lines {
                 }
             }
         }
-        self.keep(data);
+        // The lines `data` completes end at its last line feed; what follows is kept.
+        let Some(last) = memchr::memrchr(b'\n', data) else {
+            self.keep(data);
+            return;
+        };
+        let (lines, rest) = data.split_at(last + 1);
+        // `from` is where a line starts; each line of `lines` ends with a line feed, and
+        // the needle holds none, so a line that holds it ends after it.
+        let mut from = 0;
+        while from < lines.len()
+            && let Some(at) = needle.find(&lines[from..]).map(|at| from + at)
+        {
+            let start = memchr::memrchr(b'\n', &lines[from..at]).map_or(from, |lf| from + lf + 1);
+            let end = memchr::memchr(b'\n', &lines[at..]).map_or(last, |lf| at + lf);
+            let line = &lines[start..end];
+            each(line.strip_suffix(b"\r").unwrap_or(line));
+            from = end + 1;
+        }
+        self.keep(rest);
     }
 
     /// Completes the line begun in earlier input with `end`; false (and the line
@@ -290,7 +323,9 @@ impl UsageWatcher {
     pub fn push(&mut self, data: &Bytes) {
         if self.sse {
             let usage = &mut self.usage;
-            self.lines.split(data, |line| observe_line(usage, line));
+            // Only a line that mentions the key can carry usage.
+            self.lines
+                .split_where(data, &USAGE_KEY, |line| observe_line(usage, line));
         } else if !self.json_overflow {
             self.json_len += data.len();
             if self.json_len > MAX_JSON {
@@ -349,18 +384,62 @@ mod tests {
         }
     }
 
-    /// Both ways of reading lines, on the same pieces.
-    fn both_ways(pieces: &[&[u8]]) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
+    /// Both ways of reading lines, on the same pieces: pushed and taken, with the lines
+    /// that do not hold `needle` left out, and lent by [`Lines::split_where`].
+    fn both_ways_where(pieces: &[&[u8]], needle: &[u8]) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
+        let finder = memchr::memmem::Finder::new(needle);
         let (mut owned, mut lent) = (Lines::default(), Lines::default());
         let (mut by_push, mut by_split) = (Vec::new(), Vec::new());
         for piece in pieces {
             owned.push(Bytes::copy_from_slice(piece));
             by_push.extend(std::iter::from_fn(|| owned.next_line()).map(|l| l.to_vec()));
-            lent.split(piece, |line| by_split.push(line.to_vec()));
+            lent.split_where(piece, &finder, |line| by_split.push(line.to_vec()));
         }
         by_push.extend(owned.finish().map(|l| l.to_vec()));
-        by_split.extend(lent.finish().map(|l| l.to_vec()));
+        by_push.retain(|line| finder.find(line).is_some());
+        // The unfinished last line is the caller's to look at, as with `push`.
+        by_split.extend(
+            lent.finish()
+                .filter(|line| finder.find(line).is_some())
+                .map(|l| l.to_vec()),
+        );
         (by_push, by_split)
+    }
+
+    /// Both ways of reading every line.
+    fn both_ways(pieces: &[&[u8]]) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
+        both_ways_where(pieces, b"")
+    }
+
+    proptest::proptest! {
+        /// The lines lent because they hold the needle are the lines taken one by one
+        /// that hold it, however the stream is cut.
+        #[test]
+        fn lines_lent_by_needle_are_the_lines_that_hold_it(
+            words in proptest::collection::vec(
+                proptest::sample::select(vec![
+                    &b"data: "[..], b"\"usage\"", b"\"usa", b"ge\"", b"\n", b"\r\n", b"\r",
+                    b"x", b"{\"a\":1}", b"\n\n",
+                ]),
+                0..40,
+            ),
+            cuts in proptest::collection::vec(proptest::num::usize::ANY, 0..6),
+        ) {
+            let text = words.concat();
+            let mut at: Vec<usize> = cuts.iter().map(|c| c % (text.len() + 1)).collect();
+            at.sort_unstable();
+            let mut pieces = Vec::new();
+            let mut from = 0;
+            for cut in at {
+                pieces.push(&text[from..cut]);
+                from = cut;
+            }
+            pieces.push(&text[from..]);
+            let (by_push, by_split) = both_ways_where(&pieces, b"\"usage\"");
+            proptest::prop_assert_eq!(by_split, by_push);
+            let (by_push, by_split) = both_ways(&pieces);
+            proptest::prop_assert_eq!(by_split, by_push);
+        }
     }
 
     #[test]

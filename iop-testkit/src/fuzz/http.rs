@@ -15,18 +15,28 @@ use bytes::BytesMut;
 pub fn http1_request(data: &[u8]) {
     // A small limit, so that the fuzzer reaches the oversized path cheaply.
     const MAX_HEAD: usize = 512;
-    whole_and_split(data, |piece| read_requests(data, MAX_HEAD, piece));
+    whole_and_split(data, |piece, join| {
+        read_requests(data, MAX_HEAD, piece, join)
+    });
 }
 
-/// Reads `data` with `read` once whole and once in uneven pieces (sizes drawn from the
-/// data) and checks that both read the same, and no more body than the input holds.
+/// Reads `data` with `read` once whole, its bodies by [`Framing::decode`], and once in
+/// uneven pieces (sizes drawn from the data), its bodies by [`Framing::decode_joined`]
+/// under a limit drawn from the data; checks that both read the same, and no more body
+/// than the input holds.
+///
+/// [`Framing::decode`]: iop_http1::Framing::decode
+/// [`Framing::decode_joined`]: iop_http1::Framing::decode_joined
 pub(super) fn whole_and_split<H: PartialEq + std::fmt::Debug>(
     data: &[u8],
-    read: impl Fn(&dyn Fn(usize) -> usize) -> Vec<ReadMessage<H>>,
+    read: impl Fn(&dyn Fn(usize) -> usize, Option<usize>) -> Vec<ReadMessage<H>>,
 ) {
-    let whole = read(&|_| data.len());
-    let split =
-        read(&|i| 1 + usize::from(data.get(i % data.len().max(1)).copied().unwrap_or(0)) % 13);
+    let whole = read(&|_| data.len(), None);
+    let join = 1 + usize::from(data.last().copied().unwrap_or(0)) % 40;
+    let split = read(
+        &|i| 1 + usize::from(data.get(i % data.len().max(1)).copied().unwrap_or(0)) % 13,
+        Some(join),
+    );
     assert_eq!(
         whole, split,
         "the reading depends on how the input was split"
@@ -52,21 +62,24 @@ pub(super) type RequestRead = ReadMessage<(usize, std::ops::Range<usize>, bool, 
 /// A response head: its length, status and whether it let the connection go on.
 pub(super) type ResponseRead = ReadMessage<(usize, u16, bool)>;
 
-/// Hands out `data` into a buffer, `piece(i)` bytes at the `i`-th read.
+/// Hands out `data` into a buffer, `piece(i)` bytes at the `i`-th read; its bodies are
+/// read joined under `join` when that is set.
 pub(super) struct Feed<'a, P> {
     data: &'a [u8],
     fed: usize,
     reads: usize,
     piece: P,
+    join: Option<usize>,
 }
 
 impl<'a, P: Fn(usize) -> usize> Feed<'a, P> {
-    fn new(data: &'a [u8], piece: P) -> Self {
+    fn new(data: &'a [u8], piece: P, join: Option<usize>) -> Self {
         Self {
             data,
             fed: 0,
             reads: 0,
             piece,
+            join,
         }
     }
 
@@ -97,7 +110,11 @@ pub(super) fn read_body<P: Fn(usize) -> usize>(
     let declared = framing.remaining();
     let mut body = Vec::new();
     let ended = loop {
-        match framing.decode(buf) {
+        let step = match input.join {
+            None => framing.decode(buf),
+            Some(max) => framing.decode_joined(buf, max),
+        };
+        match step {
             Ok(Some(Decoded::Data(data))) => {
                 assert!(!data.is_empty(), "an empty data step");
                 body.extend_from_slice(&data);
@@ -145,10 +162,11 @@ pub(super) fn read_messages<H>(
     data: &[u8],
     max_head: usize,
     piece: impl Fn(usize) -> usize,
+    join: Option<usize>,
     close_ends: bool,
     mut poll_head: impl FnMut(&BytesMut) -> Result<Option<Head<H>>, iop_http1::HeadError>,
 ) -> Vec<ReadMessage<H>> {
-    let mut input = Feed::new(data, piece);
+    let mut input = Feed::new(data, piece, join);
     let mut buf = BytesMut::new();
     let mut out = Vec::new();
     loop {
@@ -195,10 +213,11 @@ pub(super) fn read_requests(
     data: &[u8],
     max_head: usize,
     piece: impl Fn(usize) -> usize,
+    join: Option<usize>,
 ) -> Vec<RequestRead> {
     use iop_http1::{Framing, HeadReader};
     let mut heads = HeadReader::new(max_head);
-    read_messages(data, max_head, piece, false, |buf| {
+    read_messages(data, max_head, piece, join, false, |buf| {
         let Some(head) = heads.poll(buf)? else {
             return Ok(None);
         };
@@ -257,8 +276,8 @@ pub fn http1_response(data: &[u8]) {
         return;
     };
     let head_request = flags & 1 == 1;
-    whole_and_split(data, |piece| {
-        read_responses(data, MAX_HEAD, head_request, piece)
+    whole_and_split(data, |piece, join| {
+        read_responses(data, MAX_HEAD, head_request, piece, join)
     });
 }
 
@@ -268,10 +287,11 @@ pub(super) fn read_responses(
     max_head: usize,
     head_request: bool,
     piece: impl Fn(usize) -> usize,
+    join: Option<usize>,
 ) -> Vec<ResponseRead> {
     use iop_http1::{Framing, HeadReader};
     let mut heads = HeadReader::new(max_head);
-    read_messages(data, max_head, piece, true, |buf| {
+    read_messages(data, max_head, piece, join, true, |buf| {
         let Some(head) = heads.poll_response(buf, head_request)? else {
             return Ok(None);
         };
