@@ -331,3 +331,188 @@ proptest! {
         prop_assert!(message.headers().eq(forwarded.iter()));
     }
 }
+
+/// `frame` with the fields `mask` picks set to their defaults (which are left out when
+/// written), and its metadata kept only when `mask` says (a frame with metadata is
+/// written and read by prost).
+fn defaults_from(mut frame: wire::ProviderTunnelFrame, mask: u16) -> wire::ProviderTunnelFrame {
+    let bit = |i: u32| mask & (1 << i) != 0;
+    if bit(0) {
+        frame.run_id.clear();
+    }
+    if bit(1) {
+        frame.sequence = 0;
+    }
+    if bit(2) {
+        frame.kind = 0;
+    }
+    if bit(3) {
+        frame.status_code = 0;
+    }
+    if bit(4) {
+        frame.body = Bytes::new();
+    }
+    if let Some(usage) = &mut frame.usage {
+        if bit(5) {
+            usage.prompt_tokens = 0;
+        }
+        if bit(6) {
+            usage.total_tokens = 0;
+        }
+    }
+    if let Some(error) = &mut frame.error
+        && bit(7)
+    {
+        error.code.clear();
+    }
+    if bit(8)
+        && let Some(header) = frame.headers.first_mut()
+    {
+        header.value = Bytes::new();
+    }
+    if !bit(9) {
+        frame.metadata.clear();
+    }
+    frame
+}
+
+/// One field of a tunnel frame's own, well formed but with any value: a varint field
+/// (bools and enums past their range too), or an `error`, `usage` or header message whose
+/// own varints are any (to be merged into, or added to, what the frame has).
+fn frame_field() -> impl Strategy<Value = Vec<u8>> {
+    use prost::encoding::{WireType, encode_key, encode_varint};
+    let varint = |number: u32, value: u64, out: &mut Vec<u8>| {
+        encode_key(number, WireType::Varint, out);
+        encode_varint(value, out);
+    };
+    let delimited = |number: u32, inner: &[u8]| {
+        let mut out = Vec::new();
+        encode_key(number, WireType::LengthDelimited, &mut out);
+        encode_varint(inner.len() as u64, &mut out);
+        out.extend_from_slice(inner);
+        out
+    };
+    let any_varint = prop_oneof![Just(0u64), Just(1u64), any::<u64>()];
+    prop_oneof![
+        (
+            prop::sample::select(vec![2u32, 3, 4, 7]),
+            any_varint.clone()
+        )
+            .prop_map(move |(number, value)| {
+                let mut out = Vec::new();
+                varint(number, value, &mut out);
+                out
+            }),
+        (arb::text(), arb::text(), any_varint.clone()).prop_map(
+            move |(code, message, retryable)| {
+                let mut inner = Vec::new();
+                prost::encoding::string::encode(1, &code, &mut inner);
+                prost::encoding::string::encode(2, &message, &mut inner);
+                varint(3, retryable, &mut inner);
+                delimited(8, &inner)
+            }
+        ),
+        (any_varint.clone(), any_varint.clone(), any_varint).prop_map(move |(a, b, c)| {
+            let mut inner = Vec::new();
+            varint(1, a, &mut inner);
+            varint(2, b, &mut inner);
+            varint(3, c, &mut inner);
+            delimited(9, &inner)
+        }),
+        arb::headers().prop_map(move |headers| {
+            let mut out = Vec::new();
+            for header in headers {
+                prost::encoding::message::encode(5, &header, &mut out);
+            }
+            out
+        }),
+    ]
+}
+
+/// One frame carrying `message` (any bytes) as the envelope's tunnel frame.
+fn tunnel_frame_frame(message: &[u8]) -> Bytes {
+    let mut envelope = BytesMut::new();
+    prost::encoding::encode_key(
+        10,
+        prost::encoding::WireType::LengthDelimited,
+        &mut envelope,
+    );
+    prost::encoding::encode_varint(message.len() as u64, &mut envelope);
+    envelope.extend_from_slice(message);
+    let mut frame = BytesMut::new();
+    frame.extend_from_slice(&u32::try_from(envelope.len()).unwrap().to_be_bytes());
+    frame.extend_from_slice(&envelope);
+    frame.freeze()
+}
+
+/// What prost alone decodes a whole frame (header and envelope) to, as the frame decoder
+/// reports it.
+fn prost_decodes(frame: &Bytes) -> Result<Envelope, DecodeError> {
+    use prost::Message;
+    let body = frame.slice(wire::HEADER_LEN..);
+    let len = body.len();
+    match Envelope::decode(body) {
+        Ok(envelope) if envelope.body.is_none() => Err(DecodeError::MissingBody { len }),
+        Ok(envelope) => Ok(envelope),
+        Err(source) => Err(DecodeError::Malformed { len, source }),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 1024, ..ProptestConfig::default() })]
+
+    /// Every envelope is written as prost writes it, a tunnel frame (written by hand)
+    /// among them, whatever fields it leaves at their defaults.
+    #[test]
+    fn every_envelope_is_written_as_prost_writes_it(
+        envelope in arb::envelope(),
+        frame in arb::tunnel_frame(),
+        mask in any::<u16>(),
+    ) {
+        use prost::Message;
+        let tunnel = Envelope::new(wire::Body::ProviderTunnelFrame(defaults_from(frame, mask)));
+        for envelope in [envelope, tunnel] {
+            let mut out = BytesMut::new();
+            wire::encode(&envelope, &mut out).expect("encodes");
+            prop_assert_eq!(&out[wire::HEADER_LEN..], &envelope.encode_to_vec()[..]);
+            prop_assert_eq!(out.len(), wire::encoded_frame_len(&envelope));
+        }
+    }
+
+    /// Whatever a tunnel frame's message holds (fields repeated, unknown, of the wrong
+    /// wire type, groups, strings that are not UTF-8, lengths past the end), the frame
+    /// decoder reads what prost decodes, or reports prost's own error.
+    #[test]
+    fn a_tunnel_frame_read_by_hand_is_what_prost_decodes(
+        frame in arb::tunnel_frame(),
+        mask in any::<u16>(),
+        extra in vec(prop_oneof![frame_field(), raw_field()], 0..6),
+        at in any::<prop::sample::Index>(),
+        where_ in any::<u8>(),
+        flip in proptest::option::weighted(0.3, (any::<prop::sample::Index>(), any::<u8>())),
+        cut in proptest::option::weighted(0.2, any::<prop::sample::Index>()),
+    ) {
+        use prost::Message;
+        let mut message = defaults_from(frame, mask).encode_to_vec();
+        let mut insert = match where_ % 3 {
+            0 => 0,
+            1 => message.len(),
+            _ => at.index(message.len() + 1),
+        };
+        for field in &extra {
+            message.splice(insert..insert, field.iter().copied());
+            insert += field.len();
+        }
+        if let Some((i, byte)) = flip && !message.is_empty() {
+            let i = i.index(message.len());
+            message[i] ^= byte;
+        }
+        if let Some(cut) = cut {
+            message.truncate(cut.index(message.len() + 1));
+        }
+        let frame = tunnel_frame_frame(&message);
+        let mut decoder = FrameDecoder::new();
+        decoder.push_bytes(frame.clone());
+        prop_assert_eq!(decoder.next_envelope().map(Option::unwrap), prost_decodes(&frame));
+    }
+}

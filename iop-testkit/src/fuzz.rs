@@ -13,7 +13,8 @@ use iop_proto_core::wire::{self, DecodeError, Envelope, FrameDecoder, Validate};
 
 /// Feeds `data` to a [`FrameDecoder`] in uneven pieces and checks that:
 /// the result does not depend on how the input was split, nor on whether tunnel requests
-/// are read in place ([`FrameDecoder::next_inbound`]); the decoder never holds more
+/// are read in place ([`FrameDecoder::next_inbound`]), and is what prost alone decodes
+/// each frame to (tunnel frames are read by hand); the decoder never holds more
 /// memory than the input warrants; an error is sticky; every decoded envelope validates
 /// or fails validation without panicking, and re-encodes to a frame that decodes to the
 /// same envelope.
@@ -57,6 +58,12 @@ pub fn frame_decoder(data: &[u8]) {
         "reading in place differs from decoding"
     );
 
+    assert_eq!(
+        prost_reading(data, MAX),
+        whole,
+        "the decoder differs from prost"
+    );
+
     let (envelopes, outcome) = whole;
     for envelope in &envelopes {
         let _ = envelope.validate();
@@ -73,6 +80,32 @@ pub fn frame_decoder(data: &[u8]) {
 }
 
 type Decoded = (Vec<Envelope>, Result<(), DecodeError>);
+
+/// The frames of `data` each decoded by prost alone, as the decoder reports them: up to
+/// the first error, a frame cut short at the end being no error.
+fn prost_reading(data: &[u8], max: usize) -> Decoded {
+    use prost::Message;
+    let mut envelopes = Vec::new();
+    let mut rest = data;
+    while let Some((header, tail)) = rest.split_first_chunk::<{ wire::HEADER_LEN }>() {
+        let announced = u32::from_be_bytes(*header);
+        let len = usize::try_from(announced).unwrap_or(usize::MAX);
+        if len > max {
+            let len = u64::from(announced);
+            return (envelopes, Err(DecodeError::FrameTooLarge { len, max }));
+        }
+        let Some((body, tail)) = tail.split_at_checked(len) else {
+            break;
+        };
+        match Envelope::decode(body) {
+            Ok(envelope) if envelope.body.is_some() => envelopes.push(envelope),
+            Ok(_) => return (envelopes, Err(DecodeError::MissingBody { len })),
+            Err(source) => return (envelopes, Err(DecodeError::Malformed { len, source })),
+        }
+        rest = tail;
+    }
+    (envelopes, Ok(()))
+}
 
 fn decode_all(max: usize, feed: impl FnOnce(&mut FrameDecoder)) -> Decoded {
     let mut decoder = FrameDecoder::with_max_frame_len(max);

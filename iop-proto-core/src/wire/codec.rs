@@ -11,6 +11,7 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 use prost::Message;
 
 use super::Envelope;
+use super::tunnel_frame;
 use super::tunnel_request::TunnelRequest;
 
 /// Length of the frame header: a big-endian `u32` byte count of the envelope that follows.
@@ -177,6 +178,20 @@ pub fn encode_with_limit(
     dst: &mut BytesMut,
     max_frame_len: usize,
 ) -> Result<(), EncodeError> {
+    use prost::encoding::{encode_varint, encoded_len_varint};
+    // A tunnel frame, the commonest message, is written by hand: the same bytes.
+    if let Some(super::Body::ProviderTunnelFrame(frame)) = &envelope.body
+        && let Some(message_len) = tunnel_frame::message_len(frame)
+    {
+        let len = 1 + encoded_len_varint(message_len as u64) + message_len;
+        let header = frame_header(len, max_frame_len)?;
+        dst.reserve(HEADER_LEN + len);
+        dst.put_u32(header);
+        dst.put_u8(tunnel_frame::ENVELOPE_KEY);
+        encode_varint(message_len as u64, dst);
+        tunnel_frame::encode_message(frame, dst);
+        return Ok(());
+    }
     if envelope.body.is_none() {
         return Err(EncodeError::MissingBody);
     }
@@ -436,6 +451,11 @@ impl FrameDecoder {
 
 /// Decodes one frame body. `frame` is a `Bytes`, so prost slices it for `bytes` fields.
 fn decode_envelope(frame: Bytes) -> Result<Envelope, DecodeError> {
+    // A tunnel frame, the commonest message, is read by hand where it can be: the same
+    // message prost decodes.
+    if let Some(tunnel) = tunnel_frame::read_frame(&frame) {
+        return Ok(Envelope::new(super::Body::ProviderTunnelFrame(tunnel)));
+    }
     let len = frame.len();
     let envelope =
         Envelope::decode(frame).map_err(|source| DecodeError::Malformed { len, source })?;

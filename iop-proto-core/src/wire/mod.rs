@@ -6,6 +6,7 @@
 //! copying it.
 
 pub(crate) mod codec;
+mod tunnel_frame;
 pub(crate) mod tunnel_request;
 mod validate;
 

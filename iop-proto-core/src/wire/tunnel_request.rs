@@ -48,7 +48,7 @@ pub(crate) mod tag {
 
 /// Where a field's bytes lie in the message (a frame's length fits a `u32`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-struct Span {
+pub(super) struct Span {
     start: u32,
     end: u32,
 }
@@ -59,18 +59,18 @@ impl Span {
         clippy::cast_possible_truncation,
         reason = "the message is at most u32::MAX long"
     )]
-    fn new(start: usize, end: usize) -> Span {
+    pub(super) fn new(start: usize, end: usize) -> Span {
         Span {
             start: start as u32,
             end: end as u32,
         }
     }
 
-    fn range(self) -> std::ops::Range<usize> {
+    pub(super) fn range(self) -> std::ops::Range<usize> {
         self.start as usize..self.end as usize
     }
 
-    fn of(self, raw: &[u8]) -> &[u8] {
+    pub(super) fn of(self, raw: &[u8]) -> &[u8] {
         &raw[self.range()]
     }
 
@@ -552,14 +552,14 @@ fn widen(span: Span, field: Span) -> Span {
 }
 
 /// `Some` if `bytes` are UTF-8 (as a string field's must be).
-fn utf8(bytes: &[u8]) -> Option<()> {
+pub(super) fn utf8(bytes: &[u8]) -> Option<()> {
     (bytes.is_ascii() || std::str::from_utf8(bytes).is_ok()).then_some(())
 }
 
 /// Fields `first` and `second` of the sub-message at `span` of `raw`, both
 /// length-delimited: the last of each, empty when absent; `None` where prost would refuse
 /// the sub-message.
-fn read_pair(raw: &[u8], span: Span, first: u32, second: u32) -> Option<(Span, Span)> {
+pub(super) fn read_pair(raw: &[u8], span: Span, first: u32, second: u32) -> Option<(Span, Span)> {
     let (mut a, mut b) = (Span::default(), Span::default());
     let mut reader = Reader::new(raw, span);
     while !reader.done() {
@@ -575,7 +575,7 @@ fn read_pair(raw: &[u8], span: Span, first: u32, second: u32) -> Option<(Span, S
 
 /// A field's value as the reader needs it.
 #[derive(Clone, Copy, Debug)]
-enum Value {
+pub(super) enum Value {
     Varint(u64),
     /// A length-delimited field's bytes.
     Bytes(Span),
@@ -585,7 +585,7 @@ enum Value {
 
 /// A cursor over the fields of an encoded message (or a part of it), by prost's rules for
 /// keys, varints and lengths. Its spans index the whole message.
-struct Reader<'a> {
+pub(super) struct Reader<'a> {
     /// What is left to read.
     rest: &'a [u8],
     /// Where `rest` ends in the message.
@@ -593,7 +593,7 @@ struct Reader<'a> {
 }
 
 impl<'a> Reader<'a> {
-    fn new(raw: &'a [u8], within: Span) -> Self {
+    pub(super) fn new(raw: &'a [u8], within: Span) -> Self {
         Reader {
             rest: &raw[within.range()],
             end: within.end as usize,
@@ -601,16 +601,16 @@ impl<'a> Reader<'a> {
     }
 
     /// Where the next field starts in the message.
-    fn pos(&self) -> usize {
+    pub(super) fn pos(&self) -> usize {
         self.end - self.rest.len()
     }
 
-    fn done(&self) -> bool {
+    pub(super) fn done(&self) -> bool {
         self.rest.is_empty()
     }
 
     /// A varint as prost reads it, a one-byte one without a call.
-    #[inline]
+    #[inline(always)]
     fn varint(&mut self) -> Option<u64> {
         match self.rest {
             [byte, rest @ ..] if *byte < 0x80 => {
@@ -622,9 +622,10 @@ impl<'a> Reader<'a> {
     }
 
     /// The next field; `None` at the end, or where prost would refuse the bytes or a
-    /// group starts (left to prost).
-    #[inline]
-    fn field(&mut self) -> Option<(u32, Value)> {
+    /// group starts (left to prost). Kept inline: its callers match on what it returns,
+    /// and as a call it cost about 60 instructions a field.
+    #[inline(always)]
+    pub(super) fn field(&mut self) -> Option<(u32, Value)> {
         let (number, wire) = match self.rest {
             // A one-byte key (fields 1 to 15); any other key is prost's to read or refuse
             // (field 0 and unknown wire types among them).

@@ -33,6 +33,33 @@ pub fn headers() -> impl Strategy<Value = Vec<Header>> {
     )
 }
 
+/// Any tunnel frame.
+pub fn tunnel_frame() -> impl Strategy<Value = ProviderTunnelFrame> {
+    (
+        (text(), any::<u64>(), enum_value(), any::<u32>(), headers()),
+        (blob(256), any::<bool>(), error_detail(), usage(), labels()),
+    )
+        .prop_map(
+            |(
+                (run_id, sequence, kind, status_code, headers),
+                (body, end, error, usage, metadata),
+            )| {
+                ProviderTunnelFrame {
+                    run_id,
+                    sequence,
+                    kind,
+                    status_code,
+                    headers,
+                    body,
+                    end,
+                    error,
+                    usage,
+                    metadata,
+                }
+            },
+        )
+}
+
 /// Any tunnel request.
 pub fn tunnel_request() -> impl Strategy<Value = ProviderTunnelRequest> {
     (
@@ -284,29 +311,7 @@ pub fn body() -> impl Strategy<Value = Body> {
                 }
             ),
         tunnel_request().prop_map(Body::ProviderTunnelRequest),
-        (
-            (text(), any::<u64>(), enum_value(), any::<u32>(), headers()),
-            (blob(256), any::<bool>(), error_detail(), usage(), labels())
-        )
-            .prop_map(
-                |(
-                    (run_id, sequence, kind, status_code, headers),
-                    (body, end, error, usage, metadata),
-                )| {
-                    Body::ProviderTunnelFrame(ProviderTunnelFrame {
-                        run_id,
-                        sequence,
-                        kind,
-                        status_code,
-                        headers,
-                        body,
-                        end,
-                        error,
-                        usage,
-                        metadata,
-                    })
-                }
-            ),
+        tunnel_frame().prop_map(Body::ProviderTunnelFrame),
         (text(), enum_value(), text()).prop_map(|(run_id, kind, reason)| {
             Body::CancelRequest(CancelRequest {
                 run_id,

@@ -1,0 +1,321 @@
+//! A `ProviderTunnelFrame`, the Node's commonest message, written and read by hand.
+//!
+//! Every provider answer crosses the link as tunnel frames: the Node encodes one for each
+//! burst of the answer and the Edge decodes it. prost's generic code takes about three
+//! times what the message needs for this (a length computed twice for each nested
+//! message, a `Buf` walk for each `bytes` field, a call per field on the way in). The
+//! functions here write exactly the bytes prost writes and read exactly the message prost
+//! reads. What they do not take on (a frame with `metadata`, which is rare; a nested
+//! message given twice, which prost merges; anything malformed) they leave to prost,
+//! which then encodes, decodes or refuses it as it always has. Property tests and the
+//! frame decoder's fuzz target hold the two equal.
+
+use bytes::{BufMut, Bytes, BytesMut};
+use prost::encoding::{encode_varint, encoded_len_varint};
+
+use super::tunnel_request::{Reader, Span, Value, read_pair};
+use super::{ErrorDetail, Header, ProviderTunnelFrame, Usage};
+
+/// Field numbers of `runtime.proto` (the property tests fail if these drift from it).
+mod tag {
+    pub(super) const ENVELOPE_TUNNEL_FRAME: u32 = 10;
+    pub(super) const RUN_ID: u32 = 1;
+    pub(super) const SEQUENCE: u32 = 2;
+    pub(super) const KIND: u32 = 3;
+    pub(super) const STATUS_CODE: u32 = 4;
+    pub(super) const HEADERS: u32 = 5;
+    pub(super) const BODY: u32 = 6;
+    pub(super) const END: u32 = 7;
+    pub(super) const ERROR: u32 = 8;
+    pub(super) const USAGE: u32 = 9;
+    pub(super) const METADATA: u32 = 10;
+    pub(super) const HEADER_NAME: u32 = 1;
+    pub(super) const HEADER_VALUE: u32 = 2;
+    pub(super) const ERROR_CODE: u32 = 1;
+    pub(super) const ERROR_MESSAGE: u32 = 2;
+    pub(super) const ERROR_RETRYABLE: u32 = 3;
+    pub(super) const USAGE_PROMPT: u32 = 1;
+    pub(super) const USAGE_COMPLETION: u32 = 2;
+    pub(super) const USAGE_TOTAL: u32 = 3;
+}
+
+/// The one-byte key of field `number` (below 16) of wire type `wire`.
+#[allow(
+    clippy::cast_possible_truncation,
+    reason = "every field number here is below 16"
+)]
+const fn key(number: u32, wire: u8) -> u8 {
+    (number << 3) as u8 | wire
+}
+
+const VARINT: u8 = 0;
+const DELIMITED: u8 = 2;
+
+/// The key of the envelope's `provider_tunnel_frame` field.
+pub(super) const ENVELOPE_KEY: u8 = key(tag::ENVELOPE_TUNNEL_FRAME, DELIMITED);
+
+/// Length of a length-delimited field of `len` bytes (a one-byte key).
+fn delimited_len(len: usize) -> usize {
+    1 + encoded_len_varint(len as u64) + len
+}
+
+/// Length of a varint field of `value` (a one-byte key).
+fn varint_field_len(value: u64) -> usize {
+    1 + encoded_len_varint(value)
+}
+
+/// The varint prost writes for an `int32` (a negative one sign-extended to ten bytes).
+#[allow(
+    clippy::cast_sign_loss,
+    reason = "protobuf writes an int32 as its 64-bit two's complement"
+)]
+fn int32(value: i32) -> u64 {
+    i64::from(value) as u64
+}
+
+/// Length of `header` encoded as a message.
+fn header_len(header: &Header) -> usize {
+    let name = if header.name.is_empty() {
+        0
+    } else {
+        delimited_len(header.name.len())
+    };
+    let value = if header.value.is_empty() {
+        0
+    } else {
+        delimited_len(header.value.len())
+    };
+    name + value
+}
+
+fn error_len(error: &ErrorDetail) -> usize {
+    let text = |s: &String| {
+        if s.is_empty() {
+            0
+        } else {
+            delimited_len(s.len())
+        }
+    };
+    text(&error.code) + text(&error.message) + if error.retryable { 2 } else { 0 }
+}
+
+fn usage_len(usage: &Usage) -> usize {
+    [
+        usage.prompt_tokens,
+        usage.completion_tokens,
+        usage.total_tokens,
+    ]
+    .into_iter()
+    .map(|n| if n == 0 { 0 } else { varint_field_len(n) })
+    .sum()
+}
+
+/// Length of `frame` encoded as a message (what prost's `encoded_len` gives); `None` for
+/// a frame with `metadata`, which is left to prost.
+pub(super) fn message_len(frame: &ProviderTunnelFrame) -> Option<usize> {
+    if !frame.metadata.is_empty() {
+        return None;
+    }
+    let mut len = 0;
+    if !frame.run_id.is_empty() {
+        len += delimited_len(frame.run_id.len());
+    }
+    if frame.sequence != 0 {
+        len += varint_field_len(frame.sequence);
+    }
+    if frame.kind != 0 {
+        len += varint_field_len(int32(frame.kind));
+    }
+    if frame.status_code != 0 {
+        len += varint_field_len(u64::from(frame.status_code));
+    }
+    for header in &frame.headers {
+        len += delimited_len(header_len(header));
+    }
+    if !frame.body.is_empty() {
+        len += delimited_len(frame.body.len());
+    }
+    if frame.end {
+        len += 2;
+    }
+    if let Some(error) = &frame.error {
+        len += delimited_len(error_len(error));
+    }
+    if let Some(usage) = &frame.usage {
+        len += delimited_len(usage_len(usage));
+    }
+    Some(len)
+}
+
+/// Appends `value` as a varint: one byte without a call for most (a length, a status).
+#[inline(always)]
+fn put_varint(dst: &mut BytesMut, value: u64) {
+    match u8::try_from(value) {
+        Ok(byte) if byte < 0x80 => dst.put_u8(byte),
+        _ => encode_varint(value, dst),
+    }
+}
+
+fn put_varint_field(dst: &mut BytesMut, number: u32, value: u64) {
+    dst.put_u8(key(number, VARINT));
+    put_varint(dst, value);
+}
+
+fn put_bytes_field(dst: &mut BytesMut, number: u32, value: &[u8]) {
+    dst.put_u8(key(number, DELIMITED));
+    put_varint(dst, value.len() as u64);
+    dst.extend_from_slice(value);
+}
+
+/// Appends `frame` encoded as a message, the bytes prost writes for it: fields in number
+/// order, each left out at its default. `frame` carries no `metadata` ([`message_len`]
+/// said so).
+pub(super) fn encode_message(frame: &ProviderTunnelFrame, dst: &mut BytesMut) {
+    debug_assert!(frame.metadata.is_empty());
+    if !frame.run_id.is_empty() {
+        put_bytes_field(dst, tag::RUN_ID, frame.run_id.as_bytes());
+    }
+    if frame.sequence != 0 {
+        put_varint_field(dst, tag::SEQUENCE, frame.sequence);
+    }
+    if frame.kind != 0 {
+        put_varint_field(dst, tag::KIND, int32(frame.kind));
+    }
+    if frame.status_code != 0 {
+        put_varint_field(dst, tag::STATUS_CODE, u64::from(frame.status_code));
+    }
+    for header in &frame.headers {
+        dst.put_u8(key(tag::HEADERS, DELIMITED));
+        put_varint(dst, header_len(header) as u64);
+        if !header.name.is_empty() {
+            put_bytes_field(dst, tag::HEADER_NAME, header.name.as_bytes());
+        }
+        if !header.value.is_empty() {
+            put_bytes_field(dst, tag::HEADER_VALUE, &header.value);
+        }
+    }
+    if !frame.body.is_empty() {
+        put_bytes_field(dst, tag::BODY, &frame.body);
+    }
+    if frame.end {
+        put_varint_field(dst, tag::END, 1);
+    }
+    if let Some(error) = &frame.error {
+        dst.put_u8(key(tag::ERROR, DELIMITED));
+        put_varint(dst, error_len(error) as u64);
+        if !error.code.is_empty() {
+            put_bytes_field(dst, tag::ERROR_CODE, error.code.as_bytes());
+        }
+        if !error.message.is_empty() {
+            put_bytes_field(dst, tag::ERROR_MESSAGE, error.message.as_bytes());
+        }
+        if error.retryable {
+            put_varint_field(dst, tag::ERROR_RETRYABLE, 1);
+        }
+    }
+    if let Some(usage) = &frame.usage {
+        dst.put_u8(key(tag::USAGE, DELIMITED));
+        put_varint(dst, usage_len(usage) as u64);
+        for (number, n) in [
+            (tag::USAGE_PROMPT, usage.prompt_tokens),
+            (tag::USAGE_COMPLETION, usage.completion_tokens),
+            (tag::USAGE_TOTAL, usage.total_tokens),
+        ] {
+            if n != 0 {
+                put_varint_field(dst, number, n);
+            }
+        }
+    }
+}
+
+/// The tunnel frame an envelope frame carries, read as prost decodes it: `None` unless
+/// the frame is exactly one `provider_tunnel_frame` field (as every encoder writes it)
+/// whose message [`read_message`] takes.
+pub(super) fn read_frame(frame: &Bytes) -> Option<ProviderTunnelFrame> {
+    let (&first, mut rest) = frame.split_first()?;
+    if first != ENVELOPE_KEY {
+        return None;
+    }
+    let len = prost::encoding::decode_varint(&mut rest).ok()?;
+    if len != rest.len() as u64 {
+        return None;
+    }
+    read_message(&frame.slice(frame.len() - rest.len()..))
+}
+
+/// Reads the message `raw` as prost would decode it into a [`ProviderTunnelFrame`]
+/// (its `bytes` fields slices of `raw`); `None` where prost would refuse it, and where it
+/// holds what this reader leaves to prost: `metadata`, a group, an `error` or `usage`
+/// given twice (prost merges the two).
+fn read_message(raw: &Bytes) -> Option<ProviderTunnelFrame> {
+    u32::try_from(raw.len()).ok()?;
+    let text = |span: Span| std::str::from_utf8(span.of(raw)).ok().map(String::from);
+    let mut out = ProviderTunnelFrame::default();
+    let mut reader = Reader::new(raw, Span::new(0, raw.len()));
+    while !reader.done() {
+        match reader.field()? {
+            (tag::RUN_ID, Value::Bytes(span)) => out.run_id = text(span)?,
+            (tag::SEQUENCE, Value::Varint(v)) => out.sequence = v,
+            // prost keeps the low 32 bits of a wider varint.
+            #[allow(clippy::cast_possible_truncation, reason = "as prost decodes int32")]
+            (tag::KIND, Value::Varint(v)) => out.kind = v as i32,
+            #[allow(clippy::cast_possible_truncation, reason = "as prost decodes uint32")]
+            (tag::STATUS_CODE, Value::Varint(v)) => out.status_code = v as u32,
+            (tag::HEADERS, Value::Bytes(span)) => {
+                let (name, value) = read_pair(raw, span, tag::HEADER_NAME, tag::HEADER_VALUE)?;
+                out.headers.push(Header {
+                    name: text(name)?,
+                    value: raw.slice(value.range()),
+                });
+            }
+            (tag::BODY, Value::Bytes(span)) => out.body = raw.slice(span.range()),
+            (tag::END, Value::Varint(v)) => out.end = v != 0,
+            (tag::ERROR, Value::Bytes(span)) if out.error.is_none() => {
+                out.error = Some(read_error(raw, span, text)?);
+            }
+            (tag::USAGE, Value::Bytes(span)) if out.usage.is_none() => {
+                out.usage = Some(read_usage(raw, span)?);
+            }
+            // `metadata`, a nested message given twice, or a known field in another wire
+            // type: prost's to decode or refuse.
+            (1..=tag::METADATA, _) => return None,
+            // A field this schema does not know: skipped, as prost skips it.
+            _ => {}
+        }
+    }
+    Some(out)
+}
+
+fn read_error(
+    raw: &[u8],
+    span: Span,
+    text: impl Fn(Span) -> Option<String>,
+) -> Option<ErrorDetail> {
+    let mut error = ErrorDetail::default();
+    let mut reader = Reader::new(raw, span);
+    while !reader.done() {
+        match reader.field()? {
+            (tag::ERROR_CODE, Value::Bytes(span)) => error.code = text(span)?,
+            (tag::ERROR_MESSAGE, Value::Bytes(span)) => error.message = text(span)?,
+            (tag::ERROR_RETRYABLE, Value::Varint(v)) => error.retryable = v != 0,
+            (1..=3, _) => return None,
+            _ => {}
+        }
+    }
+    Some(error)
+}
+
+fn read_usage(raw: &[u8], span: Span) -> Option<Usage> {
+    let mut usage = Usage::default();
+    let mut reader = Reader::new(raw, span);
+    while !reader.done() {
+        match reader.field()? {
+            (tag::USAGE_PROMPT, Value::Varint(v)) => usage.prompt_tokens = v,
+            (tag::USAGE_COMPLETION, Value::Varint(v)) => usage.completion_tokens = v,
+            (tag::USAGE_TOTAL, Value::Varint(v)) => usage.total_tokens = v,
+            (1..=3, _) => return None,
+            _ => {}
+        }
+    }
+    Some(usage)
+}
