@@ -37,7 +37,10 @@ pub fn inbox_with<T, A>(attached: A) -> (Outlet<T, A>, Inbox<T, A>) {
         Outlet {
             shared: shared.clone(),
         },
-        Inbox { shared },
+        Inbox {
+            shared,
+            taken: VecDeque::new(),
+        },
     )
 }
 
@@ -141,6 +144,9 @@ impl<T, A> Drop for Outlet<T, A> {
 /// The receiving end.
 pub struct Inbox<T, A = ()> {
     shared: Arc<Shared<T, A>>,
+    /// Items taken out of the queue in one lock and not yet returned: a request's
+    /// events mostly come several at a time, and each lock is two atomic operations.
+    taken: VecDeque<T>,
 }
 
 impl<T, A> std::fmt::Debug for Inbox<T, A> {
@@ -171,15 +177,20 @@ impl<T, A> Inbox<T, A> {
     }
 
     /// The next item; `Ready(None)` once the queue is empty and the outlet is gone.
+    /// Everything queued is taken at once, under one lock, and handed out in order.
     pub fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<T>> {
-        let mut state = self.shared.lock();
-        if let Some(item) = state.items.pop_front() {
-            if state.items.is_empty() && state.items.capacity() > KEEP_SLOTS {
-                state.items = VecDeque::new();
+        if self.taken.is_empty() {
+            let mut state = self.shared.lock();
+            if state.items.is_empty() {
+                return wait(&mut state, cx);
             }
-            return Poll::Ready(Some(item));
+            // The queue keeps this (empty) buffer; a large one is not kept.
+            if self.taken.capacity() > KEEP_SLOTS {
+                self.taken = VecDeque::new();
+            }
+            std::mem::swap(&mut state.items, &mut self.taken);
         }
-        wait(&mut state, cx)
+        Poll::Ready(self.taken.pop_front())
     }
 }
 
@@ -190,7 +201,8 @@ impl<T, A> Drop for Inbox<T, A> {
         state.waker = None;
         let items = std::mem::take(&mut state.items);
         drop(state);
-        // Whatever was queued is dropped outside the lock.
+        // Whatever was queued is dropped outside the lock (and what was taken, with the
+        // inbox).
         drop(items);
     }
 }
@@ -242,6 +254,21 @@ mod tests {
         drop(outlet);
         assert_eq!(poll(&mut inbox, &wakes), Poll::Ready(Some(3)));
         assert_eq!(poll(&mut inbox, &wakes), Poll::Ready(None));
+    }
+
+    #[test]
+    fn items_queued_while_a_batch_is_handed_out_follow_it() {
+        let (outlet, mut inbox) = inbox();
+        let wakes = Arc::new(Count::default());
+        send(&outlet, 1).unwrap();
+        send(&outlet, 2).unwrap();
+        assert_eq!(poll(&mut inbox, &wakes), Poll::Ready(Some(1)));
+        send(&outlet, 3).unwrap();
+        assert_eq!(poll(&mut inbox, &wakes), Poll::Ready(Some(2)));
+        drop(outlet);
+        assert_eq!(poll(&mut inbox, &wakes), Poll::Ready(Some(3)));
+        assert_eq!(poll(&mut inbox, &wakes), Poll::Ready(None));
+        assert_eq!(wakes.0.load(Ordering::SeqCst), 0, "never waited");
     }
 
     #[test]

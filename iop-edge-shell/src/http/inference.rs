@@ -943,8 +943,9 @@ impl Serving {
                     self.events
                         .memory()
                         .consumed(crate::driver::event_size(&event));
-                    self.last_activity = *received.get_or_insert_with(Instant::now);
-                    self.feed(event);
+                    let at = *received.get_or_insert_with(Instant::now);
+                    self.last_activity = at;
+                    self.feed(event, at);
                     continue;
                 }
                 Poll::Ready(None) => {
@@ -974,14 +975,17 @@ impl Serving {
         }
     }
 
-    fn feed(&mut self, event: RequestEvent) {
+    /// Takes `event`, which arrived at `at`.
+    fn feed(&mut self, event: RequestEvent, at: Instant) {
         match &event {
             RequestEvent::Dispatched {
                 node_id,
                 provider_id,
                 ..
-            } => self.finish.dispatched(node_id.clone(), provider_id.clone()),
-            RequestEvent::Run(_) | RequestEvent::Tunnel(_) => self.finish.first_byte(),
+            } => self
+                .finish
+                .dispatched(node_id.clone(), provider_id.clone(), at),
+            RequestEvent::Run(_) | RequestEvent::Tunnel(_) => self.finish.first_byte(at),
             RequestEvent::Ended(_) => {}
         }
         self.responder.handle_event(event);

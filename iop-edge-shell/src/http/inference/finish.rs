@@ -112,13 +112,16 @@ impl Finish {
         }
     }
 
-    pub(super) fn dispatched(&mut self, node: Arc<str>, provider: Arc<str>) {
-        self.dispatched = Some((node, provider, self.started.elapsed()));
+    /// The request was dispatched to `node` and `provider`, as the core told it at `at`
+    /// (the clock read for the batch of events it came in: no read of its own).
+    pub(super) fn dispatched(&mut self, node: Arc<str>, provider: Arc<str>, at: Instant) {
+        self.dispatched = Some((node, provider, at.saturating_duration_since(self.started)));
     }
 
-    pub(super) fn first_byte(&mut self) {
+    /// The answer's first byte arrived at `at`.
+    pub(super) fn first_byte(&mut self, at: Instant) {
         if self.first_byte.is_none() {
-            let ttfb = self.started.elapsed();
+            let ttfb = at.saturating_duration_since(self.started);
             self.first_byte = Some(ttfb);
             self.series().first_byte(ttfb);
         }
