@@ -70,7 +70,7 @@ impl Lines {
         debug_assert!(self.pending.is_empty(), "split after push");
         debug_assert!(!needle.needle().contains(&b'\n'));
         if !self.partial.is_empty() || self.overflow {
-            // The line begun in earlier input ends first, as `split` ends it.
+            // The line begun in earlier input ends first, as `next_line` ends it.
             let Some(end) = memchr::memchr(b'\n', data) else {
                 self.keep(data);
                 return;
