@@ -322,7 +322,7 @@ impl Conn {
     }
 
     /// The body of the response whose head was read next. The chunks of a chunked body
-    /// that one read brought in come out as one step, up to [`JOIN_DATA`] bytes
+    /// that one read brought in come out as one step, up to 64 KiB
     /// ([`Framing::decode_joined`]): an SSE stream sent a chunk per event and read in a
     /// burst is one body frame downstream, not one per event.
     pub fn decode(&mut self, framing: &mut Framing) -> Result<Option<Decoded>, H1Error> {
