@@ -453,9 +453,10 @@ impl FrameDecoder {
 fn decode_envelope(frame: Bytes) -> Result<Envelope, DecodeError> {
     // A tunnel frame, the commonest message, is read by hand where it can be: the same
     // message prost decodes.
-    if let Some(tunnel) = tunnel_frame::read_frame(&frame) {
-        return Ok(Envelope::new(super::Body::ProviderTunnelFrame(tunnel)));
-    }
+    let frame = match tunnel_frame::read_frame(frame) {
+        Ok(tunnel) => return Ok(Envelope::new(super::Body::ProviderTunnelFrame(tunnel))),
+        Err(frame) => frame,
+    };
     let len = frame.len();
     let envelope =
         Envelope::decode(frame).map_err(|source| DecodeError::Malformed { len, source })?;

@@ -10,7 +10,7 @@
 //! which then encodes, decodes or refuses it as it always has. Property tests and the
 //! frame decoder's fuzz target hold the two equal.
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use prost::encoding::{encode_varint, encoded_len_varint};
 
 use super::tunnel_request::{Reader, Span, Value, read_pair};
@@ -228,30 +228,50 @@ pub(super) fn encode_message(frame: &ProviderTunnelFrame, dst: &mut BytesMut) {
     }
 }
 
-/// The tunnel frame an envelope frame carries, read as prost decodes it: `None` unless
-/// the frame is exactly one `provider_tunnel_frame` field (as every encoder writes it)
-/// whose message [`read_message`] takes.
-pub(super) fn read_frame(frame: &Bytes) -> Option<ProviderTunnelFrame> {
+/// The tunnel frame an envelope frame carries, read as prost decodes it: `Err` with the
+/// frame, untouched, unless the frame is exactly one `provider_tunnel_frame` field (as
+/// every encoder writes it) whose message [`read_message`] takes.
+pub(super) fn read_frame(frame: Bytes) -> Result<ProviderTunnelFrame, Bytes> {
+    let Some((mut out, body)) = message_start(&frame).and_then(|at| read_message(&frame, at))
+    else {
+        return Err(frame);
+    };
+    if let Some(body) = body {
+        // The frame's own handle becomes the body, cut down in place: a copy of the
+        // handle would allocate for a buffer that was a `Vec` (prost's reading spares
+        // that too when the body is the message's last field, as encoders write it).
+        let range = body.range();
+        let mut frame = frame;
+        if range.end < frame.len() {
+            frame.truncate(range.end);
+        }
+        frame.advance(range.start);
+        out.body = frame;
+    }
+    Ok(out)
+}
+
+/// Where the message of a frame that is exactly one `provider_tunnel_frame` field starts.
+fn message_start(frame: &[u8]) -> Option<usize> {
     let (&first, mut rest) = frame.split_first()?;
     if first != ENVELOPE_KEY {
         return None;
     }
     let len = prost::encoding::decode_varint(&mut rest).ok()?;
-    if len != rest.len() as u64 {
-        return None;
-    }
-    read_message(&frame.slice(frame.len() - rest.len()..))
+    (len == rest.len() as u64).then_some(frame.len() - rest.len())
 }
 
-/// Reads the message `raw` as prost would decode it into a [`ProviderTunnelFrame`]
-/// (its `bytes` fields slices of `raw`); `None` where prost would refuse it, and where it
+/// Reads the message that starts at `start` of `raw` and runs to its end as prost would
+/// decode it into a [`ProviderTunnelFrame`], all but its body, whose place is returned
+/// (header values are slices of `raw`); `None` where prost would refuse it, and where it
 /// holds what this reader leaves to prost: `metadata`, a group, an `error` or `usage`
 /// given twice (prost merges the two).
-fn read_message(raw: &Bytes) -> Option<ProviderTunnelFrame> {
+fn read_message(raw: &Bytes, start: usize) -> Option<(ProviderTunnelFrame, Option<Span>)> {
     u32::try_from(raw.len()).ok()?;
     let text = |span: Span| std::str::from_utf8(span.of(raw)).ok().map(String::from);
     let mut out = ProviderTunnelFrame::default();
-    let mut reader = Reader::new(raw, Span::new(0, raw.len()));
+    let mut body = None;
+    let mut reader = Reader::new(raw, Span::new(start, raw.len()));
     while !reader.done() {
         match reader.field()? {
             (tag::RUN_ID, Value::Bytes(span)) => out.run_id = text(span)?,
@@ -268,7 +288,8 @@ fn read_message(raw: &Bytes) -> Option<ProviderTunnelFrame> {
                     value: raw.slice(value.range()),
                 });
             }
-            (tag::BODY, Value::Bytes(span)) => out.body = raw.slice(span.range()),
+            // An empty body is no body, as prost reads it.
+            (tag::BODY, Value::Bytes(span)) => body = (!span.is_empty()).then_some(span),
             (tag::END, Value::Varint(v)) => out.end = v != 0,
             (tag::ERROR, Value::Bytes(span)) if out.error.is_none() => {
                 out.error = Some(read_error(raw, span, text)?);
@@ -283,7 +304,7 @@ fn read_message(raw: &Bytes) -> Option<ProviderTunnelFrame> {
             _ => {}
         }
     }
-    Some(out)
+    Some((out, body))
 }
 
 fn read_error(

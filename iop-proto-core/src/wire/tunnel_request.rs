@@ -74,7 +74,7 @@ impl Span {
         &raw[self.range()]
     }
 
-    fn is_empty(self) -> bool {
+    pub(super) fn is_empty(self) -> bool {
         self.start == self.end
     }
 }
