@@ -153,10 +153,10 @@ impl Framing {
     /// into one buffer, up to `max` bytes in all (a first step longer than `max` is not
     /// cut). A stream its sender writes a chunk per event, read many events at once,
     /// then costs one step and one buffer instead of one per chunk. Joining stops before
-    /// anything that is not data: the last chunk, trailers, broken framing and a chunk
-    /// whose size line or first byte has not arrived are left in `buf` for the next call.
-    /// The bytes, their order and every error are those that [`decode`](Self::decode)
-    /// gives.
+    /// anything that is not data: trailers, broken framing and a chunk whose size line or
+    /// first byte has not arrived are left in `buf` for the next call (the last chunk's
+    /// size line is taken, as `decode` takes it, so that it is not read twice). The
+    /// bytes, their order and every error are those that [`decode`](Self::decode) gives.
     pub fn decode_joined(
         &mut self,
         buf: &mut BytesMut,
@@ -182,6 +182,11 @@ impl Framing {
             let Some((start, size)) = next_chunk(*chunk, buf) else {
                 break;
             };
+            if size == 0 {
+                buf.advance(start);
+                *chunk = Chunk::Trailers;
+                break;
+            }
             if joined.is_empty() {
                 // One allocation for what is here, bounded by `max`.
                 joined.reserve(total + (buf.len() - start).min(room));
@@ -271,10 +276,11 @@ fn line_end(buf: &[u8]) -> Option<usize> {
 }
 
 /// Where the data of the next chunk starts in `buf` and the chunk's size, for a decoder
-/// in state `chunk`: `Some` only when the CRLF that ends the chunk before it, the chunk's
-/// size line and at least one byte of its data are all in `buf`, the line is well formed
-/// and the size is not 0. Nothing is taken: whatever this declines, [`Framing::decode`]
-/// reads (and refuses) as it always does.
+/// in state `chunk`: `Some` only when the CRLF that ends the chunk before it and the
+/// chunk's size line are in `buf`, the line is well formed, and at least one byte of its
+/// data is here too (or the size is 0: the last chunk, which has none). Nothing is
+/// taken: whatever this declines, [`Framing::decode`] reads (and refuses) as it always
+/// does.
 fn next_chunk(chunk: Chunk, buf: &[u8]) -> Option<(usize, u64)> {
     let line_at = match chunk {
         Chunk::DataEnd => match line_end(buf) {
@@ -286,9 +292,9 @@ fn next_chunk(chunk: Chunk, buf: &[u8]) -> Option<(usize, u64)> {
     };
     let rest = &buf[line_at..];
     let end = line_feed(rest).filter(|&end| end <= MAX_CHUNK_LINE)?;
-    let size = chunk_size(&rest[..end]).ok().filter(|&size| size > 0)?;
+    let size = chunk_size(&rest[..end]).ok()?;
     let start = line_at + end + 1;
-    (start < buf.len()).then_some((start, size))
+    (size == 0 || start < buf.len()).then_some((start, size))
 }
 
 /// Where the first LF in `buf` is. A chunk-size line is a few bytes long: they are looked
