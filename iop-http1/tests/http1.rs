@@ -28,17 +28,7 @@ fn wire(requests: &[Sent]) -> Vec<u8> {
             }
             Some(sizes) => {
                 out.extend_from_slice(b"Transfer-Encoding: chunked\r\n\r\n");
-                let mut rest = &r.body[..];
-                let mut i = 0;
-                while !rest.is_empty() {
-                    let n = sizes[i % sizes.len()].min(rest.len());
-                    out.extend_from_slice(format!("{n:X}\r\n").as_bytes());
-                    out.extend_from_slice(&rest[..n]);
-                    out.extend_from_slice(b"\r\n");
-                    rest = &rest[n..];
-                    i += 1;
-                }
-                out.extend_from_slice(b"0\r\n\r\n");
+                out.extend_from_slice(&chunked(&r.body, sizes, false));
             }
         }
     }
@@ -119,7 +109,13 @@ fn chunked(body: &[u8], sizes: &[usize], trailer: bool) -> Vec<u8> {
     let mut i = 0;
     while !rest.is_empty() {
         let n = sizes[i % sizes.len()].min(rest.len());
-        out.extend_from_slice(format!("{n:x}\r\n").as_bytes());
+        // Sizes in both cases of hex, as senders write them.
+        let size = if i % 2 == 0 {
+            format!("{n:X}\r\n")
+        } else {
+            format!("{n:x}\r\n")
+        };
+        out.extend_from_slice(size.as_bytes());
         out.extend_from_slice(&rest[..n]);
         out.extend_from_slice(b"\r\n");
         rest = &rest[n..];

@@ -166,17 +166,79 @@ fn a_split_frame_over_the_limit_is_refused_and_nothing_is_taken() {
     assert_eq!(sent, envelope);
 }
 
-/// One frame carrying `message` (any bytes) as the envelope's tunnel request, as every
-/// encoder writes it: the only shape the in-place reader takes.
-fn tunnel_frame(message: &[u8]) -> Bytes {
+/// The envelope's `provider_tunnel_request` and `provider_tunnel_frame` fields.
+const TUNNEL_REQUEST: u32 = 9;
+const TUNNEL_FRAME: u32 = 10;
+
+/// One frame carrying `message` (any bytes) as the envelope's field `number`, as every
+/// encoder writes it: the only shape the readers by hand take.
+fn envelope_frame(number: u32, message: &[u8]) -> Bytes {
     let mut envelope = BytesMut::new();
-    prost::encoding::encode_key(9, prost::encoding::WireType::LengthDelimited, &mut envelope);
+    prost::encoding::encode_key(
+        number,
+        prost::encoding::WireType::LengthDelimited,
+        &mut envelope,
+    );
     prost::encoding::encode_varint(message.len() as u64, &mut envelope);
     envelope.extend_from_slice(message);
     let mut frame = BytesMut::new();
     frame.extend_from_slice(&u32::try_from(envelope.len()).unwrap().to_be_bytes());
     frame.extend_from_slice(&envelope);
     frame.freeze()
+}
+
+/// Damage done to an encoded message: extra fields spliced in, a byte flipped, the end
+/// cut off.
+#[derive(Debug)]
+struct Mutation {
+    extra: Vec<Vec<u8>>,
+    at: prop::sample::Index,
+    where_: u8,
+    flip: Option<(prop::sample::Index, u8)>,
+    cut: Option<prop::sample::Index>,
+}
+
+impl Mutation {
+    fn apply(&self, message: &mut Vec<u8>) {
+        // Extra fields go first, last, or anywhere (between whole fields only if `at`
+        // falls on a boundary; elsewhere they corrupt the message, as good a test).
+        let mut insert = match self.where_ % 3 {
+            0 => 0,
+            1 => message.len(),
+            _ => self.at.index(message.len() + 1),
+        };
+        for field in &self.extra {
+            message.splice(insert..insert, field.iter().copied());
+            insert += field.len();
+        }
+        if let Some((i, byte)) = self.flip
+            && !message.is_empty()
+        {
+            let i = i.index(message.len());
+            message[i] ^= byte;
+        }
+        if let Some(cut) = self.cut {
+            message.truncate(cut.index(message.len() + 1));
+        }
+    }
+}
+
+/// Up to five extra fields drawn from `field`, and sometimes a flip or a cut.
+fn mutation(field: impl Strategy<Value = Vec<u8>>) -> impl Strategy<Value = Mutation> {
+    (
+        vec(field, 0..6),
+        any::<prop::sample::Index>(),
+        any::<u8>(),
+        proptest::option::weighted(0.3, (any::<prop::sample::Index>(), any::<u8>())),
+        proptest::option::weighted(0.2, any::<prop::sample::Index>()),
+    )
+        .prop_map(|(extra, at, where_, flip, cut)| Mutation {
+            extra,
+            at,
+            where_,
+            flip,
+            cut,
+        })
 }
 
 /// What `frame` decodes to through each of the decoder's two readings.
@@ -270,36 +332,15 @@ proptest! {
     fn a_tunnel_request_read_in_place_is_what_prost_decodes(
         mut request in arb::tunnel_request(),
         request_id in proptest::option::of(arb::text()),
-        extra in vec(raw_field(), 0..6),
-        at in any::<prop::sample::Index>(),
-        where_ in any::<u8>(),
-        flip in proptest::option::weighted(0.3, (any::<prop::sample::Index>(), any::<u8>())),
-        cut in proptest::option::weighted(0.2, any::<prop::sample::Index>()),
+        mutation in mutation(raw_field()),
     ) {
         use prost::Message;
         if let Some(id) = request_id {
             request.metadata.insert(wire::REQUEST_ID_KEY.to_owned(), id);
         }
         let mut message = request.encode_to_vec();
-        // Extra fields go first, last, or anywhere (between whole fields only if `at`
-        // falls on a boundary; elsewhere they corrupt the message, as good a test).
-        let mut insert = match where_ % 3 {
-            0 => 0,
-            1 => message.len(),
-            _ => at.index(message.len() + 1),
-        };
-        for field in &extra {
-            message.splice(insert..insert, field.iter().copied());
-            insert += field.len();
-        }
-        if let Some((i, byte)) = flip && !message.is_empty() {
-            let i = i.index(message.len());
-            message[i] ^= byte;
-        }
-        if let Some(cut) = cut {
-            message.truncate(cut.index(message.len() + 1));
-        }
-        let frame = tunnel_frame(&message);
+        mutation.apply(&mut message);
+        let frame = envelope_frame(TUNNEL_REQUEST, &message);
         let (decoded, inbound) = both_readings(&frame);
         if let Ok(Some(Inbound::TunnelRequest(read))) = &inbound {
             let message = read.to_message();
@@ -429,22 +470,6 @@ fn frame_field() -> impl Strategy<Value = Vec<u8>> {
     ]
 }
 
-/// One frame carrying `message` (any bytes) as the envelope's tunnel frame.
-fn tunnel_frame_frame(message: &[u8]) -> Bytes {
-    let mut envelope = BytesMut::new();
-    prost::encoding::encode_key(
-        10,
-        prost::encoding::WireType::LengthDelimited,
-        &mut envelope,
-    );
-    prost::encoding::encode_varint(message.len() as u64, &mut envelope);
-    envelope.extend_from_slice(message);
-    let mut frame = BytesMut::new();
-    frame.extend_from_slice(&u32::try_from(envelope.len()).unwrap().to_be_bytes());
-    frame.extend_from_slice(&envelope);
-    frame.freeze()
-}
-
 /// What prost alone decodes a whole frame (header and envelope) to, as the frame decoder
 /// reports it.
 fn prost_decodes(frame: &Bytes) -> Result<Envelope, DecodeError> {
@@ -486,31 +511,12 @@ proptest! {
     fn a_tunnel_frame_read_by_hand_is_what_prost_decodes(
         frame in arb::tunnel_frame(),
         mask in any::<u16>(),
-        extra in vec(prop_oneof![frame_field(), raw_field()], 0..6),
-        at in any::<prop::sample::Index>(),
-        where_ in any::<u8>(),
-        flip in proptest::option::weighted(0.3, (any::<prop::sample::Index>(), any::<u8>())),
-        cut in proptest::option::weighted(0.2, any::<prop::sample::Index>()),
+        mutation in mutation(prop_oneof![frame_field(), raw_field()]),
     ) {
         use prost::Message;
         let mut message = defaults_from(frame, mask).encode_to_vec();
-        let mut insert = match where_ % 3 {
-            0 => 0,
-            1 => message.len(),
-            _ => at.index(message.len() + 1),
-        };
-        for field in &extra {
-            message.splice(insert..insert, field.iter().copied());
-            insert += field.len();
-        }
-        if let Some((i, byte)) = flip && !message.is_empty() {
-            let i = i.index(message.len());
-            message[i] ^= byte;
-        }
-        if let Some(cut) = cut {
-            message.truncate(cut.index(message.len() + 1));
-        }
-        let frame = tunnel_frame_frame(&message);
+        mutation.apply(&mut message);
+        let frame = envelope_frame(TUNNEL_FRAME, &message);
         let mut decoder = FrameDecoder::new();
         decoder.push_bytes(frame.clone());
         prop_assert_eq!(decoder.next_envelope().map(Option::unwrap), prost_decodes(&frame));

@@ -9,13 +9,15 @@
 use std::sync::Arc;
 
 use bytes::{BufMut, Bytes, BytesMut};
-use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint, key_len};
+use prost::encoding::key_len;
 
 use crate::lease::RunId;
 use crate::wire::codec::{HEADER_LEN, SPLIT_PAYLOAD_MIN, frame_header};
-use crate::wire::tunnel_request::{
-    bytes_field_len as bytes_len, put_bytes_field as put_bytes, tag,
+use crate::wire::field::{
+    bytes_field_len as bytes_len, delimited_len, put_bytes_field as put_bytes, put_delimited_head,
+    put_varint_field, varint_field_len,
 };
+use crate::wire::tunnel_request::tag;
 use crate::wire::{
     Body, EncodeError, Envelope, ForwardedHeaders, ProviderTunnelRequest, REQUEST_ID_KEY,
 };
@@ -97,15 +99,12 @@ impl TunnelDispatch {
         let split = self.body.len() >= SPLIT_PAYLOAD_MIN;
         let body_field = bytes_len(tag::BODY, self.body.len());
         let message_len = self.head_len(run) + body_field;
-        let len = key_len(tag::ENVELOPE_TUNNEL_REQUEST)
-            + encoded_len_varint(message_len as u64)
-            + message_len;
+        let len = delimited_len(tag::ENVELOPE_TUNNEL_REQUEST, message_len);
         let header = frame_header(len, max_frame_len)?;
         let copied = if split { 0 } else { self.body.len() };
         dst.reserve(HEADER_LEN + len - self.body.len() + copied);
         dst.put_u32(header);
-        encode_key(tag::ENVELOPE_TUNNEL_REQUEST, WireType::LengthDelimited, dst);
-        encode_varint(message_len as u64, dst);
+        put_delimited_head(dst, tag::ENVELOPE_TUNNEL_REQUEST, message_len);
         // Fields in their numbers' order, as prost writes them, but for a body handed
         // back: protobuf takes fields in any order, so it goes last, after its key.
         put_bytes(dst, tag::RUN_ID, run);
@@ -119,19 +118,16 @@ impl TunnelDispatch {
         }
         put_bool(dst, tag::STREAM, self.stream);
         if self.timeout_sec != 0 {
-            encode_key(tag::TIMEOUT_SEC, WireType::Varint, dst);
-            encode_varint(u64::from(self.timeout_sec), dst);
+            put_varint_field(dst, tag::TIMEOUT_SEC, u64::from(self.timeout_sec));
         }
         if !self.request_id.is_empty() {
-            encode_key(tag::METADATA, WireType::LengthDelimited, dst);
-            encode_varint(self.entry_len() as u64, dst);
+            put_delimited_head(dst, tag::METADATA, self.entry_len());
             put_bytes(dst, tag::ENTRY_KEY, REQUEST_ID_KEY.as_bytes());
             put_bytes(dst, tag::ENTRY_VALUE, self.request_id.as_bytes());
         }
         put_bool(dst, tag::LONG_CONTEXT, self.long_context);
         if split {
-            encode_key(tag::BODY, WireType::LengthDelimited, dst);
-            encode_varint(self.body.len() as u64, dst);
+            put_delimited_head(dst, tag::BODY, self.body.len());
             return Ok(Some(self.body.clone()));
         }
         Ok(None)
@@ -143,13 +139,12 @@ impl TunnelDispatch {
         let timeout = if self.timeout_sec == 0 {
             0
         } else {
-            key_len(tag::TIMEOUT_SEC) + encoded_len_varint(u64::from(self.timeout_sec))
+            varint_field_len(tag::TIMEOUT_SEC, u64::from(self.timeout_sec))
         };
         let metadata = if self.request_id.is_empty() {
             0
         } else {
-            let len = self.entry_len();
-            key_len(tag::METADATA) + encoded_len_varint(len as u64) + len
+            delimited_len(tag::METADATA, self.entry_len())
         };
         bytes_len(tag::RUN_ID, run.len())
             + bytes_len(tag::ADAPTER, self.adapter.len())
@@ -178,8 +173,7 @@ fn bool_len(tag: u32, value: bool) -> usize {
 /// Writes a bool field unless it is false.
 fn put_bool(dst: &mut BytesMut, tag: u32, value: bool) {
     if value {
-        encode_key(tag, WireType::Varint, dst);
-        dst.put_u8(1);
+        put_varint_field(dst, tag, 1);
     }
 }
 

@@ -178,17 +178,16 @@ pub fn encode_with_limit(
     dst: &mut BytesMut,
     max_frame_len: usize,
 ) -> Result<(), EncodeError> {
-    use prost::encoding::{encode_varint, encoded_len_varint};
+    use super::field::{delimited_len, put_delimited_head};
     // A tunnel frame, the commonest message, is written by hand: the same bytes.
     if let Some(super::Body::ProviderTunnelFrame(frame)) = &envelope.body
         && let Some(message_len) = tunnel_frame::message_len(frame)
     {
-        let len = 1 + encoded_len_varint(message_len as u64) + message_len;
+        let len = delimited_len(tunnel_frame::ENVELOPE_FIELD, message_len);
         let header = frame_header(len, max_frame_len)?;
         dst.reserve(HEADER_LEN + len);
         dst.put_u32(header);
-        dst.put_u8(tunnel_frame::ENVELOPE_KEY);
-        encode_varint(message_len as u64, dst);
+        put_delimited_head(dst, tunnel_frame::ENVELOPE_FIELD, message_len);
         tunnel_frame::encode_message(frame, dst);
         return Ok(());
     }

@@ -6,6 +6,7 @@
 //! copying it.
 
 pub(crate) mod codec;
+pub(crate) mod field;
 mod tunnel_frame;
 pub(crate) mod tunnel_request;
 mod validate;

@@ -10,10 +10,13 @@
 //! which then encodes, decodes or refuses it as it always has. Property tests and the
 //! frame decoder's fuzz target hold the two equal.
 
-use bytes::{Buf, BufMut, Bytes, BytesMut};
-use prost::encoding::{encode_varint, encoded_len_varint};
+use bytes::{Buf, Bytes, BytesMut};
 
-use super::tunnel_request::{Reader, Span, Value, read_pair};
+use super::field::{
+    bytes_field_len, delimited_len, put_bytes_field, put_delimited_head, put_varint_field,
+    varint_field_len,
+};
+use super::tunnel_request::{Reader, Span, Value, only_field, read_pair};
 use super::{ErrorDetail, Header, ProviderTunnelFrame, Usage};
 
 /// Field numbers of `runtime.proto` (the property tests fail if these drift from it).
@@ -39,30 +42,8 @@ mod tag {
     pub(super) const USAGE_TOTAL: u32 = 3;
 }
 
-/// The one-byte key of field `number` (below 16) of wire type `wire`.
-#[allow(
-    clippy::cast_possible_truncation,
-    reason = "every field number here is below 16"
-)]
-const fn key(number: u32, wire: u8) -> u8 {
-    (number << 3) as u8 | wire
-}
-
-const VARINT: u8 = 0;
-const DELIMITED: u8 = 2;
-
-/// The key of the envelope's `provider_tunnel_frame` field.
-pub(super) const ENVELOPE_KEY: u8 = key(tag::ENVELOPE_TUNNEL_FRAME, DELIMITED);
-
-/// Length of a length-delimited field of `len` bytes (a one-byte key).
-fn delimited_len(len: usize) -> usize {
-    1 + encoded_len_varint(len as u64) + len
-}
-
-/// Length of a varint field of `value` (a one-byte key).
-fn varint_field_len(value: u64) -> usize {
-    1 + encoded_len_varint(value)
-}
+/// The envelope's `provider_tunnel_frame` field.
+pub(super) const ENVELOPE_FIELD: u32 = tag::ENVELOPE_TUNNEL_FRAME;
 
 /// The varint prost writes for an `int32` (a negative one sign-extended to ten bytes).
 #[allow(
@@ -75,38 +56,24 @@ fn int32(value: i32) -> u64 {
 
 /// Length of `header` encoded as a message.
 fn header_len(header: &Header) -> usize {
-    let name = if header.name.is_empty() {
-        0
-    } else {
-        delimited_len(header.name.len())
-    };
-    let value = if header.value.is_empty() {
-        0
-    } else {
-        delimited_len(header.value.len())
-    };
-    name + value
+    bytes_field_len(tag::HEADER_NAME, header.name.len())
+        + bytes_field_len(tag::HEADER_VALUE, header.value.len())
 }
 
 fn error_len(error: &ErrorDetail) -> usize {
-    let text = |s: &String| {
-        if s.is_empty() {
-            0
-        } else {
-            delimited_len(s.len())
-        }
-    };
-    text(&error.code) + text(&error.message) + if error.retryable { 2 } else { 0 }
+    bytes_field_len(tag::ERROR_CODE, error.code.len())
+        + bytes_field_len(tag::ERROR_MESSAGE, error.message.len())
+        + if error.retryable { 2 } else { 0 }
 }
 
 fn usage_len(usage: &Usage) -> usize {
     [
-        usage.prompt_tokens,
-        usage.completion_tokens,
-        usage.total_tokens,
+        (tag::USAGE_PROMPT, usage.prompt_tokens),
+        (tag::USAGE_COMPLETION, usage.completion_tokens),
+        (tag::USAGE_TOTAL, usage.total_tokens),
     ]
     .into_iter()
-    .map(|n| if n == 0 { 0 } else { varint_field_len(n) })
+    .map(|(tag, n)| if n == 0 { 0 } else { varint_field_len(tag, n) })
     .sum()
 }
 
@@ -116,55 +83,30 @@ pub(super) fn message_len(frame: &ProviderTunnelFrame) -> Option<usize> {
     if !frame.metadata.is_empty() {
         return None;
     }
-    let mut len = 0;
-    if !frame.run_id.is_empty() {
-        len += delimited_len(frame.run_id.len());
-    }
+    let mut len = bytes_field_len(tag::RUN_ID, frame.run_id.len());
     if frame.sequence != 0 {
-        len += varint_field_len(frame.sequence);
+        len += varint_field_len(tag::SEQUENCE, frame.sequence);
     }
     if frame.kind != 0 {
-        len += varint_field_len(int32(frame.kind));
+        len += varint_field_len(tag::KIND, int32(frame.kind));
     }
     if frame.status_code != 0 {
-        len += varint_field_len(u64::from(frame.status_code));
+        len += varint_field_len(tag::STATUS_CODE, u64::from(frame.status_code));
     }
     for header in &frame.headers {
-        len += delimited_len(header_len(header));
+        len += delimited_len(tag::HEADERS, header_len(header));
     }
-    if !frame.body.is_empty() {
-        len += delimited_len(frame.body.len());
-    }
+    len += bytes_field_len(tag::BODY, frame.body.len());
     if frame.end {
         len += 2;
     }
     if let Some(error) = &frame.error {
-        len += delimited_len(error_len(error));
+        len += delimited_len(tag::ERROR, error_len(error));
     }
     if let Some(usage) = &frame.usage {
-        len += delimited_len(usage_len(usage));
+        len += delimited_len(tag::USAGE, usage_len(usage));
     }
     Some(len)
-}
-
-/// Appends `value` as a varint: one byte without a call for most (a length, a status).
-#[inline(always)]
-fn put_varint(dst: &mut BytesMut, value: u64) {
-    match u8::try_from(value) {
-        Ok(byte) if byte < 0x80 => dst.put_u8(byte),
-        _ => encode_varint(value, dst),
-    }
-}
-
-fn put_varint_field(dst: &mut BytesMut, number: u32, value: u64) {
-    dst.put_u8(key(number, VARINT));
-    put_varint(dst, value);
-}
-
-fn put_bytes_field(dst: &mut BytesMut, number: u32, value: &[u8]) {
-    dst.put_u8(key(number, DELIMITED));
-    put_varint(dst, value.len() as u64);
-    dst.extend_from_slice(value);
 }
 
 /// Appends `frame` encoded as a message, the bytes prost writes for it: fields in number
@@ -172,9 +114,7 @@ fn put_bytes_field(dst: &mut BytesMut, number: u32, value: &[u8]) {
 /// said so).
 pub(super) fn encode_message(frame: &ProviderTunnelFrame, dst: &mut BytesMut) {
     debug_assert!(frame.metadata.is_empty());
-    if !frame.run_id.is_empty() {
-        put_bytes_field(dst, tag::RUN_ID, frame.run_id.as_bytes());
-    }
+    put_bytes_field(dst, tag::RUN_ID, frame.run_id.as_bytes());
     if frame.sequence != 0 {
         put_varint_field(dst, tag::SEQUENCE, frame.sequence);
     }
@@ -185,37 +125,24 @@ pub(super) fn encode_message(frame: &ProviderTunnelFrame, dst: &mut BytesMut) {
         put_varint_field(dst, tag::STATUS_CODE, u64::from(frame.status_code));
     }
     for header in &frame.headers {
-        dst.put_u8(key(tag::HEADERS, DELIMITED));
-        put_varint(dst, header_len(header) as u64);
-        if !header.name.is_empty() {
-            put_bytes_field(dst, tag::HEADER_NAME, header.name.as_bytes());
-        }
-        if !header.value.is_empty() {
-            put_bytes_field(dst, tag::HEADER_VALUE, &header.value);
-        }
+        put_delimited_head(dst, tag::HEADERS, header_len(header));
+        put_bytes_field(dst, tag::HEADER_NAME, header.name.as_bytes());
+        put_bytes_field(dst, tag::HEADER_VALUE, &header.value);
     }
-    if !frame.body.is_empty() {
-        put_bytes_field(dst, tag::BODY, &frame.body);
-    }
+    put_bytes_field(dst, tag::BODY, &frame.body);
     if frame.end {
         put_varint_field(dst, tag::END, 1);
     }
     if let Some(error) = &frame.error {
-        dst.put_u8(key(tag::ERROR, DELIMITED));
-        put_varint(dst, error_len(error) as u64);
-        if !error.code.is_empty() {
-            put_bytes_field(dst, tag::ERROR_CODE, error.code.as_bytes());
-        }
-        if !error.message.is_empty() {
-            put_bytes_field(dst, tag::ERROR_MESSAGE, error.message.as_bytes());
-        }
+        put_delimited_head(dst, tag::ERROR, error_len(error));
+        put_bytes_field(dst, tag::ERROR_CODE, error.code.as_bytes());
+        put_bytes_field(dst, tag::ERROR_MESSAGE, error.message.as_bytes());
         if error.retryable {
             put_varint_field(dst, tag::ERROR_RETRYABLE, 1);
         }
     }
     if let Some(usage) = &frame.usage {
-        dst.put_u8(key(tag::USAGE, DELIMITED));
-        put_varint(dst, usage_len(usage) as u64);
+        put_delimited_head(dst, tag::USAGE, usage_len(usage));
         for (number, n) in [
             (tag::USAGE_PROMPT, usage.prompt_tokens),
             (tag::USAGE_COMPLETION, usage.completion_tokens),
@@ -232,7 +159,8 @@ pub(super) fn encode_message(frame: &ProviderTunnelFrame, dst: &mut BytesMut) {
 /// frame, untouched, unless the frame is exactly one `provider_tunnel_frame` field (as
 /// every encoder writes it) whose message [`read_message`] takes.
 pub(super) fn read_frame(frame: Bytes) -> Result<ProviderTunnelFrame, Bytes> {
-    let Some((mut out, body)) = message_start(&frame).and_then(|at| read_message(&frame, at))
+    let Some((mut out, body)) =
+        only_field(&frame, tag::ENVELOPE_TUNNEL_FRAME).and_then(|at| read_message(&frame, at))
     else {
         return Err(frame);
     };
@@ -249,16 +177,6 @@ pub(super) fn read_frame(frame: Bytes) -> Result<ProviderTunnelFrame, Bytes> {
         out.body = frame;
     }
     Ok(out)
-}
-
-/// Where the message of a frame that is exactly one `provider_tunnel_frame` field starts.
-fn message_start(frame: &[u8]) -> Option<usize> {
-    let (&first, mut rest) = frame.split_first()?;
-    if first != ENVELOPE_KEY {
-        return None;
-    }
-    let len = prost::encoding::decode_varint(&mut rest).ok()?;
-    (len == rest.len() as u64).then_some(frame.len() - rest.len())
 }
 
 /// Reads the message that starts at `start` of `raw` and runs to its end as prost would

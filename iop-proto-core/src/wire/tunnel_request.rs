@@ -21,6 +21,7 @@ use bytes::Bytes;
 use prost::Message;
 use prost::encoding::{WireType, decode_key, decode_varint};
 
+use super::field::{bytes_field_len, put_bytes_field, put_delimited_head};
 use super::{Envelope, Header, ProviderTunnelRequest};
 
 /// Field numbers of `runtime.proto` that the tunnel request's reader here and the Edge's
@@ -342,16 +343,8 @@ impl TunnelRequest {
     /// frame is exactly one `provider_tunnel_request` field (as every encoder writes it)
     /// whose message [`read`](Self::read) takes.
     pub(crate) fn read_frame(frame: &Bytes) -> Option<TunnelRequest> {
-        const KEY: u8 = (tag::ENVELOPE_TUNNEL_REQUEST << 3) as u8 | WireType::LengthDelimited as u8;
-        let (&first, mut rest) = frame.split_first()?;
-        if first != KEY {
-            return None;
-        }
-        let len = decode_varint(&mut rest).ok()?;
-        if len != rest.len() as u64 {
-            return None;
-        }
-        TunnelRequest::read(frame.slice(frame.len() - rest.len()..))
+        let start = only_field(frame, tag::ENVELOPE_TUNNEL_REQUEST)?;
+        TunnelRequest::read(frame.slice(start..))
     }
 }
 
@@ -483,8 +476,7 @@ impl ForwardedHeadersBuilder {
             + bytes_field_len(tag::HEADER_VALUE, value.len());
         let buf = &mut self.buf;
         buf.reserve(prost::encoding::key_len(tag::HEADERS) + 10 + len);
-        prost::encoding::encode_key(tag::HEADERS, WireType::LengthDelimited, buf);
-        prost::encoding::encode_varint(len as u64, buf);
+        put_delimited_head(buf, tag::HEADERS, len);
         put_bytes_field(buf, tag::HEADER_NAME, name.as_bytes());
         put_bytes_field(buf, tag::HEADER_VALUE, value);
     }
@@ -520,23 +512,17 @@ impl fmt::Debug for ForwardedHeaders {
     }
 }
 
-/// The encoded length of a string or bytes field of `len` bytes (nothing when empty, as
-/// proto3 leaves a default value out).
-pub(crate) fn bytes_field_len(tag: u32, len: usize) -> usize {
-    if len == 0 {
-        0
-    } else {
-        prost::encoding::key_len(tag) + prost::encoding::encoded_len_varint(len as u64) + len
+/// Where the value of a frame that is exactly one length-delimited field `number` (below
+/// 16) starts: its key, then a length that runs to the frame's end, as every encoder
+/// writes an envelope; `None` for any other frame.
+pub(super) fn only_field(frame: &[u8], number: u32) -> Option<usize> {
+    let key = u8::try_from(number << 3 | WireType::LengthDelimited as u32).ok()?;
+    let (&first, mut rest) = frame.split_first()?;
+    if first != key {
+        return None;
     }
-}
-
-/// Writes a string or bytes field unless it is empty.
-pub(crate) fn put_bytes_field(dst: &mut impl bytes::BufMut, tag: u32, value: &[u8]) {
-    if !value.is_empty() {
-        prost::encoding::encode_key(tag, WireType::LengthDelimited, dst);
-        prost::encoding::encode_varint(value.len() as u64, dst);
-        dst.put_slice(value);
-    }
+    let len = decode_varint(&mut rest).ok()?;
+    (len == rest.len() as u64).then_some(frame.len() - rest.len())
 }
 
 /// The smallest span holding `span` (empty for none yet) and `field`, which follows it.
@@ -552,7 +538,7 @@ fn widen(span: Span, field: Span) -> Span {
 }
 
 /// `Some` if `bytes` are UTF-8 (as a string field's must be).
-pub(super) fn utf8(bytes: &[u8]) -> Option<()> {
+fn utf8(bytes: &[u8]) -> Option<()> {
     (bytes.is_ascii() || std::str::from_utf8(bytes).is_ok()).then_some(())
 }
 
