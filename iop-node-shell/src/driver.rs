@@ -602,7 +602,8 @@ impl Conn {
                 let fields = [
                     ("node_id", Some(Field::Str(node_id))),
                     ("run_id", Some(Field::Str(&request.run_id))),
-                    ("request_id", Some(Field::Str(request_id))),
+                    // `-` or one `is_request_id` admits: no escapes.
+                    ("request_id", Some(Field::Quoted(request_id))),
                     ("adapter", Some(Field::Str(&request.adapter))),
                 ];
                 if tracing::enabled!(tracing::Level::INFO) && !info_direct("run started", &fields) {
@@ -632,10 +633,11 @@ impl Conn {
             SessionEvent::StartTunnel { request, run_id } => {
                 let adapter = request.adapter();
                 let request_id = request_id_or_dash(request.request_id());
+                // The request id is `-` or one `is_request_id` admits: no escapes.
                 let fields = [
                     ("node_id", Some(Field::Str(node_id))),
                     ("run_id", Some(Field::Str(&run_id))),
-                    ("request_id", Some(Field::Str(request_id))),
+                    ("request_id", Some(Field::Quoted(request_id))),
                     ("adapter", Some(Field::Str(adapter))),
                     ("path", Some(Field::Str(request.path()))),
                 ];

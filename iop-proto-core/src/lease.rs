@@ -90,7 +90,10 @@ impl RunId {
     #[must_use]
     pub fn wire(self) -> String {
         let mut buf = [0u8; Self::MAX_WIRE_LEN];
-        String::from_utf8_lossy(self.write_wire(&mut buf)).into_owned()
+        // ASCII only, so this cannot fail.
+        std::str::from_utf8(self.write_wire(&mut buf))
+            .map(String::from)
+            .unwrap_or_default()
     }
 
     /// The wire form written into `buf`, without allocating: a dispatch's frame is
@@ -103,10 +106,10 @@ impl RunId {
             len += bytes.len();
         };
         put(Self::PREFIX.as_bytes());
-        put(decimal(&mut digits, self.request.0).as_bytes());
+        put(decimal(&mut digits, self.request.0));
         if self.attempt > 0 {
             put(b"-");
-            put(decimal(&mut digits, u64::from(self.attempt)).as_bytes());
+            put(decimal(&mut digits, u64::from(self.attempt)));
         }
         &buf[..len]
     }
@@ -129,8 +132,8 @@ fn leading_number(bytes: &[u8]) -> Option<(u64, &[u8])> {
     Some((n, &bytes[end..]))
 }
 
-/// `n` in decimal, written into the end of `buf` (20 digits hold any `u64`).
-fn decimal(buf: &mut [u8; 20], mut n: u64) -> &str {
+/// `n`'s decimal digits, written into the end of `buf` (20 digits hold any `u64`).
+fn decimal(buf: &mut [u8; 20], mut n: u64) -> &[u8] {
     let mut at = buf.len();
     loop {
         at -= 1;
@@ -140,8 +143,7 @@ fn decimal(buf: &mut [u8; 20], mut n: u64) -> &str {
             break;
         }
     }
-    // ASCII digits only, so this cannot fail.
-    std::str::from_utf8(&buf[at..]).unwrap_or_default()
+    &buf[at..]
 }
 
 impl std::fmt::Display for RunId {

@@ -215,6 +215,10 @@ static DIRECT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::ne
 pub enum Field<'a> {
     /// A string (`name = value`): quoted, escaped as `Debug` escapes it where it must be.
     Str(&'a str),
+    /// A string its caller knows to be printable ASCII without a quote or a backslash
+    /// (a validated request id, a constant): written as [`Field::Str`] writes it, without
+    /// checking each byte again. Never for text a peer or a caller chose unchecked.
+    Quoted(&'a str),
     /// A string shown as it displays (`name = %value`): neither quoted nor escaped.
     Bare(&'a str),
     /// An unsigned integer (every unsigned width records as one).
@@ -275,6 +279,12 @@ fn write_fields(
                 out.push('"');
             }
             Field::Str(text) => write!(out, "{text:?}")?,
+            Field::Quoted(text) => {
+                debug_assert!(plain_ascii(text.as_bytes()), "{text:?} needs escapes");
+                out.push('"');
+                out.push_str(text);
+                out.push('"');
+            }
             Field::Bare(text) => out.push_str(text),
             Field::U64(n) => push_decimal(out, n),
             Field::Milli(n) => push_milli(out, n < 0, n.unsigned_abs()),
@@ -657,47 +667,50 @@ fn thousandths(value: f64) -> Option<u64> {
 /// Appends `n` thousandths, negative when `negative`, as `Debug` writes the float
 /// `n / 1000` (`-1.0`, `0.15`, `18.467`); any `u64` is written.
 fn push_milli(out: &mut String, negative: bool, n: u64) {
-    // `-`, up to 17 digits, `.`, up to 3 digits: put together at the end of one buffer.
-    let mut buf = [0u8; 24];
-    let fraction = n % 1000;
-    buf[20] = b'.';
-    buf[21] = b'0' + (fraction / 100) as u8;
-    buf[22] = b'0' + (fraction / 10 % 10) as u8;
-    buf[23] = b'0' + (fraction % 10) as u8;
-    // `Debug` writes the fewest digits, and at least one.
-    let keep = if fraction.is_multiple_of(100) {
-        1
-    } else if fraction.is_multiple_of(10) {
-        2
-    } else {
-        3
-    };
-    let mut at = decimal_before(&mut buf, 20, n / 1000);
     if negative {
-        at -= 1;
-        buf[at] = b'-';
+        out.push('-');
     }
-    push_ascii(out, &buf[at..21 + keep]);
+    push_decimal(out, n / 1000);
+    out.push('.');
+    // `Debug` writes the fewest digits of the fraction, and at least one.
+    let fraction = n % 1000;
+    let (hundreds, tens, ones) = (fraction / 100, fraction / 10 % 10, fraction % 10);
+    out.push(digit(hundreds));
+    if tens != 0 || ones != 0 {
+        out.push(digit(tens));
+    }
+    if ones != 0 {
+        out.push(digit(ones));
+    }
 }
 
-/// Appends `value` in decimal.
+/// The character of decimal digit `d` (below 10).
+fn digit(d: u64) -> char {
+    #[allow(clippy::cast_possible_truncation, reason = "a digit is below 10")]
+    char::from(b'0' + d as u8)
+}
+
+/// Appends `value` in decimal (a log line's numbers are mostly a digit or two: those
+/// are pushed without the buffer).
 fn push_decimal(out: &mut String, value: u64) {
-    let mut buf = [0u8; 24];
-    let at = decimal_before(&mut buf, 24, value);
-    push_ascii(out, &buf[at..]);
-}
-
-/// Writes `value`'s decimal digits into `buf` so that they end before `end` (at least 20
-/// places, a `u64`'s most); where they start.
-fn decimal_before(buf: &mut [u8; 24], end: usize, mut value: u64) -> usize {
-    let mut at = end;
-    loop {
-        at -= 1;
-        buf[at] = b'0' + (value % 10) as u8;
-        value /= 10;
-        if value == 0 {
-            return at;
+    if value < 10 {
+        out.push(digit(value));
+    } else if value < 100 {
+        out.push(digit(value / 10));
+        out.push(digit(value % 10));
+    } else {
+        // Written from the end of a buffer that holds any `u64`.
+        let mut buf = [0u8; 20];
+        let mut at = buf.len();
+        let mut rest = value;
+        while rest != 0 {
+            at -= 1;
+            #[allow(clippy::cast_possible_truncation, reason = "a digit is below 10")]
+            let d = (rest % 10) as u8;
+            buf[at] = b'0' + d;
+            rest /= 10;
         }
+        push_ascii(out, &buf[at..]);
     }
 }
 

@@ -31,12 +31,14 @@ pub(crate) fn put_delimited_head(dst: &mut impl BufMut, tag: u32, len: usize) {
 }
 
 /// Writes a varint field (the caller leaves out a default value).
+#[inline]
 pub(crate) fn put_varint_field(dst: &mut impl BufMut, tag: u32, value: u64) {
     put_key(dst, tag, WireType::Varint);
     put_varint(dst, value);
 }
 
 /// Writes a string or bytes field unless it is empty.
+#[inline]
 pub(crate) fn put_bytes_field(dst: &mut impl BufMut, tag: u32, value: &[u8]) {
     if !value.is_empty() {
         put_delimited_head(dst, tag, value.len());

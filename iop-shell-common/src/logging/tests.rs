@@ -294,6 +294,7 @@ fn direct_lines_read_as_the_text_format_writes_the_same_event() {
     let log = || {
         tracing::info!(
             request_id = "req_1",
+            endpoint = "/v1/chat/completions",
             trace_id = none,
             caller = %caller,
             odd = "a \"quoted\" \\ and \u{7}",
@@ -314,6 +315,7 @@ fn direct_lines_read_as_the_text_format_writes_the_same_event() {
         "request",
         &[
             ("request_id", Some(Field::Str("req_1"))),
+            ("endpoint", Some(Field::Quoted("/v1/chat/completions"))),
             ("trace_id", none.map(Field::Str)),
             ("caller", Some(Field::Bare(caller))),
             ("odd", Some(Field::Str("a \"quoted\" \\ and \u{7}"))),

@@ -172,12 +172,17 @@ impl Finish {
         use iop_shell_common::logging::{Field, info_direct};
         // The same line as the `info!` below, written without tracing's per-field dispatch
         // where the text format allows it.
+        // The request id is one `is_request_id` admits or one made here, and the endpoint
+        // and dialect are constants: none needs its bytes checked for escapes.
         let fields = [
-            ("request_id", Some(Field::Str(&self.request_id))),
+            ("request_id", Some(Field::Quoted(&self.request_id))),
             ("trace_id", trace_id.as_deref().map(Field::Str)),
             ("caller", Some(Field::Bare(&self.caller.name))),
-            ("endpoint", Some(Field::Str(self.route.path()))),
-            ("dialect", Some(Field::Str(self.route.dialect().as_str()))),
+            ("endpoint", Some(Field::Quoted(self.route.path()))),
+            (
+                "dialect",
+                Some(Field::Quoted(self.route.dialect().as_str())),
+            ),
             ("model", Some(Field::Bare(&self.model))),
             ("node", Some(Field::Str(node))),
             ("provider", Some(Field::Str(provider))),
