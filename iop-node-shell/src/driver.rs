@@ -599,14 +599,15 @@ impl Conn {
             }
             SessionEvent::StartRun { request } => {
                 let request_id = request_id_of(&request.metadata);
-                let fields = [
-                    ("node_id", Some(Field::Str(node_id))),
-                    ("run_id", Some(Field::Str(&request.run_id))),
+                let line = iop_shell_common::direct_line!(
+                    "run started",
+                    node_id: Some(Field::Str(node_id)),
+                    run_id: Some(Field::Str(&request.run_id)),
                     // `-` or one `is_request_id` admits: no escapes.
-                    ("request_id", Some(Field::Quoted(request_id))),
-                    ("adapter", Some(Field::Str(&request.adapter))),
-                ];
-                if tracing::enabled!(tracing::Level::INFO) && !info_direct("run started", &fields) {
+                    request_id: Some(Field::Quoted(request_id)),
+                    adapter: Some(Field::Str(&request.adapter)),
+                );
+                if tracing::enabled!(tracing::Level::INFO) && !info_direct(&line) {
                     info!(
                         node_id,
                         run_id = request.run_id,
@@ -634,15 +635,15 @@ impl Conn {
                 let adapter = request.adapter();
                 let request_id = request_id_or_dash(request.request_id());
                 // The request id is `-` or one `is_request_id` admits: no escapes.
-                let fields = [
-                    ("node_id", Some(Field::Str(node_id))),
-                    ("run_id", Some(Field::Str(&run_id))),
-                    ("request_id", Some(Field::Quoted(request_id))),
-                    ("adapter", Some(Field::Str(adapter))),
-                    ("path", Some(Field::Str(request.path()))),
-                ];
-                if tracing::enabled!(tracing::Level::INFO) && !info_direct("tunnel opened", &fields)
-                {
+                let line = iop_shell_common::direct_line!(
+                    "tunnel opened",
+                    node_id: Some(Field::Str(node_id)),
+                    run_id: Some(Field::Str(&run_id)),
+                    request_id: Some(Field::Quoted(request_id)),
+                    adapter: Some(Field::Str(adapter)),
+                    path: Some(Field::Str(request.path())),
+                );
+                if tracing::enabled!(tracing::Level::INFO) && !info_direct(&line) {
                     info!(
                         node_id,
                         run_id = &*run_id,

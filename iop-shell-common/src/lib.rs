@@ -3,6 +3,7 @@
 //!
 //! - [`clock`]: the monotonic clock mapped onto the core's `Timestamp`.
 //! - [`config`]: reading a TOML file, errors naming the file or the key.
+//! - [`deadline`]: a deadline that moves often, over one runtime timer.
 //! - [`logging`]: `tracing` to stderr as text or JSON lines.
 //! - [`offload`]: CPU work on large request bytes, off the event loop.
 //! - [`process`]: the runtime and the shutdown signals of a binary.
@@ -10,6 +11,7 @@
 
 pub mod clock;
 pub mod config;
+pub mod deadline;
 pub mod logging;
 pub mod offload;
 pub mod process;

@@ -228,7 +228,31 @@ pub enum Field<'a> {
     Milli(i64),
 }
 
-/// Writes an INFO line of `message` and `fields` into the log's buffer, byte for byte as
+/// An INFO line for [`info_direct`]: its message and its fields, each with the text that
+/// comes before its value (a space, its name, `=`). [`direct_line!`](crate::direct_line)
+/// makes one, with that text put together at compile time.
+#[derive(Clone, Copy, Debug)]
+pub struct DirectLine<'a> {
+    /// The message: a literal, printable ASCII.
+    pub message: &'static str,
+    /// Each field: ` name=` and its value (`None` leaves the field out).
+    pub fields: &'a [(&'static str, Option<Field<'a>>)],
+}
+
+/// A [`DirectLine`]: `direct_line!("request", request_id: Some(Field::Quoted(id)), ...)`,
+/// each value an `Option<Field>`, as `tracing::info!(request_id = ..., "request")` names
+/// them.
+#[macro_export]
+macro_rules! direct_line {
+    ($message:literal $(, $name:ident: $value:expr)* $(,)?) => {
+        $crate::logging::DirectLine {
+            message: $message,
+            fields: &[$((concat!(" ", stringify!($name), "="), $value)),*],
+        }
+    };
+}
+
+/// Writes an INFO line into the log's buffer, byte for byte as
 /// `tracing::info!(name = value, ..., "message")` writes it through the text format
 /// (a field that is `None` left out, as `tracing` leaves out an `Option` that is `None`),
 /// without `tracing`'s per-field dispatch: a line per request that went through it cost
@@ -236,7 +260,7 @@ pub enum Field<'a> {
 /// event is enabled (`tracing::enabled!` with its target). `false`, with nothing written,
 /// where the line must go through `tracing` instead: JSON lines, no buffered writer, or
 /// inside a span (whose fields the line would carry).
-pub fn info_direct(message: &str, fields: &[(&str, Option<Field<'_>>)]) -> bool {
+pub fn info_direct(line: &DirectLine<'_>) -> bool {
     if !DIRECT.load(std::sync::atomic::Ordering::Relaxed) {
         return false;
     }
@@ -251,7 +275,7 @@ pub fn info_direct(message: &str, fields: &[(&str, Option<Field<'_>>)]) -> bool 
             return false;
         }
         out.push_str("  INFO ");
-        if write_fields(out, message, fields).is_ok() {
+        if write_fields(out, line).is_ok() {
             out.push('\n');
             shared.append(out.as_bytes());
         }
@@ -259,19 +283,16 @@ pub fn info_direct(message: &str, fields: &[(&str, Option<Field<'_>>)]) -> bool 
     })
 }
 
-/// `message` and `fields` as [`TextFields`] writes an event's.
-fn write_fields(
-    out: &mut String,
-    message: &str,
-    fields: &[(&str, Option<Field<'_>>)],
-) -> std::fmt::Result {
+/// `line`'s message and fields as [`TextFields`] writes an event's.
+fn write_fields(out: &mut String, line: &DirectLine<'_>) -> std::fmt::Result {
     use std::fmt::Write;
-    Message(out).write_str(message)?;
-    for (name, value) in fields {
+    // A literal of printable ASCII, as a message needs no escapes.
+    debug_assert!(!line.message.chars().any(control));
+    out.push_str(line.message);
+    for (start, value) in line.fields {
         let Some(value) = value else { continue };
-        out.push(' ');
-        out.push_str(name);
-        out.push('=');
+        debug_assert!(start.starts_with(' ') && start.ends_with('='));
+        out.push_str(start);
         match *value {
             Field::Str(text) if plain(text) => {
                 out.push('"');

@@ -37,8 +37,9 @@ use iop_http1::{
     self as http1, BodyFraming, CHUNK_END, Framing, HeadError, HeadReader, LAST_CHUNK, Opening,
     RequestHead,
 };
+use iop_shell_common::deadline::Deadline;
 use tokio::net::TcpStream;
-use tokio::time::{Instant, Sleep};
+use tokio::time::Instant;
 use tracing::debug;
 
 use super::{ResBody, State, error};
@@ -160,8 +161,8 @@ struct Conn {
     read: Mutex<ReadSide>,
     out: Vec<u8>,
     peer: SocketAddr,
-    /// The connection's one timer: a head's deadline, the idle limit, a stalled write's.
-    timer: Pin<Box<Sleep>>,
+    /// The connection's one deadline: a head's, the idle limit, a stalled write's.
+    timer: Deadline,
 }
 
 fn lock(read: &Mutex<ReadSide>) -> MutexGuard<'_, ReadSide> {
@@ -221,9 +222,7 @@ async fn serve_from(
         read: Mutex::new(read),
         out: Vec::new(),
         peer,
-        timer: Box::pin(tokio::time::sleep_until(
-            Instant::now() + settings.header_read_timeout,
-        )),
+        timer: Deadline::new(Instant::now() + settings.header_read_timeout),
     };
     let mut heads = HeadReader::new(settings.max_header_bytes);
     let mut first = first;
@@ -302,7 +301,7 @@ impl Conn {
             } else {
                 settings.idle_timeout
             };
-            self.timer.as_mut().reset(Instant::now() + limit);
+            self.timer.set(Instant::now() + limit);
         }
         loop {
             {
@@ -340,7 +339,7 @@ impl Conn {
                 if (idle || drain.mover().is_some()) && began.as_mut().poll(cx).is_ready() {
                     return Poll::Ready(None);
                 }
-                timer.as_mut().poll(cx).map(|()| None)
+                timer.poll_reached(cx).map(|()| None)
             })
             .await;
             match outcome {
@@ -363,8 +362,7 @@ impl Conn {
                     // header timeout.
                     started = true;
                     self.timer
-                        .as_mut()
-                        .reset(Instant::now() + settings.header_read_timeout);
+                        .set(Instant::now() + settings.header_read_timeout);
                 }
                 Some(Ok(_)) => {}
             }
@@ -631,14 +629,14 @@ impl Conn {
     /// Waits until the socket takes more; only a blocked write arms the timer, so a client
     /// that reads costs none.
     async fn wait_writable(&mut self) -> io::Result<()> {
-        self.timer.as_mut().reset(Instant::now() + STALL);
+        self.timer.set(Instant::now() + STALL);
         let stream = &self.stream;
         let timer = &mut self.timer;
         std::future::poll_fn(|cx| {
             if let Poll::Ready(ready) = stream.poll_write_ready(cx) {
                 return Poll::Ready(ready);
             }
-            timer.as_mut().poll(cx).map(|()| {
+            timer.poll_reached(cx).map(|()| {
                 Err(io::Error::new(
                     io::ErrorKind::TimedOut,
                     "the client stopped reading",

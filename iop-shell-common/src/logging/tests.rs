@@ -310,30 +310,27 @@ fn direct_lines_read_as_the_text_format_writes_the_same_event() {
         );
     };
     let mut direct = String::new();
-    write_fields(
-        &mut direct,
+    let fields = crate::direct_line!(
         "request",
-        &[
-            ("request_id", Some(Field::Str("req_1"))),
-            ("endpoint", Some(Field::Quoted("/v1/chat/completions"))),
-            ("trace_id", none.map(Field::Str)),
-            ("caller", Some(Field::Bare(caller))),
-            ("odd", Some(Field::Str("a \"quoted\" \\ and \u{7}"))),
-            ("status", Some(Field::U64(200))),
-            ("queue_ms", Some(Field::Milli(150))),
-            ("missing_ms", Some(Field::Milli(-1000))),
-            ("small_ms", Some(Field::Milli(7))),
-            ("whole_ms", Some(Field::Milli(12_000))),
-            ("long_ms", Some(Field::Milli(123_456_789))),
-            ("prompt_tokens", Some(Field::U64(17))),
-            ("completion_tokens", None),
-        ],
-    )
-    .unwrap();
+        request_id: Some(Field::Str("req_1")),
+        endpoint: Some(Field::Quoted("/v1/chat/completions")),
+        trace_id: none.map(Field::Str),
+        caller: Some(Field::Bare(caller)),
+        odd: Some(Field::Str("a \"quoted\" \\ and \u{7}")),
+        status: Some(Field::U64(200)),
+        queue_ms: Some(Field::Milli(150)),
+        missing_ms: Some(Field::Milli(-1000)),
+        small_ms: Some(Field::Milli(7)),
+        whole_ms: Some(Field::Milli(12_000)),
+        long_ms: Some(Field::Milli(123_456_789)),
+        prompt_tokens: Some(Field::U64(17)),
+        completion_tokens: None,
+    );
+    write_fields(&mut direct, &fields).unwrap();
     assert_eq!(direct, line(true, log));
     assert_eq!(direct, line(false, log));
     // Not installed here: the caller logs through tracing.
-    assert!(!info_direct("request", &[]));
+    assert!(!info_direct(&crate::direct_line!("request")));
 }
 
 #[test]

@@ -174,31 +174,24 @@ impl Finish {
         // where the text format allows it.
         // The request id is one `is_request_id` admits or one made here, and the endpoint
         // and dialect are constants: none needs its bytes checked for escapes.
-        let fields = [
-            ("request_id", Some(Field::Quoted(&self.request_id))),
-            ("trace_id", trace_id.as_deref().map(Field::Str)),
-            ("caller", Some(Field::Bare(&self.caller.name))),
-            ("endpoint", Some(Field::Quoted(self.route.path()))),
-            (
-                "dialect",
-                Some(Field::Quoted(self.route.dialect().as_str())),
-            ),
-            ("model", Some(Field::Bare(&self.model))),
-            ("node", Some(Field::Str(node))),
-            ("provider", Some(Field::Str(provider))),
-            ("status", Some(Field::U64(status.into()))),
-            ("queue_ms", Some(Field::Milli(queue_us))),
-            ("ttfb_ms", Some(Field::Milli(ttfb_us))),
-            ("duration_ms", Some(Field::Milli(duration_us))),
-            ("prompt_tokens", usage.map(|u| Field::U64(u.prompt_tokens))),
-            (
-                "completion_tokens",
-                usage.map(|u| Field::U64(u.completion_tokens)),
-            ),
-        ];
-        if !tracing::enabled!(target: "iop::request", tracing::Level::INFO)
-            || info_direct("request", &fields)
-        {
+        let line = iop_shell_common::direct_line!(
+            "request",
+            request_id: Some(Field::Quoted(&self.request_id)),
+            trace_id: trace_id.as_deref().map(Field::Str),
+            caller: Some(Field::Bare(&self.caller.name)),
+            endpoint: Some(Field::Quoted(self.route.path())),
+            dialect: Some(Field::Quoted(self.route.dialect().as_str())),
+            model: Some(Field::Bare(&self.model)),
+            node: Some(Field::Str(node)),
+            provider: Some(Field::Str(provider)),
+            status: Some(Field::U64(status.into())),
+            queue_ms: Some(Field::Milli(queue_us)),
+            ttfb_ms: Some(Field::Milli(ttfb_us)),
+            duration_ms: Some(Field::Milli(duration_us)),
+            prompt_tokens: usage.map(|u| Field::U64(u.prompt_tokens)),
+            completion_tokens: usage.map(|u| Field::U64(u.completion_tokens)),
+        );
+        if !tracing::enabled!(target: "iop::request", tracing::Level::INFO) || info_direct(&line) {
             return;
         }
         info!(
