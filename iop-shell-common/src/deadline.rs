@@ -18,9 +18,8 @@ use tokio::time::{Instant, Sleep};
 /// A deadline over one runtime timer (see the module).
 #[derive(Debug)]
 pub struct Deadline {
+    /// The timer, set to fire at the deadline or before it.
     sleep: Pin<Box<Sleep>>,
-    /// When the timer is set to fire: never after `at`.
-    armed: Instant,
     /// The deadline.
     at: Instant,
 }
@@ -31,7 +30,6 @@ impl Deadline {
     pub fn new(at: Instant) -> Self {
         Deadline {
             sleep: Box::pin(tokio::time::sleep_until(at)),
-            armed: at,
             at,
         }
     }
@@ -39,7 +37,7 @@ impl Deadline {
     /// Moves the deadline to `at`, later or earlier.
     pub fn set(&mut self, at: Instant) {
         self.at = at;
-        if at < self.armed {
+        if at < self.sleep.deadline() {
             self.arm();
         }
     }
@@ -55,7 +53,7 @@ impl Deadline {
     pub fn poll_reached(&mut self, cx: &mut Context<'_>) -> Poll<()> {
         loop {
             ready!(self.sleep.as_mut().poll(cx));
-            if self.armed >= self.at {
+            if self.sleep.deadline() >= self.at {
                 return Poll::Ready(());
             }
             // Fired for a deadline that has since moved on.
@@ -65,7 +63,6 @@ impl Deadline {
 
     fn arm(&mut self) {
         self.sleep.as_mut().reset(self.at);
-        self.armed = self.at;
     }
 }
 

@@ -293,18 +293,17 @@ fn write_fields(out: &mut String, line: &DirectLine<'_>) -> std::fmt::Result {
         let Some(value) = value else { continue };
         debug_assert!(start.starts_with(' ') && start.ends_with('='));
         out.push_str(start);
+        let quoted = |out: &mut String, text: &str| {
+            out.push('"');
+            out.push_str(text);
+            out.push('"');
+        };
         match *value {
-            Field::Str(text) if plain(text) => {
-                out.push('"');
-                out.push_str(text);
-                out.push('"');
-            }
+            Field::Str(text) if plain(text) => quoted(out, text),
             Field::Str(text) => write!(out, "{text:?}")?,
             Field::Quoted(text) => {
                 debug_assert!(plain_ascii(text.as_bytes()), "{text:?} needs escapes");
-                out.push('"');
-                out.push_str(text);
-                out.push('"');
+                quoted(out, text);
             }
             Field::Bare(text) => out.push_str(text),
             Field::U64(n) => push_decimal(out, n),

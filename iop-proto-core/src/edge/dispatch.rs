@@ -9,13 +9,12 @@
 use std::sync::Arc;
 
 use bytes::{BufMut, Bytes, BytesMut};
-use prost::encoding::key_len;
 
 use crate::lease::RunId;
 use crate::wire::codec::{HEADER_LEN, SPLIT_PAYLOAD_MIN, frame_header};
 use crate::wire::field::{
-    bytes_field_len as bytes_len, delimited_len, put_bytes_field as put_bytes, put_delimited_head,
-    put_varint_field, varint_field_len,
+    bool_field_len, bytes_field_len as bytes_len, delimited_len, put_bool_field,
+    put_bytes_field as put_bytes, put_delimited_head, put_varint_field, varint_field_len,
 };
 use crate::wire::tunnel_request::tag;
 use crate::wire::{
@@ -116,7 +115,7 @@ impl TunnelDispatch {
         if !split {
             put_bytes(dst, tag::BODY, &self.body);
         }
-        put_bool(dst, tag::STREAM, self.stream);
+        put_bool_field(dst, tag::STREAM, self.stream);
         if self.timeout_sec != 0 {
             put_varint_field(dst, tag::TIMEOUT_SEC, u64::from(self.timeout_sec));
         }
@@ -125,7 +124,7 @@ impl TunnelDispatch {
             put_bytes(dst, tag::ENTRY_KEY, REQUEST_ID_KEY.as_bytes());
             put_bytes(dst, tag::ENTRY_VALUE, self.request_id.as_bytes());
         }
-        put_bool(dst, tag::LONG_CONTEXT, self.long_context);
+        put_bool_field(dst, tag::LONG_CONTEXT, self.long_context);
         if split {
             put_delimited_head(dst, tag::BODY, self.body.len());
             return Ok(Some(self.body.clone()));
@@ -152,28 +151,16 @@ impl TunnelDispatch {
             + bytes_len(tag::METHOD, METHOD.len())
             + bytes_len(tag::PATH, self.path.len())
             + headers
-            + bool_len(tag::STREAM, self.stream)
+            + bool_field_len(tag::STREAM, self.stream)
             + timeout
             + metadata
-            + bool_len(tag::LONG_CONTEXT, self.long_context)
+            + bool_field_len(tag::LONG_CONTEXT, self.long_context)
     }
 
     /// The encoded length of the metadata's one entry (its key is never empty).
     fn entry_len(&self) -> usize {
         bytes_len(tag::ENTRY_KEY, REQUEST_ID_KEY.len())
             + bytes_len(tag::ENTRY_VALUE, self.request_id.len())
-    }
-}
-
-/// The encoded length of a bool field.
-fn bool_len(tag: u32, value: bool) -> usize {
-    if value { key_len(tag) + 1 } else { 0 }
-}
-
-/// Writes a bool field unless it is false.
-fn put_bool(dst: &mut BytesMut, tag: u32, value: bool) {
-    if value {
-        put_varint_field(dst, tag, 1);
     }
 }
 

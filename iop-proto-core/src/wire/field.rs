@@ -37,6 +37,14 @@ pub(crate) fn put_varint_field(dst: &mut impl BufMut, tag: u32, value: u64) {
     put_varint(dst, value);
 }
 
+/// Writes a bool field unless it is false.
+#[inline]
+pub(crate) fn put_bool_field(dst: &mut impl BufMut, tag: u32, value: bool) {
+    if value {
+        put_varint_field(dst, tag, 1);
+    }
+}
+
 /// Writes a string or bytes field unless it is empty.
 #[inline]
 pub(crate) fn put_bytes_field(dst: &mut impl BufMut, tag: u32, value: &[u8]) {
@@ -56,6 +64,11 @@ pub(crate) fn delimited_len(tag: u32, len: usize) -> usize {
 /// proto3 leaves a default value out).
 pub(crate) fn bytes_field_len(tag: u32, len: usize) -> usize {
     if len == 0 { 0 } else { delimited_len(tag, len) }
+}
+
+/// The encoded length of a bool field (nothing when false).
+pub(crate) fn bool_field_len(tag: u32, value: bool) -> usize {
+    if value { key_len(tag) + 1 } else { 0 }
 }
 
 /// The encoded length of a varint field of `value`.

@@ -13,8 +13,8 @@
 use bytes::{Buf, Bytes, BytesMut};
 
 use super::field::{
-    bytes_field_len, delimited_len, put_bytes_field, put_delimited_head, put_varint_field,
-    varint_field_len,
+    bool_field_len, bytes_field_len, delimited_len, put_bool_field, put_bytes_field,
+    put_delimited_head, put_varint_field, varint_field_len,
 };
 use super::tunnel_request::{Reader, Span, Value, only_field, read_pair};
 use super::{ErrorDetail, Header, ProviderTunnelFrame, Usage};
@@ -63,18 +63,23 @@ fn header_len(header: &Header) -> usize {
 fn error_len(error: &ErrorDetail) -> usize {
     bytes_field_len(tag::ERROR_CODE, error.code.len())
         + bytes_field_len(tag::ERROR_MESSAGE, error.message.len())
-        + if error.retryable { 2 } else { 0 }
+        + bool_field_len(tag::ERROR_RETRYABLE, error.retryable)
 }
 
-fn usage_len(usage: &Usage) -> usize {
+/// A usage message's fields, in number order.
+fn usage_fields(usage: &Usage) -> [(u32, u64); 3] {
     [
         (tag::USAGE_PROMPT, usage.prompt_tokens),
         (tag::USAGE_COMPLETION, usage.completion_tokens),
         (tag::USAGE_TOTAL, usage.total_tokens),
     ]
-    .into_iter()
-    .map(|(tag, n)| if n == 0 { 0 } else { varint_field_len(tag, n) })
-    .sum()
+}
+
+fn usage_len(usage: &Usage) -> usize {
+    usage_fields(usage)
+        .into_iter()
+        .map(|(tag, n)| if n == 0 { 0 } else { varint_field_len(tag, n) })
+        .sum()
 }
 
 /// Length of `frame` encoded as a message (what prost's `encoded_len` gives); `None` for
@@ -97,9 +102,7 @@ pub(super) fn message_len(frame: &ProviderTunnelFrame) -> Option<usize> {
         len += delimited_len(tag::HEADERS, header_len(header));
     }
     len += bytes_field_len(tag::BODY, frame.body.len());
-    if frame.end {
-        len += 2;
-    }
+    len += bool_field_len(tag::END, frame.end);
     if let Some(error) = &frame.error {
         len += delimited_len(tag::ERROR, error_len(error));
     }
@@ -130,24 +133,16 @@ pub(super) fn encode_message(frame: &ProviderTunnelFrame, dst: &mut BytesMut) {
         put_bytes_field(dst, tag::HEADER_VALUE, &header.value);
     }
     put_bytes_field(dst, tag::BODY, &frame.body);
-    if frame.end {
-        put_varint_field(dst, tag::END, 1);
-    }
+    put_bool_field(dst, tag::END, frame.end);
     if let Some(error) = &frame.error {
         put_delimited_head(dst, tag::ERROR, error_len(error));
         put_bytes_field(dst, tag::ERROR_CODE, error.code.as_bytes());
         put_bytes_field(dst, tag::ERROR_MESSAGE, error.message.as_bytes());
-        if error.retryable {
-            put_varint_field(dst, tag::ERROR_RETRYABLE, 1);
-        }
+        put_bool_field(dst, tag::ERROR_RETRYABLE, error.retryable);
     }
     if let Some(usage) = &frame.usage {
         put_delimited_head(dst, tag::USAGE, usage_len(usage));
-        for (number, n) in [
-            (tag::USAGE_PROMPT, usage.prompt_tokens),
-            (tag::USAGE_COMPLETION, usage.completion_tokens),
-            (tag::USAGE_TOTAL, usage.total_tokens),
-        ] {
+        for (number, n) in usage_fields(usage) {
             if n != 0 {
                 put_varint_field(dst, number, n);
             }

@@ -516,7 +516,10 @@ impl fmt::Debug for ForwardedHeaders {
 /// 16) starts: its key, then a length that runs to the frame's end, as every encoder
 /// writes an envelope; `None` for any other frame.
 pub(super) fn only_field(frame: &[u8], number: u32) -> Option<usize> {
-    let key = u8::try_from(number << 3 | WireType::LengthDelimited as u32).ok()?;
+    // A one-byte key: a larger number's first byte would be a continuation byte.
+    let key = u8::try_from(number << 3 | WireType::LengthDelimited as u32)
+        .ok()
+        .filter(|&key| key < 0x80)?;
     let (&first, mut rest) = frame.split_first()?;
     if first != key {
         return None;
