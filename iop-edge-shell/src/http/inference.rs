@@ -22,8 +22,9 @@ use iop_api::openai::{
 use iop_api::responses;
 use iop_api::tenant::{RateLimits, Refusal};
 use iop_proto_core::RequestEvent;
-use iop_proto_core::wire::{ForwardedHeaders, Header};
+use iop_proto_core::wire::{ForwardedHeaders, ForwardedHeadersBuilder, Header};
 use iop_shell_common::offload;
+use iop_trace::{TRACEPARENT, TRACESTATE};
 use tokio::time::{Instant, Sleep};
 use tracing::error;
 
@@ -161,14 +162,15 @@ async fn inspect_off_loop(
 /// The caller's `x-request-id` when the contract admits it
 /// ([`iop_proto_core::wire::is_request_id`]); else a fresh id.
 pub(super) fn request_id(headers: &http::HeaderMap) -> Arc<str> {
-    match headers
-        .get(&REQUEST_ID)
+    admitted_request_id(headers.get(&REQUEST_ID)).unwrap_or_else(fresh_request_id)
+}
+
+/// The id of an `x-request-id` value the contract admits.
+fn admitted_request_id(given: Option<&HeaderValue>) -> Option<Arc<str>> {
+    given
         .and_then(|v| v.to_str().ok())
         .filter(|v| iop_proto_core::wire::is_request_id(v.as_bytes()))
-    {
-        Some(given) => Arc::from(given),
-        None => fresh_request_id(),
-    }
+        .map(Arc::from)
 }
 
 /// `req_` and 24 hex digits: a per-process prefix and a counter, unique across restarts
@@ -194,8 +196,12 @@ fn fresh_request_id() -> Arc<str> {
 pub(super) fn declared_length(headers: &http::HeaderMap) -> Option<u64> {
     headers
         .get(http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok())
+        .and_then(content_length)
+}
+
+/// A `content-length` value's length.
+fn content_length(value: &HeaderValue) -> Option<u64> {
+    value.to_str().ok().and_then(|v| v.parse::<u64>().ok())
 }
 
 /// Reads a request body within the size limit, the memory budget and the body deadline.
@@ -308,9 +314,15 @@ pub(super) async fn inference<B: ReqBody>(
     route: Route,
     caller: Caller,
 ) -> Response<ResBody> {
-    let id = request_id(req.headers());
+    let settings = state.settings();
+    let head = HeadFacts::read(
+        req.headers(),
+        settings.session_header.as_ref(),
+        &state.tracer,
+    );
+    let id = head.request_id.clone();
     let mut limits = None;
-    let mut response = handle(req, state, route, caller, id.clone(), &mut limits).await;
+    let mut response = handle(req, state, settings, route, caller, head, &mut limits).await;
     let headers = response.headers_mut();
     // A limited key's limits as its admission left them, on every response it gets (a
     // refusal carries its own).
@@ -333,6 +345,68 @@ pub(super) async fn inference<B: ReqBody>(
     response
 }
 
+/// What a request's head says that its handling needs, found in one pass over its
+/// fields (a lookup by name hashes the name anew; the five lookups cost more than the
+/// pass), with the headers a tunnel forwards written on the way.
+struct HeadFacts {
+    /// The caller's `x-request-id` when the contract admits it; else a fresh id
+    /// ([`request_id`]).
+    request_id: Arc<str>,
+    /// [`declared_length`].
+    content_length: Option<u64>,
+    /// The session the headers name ([`SessionPick`]).
+    session: Option<String>,
+    /// The request's place in a trace ([`RequestTrace::begin`]).
+    trace: Option<RequestTrace>,
+    /// The headers the provider sees, encoded as the tunnel request carries them: the
+    /// forwarded ones in the order sent, the request id (the provider sees the request
+    /// under the caller's id, in both logs), then the trace context.
+    forward: ForwardedHeadersBuilder,
+}
+
+impl HeadFacts {
+    fn read(
+        headers: &http::HeaderMap,
+        session_header: Option<&HeaderName>,
+        tracer: &crate::traces::Tracer,
+    ) -> HeadFacts {
+        // One buffer, with room for the usual few and the trace context's two (it grows
+        // for more).
+        let mut forward = ForwardedHeaders::builder(FORWARDED_CAPACITY);
+        let mut session = SessionPick::new(session_header);
+        // The first value of each, as `HeaderMap::get` reads it.
+        let (mut given, mut length, mut parent, mut tracestate) = (None, None, None, None);
+        for (name, value) in headers {
+            session.offer(name, value);
+            match name.as_str() {
+                REQUEST_ID_HEADER => _ = given.get_or_insert(value),
+                "content-length" => _ = length.get_or_insert(value),
+                TRACEPARENT => _ = parent.get_or_insert(value),
+                TRACESTATE => _ = tracestate.get_or_insert(value),
+                name if iop_proto_core::tunnel::forwards_request_header(name) => {
+                    forward.push(name, value.as_bytes());
+                }
+                _ => {}
+            }
+        }
+        let request_id = admitted_request_id(given).unwrap_or_else(fresh_request_id);
+        forward.push(REQUEST_ID_HEADER, request_id.as_bytes());
+        let trace = RequestTrace::begin(
+            parent.map(HeaderValue::as_bytes),
+            tracestate.map(HeaderValue::as_bytes),
+            tracer,
+            &mut forward,
+        );
+        HeadFacts {
+            request_id,
+            content_length: length.and_then(content_length),
+            session: session.take(),
+            trace,
+            forward,
+        }
+    }
+}
+
 /// The header the Anthropic SDKs read a request's id from.
 /// Bytes first set aside for a request's forwarded headers, encoded: the usual few, the
 /// request id and a trace context fit.
@@ -343,13 +417,20 @@ static ANTHROPIC_REQUEST_ID: HeaderName = HeaderName::from_static("request-id");
 async fn handle<B: ReqBody>(
     req: Request<B>,
     state: Arc<State>,
+    settings: Arc<HttpSettings>,
     route: Route,
     caller: Caller,
-    request_id: Arc<str>,
+    head: HeadFacts,
     limits: &mut Option<RateLimits>,
 ) -> Response<ResBody> {
     let started = Instant::now();
-    let settings = state.settings();
+    let HeadFacts {
+        request_id,
+        content_length,
+        session: session_header,
+        trace,
+        forward: headers,
+    } = head;
     // Until the body names a model the Edge serves, the metric label says `_unknown`.
     let mut finish = Finish {
         metrics: state.metrics.clone(),
@@ -401,27 +482,13 @@ async fn handle<B: ReqBody>(
             .insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
         return response;
     }
-    // The provider sees the request under the same id as the caller and both logs.
-    // Encoded as the tunnel request carries them, in one buffer (room for the usual few
-    // and the trace context's two; it grows for more).
-    let mut headers = ForwardedHeaders::builder(FORWARDED_CAPACITY);
-    for (name, value) in req.headers() {
-        if iop_proto_core::tunnel::forwards_request_header(name.as_str())
-            && *name != REQUEST_ID_HEADER
-        {
-            headers.push(name.as_str(), value.as_bytes());
-        }
-    }
-    headers.push(REQUEST_ID_HEADER, request_id.as_bytes());
-    finish.trace = RequestTrace::begin(req.headers(), &state.tracer, &mut headers);
+    finish.trace = trace;
     // A Responses turn may need a stored conversation from another Edge, asked for with
     // the caller's own credential.
     let credential = match route {
         Route::Responses => super::peers::credential(req.headers()),
         _ => None,
     };
-    let content_length = declared_length(req.headers());
-    let session_header = session_header(req.headers(), settings.session_header.as_ref());
     // From here the body and everything buffered for the caller count against the budget
     // until the handler is done.
     let (tx, mut events) = crate::driver::events(state.budget.clone());
@@ -459,8 +526,17 @@ async fn handle<B: ReqBody>(
         ..TranslateOptions::default()
     };
     let context = match route {
+        // Boxed: a peer fetch's state is larger than the rest of this handler's, and
+        // every other request's future would carry (and be moved with) its room.
         Route::Responses => {
-            match previous_context(&state, &finish.caller.name, credential, &raw).await {
+            match Box::pin(previous_context(
+                &state,
+                &finish.caller.name,
+                credential,
+                &raw,
+            ))
+            .await
+            {
                 Ok(context) => context,
                 Err(refusal) => return refuse(&mut finish, &refusal),
             }
@@ -747,18 +823,24 @@ async fn previous_context(
 /// The longest a count waits for a provider's tokenizer before answering its estimate.
 const TOKENIZE_WAIT: Duration = Duration::from_secs(3);
 
-/// The session a request's headers name: the configured header's, else the first of
-/// [`iop_proto_core::edge::SESSION_HEADERS`] present (a non-empty value of at most
-/// [`iop_proto_core::edge::MAX_SESSION_KEY`] bytes).
-fn session_header(
-    headers: &http::HeaderMap,
-    configured: Option<&http::HeaderName>,
-) -> Option<String> {
-    // One pass over the request's few headers, the configured name first, then the list's
-    // order: a lookup by a `&str` name parses that name anew for each of four names.
-    let mut best: Option<(usize, &str)> = None;
-    for (name, value) in headers {
-        let rank = if configured == Some(name) {
+/// The session a request's headers name, as the fields go by: the configured header's,
+/// else the first of [`iop_proto_core::edge::SESSION_HEADERS`] present (a non-empty value
+/// of at most [`iop_proto_core::edge::MAX_SESSION_KEY`] bytes).
+struct SessionPick<'h> {
+    configured: Option<&'h HeaderName>,
+    best: Option<(usize, &'h str)>,
+}
+
+impl<'h> SessionPick<'h> {
+    fn new(configured: Option<&'h HeaderName>) -> Self {
+        SessionPick {
+            configured,
+            best: None,
+        }
+    }
+
+    fn offer(&mut self, name: &HeaderName, value: &'h HeaderValue) {
+        let rank = if self.configured == Some(name) {
             0
         } else {
             match iop_proto_core::edge::SESSION_HEADERS
@@ -766,19 +848,22 @@ fn session_header(
                 .position(|known| *known == name.as_str())
             {
                 Some(at) => at + 1,
-                None => continue,
+                None => return,
             }
         };
-        if best.is_some_and(|(taken, _)| taken <= rank) {
-            continue;
+        if self.best.is_some_and(|(taken, _)| taken <= rank) {
+            return;
         }
-        let Ok(value) = value.to_str() else { continue };
+        let Ok(value) = value.to_str() else { return };
         let value = value.trim();
         if !value.is_empty() && value.len() <= iop_proto_core::edge::MAX_SESSION_KEY {
-            best = Some((rank, value));
+            self.best = Some((rank, value));
         }
     }
-    best.map(|(_, value)| value.to_owned())
+
+    fn take(self) -> Option<String> {
+        self.best.map(|(_, value)| value.to_owned())
+    }
 }
 
 /// A prompt's exact token count from one of its model's providers that tokenizes

@@ -5,7 +5,6 @@ use crate::driver::{Core, CoreMsg};
 use crate::metrics::Metrics;
 use crate::tenants::Ticket;
 use crate::traces::Tracer;
-use http::{HeaderName, HeaderValue};
 use iop_api::tenant::TokenUsage;
 use iop_proto_core::RequestId;
 use iop_proto_core::wire::{ForwardedHeadersBuilder, Usage};
@@ -70,24 +69,17 @@ pub(super) struct RequestTrace {
 }
 
 impl RequestTrace {
-    /// The trace of a request whose headers are `headers` ([`HopTrace::begin`]); the
-    /// `traceparent` (and `tracestate`) to pass on go into `forward`.
+    /// The trace of a request whose head carried `traceparent` and `tracestate` (their
+    /// first values; [`HopTrace::begin`]); the ones to pass on go into `forward`.
     pub(super) fn begin(
-        headers: &http::HeaderMap,
+        parent: Option<&[u8]>,
+        state: Option<&[u8]>,
         tracer: &Tracer,
         forward: &mut ForwardedHeadersBuilder,
     ) -> Option<Self> {
-        // Names made once: a `&str` key is parsed into a header name on every lookup.
-        static TRACEPARENT_NAME: HeaderName = HeaderName::from_static(TRACEPARENT);
-        static TRACESTATE_NAME: HeaderName = HeaderName::from_static(TRACESTATE);
-        // `tracestate` only matters beside a `traceparent`: not looked up without one.
-        let parent = headers.get(&TRACEPARENT_NAME);
-        let state = parent.and_then(|_| headers.get(&TRACESTATE_NAME));
-        let hop = HopTrace::begin(
-            parent.map(HeaderValue::as_bytes),
-            state.map(HeaderValue::as_bytes),
-            tracer,
-        )?;
+        // `tracestate` only matters beside a `traceparent`.
+        let state = parent.and(state);
+        let hop = HopTrace::begin(parent, state, tracer)?;
         forward.push(TRACEPARENT, &hop.traceparent);
         if let Some(state) = &hop.tracestate {
             forward.push(TRACESTATE, state);

@@ -22,18 +22,23 @@ fn fresh_request_ids_are_a_process_prefix_and_a_counter_in_hex() {
     assert!(count(&b) > count(&a), "{a} then {b}");
 }
 
+fn headers(pairs: &[(&str, &str)]) -> http::HeaderMap {
+    let mut map = http::HeaderMap::new();
+    for (name, value) in pairs {
+        map.append(
+            http::HeaderName::from_bytes(name.as_bytes()).unwrap(),
+            http::HeaderValue::from_str(value).unwrap(),
+        );
+    }
+    map
+}
+
+fn session_header(headers: &http::HeaderMap, configured: Option<&HeaderName>) -> Option<String> {
+    HeadFacts::read(headers, configured, &crate::traces::Tracer::disabled()).session
+}
+
 #[test]
 fn a_session_key_is_the_configured_header_first_then_the_known_ones_in_order() {
-    let headers = |pairs: &[(&str, &str)]| {
-        let mut map = http::HeaderMap::new();
-        for (name, value) in pairs {
-            map.append(
-                http::HeaderName::from_bytes(name.as_bytes()).unwrap(),
-                http::HeaderValue::from_str(value).unwrap(),
-            );
-        }
-        map
-    };
     let configured = http::HeaderName::from_static("x-conversation");
     let both = headers(&[
         ("session-id", "codex"),
@@ -56,4 +61,88 @@ fn a_session_key_is_the_configured_header_first_then_the_known_ones_in_order() {
     ]);
     assert_eq!(session_header(&unusable, None).as_deref(), Some("c"));
     assert_eq!(session_header(&headers(&[("accept", "x")]), None), None);
+    // A configured name that is also forwarded is both.
+    let agent = http::HeaderName::from_static("user-agent");
+    let facts = HeadFacts::read(
+        &headers(&[("user-agent", "sdk/1")]),
+        Some(&agent),
+        &crate::traces::Tracer::disabled(),
+    );
+    assert_eq!(facts.session.as_deref(), Some("sdk/1"));
+    let pairs = [("user-agent", "sdk/1"), ("x-request-id", "-")];
+    assert_eq!(
+        forwarded(facts),
+        pairs.map(|(n, v)| (n.to_owned(), v.to_owned()))
+    );
+}
+
+/// The headers a request's facts forward, in order.
+fn forwarded(facts: HeadFacts) -> Vec<(String, String)> {
+    let id = facts.request_id.clone();
+    facts
+        .forward
+        .finish()
+        .iter()
+        .map(|h| {
+            let value = String::from_utf8(h.value.to_vec()).unwrap();
+            // A fresh id reads as `-`.
+            let fresh = *value == *id && id.starts_with("req_");
+            (
+                h.name.to_owned(),
+                if fresh { "-".to_owned() } else { value },
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn one_pass_over_the_head_reads_what_lookups_read_and_forwards_in_order() {
+    let parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+    let sent = headers(&[
+        ("content-type", "application/json"),
+        ("x-request-id", "abc-123"),
+        ("accept", "text/event-stream"),
+        ("content-length", "12"),
+        ("x-request-id", "second"),
+        ("content-type", "second/type"),
+        ("host", "edge"),
+        ("traceparent", parent),
+        ("session_id", "s-1"),
+    ]);
+    let facts = HeadFacts::read(&sent, None, &crate::traces::Tracer::disabled());
+    // The first value of each, as a lookup reads it.
+    assert_eq!(&*facts.request_id, &*request_id(&sent));
+    assert_eq!(&*facts.request_id, "abc-123");
+    assert_eq!(facts.content_length, declared_length(&sent));
+    assert_eq!(facts.content_length, Some(12));
+    assert_eq!(facts.session.as_deref(), Some("s-1"));
+    let sent_on = forwarded(facts);
+    let names: Vec<&str> = sent_on.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "content-type",
+            "content-type",
+            "accept",
+            "x-request-id",
+            "traceparent"
+        ],
+        "{sent_on:?}"
+    );
+    assert_eq!(sent_on[0].1, "application/json");
+    assert_eq!(sent_on[1].1, "second/type");
+    assert_eq!(sent_on[3].1, "abc-123", "the caller's id, once");
+    assert!(
+        sent_on[4]
+            .1
+            .starts_with("00-0af7651916cd43dd8448eb211c80319c-")
+    );
+    // An id the contract does not admit is replaced; none given, one is made.
+    let forged = headers(&[("x-request-id", "a b"), ("x-request-id", "ok")]);
+    let facts = HeadFacts::read(&forged, None, &crate::traces::Tracer::disabled());
+    assert!(facts.request_id.starts_with("req_"), "{}", facts.request_id);
+    assert_eq!(
+        forwarded(facts),
+        [("x-request-id".to_owned(), "-".to_owned())]
+    );
 }
