@@ -2,7 +2,7 @@
 //! pass-through.
 
 use bytes::Bytes;
-use http::{Request, Response, StatusCode};
+use http::{Response, StatusCode};
 use iop_api::openai::{ApiError, ErrorType};
 use iop_proto_core::edge::NodeState;
 use serde_json::{Value, json};
@@ -293,7 +293,7 @@ pub(super) async fn status(state: &State) -> Response<ResBody> {
 /// `/v1/nodes/{node}/capabilities`, `/v1/nodes/{node}/transport` and the read-only
 /// `/v1/nodes/{node}/ollama/{adapter}/api/...` pass-through: node commands.
 pub(super) async fn node_command<B: super::ReqBody>(
-    req: Request<B>,
+    req: super::Req<B>,
     state: &State,
 ) -> Response<ResBody> {
     use iop_proto_core::wire::{NodeCommandRequest, NodeCommandType};

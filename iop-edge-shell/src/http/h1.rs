@@ -28,9 +28,7 @@ use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use http::{
-    HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, Uri, Version,
-};
+use http::{Method, Response, StatusCode, Uri};
 use http_body::Body;
 use iop_api::openai::ErrorType;
 use iop_http1::{
@@ -42,6 +40,7 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 use tracing::debug;
 
+use super::fields::{Fields, Req};
 use super::{ResBody, State, error};
 use crate::config::HttpSettings;
 
@@ -431,14 +430,13 @@ impl Conn {
             read.continue_sent = (head.expect_continue && !head.body.is_done()).then_some(0);
             (bytes, head.keep_alive, head.http10)
         };
-        let request = match request(&head, &bytes, H1Body { conn: self }) {
+        let request = match request(head, bytes, H1Body { conn: self }) {
             Ok(request) => request,
             Err(refusal) => {
                 self.refuse(refusal).await;
                 return Ok(false);
             }
         };
-        drop(bytes);
         let head_request = request.method() == Method::HEAD;
         let response = self.handle(request, state).await;
         let Some(response) = response else {
@@ -466,7 +464,7 @@ impl Conn {
     /// and dropping the handler cancels its request).
     async fn handle(
         &self,
-        request: Request<H1Body<'_>>,
+        request: Req<H1Body<'_>>,
         state: &Arc<State>,
     ) -> Option<Response<ResBody>> {
         let mut handler = std::pin::pin!(super::route(request, state.clone(), self.peer));
@@ -695,36 +693,34 @@ fn watch(
     }
 }
 
-/// The request the handlers see: its head as `http` types (values are slices of the head
-/// as read, not copies) and its body.
-fn request<'c>(
-    head: &RequestHead,
-    bytes: &Bytes,
-    body: H1Body<'c>,
-) -> Result<Request<H1Body<'c>>, HeadError> {
+/// The request the handlers see: its method and target as `http` types, its fields where
+/// they lie in the head as read ([`Fields::Head`]: no map is built, nothing is copied),
+/// and its body.
+fn request(
+    head: RequestHead,
+    bytes: Bytes,
+    body: H1Body<'_>,
+) -> Result<Req<H1Body<'_>>, HeadError> {
     let invalid = HeadError::Malformed;
     let method =
         Method::from_bytes(&bytes[head.method.clone()]).map_err(|_| invalid("invalid method"))?;
     let uri = Uri::from_maybe_shared(bytes.slice(head.target.clone()))
         .map_err(|_| invalid("invalid request target"))?;
-    let mut headers = HeaderMap::with_capacity(head.fields.len());
+    // The fields stay where they lie in the head (`Fields`), held to what
+    // `http::HeaderName` and `http::HeaderValue` accept.
     for (name, value) in &head.fields {
-        let name = HeaderName::from_bytes(&bytes[name.clone()])
-            .map_err(|_| invalid("invalid header name"))?;
-        let value = HeaderValue::from_maybe_shared(bytes.slice(value.clone()))
-            .map_err(|_| invalid("invalid header value"))?;
-        headers.append(name, value);
+        if !http1::is_token(&bytes[name.clone()]) {
+            return Err(invalid("invalid header name"));
+        }
+        if !http1::is_field_value(&bytes[value.clone()]) {
+            return Err(invalid("invalid header value"));
+        }
     }
-    let mut request = Request::new(body);
-    *request.method_mut() = method;
-    *request.uri_mut() = uri;
-    *request.version_mut() = if head.http10 {
-        Version::HTTP_10
-    } else {
-        Version::HTTP_11
+    let fields = Fields::Head {
+        bytes,
+        fields: head.fields,
     };
-    *request.headers_mut() = headers;
-    Ok(request)
+    Ok(Req::new(method, uri, fields, body))
 }
 
 /// A request body read from the connection as the handler asks for it: slices of the

@@ -10,7 +10,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
+use http::{HeaderName, HeaderValue, Response, StatusCode};
 use http_body::Frame;
 use http_body_util::BodyExt;
 use iop_api::anthropic::{self, TranslateOptions, Translated};
@@ -28,6 +28,7 @@ use iop_trace::{TRACEPARENT, TRACESTATE};
 use tokio::time::{Instant, Sleep};
 use tracing::error;
 
+use super::fields::{Fields, Req, text};
 use super::{Caller, ReqBody, ResBody, State, dialect_error, json_response, now_secs};
 use crate::config::HttpSettings;
 use crate::driver::{CoreMsg, Events};
@@ -161,15 +162,15 @@ async fn inspect_off_loop(
 
 /// The caller's `x-request-id` when the contract admits it
 /// ([`iop_proto_core::wire::is_request_id`]); else a fresh id.
-pub(super) fn request_id(headers: &http::HeaderMap) -> Arc<str> {
-    admitted_request_id(headers.get(&REQUEST_ID)).unwrap_or_else(fresh_request_id)
+pub(super) fn request_id(headers: &Fields) -> Arc<str> {
+    admitted_request_id(headers.get(REQUEST_ID_HEADER)).unwrap_or_else(fresh_request_id)
 }
 
 /// The id of an `x-request-id` value the contract admits.
-fn admitted_request_id(given: Option<&HeaderValue>) -> Option<Arc<str>> {
+fn admitted_request_id(given: Option<&[u8]>) -> Option<Arc<str>> {
     given
-        .and_then(|v| v.to_str().ok())
-        .filter(|v| iop_proto_core::wire::is_request_id(v.as_bytes()))
+        .filter(|v| iop_proto_core::wire::is_request_id(v))
+        .and_then(|v| std::str::from_utf8(v).ok())
         .map(Arc::from)
 }
 
@@ -193,15 +194,21 @@ fn fresh_request_id() -> Arc<str> {
 }
 
 /// The body length a request's head declares (`content-length`), if it declares one.
-pub(super) fn declared_length(headers: &http::HeaderMap) -> Option<u64> {
-    headers
-        .get(http::header::CONTENT_LENGTH)
-        .and_then(content_length)
+pub(super) fn declared_length(headers: &Fields) -> Option<u64> {
+    headers.get("content-length").and_then(content_length)
 }
 
-/// A `content-length` value's length.
-fn content_length(value: &HeaderValue) -> Option<u64> {
-    value.to_str().ok().and_then(|v| v.parse::<u64>().ok())
+/// A `content-length` value's length: what `str::parse::<u64>` reads (an optional `+`,
+/// then decimal digits, in range), digit by digit.
+fn content_length(value: &[u8]) -> Option<u64> {
+    let digits = value.strip_prefix(b"+").unwrap_or(value);
+    if digits.is_empty() {
+        return None;
+    }
+    digits.iter().try_fold(0u64, |n, &b| {
+        let digit = b.checked_sub(b'0').filter(|d| *d < 10)?;
+        n.checked_mul(10)?.checked_add(u64::from(digit))
+    })
 }
 
 /// Reads a request body within the size limit, the memory budget and the body deadline.
@@ -309,7 +316,7 @@ pub(super) async fn read_body<B: ReqBody>(
 /// Every answer, error or not, names the request in `x-request-id` (and, in the Messages
 /// dialect, in `request-id`, where the Anthropic SDKs read it).
 pub(super) async fn inference<B: ReqBody>(
-    req: Request<B>,
+    req: Req<B>,
     state: Arc<State>,
     route: Route,
     caller: Caller,
@@ -366,37 +373,48 @@ struct HeadFacts {
 
 impl HeadFacts {
     fn read(
-        headers: &http::HeaderMap,
+        headers: &Fields,
         session_header: Option<&HeaderName>,
         tracer: &crate::traces::Tracer,
     ) -> HeadFacts {
+        const REQUEST_ID_NAME: &[u8] = REQUEST_ID_HEADER.as_bytes();
+        const TRACEPARENT_NAME: &[u8] = TRACEPARENT.as_bytes();
+        const TRACESTATE_NAME: &[u8] = TRACESTATE.as_bytes();
         // One buffer, with room for the usual few and the trace context's two (it grows
         // for more).
         let mut forward = ForwardedHeaders::builder(FORWARDED_CAPACITY);
         let mut session = SessionPick::new(session_header);
         // The first value of each, as `HeaderMap::get` reads it.
         let (mut given, mut length, mut parent, mut tracestate) = (None, None, None, None);
-        for (name, value) in headers {
-            session.offer(name, value);
-            match name.as_str() {
-                REQUEST_ID_HEADER => _ = given.get_or_insert(value),
-                "content-length" => _ = length.get_or_insert(value),
-                TRACEPARENT => _ = parent.get_or_insert(value),
-                TRACESTATE => _ = tracestate.get_or_insert(value),
-                name if iop_proto_core::tunnel::forwards_request_header(name) => {
-                    forward.push(name, value.as_bytes());
+        for (name, value) in headers.iter() {
+            // Names come as sent, in any case: matched lower-cased (no name matched here
+            // is longer than the buffer).
+            let mut buf = [0u8; 32];
+            let lower = buf.get_mut(..name.len()).map(|lower| {
+                lower.copy_from_slice(name);
+                lower.make_ascii_lowercase();
+                &*lower
+            });
+            session.offer(name, lower, value);
+            let Some(lower) = lower else { continue };
+            match lower {
+                REQUEST_ID_NAME => _ = given.get_or_insert(value),
+                b"content-length" => _ = length.get_or_insert(value),
+                TRACEPARENT_NAME => _ = parent.get_or_insert(value),
+                TRACESTATE_NAME => _ = tracestate.get_or_insert(value),
+                _ => {
+                    if let Some(name) = iop_proto_core::tunnel::FORWARDED_REQUEST_HEADERS
+                        .into_iter()
+                        .find(|known| known.as_bytes() == lower)
+                    {
+                        forward.push(name, value);
+                    }
                 }
-                _ => {}
             }
         }
         let request_id = admitted_request_id(given).unwrap_or_else(fresh_request_id);
         forward.push(REQUEST_ID_HEADER, request_id.as_bytes());
-        let trace = RequestTrace::begin(
-            parent.map(HeaderValue::as_bytes),
-            tracestate.map(HeaderValue::as_bytes),
-            tracer,
-            &mut forward,
-        );
+        let trace = RequestTrace::begin(parent, tracestate, tracer, &mut forward);
         HeadFacts {
             request_id,
             content_length: length.and_then(content_length),
@@ -415,7 +433,7 @@ const FORWARDED_CAPACITY: usize = 256;
 static ANTHROPIC_REQUEST_ID: HeaderName = HeaderName::from_static("request-id");
 
 async fn handle<B: ReqBody>(
-    req: Request<B>,
+    req: Req<B>,
     state: Arc<State>,
     settings: Arc<HttpSettings>,
     route: Route,
@@ -700,7 +718,7 @@ async fn handle<B: ReqBody>(
 /// where one of the model's providers tokenizes ([`exact_count`]), else the Edge's
 /// estimate. Nothing is accounted to the caller's key.
 pub(super) async fn count_tokens<B: ReqBody>(
-    req: Request<B>,
+    req: Req<B>,
     state: Arc<State>,
     caller: Caller,
 ) -> Response<ResBody> {
@@ -839,14 +857,20 @@ impl<'h> SessionPick<'h> {
         }
     }
 
-    fn offer(&mut self, name: &HeaderName, value: &'h HeaderValue) {
-        let rank = if self.configured == Some(name) {
+    /// A field named `name` (as sent; `lower` lower-cased, unless too long to be a known
+    /// one) of `value`.
+    fn offer(&mut self, name: &[u8], lower: Option<&[u8]>, value: &'h [u8]) {
+        let rank = if self
+            .configured
+            .is_some_and(|c| c.as_str().as_bytes().eq_ignore_ascii_case(name))
+        {
             0
         } else {
-            match iop_proto_core::edge::SESSION_HEADERS
-                .iter()
-                .position(|known| *known == name.as_str())
-            {
+            match lower.and_then(|lower| {
+                iop_proto_core::edge::SESSION_HEADERS
+                    .iter()
+                    .position(|known| known.as_bytes() == lower)
+            }) {
                 Some(at) => at + 1,
                 None => return,
             }
@@ -854,7 +878,7 @@ impl<'h> SessionPick<'h> {
         if self.best.is_some_and(|(taken, _)| taken <= rank) {
             return;
         }
-        let Ok(value) = value.to_str() else { return };
+        let Some(value) = text(value) else { return };
         let value = value.trim();
         if !value.is_empty() && value.len() <= iop_proto_core::edge::MAX_SESSION_KEY {
             self.best = Some((rank, value));

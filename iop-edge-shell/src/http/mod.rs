@@ -3,6 +3,7 @@
 //! messages; what a response says is decided in `iop_api::openai`.
 
 mod admin;
+mod fields;
 mod h1;
 pub(crate) mod inference;
 mod peers;
@@ -16,7 +17,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use http::{HeaderValue, Method, Request, Response, StatusCode, header};
+use http::{HeaderValue, Method, Response, StatusCode, header};
 use http_body::{Body, Frame};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -31,6 +32,7 @@ use tracing::{debug, warn};
 use crate::config::HttpSettings;
 use crate::driver::Core;
 use crate::metrics::Metrics;
+use fields::Req;
 
 type Chunk = Result<Frame<Bytes>, std::io::Error>;
 
@@ -371,7 +373,7 @@ async fn serve_connection<S>(
         let state = state.clone();
         let active = Active::start(&tracked);
         async move {
-            let response = route(req, state, peer).await;
+            let response = route(Req::from(req), state, peer).await;
             Ok::<_, Infallible>(response.map(|body| Tracked {
                 body,
                 _active: active,
@@ -465,7 +467,7 @@ fn access(path: &str) -> Access {
 /// allocated for as long as the connection lives, so it should hold little more than a
 /// pointer while a response streams or the connection idles.
 async fn route<B: ReqBody>(
-    req: Request<B>,
+    req: Req<B>,
     state: Arc<State>,
     peer: std::net::SocketAddr,
 ) -> Response<ResBody> {
@@ -475,7 +477,7 @@ async fn route<B: ReqBody>(
     let path = uri.path();
     let dialect = dialect_of(path);
     // An error of the Messages API's routes names the request as its answers do.
-    let refuse = |req: &Request<B>, error: &ApiError| match dialect {
+    let refuse = |req: &Req<B>, error: &ApiError| match dialect {
         Dialect::OpenAi | Dialect::Responses => api_error(error),
         Dialect::Anthropic => {
             let id = inference::request_id(req.headers());
@@ -557,8 +559,7 @@ async fn route<B: ReqBody>(
             // SSE's resume: the events after this id that the Edge still keeps.
             let after = req
                 .headers()
-                .get("last-event-id")
-                .and_then(|v| v.to_str().ok())
+                .get_str("last-event-id")
                 .and_then(|v| v.trim().parse::<u64>().ok());
             let Some(events) = state.events.subscribe(keepalive, after) else {
                 return error(
@@ -683,22 +684,28 @@ fn allowed_method(path: &str) -> Option<&'static str> {
 /// The token of an `Authorization: Bearer <token>` header (the scheme is
 /// case-insensitive, RFC 9110 section 11.1), else of an `x-api-key` header (how the
 /// Anthropic SDKs send a key): the same keys either way.
-fn bearer<B>(req: &Request<B>) -> Option<&str> {
+fn bearer<B>(req: &Req<B>) -> Option<&str> {
+    // One pass over the fields for both names (the first value of each, as a lookup
+    // finds it).
+    let (mut authorization, mut api_key) = (None, None);
+    for (name, value) in req.headers().iter() {
+        if name.eq_ignore_ascii_case(b"authorization") {
+            authorization.get_or_insert(value);
+        } else if name.eq_ignore_ascii_case(b"x-api-key") {
+            api_key.get_or_insert(value);
+        }
+    }
     let bearer = || {
-        let value = req.headers().get(header::AUTHORIZATION)?.to_str().ok()?;
+        let value = fields::text(authorization?)?;
         let (scheme, token) = value.trim().split_once([' ', '\t'])?;
         scheme
             .eq_ignore_ascii_case("bearer")
             .then(|| token.trim())
             .filter(|t| !t.is_empty())
     };
-    // A `&str` key would be parsed as a header name on every lookup.
-    static X_API_KEY: header::HeaderName = header::HeaderName::from_static("x-api-key");
     bearer().or_else(|| {
-        req.headers()
-            .get(&X_API_KEY)?
-            .to_str()
-            .ok()
+        api_key
+            .and_then(fields::text)
             .map(str::trim)
             .filter(|t| !t.is_empty())
     })
@@ -723,16 +730,16 @@ impl std::fmt::Display for Caller {
 
 /// Whether a proxy forwarded the request: such a caller is never local, whatever
 /// address the connection came from.
-fn proxied<B>(req: &Request<B>) -> bool {
+fn proxied<B>(req: &Req<B>) -> bool {
     let headers = req.headers();
     ["forwarded", "x-forwarded-for", "x-real-ip"]
         .iter()
-        .any(|name| headers.contains_key(*name))
+        .any(|name| headers.contains(name))
 }
 
 /// The caller when it may use a route of `access`; else the 401 or 403 to answer.
 fn authorize<B>(
-    req: &Request<B>,
+    req: &Req<B>,
     peer: std::net::SocketAddr,
     settings: &HttpSettings,
     access: Access,

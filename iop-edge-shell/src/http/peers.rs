@@ -20,13 +20,16 @@ const FETCH_WAIT: Duration = Duration::from_secs(2);
 pub(crate) type Credential = Option<(HeaderName, HeaderValue)>;
 
 /// The credential headers of a request, for a fetch made on its caller's behalf.
-pub(crate) fn credential(headers: &http::HeaderMap) -> Credential {
+pub(crate) fn credential(headers: &super::fields::Fields) -> Credential {
     [
         http::header::AUTHORIZATION,
         HeaderName::from_static("x-api-key"),
     ]
     .into_iter()
-    .find_map(|name| headers.get(&name).cloned().map(|value| (name, value)))
+    .find_map(|name| {
+        let value = HeaderValue::from_bytes(headers.get(name.as_str())?).ok()?;
+        Some((name, value))
+    })
 }
 
 /// The conversation of response `id` from the Edge at `addr`, at most `limit` bytes;

@@ -22,18 +22,11 @@ fn fresh_request_ids_are_a_process_prefix_and_a_counter_in_hex() {
     assert!(count(&b) > count(&a), "{a} then {b}");
 }
 
-fn headers(pairs: &[(&str, &str)]) -> http::HeaderMap {
-    let mut map = http::HeaderMap::new();
-    for (name, value) in pairs {
-        map.append(
-            http::HeaderName::from_bytes(name.as_bytes()).unwrap(),
-            http::HeaderValue::from_str(value).unwrap(),
-        );
-    }
-    map
+fn headers(pairs: &[(&str, &str)]) -> Fields {
+    Fields::head(pairs)
 }
 
-fn session_header(headers: &http::HeaderMap, configured: Option<&HeaderName>) -> Option<String> {
+fn session_header(headers: &Fields, configured: Option<&HeaderName>) -> Option<String> {
     HeadFacts::read(headers, configured, &crate::traces::Tracer::disabled()).session
 }
 
@@ -98,45 +91,55 @@ fn forwarded(facts: HeadFacts) -> Vec<(String, String)> {
 #[test]
 fn one_pass_over_the_head_reads_what_lookups_read_and_forwards_in_order() {
     let parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
-    let sent = headers(&[
-        ("content-type", "application/json"),
-        ("x-request-id", "abc-123"),
-        ("accept", "text/event-stream"),
-        ("content-length", "12"),
+    let sent = [
+        ("Content-Type", "application/json"),
+        ("X-Request-Id", "abc-123"),
+        ("Accept", "text/event-stream"),
+        ("Content-Length", "12"),
         ("x-request-id", "second"),
         ("content-type", "second/type"),
-        ("host", "edge"),
-        ("traceparent", parent),
-        ("session_id", "s-1"),
-    ]);
-    let facts = HeadFacts::read(&sent, None, &crate::traces::Tracer::disabled());
-    // The first value of each, as a lookup reads it.
-    assert_eq!(&*facts.request_id, &*request_id(&sent));
-    assert_eq!(&*facts.request_id, "abc-123");
-    assert_eq!(facts.content_length, declared_length(&sent));
-    assert_eq!(facts.content_length, Some(12));
-    assert_eq!(facts.session.as_deref(), Some("s-1"));
-    let sent_on = forwarded(facts);
-    let names: Vec<&str> = sent_on.iter().map(|(n, _)| n.as_str()).collect();
-    assert_eq!(
-        names,
-        [
-            "content-type",
-            "content-type",
-            "accept",
-            "x-request-id",
-            "traceparent"
-        ],
-        "{sent_on:?}"
-    );
-    assert_eq!(sent_on[0].1, "application/json");
-    assert_eq!(sent_on[1].1, "second/type");
-    assert_eq!(sent_on[3].1, "abc-123", "the caller's id, once");
-    assert!(
-        sent_on[4]
-            .1
-            .starts_with("00-0af7651916cd43dd8448eb211c80319c-")
-    );
+        ("Host", "edge"),
+        ("TraceParent", parent),
+        ("Session_Id", "s-1"),
+    ];
+    // An HTTP/1.1 head forwards in the order sent; an h2 map holds a name's values
+    // together. Names go on lower-cased either way.
+    let head = [
+        "content-type",
+        "accept",
+        "content-type",
+        "x-request-id",
+        "traceparent",
+    ];
+    let map = [
+        "content-type",
+        "content-type",
+        "accept",
+        "x-request-id",
+        "traceparent",
+    ];
+    for (fields, order) in [(Fields::head(&sent), head), (Fields::map(&sent), map)] {
+        let facts = HeadFacts::read(&fields, None, &crate::traces::Tracer::disabled());
+        // The first value of each, as a lookup reads it.
+        assert_eq!(&*facts.request_id, &*request_id(&fields));
+        assert_eq!(&*facts.request_id, "abc-123");
+        assert_eq!(facts.content_length, declared_length(&fields));
+        assert_eq!(facts.content_length, Some(12));
+        assert_eq!(facts.session.as_deref(), Some("s-1"));
+        let sent_on = forwarded(facts);
+        let names: Vec<&str> = sent_on.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, order, "{sent_on:?}");
+        let value = |name: &str| {
+            sent_on
+                .iter()
+                .filter(|(n, _)| n == name)
+                .map(|(_, v)| v.as_str())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(value("content-type"), ["application/json", "second/type"]);
+        assert_eq!(value("x-request-id"), ["abc-123"], "the caller's id, once");
+        assert!(value("traceparent")[0].starts_with("00-0af7651916cd43dd8448eb211c80319c-"));
+    }
     // An id the contract does not admit is replaced; none given, one is made.
     let forged = headers(&[("x-request-id", "a b"), ("x-request-id", "ok")]);
     let facts = HeadFacts::read(&forged, None, &crate::traces::Tracer::disabled());
@@ -145,4 +148,40 @@ fn one_pass_over_the_head_reads_what_lookups_read_and_forwards_in_order() {
         forwarded(facts),
         [("x-request-id".to_owned(), "-".to_owned())]
     );
+    // A name longer than any this reads is neither forwarded nor a session, unless it is
+    // the configured one.
+    let long = "x-a-session-header-named-at-some-length";
+    let configured = HeaderName::from_static("x-a-session-header-named-at-some-length");
+    let fields = headers(&[("X-A-Session-Header-Named-At-Some-Length", "mine")]);
+    let facts = HeadFacts::read(
+        &fields,
+        Some(&configured),
+        &crate::traces::Tracer::disabled(),
+    );
+    assert_eq!(facts.session.as_deref(), Some("mine"), "{long}");
+    assert_eq!(session_header(&fields, None), None);
+}
+
+#[test]
+fn a_content_length_reads_as_str_parse_reads_it() {
+    let cases: [&[u8]; 12] = [
+        b"0",
+        b"74",
+        b"+12",
+        b"",
+        b"+",
+        b"-1",
+        b" 1",
+        b"1 ",
+        b"1a",
+        b"18446744073709551615",
+        b"18446744073709551616",
+        b"\xff1",
+    ];
+    for case in cases {
+        let parsed = std::str::from_utf8(case)
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok());
+        assert_eq!(content_length(case), parsed, "{case:?}");
+    }
 }
