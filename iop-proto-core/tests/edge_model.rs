@@ -2,6 +2,9 @@
 //! registry, with random interleavings of open, register (good or bad token), ready,
 //! close, heartbeat, time, submit, dispatch, complete, violate and cancel across several
 //! nodes and connections. After every step it checks the invariants a user relies on.
+//! A request whose run fails before its first byte (a violation, its node lost) is given
+//! another provider: the model follows it to its new attempt, and to its new place at the
+//! back of the queue's line when it has to wait.
 
 mod common;
 
@@ -148,6 +151,21 @@ struct Tracking {
     dispatched: BTreeMap<RequestId, (ConnId, String, u64)>,
     ended: BTreeMap<RequestId, Outcome>,
     submitted: BTreeSet<RequestId>,
+    /// Requests given another provider and not granted it yet, with the run that failed.
+    retrying: BTreeMap<RequestId, RunId>,
+    /// Where each request stands in the queue's line: its place on submission, and a new
+    /// one at the back when it is given another provider (it waits again behind those
+    /// already waiting, with a new wait).
+    line: BTreeMap<RequestId, u64>,
+    /// Places handed out so far.
+    places: u64,
+}
+
+impl Tracking {
+    fn join_line(&mut self, request: RequestId) {
+        self.places += 1;
+        self.line.insert(request, self.places);
+    }
 }
 
 fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
@@ -246,6 +264,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 match h.submit(&name, if long { 500 } else { 1 }) {
                     Ok(r) => {
                         prop_assert!(track.submitted.insert(r));
+                        track.join_line(r);
                     }
                     Err(SubmitError::QueueFull { .. }) => {
                         prop_assert!(h.edge.queue().waiting_for(&name) >= 6);
@@ -317,12 +336,41 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
         }
 
         let (_tx, events) = h.drain();
+        // A run that failed before its first byte (or was lost after it) is given another
+        // provider: its request is granted again, once per such event, on a new attempt
+        // (at once, or from the queue later). The failed run is gone: nothing answers on
+        // it. (No model here has a first-byte timeout, whose retry runs beside the slow
+        // run.)
+        for e in &events {
+            if let EdgeEvent::Retried { request, run, .. }
+            | EdgeEvent::Resumed { request, run, .. } = e
+            {
+                prop_assert!(
+                    track.retrying.insert(*request, *run).is_none(),
+                    "step {step}: {request} given another provider twice before a grant"
+                );
+                track.dispatched.remove(request);
+                track.join_line(*request);
+            }
+        }
         // The machine dispatches what it grants, in the same transition.
         for g in grants(&events) {
-            prop_assert!(
-                track.granted.insert(g.request, g.clone()).is_none(),
-                "granted twice"
-            );
+            let before = track.granted.insert(g.request, g.clone());
+            if let Some(before) = before {
+                let failed = track.retrying.remove(&g.request);
+                prop_assert_eq!(
+                    failed,
+                    Some(before.run),
+                    "step {} {:?}: {} granted twice",
+                    step,
+                    op,
+                    g.request
+                );
+                prop_assert!(
+                    g.run.attempt > before.run.attempt,
+                    "a retry is a new attempt"
+                );
+            }
             let conn = h
                 .edge
                 .owner_of_node(&g.node_id)
@@ -351,6 +399,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 "step {step}: {request} ended twice"
             );
             track.dispatched.remove(&request);
+            track.retrying.remove(&request);
         }
         check(&h, &model, &track, &events)?;
     }
@@ -453,7 +502,7 @@ fn check(
             let id = w.request;
             if w.long == lease.long && w.candidates.iter().any(|c| c.resource == lease.resource) {
                 prop_assert!(
-                    id > g.request,
+                    track.line[&id] > track.line[&g.request],
                     "FIFO: {} still waits behind granted {}",
                     id,
                     g.request
