@@ -178,17 +178,25 @@ fn admitted_request_id(given: Option<&[u8]>) -> Option<Arc<str>> {
 /// and cheap to make. Not a secret.
 fn fresh_request_id() -> Arc<str> {
     use std::sync::OnceLock;
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static PREFIX: OnceLock<u64> = OnceLock::new();
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let prefix = *PREFIX.get_or_init(iop_shell_common::process::nonce);
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    // `req_` and the prefix's 16 digits, written once.
+    static HEAD: OnceLock<[u8; 20]> = OnceLock::new();
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let head = HEAD.get_or_init(|| {
+        let prefix = iop_shell_common::process::nonce();
+        let mut head = *b"req_0000000000000000";
+        for (i, byte) in head[4..].iter_mut().rev().enumerate() {
+            *byte = HEX[((prefix >> (4 * i)) & 0xF) as usize];
+        }
+        head
+    });
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
     // Written by hand: `format!` cost more than the rest of the id's making together.
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut id = *b"req_000000000000000000000000";
-    let digits = (u128::from(prefix) << 32) | u128::from(n & 0xFFFF_FFFF);
-    for (i, byte) in id[4..].iter_mut().rev().enumerate() {
-        *byte = HEX[((digits >> (4 * i)) & 0xF) as usize];
+    let mut id = [0u8; 28];
+    id[..20].copy_from_slice(head);
+    for (i, byte) in id[20..].iter_mut().rev().enumerate() {
+        *byte = HEX[((n >> (4 * i)) & 0xF) as usize];
     }
     Arc::from(std::str::from_utf8(&id).unwrap_or("req_"))
 }
@@ -337,17 +345,27 @@ pub(super) async fn inference<B: ReqBody>(
         insert_rate_limits(headers, &limits, None);
     }
     // A provider that names the request its own way (OpenAI's `req_…`) keeps its id
-    // visible under another name; the caller's id is the one `x-request-id` carries.
-    if let Some(upstream) = headers.remove(&REQUEST_ID)
+    // visible under another name; the caller's id is the one `x-request-id` carries
+    // (the name looked up once for both).
+    let value = HeaderValue::from_str(&id).ok();
+    if let Some(value) = &value
+        && route.dialect() == Dialect::Anthropic
+    {
+        headers.insert(ANTHROPIC_REQUEST_ID.clone(), value.clone());
+    }
+    let upstream = match (headers.entry(&REQUEST_ID), value) {
+        (http::header::Entry::Occupied(mut given), Some(value)) => Some(given.insert(value)),
+        (http::header::Entry::Occupied(given), None) => Some(given.remove()),
+        (http::header::Entry::Vacant(slot), Some(value)) => {
+            slot.insert(value);
+            None
+        }
+        (http::header::Entry::Vacant(_), None) => None,
+    };
+    if let Some(upstream) = upstream
         && upstream.as_bytes() != id.as_bytes()
     {
         headers.insert(UPSTREAM_REQUEST_ID.clone(), upstream);
-    }
-    if let Ok(value) = HeaderValue::from_str(&id) {
-        if route.dialect() == Dialect::Anthropic {
-            headers.insert(ANTHROPIC_REQUEST_ID.clone(), value.clone());
-        }
-        headers.insert(REQUEST_ID.clone(), value);
     }
     response
 }
