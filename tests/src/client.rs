@@ -331,9 +331,17 @@ impl Cluster {
         } else {
             head.replacen("[auth]\n", "[auth]\nadmin_loopback = true\n", 1)
         };
+        // A test that sets its own `[heartbeat]` keeps it.
+        let heartbeat = if head.contains("[heartbeat]") {
+            String::new()
+        } else {
+            format!(
+                "[heartbeat]\ninterval_ms = {HEARTBEAT_MS}\ntimeout_ms = {HEARTBEAT_TIMEOUT_MS}\n\n"
+            )
+        };
         format!(
             "[listen]\nhttp = \"127.0.0.1:{http_port}\"\nnodes = \"127.0.0.1:{node_port}\"\n{plaintext}{link}\n\
-             [heartbeat]\ninterval_ms = {HEARTBEAT_MS}\ntimeout_ms = {HEARTBEAT_TIMEOUT_MS}\n\n\
+             {heartbeat}\
              [timeouts]\nregister_ms = 2000\nrefresh_ms = 2000\ncancel_grace_ms = 2000\nresponse_sec = 30\n\n\
              {head}\n\n{body}\n"
         )

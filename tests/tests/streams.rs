@@ -142,7 +142,12 @@ async fn round(loss: Loss, after: usize, extra: &str) -> Vec<Duration> {
         Loss::Kill => "never".to_owned(),
         Loss::Stall => format!("stall:{after}"),
     };
-    let cluster = Arc::new(Cluster::start("", &fleet(words, &fail, extra)));
+    // Nodes are lost here by `kill -9` (the link closes at once) or a stalled provider
+    // (the model's stall timeout), never by silence on the link; a heartbeat timeout
+    // longer than the test clusters' 1 s keeps 120 streams on a machine with other work
+    // from costing every node its link at once.
+    let heartbeat = "[heartbeat]\ninterval_ms = 200\ntimeout_ms = 5000\n";
+    let cluster = Arc::new(Cluster::start(heartbeat, &fleet(words, &fail, extra)));
     let nodes: Vec<_> = ["n1", "n2", "n3"]
         .iter()
         .map(|id| cluster.node(id, &format!("{TOKEN}-{id}")))
