@@ -24,7 +24,9 @@ pub struct RequestHead {
     pub target: Range<usize>,
     /// HTTP/1.0 (else 1.1).
     pub http10: bool,
-    /// Each field's name and value.
+    /// Each field's name and value, in the order sent: every name a token
+    /// ([`is_token`]), every value a field value ([`is_field_value`]); a head with any
+    /// other field is refused.
     pub fields: Vec<(Range<usize>, Range<usize>)>,
     /// How the body is framed.
     pub body: Framing,

@@ -195,3 +195,29 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    /// Every field of a head the reader accepts is a token name and a field value (RFC
+    /// 9110 section 5): the Edge hands them to its handlers as read, with no second check,
+    /// so a head with any other byte in a field must be refused here.
+    #[test]
+    fn an_accepted_head_holds_only_token_names_and_field_values(
+        name in proptest::collection::vec(any::<u8>(), 1..12),
+        value in proptest::collection::vec(any::<u8>(), 0..24),
+        plain in "[A-Za-z-]{1,12}",
+    ) {
+        for (name, value) in [(&name[..], &value[..]), (plain.as_bytes(), &value[..]), (&name[..], b"v".as_slice())] {
+            let mut head = b"GET / HTTP/1.1\r\nHost: edge\r\n".to_vec();
+            head.extend_from_slice(name);
+            head.extend_from_slice(b": ");
+            head.extend_from_slice(value);
+            head.extend_from_slice(b"\r\n\r\n");
+            if let Ok(Some(read)) = HeadReader::new(8192).poll(&head) {
+                for (n, v) in &read.fields {
+                    prop_assert!(iop_http1::is_token(&head[n.clone()]), "{:?}", &head[n.clone()]);
+                    prop_assert!(iop_http1::is_field_value(&head[v.clone()]), "{:?}", &head[v.clone()]);
+                }
+            }
+        }
+    }
+}

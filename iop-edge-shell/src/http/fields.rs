@@ -56,7 +56,7 @@ impl<B> From<http::Request<B>> for Req<B> {
 /// them (each name's values together, in order).
 pub(crate) enum Fields {
     /// An HTTP/1.1 head: its bytes, and each field's name and value within them (names
-    /// as sent, in any case; both checked by the reader).
+    /// as sent, in any case; token names and field values, as the reader admits them).
     Head {
         bytes: Bytes,
         fields: Vec<(Range<usize>, Range<usize>)>,
@@ -106,10 +106,7 @@ pub(crate) fn text(value: &[u8]) -> Option<&str> {
 
 /// [`Fields::iter`].
 pub(crate) enum FieldIter<'a> {
-    Head(
-        &'a Bytes,
-        std::slice::Iter<'a, (Range<usize>, Range<usize>)>,
-    ),
+    Head(&'a [u8], std::slice::Iter<'a, (Range<usize>, Range<usize>)>),
     Map(http::header::Iter<'a, http::HeaderValue>),
 }
 
@@ -130,19 +127,21 @@ impl<'a> Iterator for FieldIter<'a> {
 
 #[cfg(test)]
 impl Fields {
-    /// An HTTP/1.1 head's fields of `pairs`, in order, names as given.
+    /// The fields of an HTTP/1.1 head sending `pairs` in order, names as given, as the
+    /// Edge's reader finds them.
     pub(crate) fn head(pairs: &[(&str, &str)]) -> Fields {
-        let mut text = String::new();
-        let mut fields = Vec::new();
+        let mut text = String::from("GET / HTTP/1.1\r\n");
         for (name, value) in pairs {
-            let at = text.len();
-            let value_at = at + name.len() + 2;
-            fields.push((at..at + name.len(), value_at..value_at + value.len()));
             text.push_str(&format!("{name}: {value}\r\n"));
         }
+        text.push_str("\r\n");
+        let head = iop_http1::HeadReader::new(1 << 16)
+            .poll(text.as_bytes())
+            .expect("a valid head")
+            .expect("a whole head");
         Fields::Head {
             bytes: Bytes::from(text),
-            fields,
+            fields: head.fields,
         }
     }
 

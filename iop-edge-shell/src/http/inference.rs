@@ -347,25 +347,23 @@ pub(super) async fn inference<B: ReqBody>(
     // A provider that names the request its own way (OpenAI's `req_…`) keeps its id
     // visible under another name; the caller's id is the one `x-request-id` carries
     // (the name looked up once for both).
-    let value = HeaderValue::from_str(&id).ok();
-    if let Some(value) = &value
-        && route.dialect() == Dialect::Anthropic
-    {
+    // The id is one `is_request_id` admits or one made here: always a header value.
+    let Ok(value) = HeaderValue::from_str(&id) else {
+        return response;
+    };
+    if route.dialect() == Dialect::Anthropic {
         headers.insert(ANTHROPIC_REQUEST_ID.clone(), value.clone());
     }
-    let upstream = match (headers.entry(&REQUEST_ID), value) {
-        (http::header::Entry::Occupied(mut given), Some(value)) => Some(given.insert(value)),
-        (http::header::Entry::Occupied(given), None) => Some(given.remove()),
-        (http::header::Entry::Vacant(slot), Some(value)) => {
-            slot.insert(value);
-            None
+    match headers.entry(&REQUEST_ID) {
+        http::header::Entry::Occupied(mut given) => {
+            let upstream = given.insert(value);
+            if upstream.as_bytes() != id.as_bytes() {
+                headers.insert(UPSTREAM_REQUEST_ID.clone(), upstream);
+            }
         }
-        (http::header::Entry::Vacant(_), None) => None,
-    };
-    if let Some(upstream) = upstream
-        && upstream.as_bytes() != id.as_bytes()
-    {
-        headers.insert(UPSTREAM_REQUEST_ID.clone(), upstream);
+        http::header::Entry::Vacant(slot) => {
+            slot.insert(value);
+        }
     }
     response
 }
@@ -395,6 +393,12 @@ impl HeadFacts {
         session_header: Option<&HeaderName>,
         tracer: &crate::traces::Tracer,
     ) -> HeadFacts {
+        const _: () = assert!(
+            fits(&iop_proto_core::tunnel::FORWARDED_REQUEST_HEADERS)
+                && fits(&iop_proto_core::edge::SESSION_HEADERS)
+                && fits(&[REQUEST_ID_HEADER, "content-length", TRACEPARENT, TRACESTATE]),
+            "a name matched below is longer than the buffer it is lower-cased into"
+        );
         const REQUEST_ID_NAME: &[u8] = REQUEST_ID_HEADER.as_bytes();
         const TRACEPARENT_NAME: &[u8] = TRACEPARENT.as_bytes();
         const TRACESTATE_NAME: &[u8] = TRACESTATE.as_bytes();
@@ -406,8 +410,8 @@ impl HeadFacts {
         let (mut given, mut length, mut parent, mut tracestate) = (None, None, None, None);
         for (name, value) in headers.iter() {
             // Names come as sent, in any case: matched lower-cased (no name matched here
-            // is longer than the buffer).
-            let mut buf = [0u8; 32];
+            // is longer than the buffer; see `fits`).
+            let mut buf = [0u8; NAME_ROOM];
             let lower = buf.get_mut(..name.len()).map(|lower| {
                 lower.copy_from_slice(name);
                 lower.make_ascii_lowercase();
@@ -441,6 +445,21 @@ impl HeadFacts {
             forward,
         }
     }
+}
+
+/// Room for the longest header name [`HeadFacts::read`] matches, lower-cased.
+const NAME_ROOM: usize = 32;
+
+/// Whether every name in `names` fits [`NAME_ROOM`].
+const fn fits(names: &[&str]) -> bool {
+    let mut i = 0;
+    while i < names.len() {
+        if names[i].len() > NAME_ROOM {
+            return false;
+        }
+        i += 1;
+    }
+    true
 }
 
 /// The header the Anthropic SDKs read a request's id from.

@@ -27,7 +27,9 @@ pub(crate) fn credential(headers: &super::fields::Fields) -> Credential {
     ]
     .into_iter()
     .find_map(|name| {
-        let value = HeaderValue::from_bytes(headers.get(name.as_str())?).ok()?;
+        let mut value = HeaderValue::from_bytes(headers.get(name.as_str())?).ok()?;
+        // A secret: kept out of HPACK tables and `Debug` output.
+        value.set_sensitive(true);
         Some((name, value))
     })
 }
