@@ -775,3 +775,45 @@ fn a_quiet_stream_gets_a_ping_after_fifteen_seconds_and_not_before() {
     };
     assert_eq!(&ping[..], b"event: ping\ndata: {\"type\":\"ping\"}\n\n");
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2_000))]
+
+    /// The Edge hands the responder tunnel parts (`TunnelPart`), not frames: each part
+    /// reads as the frame it stands for would, over a chat-completions provider and a
+    /// native one, whatever ends the request: the same outputs, usage, status and state
+    /// at every step.
+    #[test]
+    fn a_tunnel_part_reads_as_the_frame_it_stands_for(
+        frames in tunnel_frames(),
+        end in tunnel_outcome(),
+        stream in any::<bool>(),
+        native in any::<bool>(),
+    ) {
+        use iop_proto_core::tunnel::TunnelPart;
+        let mut by_frame = Responder::new(options(stream, false, &[]));
+        let mut by_part = Responder::new(options(stream, false, &[]));
+        by_frame.handle_dispatched(DispatchShape::Tunnel, native);
+        by_part.handle_dispatched(DispatchShape::Tunnel, native);
+        for frame in frames {
+            by_frame.handle_tunnel_frame(frame.clone());
+            by_part.handle_tunnel_part(TunnelPart::from(frame));
+            let a: Vec<Out> = std::iter::from_fn(|| by_frame.poll_output()).collect();
+            let b: Vec<Out> = std::iter::from_fn(|| by_part.poll_output()).collect();
+            prop_assert_eq!(a, b);
+            prop_assert_eq!(by_frame.usage(), by_part.usage());
+            prop_assert_eq!(by_frame.status(), by_part.status());
+            prop_assert_eq!(by_frame.is_done(), by_part.is_done());
+            prop_assert_eq!(by_frame.needs_cancel(), by_part.needs_cancel());
+        }
+        if let Some(outcome) = end {
+            by_frame.handle_end(&outcome);
+            by_part.handle_end(&outcome);
+            let a: Vec<Out> = std::iter::from_fn(|| by_frame.poll_output()).collect();
+            let b: Vec<Out> = std::iter::from_fn(|| by_part.poll_output()).collect();
+            prop_assert_eq!(a, b);
+            prop_assert_eq!(by_frame.is_done(), by_part.is_done());
+            prop_assert_eq!(by_frame.needs_cancel(), by_part.needs_cancel());
+        }
+    }
+}

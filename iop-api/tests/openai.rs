@@ -17,6 +17,8 @@ use iop_proto_core::wire::{
 use iop_proto_core::{DispatchShape, Outcome, RequestError, SubmitError};
 use serde_json::{Value, json};
 
+mod common;
+
 // ----- inputs -----
 
 fn options(stream: bool, include_usage: bool, wants_tools: bool) -> ResponseOptions {
@@ -1477,4 +1479,44 @@ fn the_validating_pass_leaves_to_serde_what_only_serde_can_judge() {
         ),
         ("m", true, Some("u1"), Some(9))
     );
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2_000))]
+
+    /// The Edge hands the responder tunnel parts (`TunnelPart`), not frames: each part
+    /// reads as the frame it stands for would, whatever came before it and whatever ends
+    /// the request: the same outputs, usage, status and state at every step.
+    #[test]
+    fn a_tunnel_part_reads_as_the_frame_it_stands_for(
+        frames in common::tunnel_frames(),
+        end in common::tunnel_outcome(),
+        stream in proptest::prelude::any::<bool>(),
+    ) {
+        use iop_proto_core::tunnel::TunnelPart;
+        let mut by_frame = Responder::new(options(stream, true, false));
+        let mut by_part = Responder::new(options(stream, true, false));
+        by_frame.handle_dispatched(DispatchShape::Tunnel);
+        by_part.handle_dispatched(DispatchShape::Tunnel);
+        for frame in frames {
+            by_frame.handle_tunnel_frame(frame.clone());
+            by_part.handle_tunnel_part(TunnelPart::from(frame));
+            let a: Vec<Out> = std::iter::from_fn(|| by_frame.poll_output()).collect();
+            let b: Vec<Out> = std::iter::from_fn(|| by_part.poll_output()).collect();
+            proptest::prop_assert_eq!(a, b);
+            proptest::prop_assert_eq!(by_frame.usage(), by_part.usage());
+            proptest::prop_assert_eq!(by_frame.status(), by_part.status());
+            proptest::prop_assert_eq!(by_frame.is_done(), by_part.is_done());
+            proptest::prop_assert_eq!(by_frame.needs_cancel(), by_part.needs_cancel());
+        }
+        if let Some(outcome) = end {
+            by_frame.handle_end(&outcome);
+            by_part.handle_end(&outcome);
+            let a: Vec<Out> = std::iter::from_fn(|| by_frame.poll_output()).collect();
+            let b: Vec<Out> = std::iter::from_fn(|| by_part.poll_output()).collect();
+            proptest::prop_assert_eq!(a, b);
+            proptest::prop_assert_eq!(by_frame.is_done(), by_part.is_done());
+            proptest::prop_assert_eq!(by_frame.needs_cancel(), by_part.needs_cancel());
+        }
+    }
 }

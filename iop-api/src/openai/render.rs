@@ -268,10 +268,15 @@ impl Responder {
 
     /// A tunnel frame as [`TunnelPart::from`] kept it (in sequence order, as for
     /// [`handle_tunnel_frame`](Self::handle_tunnel_frame)).
+    /// The bare parts every answer is made of are read as they are, not rebuilt into
+    /// frames first.
     pub fn handle_tunnel_part(&mut self, part: TunnelPart) {
         match part {
             TunnelPart::Body(body) => self.tunnel_body(body),
-            part => self.handle_tunnel_frame(part.into_frame()),
+            TunnelPart::Status { code, headers } => self.tunnel_status(code, headers),
+            TunnelPart::Usage(usage) => self.usage = Some(usage),
+            TunnelPart::End => self.tunnel_end(),
+            TunnelPart::Frame(frame) => self.handle_tunnel_frame(*frame),
         }
     }
 
@@ -292,26 +297,8 @@ impl Responder {
             self.usage.clone_from(&frame.usage);
         }
         match (&mut self.phase, kind) {
-            (Phase::TunnelHead, Some(TunnelFrameKind::Status)) => {
-                let status = u16::try_from(frame.status_code)
-                    .ok()
-                    .filter(|s| (100..=999).contains(s))
-                    .unwrap_or(502);
-                let mut sse = false;
-                let headers = frame
-                    .headers
-                    .into_iter()
-                    .filter(|h| iop_proto_core::tunnel::forwards_response_header(&h.name))
-                    .inspect(|h| {
-                        sse |= h.name.eq_ignore_ascii_case("content-type")
-                            && h.value.starts_with(b"text/event-stream");
-                    })
-                    .collect();
-                self.head(status, headers);
-                self.phase = Phase::Tunnel {
-                    sse,
-                    at_boundary: true,
-                };
+            (_, Some(TunnelFrameKind::Status)) => {
+                self.tunnel_status(frame.status_code, frame.headers);
             }
             (Phase::TunnelHead, Some(TunnelFrameKind::Error)) => {
                 self.settled = true;
@@ -323,12 +310,42 @@ impl Responder {
                 let detail = frame.error.unwrap_or_default();
                 self.fail_stream(&ApiError::provider(&detail));
             }
-            (Phase::Tunnel { .. }, Some(TunnelFrameKind::End)) => {
-                self.settled = true;
-                self.phase = Phase::Done;
-            }
+            (_, Some(TunnelFrameKind::End)) => self.tunnel_end(),
             // Headers and usage are observations; frames after the end change nothing.
             _ => {}
+        }
+    }
+
+    /// A `STATUS` frame's code and headers: the response head, while it is awaited.
+    fn tunnel_status(&mut self, code: u32, headers: Vec<Header>) {
+        if !matches!(self.phase, Phase::TunnelHead) {
+            return;
+        }
+        let status = u16::try_from(code)
+            .ok()
+            .filter(|s| (100..=999).contains(s))
+            .unwrap_or(502);
+        let mut sse = false;
+        let headers = headers
+            .into_iter()
+            .filter(|h| iop_proto_core::tunnel::forwards_response_header(&h.name))
+            .inspect(|h| {
+                sse |= h.name.eq_ignore_ascii_case("content-type")
+                    && h.value.starts_with(b"text/event-stream");
+            })
+            .collect();
+        self.head(status, headers);
+        self.phase = Phase::Tunnel {
+            sse,
+            at_boundary: true,
+        };
+    }
+
+    /// An `END` frame: a passed-through answer is complete.
+    fn tunnel_end(&mut self) {
+        if let Phase::Tunnel { .. } = self.phase {
+            self.settled = true;
+            self.phase = Phase::Done;
         }
     }
 

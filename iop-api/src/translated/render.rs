@@ -206,9 +206,17 @@ impl<C: Compose> Responder<C> {
 
     /// A tunnel frame as the Edge machine kept it.
     pub fn handle_tunnel_part(&mut self, part: TunnelPart) {
+        // The bare parts every answer is made of are read as they are, not rebuilt into
+        // frames first.
         match part {
             TunnelPart::Body(body) => self.tunnel_body(&body),
-            part => self.handle_tunnel_frame(part.into_frame()),
+            TunnelPart::Status { code, headers } => self.tunnel_status(code, &headers),
+            TunnelPart::Usage(usage) => self.usage = Some(usage),
+            TunnelPart::End => {
+                self.settled = true;
+                self.tunnel_end();
+            }
+            TunnelPart::Frame(frame) => self.handle_tunnel_frame(*frame),
         }
     }
 
@@ -219,7 +227,7 @@ impl<C: Compose> Responder<C> {
             self.usage.clone_from(&frame.usage);
         }
         match kind {
-            Some(TunnelFrameKind::Status) => self.tunnel_status(&frame),
+            Some(TunnelFrameKind::Status) => self.tunnel_status(frame.status_code, &frame.headers),
             Some(TunnelFrameKind::Body) => self.tunnel_body(&frame.body),
             Some(TunnelFrameKind::Error) => {
                 self.settled = true;
@@ -234,18 +242,17 @@ impl<C: Compose> Responder<C> {
         }
     }
 
-    fn tunnel_status(&mut self, frame: &ProviderTunnelFrame) {
-        let status = u16::try_from(frame.status_code)
+    fn tunnel_status(&mut self, code: u32, headers: &[Header]) {
+        let status = u16::try_from(code)
             .ok()
             .filter(|s| (100..=999).contains(s))
             .unwrap_or(502);
-        let sse = frame.headers.iter().any(|h| {
+        let sse = headers.iter().any(|h| {
             h.name.eq_ignore_ascii_case("content-type") && h.value.starts_with(b"text/event-stream")
         });
         match self.phase {
             Phase::NativeHead => {
-                let headers = frame
-                    .headers
+                let headers = headers
                     .iter()
                     .filter(|h| iop_proto_core::tunnel::forwards_response_header(&h.name))
                     .cloned()
@@ -271,8 +278,7 @@ impl<C: Compose> Responder<C> {
                 self.phase = phase;
             }
             Phase::TunnelHead => {
-                let retry_after = frame
-                    .headers
+                let retry_after = headers
                     .iter()
                     .find(|h| h.name.eq_ignore_ascii_case("retry-after"))
                     .cloned();

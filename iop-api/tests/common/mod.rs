@@ -198,3 +198,96 @@ pub(crate) fn steps() -> impl Strategy<Value = Vec<Step>> {
         0..12,
     )
 }
+
+/// Tunnel frames as the Edge machine hands them on, in order: each of one kind, bare or
+/// carrying more than its kind needs (metadata; an error detail), so that
+/// `TunnelPart::from` makes every kind of part of them, bare and boxed. Bodies are chat
+/// completion chunks (whole, cut, or `[DONE]`), a whole answer, or not JSON.
+pub(crate) fn tunnel_frames()
+-> impl Strategy<Value = Vec<iop_proto_core::wire::ProviderTunnelFrame>> {
+    use bytes::Bytes;
+    use iop_proto_core::wire::{Header, ProviderTunnelFrame};
+    let header = prop_oneof![
+        Just(("content-type", "text/event-stream")),
+        Just(("content-type", "application/json")),
+        Just(("retry-after", "3")),
+        Just(("x-request-id", "up-1")),
+        Just(("x-other", "v")),
+    ]
+    .prop_map(|(name, value): (&str, &'static str)| Header {
+        name: name.into(),
+        value: Bytes::from_static(value.as_bytes()),
+    });
+    let body = prop_oneof![
+        Just(
+            "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"},\"finish_reason\":null}]}\n\n"
+        ),
+        Just(
+            "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n"
+        ),
+        Just("data: [DONE]\n\n"),
+        Just("data: {\"id\":\"c\",\"choices\":[{\"delta\":{\"content\":\"h"),
+        Just(
+            "{\"id\":\"c\",\"object\":\"chat.completion\",\"choices\":[{\"index\":0,\"message\":{\"role\":\"assistant\",\"content\":\"hi\"},\"finish_reason\":\"stop\"}]}"
+        ),
+        Just("not json"),
+        Just(""),
+    ];
+    let frame = (
+        0..8_i32,
+        prop_oneof![Just(200_u32), Just(404), Just(503), Just(0), Just(1000)],
+        prop::collection::vec(header, 0..3),
+        body,
+        any::<bool>(),
+        any::<bool>(),
+    )
+        .prop_map(|(kind, code, headers, body, metadata, error)| {
+            let mut frame = ProviderTunnelFrame {
+                run_id: "run-7".into(),
+                kind,
+                ..ProviderTunnelFrame::default()
+            };
+            match kind {
+                1 => {
+                    frame.status_code = code;
+                    frame.headers = headers;
+                }
+                2 => frame.headers = headers,
+                3 => frame.body = Bytes::from_static(body.as_bytes()),
+                4 => {
+                    frame.usage = Some(Usage {
+                        prompt_tokens: 5,
+                        completion_tokens: u64::from(code),
+                        total_tokens: 5 + u64::from(code),
+                    });
+                }
+                _ => {}
+            }
+            if metadata {
+                frame.metadata.insert("k".into(), "v".into());
+            }
+            if error || kind == 6 {
+                frame.error = Some(ErrorDetail {
+                    code: "upstream".into(),
+                    message: "upstream said no".into(),
+                    retryable: false,
+                });
+            }
+            frame
+        });
+    prop::collection::vec(frame, 0..8)
+}
+
+/// How a request may end after its frames: `None` leaves it open.
+pub(crate) fn tunnel_outcome() -> impl Strategy<Value = Option<Outcome>> {
+    prop_oneof![
+        Just(None),
+        Just(Some(Outcome::Completed)),
+        Just(Some(Outcome::Cancelled)),
+        Just(Some(Outcome::Failed(RequestError::Provider(ErrorDetail {
+            code: "upstream".into(),
+            message: "upstream said no".into(),
+            retryable: false,
+        })))),
+    ]
+}
