@@ -767,7 +767,7 @@ fn spawn_work<F, Fut>(
             }
         })
         .await;
-        let _ = done.send(Output::Finished { run_id, tail }).await;
+        crate::adapters::report(&done, Output::Finished { run_id, tail }).await;
     }));
 }
 
