@@ -300,6 +300,19 @@ async fn oversized_heads_get_431_and_silent_ones_are_closed() {
     // So is a connection that sends nothing.
     let mut idle = connect(&cluster).await;
     assert!(idle.closed_within(Duration::from_secs(5)).await);
+    // And a kept connection's next head that never ends: the header timeout runs from
+    // its first byte, where the idle timeout (60 s) ran before it.
+    let mut kept = connect(&cluster).await;
+    kept.send(b"GET /healthz HTTP/1.1\r\nhost: e\r\n\r\n").await;
+    assert_eq!(kept.answer(false).await.status, 200);
+    kept.send(b"GET /healthz HTTP/1.1\r\nhost: e\r\n").await;
+    let started = std::time::Instant::now();
+    assert!(kept.closed_within(Duration::from_secs(5)).await);
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
 }
 
 #[tokio::test]

@@ -38,6 +38,7 @@ use iop_http1::{
 use iop_shell_common::deadline::Deadline;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
+use tokio_util::sync::WaitForCancellationFuture;
 use tracing::debug;
 
 use super::fields::{Fields, Req};
@@ -224,10 +225,15 @@ async fn serve_from(
         timer: Deadline::new(Instant::now() + settings.header_read_timeout),
     };
     let mut heads = HeadReader::new(settings.max_header_bytes);
+    // Made once for the connection: a wait for the drain registers with it once, not
+    // again for every request the connection carries.
+    let drain = Arc::clone(&state);
+    let began = drain.drain.began();
+    tokio::pin!(began);
     let mut first = first;
     loop {
         let head = match conn
-            .next_head(&mut heads, first, settings, &state.drain)
+            .next_head(&mut heads, first, settings, &state.drain, began.as_mut())
             .await
         {
             Ok(head) => head,
@@ -283,15 +289,15 @@ impl Conn {
         first: bool,
         settings: &HttpSettings,
         drain: &crate::drain::Drain,
+        // Resolves once the drain began: a connection with no request begun closes then.
+        mut began: Pin<&mut WaitForCancellationFuture<'_>>,
     ) -> Result<RequestHead, NoHead> {
         heads.reset();
         if !first && drain.mover().is_some() {
             return Err(NoHead::Move);
         }
-        // A connection with no request begun closes when the Edge starts to drain.
-        let began = drain.began();
-        tokio::pin!(began);
         let mut started = first;
+        let mut rearm = false;
         if !first {
             let buffered = !lock(&self.read).buf.is_empty();
             let limit = if buffered {
@@ -327,6 +333,10 @@ impl Conn {
                     return Err(NoHead::Gone);
                 }
             }
+            if std::mem::take(&mut rearm) {
+                self.timer
+                    .set(Instant::now() + settings.header_read_timeout);
+            }
             let stream = &self.stream;
             let read = &self.read;
             let timer = &mut self.timer;
@@ -358,10 +368,10 @@ impl Conn {
                 }
                 Some(Ok(_)) if !started => {
                     // The first byte of a head on a kept connection: the rest within the
-                    // header timeout.
+                    // header timeout, armed before the next wait for more of it (a head
+                    // that came whole, the usual case, reads no clock for it).
                     started = true;
-                    self.timer
-                        .set(Instant::now() + settings.header_read_timeout);
+                    rearm = true;
                 }
                 Some(Ok(_)) => {}
             }
