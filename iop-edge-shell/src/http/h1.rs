@@ -24,7 +24,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::task::{Context, Poll, ready};
+use std::task::{Context, Poll, Waker, ready};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -163,6 +163,10 @@ struct Conn {
     peer: SocketAddr,
     /// The connection's one deadline: a head's, the idle limit, a stalled write's.
     timer: Deadline,
+    /// The waker the wait on the drain (`began`) last registered: while the connection's
+    /// waker stays the same, later waits read the drain's flag instead of polling it
+    /// again (a lock of its list each time).
+    drain_waker: Option<Waker>,
 }
 
 fn lock(read: &Mutex<ReadSide>) -> MutexGuard<'_, ReadSide> {
@@ -223,6 +227,7 @@ async fn serve_from(
         out: Vec::new(),
         peer,
         timer: Deadline::new(Instant::now() + settings.header_read_timeout),
+        drain_waker: None,
     };
     let mut heads = HeadReader::new(settings.max_header_bytes);
     // Made once for the connection: a wait for the drain registers with it once, not
@@ -340,13 +345,27 @@ impl Conn {
             let stream = &self.stream;
             let read = &self.read;
             let timer = &mut self.timer;
+            let drain_waker = &mut self.drain_waker;
             let idle = lock(read).buf.is_empty();
             let outcome = std::future::poll_fn(|cx| {
                 if let Poll::Ready(read) = lock(read).poll_read(stream, cx) {
                     return Poll::Ready(Some(read));
                 }
-                if (idle || drain.mover().is_some()) && began.as_mut().poll(cx).is_ready() {
-                    return Poll::Ready(None);
+                if idle || drain.mover().is_some() {
+                    // Registered once for this waker; the drain's flag is set before
+                    // its waiters are woken, so no wake is lost in between.
+                    if drain_waker
+                        .as_ref()
+                        .is_some_and(|w| w.will_wake(cx.waker()))
+                    {
+                        if drain.has_begun() {
+                            return Poll::Ready(None);
+                        }
+                    } else if began.as_mut().poll(cx).is_ready() {
+                        return Poll::Ready(None);
+                    } else {
+                        *drain_waker = Some(cx.waker().clone());
+                    }
                 }
                 timer.poll_reached(cx).map(|()| None)
             })
