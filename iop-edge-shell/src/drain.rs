@@ -84,12 +84,6 @@ impl Drain {
         self.began.cancelled()
     }
 
-    /// Whether [`Drain::began`] has resolved (a drain or a hand-over began).
-    #[must_use]
-    pub fn has_begun(&self) -> bool {
-        self.began.is_cancelled()
-    }
-
     /// Whether the Edge is draining.
     #[must_use]
     pub fn is_draining(&self) -> bool {

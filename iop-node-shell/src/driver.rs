@@ -767,7 +767,7 @@ fn spawn_work<F, Fut>(
             }
         })
         .await;
-        crate::adapters::report(&done, Output::Finished { run_id, tail }).await;
+        let _ = done.send(Output::Finished { run_id, tail }).await;
     }));
 }
 

@@ -24,7 +24,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::task::{Context, Poll, Waker, ready};
+use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -38,7 +38,6 @@ use iop_http1::{
 use iop_shell_common::deadline::Deadline;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
-use tokio_util::sync::WaitForCancellationFuture;
 use tracing::debug;
 
 use super::fields::{Fields, Req};
@@ -163,10 +162,6 @@ struct Conn {
     peer: SocketAddr,
     /// The connection's one deadline: a head's, the idle limit, a stalled write's.
     timer: Deadline,
-    /// The waker the wait on the drain (`began`) last registered: while the connection's
-    /// waker stays the same, later waits read the drain's flag instead of polling it
-    /// again (a lock of its list each time).
-    drain_waker: Option<Waker>,
 }
 
 fn lock(read: &Mutex<ReadSide>) -> MutexGuard<'_, ReadSide> {
@@ -227,18 +222,12 @@ async fn serve_from(
         out: Vec::new(),
         peer,
         timer: Deadline::new(Instant::now() + settings.header_read_timeout),
-        drain_waker: None,
     };
     let mut heads = HeadReader::new(settings.max_header_bytes);
-    // Made once for the connection: a wait for the drain registers with it once, not
-    // again for every request the connection carries.
-    let drain = Arc::clone(&state);
-    let began = drain.drain.began();
-    tokio::pin!(began);
     let mut first = first;
     loop {
         let head = match conn
-            .next_head(&mut heads, first, settings, &state.drain, began.as_mut())
+            .next_head(&mut heads, first, settings, &state.drain)
             .await
         {
             Ok(head) => head,
@@ -294,15 +283,15 @@ impl Conn {
         first: bool,
         settings: &HttpSettings,
         drain: &crate::drain::Drain,
-        // Resolves once the drain began: a connection with no request begun closes then.
-        mut began: Pin<&mut WaitForCancellationFuture<'_>>,
     ) -> Result<RequestHead, NoHead> {
         heads.reset();
         if !first && drain.mover().is_some() {
             return Err(NoHead::Move);
         }
+        // A connection with no request begun closes when the Edge starts to drain.
+        let began = drain.began();
+        tokio::pin!(began);
         let mut started = first;
-        let mut rearm = false;
         if !first {
             let buffered = !lock(&self.read).buf.is_empty();
             let limit = if buffered {
@@ -338,34 +327,16 @@ impl Conn {
                     return Err(NoHead::Gone);
                 }
             }
-            if std::mem::take(&mut rearm) {
-                self.timer
-                    .set(Instant::now() + settings.header_read_timeout);
-            }
             let stream = &self.stream;
             let read = &self.read;
             let timer = &mut self.timer;
-            let drain_waker = &mut self.drain_waker;
             let idle = lock(read).buf.is_empty();
             let outcome = std::future::poll_fn(|cx| {
                 if let Poll::Ready(read) = lock(read).poll_read(stream, cx) {
                     return Poll::Ready(Some(read));
                 }
-                if idle || drain.mover().is_some() {
-                    // Registered once for this waker; the drain's flag is set before
-                    // its waiters are woken, so no wake is lost in between.
-                    if drain_waker
-                        .as_ref()
-                        .is_some_and(|w| w.will_wake(cx.waker()))
-                    {
-                        if drain.has_begun() {
-                            return Poll::Ready(None);
-                        }
-                    } else if began.as_mut().poll(cx).is_ready() {
-                        return Poll::Ready(None);
-                    } else {
-                        *drain_waker = Some(cx.waker().clone());
-                    }
+                if (idle || drain.mover().is_some()) && began.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(None);
                 }
                 timer.poll_reached(cx).map(|()| None)
             })
@@ -387,10 +358,10 @@ impl Conn {
                 }
                 Some(Ok(_)) if !started => {
                     // The first byte of a head on a kept connection: the rest within the
-                    // header timeout, armed before the next wait for more of it (a head
-                    // that came whole, the usual case, reads no clock for it).
+                    // header timeout.
                     started = true;
-                    rearm = true;
+                    self.timer
+                        .set(Instant::now() + settings.header_read_timeout);
                 }
                 Some(Ok(_)) => {}
             }

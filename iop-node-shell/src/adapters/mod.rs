@@ -105,28 +105,24 @@ impl Sink {
 
     /// Reports run progress; false once the connection is gone.
     pub async fn run(&self, output: RunOutput) -> bool {
-        let run_id = self.run_id.clone();
-        report(&self.tx, Output::Run { run_id, output }).await
+        self.tx
+            .send(Output::Run {
+                run_id: self.run_id.clone(),
+                output,
+            })
+            .await
+            .is_ok()
     }
 
     /// Reports tunnel progress; false once the connection is gone.
     pub async fn tunnel(&self, output: TunnelOutput) -> bool {
-        let run_id = self.run_id.clone();
-        report(&self.tx, Output::Tunnel { run_id, output }).await
-    }
-}
-
-/// Sends `output` to the driver; false once the connection is gone. It waits only when
-/// the channel is full, and that wait (tokio's `send`, whose future holds the value and
-/// a semaphore waiter, about 450 bytes) is boxed: an adapter task's future keeps room
-/// for the wait at each report it makes, and tokio's copy of the task when it is spawned
-/// grows with it. A report that finds room, nearly all of them, takes it at once; tokio
-/// hands freed room to senders already waiting first, so none is passed over.
-pub(crate) async fn report(tx: &mpsc::Sender<Output>, output: Output) -> bool {
-    match tx.try_send(output) {
-        Ok(()) => true,
-        Err(mpsc::error::TrySendError::Closed(_)) => false,
-        Err(mpsc::error::TrySendError::Full(output)) => Box::pin(tx.send(output)).await.is_ok(),
+        self.tx
+            .send(Output::Tunnel {
+                run_id: self.run_id.clone(),
+                output,
+            })
+            .await
+            .is_ok()
     }
 }
 
@@ -454,59 +450,6 @@ mod tests {
         let (there, read) = convert_input(&large, read).await.expect("converted");
         assert_ne!(there, here, "a large input was read on the streams' thread");
         assert_eq!(read, INLINE_MAX);
-    }
-
-    /// A report waits for room in a full channel (the driver reading slowly holds the
-    /// adapters back), takes its turn behind a report already waiting, keeps the order,
-    /// and says false once the driver is gone.
-    #[tokio::test(flavor = "current_thread")]
-    async fn a_report_waits_for_room_in_turn_and_fails_once_the_driver_is_gone() {
-        let (tx, mut rx) = mpsc::channel(1);
-        let body = |n: u8| Output::Tunnel {
-            run_id: "r1".into(),
-            output: TunnelOutput::Body(Bytes::from(vec![n])),
-        };
-        let number = |output: Option<Output>| match output {
-            Some(Output::Tunnel {
-                output: TunnelOutput::Body(b),
-                ..
-            }) => b[0],
-            other => panic!("not a body: {other:?}"),
-        };
-        // Room for one: taken at once.
-        assert!(report(&tx, body(1)).await);
-        // Full: the next two wait, in the order they came.
-        let first = tokio::spawn({
-            let tx = tx.clone();
-            async move { report(&tx, body(2)).await }
-        });
-        tokio::task::yield_now().await;
-        let second = tokio::spawn({
-            let tx = tx.clone();
-            async move { report(&tx, body(3)).await }
-        });
-        tokio::task::yield_now().await;
-        assert!(
-            !first.is_finished() && !second.is_finished(),
-            "a full channel was passed"
-        );
-        // A report made now, while both wait, does not pass them: the room freed goes to
-        // the first waiter.
-        assert_eq!(number(rx.recv().await), 1);
-        let late = tokio::spawn({
-            let tx = tx.clone();
-            async move { report(&tx, body(4)).await }
-        });
-        let mut seen = Vec::new();
-        for _ in 0..3 {
-            seen.push(number(rx.recv().await));
-        }
-        assert_eq!(seen, [2, 3, 4]);
-        assert!(first.await.expect("first") && second.await.expect("second"));
-        assert!(late.await.expect("late"));
-        // The driver is gone: false, with nothing to wait for.
-        drop(rx);
-        assert!(!report(&tx, body(5)).await);
     }
 
     #[tokio::test(flavor = "current_thread")]
