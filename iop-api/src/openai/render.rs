@@ -268,6 +268,7 @@ impl Responder {
 
     /// A tunnel frame as [`TunnelPart::from`] kept it (in sequence order, as for
     /// [`handle_tunnel_frame`](Self::handle_tunnel_frame)).
+    ///
     /// The bare parts every answer is made of are read as they are, not rebuilt into
     /// frames first.
     pub fn handle_tunnel_part(&mut self, part: TunnelPart) {
