@@ -177,3 +177,50 @@ async fn an_adapter_that_panics_still_reports_that_its_work_returned() {
         "still listed: the session closes them"
     );
 }
+
+/// The read buffer is renewed only when little room is left: while frames read earlier
+/// still hold slices of it (a tunnel's body), it is read into where it left off rather
+/// than replaced by a new block at every read; a block nobody else holds is reclaimed.
+#[test]
+fn the_read_buffer_is_used_up_before_a_new_block_is_taken() {
+    let mut buf = BytesMut::with_capacity(READ_CHUNK);
+    read_room(&mut buf);
+    let block = buf.as_ptr();
+    assert!(buf.capacity() >= READ_CHUNK);
+
+    // A small frame read and handed on, still held.
+    buf.extend_from_slice(&[7u8; 600]);
+    let held = buf.split().freeze();
+    read_room(&mut buf);
+    assert_eq!(
+        buf.as_ptr(),
+        held.as_ptr().wrapping_add(600),
+        "the next read goes on in the same block"
+    );
+    assert!(buf.capacity() >= READ_ROOM_MIN);
+
+    // Read up to less than the least room: a new block, as the old one is held.
+    let fill = buf.capacity() - READ_ROOM_MIN + 1;
+    buf.extend_from_slice(&vec![1u8; fill]);
+    let rest = buf.split().freeze();
+    read_room(&mut buf);
+    assert!(buf.capacity() >= READ_CHUNK);
+    let renewed = buf.as_ptr();
+    assert!(
+        renewed < block || renewed >= block.wrapping_add(READ_CHUNK),
+        "a held block is not written over"
+    );
+    assert_eq!(&held[..], &[7u8; 600][..]);
+    assert!(rest.iter().all(|&b| b == 1));
+
+    // Nothing holds the new block: once its room runs low it is reclaimed in place.
+    buf.extend_from_slice(&vec![2u8; buf.capacity() - READ_ROOM_MIN + 1]);
+    drop(buf.split());
+    read_room(&mut buf);
+    assert_eq!(
+        buf.as_ptr(),
+        renewed,
+        "a block nobody holds is read into again"
+    );
+    assert!(buf.capacity() >= READ_CHUNK);
+}
