@@ -204,6 +204,24 @@ async fn pipelined_requests_are_answered_in_order_on_one_connection() {
     conn.send(b"GET /healthz HTTP/1.1\r\nhost: edge\r\n\r\n")
         .await;
     assert_eq!(conn.answer(false).await.status, 200);
+    // The same target again and again (the connection keeps the last one parsed), then
+    // others: each is routed by its own target, a long one (not kept) as well.
+    let long = format!("/healthz?pad={}", "x".repeat(400));
+    let mut wire = post(CHAT, "");
+    wire.push_str(&post(CHAT, ""));
+    wire.push_str(&format!("GET {long} HTTP/1.1\r\nhost: edge\r\n\r\n"));
+    wire.push_str(&format!("GET {long} HTTP/1.1\r\nhost: edge\r\n\r\n"));
+    wire.push_str("GET /nope HTTP/1.1\r\nhost: edge\r\n\r\n");
+    wire.push_str(&post(CHAT, ""));
+    conn.send(wire.as_bytes()).await;
+    for expected in [200, 200, 200, 200, 404, 200] {
+        let answer = conn.answer(false).await;
+        assert_eq!(answer.status, expected, "{answer:?}");
+        if expected == 200 && answer.body != b"ok\n" {
+            let json: serde_json::Value = serde_json::from_slice(&answer.body).expect("json");
+            assert_eq!(json["object"], "chat.completion", "{json}");
+        }
+    }
 }
 
 #[tokio::test]

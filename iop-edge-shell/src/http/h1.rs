@@ -49,6 +49,8 @@ const READ_MIN: usize = 1 << 10;
 const READ_MAX: usize = 64 << 10;
 /// Bytes of response gathered into one write.
 const WRITE_BATCH: usize = 64 << 10;
+/// Longest request target a connection keeps for its next request ([`Conn::target`]).
+const TARGET_KEPT: usize = 256;
 /// Capacity a write buffer may keep between writes.
 const WRITE_KEEP: usize = 4 << 10;
 /// Unread request body a connection may discard to stay open after a response that did
@@ -162,6 +164,8 @@ struct Conn {
     peer: SocketAddr,
     /// The connection's one deadline: a head's, the idle limit, a stalled write's.
     timer: Deadline,
+    /// The last request target parsed, as written and as a `Uri` ([`Conn::target`]).
+    last_target: Option<(Bytes, Uri)>,
 }
 
 fn lock(read: &Mutex<ReadSide>) -> MutexGuard<'_, ReadSide> {
@@ -222,6 +226,7 @@ async fn serve_from(
         out: Vec::new(),
         peer,
         timer: Deadline::new(Instant::now() + settings.header_read_timeout),
+        last_target: None,
     };
     let mut heads = HeadReader::new(settings.max_header_bytes);
     let mut first = first;
@@ -430,7 +435,10 @@ impl Conn {
             read.continue_sent = (head.expect_continue && !head.body.is_done()).then_some(0);
             (bytes, head.keep_alive, head.http10)
         };
-        let request = match request(head, bytes, H1Body { conn: self }) {
+        let request = match self
+            .target(&bytes[head.target.clone()])
+            .and_then(|uri| request(head, bytes, uri, H1Body { conn: self }))
+        {
             Ok(request) => request,
             Err(refusal) => {
                 self.refuse(refusal).await;
@@ -457,6 +465,27 @@ impl Conn {
         let keep_alive = keep_alive && body_read && !state.drain.is_draining();
         self.respond(response, head_request, http10, keep_alive)
             .await
+    }
+
+    /// The request target `written` as a `Uri`. A kept connection mostly asks for one
+    /// endpoint again and again: the same bytes as the last target's give the last `Uri`
+    /// again (a parse of the same bytes, made once), where a parse validated every byte of
+    /// the path anew. The target kept is a copy of at most [`TARGET_KEPT`] bytes, so it
+    /// holds no request head's buffer while the connection waits.
+    fn target(&mut self, written: &[u8]) -> Result<Uri, HeadError> {
+        if let Some((last, uri)) = &self.last_target
+            && last[..] == *written
+        {
+            return Ok(uri.clone());
+        }
+        let invalid = || HeadError::Malformed("invalid request target");
+        if written.len() > TARGET_KEPT {
+            return Uri::try_from(written).map_err(|_| invalid());
+        }
+        let copy = Bytes::copy_from_slice(written);
+        let uri = Uri::from_maybe_shared(copy.clone()).map_err(|_| invalid())?;
+        self.last_target = Some((copy, uri.clone()));
+        Ok(uri)
     }
 
     /// Runs the handler; `None` when the client closes the connection first (once the
@@ -699,13 +728,11 @@ fn watch(
 fn request(
     head: RequestHead,
     bytes: Bytes,
+    uri: Uri,
     body: H1Body<'_>,
 ) -> Result<Req<H1Body<'_>>, HeadError> {
-    let invalid = HeadError::Malformed;
-    let method =
-        Method::from_bytes(&bytes[head.method.clone()]).map_err(|_| invalid("invalid method"))?;
-    let uri = Uri::from_maybe_shared(bytes.slice(head.target.clone()))
-        .map_err(|_| invalid("invalid request target"))?;
+    let method = Method::from_bytes(&bytes[head.method.clone()])
+        .map_err(|_| HeadError::Malformed("invalid method"))?;
     // The fields stay where they lie in the head: the reader admits only token names and
     // field values, what `http::HeaderName` and `http::HeaderValue` accept.
     let fields = Fields::Head {

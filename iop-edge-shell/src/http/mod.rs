@@ -501,7 +501,11 @@ async fn route<B: ReqBody>(
         }
     };
     if let Some(allow) = allowed_method(path)
-        && !allow.split(", ").any(|m| m == req.method().as_str())
+        // Split on a byte, not on the text ", ": a searcher for a text pattern is built
+        // per call, and this runs for every request.
+        && !allow
+            .split(',')
+            .any(|m| m.trim_start() == req.method().as_str())
     {
         let mut r = refuse(
             &req,
