@@ -56,17 +56,23 @@ impl HeadReader {
 
 /// The end of the first blank line in `buf` (CRLF CRLF or LF LF, which httparse also
 /// accepts, and the mixed forms), just past it.
+///
+/// A blank line is a line feed followed by another or by CRLF, so the first one is the
+/// earlier of the first `\n\r\n` and the first `\n\n`: two vectorised searches (the
+/// second only as far as the first's find), where a search for each line's feed in
+/// turn cost a call per line of the head.
 pub(crate) fn find_blank_line(buf: &[u8]) -> Option<usize> {
-    memchr::memchr_iter(b'\n', buf).find_map(|at| {
-        let rest = &buf[at + 1..];
-        if rest.starts_with(b"\n") {
-            Some(at + 2)
-        } else if rest.starts_with(b"\r\n") {
-            Some(at + 3)
-        } else {
-            None
-        }
-    })
+    use memchr::memmem::Finder;
+    use std::sync::LazyLock;
+    static LF_CRLF: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\n\r\n"));
+    static LF_LF: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\n\n"));
+    let crlf = LF_CRLF.find(buf);
+    // A `\n\n` that begins at or after `crlf`'s start cannot come first.
+    let before = crlf.map_or(buf.len(), |at| (at + 1).min(buf.len()));
+    match LF_LF.find(&buf[..before]) {
+        Some(at) => Some(at + 2),
+        None => crlf.map(|at| at + 3),
+    }
 }
 
 /// Whether a comma-separated field value lists `token` (case-insensitive).
@@ -127,6 +133,60 @@ pub(crate) fn decimal_text(buf: &mut [u8; 20], mut n: u64) -> &[u8] {
         n /= 10;
         if n == 0 {
             return &buf[at..];
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::find_blank_line;
+    use proptest::prelude::*;
+
+    /// The blank line found line by line: each line feed in turn, followed by another
+    /// or by CRLF.
+    fn line_by_line(buf: &[u8]) -> Option<usize> {
+        memchr::memchr_iter(b'\n', buf).find_map(|at| {
+            let rest = &buf[at + 1..];
+            if rest.starts_with(b"\n") {
+                Some(at + 2)
+            } else if rest.starts_with(b"\r\n") {
+                Some(at + 3)
+            } else {
+                None
+            }
+        })
+    }
+
+    #[test]
+    fn the_first_blank_line_of_each_form_is_found() {
+        for (text, end) in [
+            (&b"GET / HTTP/1.1\r\nhost: a\r\n\r\nbody"[..], Some(27)),
+            (b"GET / HTTP/1.1\nhost: a\n\nbody", Some(24)),
+            (b"a\n\r\n\n\n", Some(4)),
+            (b"a\n\n\r\n", Some(3)),
+            (b"a\r\nb\r\n\r", None),
+            (b"\n\n", Some(2)),
+            (b"\n", None),
+            (b"", None),
+        ] {
+            assert_eq!(
+                find_blank_line(text),
+                end,
+                "{:?}",
+                String::from_utf8_lossy(text)
+            );
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(4000))]
+        /// Heads made of line feeds, carriage returns and text, in any mix: the same end
+        /// as the search line by line.
+        #[test]
+        fn the_blank_line_is_where_a_search_line_by_line_finds_it(
+            buf in proptest::collection::vec(prop_oneof![Just(b'\n'), Just(b'\r'), Just(b'a')], 0..64)
+        ) {
+            prop_assert_eq!(find_blank_line(&buf), line_by_line(&buf));
         }
     }
 }

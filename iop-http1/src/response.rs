@@ -42,18 +42,24 @@ impl HeadReader {
         head_request: bool,
     ) -> Result<Option<ResponseHead>, HeadError> {
         let from = self.scanned.saturating_sub(3).min(buf.len());
-        let found = find_blank_line(&buf[from..]).is_some();
+        let found = find_blank_line(&buf[from..]).map(|at| from + at);
         self.scanned = buf.len();
-        if !found {
+        let Some(found) = found else {
             return if buf.len() > self.max_head {
                 Err(HeadError::TooLarge)
             } else {
                 Ok(None)
             };
-        }
+        };
+        // A search of the whole buffer found the first head's end already (a head that
+        // came in one read); after earlier reads it may be a later head's.
+        let mut known = (from == 0).then_some(found);
         let mut start = 0;
         loop {
-            let Some(end) = find_blank_line(&buf[start..]).map(|at| start + at) else {
+            let end = known
+                .take()
+                .or_else(|| find_blank_line(&buf[start..]).map(|at| start + at));
+            let Some(end) = end else {
                 // Interim answers, and the final head not in yet: no more than the limit
                 // is held for it either.
                 return if buf.len() > self.max_head {
@@ -297,6 +303,48 @@ pub const LAST_CHUNK: &[u8] = b"0\r\n\r\n";
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(1000))]
+        /// A response with interim answers before it, read in pieces of any size: the
+        /// head comes out once it is all in, the same as when it is read at once, and
+        /// not before.
+        #[test]
+        fn a_head_read_in_pieces_is_the_head_read_at_once(
+            interim in 0usize..3,
+            lf_only in any::<bool>(),
+            fields in proptest::collection::vec("[a-z]{1,6}", 0..4),
+            cuts in proptest::collection::vec(1usize..24, 1..12),
+        ) {
+            let eol = if lf_only { "\n" } else { "\r\n" };
+            let mut text = String::new();
+            for _ in 0..interim {
+                text.push_str(&format!("HTTP/1.1 103 Early Hints{eol}link: </a>{eol}{eol}"));
+            }
+            text.push_str(&format!("HTTP/1.1 200 OK{eol}content-length: 2{eol}"));
+            for (i, value) in fields.iter().enumerate() {
+                text.push_str(&format!("x-{i}: {value}{eol}"));
+            }
+            text.push_str(&format!("{eol}ok"));
+            let wire = text.as_bytes();
+            let whole = HeadReader::new(8192).poll_response(wire, false).unwrap().unwrap();
+            prop_assert_eq!(whole.len, wire.len() - 2);
+            prop_assert_eq!(whole.fields.len(), fields.len() + 1);
+            let mut reader = HeadReader::new(8192);
+            let mut at = 0;
+            let mut cuts = cuts.into_iter().cycle();
+            let head = loop {
+                at = (at + cuts.next().unwrap_or(1)).min(wire.len());
+                match reader.poll_response(&wire[..at], false).unwrap() {
+                    Some(head) => break head,
+                    None => prop_assert!(at < whole.len, "nothing at {} of {}", at, whole.len),
+                }
+            };
+            prop_assert!(at >= whole.len);
+            prop_assert_eq!(head, whole);
+        }
+    }
 
     #[test]
     fn response_heads_are_framed_by_the_rfc_after_interim_answers() {
