@@ -242,10 +242,12 @@ fn plain_counts(raw: &[u8]) -> Option<[Option<u64>; 3]> {
         if raw.get(at) != Some(&b'"') {
             return None;
         }
-        let key_end = at + 1 + memchr::memchr(b'"', raw.get(at + 1..)?)?;
-        let key = &raw[at + 1..key_end];
-        let slot = KEYS.iter().position(|k| *k == key)?;
-        at = key_end + 1;
+        // One of the keys, then its closing quote (none holds a quote).
+        let rest = raw.get(at + 1..)?;
+        let slot = KEYS
+            .iter()
+            .position(|k| rest.starts_with(k) && rest.get(k.len()) == Some(&b'"'))?;
+        at += 1 + KEYS[slot].len() + 1;
         ws(&mut at);
         if raw.get(at) != Some(&b':') {
             return None;
