@@ -280,10 +280,14 @@ where
     let mut buf = BytesMut::new();
     let mut first = true;
     let mut progress_said = tokio::time::Instant::now();
+    // Made once for the connection, not at every read: each is a waiter on its token,
+    // queued on its first poll and dequeued when dropped.
+    let mut closed = std::pin::pin!(closer.cancelled());
+    let mut stopping = std::pin::pin!(shutdown.cancelled());
     'read: loop {
         let read = tokio::select! {
-            () = closer.cancelled() => break,
-            () = shutdown.cancelled() => break,
+            () = &mut closed => break,
+            () = &mut stopping => break,
             read = async {
                 if buf.capacity() < want {
                     buf = BytesMut::new();
