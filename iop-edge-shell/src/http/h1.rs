@@ -436,7 +436,7 @@ impl Conn {
             (bytes, head.keep_alive, head.http10)
         };
         let request = match self
-            .target(&bytes[head.target.clone()])
+            .target(&bytes, head.target.clone())
             .and_then(|uri| request(head, bytes, uri, H1Body { conn: self }))
         {
             Ok(request) => request,
@@ -467,12 +467,14 @@ impl Conn {
             .await
     }
 
-    /// The request target `written` as a `Uri`. A kept connection mostly asks for one
-    /// endpoint again and again: the same bytes as the last target's give the last `Uri`
-    /// again (a parse of the same bytes, made once), where a parse validated every byte of
-    /// the path anew. The target kept is a copy of at most [`TARGET_KEPT`] bytes, so it
-    /// holds no request head's buffer while the connection waits.
-    fn target(&mut self, written: &[u8]) -> Result<Uri, HeadError> {
+    /// The request target (at `at` in `head`) as a `Uri`. A kept connection mostly asks
+    /// for one endpoint again and again: the same bytes as the last target's give the
+    /// last `Uri` again (a parse of the same bytes, made once), where a parse validated
+    /// every byte of the path anew. The target kept is a copy of at most [`TARGET_KEPT`]
+    /// bytes, so it holds no request head's buffer while the connection waits; a longer
+    /// one is parsed where it lies, as every target was.
+    fn target(&mut self, head: &Bytes, at: std::ops::Range<usize>) -> Result<Uri, HeadError> {
+        let written = &head[at.clone()];
         if let Some((last, uri)) = &self.last_target
             && last[..] == *written
         {
@@ -480,7 +482,8 @@ impl Conn {
         }
         let invalid = || HeadError::Malformed("invalid request target");
         if written.len() > TARGET_KEPT {
-            return Uri::try_from(written).map_err(|_| invalid());
+            // Not kept: parsed where it lies in the head, as before.
+            return Uri::from_maybe_shared(head.slice(at)).map_err(|_| invalid());
         }
         let copy = Bytes::copy_from_slice(written);
         let uri = Uri::from_maybe_shared(copy.clone()).map_err(|_| invalid())?;
