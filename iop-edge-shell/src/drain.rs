@@ -11,7 +11,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
+use tokio_util::sync::{
+    CancellationToken, WaitForCancellationFuture, WaitForCancellationFutureOwned,
+};
 
 /// How often a drain looks whether the requests in flight have ended.
 const LOOK_EVERY: Duration = Duration::from_millis(10);
@@ -82,6 +84,13 @@ impl Drain {
     /// closes, an HTTP/2 one sends GOAWAY.
     pub fn began(&self) -> WaitForCancellationFuture<'_> {
         self.began.cancelled()
+    }
+
+    /// [`Drain::began`], holding its own handle on the drain: for a connection to make
+    /// once and wait on between all its requests (each wait made anew is a waiter queued
+    /// on the drain and dequeued again).
+    pub fn began_owned(&self) -> WaitForCancellationFutureOwned {
+        self.began.clone().cancelled_owned()
     }
 
     /// Whether the Edge is draining.

@@ -230,9 +230,11 @@ async fn serve_from(
     };
     let mut heads = HeadReader::new(settings.max_header_bytes);
     let mut first = first;
+    // The connection's one wait for the drain to begin, looked at between its requests.
+    let mut began = std::pin::pin!(state.drain.began_owned());
     loop {
         let head = match conn
-            .next_head(&mut heads, first, settings, &state.drain)
+            .next_head(&mut heads, first, settings, &state.drain, began.as_mut())
             .await
         {
             Ok(head) => head,
@@ -288,14 +290,13 @@ impl Conn {
         first: bool,
         settings: &HttpSettings,
         drain: &crate::drain::Drain,
+        // A connection with no request begun closes when the Edge starts to drain.
+        mut began: Pin<&mut tokio_util::sync::WaitForCancellationFutureOwned>,
     ) -> Result<RequestHead, NoHead> {
         heads.reset();
         if !first && drain.mover().is_some() {
             return Err(NoHead::Move);
         }
-        // A connection with no request begun closes when the Edge starts to drain.
-        let began = drain.began();
-        tokio::pin!(began);
         let mut started = first;
         if !first {
             let buffered = !lock(&self.read).buf.is_empty();
