@@ -765,24 +765,44 @@ fn spawn_work<F, Fut>(
     // one); wrapped in an unwind guard by value, it was copied into the guard and its await
     // slot in turn. And the task is boxed once, here: tokio moves a task's future into its
     // cell and its stages by value. Those copies of a large future were a visible share of
-    // the Node's instructions per small request (docs/benchmarks-history.md).
-    tokio::spawn(Box::pin(async move {
-        let mut work = std::pin::pin!(work(adapter, sink, token));
-        // A panicking adapter ends its own work: the session still hears that it
-        // returned and closes it, instead of keeping it in flight for good.
-        let tail = std::future::poll_fn(|cx| {
-            let poll = std::panic::AssertUnwindSafe(|| work.as_mut().poll(cx));
-            match std::panic::catch_unwind(poll) {
-                Ok(poll) => poll,
-                Err(_) => {
-                    error!(run_id = &*run_id, "adapter panicked; its work ends here");
-                    std::task::Poll::Ready(None)
-                }
+    // the Node's instructions per small request (docs/benchmarks-history.md); so was
+    // making the task's future on the stack and copying it into its box (`in_box!`).
+    tokio::spawn(iop_shell_common::in_box!(supervised(
+        work, adapter, sink, token, run_id, done
+    )));
+}
+
+/// `work` run on `adapter` in its task (see [`spawn_work`]); the driver is told when it
+/// returns or panics. An `async fn` rather than a block, and never inlined: its future is
+/// then made by a call that writes it into the task's box, where the block (or the call
+/// inlined) was made on the stack and copied in whole.
+#[inline(never)]
+async fn supervised<F, Fut>(
+    work: F,
+    adapter: Arc<crate::adapters::Adapter>,
+    sink: Sink,
+    token: CancellationToken,
+    run_id: Arc<str>,
+    done: mpsc::Sender<Output>,
+) where
+    F: FnOnce(Arc<crate::adapters::Adapter>, Sink, CancellationToken) -> Fut,
+    Fut: std::future::Future<Output = Option<TunnelTail>>,
+{
+    let mut work = std::pin::pin!(work(adapter, sink, token));
+    // A panicking adapter ends its own work: the session still hears that it
+    // returned and closes it, instead of keeping it in flight for good.
+    let tail = std::future::poll_fn(|cx| {
+        let poll = std::panic::AssertUnwindSafe(|| work.as_mut().poll(cx));
+        match std::panic::catch_unwind(poll) {
+            Ok(poll) => poll,
+            Err(_) => {
+                error!(run_id = &*run_id, "adapter panicked; its work ends here");
+                std::task::Poll::Ready(None)
             }
-        })
-        .await;
-        let _ = done.send(Output::Finished { run_id, tail }).await;
-    }));
+        }
+    })
+    .await;
+    let _ = done.send(Output::Finished { run_id, tail }).await;
 }
 
 fn transport_status(ctx: &Context, session: &NodeSession) -> serde_json::Value {

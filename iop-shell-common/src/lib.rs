@@ -18,6 +18,25 @@ pub mod process;
 pub mod repoll;
 pub mod tls;
 
+/// `Box::pin($value)` with the box taken before the value is made. A future's slot is
+/// as large as its largest state (kilobytes for a request's handler), and
+/// `Box::pin(handler(args))` made it on the stack and copied all of it into the heap per
+/// request, though only the arguments were set. With the box taken first the optimizer
+/// may write the value straight into it; whether it does depends on how the value is
+/// made (an async block was still copied, an `async fn` called was not, and one marked
+/// `#[inline(never)]` was or was not), so each use was checked in the profile
+/// (`scripts/instructions`: `memcpy` under its caller). A panic while making the value
+/// frees the box.
+#[macro_export]
+macro_rules! in_box {
+    ($value:expr) => {
+        ::std::boxed::Box::into_pin(::std::boxed::Box::write(
+            ::std::boxed::Box::new_uninit(),
+            $value,
+        ))
+    };
+}
+
 /// The size of a connection's next read, following the traffic: doubled (up to `max`)
 /// after a read that filled the last one's `want` bytes, back to `min` after one that
 /// used under a quarter of them. A quiet connection reads into little, a busy one in large

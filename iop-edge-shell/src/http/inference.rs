@@ -731,7 +731,7 @@ async fn handle<B: ReqBody>(
     let now = Instant::now();
     let deadline = started + settings.response_timeout;
     let keepalive = settings.sse_keepalive;
-    respond(Box::pin(Live {
+    respond(iop_shell_common::in_box!(Live {
         timer: tokio::time::sleep_until((now + keepalive).min(deadline)),
         serving: Serving {
             events,

@@ -584,18 +584,18 @@ async fn route<B: ReqBody>(
         }
         (Method::POST, path) if let Some(endpoint) = inference_endpoint(path) => {
             let route = inference::Route::OpenAi(endpoint);
-            Box::pin(inference::inference(req, state, route, caller)).await
+            iop_shell_common::in_box!(inference::inference(req, state, route, caller)).await
         }
         (Method::POST, iop_api::anthropic::MESSAGES_PATH) => {
             let route = inference::Route::Messages;
-            Box::pin(inference::inference(req, state, route, caller)).await
+            iop_shell_common::in_box!(inference::inference(req, state, route, caller)).await
         }
         (Method::POST, iop_api::anthropic::COUNT_TOKENS_PATH) => {
-            Box::pin(inference::count_tokens(req, state, caller)).await
+            iop_shell_common::in_box!(inference::count_tokens(req, state, caller)).await
         }
         (Method::POST, iop_api::responses::RESPONSES_PATH) => {
             let route = inference::Route::Responses;
-            Box::pin(inference::inference(req, state, route, caller)).await
+            iop_shell_common::in_box!(inference::inference(req, state, route, caller)).await
         }
         (Method::GET, path) if let Some(id) = path.strip_prefix("/v1/responses/") => {
             responses::get(&state, &caller, id)
@@ -604,7 +604,7 @@ async fn route<B: ReqBody>(
             responses::delete(&state, &caller, id)
         }
         (_, path) if path.starts_with("/v1/nodes/") => {
-            Box::pin(admin::node_command(req, &state)).await
+            iop_shell_common::in_box!(admin::node_command(req, &state)).await
         }
         _ => refuse(
             &req,

@@ -207,9 +207,9 @@ impl Adapter {
         // Each adapter's future is boxed: inline, every run's task would reserve room for
         // the largest of them (the mock's, with its pacing timers, is twice the others).
         match self {
-            Adapter::Mock(m) => Box::pin(m.run(request, sink, cancel)).await,
-            Adapter::OpenAi(o) => Box::pin(o.run(request, sink, cancel)).await,
-            Adapter::Ollama(o) => Box::pin(o.run(request, sink, cancel)).await,
+            Adapter::Mock(m) => iop_shell_common::in_box!(m.run(request, sink, cancel)).await,
+            Adapter::OpenAi(o) => iop_shell_common::in_box!(o.run(request, sink, cancel)).await,
+            Adapter::Ollama(o) => iop_shell_common::in_box!(o.run(request, sink, cancel)).await,
         }
     }
 
@@ -225,7 +225,7 @@ impl Adapter {
         match self {
             Adapter::OpenAi(o) => o.tunnel(request, sink, cancel).await,
             Adapter::Mock(m) => {
-                Box::pin(m.tunnel(request, sink, cancel)).await;
+                iop_shell_common::in_box!(m.tunnel(request, sink, cancel)).await;
                 None
             }
             Adapter::Ollama(_) => {

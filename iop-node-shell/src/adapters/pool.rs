@@ -128,7 +128,9 @@ impl HttpClient {
         request: Request<Bytes>,
     ) -> Pin<Box<dyn Future<Output = Result<Response<ProviderBody>, ClientError>> + Send + '_>>
     {
-        Box::pin(self.send(origin.key.clone(), origin.address(request)))
+        let answer =
+            iop_shell_common::in_box!(self.send(origin.key.clone(), origin.address(request)));
+        answer
     }
 
     /// Sends a request whose head is already written (`head`, for a body of `body`) to
@@ -142,7 +144,9 @@ impl HttpClient {
         body: Bytes,
         head_request: bool,
     ) -> RawAnswer<'a> {
-        Box::pin(self.exchange(origin.key.clone(), head, body, head_request))
+        let answer =
+            iop_shell_common::in_box!(self.exchange(origin.key.clone(), head, body, head_request));
+        answer
     }
 
     async fn send(
