@@ -6,7 +6,7 @@ use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use tokio_util::sync::CancellationToken;
+use iop_shell_common::cancel::Cancel;
 
 use crate::outbox::Outbox;
 
@@ -21,8 +21,8 @@ pub struct ConnHandle {
     pub outbox: Arc<Outbox>,
     /// The largest frame its reader accepts (raised by the core after register).
     pub frame_limit: Arc<AtomicUsize>,
-    /// Stops its reader and handshake.
-    pub closer: CancellationToken,
+    /// Stops its reader and handshake (waited on by the connection's task alone).
+    pub closer: Cancel,
 }
 
 impl Drop for ConnHandle {

@@ -12,6 +12,7 @@ use std::time::Duration;
 use bytes::BytesMut;
 use iop_proto_core::wire::FrameDecoder;
 use iop_proto_core::{ConnId, Peer};
+use iop_shell_common::cancel::Cancel;
 use iop_shell_common::logging::LogLimiter;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadHalf};
 use tokio::net::TcpListener;
@@ -131,7 +132,7 @@ async fn connection(
     // The core hears of the connection at once, so the caps on unregistered connections
     // and the register deadline cover the TLS handshake too.
     let outbox = Arc::new(Outbox::new());
-    let closer = CancellationToken::new();
+    let closer = Cancel::new();
     let frame_limit = Arc::new(AtomicUsize::new(
         shared.pending_frame_len.load(Ordering::Relaxed),
     ));
@@ -231,7 +232,7 @@ struct Link {
     plaintext: bool,
     outbox: Arc<Outbox>,
     frame_limit: Arc<AtomicUsize>,
-    closer: CancellationToken,
+    closer: Cancel,
 }
 
 /// A node connection's read side, which can wait for input without holding a buffer.
@@ -280,14 +281,13 @@ where
     let mut buf = BytesMut::new();
     let mut first = true;
     let mut progress_said = tokio::time::Instant::now();
-    // Made once for the connection, not at every read: each is a waiter on its token,
-    // queued on its first poll and dequeued when dropped.
-    let mut closed = std::pin::pin!(closer.cancelled());
-    let mut stopping = std::pin::pin!(shutdown.cancelled());
+    // The shutdown closes this connection as its closer does: one wait, on a cancel of its
+    // own (a wait on the process's token takes its lock on every poll, and this loop
+    // polls at every read).
+    let _follow = closer.follow(shutdown);
     'read: loop {
         let read = tokio::select! {
-            () = &mut closed => break,
-            () = &mut stopping => break,
+            () = closer.cancelled() => break,
             read = async {
                 if buf.capacity() < want {
                     buf = BytesMut::new();

@@ -16,6 +16,7 @@ use iop_proto_core::wire::{self, FrameDecoder, REQUEST_ID_KEY};
 use iop_proto_core::{
     Failure, NodeSession, NodeTransmit, SessionConfig, SessionEnd, SessionEvent, Supervisor,
 };
+use iop_shell_common::cancel::Cancel;
 use iop_shell_common::logging::{Field, info_direct};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, watch};
@@ -97,7 +98,7 @@ struct Conn {
     /// The task of each piece of work the session has in flight, by run id: cancelled
     /// when the Edge cancels it or the session closes, forgotten when the session says
     /// the work ended (or its task returned). The session decides; this only follows.
-    tasks: HashMap<Arc<str>, CancellationToken>,
+    tasks: HashMap<Arc<str>, Cancel>,
     /// Where adapter tasks send their output.
     out_tx: mpsc::Sender<Output>,
     /// Encoded frames not yet taken by the socket, and whether a write awaits its flush.
@@ -242,7 +243,7 @@ const LINGER_MAX: Duration = Duration::from_secs(10);
 fn linger(
     ctx: &Context,
     key: u64,
-    tasks: &HashMap<Arc<str>, CancellationToken>,
+    tasks: &HashMap<Arc<str>, Cancel>,
     mut out_rx: mpsc::Receiver<Output>,
 ) {
     let mut running: std::collections::HashSet<Arc<str>> = tasks.keys().cloned().collect();
@@ -283,10 +284,11 @@ where
     let drain_grace_ms = u64::try_from(ctx.drain_grace.as_millis()).unwrap_or(u64::MAX);
     let timer = tokio::time::sleep_until(ctx.clock.instant(iop_proto_core::Timestamp::MAX));
     tokio::pin!(timer);
-    let stopping = stop.now.cancelled();
-    tokio::pin!(stopping);
-    let draining = stop.drain.cancelled();
-    tokio::pin!(draining);
+    // The process's stop and drain, each followed by a cancel of this connection's own:
+    // a wait on a token shared by many tasks takes its lock on every poll, and this loop
+    // polls both on every turn.
+    let (stopping, draining) = (Cancel::new(), Cancel::new());
+    let _follow = (stopping.follow(&stop.now), draining.follow(&stop.drain));
     let Link {
         reader,
         writer,
@@ -345,7 +347,7 @@ where
         let shares = ctx.elsewhere.sessions() > 1 || c.holds_others;
         tokio::select! {
             Ok(()) = changed.changed(), if shares => c.take_in_held(),
-            () = &mut stopping, if !c.stop_sent => {
+            () = stopping.cancelled(), if !c.stop_sent => {
                 c.stop_sent = true;
                 info!(node_id = c.node_id, in_flight = c.session.in_flight(), "shutting down: cancelling in-flight work");
                 if let Some(supervisor) = supervisor.as_deref_mut() {
@@ -353,7 +355,7 @@ where
                 }
                 misuse("shutdown", c.session.handle_shutdown(ctx.clock.now()));
             }
-            () = &mut draining, if !c.drain_sent => {
+            () = draining.cancelled(), if !c.drain_sent => {
                 c.drain_sent = true;
                 if let Some(supervisor) = supervisor.as_deref_mut() {
                     supervisor.handle_stop(ctx.clock.now());
@@ -744,19 +746,19 @@ fn read_room(buf: &mut BytesMut) {
 /// told, so work that ended without a terminal is closed.
 fn spawn_work<F, Fut>(
     adapter: Option<Arc<crate::adapters::Adapter>>,
-    tasks: &mut HashMap<Arc<str>, CancellationToken>,
+    tasks: &mut HashMap<Arc<str>, Cancel>,
     out_tx: &mpsc::Sender<Output>,
     run_id: Arc<str>,
     work: F,
 ) where
-    F: FnOnce(Arc<crate::adapters::Adapter>, Sink, CancellationToken) -> Fut + Send + 'static,
+    F: FnOnce(Arc<crate::adapters::Adapter>, Sink, Cancel) -> Fut + Send + 'static,
     Fut: std::future::Future<Output = Option<TunnelTail>> + Send + 'static,
 {
     // The session admitted the work, so the adapter exists in the config it applied.
     let Some(adapter) = adapter else {
         return;
     };
-    let token = CancellationToken::new();
+    let token = Cancel::new();
     tasks.insert(run_id.clone(), token.clone());
     let sink = Sink::new(run_id.clone(), out_tx.clone());
     let done = out_tx.clone();
@@ -781,11 +783,11 @@ async fn supervised<F, Fut>(
     work: F,
     adapter: Arc<crate::adapters::Adapter>,
     sink: Sink,
-    token: CancellationToken,
+    token: Cancel,
     run_id: Arc<str>,
     done: mpsc::Sender<Output>,
 ) where
-    F: FnOnce(Arc<crate::adapters::Adapter>, Sink, CancellationToken) -> Fut,
+    F: FnOnce(Arc<crate::adapters::Adapter>, Sink, Cancel) -> Fut,
     Fut: std::future::Future<Output = Option<TunnelTail>>,
 {
     let mut work = std::pin::pin!(work(adapter, sink, token));

@@ -1,6 +1,7 @@
 //! What the two IOP shells (`iop-edge`, `iop-node`) share. No protocol decisions live
 //! here; those are in [`iop_proto_core`].
 //!
+//! - [`cancel`]: a cancel for one piece of work, waited on by one task.
 //! - [`clock`]: the monotonic clock mapped onto the core's `Timestamp`.
 //! - [`config`]: reading a TOML file, errors naming the file or the key.
 //! - [`deadline`]: a deadline that moves often, over one runtime timer.
@@ -9,6 +10,7 @@
 //! - [`process`]: the runtime and the shutdown signals of a binary.
 //! - [`tls`]: PEM files, certificate fingerprints and names, server configurations.
 
+pub mod cancel;
 pub mod clock;
 pub mod config;
 pub mod deadline;

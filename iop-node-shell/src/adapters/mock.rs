@@ -33,7 +33,7 @@ use std::time::Duration;
 
 use iop_proto_core::RunOutput;
 use iop_proto_core::wire::{ErrorDetail, FINISH_REASON_KEY, RunRequest, STOP_SEQUENCE_KEY, Usage};
-use tokio_util::sync::CancellationToken;
+use iop_shell_common::cancel::Cancel;
 
 use super::{Sink, error};
 
@@ -124,7 +124,7 @@ impl Mock {
     }
 
     /// Streams the reply.
-    pub async fn run(&self, request: RunRequest, sink: Sink, cancel: CancellationToken) {
+    pub async fn run(&self, request: RunRequest, sink: Sink, cancel: Cancel) {
         if !sink.run(RunOutput::Start).await {
             return;
         }
@@ -204,7 +204,7 @@ impl Mock {
 impl Mock {
     /// Waits the per-token delay; false when the Edge cancelled meanwhile.
     // A zero delay must not round up to the timer's millisecond tick.
-    pub(super) async fn pause(&self, cancel: &CancellationToken) -> bool {
+    pub(super) async fn pause(&self, cancel: &Cancel) -> bool {
         if self.delay.is_zero() {
             tokio::task::yield_now().await;
         } else {
@@ -263,12 +263,8 @@ mod tests {
             input: input.into(),
             ..RunRequest::default()
         };
-        mock.run(
-            request,
-            Sink::new("r1".into(), tx),
-            CancellationToken::new(),
-        )
-        .await;
+        mock.run(request, Sink::new("r1".into(), tx), Cancel::new())
+            .await;
         super::super::testing::last_run_output(&mut rx).expect("a terminal output")
     }
 

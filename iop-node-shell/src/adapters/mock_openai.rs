@@ -23,9 +23,9 @@ use base64::Engine as _;
 use bytes::Bytes;
 use iop_proto_core::TunnelOutput;
 use iop_proto_core::wire::{Header, TunnelRequest, Usage};
+use iop_shell_common::cancel::Cancel;
 use serde::Deserialize;
 use serde_json::json;
-use tokio_util::sync::CancellationToken;
 
 use super::mock::plan::Plan;
 use super::mock::{Fail, Mock, injected_failure, usage};
@@ -91,7 +91,7 @@ enum Endpoint {
 
 impl Mock {
     /// Answers a tunnel as an OpenAI-compatible server would.
-    pub async fn tunnel(&self, request: TunnelRequest, sink: Sink, cancel: CancellationToken) {
+    pub async fn tunnel(&self, request: TunnelRequest, sink: Sink, cancel: Cancel) {
         let id = format!("mock-{}", request.run_id());
         let path = request.path().split('?').next().unwrap_or_default();
         let body = request.body();
@@ -129,7 +129,7 @@ impl Mock {
         id: &str,
         body: &[u8],
         sink: &Sink,
-        cancel: &CancellationToken,
+        cancel: &Cancel,
     ) -> Result<(), Refusal> {
         let req: Generate<'_> = serde_json::from_slice(body)
             .map_err(|e| Refusal::new(400, "invalid_request", format!("request body: {e}")))?;
@@ -289,7 +289,7 @@ impl Mock {
         id: &str,
         body: &[u8],
         sink: &Sink,
-        cancel: &CancellationToken,
+        cancel: &Cancel,
     ) -> Result<(), Refusal> {
         let req: MessagesIn = serde_json::from_slice(body).map_err(|e| {
             Refusal::new(400, "invalid_request_error", format!("request body: {e}"))
@@ -738,12 +738,8 @@ mod tests {
             body: Bytes::copy_from_slice(body.as_bytes()),
             ..Default::default()
         };
-        mock.tunnel(
-            request.into(),
-            Sink::new("r1".into(), tx),
-            CancellationToken::new(),
-        )
-        .await;
+        mock.tunnel(request.into(), Sink::new("r1".into(), tx), Cancel::new())
+            .await;
         let (mut status, mut text, mut ended) = (0, String::new(), false);
         while let Ok(super::super::Output::Tunnel { output, .. }) = rx.try_recv() {
             match output {

@@ -1,6 +1,6 @@
 //! Provider adapters. The session decides what runs where; an adapter only turns a
 //! `RunRequest` or `ProviderTunnelRequest` into HTTP calls and reports progress through a
-//! [`Sink`]. Cancellation arrives through a `CancellationToken`; an adapter then aborts the
+//! [`Sink`]. Cancellation arrives through a `Cancel`; an adapter then aborts the
 //! upstream request and still ends with a terminal output.
 
 pub mod connector;
@@ -25,8 +25,8 @@ use iop_proto_core::wire::{
     NodeCommandType, NodeConfigPayload, ProviderHealth, RunRequest, TunnelRequest, Usage,
 };
 use iop_proto_core::{RunOutput, TunnelOutput};
+use iop_shell_common::cancel::Cancel;
 use tokio::sync::mpsc;
-use tokio_util::sync::CancellationToken;
 
 pub use self::http::HttpClient;
 
@@ -203,7 +203,7 @@ impl Adapter {
     }
 
     /// Executes a normalized run to its terminal output.
-    pub async fn run(&self, request: RunRequest, sink: Sink, cancel: CancellationToken) {
+    pub async fn run(&self, request: RunRequest, sink: Sink, cancel: Cancel) {
         // Each adapter's future is boxed: inline, every run's task would reserve room for
         // the largest of them (the mock's, with its pacing timers, is twice the others).
         match self {
@@ -219,7 +219,7 @@ impl Adapter {
         &self,
         request: TunnelRequest,
         sink: Sink,
-        cancel: CancellationToken,
+        cancel: Cancel,
     ) -> Option<TunnelTail> {
         // The mock's future is boxed so that a provider's tunnel task is sized for its own.
         match self {
@@ -386,15 +386,15 @@ pub(crate) mod testing {
     use super::{Output, Sink};
     use iop_proto_core::RunOutput;
     use iop_proto_core::wire::RunRequest;
+    use iop_shell_common::cancel::Cancel;
     use iop_shell_common::offload::{INLINE_MAX, slots};
     use std::time::Duration;
-    use tokio_util::sync::CancellationToken;
 
     /// The last run output of `run`, given a large input while every conversion slot is
     /// taken and cancelled once it waits; panics unless it ends within 10 s.
     pub(crate) async fn cancelled_waiting_for_a_slot<F, Fut>(run: F) -> Option<RunOutput>
     where
-        F: FnOnce(RunRequest, Sink, CancellationToken) -> Fut,
+        F: FnOnce(RunRequest, Sink, Cancel) -> Fut,
         Fut: std::future::Future<Output = ()>,
     {
         let slots = slots();
@@ -403,7 +403,7 @@ pub(crate) mod testing {
             .await
             .expect("slots");
         let (tx, mut rx) = tokio::sync::mpsc::channel(64);
-        let cancel = CancellationToken::new();
+        let cancel = Cancel::new();
         let request = RunRequest {
             run_id: "r1".into(),
             input: vec![b' '; INLINE_MAX].into(),

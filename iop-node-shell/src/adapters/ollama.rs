@@ -9,9 +9,9 @@ use http_body_util::BodyExt;
 use iop_json::nonempty_array;
 use iop_proto_core::RunOutput;
 use iop_proto_core::wire::{AdapterConfig, Header, ProviderHealth, RunRequest, Usage};
+use iop_shell_common::cancel::Cancel;
 use serde_json::{Map, Value, json};
 use tokio::time::{Instant, timeout_at};
-use tokio_util::sync::CancellationToken;
 
 use super::http::{self, HttpClient, Upstream};
 use super::json;
@@ -180,7 +180,7 @@ impl Ollama {
     }
 
     /// Streams a chat through `/api/chat`.
-    pub async fn run(&self, request: RunRequest, sink: Sink, cancel: CancellationToken) {
+    pub async fn run(&self, request: RunRequest, sink: Sink, cancel: Cancel) {
         if !sink.run(RunOutput::Start).await {
             return;
         }

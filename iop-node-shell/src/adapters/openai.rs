@@ -19,9 +19,9 @@ use iop_proto_core::wire::{
     AdapterConfig, Header, ProviderHealth, RunRequest, TunnelRequest, Usage,
 };
 use iop_proto_core::{RunOutput, TunnelOutput};
+use iop_shell_common::cancel::Cancel;
 use serde_json::{Value, json};
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 
 use super::http::{self, HttpClient, Upstream, raw_wire_headers, wire_headers};
 use super::json;
@@ -68,22 +68,19 @@ pin_project_lite::pin_project! {
     pub(crate) struct Watch {
         #[pin]
         sleep: tokio::time::Sleep,
-        #[pin]
-        cancelled: tokio_util::sync::WaitForCancellationFutureOwned,
-        token: CancellationToken,
+        cancel: Cancel,
         // Whether the timer and the cancel have been polled, so registered to wake the task.
         registered: bool,
     }
 }
 
 impl Watch {
-    /// A watch to pin where the call's future lives (`std::pin::pin!`): its timer and
-    /// cancel wait inside it, not in allocations of their own.
-    pub(crate) fn new(deadline: Instant, cancel: &CancellationToken) -> Self {
+    /// A watch to pin where the call's future lives (`std::pin::pin!`): its timer waits
+    /// inside it, not in an allocation of its own.
+    pub(crate) fn new(deadline: Instant, cancel: &Cancel) -> Self {
         Watch {
             sleep: tokio::time::sleep_until(deadline),
-            cancelled: cancel.clone().cancelled_owned(),
-            token: cancel.clone(),
+            cancel: cancel.clone(),
             registered: false,
         }
     }
@@ -98,9 +95,9 @@ impl Watch {
             // Registered before any work, so that work that is always ready still meets
             // the deadline.
             *this.registered = true;
-            let (cancelled, sleep) = (&mut this.cancelled, &mut this.sleep);
+            let (cancel, sleep) = (&this.cancel, &mut this.sleep);
             let ended = std::future::poll_fn(|cx| {
-                Poll::Ready(if cancelled.as_mut().poll(cx).is_ready() {
+                Poll::Ready(if cancel.poll_cancelled(cx).is_ready() {
                     Some(CallError::Cancelled)
                 } else if sleep.as_mut().poll(cx).is_ready() {
                     Some(CallError::TimedOut)
@@ -113,7 +110,7 @@ impl Watch {
                 return Err(ended);
             }
         }
-        if this.token.is_cancelled() {
+        if this.cancel.is_cancelled() {
             return Err(CallError::Cancelled);
         }
         if this.sleep.is_elapsed() {
@@ -122,7 +119,7 @@ impl Watch {
         tokio::select! {
             biased;
             out = work => Ok(out),
-            () = this.cancelled => Err(CallError::Cancelled),
+            () = this.cancel.cancelled() => Err(CallError::Cancelled),
             () = this.sleep => Err(CallError::TimedOut),
         }
     }
@@ -335,7 +332,7 @@ impl OpenAi {
         &self,
         request: TunnelRequest,
         sink: Sink,
-        cancel: CancellationToken,
+        cancel: Cancel,
     ) -> Option<TunnelTail> {
         match self.tunnel_inner(request, &sink, &cancel).await {
             Ok(tail) => tail,
@@ -350,7 +347,7 @@ impl OpenAi {
         &self,
         request: TunnelRequest,
         sink: &Sink,
-        cancel: &CancellationToken,
+        cancel: &Cancel,
     ) -> Result<Option<TunnelTail>, CallError> {
         let mut watch = std::pin::pin!(Watch::new(self.deadline(request.timeout_sec()), cancel));
         let method = request.method();
@@ -428,7 +425,7 @@ impl OpenAi {
     }
 
     /// A normalized run through `/v1/chat/completions` with `stream: true`.
-    pub async fn run(&self, request: RunRequest, sink: Sink, cancel: CancellationToken) {
+    pub async fn run(&self, request: RunRequest, sink: Sink, cancel: Cancel) {
         if !sink.run(RunOutput::Start).await {
             return;
         }
@@ -444,7 +441,7 @@ impl OpenAi {
         &self,
         request: &RunRequest,
         sink: &Sink,
-        cancel: &CancellationToken,
+        cancel: &Cancel,
     ) -> Result<RunOutput, CallError> {
         let mut watch = std::pin::pin!(Watch::new(self.deadline(0), cancel));
         // The caller's body, copied member by member with the run's members replaced: no
@@ -723,7 +720,7 @@ mod tests {
             Some(Err("reset".to_owned())),
         ];
         let mut body = Joined::new(Script(script.into_iter().collect()));
-        let cancel = CancellationToken::new();
+        let cancel = Cancel::new();
         let mut watch = std::pin::pin!(Watch::new(
             Instant::now() + Duration::from_secs(60),
             &cancel
@@ -752,7 +749,7 @@ mod tests {
     /// or trailers behind the data leave it open.
     #[tokio::test]
     async fn the_last_data_is_known_once_the_end_is_found_behind_it() {
-        let cancel = CancellationToken::new();
+        let cancel = Cancel::new();
         let mut watch = std::pin::pin!(Watch::new(
             Instant::now() + Duration::from_secs(60),
             &cancel
@@ -777,7 +774,7 @@ mod tests {
     /// without polling the cancel or the timer, and still ends at a cancel or the deadline.
     #[tokio::test(flavor = "current_thread")]
     async fn ready_work_still_meets_a_cancel_and_the_deadline() {
-        let cancel = CancellationToken::new();
+        let cancel = Cancel::new();
         let mut watch = std::pin::pin!(Watch::new(
             Instant::now() + Duration::from_secs(60),
             &cancel
@@ -802,7 +799,7 @@ mod tests {
 
         // The deadline passes while the task waits elsewhere (as a body read that used up
         // its budget does); the next ready work is not taken.
-        let cancel = CancellationToken::new();
+        let cancel = Cancel::new();
         let mut watch = std::pin::pin!(Watch::new(
             Instant::now() + Duration::from_millis(30),
             &cancel
@@ -854,7 +851,7 @@ mod tests {
         let big = "x".repeat(JOIN_MAX / 2 + 1);
         let script = [data(&big), data(&big), data(&big), None];
         let mut body = Joined::new(Script(script.into_iter().collect()));
-        let cancel = CancellationToken::new();
+        let cancel = Cancel::new();
         let mut watch = std::pin::pin!(Watch::new(
             Instant::now() + Duration::from_secs(60),
             &cancel
