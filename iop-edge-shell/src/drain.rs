@@ -11,9 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use tokio_util::sync::{
-    CancellationToken, WaitForCancellationFuture, WaitForCancellationFutureOwned,
-};
+use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
 
 /// How often a drain looks whether the requests in flight have ended.
 const LOOK_EVERY: Duration = Duration::from_millis(10);
@@ -31,6 +29,11 @@ pub struct Drain {
     /// Cancelled when the drain or the hand-over begins, to wake what waits on idle
     /// connections (they close, or move).
     began: CancellationToken,
+    /// The same news for the HTTP/1.1 connections' waits ([`Drain::wait`]): set, then
+    /// each waker in `waiting` woken.
+    began_flag: AtomicBool,
+    /// The connections waiting ([`DrainWait`]), each by its number, with its task's waker.
+    waiting: std::sync::Mutex<Waiting>,
     open: AtomicUsize,
     /// Of those, the ones not yet handed to the core (their body still being read).
     arriving: AtomicUsize,
@@ -62,7 +65,30 @@ impl Drain {
     /// From now on requests are refused, and idle connections closed.
     pub fn begin(&self) {
         self.draining.store(true, Ordering::SeqCst);
+        self.announce();
+    }
+
+    /// The drain or the hand-over began: every wait ends.
+    fn announce(&self) {
         self.began.cancel();
+        // Set before the waiters are taken: a wait registered after that sees the flag
+        // (it looks under the same lock).
+        self.began_flag.store(true, Ordering::SeqCst);
+        let waiting = std::mem::take(&mut *lock(&self.waiting));
+        for waker in waiting.wakers.into_values() {
+            waker.wake();
+        }
+    }
+
+    /// A wait for the drain (or the hand-over) to begin, for one connection to keep and
+    /// poll between all its requests. Unlike a wait on [`Drain::began`]'s token, it takes the lock
+    /// only when it first waits and when it is dropped (or polled from another task):
+    /// polled again by the same task, it reads a flag.
+    pub fn wait(self: &Arc<Self>) -> DrainWait {
+        DrainWait {
+            drain: Arc::clone(self),
+            registered: None,
+        }
     }
 
     /// A successor serves on the listeners now: requests on the connections still open
@@ -71,7 +97,7 @@ impl Drain {
     /// cannot move (TLS, HTTP/2) close as in a drain.
     pub fn hand_over(&self, mover: crate::upgrade::Mover) {
         let _ = self.mover.set(mover);
-        self.began.cancel();
+        self.announce();
     }
 
     /// Where connections move to, once a successor took over.
@@ -84,13 +110,6 @@ impl Drain {
     /// closes, an HTTP/2 one sends GOAWAY.
     pub fn began(&self) -> WaitForCancellationFuture<'_> {
         self.began.cancelled()
-    }
-
-    /// [`Drain::began`], holding its own handle on the drain: for a connection to make
-    /// once and wait on between all its requests (each wait made anew is a waiter queued
-    /// on the drain and dequeued again).
-    pub fn began_owned(&self) -> WaitForCancellationFutureOwned {
-        self.began.clone().cancelled_owned()
     }
 
     /// Whether the Edge is draining.
@@ -154,6 +173,66 @@ impl Drop for Open {
     }
 }
 
+/// The connections waiting for the drain to begin ([`Drain::wait`]).
+#[derive(Debug, Default)]
+struct Waiting {
+    next: u64,
+    wakers: std::collections::HashMap<u64, std::task::Waker>,
+}
+
+fn lock(waiting: &std::sync::Mutex<Waiting>) -> std::sync::MutexGuard<'_, Waiting> {
+    waiting
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// One connection's wait for the drain (or the hand-over) to begin: see [`Drain::wait`].
+#[derive(Debug)]
+pub struct DrainWait {
+    drain: Arc<Drain>,
+    /// Its number among the waiting and the waker registered under it.
+    registered: Option<(u64, std::task::Waker)>,
+}
+
+impl DrainWait {
+    /// Ready once the drain or the hand-over has begun; pending until then, with `cx`
+    /// woken when it begins.
+    pub fn poll_began(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
+        use std::task::Poll;
+        if self.drain.began_flag.load(Ordering::SeqCst) {
+            return Poll::Ready(());
+        }
+        if let Some((_, waker)) = &self.registered
+            && waker.will_wake(cx.waker())
+        {
+            return Poll::Pending;
+        }
+        let mut waiting = lock(&self.drain.waiting);
+        // Looked at under the lock the drain takes its waiters under.
+        if self.drain.began_flag.load(Ordering::SeqCst) {
+            return Poll::Ready(());
+        }
+        let id = match &self.registered {
+            Some((id, _)) => *id,
+            None => {
+                waiting.next += 1;
+                waiting.next
+            }
+        };
+        waiting.wakers.insert(id, cx.waker().clone());
+        self.registered = Some((id, cx.waker().clone()));
+        Poll::Pending
+    }
+}
+
+impl Drop for DrainWait {
+    fn drop(&mut self) {
+        if let Some((id, _)) = self.registered.take() {
+            lock(&self.drain.waiting).wakers.remove(&id);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -210,5 +289,66 @@ mod tests {
             .await
             .expect("idle once the last request ended")
             .expect("joined");
+    }
+
+    /// Connections' waits, in tasks of their own, each polled many times before: every
+    /// one ends when the drain begins; dropped ones leave nothing behind; one made after
+    /// it is over at once. The hand-over ends them as well.
+    #[tokio::test]
+    async fn every_connection_wait_ends_when_the_drain_or_the_hand_over_begins() {
+        for hand_over in [false, true] {
+            let drain = Arc::new(Drain::default());
+            let waits: Vec<_> = (0..8)
+                .map(|_| {
+                    let mut wait = drain.wait();
+                    tokio::spawn(async move {
+                        // Woken for nothing a few times first: each poll looks again.
+                        for _ in 0..3 {
+                            let mut polled = false;
+                            std::future::poll_fn(|cx| {
+                                if polled {
+                                    return std::task::Poll::Ready(());
+                                }
+                                polled = true;
+                                assert!(wait.poll_began(cx).is_pending());
+                                cx.waker().wake_by_ref();
+                                std::task::Poll::Pending
+                            })
+                            .await;
+                        }
+                        std::future::poll_fn(|cx| wait.poll_began(cx)).await;
+                    })
+                })
+                .collect();
+            let mut gone = drain.wait();
+            let waker = std::task::Waker::noop();
+            assert!(
+                gone.poll_began(&mut std::task::Context::from_waker(waker))
+                    .is_pending()
+            );
+            drop(gone);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            assert_eq!(
+                lock(&drain.waiting).wakers.len(),
+                8,
+                "the dropped wait is gone"
+            );
+            if hand_over {
+                drain.hand_over(crate::upgrade::Mover::gone());
+            } else {
+                drain.begin();
+            }
+            for wait in waits {
+                tokio::time::timeout(Duration::from_secs(5), wait)
+                    .await
+                    .expect("woken when it began")
+                    .expect("joined");
+            }
+            let mut late = drain.wait();
+            assert!(
+                late.poll_began(&mut std::task::Context::from_waker(waker))
+                    .is_ready()
+            );
+        }
     }
 }

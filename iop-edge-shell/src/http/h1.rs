@@ -231,10 +231,10 @@ async fn serve_from(
     let mut heads = HeadReader::new(settings.max_header_bytes);
     let mut first = first;
     // The connection's one wait for the drain to begin, looked at between its requests.
-    let mut began = std::pin::pin!(state.drain.began_owned());
+    let mut began = state.drain.wait();
     loop {
         let head = match conn
-            .next_head(&mut heads, first, settings, &state.drain, began.as_mut())
+            .next_head(&mut heads, first, settings, &state.drain, &mut began)
             .await
         {
             Ok(head) => head,
@@ -291,7 +291,7 @@ impl Conn {
         settings: &HttpSettings,
         drain: &crate::drain::Drain,
         // A connection with no request begun closes when the Edge starts to drain.
-        mut began: Pin<&mut tokio_util::sync::WaitForCancellationFutureOwned>,
+        began: &mut crate::drain::DrainWait,
     ) -> Result<RequestHead, NoHead> {
         heads.reset();
         if !first && drain.mover().is_some() {
@@ -341,7 +341,7 @@ impl Conn {
                 if let Poll::Ready(read) = lock(read).poll_read(stream, cx) {
                     return Poll::Ready(Some(read));
                 }
-                if (idle || drain.mover().is_some()) && began.as_mut().poll(cx).is_ready() {
+                if (idle || drain.mover().is_some()) && began.poll_began(cx).is_ready() {
                     return Poll::Ready(None);
                 }
                 timer.poll_reached(cx).map(|()| None)
