@@ -57,11 +57,10 @@ impl Cancel {
     /// Ready once the work is cancelled; pending until then, with `cx` woken when it is
     /// (the last task to poll is the one woken).
     pub fn poll_cancelled(&self, cx: &mut Context<'_>) -> Poll<()> {
-        if self.is_cancelled() {
-            return Poll::Ready(());
-        }
+        // Registered before the flag is read: a cancel after the read wakes this waker,
+        // one before it is seen. (Read first instead, a cancel between the read and the
+        // registration would wake no one.)
         self.0.waker.register(cx.waker());
-        // A cancel between the look and the registration woke no one: look again.
         if self.is_cancelled() {
             Poll::Ready(())
         } else {
