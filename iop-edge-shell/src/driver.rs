@@ -50,6 +50,11 @@ pub struct Held {
     memory: RequestMemory,
     /// The core's answer to the submission, until the handler takes it.
     submitted: Mutex<Option<Result<RequestId, SubmitError>>>,
+    /// When the request was first dispatched (its first attempt went to a provider), as
+    /// the core's task heard it. Its `Dispatched` event comes later, once the provider
+    /// that answers is known (the first byte, or a retry's), so it cannot say when the
+    /// request left the queue.
+    first_dispatch: std::sync::OnceLock<Instant>,
 }
 
 impl Events {
@@ -57,6 +62,13 @@ impl Events {
     #[must_use]
     pub fn memory(&self) -> &RequestMemory {
         &self.rx.attached().memory
+    }
+
+    /// When the request was first dispatched, once it was (its first attempt, as the
+    /// core's task heard it).
+    #[must_use]
+    pub fn first_dispatch(&self) -> Option<Instant> {
+        self.rx.attached().first_dispatch.get().copied()
     }
 
     /// The core's answer to the request's submission ([`CoreMsg::Submit`]): its id, or
@@ -89,6 +101,7 @@ pub fn events(budget: Arc<crate::memory::Budget>) -> (EventOutlet, Events) {
     let (tx, rx) = crate::inbox::inbox_with(Held {
         memory: RequestMemory::new(budget),
         submitted: Mutex::new(None),
+        first_dispatch: std::sync::OnceLock::new(),
     });
     (tx, Events { rx })
 }

@@ -206,6 +206,49 @@ async fn token_usage_the_providers_report_is_counted_by_model_and_provider() {
     );
 }
 
+/// A request's line says how long it waited for a provider (`queue_ms`) apart from how
+/// long the provider took to answer (`ttfb_ms`): an idle provider that takes 400 ms to
+/// answer is a request that did not queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_queue_time_ends_when_the_request_is_dispatched_not_at_its_first_byte() {
+    let slow = Behaviour {
+        whole_delay: Duration::from_millis(400),
+        ..Behaviour::default()
+    };
+    let fake = fake::start(Flavor::OpenAi, slow).await;
+    let (cluster, _node) = ready(&fake.url()).await;
+    let given = "queue-then-answer";
+    let http = cluster.http().with_header("x-request-id", given);
+    let r = http
+        .post("/v1/chat/completions", &chat("tunnel-chat"))
+        .await;
+    assert_eq!(r.status, 200);
+    assert!(
+        wait_until(Duration::from_secs(5), || cluster
+            .edge
+            .log()
+            .contains(given)),
+        "the request's line:\n{}",
+        cluster.edge.log()
+    );
+    let log = cluster.edge.log();
+    let line = log
+        .lines()
+        .find(|l| l.contains(given) && l.contains("tunnel-chat"))
+        .expect("the request's line");
+    let field = |name: &str| -> f64 {
+        let at = line.find(&format!(" {name}=")).expect(name) + name.len() + 2;
+        line[at..]
+            .split(' ')
+            .next()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{name} in {line}"))
+    };
+    let (queue, ttfb) = (field("queue_ms"), field("ttfb_ms"));
+    assert!(ttfb >= 390.0, "the provider took 400 ms: {line}");
+    assert!(queue < 200.0, "nothing queued ahead of it: {line}");
+}
+
 /// An SSE reader that keeps what it has buffered between events.
 struct Events {
     body: hyper::body::Incoming,

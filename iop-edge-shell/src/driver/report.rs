@@ -5,6 +5,7 @@
 use super::Task;
 use iop_proto_core::edge::DrainReason;
 use iop_proto_core::{CloseReason, EdgeEvent, Outcome, RequestEvent};
+use tokio::time::Instant;
 use tracing::{debug, error, info, warn};
 
 impl Task {
@@ -69,9 +70,11 @@ impl Task {
                 if run.attempt == 0
                     && let Some(entry) = self.requests.get(&run.request)
                 {
+                    let now = Instant::now();
+                    let _ = entry.events.attached().first_dispatch.set(now);
                     self.metrics
                         .model(&entry.model)
-                        .queue_wait(entry.submitted.elapsed());
+                        .queue_wait(now.saturating_duration_since(entry.submitted));
                 }
                 debug!(run = %run, node_id = %node_id, provider_id = %provider_id, shape = ?shape, "dispatched");
             }

@@ -1124,13 +1124,17 @@ impl Serving {
     /// Takes `event`, which arrived at `at`.
     fn feed(&mut self, event: RequestEvent, at: Instant) {
         match &event {
+            // The event comes once the provider that answers is known (its first byte);
+            // the request left the queue when it was first dispatched.
             RequestEvent::Dispatched {
                 node_id,
                 provider_id,
                 ..
-            } => self
-                .finish
-                .dispatched(node_id.clone(), provider_id.clone(), at),
+            } => self.finish.dispatched(
+                node_id.clone(),
+                provider_id.clone(),
+                self.events.first_dispatch().unwrap_or(at),
+            ),
             RequestEvent::Run(_) | RequestEvent::Tunnel(_) => self.finish.first_byte(at),
             RequestEvent::Ended(_) => {}
         }

@@ -50,7 +50,8 @@ pub(super) struct Finish {
     pub(super) request_id: Arc<str>,
     pub(super) caller: Caller,
     pub(super) route: super::Route,
-    /// Node and adapter it was dispatched to, and when.
+    /// Node and adapter that answer it, and how long after its arrival it was first
+    /// dispatched (its queue wait, as the log line and the trace's spans give it).
     pub(super) dispatched: Option<(Arc<str>, Arc<str>, Duration)>,
     /// Its key's admission, finished with the usage its provider reported.
     pub(super) ticket: Option<Ticket>,
@@ -104,8 +105,8 @@ impl Finish {
         }
     }
 
-    /// The request was dispatched to `node` and `provider`, as the core told it at `at`
-    /// (the clock read for the batch of events it came in: no read of its own).
+    /// The request is answered by `node` and `provider`, and left the queue at `at` (its
+    /// first dispatch).
     pub(super) fn dispatched(&mut self, node: Arc<str>, provider: Arc<str>, at: Instant) {
         self.dispatched = Some((node, provider, at.saturating_duration_since(self.started)));
     }
