@@ -195,7 +195,13 @@ fn read_message(raw: &Bytes, start: usize) -> Option<(ProviderTunnelFrame, Optio
             #[allow(clippy::cast_possible_truncation, reason = "as prost decodes uint32")]
             (tag::STATUS_CODE, Value::Varint(v)) => out.status_code = v as u32,
             (tag::HEADERS, Value::Bytes(span)) => {
-                let (name, value) = read_pair(raw, span, tag::HEADER_NAME, tag::HEADER_VALUE)?;
+                let (name, value) = read_pair(
+                    raw,
+                    span,
+                    tag::HEADER_NAME,
+                    tag::HEADER_VALUE,
+                    (true, false),
+                )?;
                 out.headers.push(Header {
                     name: text(name)?,
                     value: raw.slice(value.range()),

@@ -284,7 +284,7 @@ impl TunnelRequest {
         std::iter::from_fn(move || {
             while let Some((number, value)) = reader.field() {
                 if let (true, Value::Bytes(span)) = (number == field, value) {
-                    return read_pair(&self.raw, span, first, second);
+                    return read_pair(&self.raw, span, first, second, (false, false));
                 }
             }
             None
@@ -311,14 +311,19 @@ impl TunnelRequest {
                 (tag::SESSION_ID, Value::Bytes(span)) => out.session_id = string(span)?,
                 (tag::BODY, Value::Bytes(span)) => out.body = span,
                 (tag::HEADERS, Value::Bytes(span)) => {
-                    let (name, _) = read_pair(&raw, span, tag::HEADER_NAME, tag::HEADER_VALUE)?;
-                    utf8(name.of(&raw))?;
+                    // The name is a string, checked as each of its occurrences is read.
+                    read_pair(
+                        &raw,
+                        span,
+                        tag::HEADER_NAME,
+                        tag::HEADER_VALUE,
+                        (true, false),
+                    )?;
                     out.headers = widen(out.headers, whole);
                 }
                 (tag::METADATA, Value::Bytes(span)) => {
-                    let (key, value) = read_pair(&raw, span, tag::ENTRY_KEY, tag::ENTRY_VALUE)?;
-                    utf8(key.of(&raw))?;
-                    utf8(value.of(&raw))?;
+                    let (key, value) =
+                        read_pair(&raw, span, tag::ENTRY_KEY, tag::ENTRY_VALUE, (true, true))?;
                     out.metadata = widen(out.metadata, whole);
                     if key.of(&raw) == super::REQUEST_ID_KEY.as_bytes() {
                         out.request_id = Some(value);
@@ -438,7 +443,13 @@ impl ForwardedHeaders {
             let (_, Value::Bytes(span)) = reader.field()? else {
                 return None;
             };
-            let (name, value) = read_pair(raw, span, tag::HEADER_NAME, tag::HEADER_VALUE)?;
+            let (name, value) = read_pair(
+                raw,
+                span,
+                tag::HEADER_NAME,
+                tag::HEADER_VALUE,
+                (false, false),
+            )?;
             Some(HeaderRef {
                 name: std::str::from_utf8(name.of(raw)).unwrap_or_default(),
                 value: value.of(raw),
@@ -547,14 +558,33 @@ fn utf8(bytes: &[u8]) -> Option<()> {
 
 /// Fields `first` and `second` of the sub-message at `span` of `raw`, both
 /// length-delimited: the last of each, empty when absent; `None` where prost would refuse
-/// the sub-message.
-pub(super) fn read_pair(raw: &[u8], span: Span, first: u32, second: u32) -> Option<(Span, Span)> {
+/// the sub-message. `text` says which of the two are strings: prost checks every
+/// occurrence of a string field as UTF-8 (a field given twice keeps the last, but an
+/// earlier one that is not UTF-8 still refuses the message), so each is checked here as
+/// it is read. A reader of a message already read this way passes `(false, false)`.
+pub(super) fn read_pair(
+    raw: &[u8],
+    span: Span,
+    first: u32,
+    second: u32,
+    text: (bool, bool),
+) -> Option<(Span, Span)> {
     let (mut a, mut b) = (Span::default(), Span::default());
     let mut reader = Reader::new(raw, span);
     while !reader.done() {
         match reader.field()? {
-            (number, Value::Bytes(span)) if number == first => a = span,
-            (number, Value::Bytes(span)) if number == second => b = span,
+            (number, Value::Bytes(span)) if number == first => {
+                if text.0 {
+                    utf8(span.of(raw))?;
+                }
+                a = span;
+            }
+            (number, Value::Bytes(span)) if number == second => {
+                if text.1 {
+                    utf8(span.of(raw))?;
+                }
+                b = span;
+            }
             (number, _) if number == first || number == second => return None,
             _ => {}
         }
