@@ -171,6 +171,7 @@ pub async fn run(
             config.http.responses_store.0,
             config.http.responses_store.1,
         ))),
+        timers: Arc::default(),
     });
     let timer = tokio::spawn(core.clone().run_timer());
     let kept = tokio::spawn(tenants.clone().keep(shutdown.clone()));

@@ -4,7 +4,8 @@
 //! - [`cancel`]: a cancel for one piece of work, waited on by one task.
 //! - [`clock`]: the monotonic clock mapped onto the core's `Timestamp`.
 //! - [`config`]: reading a TOML file, errors naming the file or the key.
-//! - [`deadline`]: a deadline that moves often, over one runtime timer.
+//! - [`deadline`]: a deadline that moves often, over one runtime timer; timers kept for
+//!   reuse.
 //! - [`logging`]: `tracing` to stderr as text or JSON lines.
 //! - [`offload`]: CPU work on large request bytes, off the event loop.
 //! - [`process`]: the runtime and the shutdown signals of a binary.

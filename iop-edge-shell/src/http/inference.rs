@@ -23,6 +23,7 @@ use iop_api::responses;
 use iop_api::tenant::{RateLimits, Refusal};
 use iop_proto_core::RequestEvent;
 use iop_proto_core::wire::{ForwardedHeaders, ForwardedHeadersBuilder, Header};
+use iop_shell_common::deadline::PooledSleep;
 use iop_shell_common::offload;
 use iop_trace::{TRACEPARENT, TRACESTATE};
 use tokio::time::{Instant, Sleep};
@@ -732,7 +733,7 @@ async fn handle<B: ReqBody>(
     let deadline = started + settings.response_timeout;
     let keepalive = settings.sse_keepalive;
     respond(iop_shell_common::in_box!(Live {
-        timer: tokio::time::sleep_until((now + keepalive).min(deadline)),
+        timer: state.timers.sleep_by((now + keepalive).min(deadline)),
         serving: Serving {
             events,
             responder,
@@ -1039,13 +1040,14 @@ pub(crate) struct Serving {
 }
 
 pin_project_lite::pin_project! {
-    /// A request being answered ([`Serving`]) and its one timer, held in place beside
-    /// it: due at the deadline or at the latest `keepalive` after the last activity,
-    /// whichever comes first; moved lazily (an event only records its time, so a busy
-    /// stream never touches the timer).
+    /// A request being answered ([`Serving`]) and its one timer: due at the deadline or
+    /// at the latest `keepalive` after the last activity, whichever comes first; moved
+    /// lazily (an event only records its time, so a busy stream never touches the
+    /// timer). The timer is one the Edge kept ([`State::timers`]), back in the pool when
+    /// the request is done, and taken as it is set: a timer that fires early is set
+    /// again for what is due, as one the stream's activity passed by is.
     pub(crate) struct Live {
-        #[pin]
-        timer: Sleep,
+        timer: PooledSleep,
         serving: Serving,
     }
 }
@@ -1062,7 +1064,7 @@ impl Live {
     /// The next piece of the response: `Ready(None)` once it is complete.
     fn poll_out(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Out>> {
         let this = self.project();
-        this.serving.poll_out(this.timer, cx)
+        this.serving.poll_out(this.timer.as_mut(), cx)
     }
 
     /// The request being answered.

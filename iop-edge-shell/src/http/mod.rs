@@ -128,6 +128,8 @@ pub struct State {
     pub cluster: Option<Arc<crate::membership::ClusterView>>,
     /// The stored responses (`[responses]`; a reload resizes it).
     pub responses: Arc<std::sync::Mutex<iop_api::responses::Store>>,
+    /// The requests' response timers, kept for the next request.
+    pub timers: Arc<iop_shell_common::deadline::SleepPool>,
 }
 
 impl State {

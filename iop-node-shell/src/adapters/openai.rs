@@ -20,6 +20,7 @@ use iop_proto_core::wire::{
 };
 use iop_proto_core::{RunOutput, TunnelOutput};
 use iop_shell_common::cancel::Cancel;
+use iop_shell_common::deadline::{PooledSleep, SleepPool};
 use serde_json::{Value, json};
 use tokio::time::Instant;
 
@@ -65,9 +66,12 @@ pin_project_lite::pin_project! {
     /// call before any more work: both are looked at first, by a flag each (the token's, and
     /// the timer's, which the runtime sets when the deadline passes once the timer is
     /// registered; the first call registers it).
+    ///
+    /// The timer is the client's kept one ([`HttpClient::timers`]), back in the pool when
+    /// the call is done: the next call's deadline is later, so it stays in the runtime's
+    /// timer wheel.
     pub(crate) struct Watch {
-        #[pin]
-        sleep: tokio::time::Sleep,
+        sleep: PooledSleep,
         cancel: Cancel,
         // Whether the timer and the cancel have been polled, so registered to wake the task.
         registered: bool,
@@ -77,9 +81,9 @@ pin_project_lite::pin_project! {
 impl Watch {
     /// A watch to pin where the call's future lives (`std::pin::pin!`): its timer waits
     /// inside it, not in an allocation of its own.
-    pub(crate) fn new(deadline: Instant, cancel: &Cancel) -> Self {
+    pub(crate) fn new(timers: &Arc<SleepPool>, deadline: Instant, cancel: &Cancel) -> Self {
         Watch {
-            sleep: tokio::time::sleep_until(deadline),
+            sleep: timers.sleep_until(deadline),
             cancel: cancel.clone(),
             registered: false,
         }
@@ -349,7 +353,11 @@ impl OpenAi {
         sink: &Sink,
         cancel: &Cancel,
     ) -> Result<Option<TunnelTail>, CallError> {
-        let mut watch = std::pin::pin!(Watch::new(self.deadline(request.timeout_sec()), cancel));
+        let mut watch = std::pin::pin!(Watch::new(
+            self.client.timers(),
+            self.deadline(request.timeout_sec()),
+            cancel
+        ));
         let method = request.method();
         // The head is written straight from the tunnel request and the answer's head kept
         // as read: a pass-through needs no `http` request or header map on either side.
@@ -443,7 +451,7 @@ impl OpenAi {
         sink: &Sink,
         cancel: &Cancel,
     ) -> Result<RunOutput, CallError> {
-        let mut watch = std::pin::pin!(Watch::new(self.deadline(0), cancel));
+        let mut watch = std::pin::pin!(Watch::new(self.client.timers(), self.deadline(0), cancel));
         // The caller's body, copied member by member with the run's members replaced: no
         // tree of it is built, and a large one is read off the Node's thread.
         let model: Arc<str> = Value::from(request.target.as_str()).to_string().into();
@@ -722,6 +730,7 @@ mod tests {
         let mut body = Joined::new(Script(script.into_iter().collect()));
         let cancel = Cancel::new();
         let mut watch = std::pin::pin!(Watch::new(
+            &Arc::default(),
             Instant::now() + Duration::from_secs(60),
             &cancel
         ));
@@ -751,6 +760,7 @@ mod tests {
     async fn the_last_data_is_known_once_the_end_is_found_behind_it() {
         let cancel = Cancel::new();
         let mut watch = std::pin::pin!(Watch::new(
+            &Arc::default(),
             Instant::now() + Duration::from_secs(60),
             &cancel
         ));
@@ -776,6 +786,7 @@ mod tests {
     async fn ready_work_still_meets_a_cancel_and_the_deadline() {
         let cancel = Cancel::new();
         let mut watch = std::pin::pin!(Watch::new(
+            &Arc::default(),
             Instant::now() + Duration::from_secs(60),
             &cancel
         ));
@@ -801,6 +812,7 @@ mod tests {
         // its budget does); the next ready work is not taken.
         let cancel = Cancel::new();
         let mut watch = std::pin::pin!(Watch::new(
+            &Arc::default(),
             Instant::now() + Duration::from_millis(30),
             &cancel
         ));
@@ -816,6 +828,7 @@ mod tests {
 
         // Pending work waits for either, as before.
         let mut watch = std::pin::pin!(Watch::new(
+            &Arc::default(),
             Instant::now() + Duration::from_millis(30),
             &cancel
         ));
@@ -825,6 +838,7 @@ mod tests {
             Err(CallError::TimedOut)
         ));
         let mut watch = std::pin::pin!(Watch::new(
+            &Arc::default(),
             Instant::now() + Duration::from_secs(60),
             &cancel
         ));
@@ -837,6 +851,7 @@ mod tests {
         ));
         // A watch made after the cancel ends at once, before any work.
         let mut watch = std::pin::pin!(Watch::new(
+            &Arc::default(),
             Instant::now() + Duration::from_secs(60),
             &cancel
         ));
@@ -853,6 +868,7 @@ mod tests {
         let mut body = Joined::new(Script(script.into_iter().collect()));
         let cancel = Cancel::new();
         let mut watch = std::pin::pin!(Watch::new(
+            &Arc::default(),
             Instant::now() + Duration::from_secs(60),
             &cancel
         ));

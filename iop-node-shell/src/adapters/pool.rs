@@ -27,6 +27,7 @@ use foldhash::{HashMap, HashMapExt};
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{HeaderValue, Request, Response, Uri};
 use hyper::body::{Body, Frame, SizeHint};
+use iop_shell_common::deadline::SleepPool;
 use tokio::time::Instant;
 
 use super::connector::ProviderConnector;
@@ -91,6 +92,8 @@ struct Inner {
     sweeping: AtomicBool,
     /// Wakes the sweeper from its long sleep when a list grows above the warm few.
     surplus: Arc<tokio::sync::Notify>,
+    /// The calls' deadline timers, kept for the next call.
+    timers: Arc<SleepPool>,
 }
 
 #[derive(Debug)]
@@ -111,8 +114,15 @@ impl HttpClient {
                 keep,
                 sweeping: AtomicBool::new(false),
                 surplus: Arc::default(),
+                timers: Arc::default(),
             }),
         }
+    }
+
+    /// The timers the adapters' calls keep their deadlines with, shared by every clone.
+    #[must_use]
+    pub fn timers(&self) -> &Arc<SleepPool> {
+        &self.inner.timers
     }
 
     /// Sends `request`, whose URI is origin-form (a path and query), to `origin`, and

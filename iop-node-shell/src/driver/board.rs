@@ -24,7 +24,8 @@ pub struct Elsewhere {
     pub(super) sessions: Arc<std::sync::atomic::AtomicUsize>,
     /// Re-homed sessions still running (the process waits for them before it exits).
     pub(super) running: Arc<std::sync::atomic::AtomicUsize>,
-    /// Moves whenever a session's load does, or a session leaves the board.
+    /// Moves whenever a session's load does while others share the board, or a session
+    /// leaves it.
     pub(super) changed: watch::Sender<u64>,
 }
 
@@ -70,9 +71,16 @@ impl Elsewhere {
         self.changed.send_modify(|n| *n = n.wrapping_add(1));
     }
 
+    /// Puts session `key`'s load on the board, and tells the other sessions it moved. A
+    /// session alone on the board tells nobody: only the others wait for the news (a
+    /// session knows its own load), and one that joins later reads the board as it
+    /// starts. Waking the waiters cost about 220 instructions per request on a node with
+    /// one Edge (BENCHMARKS.md).
     pub(super) fn publish(&self, key: u64, load: Vec<AdapterLoad>) {
         self.board().publish(key, load);
-        self.changed.send_modify(|n| *n = n.wrapping_add(1));
+        if self.sessions() > 1 {
+            self.changed.send_modify(|n| *n = n.wrapping_add(1));
+        }
     }
 
     pub(super) fn held_for(&self, key: u64) -> Vec<AdapterLoad> {
