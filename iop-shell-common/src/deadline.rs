@@ -83,6 +83,10 @@ impl Deadline {
 /// would be. Either way [`PooledSleep`] is an ordinary `Sleep` to its user, due at the
 /// instant it was taken for.
 ///
+/// Every timer a pool gives is in the wheel already, unlike a new `Sleep`, which enters
+/// it when first polled: its `is_elapsed` turns true once its instant has passed, polled
+/// or not.
+///
 /// A pooled timer may fire while it waits in the pool, for work long done: that wakes
 /// the task which polled it last, once, and the task finds nothing to do. A pool belongs
 /// to one runtime: make it, and take every timer from it, on that runtime.
@@ -125,7 +129,12 @@ impl SleepPool {
                 sleep.as_mut().reset(at);
                 sleep
             }
-            None => Box::pin(tokio::time::sleep_until(at)),
+            None => {
+                let mut sleep = Box::pin(tokio::time::sleep_until(at));
+                // In the wheel from the start, as a kept one is.
+                sleep.as_mut().reset(at);
+                sleep
+            }
         };
         PooledSleep {
             sleep: Some(sleep),
@@ -312,6 +321,18 @@ mod tests {
         let after = pool.sleep_by(Instant::now() + Duration::from_secs(60));
         assert!(!after.is_elapsed());
         assert!(after.deadline() > start + Duration::from_secs(59));
+    }
+
+    #[tokio::test]
+    async fn a_timer_from_a_pool_elapses_unpolled() {
+        let pool = Arc::new(SleepPool::default());
+        let fresh = pool.sleep_until(Instant::now() + Duration::from_millis(20));
+        tokio::time::sleep(Duration::from_millis(80)).await;
+        assert!(fresh.is_elapsed(), "a new one");
+        drop(fresh);
+        let kept = pool.sleep_until(Instant::now() + Duration::from_millis(20));
+        tokio::time::sleep(Duration::from_millis(80)).await;
+        assert!(kept.is_elapsed(), "a kept one that had fired");
     }
 
     #[tokio::test]

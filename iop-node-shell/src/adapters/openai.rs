@@ -63,18 +63,18 @@ pin_project_lite::pin_project! {
     /// wake the task, only when the work is pending, once for each wait (polled before every
     /// read of a streamed body as well, they were a measurable share of a paced event's
     /// cost: docs/benchmarks-history.md). A cancel or a passed deadline still ends the
-    /// call before any more work: both are looked at first, by a flag each (the token's, and
-    /// the timer's, which the runtime sets when the deadline passes once the timer is
-    /// registered; the first call registers it).
+    /// call before any more work: both are looked at first, by a flag each (the cancel's,
+    /// and the timer's, which the runtime sets when the deadline passes: a pool's timer is
+    /// in the runtime's timer wheel from the start, polled or not).
     ///
-    /// The timer is the client's kept one ([`HttpClient::timers`]), back in the pool when
-    /// the call is done: the next call's deadline is later, so it stays in the runtime's
-    /// timer wheel.
+    /// The timer is one the client kept ([`HttpClient::timers`]), back in the pool when
+    /// the call is done, and taken as it is set when that is earlier than the deadline
+    /// (it stays in the runtime's timer wheel): one that fires early is set again for the
+    /// deadline, and only a timer set for the deadline ends the call.
     pub(crate) struct Watch {
         sleep: PooledSleep,
+        deadline: Instant,
         cancel: Cancel,
-        // Whether the timer and the cancel have been polled, so registered to wake the task.
-        registered: bool,
     }
 }
 
@@ -83,9 +83,9 @@ impl Watch {
     /// inside it, not in an allocation of its own.
     pub(crate) fn new(timers: &Arc<SleepPool>, deadline: Instant, cancel: &Cancel) -> Self {
         Watch {
-            sleep: timers.sleep_until(deadline),
+            sleep: timers.sleep_by(deadline),
+            deadline,
             cancel: cancel.clone(),
-            registered: false,
         }
     }
 
@@ -94,45 +94,43 @@ impl Watch {
         self: Pin<&mut Self>,
         work: F,
     ) -> Result<F::Output, CallError> {
-        let mut this = self.project();
-        if !*this.registered {
-            // Registered before any work, so that work that is always ready still meets
-            // the deadline.
-            *this.registered = true;
-            let (cancel, sleep) = (&this.cancel, &mut this.sleep);
-            let ended = std::future::poll_fn(|cx| {
-                Poll::Ready(if cancel.poll_cancelled(cx).is_ready() {
-                    Some(CallError::Cancelled)
-                } else if sleep.as_mut().poll(cx).is_ready() {
-                    Some(CallError::TimedOut)
-                } else {
-                    None
-                })
-            })
-            .await;
-            if let Some(ended) = ended {
-                return Err(ended);
-            }
-        }
+        let this = self.project();
         if this.cancel.is_cancelled() {
             return Err(CallError::Cancelled);
         }
         if this.sleep.is_elapsed() {
-            return Err(CallError::TimedOut);
+            if this.sleep.deadline() >= *this.deadline {
+                return Err(CallError::TimedOut);
+            }
+            // Fired early (kept set for another call's deadline): set for this one's.
+            this.sleep.as_mut().reset(*this.deadline);
         }
+        let (sleep, deadline) = (this.sleep, *this.deadline);
         tokio::select! {
             biased;
             out = work => Ok(out),
             () = this.cancel.cancelled() => Err(CallError::Cancelled),
-            () = this.sleep => Err(CallError::TimedOut),
+            () = std::future::poll_fn(|cx| poll_due(sleep, deadline, cx)) => Err(CallError::TimedOut),
         }
+    }
+}
+
+/// Ready once `deadline` is reached: `sleep` is set for it, or, set for an earlier
+/// instant and fired, set for it then.
+fn poll_due(sleep: &mut PooledSleep, deadline: Instant, cx: &mut Context<'_>) -> Poll<()> {
+    loop {
+        std::task::ready!(sleep.as_mut().poll(cx));
+        if sleep.deadline() >= deadline {
+            return Poll::Ready(());
+        }
+        sleep.as_mut().reset(deadline);
     }
 }
 
 impl std::fmt::Debug for Watch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Watch")
-            .field("deadline", &self.sleep.deadline())
+            .field("deadline", &self.deadline)
             .finish()
     }
 }
@@ -859,6 +857,59 @@ mod tests {
             watch.as_mut().run(std::future::ready(())).await,
             Err(CallError::Cancelled)
         ));
+    }
+
+    /// A kept timer set for an earlier call's deadline fires early for this one: the call
+    /// goes on, pending or ready, and ends at its own deadline.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_kept_timer_that_fires_early_does_not_end_the_call() {
+        let timers = Arc::new(SleepPool::default());
+        let start = Instant::now();
+        {
+            // Kept, registered, for 20 ms from now.
+            let mut kept = timers.sleep_until(start + Duration::from_millis(20));
+            let waker = std::task::Waker::noop();
+            let _ = kept.as_mut().poll(&mut Context::from_waker(waker));
+        }
+        let cancel = Cancel::new();
+        let mut watch = std::pin::pin!(Watch::new(
+            &timers,
+            start + Duration::from_millis(300),
+            &cancel
+        ));
+        assert!(matches!(
+            watch.as_mut().run(std::future::ready(())).await,
+            Ok(())
+        ));
+        // Past the kept timer's instant: ready work is still taken.
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        assert!(matches!(
+            watch.as_mut().run(std::future::ready(())).await,
+            Ok(())
+        ));
+        // Pending work ends at the call's own deadline, not before.
+        let pending = std::future::pending::<()>();
+        assert!(matches!(
+            watch.as_mut().run(pending).await,
+            Err(CallError::TimedOut)
+        ));
+        assert!(start.elapsed() >= Duration::from_millis(300));
+
+        // The same while waiting from the start: pending work over the early instant.
+        {
+            let _kept = timers.sleep_until(Instant::now() + Duration::from_millis(20));
+        }
+        let start = Instant::now();
+        let mut watch = std::pin::pin!(Watch::new(
+            &timers,
+            start + Duration::from_millis(200),
+            &cancel
+        ));
+        assert!(matches!(
+            watch.as_mut().run(std::future::pending::<()>()).await,
+            Err(CallError::TimedOut)
+        ));
+        assert!(start.elapsed() >= Duration::from_millis(200));
     }
 
     #[tokio::test]
