@@ -79,8 +79,8 @@ pin_project_lite::pin_project! {
 }
 
 impl Watch {
-    /// A watch to pin where the call's future lives (`std::pin::pin!`): its timer waits
-    /// inside it, not in an allocation of its own.
+    /// A watch for one call due at `deadline`, its timer taken from `timers` (each call
+    /// pins it where its future lives, `std::pin::pin!`, as `run` takes it pinned).
     pub(crate) fn new(timers: &Arc<SleepPool>, deadline: Instant, cancel: &Cancel) -> Self {
         Watch {
             sleep: timers.sleep_by(deadline),
