@@ -141,15 +141,6 @@ impl SleepPool {
             pool: self.clone(),
         }
     }
-
-    /// Timers kept for reuse.
-    #[must_use]
-    pub fn kept(&self) -> usize {
-        self.free
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .len()
-    }
 }
 
 /// A timer from a [`SleepPool`], back in the pool when dropped.
@@ -214,6 +205,14 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
+    /// Timers `pool` keeps for reuse.
+    fn kept(pool: &SleepPool) -> usize {
+        pool.free
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+
     /// Whether `deadline` is reached now (one poll).
     fn reached(deadline: &mut Deadline) -> bool {
         let waker = std::task::Waker::noop();
@@ -276,10 +275,10 @@ mod tests {
                     .is_pending()
             );
         }
-        assert_eq!(pool.kept(), 1);
+        assert_eq!(kept(&pool), 1);
         // Taken again for a later instant: not due at the old one.
         let later = pool.sleep_until(start + Duration::from_millis(300));
-        assert_eq!(pool.kept(), 0);
+        assert_eq!(kept(&pool), 0);
         assert_eq!(later.deadline(), start + Duration::from_millis(300));
         tokio::time::timeout(Duration::from_secs(10), later)
             .await
@@ -341,6 +340,6 @@ mod tests {
         let far = Instant::now() + Duration::from_secs(60);
         let many: Vec<_> = (0..POOL_KEEP + 5).map(|_| pool.sleep_until(far)).collect();
         drop(many);
-        assert_eq!(pool.kept(), POOL_KEEP);
+        assert_eq!(kept(&pool), POOL_KEEP);
     }
 }

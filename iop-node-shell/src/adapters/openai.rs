@@ -727,11 +727,7 @@ mod tests {
         ];
         let mut body = Joined::new(Script(script.into_iter().collect()));
         let cancel = Cancel::new();
-        let mut watch = std::pin::pin!(Watch::new(
-            &Arc::default(),
-            Instant::now() + Duration::from_secs(60),
-            &cancel
-        ));
+        let mut watch = std::pin::pin!(watch_in(Duration::from_secs(60), &cancel));
         let mut next = async || body.frame(watch.as_mut()).await;
         let text = |frame: Option<Frame<Bytes>>| {
             let data = frame.expect("frame").into_data().expect("data");
@@ -757,11 +753,7 @@ mod tests {
     #[tokio::test]
     async fn the_last_data_is_known_once_the_end_is_found_behind_it() {
         let cancel = Cancel::new();
-        let mut watch = std::pin::pin!(Watch::new(
-            &Arc::default(),
-            Instant::now() + Duration::from_secs(60),
-            &cancel
-        ));
+        let mut watch = std::pin::pin!(watch_in(Duration::from_secs(60), &cancel));
         let script = [data("a"), data(""), data("b"), None];
         let mut body = Joined::new(Script(script.into_iter().collect()));
         assert!(!body.at_end());
@@ -783,11 +775,7 @@ mod tests {
     #[tokio::test(flavor = "current_thread")]
     async fn ready_work_still_meets_a_cancel_and_the_deadline() {
         let cancel = Cancel::new();
-        let mut watch = std::pin::pin!(Watch::new(
-            &Arc::default(),
-            Instant::now() + Duration::from_secs(60),
-            &cancel
-        ));
+        let mut watch = std::pin::pin!(watch_in(Duration::from_secs(60), &cancel));
         for _ in 0..3 {
             assert!(matches!(
                 watch.as_mut().run(std::future::ready(1)).await,
@@ -809,37 +797,22 @@ mod tests {
         // The deadline passes while the task waits elsewhere (as a body read that used up
         // its budget does); the next ready work is not taken.
         let cancel = Cancel::new();
-        let mut watch = std::pin::pin!(Watch::new(
-            &Arc::default(),
-            Instant::now() + Duration::from_millis(30),
-            &cancel
-        ));
-        assert!(matches!(
-            watch.as_mut().run(std::future::ready(())).await,
-            Ok(())
-        ));
+        let mut watch = std::pin::pin!(watch_in(Duration::from_millis(30), &cancel));
+        assert!(matches!(ready(watch.as_mut()).await, Ok(())));
         tokio::time::sleep(Duration::from_millis(60)).await;
         assert!(matches!(
-            watch.as_mut().run(std::future::ready(())).await,
+            ready(watch.as_mut()).await,
             Err(CallError::TimedOut)
         ));
 
         // Pending work waits for either, as before.
-        let mut watch = std::pin::pin!(Watch::new(
-            &Arc::default(),
-            Instant::now() + Duration::from_millis(30),
-            &cancel
-        ));
+        let mut watch = std::pin::pin!(watch_in(Duration::from_millis(30), &cancel));
         let pending = std::future::pending::<()>();
         assert!(matches!(
             watch.as_mut().run(pending).await,
             Err(CallError::TimedOut)
         ));
-        let mut watch = std::pin::pin!(Watch::new(
-            &Arc::default(),
-            Instant::now() + Duration::from_secs(60),
-            &cancel
-        ));
+        let mut watch = std::pin::pin!(watch_in(Duration::from_secs(60), &cancel));
         let canceller = cancel.clone();
         tokio::spawn(async move { canceller.cancel() });
         let pending = std::future::pending::<()>();
@@ -848,15 +821,21 @@ mod tests {
             Err(CallError::Cancelled)
         ));
         // A watch made after the cancel ends at once, before any work.
-        let mut watch = std::pin::pin!(Watch::new(
-            &Arc::default(),
-            Instant::now() + Duration::from_secs(60),
-            &cancel
-        ));
+        let mut watch = std::pin::pin!(watch_in(Duration::from_secs(60), &cancel));
         assert!(matches!(
-            watch.as_mut().run(std::future::ready(())).await,
+            ready(watch.as_mut()).await,
             Err(CallError::Cancelled)
         ));
+    }
+
+    /// A watch due `after` from now, its timer new.
+    fn watch_in(after: Duration, cancel: &Cancel) -> Watch {
+        Watch::new(&Arc::default(), Instant::now() + after, cancel)
+    }
+
+    /// What `watch` makes of work that is ready at once.
+    async fn ready(watch: Pin<&mut Watch>) -> Result<(), CallError> {
+        watch.run(std::future::ready(())).await
     }
 
     /// A kept timer set for an earlier call's deadline fires early for this one: the call
@@ -877,16 +856,10 @@ mod tests {
             start + Duration::from_millis(300),
             &cancel
         ));
-        assert!(matches!(
-            watch.as_mut().run(std::future::ready(())).await,
-            Ok(())
-        ));
+        assert!(matches!(ready(watch.as_mut()).await, Ok(())));
         // Past the kept timer's instant: ready work is still taken.
         tokio::time::sleep(Duration::from_millis(60)).await;
-        assert!(matches!(
-            watch.as_mut().run(std::future::ready(())).await,
-            Ok(())
-        ));
+        assert!(matches!(ready(watch.as_mut()).await, Ok(())));
         // Pending work ends at the call's own deadline, not before.
         let pending = std::future::pending::<()>();
         assert!(matches!(
@@ -918,11 +891,7 @@ mod tests {
         let script = [data(&big), data(&big), data(&big), None];
         let mut body = Joined::new(Script(script.into_iter().collect()));
         let cancel = Cancel::new();
-        let mut watch = std::pin::pin!(Watch::new(
-            &Arc::default(),
-            Instant::now() + Duration::from_secs(60),
-            &cancel
-        ));
+        let mut watch = std::pin::pin!(watch_in(Duration::from_secs(60), &cancel));
         let mut sizes = Vec::new();
         while let Some(frame) = body.frame(watch.as_mut()).await.ok().flatten() {
             sizes.push(frame.into_data().map_or(0, |d| d.len()));
