@@ -71,7 +71,7 @@ impl Task {
                     && let Some(entry) = self.requests.get(&run.request)
                 {
                     let now = Instant::now();
-                    let _ = entry.events.attached().first_dispatch.set(now);
+                    entry.events.attached().dispatched_at(now);
                     self.metrics
                         .model(&entry.model)
                         .queue_wait(now.saturating_duration_since(entry.submitted));

@@ -327,7 +327,7 @@ impl UsageWatcher {
             let usage = &mut self.usage;
             // Only a line that mentions the key can carry usage.
             self.lines
-                .split_where(data, &USAGE_KEY, |line| observe_line(usage, line));
+                .split_where(data, &USAGE_KEY, |line| observe_data(usage, line));
         } else if !self.json_overflow {
             self.json_len += data.len();
             if self.json_len > MAX_JSON {
@@ -358,8 +358,16 @@ impl UsageWatcher {
 /// Keeps the usage of an SSE line that carries one. Only a line that mentions `"usage"`
 /// is parsed, and only into the usage figures.
 fn observe_line(usage: &mut Option<Usage>, line: &[u8]) {
+    if USAGE_KEY.find(line).is_some() {
+        observe_data(usage, line);
+    }
+}
+
+/// [`observe_line`] for a line known to mention `"usage"` ([`Lines::split_where`] lends
+/// only those): not searched again. A `data:` prefix holds no quote, so the key lies in
+/// the line's data.
+fn observe_data(usage: &mut Option<Usage>, line: &[u8]) {
     if let Some(data) = sse_data(line)
-        && USAGE_KEY.find(data).is_some()
         && let Some(found) = usage_in(data)
     {
         *usage = Some(found);
