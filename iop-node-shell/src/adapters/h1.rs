@@ -24,7 +24,6 @@ use std::task::{Context, Poll, Waker, ready};
 use bytes::{Bytes, BytesMut};
 use http::header::{CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode, Version};
-use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWriteExt, ReadBuf};
 
 use super::connector::ProviderStream;
@@ -242,7 +241,7 @@ fn next_head(
 /// A connection to a provider: its socket and what was read from it and not yet taken.
 #[derive(Debug)]
 pub struct Conn {
-    io: TokioIo<ProviderStream>,
+    io: ProviderStream,
     buf: BytesMut,
     /// The last read took all it could: the response is arriving in bulk, and reads go
     /// straight into `buf`, without a copy, until one comes back short.
@@ -257,7 +256,7 @@ impl Conn {
     /// A new connection over `stream`.
     pub fn new(stream: ProviderStream) -> Self {
         Conn {
-            io: TokioIo::new(stream),
+            io: stream,
             buf: BytesMut::new(),
             bulk: false,
             peak: 0,
@@ -401,7 +400,7 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let (client, accepted) =
             tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
-        let stream = ProviderStream::Plain(TokioIo::new(client.unwrap()));
+        let stream = ProviderStream::Plain(hyper_util::rt::TokioIo::new(client.unwrap()));
         (Conn::new(stream), accepted.unwrap().0)
     }
 
@@ -412,7 +411,7 @@ mod tests {
     /// Waits until the socket holds at least `n` unread bytes, so that what one read
     /// takes does not depend on how the kernel paced the writer.
     async fn wait_queued(conn: &Conn, n: usize) {
-        let ProviderStream::Plain(plain) = conn.io.inner() else {
+        let ProviderStream::Plain(plain) = &conn.io else {
             panic!("the test socket is plain TCP");
         };
         let mut probe = vec![0; n];
