@@ -129,6 +129,7 @@ pub fn event_size(event: &RequestEvent) -> usize {
     match event {
         RequestEvent::Run(e) => e.delta.len() + 64,
         RequestEvent::Tunnel(part) => part.body_len() + 64,
+        RequestEvent::Tunnels(parts) => parts.iter().map(|p| p.body_len() + 64).sum(),
         _ => 0,
     }
 }

@@ -589,6 +589,137 @@ fn tunnel_answer(
     }
 }
 
+/// A small answer's parts that the core takes together (a merged frame, or frames read
+/// in one go) reach the caller as one event holding them in order: each part is what
+/// it would be as an event of its own. Parts between which the caller was handed
+/// anything else stay apart, and so do the parts of two requests.
+#[test]
+fn parts_taken_together_reach_the_caller_as_one_event_in_order() {
+    use tunnel::TunnelPart;
+    let mut cfg = two_providers();
+    for (node_id, name) in [("n1", "a"), ("n2", "b")] {
+        cfg.nodes.insert(
+            node_id.into(),
+            node(vec![adapter(name, AdapterType::OpenaiCompat, 4, 0)]),
+        );
+    }
+    let mut h = Harness::with(cfg);
+    let conns = [h.connect("n1"), h.connect("n2")];
+    let conn_of = |g: &Grant| {
+        if &*g.node_id == "n1" {
+            conns[0]
+        } else {
+            conns[1]
+        }
+    };
+    // Merged: one event after the dispatch, then the end.
+    let r1 = h.submit_tunnel("m").expect("accepted");
+    let (_, events) = h.drain();
+    let g1 = grants(&events).remove(0);
+    tunnel_answer(&mut h, conn_of(&g1), &g1, 200, None, true);
+    let (_, events) = h.drain();
+    let caller = given(&events, r1);
+    assert_eq!(caller.len(), 3, "{caller:?}");
+    assert!(
+        matches!(caller[0], RequestEvent::Dispatched { .. }),
+        "{caller:?}"
+    );
+    let RequestEvent::Tunnels(parts) = &caller[1] else {
+        panic!("one event for the parts: {caller:?}");
+    };
+    assert!(
+        matches!(
+            &parts[..],
+            [TunnelPart::Status { code: 200, .. }, TunnelPart::Body(body), TunnelPart::End]
+                if &body[..] == b"{}"
+        ),
+        "{parts:?}"
+    );
+    assert_eq!(caller[2], RequestEvent::Ended(Outcome::Completed));
+    // Frame by frame, each handed over before the next arrives: an event each.
+    let r2 = h.submit_tunnel("m").expect("accepted");
+    let (_, events) = h.drain();
+    let g2 = grants(&events).remove(0);
+    let frame = |sequence, kind: TunnelFrameKind| ProviderTunnelFrame {
+        run_id: g2.run.wire(),
+        sequence,
+        kind: kind as i32,
+        ..Default::default()
+    };
+    let mut head = frame(0, TunnelFrameKind::Status);
+    head.status_code = 200;
+    let mut body = frame(1, TunnelFrameKind::Body);
+    body.body = bytes::Bytes::from_static(b"{}");
+    let mut end = frame(2, TunnelFrameKind::End);
+    end.end = true;
+    let mut caller = Vec::new();
+    for f in [head, body, end] {
+        h.send(conn_of(&g2), Body::ProviderTunnelFrame(f));
+        let (_, events) = h.drain();
+        caller.extend(given(&events, r2));
+    }
+    assert!(
+        matches!(
+            &caller[..],
+            [
+                RequestEvent::Dispatched { .. },
+                RequestEvent::Tunnel(TunnelPart::Status { code: 200, .. }),
+                RequestEvent::Tunnel(TunnelPart::Body(_)),
+                RequestEvent::Tunnel(TunnelPart::End),
+                RequestEvent::Ended(Outcome::Completed),
+            ]
+        ),
+        "{caller:?}"
+    );
+    // Two requests answered in the same step: each gets its own parts.
+    let (r3, r4) = (
+        h.submit_tunnel("m").expect("accepted"),
+        h.submit_tunnel("m").expect("accepted"),
+    );
+    let (_, events) = h.drain();
+    let granted = grants(&events);
+    let merged = |g: &Grant| {
+        let mut head = ProviderTunnelFrame {
+            run_id: g.run.wire(),
+            kind: TunnelFrameKind::Status as i32,
+            status_code: 200,
+            ..Default::default()
+        };
+        let tail = ProviderTunnelFrame {
+            run_id: g.run.wire(),
+            sequence: 1,
+            kind: TunnelFrameKind::End as i32,
+            end: true,
+            ..Default::default()
+        };
+        assert!(tunnel::merge_into(&mut head, tail).is_none());
+        head
+    };
+    h.send(
+        conn_of(&granted[0]),
+        Body::ProviderTunnelFrame(merged(&granted[0])),
+    );
+    h.send(
+        conn_of(&granted[1]),
+        Body::ProviderTunnelFrame(merged(&granted[1])),
+    );
+    let (_, events) = h.drain();
+    for request in [r3, r4] {
+        let caller = given(&events, request);
+        assert!(
+            matches!(
+                &caller[..],
+                [
+                    RequestEvent::Dispatched { .. },
+                    RequestEvent::Tunnels(parts),
+                    RequestEvent::Ended(Outcome::Completed),
+                ] if matches!(&parts[..], [TunnelPart::Status { .. }, TunnelPart::End])
+            ),
+            "{request}: {caller:?}"
+        );
+    }
+}
+
 /// What the caller of `request` was given, in order (the frames without their run's
 /// name, which the parts of a merged frame do not carry and no caller reads).
 fn given(events: &[EdgeEvent], request: RequestId) -> Vec<RequestEvent> {

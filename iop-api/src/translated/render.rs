@@ -126,6 +126,11 @@ impl<C: Compose> Responder<C> {
             }
             RequestEvent::Run(event) => self.handle_run_event(*event),
             RequestEvent::Tunnel(part) => self.handle_tunnel_part(part),
+            RequestEvent::Tunnels(parts) => {
+                for part in parts {
+                    self.handle_tunnel_part(part);
+                }
+            }
             RequestEvent::Ended(outcome) => self.handle_end(&outcome),
         }
     }

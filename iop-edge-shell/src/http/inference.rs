@@ -977,26 +977,20 @@ async fn exact_count(
         loop {
             let event = std::future::poll_fn(|cx| events.rx.poll_recv(cx)).await?;
             events.memory().consumed(crate::driver::event_size(&event));
+            let mut take = |part: iop_proto_core::tunnel::TunnelPart| {
+                let frame = part.into_frame();
+                if status.is_none() && frame.status_code != 0 {
+                    status = Some(frame.status_code);
+                }
+                if !frame.body.is_empty() {
+                    let room = iop_api::tokenize::ANSWER_PREFIX.saturating_sub(prefix.len());
+                    whole &= frame.body.len() <= room;
+                    prefix.extend_from_slice(&frame.body[..frame.body.len().min(room)]);
+                }
+            };
             match event {
-                RequestEvent::Tunnel(part) => match part {
-                    iop_proto_core::tunnel::TunnelPart::Body(bytes) => {
-                        let room = iop_api::tokenize::ANSWER_PREFIX.saturating_sub(prefix.len());
-                        whole &= bytes.len() <= room;
-                        prefix.extend_from_slice(&bytes[..bytes.len().min(room)]);
-                    }
-                    part => {
-                        let frame = part.into_frame();
-                        if status.is_none() && frame.status_code != 0 {
-                            status = Some(frame.status_code);
-                        }
-                        if !frame.body.is_empty() {
-                            let room =
-                                iop_api::tokenize::ANSWER_PREFIX.saturating_sub(prefix.len());
-                            whole &= frame.body.len() <= room;
-                            prefix.extend_from_slice(&frame.body[..frame.body.len().min(room)]);
-                        }
-                    }
-                },
+                RequestEvent::Tunnel(part) => take(part),
+                RequestEvent::Tunnels(parts) => parts.into_iter().for_each(take),
                 RequestEvent::Ended(outcome) => {
                     let complete = matches!(outcome, iop_proto_core::edge::Outcome::Completed);
                     return (status == Some(200_u32) && complete)
@@ -1137,7 +1131,9 @@ impl Serving {
                 provider_id.clone(),
                 self.events.first_dispatch().unwrap_or(at),
             ),
-            RequestEvent::Run(_) | RequestEvent::Tunnel(_) => self.finish.first_byte(at),
+            RequestEvent::Run(_) | RequestEvent::Tunnel(_) | RequestEvent::Tunnels(_) => {
+                self.finish.first_byte(at);
+            }
             RequestEvent::Ended(_) => {}
         }
         self.responder.handle_event(event);

@@ -132,8 +132,35 @@ impl Outbox {
         self.events.push_back(event);
     }
 
-    /// An event of `request`, for its caller.
+    /// An event of `request`, for its caller. A tunnel part that follows another of the
+    /// same request with nothing between them joins it ([`RequestEvent::Tunnels`]).
     fn request(&mut self, request: RequestId, event: RequestEvent) {
+        if let RequestEvent::Tunnel(part) = event {
+            if let Some(EdgeEvent::Request {
+                request: last,
+                event: previous @ (RequestEvent::Tunnel(_) | RequestEvent::Tunnels(_)),
+            }) = self.events.back_mut()
+                && *last == request
+            {
+                match previous {
+                    RequestEvent::Tunnels(parts) => parts.push(part),
+                    RequestEvent::Tunnel(first) => {
+                        let first = std::mem::replace(first, crate::tunnel::TunnelPart::End);
+                        let mut parts = Vec::with_capacity(4);
+                        parts.push(first);
+                        parts.push(part);
+                        *previous = RequestEvent::Tunnels(parts);
+                    }
+                    _ => {}
+                }
+                return;
+            }
+            self.events.push_back(EdgeEvent::Request {
+                request,
+                event: RequestEvent::Tunnel(part),
+            });
+            return;
+        }
         self.events.push_back(EdgeEvent::Request { request, event });
     }
 }

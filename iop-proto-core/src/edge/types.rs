@@ -795,6 +795,10 @@ pub enum RequestEvent {
     Run(Box<RunEvent>),
     /// A valid, in-order tunnel frame (a body chunk as its bytes alone).
     Tunnel(TunnelPart),
+    /// Valid, in-order tunnel frames that arrived together (the parts of one merged
+    /// frame, a small answer's status, body, usage and end): the same as each in turn as
+    /// a [`RequestEvent::Tunnel`], handed over as one event.
+    Tunnels(Vec<TunnelPart>),
     /// The end: nothing more arrives for the request, and its lease is back or on its
     /// way (a cancelled run keeps it until the node confirms).
     Ended(Outcome),

@@ -392,15 +392,23 @@ impl World {
             }
             EdgeEvent::Request {
                 request,
-                event: RequestEvent::Tunnel(part),
+                event: event @ (RequestEvent::Tunnel(_) | RequestEvent::Tunnels(_)),
             } => {
                 self.first_bytes(request);
+                // Parts that arrived together are checked one by one, in order.
+                let parts = match event {
+                    RequestEvent::Tunnels(parts) => parts,
+                    RequestEvent::Tunnel(part) => vec![part],
+                    _ => Vec::new(),
+                };
                 let ok = match self
                     .clients
                     .get_mut(&request)
                     .and_then(|c| c.checker.as_mut())
                 {
-                    Some(Checker::Tunnel(order)) => order.observe(&part),
+                    Some(Checker::Tunnel(order)) => {
+                        parts.iter().try_for_each(|part| order.observe(part))
+                    }
                     _ => Err("tunnel frame for a request that is not a dispatched tunnel".into()),
                 };
                 check!(
